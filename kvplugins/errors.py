@@ -1,0 +1,78 @@
+"""The one exception hierarchy of kvplugins. Every error a public API raises derives from KVPluginsError.
+
+KVPluginsError
+├── ConfigError            bad flag / env / file value; the message names the value and the fix
+├── NativeError            a native status code (kvplugins/native.py converts them, in one place)
+├── TransferError          the transfer core (kvplugins/transfer)
+│   ├── ProtocolError      malformed or unknown-version frame on the wire
+│   ├── OutOfRange         a request outside a registered region
+│   └── TransferFailed     the bytes did not move (peer gone, timeout, every transport failed)
+└── StoreError             the store (kvplugins/store)
+    ├── KeyNotFound
+    ├── StoreFull          no space even after evicting every evictable object
+    ├── BufferNotRegistered
+    ├── SizeMismatch
+    └── MasterUnreachable  names the address and the timeout
+"""
+from __future__ import annotations
+
+
+class KVPluginsError(Exception):
+    """Base of every kvplugins error."""
+
+
+class ConfigError(KVPluginsError, ValueError):
+    """A configuration value is invalid. The message names the value and how to fix it."""
+
+
+class NativeError(KVPluginsError):
+    """The native core returned a failure status."""
+
+
+class TransferError(KVPluginsError):
+    """Base of transfer-core errors."""
+
+
+class ProtocolError(TransferError):
+    """A frame on the wire is malformed, too large, or of an unknown version."""
+
+
+class OutOfRange(TransferError, IndexError):
+    """A transfer entry falls outside its registered region."""
+
+
+class TransferFailed(TransferError):
+    """A transfer did not complete: the peer is gone, timed out, or every transport failed."""
+
+
+class StoreError(KVPluginsError):
+    """Base of store errors."""
+
+
+class KeyNotFound(StoreError, KeyError):
+    """The key is not stored (never put, removed, evicted, or its node died)."""
+
+    def __str__(self) -> str:  # KeyError quotes its arg; keep the message readable
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class StoreFull(StoreError):
+    """No segment can hold the object even after evicting every evictable object."""
+
+
+class BufferNotRegistered(StoreError):
+    """A zero-copy call named memory that was never registered with the transfer engine."""
+
+
+class SizeMismatch(StoreError):
+    """The destination buffer size differs from the stored object's size."""
+
+
+class MasterUnreachable(StoreError):
+    """The master did not answer within the timeout. The message names the address and the timeout."""
+
+    def __init__(self, address: str, timeout_ms: float, detail: str = ""):
+        self.address, self.timeout_ms = address, timeout_ms
+        msg = f"master {address} did not answer within {timeout_ms:g} ms"
+        super().__init__(msg + (f": {detail}" if detail else "") +
+                         "; check that `kvplugins master` (or `kvplugins up`) runs there, or raise the timeout")

@@ -1,0 +1,86 @@
+"""The transfer core's public types. Implementation: engine.py (TransferEngine) and one module per transport.
+
+Lifecycle of a TransferEngine (one per process), in call order:
+  1. ``TransferEngine(config)``         starts the enabled transports (the TCP transport's server binds
+                                        ``config.host`` on port 0 unless a port is given).
+  2. ``register(mem)`` / ``alloc_shared(nbytes)``
+                                        returns a Region. ``alloc_shared`` memory lives in memfd/POSIX shm, so
+                                        same-host peers map it and copy directly (one copy, no socket).
+                                        ``export=True`` lets remote peers read/write the region.
+  3. ``descriptor()``                   a SegmentDescriptor to hand to peers (msgpack-able via to_wire()).
+  4. ``batch_write`` / ``batch_read``   lists of TransferRequest; per-entry status (None or a TransferError).
+     ``submit_write`` / ``submit_read`` the same, returning a concurrent.futures.Future of that list.
+  5. ``unregister(region)``, ``close()``.
+Always safe: ``descriptor()``, ``stats()``. A batch mutates only the destination bytes of its entries.
+The shape fits RDMA one-sided READ/WRITE: (local registered region, offset) <-> (remote region id, offset).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered local memory region: ``length`` bytes at address ``addr``.
+
+    shm_path: for memory in memfd/POSIX shm, the path a same-host peer opens to map it (else None).
+    exported: whether remote peers may read/write it through this engine's servers.
+    """
+    region_id: int
+    addr: int
+    length: int
+    shm_path: str | None = None
+    exported: bool = False
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """A region as peers see it in a SegmentDescriptor (no local address)."""
+    region_id: int
+    length: int
+    shm_path: str | None = None
+
+
+@dataclass(frozen=True)
+class SegmentDescriptor:
+    """What a process exports: host identity, the transports it offers (fastest first) with their
+    endpoint info, and its exported regions. ``to_wire()``/``from_wire()`` give a msgpack-able dict."""
+    segment_id: str
+    host_id: str
+    transports: dict[str, dict[str, Any]]
+    regions: tuple[RegionInfo, ...] = field(default_factory=tuple)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"v": 1, "segment_id": self.segment_id, "host_id": self.host_id, "transports": self.transports,
+                "regions": [[r.region_id, r.length, r.shm_path] for r in self.regions]}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "SegmentDescriptor":
+        from kvplugins.errors import ProtocolError
+        try:
+            if d["v"] != 1:
+                raise ProtocolError(f"segment descriptor version {d['v']!r} unsupported (this build speaks 1)")
+            regions = tuple(RegionInfo(int(r[0]), int(r[1]), r[2]) for r in d["regions"])
+            return cls(str(d["segment_id"]), str(d["host_id"]), dict(d["transports"]), regions)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise ProtocolError(f"malformed segment descriptor: {e!r}") from e
+
+    def region(self, region_id: int) -> RegionInfo:
+        for r in self.regions:
+            if r.region_id == region_id:
+                return r
+        from kvplugins.errors import OutOfRange
+        raise OutOfRange(f"segment {self.segment_id} exports no region {region_id}")
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """One entry of a batch: ``length`` bytes between local (region, offset) and remote (segment, region, offset).
+    For a write the local side is the source; for a read it is the destination."""
+    local: Region
+    local_offset: int
+    remote: SegmentDescriptor
+    remote_region: int
+    remote_offset: int
+    length: int
