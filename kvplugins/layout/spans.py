@@ -1,0 +1,137 @@
+"""Per-page byte spans over an engine's paged KV memory (no copies).
+
+A layer's KV memory is described by one or more *planes*. A plane holds, for every block id ``b``, one
+contiguous run of ``block_bytes`` bytes at ``base + b * block_stride``. Examples (``L`` = block_size tokens):
+  vLLM CPU   ``[num_blocks, kv_heads, L, head_size*2]``       -> 1 plane (block dim first, rest dense)
+  NHD        ``[2, num_blocks, L, kv_heads, head_size]``      -> 2 planes (K, V)
+  HND        ``[2, num_blocks, kv_heads, L, head_size]``      -> 2 planes (K, V)
+  MLA        ``[num_blocks, L, kv_lora_rank + rope_dim]``     -> 1 plane
+A page (block ``b`` of every layer, "page-first") is the concatenation of each plane's run in plane order,
+so a page object in the store is ``sum(plane.block_bytes)`` bytes. Adjacent runs are merged into one span.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from kvplugins.errors import ConfigError
+
+Span = tuple[int, int]  # (address, nbytes)
+
+
+@dataclass(frozen=True)
+class Plane:
+    """One contiguous run per block: block ``b`` is ``block_bytes`` bytes at ``base + b * block_stride``.
+
+    base, block_stride, block_bytes: bytes. num_blocks: blocks the plane holds (ids 0..num_blocks-1).
+    """
+    base: int
+    block_stride: int
+    block_bytes: int
+    num_blocks: int
+
+    def __post_init__(self):
+        if self.block_bytes <= 0 or self.num_blocks <= 0:
+            raise ConfigError(f"plane {self}: block_bytes and num_blocks must be > 0")
+        if self.num_blocks > 1 and abs(self.block_stride) < self.block_bytes:
+            raise ConfigError(f"plane {self}: block_stride {self.block_stride} B < block_bytes "
+                              f"{self.block_bytes} B, so blocks overlap; describe the tensor with its block dim")
+
+
+def _geometry(t: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
+    """(data address, shape, strides in bytes, itemsize) of a torch tensor or a numpy array."""
+    if hasattr(t, "data_ptr") and hasattr(t, "element_size"):  # torch.Tensor, without importing torch
+        if getattr(t, "device", None) is not None and str(t.device) != "cpu":
+            raise ConfigError(f"KV tensor on {t.device}: only CPU memory can be mapped here")
+        item = t.element_size()
+        return t.data_ptr(), tuple(t.shape), tuple(s * item for s in t.stride()), item
+    if hasattr(t, "__array_interface__"):  # numpy.ndarray
+        return t.ctypes.data, tuple(t.shape), tuple(t.strides), t.itemsize
+    raise ConfigError(f"cannot map a {type(t).__name__}; pass a torch CPU tensor or a numpy array")
+
+
+def planes_of(tensor: Any, block_dim: int = 0) -> list[Plane]:
+    """The planes of one layer's KV tensor whose dimension ``block_dim`` indexes blocks.
+
+    Dimensions before ``block_dim`` (e.g. the K/V dim of NHD/HND) become separate planes in index order;
+    dimensions after it must be dense (C-contiguous), since one block must be one run of bytes.
+    tensor: torch CPU tensor or numpy array, any dtype. Raises ConfigError for other memory or a layout
+    whose block is not contiguous (the message names the shape and strides).
+    """
+    addr, shape, strides, item = _geometry(tensor)
+    if not 0 <= block_dim < len(shape):
+        raise ConfigError(f"block_dim {block_dim} out of range for a tensor of shape {shape}")
+    inner = shape[block_dim + 1:]
+    expect = item
+    for size, stride in zip(reversed(inner), reversed(strides[block_dim + 1:])):
+        if size != 1 and stride != expect:
+            raise ConfigError(f"KV tensor shape {shape} strides {strides} B: the dims after block dim "
+                              f"{block_dim} are not contiguous, so a block is not one run of bytes")
+        expect *= size
+    block_bytes = math.prod(inner) * item
+    outer = shape[:block_dim]
+    planes = []
+    for idx in _indices(outer):
+        base = addr + sum(i * s for i, s in zip(idx, strides))
+        planes.append(Plane(base, strides[block_dim], block_bytes, shape[block_dim]))
+    return planes
+
+
+def _indices(shape: Sequence[int]) -> Iterable[tuple[int, ...]]:
+    if not shape:
+        yield ()
+        return
+    for i in range(shape[0]):
+        for rest in _indices(shape[1:]):
+            yield (i, *rest)
+
+
+class PageLayout:
+    """All planes of a layer group, in page order (layer order, then plane order within a layer).
+
+    page_bytes: bytes of one page object. num_blocks: block ids valid here (the smallest plane's count).
+    """
+
+    def __init__(self, planes: Sequence[Plane]):
+        if not planes:
+            raise ConfigError("a page layout needs at least one plane (no KV tensors were given)")
+        self.planes = tuple(planes)
+        self.page_bytes = sum(p.block_bytes for p in self.planes)
+        self.num_blocks = min(p.num_blocks for p in self.planes)
+
+    @classmethod
+    def from_tensors(cls, tensors: Iterable[Any], block_dim: int = 0) -> "PageLayout":
+        """Layout of per-layer KV tensors given in layer order (see planes_of)."""
+        return cls([p for t in tensors for p in planes_of(t, block_dim)])
+
+    def spans(self, block_id: int) -> list[Span]:
+        """The (address, nbytes) spans of page ``block_id``, adjacent runs merged; sum(nbytes) == page_bytes.
+        Raises ConfigError for a block id outside 0..num_blocks-1."""
+        if not 0 <= block_id < self.num_blocks:
+            raise ConfigError(f"block id {block_id} outside the KV cache (0..{self.num_blocks - 1})")
+        out: list[list[int]] = []
+        for p in self.planes:
+            addr = p.base + block_id * p.block_stride
+            if out and out[-1][0] + out[-1][1] == addr:
+                out[-1][1] += p.block_bytes
+            else:
+                out.append([addr, p.block_bytes])
+        return [(a, n) for a, n in out]
+
+    def spans_for(self, block_ids: Iterable[int]) -> list[list[Span]]:
+        """spans(b) for each block id, in order."""
+        return [self.spans(b) for b in block_ids]
+
+    def regions(self) -> list[Span]:
+        """The disjoint (address, nbytes) ranges covering every page, overlapping/adjacent ranges merged:
+        the memory to register with a transfer engine (one registration per range)."""
+        ranges = sorted((p.base + min(0, (p.num_blocks - 1) * p.block_stride),
+                         abs((p.num_blocks - 1) * p.block_stride) + p.block_bytes) for p in self.planes)
+        out: list[list[int]] = []
+        for a, n in ranges:
+            if out and a <= out[-1][0] + out[-1][1]:
+                out[-1][1] = max(out[-1][1], a + n - out[-1][0])
+            else:
+                out.append([a, n])
+        return [(a, n) for a, n in out]
