@@ -1,0 +1,88 @@
+"""One frozen config per store component: the master, a store node, a client, and ``kvplugins up``.
+
+Flags (``--field-name``), env vars (``KVPLUGINS_<COMPONENT>_<FIELD>``) and config-file tables derive from
+these fields (kvplugins.config). Times are in milliseconds, sizes in bytes (``Bytes`` accepts "4GiB").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvplugins.config import Bytes, component
+from kvplugins.errors import ConfigError
+
+
+@component("master")
+@dataclass(frozen=True)
+class MasterConfig:
+    """The metadata master: object table, segment registry, allocator, eviction (kvplugins/store/master)."""
+    host: str = field(default="127.0.0.1", metadata={"help": "address both RPC endpoints bind"})
+    port: int = field(default=0, metadata={"help": "raw framed-socket RPC port (the master address); 0 = any"})
+    zmq_port: int = field(default=0, metadata={"help": "zmq ROUTER control-plane port; 0 = any"})
+    port_file: str = field(default="", metadata={"help": "write 'host:port' of the master here once ready"})
+    heartbeat_timeout_ms: int = field(default=3000, metadata={"help": "a segment silent this long is removed"})
+    lease_ttl_ms: int = field(default=5000, metadata={"help": "a get protects the object from eviction this long"})
+    put_timeout_ms: int = field(default=30000, metadata={"help": "a pending put not committed by then is reclaimed"})
+    high_watermark: float = field(default=0.95, metadata={"help": "segment usage fraction that starts eviction"})
+    low_watermark: float = field(default=0.85, metadata={"help": "eviction stops at this usage fraction"})
+    alloc_align: int = field(default=64, metadata={"help": "allocation granularity inside a segment (bytes)"})
+    max_frame: Bytes = field(default=Bytes(64 << 20), metadata={"help": "largest RPC frame accepted"})
+    tick_ms: int = field(default=100, metadata={"help": "period of the expiry/eviction sweep"})
+
+    def __post_init__(self):
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: "
+                              "need 0 < low_watermark <= high_watermark <= 1")
+        if self.alloc_align <= 0 or self.alloc_align & (self.alloc_align - 1):
+            raise ConfigError(f"alloc_align={self.alloc_align} must be a power of two, e.g. 64")
+        for name in ("heartbeat_timeout_ms", "lease_ttl_ms", "put_timeout_ms", "tick_ms"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0 ms")
+
+
+@component("store")
+@dataclass(frozen=True)
+class StoreNodeConfig:
+    """A store node: contributes one DRAM segment to the pool (kvplugins/store/node.py)."""
+    master: str = field(default="", metadata={"help": "master address host:port; '' = the embedded `kvplugins up`"})
+    segment_size: Bytes = field(default=Bytes(1 << 30), metadata={"help": "DRAM this node contributes"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address the transfer engine binds"})
+    transports: str = field(default="shm,tcp", metadata={"help": "transports offered, fastest first"})
+    heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period"})
+    rpc_timeout_ms: int = field(default=3000, metadata={"help": "timeout of each master RPC"})
+    ready_file: str = field(default="", metadata={"help": "write the segment id here once registered"})
+
+    def __post_init__(self):
+        if self.segment_size <= 0:
+            raise ConfigError(f"segment_size={self.segment_size} must be > 0, e.g. 4GiB")
+
+
+@component("client")
+@dataclass(frozen=True)
+class ClientConfig:
+    """A StoreClient (kvplugins/store/client.py)."""
+    master: str = field(default="", metadata={"help": "master host:port; '' = discover or start `kvplugins up`"})
+    rpc_timeout_ms: int = field(default=3000, metadata={"help": "timeout of each master RPC"})
+    transfer_timeout_ms: int = field(default=10000, metadata={"help": "timeout of each transfer batch"})
+    segment_size: Bytes = field(default=Bytes(0), metadata={"help": "DRAM this client contributes; 0 = none"})
+    staging_size: Bytes = field(default=Bytes(16 << 20), metadata={"help": "initial staging buffer (bytes API)"})
+    replicas: int = field(default=1, metadata={"help": "replicas written per put (on distinct segments)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address this client's transfer engine binds"})
+    transports: str = field(default="shm,tcp", metadata={"help": "transports offered, fastest first"})
+    heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period of the own segment"})
+    embedded_start_timeout_ms: int = field(default=30000, metadata={"help": "wait for an auto-started `up`"})
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise ConfigError(f"replicas={self.replicas} must be >= 1")
+        if self.rpc_timeout_ms <= 0 or self.transfer_timeout_ms <= 0:
+            raise ConfigError("rpc_timeout_ms and transfer_timeout_ms must be > 0 ms")
+
+
+@component("up")
+@dataclass(frozen=True)
+class UpConfig:
+    """``kvplugins up``: the master and one segment in one process (kvplugins/store/embedded.py)."""
+    discovery_file: str = field(default="", metadata={
+        "help": "where `up` announces its master; '' = $XDG_RUNTIME_DIR/kvplugins/up.json or a per-user temp dir"})
+    detach: bool = field(default=False, metadata={"help": "daemonize; return once the store is ready"})
+    ready_timeout_ms: int = field(default=30000, metadata={"help": "how long --detach waits for readiness"})

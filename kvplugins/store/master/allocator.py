@@ -1,0 +1,73 @@
+"""Space inside one segment: a first-fit free list with immediate coalescing.
+
+Free blocks are kept sorted by offset (``bisect`` over a list of starts plus a dict start -> size).
+``alloc`` scans in address order and takes the first block that fits (O(free blocks)); the remainder stays
+free. ``free`` merges the block with its free neighbours at once, so two adjacent free blocks never exist.
+Sizes are rounded up to ``align`` bytes (a power of two), so every offset is ``align``-aligned.
+Fragmentation behaviour is documented in docs/store.md.
+"""
+from __future__ import annotations
+
+import bisect
+
+
+class Allocator:
+    """Allocate [offset, offset+size) ranges inside ``capacity`` bytes. All sizes/offsets in bytes."""
+
+    def __init__(self, capacity: int, align: int = 64):
+        if capacity <= 0 or align <= 0 or align & (align - 1):
+            raise ValueError(f"capacity={capacity} must be > 0 and align={align} a power of two")
+        self.capacity, self.align = capacity, align
+        self._starts: list[int] = [0]            # sorted starts of free blocks
+        self._free: dict[int, int] = {0: capacity}
+        self._used: dict[int, int] = {}          # offset -> rounded size of live allocations
+        self.used_bytes = 0
+
+    def rounded(self, size: int) -> int:
+        return (size + self.align - 1) & ~(self.align - 1)
+
+    def alloc(self, size: int) -> int | None:
+        """Offset of a new allocation of ``size`` bytes (> 0), or None if no free block fits."""
+        need = self.rounded(size)
+        for i, start in enumerate(self._starts):
+            have = self._free[start]
+            if have >= need:
+                del self._free[start]
+                if have == need:
+                    del self._starts[i]
+                else:
+                    self._starts[i] = start + need
+                    self._free[start + need] = have - need
+                self._used[start] = need
+                self.used_bytes += need
+                return start
+        return None
+
+    def free(self, offset: int) -> None:
+        """Return the allocation at ``offset``; merges with free neighbours. Raises KeyError if not allocated."""
+        size = self._used.pop(offset)
+        self.used_bytes -= size
+        i = bisect.bisect_left(self._starts, offset)
+        if i < len(self._starts) and offset + size == self._starts[i]:   # merge with the next block
+            size += self._free.pop(self._starts[i])
+            del self._starts[i]
+        if i > 0 and self._starts[i - 1] + self._free[self._starts[i - 1]] == offset:  # merge with previous
+            self._free[self._starts[i - 1]] += size
+            return
+        self._starts.insert(i, offset)
+        self._free[offset] = size
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes
+
+    def largest_free(self) -> int:
+        return max(self._free.values(), default=0)
+
+    def free_blocks(self) -> int:
+        return len(self._starts)
+
+    def fragmentation(self) -> float:
+        """1 - largest free block / free bytes: 0 when all free space is one block."""
+        free = self.free_bytes
+        return 0.0 if free == 0 else 1.0 - self.largest_free() / free

@@ -1,0 +1,55 @@
+"""The object table: key -> size, replicas, state (pending/complete), lease expiry, last access.
+
+The table is kept in LRU order (least recently used first): a commit or a get moves the key to the end,
+so eviction (eviction.py) walks it from the front. Times are master-clock seconds.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Object:
+    key: str
+    size: int                              # bytes, as put
+    replicas: list[tuple[str, int]]        # (segment name, offset)
+    complete: bool = False                 # False = pending: allocated, writer not yet committed
+    deadline: float = 0.0                  # pending: reclaimed after this time
+    lease_until: float = 0.0               # complete: never evicted/freed before this time
+    last_access: float = 0.0
+
+    def leased(self, now: float) -> bool:
+        return self.lease_until > now
+
+
+class ObjectTable:
+    def __init__(self):
+        self._objects: OrderedDict[str, Object] = OrderedDict()
+
+    def get(self, key: str) -> Object | None:
+        return self._objects.get(key)
+
+    def add(self, obj: Object) -> None:
+        self._objects[obj.key] = obj
+        self._objects.move_to_end(obj.key)
+
+    def touch(self, obj: Object, now: float) -> None:
+        obj.last_access = now
+        self._objects.move_to_end(obj.key)
+
+    def pop(self, key: str) -> Object | None:
+        return self._objects.pop(key, None)
+
+    def lru(self):
+        """Objects, least recently used first (a snapshot; safe to pop while iterating)."""
+        return list(self._objects.values())
+
+    def pending(self):
+        return [o for o in self._objects.values() if not o.complete]
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._objects

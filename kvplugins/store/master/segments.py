@@ -1,0 +1,75 @@
+"""The segment registry: every DRAM segment in the pool, its allocator, and its last heartbeat.
+
+A segment is one exported region of one process's transfer engine; its name is
+``"<engine segment_id>:<region_id>"``. A segment not heart-beating for ``heartbeat_timeout_ms`` is removed by the
+master's sweep (its objects lose that replica; see service.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvplugins.store.master.allocator import Allocator
+from kvplugins.transfer.api import SegmentDescriptor
+
+
+@dataclass
+class Segment:
+    name: str
+    descriptor: dict            # SegmentDescriptor.to_wire() of the owning engine
+    region_id: int
+    allocator: Allocator
+    last_heartbeat: float       # seconds, master clock
+    keys: set[str] = field(default_factory=set)   # objects with a replica here
+
+    @property
+    def size(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def used(self) -> int:
+        return self.allocator.used_bytes
+
+    def usage(self) -> float:
+        return self.used / self.size
+
+
+class SegmentRegistry:
+    def __init__(self, align: int):
+        self.align = align
+        self._segments: dict[str, Segment] = {}
+
+    def add(self, wire: dict, region_id: int, size: int, now: float) -> Segment:
+        """Validate and add a segment (replacing one of the same name). Raises ValueError/ProtocolError."""
+        desc = SegmentDescriptor.from_wire(wire)
+        region = desc.region(int(region_id))
+        if not 0 < int(size) <= region.length:
+            raise ValueError(f"segment size {size} must be in (0, region length {region.length}]")
+        name = f"{desc.segment_id}:{region.region_id}"
+        seg = Segment(name, wire, region.region_id, Allocator(int(size), self.align), now)
+        self._segments[name] = seg
+        return seg
+
+    def get(self, name: str) -> Segment | None:
+        return self._segments.get(name)
+
+    def pop(self, name: str) -> Segment | None:
+        return self._segments.pop(name, None)
+
+    def heartbeat(self, name: str, now: float) -> bool:
+        seg = self._segments.get(name)
+        if seg is not None:
+            seg.last_heartbeat = now
+        return seg is not None
+
+    def expired(self, now: float, timeout_s: float) -> list[str]:
+        return [n for n, s in self._segments.items() if now - s.last_heartbeat > timeout_s]
+
+    def by_free_space(self) -> list[Segment]:
+        """Segments, most free bytes first (placement order)."""
+        return sorted(self._segments.values(), key=lambda s: s.allocator.free_bytes, reverse=True)
+
+    def __iter__(self):
+        return iter(list(self._segments.values()))
+
+    def __len__(self) -> int:
+        return len(self._segments)

@@ -1,0 +1,282 @@
+"""The master's logic: one batch operation per RPC op, no I/O, single-threaded (rpc_server.py calls it).
+
+Put = ``put_start`` (allocate; object pending) -> the client writes through the transfer core ->
+``put_commit`` (complete). Get = ``get`` (lookup + lease) -> the client reads. Memory of a removed object that
+is leased (or pending) is freed only when the lease (or the put deadline) runs out ("zombies"), so a reader
+or late writer never lands in reallocated space. Follows the Mooncake master_service design (FAST'25 §4).
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+
+from kvplugins.store.config import MasterConfig
+from kvplugins.store.master.eviction import above_low, over_high, victims
+from kvplugins.store.master.metadata import Object, ObjectTable
+from kvplugins.store.master.segments import Segment, SegmentRegistry
+from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, STORE_FULL, VERSION
+
+log = logging.getLogger(__name__)
+COUNTERS = ("hits", "misses", "puts", "put_skipped", "put_full", "commits", "aborts", "removes", "evictions",
+            "reclaimed", "segments_lost", "objects_lost")
+
+
+class MasterService:
+    """Batch operations on the object table and segment registry. ``clock`` returns seconds (tests inject)."""
+
+    def __init__(self, config: MasterConfig, clock=time.monotonic, zmq_endpoint: str = ""):
+        self.cfg, self.clock, self.zmq_endpoint = config, clock, zmq_endpoint
+        self.table = ObjectTable()
+        self.segments = SegmentRegistry(config.alloc_align)
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._zombies: list[tuple[float, int, list[tuple[str, int]]]] = []   # heap of (free_at, seq, replicas)
+        self._seq = 0
+        self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
+
+    def handle(self, op: str, entries: list, opts: dict):
+        """Run one batch op; returns its payload. Raises ValueError for an unknown op or bad batch options."""
+        fn = self._ops.get(op)
+        if fn is None:
+            raise ValueError(f"unknown op {op!r}; valid: {', '.join(sorted(self._ops))}")
+        return fn(entries, opts, self.clock())
+
+    # ---- objects -------------------------------------------------------------------------------------
+    def op_put_start(self, entries, opts, now):
+        replicas = int(opts.get("replicas", 1))
+        out = [self._put_one(e, replicas, now) for e in entries]
+        self.evict_watermarks(now)
+        return out
+
+    def _put_one(self, entry, replicas: int, now: float):
+        key, size = _key_size(entry)
+        if key is None:
+            return [INVALID, f"entry {entry!r:.80} must be [str key, int size > 0]"]
+        if key in self.table:
+            self.counters["put_skipped"] += 1
+            return [EXISTS, "complete" if self.table.get(key).complete else "pending"]
+        placed = self._place(size, replicas, now)
+        if isinstance(placed, str):
+            self.counters["put_full"] += 1
+            return [STORE_FULL, placed]
+        obj = Object(key, size, placed, deadline=now + self.cfg.put_timeout_ms / 1000, last_access=now)
+        self.table.add(obj)
+        for name, _ in placed:
+            self.segments.get(name).keys.add(key)
+        self.counters["puts"] += 1
+        return [OK, self._locations(obj)]
+
+    def _place(self, size: int, replicas: int, now: float):
+        """Replica list [(segment, offset)], evicting LRU objects on demand; or a reason string (StoreFull)."""
+        if len(self.segments) == 0:
+            return "no segment is registered; start `kvplugins store` or `kvplugins up`"
+        biggest = max(s.size for s in self.segments)
+        if -(-size // self.cfg.alloc_align) * self.cfg.alloc_align > biggest:
+            return f"object of {size} bytes is larger than the largest segment ({biggest} bytes)"
+        want = min(replicas, len(self.segments))
+        while True:
+            placed = self._try_place(size, want)
+            if placed:
+                return placed
+            victim = next(victims(self.table, now), None)
+            if victim is None:
+                return f"no space for {size} bytes and every stored object is leased or pending"
+            self._drop(victim, now)
+            self.counters["evictions"] += 1
+
+    def _try_place(self, size: int, want: int):
+        placed: list[tuple[str, int]] = []
+        for seg in self.segments.by_free_space():
+            off = seg.allocator.alloc(size)
+            if off is not None:
+                placed.append((seg.name, off))
+                if len(placed) == want:
+                    return placed
+        self._free_now(placed)
+        return None
+
+    def op_put_commit(self, entries, opts, now):
+        out = []
+        for key in entries:
+            obj = self.table.get(key) if isinstance(key, str) else None
+            if obj is None or obj.complete:
+                out.append([EXPIRED, "no pending put (reclaimed after put_timeout_ms, removed, or never started)"])
+                continue
+            obj.complete = True
+            self.table.touch(obj, now)
+            self.counters["commits"] += 1
+            out.append([OK, None])
+        return out
+
+    def op_put_abort(self, entries, opts, now):
+        out = []
+        for key in entries:
+            obj = self.table.get(key) if isinstance(key, str) else None
+            if obj is None or obj.complete:
+                out.append([NOT_FOUND, "no pending put"])
+                continue
+            self._drop(obj, now, free_at=now)     # the writer's transfer batch has returned: free at once
+            self.counters["aborts"] += 1
+            out.append([OK, None])
+        return out
+
+    def op_get(self, entries, opts, now):
+        out, ttl = [], self.cfg.lease_ttl_ms
+        for key in entries:
+            obj = self.table.get(key) if isinstance(key, str) else None
+            if obj is None or not obj.complete:
+                self.counters["misses"] += 1
+                out.append([NOT_FOUND, None])
+                continue
+            obj.lease_until = max(obj.lease_until, now + ttl / 1000)
+            self.table.touch(obj, now)
+            self.counters["hits"] += 1
+            out.append([OK, [obj.size, self._locations(obj), ttl]])
+        return out
+
+    def op_exists(self, entries, opts, now):
+        return [self._complete(k) for k in entries]
+
+    def op_exists_prefix(self, entries, opts, now):
+        n = 0
+        while n < len(entries) and self._complete(entries[n]):
+            n += 1
+        return n
+
+    def op_remove(self, entries, opts, now):
+        out = []
+        for key in entries:
+            obj = self.table.get(key) if isinstance(key, str) else None
+            if obj is None:
+                out.append([NOT_FOUND, None])
+                continue
+            self._drop(obj, now)
+            self.counters["removes"] += 1
+            out.append([OK, None])
+        return out
+
+    def _complete(self, key) -> bool:
+        obj = self.table.get(key) if isinstance(key, str) else None
+        return obj is not None and obj.complete
+
+    def _locations(self, obj: Object):
+        return [[name, self.segments.get(name).region_id, off] for name, off in obj.replicas]
+
+    def _drop(self, obj: Object, now: float, free_at: float | None = None) -> None:
+        """Remove ``obj`` from the table; its space is freed now, or when its lease/put deadline ends."""
+        self.table.pop(obj.key)
+        for name, _ in obj.replicas:
+            seg = self.segments.get(name)
+            if seg is not None:
+                seg.keys.discard(obj.key)
+        if free_at is None:
+            free_at = obj.lease_until if obj.complete else obj.deadline
+        held = [(self.segments.get(n), off) for n, off in obj.replicas]
+        if free_at > now:     # zombies hold the Segment itself: a re-registered namesake is never touched
+            self._seq += 1
+            heapq.heappush(self._zombies, (free_at, self._seq, held))
+        else:
+            _free(held)
+
+    def _free_now(self, replicas) -> None:
+        _free([(self.segments.get(n), off) for n, off in replicas])
+
+    # ---- segments ------------------------------------------------------------------------------------
+    def op_register_segment(self, entries, opts, now):
+        out = []
+        for e in entries:
+            try:
+                wire, region_id, size = e
+                seg = self.segments.add(wire, region_id, size, now)
+            except Exception as err:  # noqa: BLE001 - any bad entry is answered, never crashes the master
+                out.append([INVALID, f"bad segment entry: {err}"])
+                continue
+            old = [o for o in self.table.lru() if any(n == seg.name for n, _ in o.replicas)]
+            self._lose_objects(seg.name, old)
+            log.info("segment %s registered: %d bytes from host %s", seg.name, seg.size, wire.get("host_id"))
+            out.append([OK, seg.name])
+        return out
+
+    def op_heartbeat(self, entries, opts, now):
+        return [[OK, None] if self.segments.heartbeat(n, now) else [NOT_FOUND, None] for n in entries]
+
+    def op_unregister(self, entries, opts, now):
+        out = []
+        for name in entries:
+            seg = self.segments.get(name) if isinstance(name, str) else None
+            out.append([NOT_FOUND, None] if seg is None else [OK, None])
+            if seg is not None:
+                self._remove_segment(seg, "unregistered")
+        return out
+
+    def op_describe(self, entries, opts, now):
+        out = []
+        for name in entries:
+            seg = self.segments.get(name) if isinstance(name, str) else None
+            out.append([NOT_FOUND, None] if seg is None else [OK, seg.descriptor])
+        return out
+
+    def _remove_segment(self, seg: Segment, why: str) -> None:
+        self.segments.pop(seg.name)
+        lost = [self.table.get(k) for k in seg.keys if self.table.get(k) is not None]
+        self._lose_objects(seg.name, lost)
+        self.counters["segments_lost"] += 1
+        log.warning("segment %s removed (%s); %d objects lost a replica", seg.name, why, len(lost))
+
+    def _lose_objects(self, name: str, objs) -> None:
+        for obj in objs:
+            obj.replicas = [(n, o) for n, o in obj.replicas if n != name]
+            if not obj.replicas:
+                self.table.pop(obj.key)
+                self.counters["objects_lost"] += 1
+
+    # ---- sweep ---------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Periodic sweep: dead segments, expired pending puts, due zombie frees, watermark eviction."""
+        now = self.clock()
+        for name in self.segments.expired(now, self.cfg.heartbeat_timeout_ms / 1000):
+            self._remove_segment(self.segments.get(name), "heartbeat timeout")
+        for obj in self.table.pending():
+            if obj.deadline <= now:
+                self._drop(obj, now, free_at=now)
+                self.counters["reclaimed"] += 1
+        while self._zombies and self._zombies[0][0] <= now:
+            _free(heapq.heappop(self._zombies)[2])
+        self.evict_watermarks(now)
+
+    def evict_watermarks(self, now: float) -> None:
+        for seg in self.segments:
+            if not over_high(seg.used, seg.size, self.cfg.high_watermark):
+                continue
+            for obj in victims(self.table, now, seg.name):
+                if not above_low(seg.used, seg.size, self.cfg.low_watermark):
+                    break
+                self._drop(obj, now)
+                self.counters["evictions"] += 1
+
+    # ---- introspection -------------------------------------------------------------------------------
+    def op_info(self, entries, opts, now):
+        return {"version": VERSION, "zmq": self.zmq_endpoint, "lease_ttl_ms": self.cfg.lease_ttl_ms,
+                "put_timeout_ms": self.cfg.put_timeout_ms, "heartbeat_timeout_ms": self.cfg.heartbeat_timeout_ms}
+
+    def op_status(self, entries, opts, now):
+        segs = [{"name": s.name, "host_id": s.descriptor.get("host_id", ""), "size": s.size, "used": s.used,
+                 "objects": len(s.keys), "free_blocks": s.allocator.free_blocks(),
+                 "largest_free": s.allocator.largest_free(),
+                 "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000)} for s in self.segments]
+        return {"segments": segs, "objects": len(self.table), "pending": len(self.table.pending()),
+                "zombies": len(self._zombies), "bytes_used": sum(s["used"] for s in segs),
+                "bytes_total": sum(s["size"] for s in segs), **self.counters}
+
+
+def _free(held) -> None:
+    for seg, off in held:
+        if seg is not None:      # a lost segment took its space with it
+            seg.allocator.free(off)
+
+
+def _key_size(entry):
+    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], int) \
+            and entry[1] > 0:
+        return entry[0], entry[1]
+    return None, None

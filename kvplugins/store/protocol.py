@@ -1,0 +1,81 @@
+"""The master's wire protocol, shared by both endpoints (raw framed TCP and zmq ROUTER).
+
+Frame (raw endpoint): 4-byte big-endian unsigned length, then that many bytes of msgpack.
+On zmq the msgpack body is one message part (zmq does the framing).
+
+Request body:  [VERSION, request_id, op, entries, opts]
+  op: str; entries: list (one per key/segment, the batch); opts: dict of batch-wide options.
+Response body: [VERSION, request_id, ok, payload]
+  ok true: payload is the op's result (usually a list, one result per entry: [code, value]).
+  ok false: payload is an error string (unknown op, bad arguments); the connection stays open.
+A frame of another version, over max_frame, or not msgpack of this shape closes that connection
+(the master logs why and keeps serving).
+"""
+from __future__ import annotations
+
+import struct
+
+import msgpack
+
+from kvplugins.errors import (KeyNotFound, ProtocolError, StoreError, StoreFull)
+
+VERSION = 1
+HEADER = struct.Struct(">I")
+
+# Per-entry result codes: [code, value]
+OK = 0
+NOT_FOUND = 1
+STORE_FULL = 2
+EXISTS = 3        # put_start: the key is already stored or being written; the put is a no-op success
+INVALID = 4       # bad entry (e.g. size <= 0); value names the problem
+EXPIRED = 5       # put_commit: the pending object was reclaimed (writer too slow)
+
+OPS = ("info", "put_start", "put_commit", "put_abort", "get", "exists", "exists_prefix", "remove",
+       "status", "register_segment", "heartbeat", "unregister", "describe")
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(body: bytes):
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as e:  # noqa: BLE001 - any decoder failure is a malformed frame
+        raise ProtocolError(f"frame is not valid msgpack: {e}") from e
+
+
+def frame(obj) -> bytes:
+    body = pack(obj)
+    return HEADER.pack(len(body)) + body
+
+
+def parse_request(msg) -> tuple[int, str, list, dict]:
+    """Validate a decoded request body. Raises ProtocolError naming what is wrong."""
+    if not isinstance(msg, list) or len(msg) != 5:
+        raise ProtocolError(f"request must be a 5-element array, got {type(msg).__name__}")
+    version, rid, op, entries, opts = msg
+    if version != VERSION:
+        raise ProtocolError(f"request version {version!r} unsupported (this master speaks {VERSION})")
+    if not isinstance(rid, int) or not isinstance(op, str) or not isinstance(entries, list) \
+            or not isinstance(opts, dict):
+        raise ProtocolError("request fields must be [int version, int id, str op, list entries, dict opts]")
+    return rid, op, entries, opts
+
+
+def parse_response(msg, rid: int):
+    """Validate a decoded response to request ``rid``; returns (ok, payload). Raises ProtocolError."""
+    if not isinstance(msg, list) or len(msg) != 4 or msg[0] != VERSION:
+        raise ProtocolError(f"malformed response from master: {msg!r:.200}")
+    if msg[1] != rid:
+        raise ProtocolError(f"response id {msg[1]} does not match request {rid}")
+    return bool(msg[2]), msg[3]
+
+
+def entry_error(code: int, key: str, detail: str) -> StoreError:
+    """The StoreError a client raises for a failed entry."""
+    if code == NOT_FOUND:
+        return KeyNotFound(key)
+    if code == STORE_FULL:
+        return StoreFull(f"{key}: {detail}")
+    return StoreError(f"{key}: {detail}")

@@ -1,0 +1,66 @@
+"""The segment allocator: first fit, alignment, coalescing, fragmentation (no processes)."""
+import random
+
+import pytest
+
+from kvplugins.store.master.allocator import Allocator
+
+
+def test_first_fit_aligned_and_exhausts():
+    a = Allocator(1024, align=64)
+    offs = [a.alloc(10) for _ in range(16)]
+    assert offs == [i * 64 for i in range(16)]
+    assert a.alloc(1) is None and a.free_bytes == 0
+
+
+def test_free_coalesces_both_neighbours():
+    a = Allocator(64 * 4, align=64)
+    x, y, z, w = (a.alloc(64) for _ in range(4))
+    a.free(x)
+    a.free(z)
+    assert a.free_blocks() == 2 and a.largest_free() == 64
+    a.free(y)                       # joins x and z
+    assert a.free_blocks() == 1 and a.largest_free() == 192
+    a.free(w)
+    assert a.free_blocks() == 1 and a.largest_free() == 256 and a.fragmentation() == 0.0
+
+
+def test_fragmentation_blocks_large_alloc_until_neighbours_free():
+    a = Allocator(64 * 8, align=64)
+    offs = [a.alloc(64) for _ in range(8)]
+    for o in offs[::2]:
+        a.free(o)
+    assert a.free_bytes == 256 and a.alloc(128) is None      # 4 holes of 64: fragmented
+    assert a.fragmentation() == pytest.approx(0.75)
+    a.free(offs[1])
+    assert a.alloc(128) == 0                                  # holes 0,1,2 merged
+
+
+def test_double_free_raises():
+    a = Allocator(256)
+    o = a.alloc(64)
+    a.free(o)
+    with pytest.raises(KeyError):
+        a.free(o)
+
+
+def test_random_churn_keeps_invariants():
+    rng = random.Random(7)
+    a = Allocator(1 << 16, align=64)
+    live = {}
+    for _ in range(3000):
+        if live and rng.random() < 0.5:
+            off = rng.choice(list(live))
+            a.free(off)
+            del live[off]
+        else:
+            size = rng.randint(1, 2000)
+            off = a.alloc(size)
+            if off is not None:
+                live[off] = a.rounded(size)
+    spans = sorted(live.items())
+    assert all(o1 + s1 <= o2 for (o1, s1), (o2, _) in zip(spans, spans[1:]))   # no overlap
+    assert a.used_bytes == sum(live.values())
+    for off in list(live):
+        a.free(off)
+    assert a.free_blocks() == 1 and a.free_bytes == 1 << 16

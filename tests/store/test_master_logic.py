@@ -1,0 +1,143 @@
+"""MasterService without processes: put/commit/get, leases, LRU eviction, watermarks, reclaim, lost segments.
+A fake clock drives time."""
+import pytest
+
+from kvplugins.store.config import MasterConfig
+from kvplugins.store.master.service import MasterService
+from kvplugins.store.protocol import EXISTS, EXPIRED, NOT_FOUND, OK, STORE_FULL
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def wire(seg_id, size):
+    return {"v": 1, "segment_id": seg_id, "host_id": "h", "transports": {}, "regions": [[1, size, None]]}
+
+
+def service(high=0.9, low=0.5):
+    clock = Clock()
+    svc = MasterService(MasterConfig(lease_ttl_ms=1000, put_timeout_ms=2000, heartbeat_timeout_ms=3000,
+                                     high_watermark=high, low_watermark=low, alloc_align=64), clock=clock)
+    svc.clock_ = clock
+    return svc
+
+
+@pytest.fixture
+def m():
+    return service()
+
+
+def reg(m, seg_id="s", size=640):
+    [(code, name)] = m.handle("register_segment", [[wire(seg_id, size), 1, size]], {})
+    assert code == OK
+    return name
+
+
+def put(m, key, size=64):
+    [(code, val)] = m.handle("put_start", [[key, size]], {})
+    if code == OK:
+        assert m.handle("put_commit", [key], {}) == [[OK, None]]
+    return code
+
+
+def test_put_get_roundtrip_and_exists_prefix(m):
+    name = reg(m)
+    [(code, locs)] = m.handle("put_start", [["a", 100]], {})
+    assert code == OK and locs[0][0] == name and locs[0][1] == 1
+    assert m.handle("get", ["a"], {}) == [[NOT_FOUND, None]]          # pending is invisible
+    assert m.handle("exists", ["a"], {}) == [False]
+    m.handle("put_commit", ["a"], {})
+    [(code, (size, locs2, ttl))] = m.handle("get", ["a"], {})
+    assert (code, size, locs2, ttl) == (OK, 100, locs, 1000)
+    put(m, "b")
+    assert m.handle("exists_prefix", ["a", "b", "c", "a"], {}) == 2
+    assert m.handle("put_start", [["a", 100]], {}) == [[EXISTS, "complete"]]
+
+
+def test_lru_eviction_on_demand_skips_leased():
+    m = service(high=1.0, low=1.0)            # no watermark sweep: only on-demand eviction
+    reg(m, size=64 * 4)
+    for k in "abcd":
+        assert put(m, k) == OK
+    m.handle("get", ["a"], {})                # a leased and most recent; b is now LRU
+    assert put(m, "e") == OK
+    assert m.handle("exists", list("abcde"), {}) == [True, False, True, True, True]
+    for k in "cde":
+        m.handle("get", [k], {})              # everything leased now
+    [(code, msg)] = m.handle("put_start", [["f", 64]], {})
+    assert code == STORE_FULL and "leased" in msg
+    m.clock_.t += 1.5                         # leases expire
+    assert put(m, "f") == OK
+
+
+def test_watermark_sweep_evicts_down_to_low(m):
+    reg(m, size=64 * 10)
+    for i in range(9):
+        put(m, f"k{i}")
+    m.tick()                                  # 9/10 = 0.9, not above high
+    assert m.handle("status", [], {})["evictions"] == 0
+    put(m, "k9")                              # 10/10 > 0.9 -> evict to <= 0.5
+    st = m.handle("status", [], {})
+    assert st["evictions"] == 5 and st["bytes_used"] == 64 * 5
+    assert m.handle("exists", [f"k{i}" for i in range(10)], {}) == [False] * 5 + [True] * 5
+
+
+def test_pending_reclaimed_and_late_commit_expires(m):
+    reg(m, size=128)
+    m.handle("put_start", [["p", 128]], {})
+    m.clock_.t += 2.5
+    m.tick()
+    assert m.handle("put_commit", ["p"], {})[0][0] == EXPIRED
+    assert put(m, "q", 128) == OK
+
+
+def test_removed_leased_object_space_freed_after_lease(m):
+    reg(m, size=128)
+    put(m, "a", 128)
+    m.handle("get", ["a"], {})
+    assert m.handle("remove", ["a"], {}) == [[OK, None]]
+    assert m.handle("exists", ["a"], {}) == [False]
+    assert m.handle("put_start", [["b", 128]], {})[0][0] == STORE_FULL   # space still held by the reader
+    m.clock_.t += 1.1
+    m.tick()
+    assert put(m, "b", 128) == OK
+
+
+def test_segment_timeout_loses_objects(m):
+    s1, s2 = reg(m, "s1"), reg(m, "s2")
+    put(m, "a")
+    put(m, "b")
+    m.clock_.t += 2
+    m.handle("heartbeat", [s2], {})
+    m.clock_.t += 2
+    m.tick()                                  # s1 silent for 4 s > 3 s
+    st = m.handle("status", [], {})
+    assert [s["name"] for s in st["segments"]] == [s2]
+    assert st["objects"] + st["objects_lost"] == 2 and st["objects_lost"] >= 1
+    assert m.handle("heartbeat", [s1], {}) == [[NOT_FOUND, None]]
+
+
+def test_replicas_on_distinct_segments(m):
+    reg(m, "s1")
+    reg(m, "s2")
+    [(code, locs)] = m.handle("put_start", [["r", 64]], {"replicas": 2})
+    assert code == OK and len({l[0] for l in locs}) == 2
+
+
+def test_bad_entries_answered_not_crashing(m):
+    reg(m)
+    assert m.handle("put_start", [["x", -1], "junk"], {})[0][0] == 4
+    assert m.handle("register_segment", [["nope"]], {})[0][0] == 4
+    with pytest.raises(ValueError):
+        m.handle("frobnicate", [], {})
+
+
+def test_object_larger_than_any_segment_is_store_full(m):
+    reg(m, size=128)
+    [(code, msg)] = m.handle("put_start", [["big", 4096]], {})
+    assert code == STORE_FULL and "larger" in msg
