@@ -1,0 +1,51 @@
+"""TransferConfig: the one config of the transfer core (env ``KVPLUGINS_TRANSFER_<FIELD>``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvplugins.config import Bytes, component
+from kvplugins.errors import ConfigError
+
+KNOWN_TRANSPORTS = ("shm", "tcp")
+MIN_FRAME = 1 << 20
+
+
+@component("transfer")
+@dataclass(frozen=True)
+class TransferConfig:
+    """Settings of one TransferEngine. Sizes in bytes, times in ms. Invalid values raise ConfigError."""
+    host: str = field(default="127.0.0.1", metadata={"help": "address the TCP server binds and advertises"})
+    tcp_port: int = field(default=0, metadata={"help": "TCP server port; 0 picks a free port"})
+    transports: str = field(default="shm,tcp", metadata={"help": "transports offered, fastest first (shm, tcp)"})
+    tcp_connections: int = field(default=4, metadata={"help": "TCP connections per peer; a batch spreads over them"})
+    max_frame: Bytes = field(default=Bytes(16 << 20), metadata={"help": "largest TCP frame (header + payload)"})
+    timeout_ms: float = field(default=5000.0, metadata={"help": "default deadline of one batch"})
+    workers: int = field(default=2, metadata={"help": "engine threads running submit_* batches"})
+    copy_threads: int = field(default=1, metadata={"help": "threads of one shared-memory batch copy"})
+    shm_backend: str = field(default="memfd", metadata={"help": "alloc_shared backing: memfd or posix"})
+
+    def __post_init__(self) -> None:
+        names = self.transport_list()
+        bad = [n for n in names if n not in KNOWN_TRANSPORTS]
+        if not names or bad or len(set(names)) != len(names):
+            raise ConfigError(f"transfer transports={self.transports!r}: give a comma list of distinct names "
+                              f"from {', '.join(KNOWN_TRANSPORTS)}, e.g. 'shm,tcp'")
+        _at_least("tcp_connections", self.tcp_connections, 1)
+        _at_least("workers", self.workers, 1)
+        _at_least("copy_threads", self.copy_threads, 1)
+        _at_least("max_frame", self.max_frame, MIN_FRAME)
+        if not 0 <= self.tcp_port <= 65535:
+            raise ConfigError(f"transfer tcp_port={self.tcp_port}: use 0 (any free port) .. 65535")
+        if not self.timeout_ms > 0:
+            raise ConfigError(f"transfer timeout_ms={self.timeout_ms}: use a positive number of milliseconds")
+        if self.shm_backend not in ("memfd", "posix"):
+            raise ConfigError(f"transfer shm_backend={self.shm_backend!r}: use 'memfd' or 'posix'")
+
+    def transport_list(self) -> list[str]:
+        """The transport names in preference order (fastest first)."""
+        return [t.strip() for t in self.transports.split(",") if t.strip()]
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if not isinstance(value, int) or value < low:
+        raise ConfigError(f"transfer {name}={value!r}: use an integer >= {low}")

@@ -1,0 +1,134 @@
+"""TransferEngine: one per process. Registers memory, publishes a SegmentDescriptor, runs batches.
+
+See kvplugins/transfer/api.py for the lifecycle. Routing and fallback between transports: routing.py.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from kvplugins.errors import OutOfRange, TransferError
+from kvplugins.transfer import shmem
+from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor, TransferRequest
+from kvplugins.transfer.config import TransferConfig
+from kvplugins.transfer.memory import RegionTable, buffer_span, view_of
+from kvplugins.transfer.routing import Router
+from kvplugins.transfer.transport import Op, Transport
+
+
+class TransferEngine:
+    """Moves bytes between this process's registered memory and peers' exported regions.
+
+    Thread-safe. Raises ConfigError for a bad config and OSError if the TCP port cannot be bound.
+    """
+
+    def __init__(self, config: TransferConfig | None = None):
+        self.config = config or TransferConfig()
+        self.host_id = shmem.host_id()
+        self.segment_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._regions = RegionTable()
+        self._transports = self._start_transports()
+        self._router = Router(self._transports, self._regions)
+        self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvp-transfer")
+        self._closed = False
+
+    def _start_transports(self) -> list[Transport]:
+        out: list[Transport] = []
+        for name in self.config.transport_list():
+            if name == "shm":
+                from kvplugins.transfer.shm import ShmTransport
+                out.append(ShmTransport(self.host_id, self.config.copy_threads))
+            elif name == "tcp":
+                from kvplugins.transfer.tcp import TcpTransport
+                out.append(TcpTransport(self.config, self._regions))
+        return out
+
+    # -- memory -------------------------------------------------------------------------------------
+    def register(self, mem: Any, length: int | None = None, export: bool = False) -> Region:
+        """Register ``mem`` (C-contiguous numpy array, contiguous torch CPU tensor, memoryview/bytearray
+        or other buffer, or an int address with ``length`` in bytes). The caller keeps int-addressed
+        memory alive until unregister(). ``export=True`` lets peers read/write it (over TCP; shm needs
+        alloc_shared memory). Raises TypeError for unsupported memory, OutOfRange for a bad length."""
+        addr, nbytes, owner = buffer_span(mem, length)
+        return self._regions.add(addr, nbytes, owner, None, export)
+
+    def alloc_shared(self, nbytes: int, export: bool = True) -> Region:
+        """Allocate ``nbytes`` of zeroed memfd/POSIX-shm memory (config.shm_backend) and register it with
+        Region.shm_path set, so same-host peers map it and copy with one memcpy. Freed by unregister().
+        Raises OutOfRange for nbytes < 1 and OSError if the kernel refuses the memory."""
+        if not isinstance(nbytes, int) or nbytes < 1:
+            raise OutOfRange(f"alloc_shared(nbytes={nbytes!r}): use a positive number of bytes")
+        mapping = shmem.allocate(nbytes, self.config.shm_backend)
+        return self._regions.add(mapping.addr, nbytes, mapping, mapping.path, export)
+
+    def memoryview(self, region: Region) -> memoryview:
+        """A writable 1-D byte view of local ``region`` (length ``region.length``). Valid until unregister."""
+        self._regions.check_local(region, 0, region.length)
+        return view_of(region.addr, region.length)
+
+    def region_for(self, addr: int, length: int) -> Region:
+        """The registered region containing [addr, addr+length). Raises BufferNotRegistered."""
+        return self._regions.find(addr, length)
+
+    def unregister(self, region: Region) -> None:
+        """Forget ``region`` (alloc_shared memory is unmapped). Raises BufferNotRegistered if unknown."""
+        owner = self._regions.remove(region)
+        if isinstance(owner, shmem.Mapping):
+            owner.close()
+
+    # -- descriptor ---------------------------------------------------------------------------------
+    def descriptor(self) -> SegmentDescriptor:
+        """This process's exported regions and transports (fastest first), to send to peers."""
+        regions = tuple(RegionInfo(r.region_id, r.length, r.shm_path) for r in self._regions.exported())
+        transports = {t.name: t.endpoint() for t in self._transports}
+        return SegmentDescriptor(self.segment_id, self.host_id, transports, regions)
+
+    # -- batches ------------------------------------------------------------------------------------
+    def batch_write(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> list[TransferError | None]:
+        """Copy each request's local bytes to its remote region. Returns one status per request: None,
+        OutOfRange (outside a region / not exported) or TransferFailed (peer gone, timeout after
+        ``timeout_ms``, default config.timeout_ms). Never raises for a per-entry failure."""
+        return self._router.run(Op.WRITE, reqs, self._timeout(timeout_ms))
+
+    def batch_read(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> list[TransferError | None]:
+        """Copy each request's remote bytes into its local region; statuses as batch_write."""
+        return self._router.run(Op.READ, reqs, self._timeout(timeout_ms))
+
+    def submit_write(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> Future:
+        """batch_write on an engine worker thread; a Future of the status list."""
+        return self._pool.submit(self.batch_write, list(reqs), timeout_ms)
+
+    def submit_read(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> Future:
+        """batch_read on an engine worker thread; a Future of the status list."""
+        return self._pool.submit(self.batch_read, list(reqs), timeout_ms)
+
+    def _timeout(self, timeout_ms: float | None) -> float:
+        t = self.config.timeout_ms if timeout_ms is None else timeout_ms
+        if not isinstance(t, (int, float)) or t <= 0:
+            raise ValueError(f"timeout_ms={timeout_ms!r}: use a positive number of milliseconds")
+        return float(t)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: per transport entries/bytes/failures, fallbacks "from->to", errors by type."""
+        return self._router.stats()
+
+    def close(self) -> None:
+        """Stop servers and workers, unmap shared memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for t in self._transports:
+            t.close()
+        for owner in self._regions.pop_all():
+            if isinstance(owner, shmem.Mapping):
+                owner.close()
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

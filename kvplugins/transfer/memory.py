@@ -1,0 +1,133 @@
+"""Local memory: turning buffers into (address, length) and the table of registered regions."""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvplugins.errors import BufferNotRegistered, OutOfRange
+from kvplugins.transfer.api import Region
+
+
+def buffer_span(mem: Any, length: int | None = None) -> tuple[int, int, Any]:
+    """(address, nbytes, keep-alive owner) of ``mem``.
+
+    mem: a C-contiguous numpy array, a contiguous torch CPU tensor, any contiguous buffer (memoryview,
+    bytearray, mmap) or an int address (then ``length`` is required). ``length`` (bytes) may cut the span
+    shorter. Raises TypeError for other objects and OutOfRange for a bad length.
+    """
+    if isinstance(mem, bool):
+        raise TypeError("register(True/False): pass a buffer or an int address with length=")
+    if isinstance(mem, int):
+        if length is None:
+            raise TypeError(f"register({mem:#x}): an int address needs length= (bytes)")
+        return mem, _check_length(length, None), None
+    addr, nbytes = _torch_span(mem) if _is_torch(mem) else _buffer_span(mem)
+    return addr, _check_length(nbytes if length is None else length, nbytes), mem
+
+
+def _check_length(length: int, limit: int | None) -> int:
+    if not isinstance(length, int) or length <= 0 or (limit is not None and length > limit):
+        raise OutOfRange(f"length={length!r} invalid: use 1 .. {limit if limit is not None else 'size'} bytes")
+    return length
+
+
+def _is_torch(mem: Any) -> bool:
+    return type(mem).__module__.startswith("torch") and hasattr(mem, "data_ptr")
+
+
+def _torch_span(t: Any) -> tuple[int, int]:
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise TypeError(f"register(tensor on {t.device}, contiguous={t.is_contiguous()}): "
+                        "pass a contiguous CPU tensor (use .contiguous().cpu())")
+    return int(t.data_ptr()), int(t.numel() * t.element_size())
+
+
+def _buffer_span(mem: Any) -> tuple[int, int]:
+    if isinstance(mem, np.ndarray):
+        if not mem.flags.c_contiguous:
+            raise TypeError("register(numpy array): the array is not C-contiguous; use np.ascontiguousarray")
+        return int(mem.ctypes.data), int(mem.nbytes)
+    try:
+        view = memoryview(mem)
+    except TypeError:
+        raise TypeError(f"register({type(mem).__name__}): pass a numpy array, torch CPU tensor, "
+                        "memoryview/bytearray or an int address with length=") from None
+    if not view.contiguous:
+        raise TypeError("register(memoryview): the buffer is not contiguous")
+    arr = np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8)
+    return int(arr.ctypes.data), int(arr.nbytes)
+
+
+def view_of(addr: int, length: int) -> memoryview:
+    """A writable byte memoryview over raw memory (the caller keeps the memory alive)."""
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
+class RegionTable:
+    """Thread-safe table of this process's registered regions; ids are never reused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._regions: dict[int, tuple[Region, Any]] = {}
+
+    def add(self, addr: int, length: int, owner: Any, shm_path: str | None = None, export: bool = False) -> Region:
+        with self._lock:
+            region = Region(next(self._ids), addr, length, shm_path, bool(export))
+            self._regions[region.region_id] = (region, owner)
+            return region
+
+    def remove(self, region: Region) -> Any:
+        """Drop ``region``; returns its owner. Raises BufferNotRegistered if it is not registered."""
+        with self._lock:
+            entry = self._regions.get(region.region_id)
+            if entry is None or entry[0] != region:
+                raise BufferNotRegistered(f"region {region.region_id} is not registered with this engine")
+            del self._regions[region.region_id]
+            return entry[1]
+
+    def check_local(self, region: Region, offset: int, length: int) -> int:
+        """Address of [offset, offset+length) of local ``region``. Raises OutOfRange."""
+        with self._lock:
+            entry = self._regions.get(region.region_id)
+        if entry is None or entry[0] != region:
+            raise OutOfRange(f"local region {region.region_id} is not registered with this engine")
+        return _addr_in(region, offset, length, "local")
+
+    def resolve_exported(self, region_id: int, offset: int, length: int) -> int:
+        """Address of bytes [offset, offset+length) of exported region ``region_id``. Raises OutOfRange."""
+        with self._lock:
+            entry = self._regions.get(region_id)
+        if entry is None or not entry[0].exported:
+            raise OutOfRange(f"region {region_id} is not exported by this engine")
+        return _addr_in(entry[0], offset, length, "remote")
+
+    def find(self, addr: int, length: int) -> Region:
+        with self._lock:
+            regions = [r for r, _ in self._regions.values()]
+        for r in regions:
+            if r.addr <= addr and addr + length <= r.addr + r.length:
+                return r
+        raise BufferNotRegistered(f"[{addr:#x}, +{length}) lies in no registered region; register the buffer first")
+
+    def exported(self) -> list[Region]:
+        with self._lock:
+            return [r for r, _ in self._regions.values() if r.exported]
+
+    def pop_all(self) -> list[Any]:
+        with self._lock:
+            owners = [o for _, o in self._regions.values()]
+            self._regions.clear()
+            return owners
+
+
+def _addr_in(region: Region, offset: int, length: int, side: str) -> int:
+    if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0 \
+            or offset + length > region.length:
+        raise OutOfRange(f"{side} region {region.region_id} (length {region.length}): "
+                         f"offset {offset} + length {length} is outside it")
+    return region.addr + offset

@@ -1,0 +1,184 @@
+"""TCP transport (any host): frames per wire.py over pooled connections, several per peer.
+
+A batch is cut into frames (big entries split, small ones packed), the frames are spread over up to
+``tcp_connections`` connections running in parallel, writes are sent with sendmsg straight from
+registered memory and reads land with recv_into straight in it (no copy through Python bytes).
+"""
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvplugins.errors import OutOfRange, ProtocolError, TransferError, TransferFailed
+from kvplugins.transfer import wire
+from kvplugins.transfer.api import RegionInfo, SegmentDescriptor
+from kvplugins.transfer.config import TransferConfig
+from kvplugins.transfer.memory import RegionTable, view_of
+from kvplugins.transfer.sockio import recv_exact, recv_into_all, send_all
+from kvplugins.transfer.tcp_server import TcpServer
+from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
+
+MIN_PIECE = 64 << 10
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous part of entry ``index``: ``length`` bytes at local_addr <-> (region, offset)."""
+    index: int
+    local_addr: int
+    region: int
+    offset: int
+    length: int
+
+
+def plan_frames(entries: list[Entry], indexes: list[int], limit: int, conns: int) -> list[list[Piece]]:
+    """Cut entries into frames of at most ``limit`` payload bytes and MAX_ENTRIES pieces; a batch big
+    enough is cut into at least ``conns`` frames so every connection gets a share."""
+    total = sum(entries[i].length for i in indexes)
+    target = min(limit, max(MIN_PIECE, -(-total // conns)))
+    frames: list[list[Piece]] = [[]]
+    room = target
+    for i in indexes:
+        e, off = entries[i], 0
+        while off < e.length:
+            if room == 0 or len(frames[-1]) == wire.MAX_ENTRIES:
+                frames.append([])
+                room = target
+            n = min(room, e.length - off)
+            frames[-1].append(Piece(i, e.local_addr + off, e.remote_region.region_id, e.remote_offset + off, n))
+            off, room = off + n, room - n
+    return [f for f in frames if f]
+
+
+class TcpTransport(Transport):
+    """Offers {"host", "port"} of its server; reaches every peer that offers tcp."""
+    name = "tcp"
+
+    def __init__(self, config: TransferConfig, regions: RegionTable):
+        self._cfg = config
+        self._server = TcpServer(config.host, config.tcp_port, regions, config.max_frame)
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._io = ThreadPoolExecutor(config.tcp_connections * config.workers, thread_name_prefix="kvp-tcp-io")
+        self._ids = itertools.count(1)
+
+    def endpoint(self) -> dict[str, Any]:
+        return {"host": self._cfg.host, "port": self._server.port}
+
+    def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
+        return "tcp" in remote.transports
+
+    def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
+        status: list[TransferError | None] = [None] * len(entries)
+        jobs = []
+        for peer, indexes in _by_peer(entries).items():
+            frames = plan_frames(entries, indexes, wire.payload_limit(self._cfg.max_frame), self._cfg.tcp_connections)
+            groups = min(self._cfg.tcp_connections, len(frames))
+            jobs += [(peer, frames[g::groups]) for g in range(groups)]
+        futures = [self._io.submit(self._run_group, op, p, f, status, deadline) for p, f in jobs[1:]]
+        if jobs:
+            self._run_group(op, *jobs[0], status, deadline)
+        for fut in futures:
+            fut.result()
+        return status
+
+    def _run_group(self, op: Op, peer: tuple[str, int], frames: list[list[Piece]], status: list,
+                   deadline: Deadline) -> None:
+        sock, done, fresh = None, 0, False
+        try:
+            while done < len(frames):
+                if sock is None:
+                    sock, reused = self._acquire(peer, deadline, fresh)
+                try:
+                    self._exchange(sock, op, frames[done], status, deadline)
+                    done += 1
+                except ConnectionError:
+                    if not reused:
+                        raise
+                    sock.close()  # a pooled connection the peer had closed: retry once on a new one
+                    sock, fresh = None, True
+            self._release(peer, sock)
+        except (OSError, ProtocolError) as e:
+            if sock is not None:
+                sock.close()
+            self._drop_idle(peer)
+            err = _failure(peer, e, deadline)
+            for frame in frames[done:]:
+                for p in frame:
+                    status[p.index] = status[p.index] or err
+
+    def _exchange(self, sock: socket.socket, op: Op, frame: list[Piece], status: list, deadline: Deadline) -> None:
+        left = deadline.remaining()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(left)
+        req_id = next(self._ids)
+        head = wire.encode_request(op, req_id, [(p.region, p.offset, p.length) for p in frame])
+        send_all(sock, [head] + ([view_of(p.local_addr, p.length) for p in frame] if op is Op.WRITE else []))
+        hlen, plen = wire.parse_prefix(recv_exact(sock, wire.PREFIX.size), self._cfg.max_frame)
+        st = wire.decode_response(recv_exact(sock, hlen), req_id, len(frame))
+        ok = [p for p, s in zip(frame, st) if s is None]
+        want = sum(p.length for p in ok) if op is Op.READ else 0
+        if plen != want:
+            raise ProtocolError(f"response payload {plen} bytes, expected {want}")
+        for p in ok if op is Op.READ else ():
+            recv_into_all(sock, view_of(p.local_addr, p.length))
+        for p, s in zip(frame, st):
+            if s is not None:
+                status[p.index] = OutOfRange(f"tcp peer answered: {s}")
+
+    def _acquire(self, peer: tuple[str, int], deadline: Deadline, fresh: bool) -> tuple[socket.socket, bool]:
+        with self._lock:
+            idle = self._idle.get(peer)
+            if idle and not fresh:
+                return idle.pop(), True
+        left = deadline.remaining()
+        if left <= 0:
+            raise TimeoutError("deadline passed before connecting")
+        sock = socket.create_connection(peer, timeout=left)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, False
+
+    def _release(self, peer: tuple[str, int], sock: socket.socket | None) -> None:
+        if sock is None:
+            return
+        with self._lock:
+            idle = self._idle.setdefault(peer, [])
+            if len(idle) < self._cfg.tcp_connections:
+                idle.append(sock)
+                return
+        sock.close()
+
+    def _drop_idle(self, peer: tuple[str, int]) -> None:
+        with self._lock:
+            socks = self._idle.pop(peer, [])
+        for s in socks:
+            s.close()
+
+    def close(self) -> None:
+        self._server.close()
+        with self._lock:
+            socks = [s for idle in self._idle.values() for s in idle]
+            self._idle.clear()
+        for s in socks:
+            s.close()
+        self._io.shutdown(wait=False)
+
+
+def _by_peer(entries: list[Entry]) -> dict[tuple[str, int], list[int]]:
+    peers: dict[tuple[str, int], list[int]] = {}
+    for i, e in enumerate(entries):
+        ep = e.remote.transports["tcp"]
+        peers.setdefault((str(ep["host"]), int(ep["port"])), []).append(i)
+    return peers
+
+
+def _failure(peer: tuple[str, int], e: BaseException, deadline: Deadline) -> TransferFailed:
+    where = f"tcp peer {peer[0]}:{peer[1]}"
+    if isinstance(e, (TimeoutError, socket.timeout)):
+        return TransferFailed(f"{where} did not answer within the {deadline.timeout_ms:g} ms timeout")
+    return TransferFailed(f"{where} failed: {type(e).__name__}: {e}")

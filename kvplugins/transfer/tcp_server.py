@@ -1,0 +1,98 @@
+"""The TCP transport's server: one accept thread, one thread per connection, serving reads and writes
+into this process's exported regions. A malformed frame closes only its connection (reason logged);
+an out-of-range entry is answered with an error status for that entry."""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from kvplugins.errors import OutOfRange, ProtocolError
+from kvplugins.transfer import wire
+from kvplugins.transfer.memory import RegionTable, view_of
+from kvplugins.transfer.sockio import discard, recv_exact, recv_into_all, send_all
+
+log = logging.getLogger("kvplugins.transfer.tcp")
+
+
+class TcpServer:
+    """Listens on (host, port); ``port`` is the bound port (port 0 picks a free one)."""
+
+    def __init__(self, host: str, port: int, regions: RegionTable, max_frame: int):
+        self._regions, self._max_frame = regions, max_frame
+        self._sock = socket.create_server((host, port), backlog=128)
+        self.port = self._sock.getsockname()[1]
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name=f"kvp-tcp-accept-{self.port}", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, addr = self._sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn, addr), name="kvp-tcp-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, addr) -> None:
+        try:
+            while self._serve_one(conn):
+                pass
+        except ProtocolError as e:
+            log.warning("closing transfer connection from %s: %s", addr, e)
+        except OSError as e:
+            log.debug("transfer connection from %s ended: %s", addr, e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_one(self, conn: socket.socket) -> bool:
+        """Serve one request frame; False when the peer closed cleanly between frames."""
+        prefix = memoryview(bytearray(wire.PREFIX.size))
+        first = conn.recv_into(prefix)
+        if first == 0:
+            return False
+        recv_into_all(conn, prefix[first:])
+        hlen, plen = wire.parse_prefix(prefix, self._max_frame)
+        req = wire.decode_request(recv_exact(conn, hlen), plen, self._max_frame)
+        status, addrs = self._resolve(req)
+        if req.op == wire.OP_WRITE:
+            for (_, _, length), addr in zip(req.entries, addrs):
+                recv_into_all(conn, view_of(addr, length)) if addr is not None else discard(conn, length)
+            send_all(conn, [wire.encode_response(req.req_id, status, 0)])
+        else:
+            views = [view_of(a, e[2]) for e, a in zip(req.entries, addrs) if a is not None]
+            head = wire.encode_response(req.req_id, status, sum(len(v) for v in views))
+            send_all(conn, [head, *views])
+        return True
+
+    def _resolve(self, req: wire.Request) -> tuple[list[str | None], list[int | None]]:
+        status: list[str | None] = []
+        addrs: list[int | None] = []
+        for region, offset, length in req.entries:
+            try:
+                addrs.append(self._regions.resolve_exported(region, offset, length))
+                status.append(None)
+            except OutOfRange as e:
+                addrs.append(None)
+                status.append(str(e))
+        return status, addrs
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        for s in [self._sock, *conns]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._sock.close()

@@ -1,0 +1,67 @@
+"""The small interface every transport implements (shm, tcp; later RDMA).
+
+A transport moves entries between a local registered region and a peer's exported region, one-sided:
+the peer's CPU does no per-entry work for shm (and would do none for RDMA READ/WRITE); TCP's peer runs a
+server. The engine picks the transport per entry and retries TransferFailed entries on the next one.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from kvplugins.errors import TransferError
+from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
+
+
+class Op(enum.IntEnum):
+    """Direction of a batch: WRITE = local -> remote, READ = remote -> local."""
+    WRITE = 1
+    READ = 2
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One validated batch entry. ``local_addr`` lies inside ``local`` (a registered Region, so an RDMA
+    transport can find its memory key); the remote side is (segment, region id, offset)."""
+    local: Region
+    local_addr: int
+    remote: SegmentDescriptor
+    remote_region: RegionInfo
+    remote_offset: int
+    length: int
+
+
+class Deadline:
+    """When a batch must be done: ``at`` in time.monotonic() seconds, from a timeout of ``timeout_ms``."""
+
+    def __init__(self, timeout_ms: float):
+        self.timeout_ms = float(timeout_ms)
+        self.at = time.monotonic() + self.timeout_ms / 1000.0
+
+    def remaining(self) -> float:
+        """Seconds left (<= 0 when passed)."""
+        return self.at - time.monotonic()
+
+
+class Transport(ABC):
+    """One way to move bytes. Implementations are thread-safe: batches may run concurrently."""
+    name: str = ""
+
+    @abstractmethod
+    def endpoint(self) -> dict[str, Any]:
+        """What peers need to reach this process, published in SegmentDescriptor.transports[name]."""
+
+    @abstractmethod
+    def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
+        """Whether this transport can move bytes to/from ``region`` of ``remote`` (checked per entry)."""
+
+    @abstractmethod
+    def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
+        """Move every entry; return one status per entry (None = done). TransferFailed entries may be retried on another transport; OutOfRange ones are final.
+        Must return by the deadline (plus a small margin), never hang."""
+
+    def close(self) -> None:
+        """Release sockets, mappings and threads. Idempotent."""

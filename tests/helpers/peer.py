@@ -1,0 +1,103 @@
+"""A real peer process for transfer tests: it runs its own TransferEngine, exports regions filled with
+seeded random bytes, sends its SegmentDescriptor back, and answers digest/read/fill commands over a pipe.
+
+    with Peer(transports="tcp", size=1 << 20, seed=7) as p:
+        p.descriptor, p.region_id (alloc_shared, exported), p.plain_id (plain numpy, exported),
+        p.hidden_id (registered, not exported), p.digest(off, n), p.read(off, n), p.kill(), p.stop()
+"""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+
+import numpy as np
+
+from kvplugins.transfer import SegmentDescriptor, TransferConfig, TransferEngine
+
+PLAIN_SIZE = 1 << 20
+
+
+def seeded(size: int, seed: int) -> np.ndarray:
+    """The bytes a peer's shared region starts with: ``size`` uint8 from ``seed``."""
+    return np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8)
+
+
+def _main(conn, config_kwargs: dict, size: int, seed: int) -> None:
+    eng = TransferEngine(TransferConfig(**config_kwargs))
+    shared = eng.alloc_shared(size)
+    eng.memoryview(shared)[:] = seeded(size, seed)
+    plain = np.zeros(PLAIN_SIZE, dtype=np.uint8)
+    plain_r = eng.register(plain, export=True)
+    hidden_r = eng.register(np.zeros(4096, dtype=np.uint8), export=False)
+    conn.send((eng.descriptor().to_wire(), shared.region_id, plain_r.region_id, hidden_r.region_id))
+    regions = {shared.region_id: shared, plain_r.region_id: plain_r}
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "exit":
+            break
+        view = eng.memoryview(regions[args[0]])[args[1]:args[1] + args[2]]
+        if cmd == "digest":
+            conn.send(hashlib.blake2b(view).hexdigest())
+        elif cmd == "read":
+            conn.send(bytes(view))
+    eng.close()
+
+
+class Peer:
+    """A spawned peer process (see module doc). Kill/stop it to test failures; always use as a context."""
+
+    def __init__(self, transports: str = "shm,tcp", size: int = 1 << 20, seed: int = 0, **config):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_main, args=(child, {"transports": transports, **config}, size, seed),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        if not self._conn.poll(30):
+            self.kill()
+            raise RuntimeError("peer process did not start within 30 s")
+        wire, self.region_id, self.plain_id, self.hidden_id = self._conn.recv()
+        self.descriptor = SegmentDescriptor.from_wire(wire)
+        self.size, self.seed = size, seed
+
+    def digest(self, offset: int, length: int, region: int | None = None) -> str:
+        """blake2b hex digest of the peer's bytes [offset, offset+length) of ``region`` (default shared)."""
+        self._conn.send(("digest", region or self.region_id, offset, length))
+        return self._conn.recv()
+
+    def read(self, offset: int, length: int, region: int | None = None) -> bytes:
+        self._conn.send(("read", region or self.region_id, offset, length))
+        return self._conn.recv()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        """SIGSTOP: the process stays alive but answers nothing (a hung peer)."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+                self._conn.send(("exit",))
+            except (OSError, BrokenPipeError):
+                pass
+            self.proc.join(5)
+        self.kill()
+        self._conn.close()
+
+    def __enter__(self) -> "Peer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def digest(data) -> str:
+    """The digest Peer.digest computes, for local bytes."""
+    return hashlib.blake2b(memoryview(data).cast("B")).hexdigest()
