@@ -99,9 +99,10 @@ class RpcServer:
         return protocol.pack([protocol.VERSION, rid, ok, payload])
 
     def _on_event(self, sock, ev: int) -> None:
+        """zmq.Poller reports plain sockets by file descriptor (int), zmq sockets by object."""
         if sock is self._router:
             self._on_zmq()
-        elif sock is self._listener:
+        elif sock == self._listener.fileno():
             self._accept()
         else:
             conn = self._conns.get(sock if isinstance(sock, int) else sock.fileno())

@@ -1,0 +1,25 @@
+"""``kvplugins master``: the store's metadata master (kvplugins/store/master)."""
+from __future__ import annotations
+
+from kvplugins.config import add_arguments, from_args
+
+
+def add_parser(sub) -> None:
+    from kvplugins.store.config import MasterConfig
+    p = sub.add_parser("master", help="run the store master (object metadata, allocation, eviction)")
+    add_arguments(p, MasterConfig)
+    p.add_argument("--config", help="TOML/JSON config file ([master] table)")
+
+
+def run(args) -> int:
+    from kvplugins.store.process import stop_on_signals, write_atomic
+    from kvplugins.store.config import MasterConfig
+    from kvplugins.store.master.rpc_server import RpcServer
+    cfg = from_args(MasterConfig, args)
+    server = RpcServer(cfg)
+    stop_on_signals(server.stop)
+    print(f"kvplugins master: listening on {server.address} (control plane {server.zmq_endpoint})", flush=True)
+    if cfg.port_file:
+        write_atomic(cfg.port_file, server.address + "\n")
+    server.serve_forever()
+    return 0

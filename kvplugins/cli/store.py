@@ -1,0 +1,25 @@
+"""``kvplugins store``: a store node contributing one DRAM segment (kvplugins/store/node.py)."""
+from __future__ import annotations
+
+from kvplugins.config import add_arguments, from_args
+
+
+def add_parser(sub) -> None:
+    from kvplugins.store.config import StoreNodeConfig
+    p = sub.add_parser("store", help="contribute a DRAM segment to the pool of a master")
+    add_arguments(p, StoreNodeConfig)
+    p.add_argument("--config", help="TOML/JSON config file ([store] table)")
+
+
+def run(args) -> int:
+    import threading
+
+    from kvplugins.store import embedded, node
+    from kvplugins.store.config import StoreNodeConfig
+    from kvplugins.store.process import stop_on_signals
+    cfg = from_args(StoreNodeConfig, args)
+    master = embedded.resolve_master(cfg.master)
+    stop = threading.Event()
+    stop_on_signals(stop.set)
+    node.serve(cfg, master, stop)
+    return 0

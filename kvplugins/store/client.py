@@ -1,0 +1,266 @@
+"""StoreClient: put/get objects in the pool. Metadata goes to the master (raw framed RPC, one round trip per
+batch); bytes go through the transfer core (kvplugins/transfer) directly between this process's registered
+memory and the segments, never through the master.
+
+Put: ``put_start`` (master allocates, object pending) -> one transfer batch writes every span to every replica
+-> ``put_commit`` (complete; ``put_abort`` for entries whose transfer failed). Get: ``get`` (lookup + lease)
+-> one transfer batch reads the spans -> if the read outlived the lease, TransferFailed (never stale bytes).
+Errors (kvplugins/errors.py): KeyNotFound, StoreFull, BufferNotRegistered, SizeMismatch, MasterUnreachable,
+TransferFailed. Follows the Mooncake store client design (FAST'25 §4).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from kvplugins.errors import (BufferNotRegistered, KeyNotFound, NativeError, SizeMismatch, StoreError,
+                              TransferError, TransferFailed)
+from kvplugins.store import protocol
+from kvplugins.store.client_stats import ClientStats
+from kvplugins.store.config import ClientConfig
+from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.staging import Staging
+
+Span = tuple[int, int]          # (address, nbytes) inside a registered buffer
+
+
+class StoreClient:
+    """A client of the store at ``config.master`` ('' = the embedded `kvplugins up`, started if needed).
+    Raises MasterUnreachable if the master does not answer ``info`` within ``rpc_timeout_ms``. Thread-safe."""
+
+    def __init__(self, config: ClientConfig | None = None):
+        from kvplugins.config import load
+        from kvplugins.transfer import TransferConfig, TransferEngine
+        self.cfg = cfg = config or load(ClientConfig)
+        if cfg.master:
+            self.master = cfg.master
+        else:
+            from kvplugins.store import embedded
+            self.master = embedded.ensure_running(cfg.embedded_start_timeout_ms / 1000)
+        self._rpc = RawRpcClient(self.master, cfg.rpc_timeout_ms)
+        self._rpc.call("info")
+        self._engine = TransferEngine(TransferConfig(host=cfg.host, transports=cfg.transports,
+                                                     timeout_ms=float(cfg.transfer_timeout_ms)))
+        self._descs: dict = {}
+        self._buffers: dict[int, object] = {}
+        self._staging = Staging(self._engine, cfg.staging_size)
+        self._stats = ClientStats()
+        self._segment = None
+        if cfg.segment_size:
+            from kvplugins.store.segment import OwnedSegment
+            self._segment_rpc = RawRpcClient(self.master, cfg.rpc_timeout_ms)
+            self._segment = OwnedSegment(self._engine, cfg.segment_size, self._segment_rpc,
+                                         cfg.heartbeat_interval_ms)
+
+    # ---- buffers -------------------------------------------------------------------------------------
+    def register_buffer(self, mem, length: int | None = None):
+        """Register memory (numpy array, torch CPU tensor, memoryview, bytearray, or int address + length)
+        for zero-copy put_from/get_into. Returns its Region."""
+        region = self._engine.register(mem, length=length)
+        self._buffers[id(mem)] = region
+        return region
+
+    def unregister_buffer(self, region_or_mem) -> None:
+        """Unregister a Region (or the object given to register_buffer). Raises BufferNotRegistered."""
+        region = self._buffers.pop(id(region_or_mem), None) or region_or_mem
+        if not hasattr(region, "region_id"):
+            raise BufferNotRegistered(f"{type(region_or_mem).__name__} was never passed to register_buffer")
+        self._buffers = {k: r for k, r in self._buffers.items() if r != region}
+        self._engine.unregister(region)
+
+    # ---- zero-copy -----------------------------------------------------------------------------------
+    def put_from(self, key: str, spans: list[Span]) -> None:
+        """Store the concatenation of ``spans`` (address, nbytes) under ``key``. A complete key is a no-op."""
+        _raise_first(self.batch_put_from([key], [spans]))
+
+    def get_into(self, key: str, spans: list[Span]) -> None:
+        """Scatter object ``key`` into ``spans``. Raises KeyNotFound, SizeMismatch (sum of lengths != size)."""
+        _raise_first(self.batch_get_into([key], [spans]))
+
+    def batch_put_from(self, keys: list[str], spans_per_key: list[list[Span]]) -> list[StoreError | None]:
+        """One allocate RPC + one transfer batch + one commit RPC for all keys. Per-key None or the error."""
+        t0 = time.perf_counter()
+        out = self._write(list(keys), [list(s) for s in spans_per_key])
+        self._stats.record("put", keys, spans_per_key, out, t0)
+        return out
+
+    def batch_get_into(self, keys: list[str], spans_per_key: list[list[Span]]) -> list[StoreError | None]:
+        """One lookup RPC + one transfer batch. Per-key None, KeyNotFound, SizeMismatch or TransferFailed."""
+        t0 = time.perf_counter()
+        out = self._read(list(keys), [list(s) for s in spans_per_key])
+        self._stats.record("get", keys, spans_per_key, out, t0)
+        return out
+
+    # ---- bytes forms (through the registered staging buffer) ----------------------------------------
+    def put(self, key: str, data) -> None:
+        """Store ``data`` (bytes-like) under ``key``."""
+        _raise_first(self.batch_put([key], [data]))
+
+    def get(self, key: str) -> bytes:
+        """The bytes stored under ``key``. Raises KeyNotFound."""
+        value = self.batch_get([key])[0]
+        if isinstance(value, StoreError):
+            raise value
+        return value
+
+    def batch_put(self, keys: list[str], datas: list) -> list[StoreError | None]:
+        views = [memoryview(d).cast("B") for d in datas]
+        with self._staging.use(sum(v.nbytes for v in views)) as (base, mv):
+            spans, off = [], 0
+            for v in views:
+                mv[off:off + v.nbytes] = v
+                spans.append([(base + off, v.nbytes)] if v.nbytes else [])
+                off += v.nbytes
+            return self.batch_put_from(keys, spans)
+
+    def batch_get(self, keys: list[str]) -> list:
+        """Per key: the bytes, or the StoreError (KeyNotFound for a miss)."""
+        keys, t0, lease_t0 = list(keys), time.perf_counter(), time.monotonic()
+        found = self._rpc_entries("get", keys)
+        sizes = [v[0] if c == protocol.OK else 0 for c, v in found]
+        with self._staging.use(sum(sizes)) as (base, mv):
+            spans, off = [], 0
+            for n in sizes:
+                spans.append([(base + off, n)] if n else [])
+                off += n
+            errs = self._read(keys, spans, found, lease_t0)
+            self._stats.record("get", keys, spans, errs, t0)
+            return [e if e is not None else bytes(mv[s[0][0] - base:s[0][0] - base + s[0][1]])
+                    for e, s in zip(errs, spans)]
+
+    # ---- metadata ------------------------------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key])[0]
+
+    def batch_exists(self, keys: list[str]) -> list[bool]:
+        """Whether each key is stored complete; one RPC."""
+        return list(self._rpc.call("exists", list(keys)))
+
+    def batch_exists_prefix(self, keys: list[str]) -> int:
+        """How many consecutive keys from the start are stored; one RPC."""
+        return int(self._rpc.call("exists_prefix", list(keys)))
+
+    def remove(self, key: str) -> None:
+        """Remove ``key``. Raises KeyNotFound. A reader holding a lease keeps valid bytes until it ends."""
+        _raise_first(self.batch_remove([key]))
+
+    def batch_remove(self, keys: list[str]) -> list[StoreError | None]:
+        keys = list(keys)
+        return [None if c == protocol.OK else KeyNotFound(k) for k, (c, _) in zip(keys, self._rpc_entries(
+            "remove", keys))]
+
+    def stats(self) -> dict:
+        """hits, misses, puts, gets, bytes_put, bytes_got, put/get latency p50/p99 (µs), own segment name."""
+        return {**self._stats.snapshot(), "master": self.master,
+                "segment": self._segment.name if self._segment else None}
+
+    def close(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment_rpc.close()
+            self._segment = None
+        self._staging.close()
+        self._engine.close()
+        self._rpc.close()
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _rpc_entries(self, op: str, entries: list, opts: dict | None = None) -> list:
+        return self._rpc.call(op, entries, opts) if entries else []
+
+    def _write(self, keys, spans_per_key) -> list[StoreError | None]:
+        from kvplugins.store.client_io import local_spans, reject_empty, write_requests
+        out: list[StoreError | None] = [None] * len(keys)
+        locals_ = local_spans(self._engine, keys, spans_per_key, out)
+        reject_empty(keys, spans_per_key, out)
+        todo = [i for i, e in enumerate(out) if e is None]
+        started = self._rpc_entries("put_start", [[keys[i], sum(n for _, n in spans_per_key[i])] for i in todo],
+                                    {"replicas": self.cfg.replicas})
+        writes = {}
+        for i, (code, value) in zip(todo, started):
+            if code == protocol.OK:
+                writes[i] = value
+            elif code != protocol.EXISTS:
+                out[i] = protocol.entry_error(code, keys[i], value)
+        if not writes:
+            return out
+        failed = self._transfer("write", write_requests, writes, locals_)
+        self._finish_puts(keys, writes, failed, out)
+        return out
+
+    def _finish_puts(self, keys, writes, failed: dict, out) -> None:
+        ok = [i for i in writes if i not in failed]
+        for i, (code, value) in zip(ok, self._rpc_entries("put_commit", [keys[i] for i in ok])):
+            if code != protocol.OK:
+                out[i] = TransferFailed(f"{keys[i]}: put not committed: {value}")
+        if failed:
+            self._rpc_entries("put_abort", [keys[i] for i in failed])
+            for i, err in failed.items():
+                out[i] = err
+
+    def _read(self, keys, spans_per_key, found=None, t0=None) -> list[StoreError | None]:
+        """``found``/``t0``: the get RPC's answer and the monotonic time just before it, if already asked."""
+        from kvplugins.store.client_io import local_spans, read_requests
+        t0 = time.monotonic() if t0 is None else t0
+        out: list[StoreError | None] = [None] * len(keys)
+        found = found if found is not None else self._rpc_entries("get", keys)
+        locals_ = local_spans(self._engine, keys, spans_per_key, out)
+        reads = {}
+        for i, (code, value) in enumerate(found):
+            if out[i] is not None:
+                continue
+            if code != protocol.OK:
+                out[i] = KeyNotFound(keys[i])
+            elif sum(n for _, n in spans_per_key[i]) != value[0]:
+                out[i] = SizeMismatch(f"{keys[i]}: object is {value[0]} bytes, spans hold "
+                                      f"{sum(n for _, n in spans_per_key[i])}; pass spans summing to {value[0]}")
+            else:
+                reads[i] = value
+        failed = self._transfer("read", read_requests, reads, locals_) if reads else {}
+        for i, err in failed.items():
+            out[i] = err
+        ttl = min((v[2] for v in reads.values()), default=0)
+        if reads and time.monotonic() - t0 > ttl / 1000:
+            for i in reads:
+                out[i] = out[i] or TransferFailed(f"{keys[i]}: read outlived its {ttl} ms lease; bytes may be stale")
+        return out
+
+    def _transfer(self, kind: str, build, todo: dict, locals_) -> dict[int, StoreError]:
+        """Run one transfer batch for entries ``todo`` (index -> master locations). Returns index -> error."""
+        failed: dict[int, StoreError] = {}
+        descs = self._descriptors({loc[0] for v in todo.values() for loc in _locs(kind, v)})
+        reqs, owner = build(todo, locals_, descs, failed)
+        fn = self._engine.batch_write if kind == "write" else self._engine.batch_read
+        if not reqs:
+            return failed
+        try:
+            statuses = fn(reqs, timeout_ms=self.cfg.transfer_timeout_ms)
+        except (TransferError, NativeError) as e:      # the whole batch failed
+            statuses = [e] * len(reqs)
+        for idx, err in zip(owner, statuses):
+            if err is not None and idx not in failed:
+                failed[idx] = TransferFailed(f"{kind} of entry {idx} failed: {err}")
+        return failed
+
+    def _descriptors(self, names: set[str]) -> dict:
+        from kvplugins.transfer import SegmentDescriptor
+        missing = [n for n in names if n not in self._descs]
+        for name, (code, wire) in zip(missing, self._rpc_entries("describe", missing)):
+            if code == protocol.OK:
+                self._descs[name] = SegmentDescriptor.from_wire(wire)
+        return self._descs
+
+
+def _locs(kind: str, value):
+    return value if kind == "write" else value[1]
+
+
+def _raise_first(errors) -> None:
+    for e in errors:
+        if e is not None:
+            raise e

@@ -1,0 +1,40 @@
+"""Counters and latency percentiles of one StoreClient (its ``stats()``)."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+WINDOW = 4096      # latency samples kept per kind
+
+
+class ClientStats:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._c = dict.fromkeys(("puts", "gets", "hits", "misses", "errors", "bytes_put", "bytes_got"), 0)
+        self._lat = {"put": deque(maxlen=WINDOW), "get": deque(maxlen=WINDOW)}
+
+    def record(self, kind: str, keys, spans_per_key, out, t0: float) -> None:
+        """Count one batch of ``kind`` ('put'/'get') started at perf_counter ``t0``."""
+        from kvplugins.errors import KeyNotFound
+        us = (time.perf_counter() - t0) * 1e6
+        with self._lock:
+            self._lat[kind].append(us)
+            self._c[kind + "s"] += len(keys)
+            for spans, err in zip(spans_per_key, out):
+                if err is None:
+                    self._c["bytes_" + ("put" if kind == "put" else "got")] += sum(n for _, n in spans)
+                    self._c["hits"] += kind == "get"
+                elif isinstance(err, KeyNotFound):
+                    self._c["misses"] += 1
+                else:
+                    self._c["errors"] += 1
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            out = dict(self._c)
+            for kind, lat in self._lat.items():
+                s = sorted(lat)
+                out[f"{kind}_batch_p50_us"] = s[len(s) // 2] if s else 0.0
+                out[f"{kind}_batch_p99_us"] = s[min(len(s) - 1, int(len(s) * 0.99))] if s else 0.0
+        return out

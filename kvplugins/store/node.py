@@ -1,0 +1,52 @@
+"""A store node: one process contributing ``segment_size`` bytes of DRAM to the pool (``kvplugins store``).
+
+The segment lives in this process's TransferEngine (alloc_shared, exported); clients read and write it directly
+through the transfer core — the master only hands out offsets. Registration and heartbeats use the master's
+zmq control plane (the ``info`` op on the master address names it).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvplugins.store.config import StoreNodeConfig
+from kvplugins.store.process import write_atomic
+from kvplugins.store.rpc_client import control_client
+from kvplugins.store.segment import OwnedSegment
+
+log = logging.getLogger(__name__)
+
+
+class StoreNode:
+    """Start the transfer engine, allocate and register the segment. ``master``: raw address host:port.
+    Raises MasterUnreachable if the master does not answer within ``rpc_timeout_ms``."""
+
+    def __init__(self, config: StoreNodeConfig, master: str):
+        from kvplugins.transfer import TransferConfig, TransferEngine
+        self.cfg, self.master = config, master
+        self.engine = TransferEngine(TransferConfig(host=config.host, transports=config.transports))
+        try:
+            self._rpc = control_client(master, config.rpc_timeout_ms)
+            self.segment = OwnedSegment(self.engine, config.segment_size, self._rpc, config.heartbeat_interval_ms)
+        except BaseException:
+            self.engine.close()
+            raise
+        if config.ready_file:
+            write_atomic(config.ready_file, self.segment.name + "\n")
+
+    def close(self) -> None:
+        self.segment.close()
+        self._rpc.close()
+        self.engine.close()
+
+
+def serve(config: StoreNodeConfig, master: str, stop: threading.Event) -> None:
+    """Run a node until ``stop`` is set."""
+    node = StoreNode(config, master)
+    print(f"kvplugins store: segment {node.segment.name} ({config.segment_size} bytes) -> master {master}",
+          flush=True)
+    try:
+        while not stop.wait(0.5):      # short waits keep signal handlers responsive
+            pass
+    finally:
+        node.close()

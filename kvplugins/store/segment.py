@@ -1,0 +1,61 @@
+"""A DRAM segment this process contributes to the pool: allocated with TransferEngine.alloc_shared (memfd/shm,
+exported), registered with the master with its SegmentDescriptor, kept alive by a heartbeat thread.
+
+Used by a store node (over the zmq control plane) and by a StoreClient with ``segment_size > 0`` (over its own
+raw connection). If the master forgets the segment (it was silent past heartbeat_timeout_ms, or the master
+restarted) the next heartbeat re-registers it; the objects it held were already reported as misses.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvplugins.errors import MasterUnreachable, StoreError
+from kvplugins.store.protocol import NOT_FOUND, OK
+
+log = logging.getLogger(__name__)
+
+
+class OwnedSegment:
+    """``size`` bytes of exported shared memory registered as a segment. ``rpc``: a Raw/ZmqRpcClient."""
+
+    def __init__(self, engine, size: int, rpc, heartbeat_interval_ms: int):
+        self.engine, self.rpc, self.interval_s = engine, rpc, heartbeat_interval_ms / 1000
+        self.region = engine.alloc_shared(int(size), export=True)
+        self.name = self._register()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"kvp-heartbeat-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _register(self) -> str:
+        wire = self.engine.descriptor().to_wire()
+        [(code, value)] = self.rpc.call("register_segment", [[wire, self.region.region_id, self.region.length]])
+        if code != OK:
+            raise StoreError(f"master {self.rpc.address} refused the segment: {value}")
+        log.info("segment %s registered (%d bytes)", value, self.region.length)
+        return value
+
+    def _beat(self) -> None:
+        down = False
+        while not self._stop.wait(self.interval_s):
+            try:
+                [(code, _)] = self.rpc.call("heartbeat", [self.name])
+                if code == NOT_FOUND:
+                    log.warning("master forgot segment %s; registering it again", self.name)
+                    self.name = self._register()
+                if down:
+                    log.info("master %s reachable again", self.rpc.address)
+                down = False
+            except (MasterUnreachable, StoreError) as e:
+                if not down:
+                    log.warning("heartbeat failed: %s", e)
+                down = True
+
+    def close(self) -> None:
+        """Stop heart-beating and unregister (best effort: the master times the segment out anyway)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.rpc.call("unregister", [self.name], timeout_ms=min(self.rpc.timeout_ms, 1000))
+        except StoreError as e:
+            log.info("unregister of %s skipped: %s", self.name, e)
