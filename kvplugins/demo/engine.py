@@ -1,0 +1,95 @@
+"""One vLLM engine run in a fresh process: ``run_fresh(spec) -> result``.
+
+The child (``python -m kvplugins.demo.engine SPEC OUT``) starts vllm.LLM on the CPU, runs each prompt on
+its own (so each TTFT is clean), writes a JSON result and exits, so no KV survives in local memory between
+runs: a later engine can only reuse KV through the store. Result fields: ``tokens`` (greedy ids per prompt),
+``prompt_tokens`` (prompt lengths), ``ttft_ms`` (engine-measured time to first token, ms),
+``external_hit_tokens`` (vLLM's vllm:external_prefix_cache_hits counter), ``local_hit_tokens``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvplugins.errors import KVPluginsError
+
+CONNECTOR = {"kv_connector": "KVPluginsConnector", "kv_connector_module_path": "kvplugins.vllm_kv_connector",
+             "kv_role": "kv_both"}
+
+
+@dataclass
+class EngineSpec:
+    """One engine run. connector: kv_connector_extra_config, or None to run without the connector.
+    kv_cache_gib: VLLM_CPU_KVCACHE_SPACE (GiB). block_size: tokens per KV block (a multiple of 32 on CPU)."""
+    model: str
+    prompts: list[str]
+    max_tokens: int = 16
+    connector: dict | None = None
+    kv_cache_gib: float = 1.0
+    block_size: int = 32
+    max_model_len: int = 8192
+    env: dict = field(default_factory=dict)
+
+
+def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = None) -> dict:
+    """Run ``spec`` in a new Python process; returns its result dict. Raises KVPluginsError (with the log's
+    tail) if the process fails or runs past ``timeout_s``."""
+    with tempfile.TemporaryDirectory(prefix="kvp-engine-") as tmp:
+        spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
+        spec_file.write_text(json.dumps(asdict(spec)))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}", **spec.env}
+        log = Path(log_path) if log_path else Path(tmp, "engine.log")
+        with open(log, "w") as fh:
+            try:
+                rc = subprocess.run([sys.executable, "-m", "kvplugins.demo.engine", str(spec_file), str(out_file)],
+                                    stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
+            except subprocess.TimeoutExpired as e:
+                raise KVPluginsError(f"engine run exceeded {timeout_s:g} s; log tail:\n{_tail(log)}") from e
+        if rc != 0 or not out_file.exists():
+            raise KVPluginsError(f"engine run failed (exit {rc}); log tail:\n{_tail(log)}")
+        return json.loads(out_file.read_text())
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+def _counter(llm, name: str) -> int:
+    return int(sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name))
+
+
+def _child(spec: EngineSpec) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kwargs = {}
+    if spec.connector is not None:
+        kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": spec.connector}
+    llm = LLM(model=spec.model, dtype="float32", block_size=spec.block_size, max_model_len=spec.max_model_len,
+              enforce_eager=True, max_num_seqs=4, seed=0, disable_log_stats=False, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+    result = {"tokens": [], "prompt_tokens": [], "ttft_ms": []}
+    for prompt in spec.prompts:
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        wall = time.perf_counter() - t0
+        ttft = getattr(out.metrics, "first_token_latency", 0.0) or wall
+        result["tokens"].append(list(out.outputs[0].token_ids))
+        result["prompt_tokens"].append(len(out.prompt_token_ids))
+        result["ttft_ms"].append(ttft * 1000)
+    result["external_hit_tokens"] = _counter(llm, "vllm:external_prefix_cache_hits")
+    result["local_hit_tokens"] = _counter(llm, "vllm:prefix_cache_hits")
+    return result
+
+
+if __name__ == "__main__":
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    res = _child(EngineSpec(**json.loads(Path(spec_path).read_text())))
+    Path(out_path).write_text(json.dumps(res))
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown of vLLM's threads; the result is already written

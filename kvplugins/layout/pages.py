@@ -1,0 +1,158 @@
+"""Page I/O between an engine's paged KV memory and the store, engine-independent.
+
+PageStore turns (block ids, block hashes) into store calls on whole pages, zero-copy: loads scatter each
+stored object straight into the engine's blocks (``batch_get_into``), saves gather straight from them
+(``batch_put_from``). It survives an unreachable store: the first failure is logged once, every call then
+answers "miss"/"not saved" without touching the network until ``retry_ms`` has passed, then it retries.
+Never raises a store error into the engine; a load that did not land reports its block ids as failed.
+
+Source followed: the Mooncake store's batch_get_into/batch_put_from zero-copy contract (docs/store.md).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+from kvplugins.errors import KVPluginsError
+from kvplugins.layout.keys import KeySpace
+from kvplugins.layout.spans import PageLayout
+
+log = logging.getLogger(__name__)
+
+
+class PageStore:
+    """Pages of one layer group in one process.
+
+    client_factory: () -> a StoreClient (called lazily, again after a failure once retry_ms passed).
+    keyspace: this process's key space (its TP rank). layout: the engine's KV memory (None on a process that
+    only looks up, e.g. a scheduler). ranks: TP ranks whose pages must all be stored for a hit.
+    """
+
+    def __init__(self, client_factory: Callable[[], Any], keyspace: KeySpace, layout: PageLayout | None = None,
+                 ranks: Sequence[int] = (0,), retry_ms: float = 5000):
+        self._factory, self.keyspace, self.layout = client_factory, keyspace, layout
+        self._spaces = [keyspace.for_rank(r) for r in ranks]
+        self._retry_s = retry_ms / 1000
+        self._client: Any = None
+        self._down_until = 0.0
+        self._logged_down = False
+        self.stats = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "failed_pages": 0, "saved_pages": 0,
+                      "skipped_pages": 0, "store_errors": 0}
+
+    # -- connection -------------------------------------------------------------------------------------------
+    def _connected(self) -> Any:
+        if self._client is not None:
+            return self._client
+        if time.monotonic() < self._down_until:
+            return None
+        try:
+            client = self._factory()
+            if self.layout is not None:
+                for addr, nbytes in self.layout.regions():
+                    client.register_buffer(addr, length=nbytes)
+        except KVPluginsError as e:
+            self._failed(e)
+            return None
+        if self._logged_down:
+            log.warning("kvplugins: store reachable again (%s)", self.keyspace.namespace)
+        self._client, self._logged_down = client, False
+        return client
+
+    def _failed(self, err: Exception) -> None:
+        self.stats["store_errors"] += 1
+        if not self._logged_down:
+            log.warning("kvplugins: store unavailable, serving without it (retry in %.0f s): %s",
+                        self._retry_s, err)
+            self._logged_down = True
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:  # noqa: BLE001 - closing a broken client must not mask the first error
+                pass
+        self._client, self._down_until = None, time.monotonic() + self._retry_s
+
+    # -- operations -------------------------------------------------------------------------------------------
+    def stored_prefix(self, hashes: Sequence[bytes]) -> int:
+        """Number of leading pages of ``hashes`` stored for every rank, in one RPC; 0 if the store is down."""
+        if not hashes:
+            return 0
+        client = self._connected()
+        if client is None:
+            return 0
+        self.stats["lookups"] += 1
+        try:
+            if len(self._spaces) == 1:
+                n = client.batch_exists_prefix(self._spaces[0].keys(hashes))
+            else:
+                present = client.batch_exists([k for s in self._spaces for k in s.keys(hashes)])
+                n = _all_ranks_prefix(present, len(hashes))
+        except KVPluginsError as e:
+            self._failed(e)
+            return 0
+        self.stats["hit_pages"] += n
+        return n
+
+    def load(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> list[int]:
+        """Scatter page ``hashes[i]`` into block ``block_ids[i]``; returns the block ids that did not load
+        (store down, evicted, size mismatch). Their bytes must be treated as garbage by the caller."""
+        if not block_ids:
+            return []
+        client = self._connected()
+        if client is None:
+            self.stats["failed_pages"] += len(block_ids)
+            return list(block_ids)
+        try:
+            errors = client.batch_get_into(self.keyspace.keys(hashes), self._layout().spans_for(block_ids))
+        except KVPluginsError as e:
+            self._failed(e)
+            errors = [e] * len(block_ids)
+        failed = [b for b, err in zip(block_ids, errors) if err is not None]
+        if failed:
+            log.warning("kvplugins: %d of %d pages failed to load: %s", len(failed), len(block_ids),
+                        next(e for e in errors if e is not None))
+        self.stats["loaded_pages"] += len(block_ids) - len(failed)
+        self.stats["failed_pages"] += len(failed)
+        return failed
+
+    def save(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> int:
+        """Store the pages not stored yet (one exists RPC, then one batch put); returns pages written."""
+        if not block_ids:
+            return 0
+        client = self._connected()
+        if client is None:
+            return 0
+        keys = self.keyspace.keys(hashes)
+        try:
+            present = client.batch_exists(keys)
+            todo = [(k, b) for k, b, p in zip(keys, block_ids, present) if not p]
+            self.stats["skipped_pages"] += len(keys) - len(todo)
+            if not todo:
+                return 0
+            errors = client.batch_put_from([k for k, _ in todo], self._layout().spans_for([b for _, b in todo]))
+        except KVPluginsError as e:
+            self._failed(e)
+            return 0
+        bad = [e for e in errors if e is not None]
+        if bad:
+            log.warning("kvplugins: %d of %d page saves failed: %s", len(bad), len(todo), bad[0])
+        self.stats["saved_pages"] += len(todo) - len(bad)
+        return len(todo) - len(bad)
+
+    def _layout(self) -> PageLayout:
+        if self.layout is None:
+            raise KVPluginsError("this PageStore has no KV memory layout; pass layout= to load or save pages")
+        return self.layout
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _all_ranks_prefix(present: Sequence[bool], n: int) -> int:
+    """Leading pages present for every rank; ``present`` is rank-major (rank 0's n flags, then rank 1's...)."""
+    for i in range(n):
+        if not all(present[r * n + i] for r in range(len(present) // n)):
+            return i
+    return n

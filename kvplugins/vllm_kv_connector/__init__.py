@@ -1,0 +1,14 @@
+"""vLLM adapter: ``KVPluginsConnector``, a KVConnectorBase_V1 loaded through ``kv_connector_module_path``.
+
+    --kv-transfer-config '{"kv_connector":"KVPluginsConnector",
+                           "kv_connector_module_path":"kvplugins.vllm_kv_connector",
+                           "kv_role":"kv_both","kv_connector_extra_config":{"master":"HOST:PORT"}}'
+
+Thin: engine types are translated into kvplugins.layout calls (keys, spans, PageStore) and nothing more.
+connector.py (the class), scheduler.py / worker.py (its two halves), engine.py (vLLM config -> KeySpace),
+config.py (``kv_connector_extra_config`` options). Importing this package imports vLLM.
+"""
+from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
+from kvplugins.vllm_kv_connector.connector import KVPluginsConnector, KVPluginsConnectorMetadata
+
+__all__ = ["KVPluginsConnector", "KVPluginsConnectorMetadata", "VllmConnectorConfig"]
