@@ -5,10 +5,18 @@ these fields (kvplugins.config). Times are in milliseconds, sizes in bytes (``By
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from kvplugins.config import Bytes, component
+from kvplugins.config import Bytes, component, parse_bytes
 from kvplugins.errors import ConfigError
+
+
+def _sizes(cfg) -> None:
+    """Let direct construction take "4GiB" strings for Bytes fields too (``load`` already parses them)."""
+    for f in dataclasses.fields(cfg):
+        if f.type in (Bytes, "Bytes"):
+            object.__setattr__(cfg, f.name, Bytes(parse_bytes(getattr(cfg, f.name))))
 
 
 @component("master")
@@ -29,6 +37,7 @@ class MasterConfig:
     tick_ms: int = field(default=100, metadata={"help": "period of the expiry/eviction sweep"})
 
     def __post_init__(self):
+        _sizes(self)
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: "
                               "need 0 < low_watermark <= high_watermark <= 1")
@@ -52,6 +61,7 @@ class StoreNodeConfig:
     ready_file: str = field(default="", metadata={"help": "write the segment id here once registered"})
 
     def __post_init__(self):
+        _sizes(self)
         if self.segment_size <= 0:
             raise ConfigError(f"segment_size={self.segment_size} must be > 0, e.g. 4GiB")
 
@@ -72,6 +82,7 @@ class ClientConfig:
     embedded_start_timeout_ms: int = field(default=30000, metadata={"help": "wait for an auto-started `up`"})
 
     def __post_init__(self):
+        _sizes(self)
         if self.replicas < 1:
             raise ConfigError(f"replicas={self.replicas} must be >= 1")
         if self.rpc_timeout_ms <= 0 or self.transfer_timeout_ms <= 0:
