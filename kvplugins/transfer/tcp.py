@@ -60,7 +60,8 @@ class TcpTransport(Transport):
 
     def __init__(self, config: TransferConfig, regions: RegionTable):
         self._cfg = config
-        self._server = TcpServer(config.host, config.tcp_port, regions, config.max_frame)
+        self._server = TcpServer(config.host, config.tcp_port, regions, config.max_frame,
+                                 frame_timeout_s=max(1.0, 2 * config.timeout_ms / 1000.0))
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
         self._io = ThreadPoolExecutor(config.tcp_connections * config.workers, thread_name_prefix="kvp-tcp-io")

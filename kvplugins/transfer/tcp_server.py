@@ -16,10 +16,11 @@ log = logging.getLogger("kvplugins.transfer.tcp")
 
 
 class TcpServer:
-    """Listens on (host, port); ``port`` is the bound port (port 0 picks a free one)."""
+    """Listens on (host, port); ``port`` is the bound port (port 0 picks a free one). A connection may idle
+    between frames forever, but a frame started must complete within ``frame_timeout_s``."""
 
-    def __init__(self, host: str, port: int, regions: RegionTable, max_frame: int):
-        self._regions, self._max_frame = regions, max_frame
+    def __init__(self, host: str, port: int, regions: RegionTable, max_frame: int, frame_timeout_s: float):
+        self._regions, self._max_frame, self._frame_timeout = regions, max_frame, frame_timeout_s
         self._sock = socket.create_server((host, port), backlog=128)
         self.port = self._sock.getsockname()[1]
         self._lock = threading.Lock()
@@ -57,9 +58,11 @@ class TcpServer:
     def _serve_one(self, conn: socket.socket) -> bool:
         """Serve one request frame; False when the peer closed cleanly between frames."""
         prefix = memoryview(bytearray(wire.PREFIX.size))
+        conn.settimeout(None)
         first = conn.recv_into(prefix)
         if first == 0:
             return False
+        conn.settimeout(self._frame_timeout)
         recv_into_all(conn, prefix[first:])
         hlen, plen = wire.parse_prefix(prefix, self._max_frame)
         req = wire.decode_request(recv_exact(conn, hlen), plen, self._max_frame)

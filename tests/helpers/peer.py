@@ -11,6 +11,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -77,8 +78,14 @@ class Peer:
         self.proc.join(10)
 
     def stop(self) -> None:
-        """SIGSTOP: the process stays alive but answers nothing (a hung peer)."""
+        """SIGSTOP: the process stays alive but answers nothing (a hung peer). Returns once it is stopped
+        (signal delivery is asynchronous)."""
         os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while _state(self.proc.pid) not in ("T", "t"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"peer {self.proc.pid} did not stop")
+            time.sleep(0.001)
 
     def close(self) -> None:
         if self.proc.is_alive():
@@ -96,6 +103,11 @@ class Peer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def digest(data) -> str:
