@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from kvplugins.errors import KVPluginsError
 
+WARMUP = "User: Thanks. Assistant:"  # shorter than one block: nothing of it is saved or loaded
 CONNECTOR = {"kv_connector": "KVPluginsConnector", "kv_connector_module_path": "kvplugins.vllm_kv_connector",
              "kv_role": "kv_both"}
 
@@ -46,14 +48,26 @@ def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = N
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}", **spec.env}
         log = Path(log_path) if log_path else Path(tmp, "engine.log")
         with open(log, "w") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "kvplugins.demo.engine", str(spec_file), str(out_file)],
+                                    stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
-                rc = subprocess.run([sys.executable, "-m", "kvplugins.demo.engine", str(spec_file), str(out_file)],
-                                    stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=timeout_s).returncode
+                rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired as e:
                 raise KVPluginsError(f"engine run exceeded {timeout_s:g} s; log tail:\n{_tail(log)}") from e
+            finally:
+                _kill_group(proc)
         if rc != 0 or not out_file.exists():
             raise KVPluginsError(f"engine run failed (exit {rc}); log tail:\n{_tail(log)}")
         return json.loads(out_file.read_text())
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL whatever is left of the run's process group (vLLM's engine-core and worker processes)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def _tail(path: Path, n: int = 40) -> str:
@@ -73,7 +87,8 @@ def _child(spec: EngineSpec) -> dict:
     llm = LLM(model=spec.model, dtype="float32", block_size=spec.block_size, max_model_len=spec.max_model_len,
               enforce_eager=True, max_num_seqs=4, seed=0, disable_log_stats=False, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
-    result = {"tokens": [], "prompt_tokens": [], "ttft_ms": []}
+    llm.generate([WARMUP], SamplingParams(max_tokens=2), use_tqdm=False)  # first-run costs off the TTFTs
+    result = {"tokens": [], "prompt_tokens": [], "prompt_token_ids": [], "ttft_ms": []}
     for prompt in spec.prompts:
         t0 = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -81,6 +96,7 @@ def _child(spec: EngineSpec) -> dict:
         ttft = getattr(out.metrics, "first_token_latency", 0.0) or wall
         result["tokens"].append(list(out.outputs[0].token_ids))
         result["prompt_tokens"].append(len(out.prompt_token_ids))
+        result["prompt_token_ids"].append(list(out.prompt_token_ids))
         result["ttft_ms"].append(ttft * 1000)
     result["external_hit_tokens"] = _counter(llm, "vllm:external_prefix_cache_hits")
     result["local_hit_tokens"] = _counter(llm, "vllm:prefix_cache_hits")
@@ -92,4 +108,4 @@ if __name__ == "__main__":
     res = _child(EngineSpec(**json.loads(Path(spec_path).read_text())))
     Path(out_path).write_text(json.dumps(res))
     sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown of vLLM's threads; the result is already written
+    os._exit(0)  # skip vLLM's slow teardown; run_fresh kills the engine's process group right after

@@ -41,6 +41,10 @@ class PageStore:
                       "skipped_pages": 0, "store_errors": 0}
 
     # -- connection -------------------------------------------------------------------------------------------
+    def connect(self) -> bool:
+        """Connect now (and register the KV memory) rather than on first use; False if the store is down."""
+        return self._connected() is not None
+
     def _connected(self) -> Any:
         if self._client is not None:
             return self._client

@@ -23,6 +23,8 @@ class VllmConnectorConfig:
         "help": "model name in page keys; '' = vLLM's model path. Set it when hosts load one model from different paths"})
     save: bool = field(default=True, metadata={"help": "save newly computed full pages to the store"})
     load: bool = field(default=True, metadata={"help": "load stored prefix pages instead of computing them"})
+    namespace_file: str = field(default="", metadata={
+        "help": "write this engine's page-key namespaces here (JSON: rank -> namespace) for tooling; '' = none"})
 
     def __post_init__(self):
         for name in ("rpc_timeout_ms", "transfer_timeout_ms", "retry_ms"):

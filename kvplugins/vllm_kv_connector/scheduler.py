@@ -5,7 +5,9 @@ handed to the worker for saving. Pages are named by vLLM's chained block hashes 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvplugins.layout import PageStore, hit_blocks, page_hashes
@@ -33,6 +35,9 @@ class SchedulerSide:
         self.block_size = ks.block_size
         self.hash_block_size = engine.hash_block_size(kv_cache_config, ks.block_size)
         self.pages = PageStore(cfg.client_factory(), ks, ranks=range(ks.tp_size), retry_ms=cfg.retry_ms)
+        self.pages.connect()
+        if cfg.namespace_file:
+            _write_namespaces(cfg.namespace_file, ks)
         self.tracked: dict[str, _Tracked] = {}
         self.pending = KVPluginsConnectorMetadata()
         self.external_hit_tokens = 0
@@ -83,6 +88,12 @@ class SchedulerSide:
 
     def finished(self, request: "Request") -> None:
         self.tracked.pop(request.request_id, None)
+
+
+def _write_namespaces(path: str, ks) -> None:
+    """JSON {"namespaces": {tp_rank: namespace}, "keyspace": fields}: a key is ``namespace/<block hash hex>``."""
+    info = {"namespaces": {r: ks.for_rank(r).namespace for r in range(ks.tp_size)}, "keyspace": asdict(ks)}
+    Path(path).write_text(json.dumps(info, indent=1))
 
 
 def _computed_after_step(out: "SchedulerOutput") -> dict[str, int]:
