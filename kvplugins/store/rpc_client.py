@@ -14,6 +14,8 @@ import time
 from kvplugins.errors import ConfigError, MasterUnreachable, ProtocolError, StoreError
 from kvplugins.store import protocol
 
+RECV_CHUNK = 1 << 16
+
 
 def parse_address(address: str) -> tuple[str, int]:
     """'host:port' (optionally 'tcp://host:port') -> (host, port). Raises ConfigError."""
@@ -76,19 +78,25 @@ class RawRpcClient(_Base):
         sock = self._connect(deadline)
         sock.settimeout(_left(deadline))
         sock.sendall(protocol.HEADER.pack(len(body)) + body)
-        (n,) = protocol.HEADER.unpack(self._recv(sock, protocol.HEADER.size, deadline))
-        return self._recv(sock, n, deadline)
+        buf = self._recv_some(sock, deadline, first=True)       # usually the whole reply in one recv
+        while len(buf) < protocol.HEADER.size:
+            buf += self._recv_some(sock, deadline)
+        (n,) = protocol.HEADER.unpack_from(buf)
+        end = protocol.HEADER.size + n
+        while len(buf) < end:
+            buf += self._recv_some(sock, deadline)
+        if len(buf) > end:
+            raise ProtocolError(f"{len(buf) - end} unexpected bytes after the reply")
+        return bytes(buf[protocol.HEADER.size:end])
 
     @staticmethod
-    def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
+    def _recv_some(sock: socket.socket, deadline: float, first: bool = False) -> bytes:
+        if not first:
             sock.settimeout(_left(deadline))
-            chunk = sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("master closed the connection")
-            buf += chunk
-        return bytes(buf)
+        chunk = sock.recv(RECV_CHUNK)
+        if not chunk:
+            raise ConnectionError("master closed the connection")
+        return chunk
 
 
 class ZmqRpcClient(_Base):
