@@ -10,7 +10,9 @@ import socket
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from kvplugins.errors import OutOfRange, TransferError
+import numpy as np
+
+from kvplugins.errors import OutOfRange, TransferError, TransferFailed
 from kvplugins.transfer import shmem
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor, TransferRequest
 from kvplugins.transfer.config import TransferConfig
@@ -53,7 +55,7 @@ class TransferEngine:
         memory alive until unregister(). ``export=True`` lets peers read/write it (over TCP; shm needs
         alloc_shared memory). Raises TypeError for unsupported memory, OutOfRange for a bad length."""
         addr, nbytes, owner = buffer_span(mem, length)
-        return self._regions.add(addr, nbytes, owner, None, export)
+        return self._added(self._regions.add(addr, nbytes, owner, None, export))
 
     def alloc_shared(self, nbytes: int, export: bool = True) -> Region:
         """Allocate ``nbytes`` of zeroed memfd/POSIX-shm memory (config.shm_backend) and register it with
@@ -62,12 +64,20 @@ class TransferEngine:
         if not isinstance(nbytes, int) or nbytes < 1:
             raise OutOfRange(f"alloc_shared(nbytes={nbytes!r}): use a positive number of bytes")
         mapping = shmem.allocate(nbytes, self.config.shm_backend)
-        return self._regions.add(mapping.addr, nbytes, mapping, mapping.path, export)
+        return self._added(self._regions.add(mapping.addr, nbytes, mapping, mapping.path, export))
+
+    def _added(self, region: Region) -> Region:
+        for t in self._transports:
+            t.add_region(region)
+        return region
 
     def memoryview(self, region: Region) -> memoryview:
         """A writable 1-D byte view of local ``region`` (length ``region.length``). Valid until unregister."""
-        self._regions.check_local(region, 0, region.length)
-        return view_of(region.addr, region.length)
+        addr, pin = self._regions.check_local(region, 0, region.length)
+        if isinstance(pin, np.ndarray) and pin.dtype == np.uint8 and pin.ctypes.data == addr \
+                and pin.nbytes == region.length:
+            return memoryview(pin)  # e.g. alloc_shared memory: the view keeps the mapping alive
+        return view_of(addr, region.length)
 
     def region_for(self, addr: int, length: int) -> Region:
         """The registered region containing [addr, addr+length). Raises BufferNotRegistered."""
@@ -76,6 +86,8 @@ class TransferEngine:
     def unregister(self, region: Region) -> None:
         """Forget ``region`` (alloc_shared memory is unmapped). Raises BufferNotRegistered if unknown."""
         owner = self._regions.remove(region)
+        for t in self._transports:
+            t.remove_region(region)
         if isinstance(owner, shmem.Mapping):
             owner.close()
 
@@ -90,7 +102,8 @@ class TransferEngine:
     def batch_write(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> list[TransferError | None]:
         """Copy each request's local bytes to its remote region. Returns one status per request: None,
         OutOfRange (outside a region / not exported) or TransferFailed (peer gone, timeout after
-        ``timeout_ms``, default config.timeout_ms). Never raises for a per-entry failure."""
+        ``timeout_ms``, default config.timeout_ms). Never raises for a per-entry failure; raises TypeError
+        for a non-TransferRequest entry, ValueError for a bad timeout, TransferFailed if closed."""
         return self._router.run(Op.WRITE, reqs, self._timeout(timeout_ms))
 
     def batch_read(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> list[TransferError | None]:
@@ -98,14 +111,19 @@ class TransferEngine:
         return self._router.run(Op.READ, reqs, self._timeout(timeout_ms))
 
     def submit_write(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> Future:
-        """batch_write on an engine worker thread; a Future of the status list."""
+        """batch_write on an engine worker thread; a Future of the status list. Raises as batch_write
+        for a closed engine or a bad timeout (immediately, not through the Future)."""
+        self._timeout(timeout_ms)
         return self._pool.submit(self.batch_write, list(reqs), timeout_ms)
 
     def submit_read(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> Future:
         """batch_read on an engine worker thread; a Future of the status list."""
+        self._timeout(timeout_ms)
         return self._pool.submit(self.batch_read, list(reqs), timeout_ms)
 
     def _timeout(self, timeout_ms: float | None) -> float:
+        if self._closed:
+            raise TransferFailed("this TransferEngine is closed; create a new one")
         t = self.config.timeout_ms if timeout_ms is None else timeout_ms
         if not isinstance(t, (int, float)) or t <= 0:
             raise ValueError(f"timeout_ms={timeout_ms!r}: use a positive number of milliseconds")

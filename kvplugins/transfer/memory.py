@@ -10,6 +10,7 @@ import numpy as np
 
 from kvplugins.errors import BufferNotRegistered, OutOfRange
 from kvplugins.transfer.api import Region
+from kvplugins.transfer.shmem import Mapping
 
 
 def buffer_span(mem: Any, length: int | None = None) -> tuple[int, int, Any]:
@@ -90,21 +91,23 @@ class RegionTable:
             del self._regions[region.region_id]
             return entry[1]
 
-    def check_local(self, region: Region, offset: int, length: int) -> int:
-        """Address of [offset, offset+length) of local ``region``. Raises OutOfRange."""
+    def check_local(self, region: Region, offset: int, length: int) -> tuple[int, Any]:
+        """(address of [offset, offset+length) of local ``region``, pin). Hold the pin while using the
+        address: it keeps the memory mapped even if the region is unregistered meanwhile. Raises OutOfRange."""
         with self._lock:
             entry = self._regions.get(region.region_id)
         if entry is None or entry[0] != region:
             raise OutOfRange(f"local region {region.region_id} is not registered with this engine")
-        return _addr_in(region, offset, length, "local")
+        return _addr_in(region, offset, length, "local"), _pin(entry[1])
 
-    def resolve_exported(self, region_id: int, offset: int, length: int) -> int:
-        """Address of bytes [offset, offset+length) of exported region ``region_id``. Raises OutOfRange."""
+    def resolve_exported(self, region_id: int, offset: int, length: int) -> tuple[int, Any]:
+        """(address of [offset, offset+length) of exported region ``region_id``, pin) as check_local.
+        Raises OutOfRange for an unknown or unexported region or a span outside it."""
         with self._lock:
             entry = self._regions.get(region_id)
         if entry is None or not entry[0].exported:
             raise OutOfRange(f"region {region_id} is not exported by this engine")
-        return _addr_in(entry[0], offset, length, "remote")
+        return _addr_in(entry[0], offset, length, "remote"), _pin(entry[1])
 
     def find(self, addr: int, length: int) -> Region:
         with self._lock:
@@ -123,6 +126,15 @@ class RegionTable:
             owners = [o for _, o in self._regions.values()]
             self._regions.clear()
             return owners
+
+
+def _pin(owner: Any) -> Any:
+    if isinstance(owner, Mapping):
+        arr = owner.array
+        if arr is None:
+            raise OutOfRange("region memory was already unmapped")
+        return arr
+    return owner
 
 
 def _addr_in(region: Region, offset: int, length: int, side: str) -> int:

@@ -7,6 +7,7 @@ each fallback is counted and logged once per (transport, reason). OutOfRange is 
 from __future__ import annotations
 
 import logging
+import operator
 import re
 import threading
 from collections import Counter
@@ -49,13 +50,17 @@ class Router:
     def _entry(self, req: TransferRequest) -> Entry:
         if not isinstance(req, TransferRequest):
             raise TypeError(f"batch entries must be TransferRequest, got {type(req).__name__}")
-        addr = self._regions.check_local(req.local, req.local_offset, req.length)
+        try:
+            local_off, remote_off, length = map(operator.index, (req.local_offset, req.remote_offset, req.length))
+        except TypeError:
+            raise OutOfRange(f"offsets and length must be integers, got {req.local_offset!r}, "
+                             f"{req.remote_offset!r}, {req.length!r}") from None
+        addr, pin = self._regions.check_local(req.local, local_off, length)
         info = req.remote.region(req.remote_region)
-        if not (isinstance(req.remote_offset, int) and 0 <= req.remote_offset
-                and req.remote_offset + req.length <= info.length):
+        if remote_off < 0 or remote_off + length > info.length:
             raise OutOfRange(f"remote region {info.region_id} of {req.remote.segment_id} (length {info.length}): "
-                             f"offset {req.remote_offset} + length {req.length} is outside it")
-        return Entry(req.local, addr, req.remote, info, req.remote_offset, req.length)
+                             f"offset {remote_off} + length {length} is outside it")
+        return Entry(req.local, addr, req.remote, info, remote_off, length, pin)
 
     def _candidates(self, e: Entry) -> list[Transport]:
         cands = [t for t in self._transports if t.name in e.remote.transports and t.reaches(e.remote, e.remote_region)]

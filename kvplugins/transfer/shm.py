@@ -36,10 +36,12 @@ class ShmTransport(Transport):
 
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
         status: list[TransferError | None] = [None] * len(entries)
-        dst, src, lens, done = [], [], [], []
+        dst, src, lens, done, pins = [], [], [], [], []
         for i, e in enumerate(entries):
             try:
-                base = self._mapping(e.remote, e.remote_region).addr + e.remote_offset
+                pin, addr = self._mapping(e.remote, e.remote_region)
+                pins.append(pin)  # keeps the map alive even if close() or a dead peer unmaps it meanwhile
+                base = addr + e.remote_offset
             except TransferFailed as err:
                 status[i] = err
                 continue
@@ -52,7 +54,8 @@ class ShmTransport(Transport):
             native.copy_batch(dst, src, lens, self._threads)
         return status
 
-    def _mapping(self, remote: SegmentDescriptor, region: RegionInfo) -> Mapping:
+    def _mapping(self, remote: SegmentDescriptor, region: RegionInfo) -> tuple[object, int]:
+        """(pin, address) of the peer region mapped here. Raises TransferFailed."""
         self._check_alive(remote)
         key = (remote.segment_id, region.region_id)
         with self._lock:
@@ -63,7 +66,10 @@ class ShmTransport(Transport):
                 m = self._maps.setdefault(key, mine)
             if m is not mine:  # another thread mapped it first
                 mine.close()
-        return m
+        pin = m.array
+        if pin is None:
+            raise TransferFailed(f"mapping of {region.shm_path} was closed")
+        return pin, m.addr
 
     def _check_alive(self, remote: SegmentDescriptor) -> None:
         pid = int(remote.transports["shm"].get("pid", 0))
@@ -79,7 +85,15 @@ class ShmTransport(Transport):
             if fd != mine:
                 os.close(mine)
         if select.select([fd], [], [], 0)[0]:
+            self._forget(remote.segment_id)
             raise TransferFailed(f"shm peer {remote.segment_id} (pid {pid}) has exited")
+
+    def _forget(self, segment_id: str) -> None:
+        """Unmap a dead peer's regions (its memory is freed once nobody maps it)."""
+        with self._lock:
+            maps = [self._maps.pop(k) for k in list(self._maps) if k[0] == segment_id]
+        for m in maps:
+            m.close()
 
     def close(self) -> None:
         with self._lock:

@@ -34,10 +34,11 @@ class Mapping:
         self.addr = int(self.array.ctypes.data)
 
     def close(self) -> None:
+        """Unmap now, or, while a pin (``array``) or view is still held, once the last one goes."""
         self.array = None
         try:
             self._mm.close()
-        except BufferError:  # a caller still holds a view: the map is freed when that view goes
+        except BufferError:  # a pinned view is in use: the map is freed when it and this object go
             pass
         if self._fd >= 0:
             os.close(self._fd)

@@ -18,7 +18,7 @@ from kvplugins.transfer import wire
 from kvplugins.transfer.api import RegionInfo, SegmentDescriptor
 from kvplugins.transfer.config import TransferConfig
 from kvplugins.transfer.memory import RegionTable, view_of
-from kvplugins.transfer.sockio import recv_exact, recv_into_all, send_all
+from kvplugins.transfer.sockio import recv_exact, recv_views, send_all
 from kvplugins.transfer.tcp_server import TcpServer
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
@@ -68,7 +68,7 @@ class TcpTransport(Transport):
         self._ids = itertools.count(1)
 
     def endpoint(self) -> dict[str, Any]:
-        return {"host": self._cfg.host, "port": self._server.port}
+        return {"host": _advertised(self._cfg.host), "port": self._server.port}
 
     def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
         return "tcp" in remote.transports
@@ -119,15 +119,15 @@ class TcpTransport(Transport):
         sock.settimeout(left)
         req_id = next(self._ids)
         head = wire.encode_request(op, req_id, [(p.region, p.offset, p.length) for p in frame])
-        send_all(sock, [head] + ([view_of(p.local_addr, p.length) for p in frame] if op is Op.WRITE else []))
-        hlen, plen = wire.parse_prefix(recv_exact(sock, wire.PREFIX.size), self._cfg.max_frame)
-        st = wire.decode_response(recv_exact(sock, hlen), req_id, len(frame))
-        ok = [p for p, s in zip(frame, st) if s is None]
-        want = sum(p.length for p in ok) if op is Op.READ else 0
-        if plen != want:
-            raise ProtocolError(f"response payload {plen} bytes, expected {want}")
-        for p in ok if op is Op.READ else ():
-            recv_into_all(sock, view_of(p.local_addr, p.length))
+        body = [view_of(p.local_addr, p.length) for p in frame] if op is Op.WRITE else []
+        send_all(sock, [head, *body], deadline.at)
+        prefix = recv_exact(sock, wire.PREFIX.size, deadline.at)
+        hlen, plen = wire.parse_prefix(prefix, self._cfg.max_frame)
+        st = wire.decode_response(recv_exact(sock, hlen, deadline.at), req_id, len(frame))
+        ok = [p for p, s in zip(frame, st) if s is None] if op is Op.READ else []
+        if plen != sum(p.length for p in ok):
+            raise ProtocolError(f"response payload {plen} bytes, expected {sum(p.length for p in ok)}")
+        recv_views(sock, [view_of(p.local_addr, p.length) for p in ok], deadline.at)
         for p, s in zip(frame, st):
             if s is not None:
                 status[p.index] = OutOfRange(f"tcp peer answered: {s}")
@@ -176,6 +176,11 @@ def _by_peer(entries: list[Entry]) -> dict[tuple[str, int], list[int]]:
         ep = e.remote.transports["tcp"]
         peers.setdefault((str(ep["host"]), int(ep["port"])), []).append(i)
     return peers
+
+
+def _advertised(host: str) -> str:
+    """The address peers dial: the bind address, or this host's name for a wildcard bind."""
+    return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
 
 
 def _failure(peer: tuple[str, int], e: BaseException, deadline: Deadline) -> TransferFailed:

@@ -10,7 +10,7 @@ import threading
 from kvplugins.errors import OutOfRange, ProtocolError
 from kvplugins.transfer import wire
 from kvplugins.transfer.memory import RegionTable, view_of
-from kvplugins.transfer.sockio import discard, recv_exact, recv_into_all, send_all
+from kvplugins.transfer.sockio import recv_exact, recv_views, send_all
 
 log = logging.getLogger("kvplugins.transfer.tcp")
 
@@ -63,13 +63,12 @@ class TcpServer:
         if first == 0:
             return False
         conn.settimeout(self._frame_timeout)
-        recv_into_all(conn, prefix[first:])
+        recv_views(conn, [prefix[first:]])
         hlen, plen = wire.parse_prefix(prefix, self._max_frame)
         req = wire.decode_request(recv_exact(conn, hlen), plen, self._max_frame)
-        status, addrs = self._resolve(req)
-        if req.op == wire.OP_WRITE:
-            for (_, _, length), addr in zip(req.entries, addrs):
-                recv_into_all(conn, view_of(addr, length)) if addr is not None else discard(conn, length)
+        status, addrs, _pins = self._resolve(req)  # _pins keeps the memory mapped until we return
+        if req.op == wire.OP_WRITE:  # a rejected entry's bytes land in scratch (bounded by max_frame)
+            recv_views(conn, [view_of(a, e[2]) if a is not None else bytearray(e[2]) for e, a in zip(req.entries, addrs)])
             send_all(conn, [wire.encode_response(req.req_id, status, 0)])
         else:
             views = [view_of(a, e[2]) for e, a in zip(req.entries, addrs) if a is not None]
@@ -77,17 +76,21 @@ class TcpServer:
             send_all(conn, [head, *views])
         return True
 
-    def _resolve(self, req: wire.Request) -> tuple[list[str | None], list[int | None]]:
+    def _resolve(self, req: wire.Request) -> tuple[list[str | None], list[int | None], list]:
+        """Per entry: error text or None, address or None; plus pins to hold while serving."""
         status: list[str | None] = []
         addrs: list[int | None] = []
+        pins = []
         for region, offset, length in req.entries:
             try:
-                addrs.append(self._regions.resolve_exported(region, offset, length))
+                addr, pin = self._regions.resolve_exported(region, offset, length)
+                addrs.append(addr)
+                pins.append(pin)
                 status.append(None)
             except OutOfRange as e:
                 addrs.append(None)
                 status.append(str(e))
-        return status, addrs
+        return status, addrs, pins
 
     def close(self) -> None:
         with self._lock:

@@ -3,6 +3,11 @@
 A transport moves entries between a local registered region and a peer's exported region, one-sided:
 the peer's CPU does no per-entry work for shm (and would do none for RDMA READ/WRITE); TCP's peer runs a
 server. The engine picks the transport per entry and retries TransferFailed entries on the next one.
+
+Fitting RDMA: add_region()/remove_region() see every local registration (ibv_reg_mr / dereg), endpoint()
+publishes what peers need (GID, QP info, per-region rkey + address), and each Entry carries the local
+Region (for its lkey) and the remote RegionInfo + offset (for the rkey), so transfer() can post one
+one-sided READ/WRITE work request per entry and wait for completions until the deadline.
 """
 from __future__ import annotations
 
@@ -25,13 +30,15 @@ class Op(enum.IntEnum):
 @dataclass(frozen=True)
 class Entry:
     """One validated batch entry. ``local_addr`` lies inside ``local`` (a registered Region, so an RDMA
-    transport can find its memory key); the remote side is (segment, region id, offset)."""
+    transport can find its memory key); the remote side is (segment, region id, offset). ``pin`` keeps
+    the local memory mapped while the entry is in flight."""
     local: Region
     local_addr: int
     remote: SegmentDescriptor
     remote_region: RegionInfo
     remote_offset: int
     length: int
+    pin: Any = None
 
 
 class Deadline:
@@ -62,6 +69,13 @@ class Transport(ABC):
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
         """Move every entry; return one status per entry (None = done). TransferFailed entries may be retried on another transport; OutOfRange ones are final.
         Must return by the deadline (plus a small margin), never hang."""
+
+    def add_region(self, region: Region) -> None:
+        """A local region was registered (an RDMA transport registers it with the NIC here and lists
+        its key in endpoint()). Default: nothing to do."""
+
+    def remove_region(self, region: Region) -> None:
+        """A local region is being unregistered; stop using its memory. Default: nothing to do."""
 
     def close(self) -> None:
         """Release sockets, mappings and threads. Idempotent."""
