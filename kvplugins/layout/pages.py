@@ -102,12 +102,13 @@ class PageStore:
         (store down, evicted, size mismatch). Their bytes must be treated as garbage by the caller."""
         if not block_ids:
             return []
+        spans = self._layout().spans_for(block_ids)
         client = self._connected()
         if client is None:
             self.stats["failed_pages"] += len(block_ids)
             return list(block_ids)
         try:
-            errors = client.batch_get_into(self.keyspace.keys(hashes), self._layout().spans_for(block_ids))
+            errors = client.batch_get_into(self.keyspace.keys(hashes), spans)
         except KVPluginsError as e:
             self._failed(e)
             errors = [e] * len(block_ids)
@@ -123,6 +124,7 @@ class PageStore:
         """Store the pages not stored yet (one exists RPC, then one batch put); returns pages written."""
         if not block_ids:
             return 0
+        layout = self._layout()
         client = self._connected()
         if client is None:
             return 0
@@ -133,7 +135,7 @@ class PageStore:
             self.stats["skipped_pages"] += len(keys) - len(todo)
             if not todo:
                 return 0
-            errors = client.batch_put_from([k for k, _ in todo], self._layout().spans_for([b for _, b in todo]))
+            errors = client.batch_put_from([k for k, _ in todo], layout.spans_for([b for _, b in todo]))
         except KVPluginsError as e:
             self._failed(e)
             return 0

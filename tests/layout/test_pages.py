@@ -1,0 +1,100 @@
+"""PageStore against a real store cluster on loopback: zero-copy page save/load between two processes'
+worth of "KV memory" (numpy arrays), prefix lookups across TP ranks, and serving through a store outage."""
+from __future__ import annotations
+
+import logging
+import socket
+
+import numpy as np
+import pytest
+from helpers.cluster import store_cluster
+
+from kvplugins.layout import KeySpace, PageLayout, PageStore
+
+pytestmark = pytest.mark.timeout(120)
+KS = KeySpace(model="test", kv_dtype="float16", block_size=16, layer_group="l0,l1", tp_rank=0, tp_size=1,
+              page_bytes=2 * 2 * 16 * 16 * 2)
+
+
+def kv(seed: int | None = None) -> list[np.ndarray]:
+    """Two layers of [num_blocks=8, kv_heads=2, block=16, head*2=16] float16, random or zero."""
+    if seed is None:
+        return [np.zeros((8, 2, 16, 16), np.float16) for _ in range(2)]
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((8, 2, 16, 16)).astype(np.float16) for _ in range(2)]
+
+
+def hashes(n: int, salt: int = 0) -> list[bytes]:
+    return [bytes([salt, i]) * 16 for i in range(n)]
+
+
+def client_factory(master: str, **kw):
+    from kvplugins.store import ClientConfig, StoreClient
+    return lambda: StoreClient(ClientConfig(master=master, rpc_timeout_ms=500, **kw))
+
+
+@pytest.fixture(scope="module")
+def master():
+    with store_cluster(nodes=1, segment_size="16MiB") as c:
+        yield c.master
+
+
+def test_save_then_load_into_other_blocks(master):
+    src, dst = kv(1), kv()
+    a = PageStore(client_factory(master), KS, PageLayout.from_tensors(src))
+    b = PageStore(client_factory(master), KS, PageLayout.from_tensors(dst))
+    h = hashes(3)
+    assert a.save([5, 6, 7], h) == 3
+    assert a.save([5, 6, 7], h) == 0  # already stored: skipped after one exists RPC
+    assert a.stats["skipped_pages"] == 3
+    assert b.stored_prefix(h + hashes(2, salt=9)) == 3
+    assert b.load([0, 1, 2], h) == []
+    for layer_src, layer_dst in zip(src, dst):
+        assert np.array_equal(layer_dst[0:3], layer_src[5:8])
+        assert not layer_dst[3:].any()
+    a.close(), b.close()
+
+
+def test_missing_page_reports_its_block(master):
+    dst = kv()
+    p = PageStore(client_factory(master), KS, PageLayout.from_tensors(dst))
+    assert p.load([4], hashes(1, salt=7)) == [4]
+    assert p.stats["failed_pages"] == 1
+    p.close()
+
+
+def test_prefix_needs_every_tp_rank(master):
+    ks2 = KeySpace(**{**KS.__dict__, "tp_size": 2, "model": "tp"})
+    r0, r1 = kv(2), kv(3)
+    w0 = PageStore(client_factory(master), ks2, PageLayout.from_tensors(r0))
+    w1 = PageStore(client_factory(master), ks2.for_rank(1), PageLayout.from_tensors(r1))
+    h = hashes(4, salt=3)
+    w0.save([0, 1, 2, 3], h)
+    w1.save([0, 1], h[:2])
+    sched = PageStore(client_factory(master), ks2, ranks=[0, 1])
+    assert sched.stored_prefix(h) == 2
+    for p in (w0, w1, sched):
+        p.close()
+
+
+def test_store_down_is_a_miss_logged_once(caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    dst = kv()
+    p = PageStore(client_factory(dead), KS, PageLayout.from_tensors(dst), retry_ms=60000)
+    with caplog.at_level(logging.WARNING, logger="kvplugins.layout.pages"):
+        assert not p.connect()
+        assert p.stored_prefix(hashes(2)) == 0
+        assert p.load([1, 2], hashes(2)) == [1, 2]
+        assert p.save([1], hashes(1)) == 0
+    assert sum("store unavailable" in r.message for r in caplog.records) == 1
+    assert p.stats["store_errors"] == 1  # later calls did not retry inside the back-off window
+
+
+def test_lookup_only_store_refuses_load_clearly(master):
+    from kvplugins.errors import KVPluginsError
+    p = PageStore(client_factory(master), KS)
+    with pytest.raises(KVPluginsError, match="no KV memory layout"):
+        p.load([0], hashes(1))
+    p.close()
