@@ -59,6 +59,7 @@ class StoreNodeConfig:
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period"})
     rpc_timeout_ms: int = field(default=3000, metadata={"help": "timeout of each master RPC"})
     ready_file: str = field(default="", metadata={"help": "write the segment id here once registered"})
+    prefault: bool = field(default=True, metadata={"help": "touch every segment page at start (steady put latency)"})
 
     def __post_init__(self):
         _sizes(self)

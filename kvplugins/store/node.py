@@ -27,7 +27,8 @@ class StoreNode:
         self.engine = TransferEngine(TransferConfig(host=config.host, transports=config.transports))
         try:
             self._rpc = control_client(master, config.rpc_timeout_ms)
-            self.segment = OwnedSegment(self.engine, config.segment_size, self._rpc, config.heartbeat_interval_ms)
+            self.segment = OwnedSegment(self.engine, config.segment_size, self._rpc, config.heartbeat_interval_ms,
+                                        prefault=config.prefault)
         except BaseException:
             self.engine.close()
             raise
