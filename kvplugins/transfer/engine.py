@@ -73,11 +73,11 @@ class TransferEngine:
 
     def memoryview(self, region: Region) -> memoryview:
         """A writable 1-D byte view of local ``region`` (length ``region.length``). Valid until unregister."""
-        addr, pin = self._regions.check_local(region, 0, region.length)
-        if isinstance(pin, np.ndarray) and pin.dtype == np.uint8 and pin.ctypes.data == addr \
+        pin = self._regions.pin(region)
+        if isinstance(pin, np.ndarray) and pin.dtype == np.uint8 and pin.ctypes.data == region.addr \
                 and pin.nbytes == region.length:
             return memoryview(pin)  # e.g. alloc_shared memory: the view keeps the mapping alive
-        return view_of(addr, region.length)
+        return view_of(region.addr, region.length)
 
     def region_for(self, addr: int, length: int) -> Region:
         """The registered region containing [addr, addr+length). Raises BufferNotRegistered."""

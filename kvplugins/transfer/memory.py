@@ -91,23 +91,23 @@ class RegionTable:
             del self._regions[region.region_id]
             return entry[1]
 
-    def check_local(self, region: Region, offset: int, length: int) -> tuple[int, Any]:
-        """(address of [offset, offset+length) of local ``region``, pin). Hold the pin while using the
-        address: it keeps the memory mapped even if the region is unregistered meanwhile. Raises OutOfRange."""
+    def pin(self, region: Region) -> Any:
+        """An object that keeps local ``region``'s memory mapped while held (even if it is unregistered
+        meanwhile). Raises OutOfRange if ``region`` is not registered here."""
         with self._lock:
             entry = self._regions.get(region.region_id)
         if entry is None or entry[0] != region:
             raise OutOfRange(f"local region {region.region_id} is not registered with this engine")
-        return _addr_in(region, offset, length, "local"), _pin(entry[1])
+        return _pin(entry[1])
 
     def resolve_exported(self, region_id: int, offset: int, length: int) -> tuple[int, Any]:
-        """(address of [offset, offset+length) of exported region ``region_id``, pin) as check_local.
+        """(address of [offset, offset+length) of exported region ``region_id``, pin) as pin().
         Raises OutOfRange for an unknown or unexported region or a span outside it."""
         with self._lock:
             entry = self._regions.get(region_id)
         if entry is None or not entry[0].exported:
             raise OutOfRange(f"region {region_id} is not exported by this engine")
-        return _addr_in(entry[0], offset, length, "remote"), _pin(entry[1])
+        return span_addr(entry[0], offset, length, "remote"), _pin(entry[1])
 
     def find(self, addr: int, length: int) -> Region:
         with self._lock:
@@ -137,7 +137,8 @@ def _pin(owner: Any) -> Any:
     return owner
 
 
-def _addr_in(region: Region, offset: int, length: int, side: str) -> int:
+def span_addr(region: Region, offset: int, length: int, side: str) -> int:
+    """Address of [offset, offset+length) inside ``region``. Raises OutOfRange naming ``side``."""
     if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0 \
             or offset + length > region.length:
         raise OutOfRange(f"{side} region {region.region_id} (length {region.length}): "

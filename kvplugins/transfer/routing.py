@@ -14,8 +14,8 @@ from collections import Counter
 from typing import Any
 
 from kvplugins.errors import OutOfRange, TransferError, TransferFailed
-from kvplugins.transfer.api import TransferRequest
-from kvplugins.transfer.memory import RegionTable
+from kvplugins.transfer.api import RegionInfo, SegmentDescriptor, TransferRequest
+from kvplugins.transfer.memory import RegionTable, span_addr
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
 log = logging.getLogger("kvplugins.transfer")
@@ -35,19 +35,21 @@ class Router:
         deadline = Deadline(timeout_ms)
         status: list[TransferError | None] = [None] * len(reqs)
         pending: dict[int, tuple[Entry, list[Transport]]] = {}
+        pins: dict[int, Any] = {}       # per batch: local region id -> pin
+        remotes: dict[tuple, tuple] = {}  # per batch: (descriptor, region id) -> (RegionInfo, candidates)
         for i, req in enumerate(reqs):
             try:
-                entry = self._entry(req)
+                entry, cands = self._entry(req, pins, remotes)
                 if entry.length:
-                    pending[i] = (entry, self._candidates(entry))
+                    pending[i] = (entry, cands)
             except TransferError as e:
                 status[i] = e
         while pending:
             pending = self._round(op, pending, status, deadline)
-        self._count(op, reqs, status)
+        self._count(op, status)
         return status
 
-    def _entry(self, req: TransferRequest) -> Entry:
+    def _entry(self, req: TransferRequest, pins: dict, remotes: dict) -> tuple[Entry, list[Transport]]:
         if not isinstance(req, TransferRequest):
             raise TypeError(f"batch entries must be TransferRequest, got {type(req).__name__}")
         try:
@@ -55,19 +57,23 @@ class Router:
         except TypeError:
             raise OutOfRange(f"offsets and length must be integers, got {req.local_offset!r}, "
                              f"{req.remote_offset!r}, {req.length!r}") from None
-        addr, pin = self._regions.check_local(req.local, local_off, length)
-        info = req.remote.region(req.remote_region)
+        key = req.local.region_id
+        pin = pins[key] if key in pins else pins.setdefault(key, self._regions.pin(req.local))
+        addr = span_addr(req.local, local_off, length, "local")
+        rkey = (id(req.remote), req.remote_region)
+        info, cands = remotes.get(rkey) or remotes.setdefault(rkey, self._remote(req.remote, req.remote_region))
         if remote_off < 0 or remote_off + length > info.length:
             raise OutOfRange(f"remote region {info.region_id} of {req.remote.segment_id} (length {info.length}): "
                              f"offset {remote_off} + length {length} is outside it")
-        return Entry(req.local, addr, req.remote, info, remote_off, length, pin)
+        return Entry(req.local, addr, req.remote, info, remote_off, length, pin), cands
 
-    def _candidates(self, e: Entry) -> list[Transport]:
-        cands = [t for t in self._transports if t.name in e.remote.transports and t.reaches(e.remote, e.remote_region)]
+    def _remote(self, remote: SegmentDescriptor, region_id: int) -> tuple[RegionInfo, list[Transport]]:
+        info = remote.region(region_id)
+        cands = [t for t in self._transports if t.name in remote.transports and t.reaches(remote, info)]
         if not cands:
-            raise TransferFailed(f"no common transport with {e.remote.segment_id}: this engine offers "
-                                 f"{[t.name for t in self._transports]}, the peer {list(e.remote.transports)}")
-        return cands
+            raise TransferFailed(f"no common transport with {remote.segment_id}: this engine offers "
+                                 f"{[t.name for t in self._transports]}, the peer {list(remote.transports)}")
+        return info, cands
 
     def _round(self, op: Op, pending: dict, status: list, deadline: Deadline) -> dict:
         by_transport: dict[int, list[int]] = {}
@@ -77,23 +83,24 @@ class Router:
         for idxs in by_transport.values():
             transport = pending[idxs[0]][1][0]
             results = transport.transfer(op, [pending[i][0] for i in idxs], deadline)
+            done = [0, 0, 0]  # entries, bytes, failed
             for i, err in zip(idxs, results):
                 entry, cands = pending[i]
-                self._record(transport.name, entry.length, err)
+                done[0 if err is None else 2] += 1
+                done[1] += entry.length if err is None else 0
                 if isinstance(err, TransferFailed) and len(cands) > 1:
                     self._fallback(transport.name, cands[1].name, err)
                     retry[i] = (entry, cands[1:])
                 else:
                     status[i] = err
+            self._record(transport.name, *done)
         return retry
 
-    def _record(self, name: str, nbytes: int, err: TransferError | None) -> None:
+    def _record(self, name: str, entries: int, nbytes: int, failed: int) -> None:
         with self._lock:
-            if err is None:
-                self._counts[(name, "entries")] += 1
-                self._counts[(name, "bytes")] += nbytes
-            else:
-                self._counts[(name, "failed")] += 1
+            self._counts[(name, "entries")] += entries
+            self._counts[(name, "bytes")] += nbytes
+            self._counts[(name, "failed")] += failed
 
     def _fallback(self, src: str, dst: str, err: TransferError) -> None:
         reason = re.sub(r"\d+", "N", str(err))
@@ -104,7 +111,7 @@ class Router:
         if first:
             log.warning("transfer fell back from %s to %s: %s", src, dst, err)
 
-    def _count(self, op: Op, reqs: list, status: list) -> None:
+    def _count(self, op: Op, status: list) -> None:
         with self._lock:
             self._counts[("batches", op.name.lower())] += 1
             for err in status:

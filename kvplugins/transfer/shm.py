@@ -36,21 +36,24 @@ class ShmTransport(Transport):
 
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
         status: list[TransferError | None] = [None] * len(entries)
-        dst, src, lens, done, pins = [], [], [], [], []
+        dst, src, lens = [], [], []
+        maps: dict[tuple[str, int], Any] = {}  # per batch; holding the pins keeps every map alive
         for i, e in enumerate(entries):
-            try:
-                pin, addr = self._mapping(e.remote, e.remote_region)
-                pins.append(pin)  # keeps the map alive even if close() or a dead peer unmaps it meanwhile
-                base = addr + e.remote_offset
-            except TransferFailed as err:
-                status[i] = err
+            key = (e.remote.segment_id, e.remote_region.region_id)
+            got = maps.get(key)
+            if got is None:
+                try:
+                    got = maps[key] = self._mapping(e.remote, e.remote_region)
+                except TransferFailed as err:
+                    got = maps[key] = err
+            if isinstance(got, TransferFailed):
+                status[i] = got
                 continue
-            local, remote = (e.local_addr, base)
-            dst.append(remote if op is Op.WRITE else local)
-            src.append(local if op is Op.WRITE else remote)
+            remote = got[1] + e.remote_offset
+            dst.append(remote if op is Op.WRITE else e.local_addr)
+            src.append(e.local_addr if op is Op.WRITE else remote)
             lens.append(e.length)
-            done.append(i)
-        if done:
+        if lens:
             native.copy_batch(dst, src, lens, self._threads)
         return status
 

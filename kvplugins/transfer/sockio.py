@@ -12,22 +12,40 @@ import socket
 import time
 
 IOV_MAX = 1024
+CALL_BYTES = 4 << 20
 
 
 def _views(buffers: list) -> list[memoryview]:
     return [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
 
 
-def _advance(views: list[memoryview], done: int) -> list[memoryview]:
-    """Drop ``done`` bytes from the front of ``views``."""
-    i = 0
-    while i < len(views) and done >= len(views[i]):
-        done -= len(views[i])
-        i += 1
-    rest = views[i:]
-    if rest and done:
-        rest[0] = rest[0][done:]
-    return rest
+class _Cursor:
+    """Position in a list of views; ``window()`` is what one sendmsg/recvmsg_into call gets: at most
+    IOV_MAX views and about CALL_BYTES bytes, so a call never touches every buffer of a large list."""
+
+    def __init__(self, views: list[memoryview]):
+        self.views, self.i = views, 0
+
+    def __bool__(self) -> bool:
+        return self.i < len(self.views)
+
+    def window(self) -> list[memoryview]:
+        total, j, end = 0, self.i, min(len(self.views), self.i + IOV_MAX)
+        while j < end and total < CALL_BYTES:
+            total += len(self.views[j])
+            j += 1
+        return self.views[self.i:j]
+
+    def advance(self, done: int) -> None:
+        views = self.views
+        while done and done >= len(views[self.i]):
+            done -= len(views[self.i])
+            self.i += 1
+        if done:
+            views[self.i] = views[self.i][done:]
+
+    def left(self) -> int:
+        return sum(len(v) for v in self.views[self.i:])
 
 
 def _check(deadline: float | None) -> None:
@@ -37,24 +55,22 @@ def _check(deadline: float | None) -> None:
 
 def send_all(sock: socket.socket, buffers: list, deadline: float | None = None) -> None:
     """Send every buffer in order with sendmsg (scatter/gather, no joining into one bytes object)."""
-    views = _views(buffers)
-    while views:
-        views = _advance(views, sock.sendmsg(views[:IOV_MAX]))
-        if views:
+    cur = _Cursor(_views(buffers))
+    while cur:
+        cur.advance(sock.sendmsg(cur.window()))
+        if cur:
             _check(deadline)
 
 
 def recv_views(sock: socket.socket, buffers: list, deadline: float | None = None) -> None:
     """Fill every buffer completely, in order, with recvmsg_into (scatter receive)."""
-    views = _views(buffers)
-    total = sum(len(v) for v in views)
-    while views:
-        got = sock.recvmsg_into(views[:IOV_MAX])[0]
+    cur = _Cursor(_views(buffers))
+    while cur:
+        got = sock.recvmsg_into(cur.window())[0]
         if got == 0:
-            raise ConnectionError(f"peer closed the connection with {sum(len(v) for v in views)} of "
-                                  f"{total} bytes outstanding")
-        views = _advance(views, got)
-        if views:
+            raise ConnectionError(f"peer closed the connection with {cur.left()} bytes still expected")
+        cur.advance(got)
+        if cur:
             _check(deadline)
 
 
