@@ -46,6 +46,7 @@ class StoreClient:
         self._staging = Staging(self._engine, cfg.staging_size)
         self._stats = ClientStats()
         self._segment = None
+        self._closed = False
         if cfg.segment_size:
             from kvplugins.store.segment import OwnedSegment
             self._segment_rpc = RawRpcClient(self.master, cfg.rpc_timeout_ms)
@@ -155,6 +156,10 @@ class StoreClient:
                 "segment": self._segment.name if self._segment else None}
 
     def close(self) -> None:
+        """Unregister the own segment (if any), free the staging buffer, stop the engine. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._segment is not None:
             self._segment.close()
             self._segment_rpc.close()
