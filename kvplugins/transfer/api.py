@@ -62,6 +62,8 @@ class SegmentDescriptor:
             if d["v"] != 1:
                 raise ProtocolError(f"segment descriptor version {d['v']!r} unsupported (this build speaks 1)")
             regions = tuple(RegionInfo(int(r[0]), int(r[1]), r[2]) for r in d["regions"])
+            if any(r.shm_path is not None and not isinstance(r.shm_path, str) for r in regions):
+                raise ValueError("a region's shm_path must be a string or None")
             return cls(str(d["segment_id"]), str(d["host_id"]), dict(d["transports"]), regions)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise ProtocolError(f"malformed segment descriptor: {e!r}") from e

@@ -32,7 +32,9 @@ class ShmTransport(Transport):
         return {"pid": os.getpid()}
 
     def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
-        return remote.host_id == self._host_id and bool(region.shm_path) and "shm" in remote.transports
+        ep = remote.transports.get("shm")
+        return remote.host_id == self._host_id and isinstance(region.shm_path, str) and bool(region.shm_path) \
+            and isinstance(ep, dict) and type(ep.get("pid")) is int and ep["pid"] > 0
 
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
         status: list[TransferError | None] = [None] * len(entries)
@@ -75,7 +77,7 @@ class ShmTransport(Transport):
         return pin, m.addr
 
     def _check_alive(self, remote: SegmentDescriptor) -> None:
-        pid = int(remote.transports["shm"].get("pid", 0))
+        pid = remote.transports["shm"]["pid"]
         with self._lock:
             fd = self._pidfds.get(remote.segment_id)
         if fd is None:

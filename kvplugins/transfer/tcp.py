@@ -16,7 +16,7 @@ from typing import Any
 from kvplugins.errors import OutOfRange, ProtocolError, TransferError, TransferFailed
 from kvplugins.transfer import wire
 from kvplugins.transfer.api import RegionInfo, SegmentDescriptor
-from kvplugins.transfer.config import TransferConfig
+from kvplugins.transfer.config import MIN_FRAME, TransferConfig
 from kvplugins.transfer.memory import RegionTable, view_of
 from kvplugins.transfer.sockio import recv_exact, recv_views, send_all
 from kvplugins.transfer.tcp_server import TcpServer
@@ -68,16 +68,21 @@ class TcpTransport(Transport):
         self._ids = itertools.count(1)
 
     def endpoint(self) -> dict[str, Any]:
-        return {"host": _advertised(self._cfg.host), "port": self._server.port}
+        """{"host", "port"} of this process's server and its max_frame (peers cut frames to fit it)."""
+        return {"host": _advertised(self._cfg.host), "port": self._server.port, "max_frame": int(self._cfg.max_frame)}
 
     def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
-        return "tcp" in remote.transports
+        ep = remote.transports.get("tcp")
+        return isinstance(ep, dict) and isinstance(ep.get("host"), str) and _is_int(ep.get("port")) \
+            and 0 < ep["port"] < 65536 and _is_int(ep.get("max_frame", 0))
 
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
         status: list[TransferError | None] = [None] * len(entries)
         jobs = []
         for peer, indexes in _by_peer(entries).items():
-            frames = plan_frames(entries, indexes, wire.payload_limit(self._cfg.max_frame), self._cfg.tcp_connections)
+            peer_frame = entries[indexes[0]].remote.transports["tcp"].get("max_frame", self._cfg.max_frame)
+            limit = wire.payload_limit(max(MIN_FRAME, min(self._cfg.max_frame, peer_frame)))
+            frames = plan_frames(entries, indexes, limit, self._cfg.tcp_connections)
             groups = min(self._cfg.tcp_connections, len(frames))
             jobs += [(peer, frames[g::groups]) for g in range(groups)]
         futures = [self._io.submit(self._run_group, op, p, f, status, deadline) for p, f in jobs[1:]]
@@ -174,8 +179,12 @@ def _by_peer(entries: list[Entry]) -> dict[tuple[str, int], list[int]]:
     peers: dict[tuple[str, int], list[int]] = {}
     for i, e in enumerate(entries):
         ep = e.remote.transports["tcp"]
-        peers.setdefault((str(ep["host"]), int(ep["port"])), []).append(i)
+        peers.setdefault((ep["host"], ep["port"]), []).append(i)
     return peers
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _advertised(host: str) -> str:

@@ -90,3 +90,20 @@ def test_out_of_range_entry_fails_alone(engine, peer):
 def test_zero_length_entry_is_a_no_op(engine, peer):
     local = engine.register(bytearray(16))
     assert engine.batch_read([TransferRequest(local, 16, peer.descriptor, peer.region_id, 0, 0)]) == [None]
+
+
+def test_frames_fit_a_peer_with_a_smaller_max_frame():
+    from helpers.peer import Peer
+    from kvplugins.transfer import TransferConfig, TransferEngine
+    size = 4 << 20
+    with Peer(transports="tcp", size=size, max_frame=1 << 20) as peer, \
+            TransferEngine(TransferConfig(transports="tcp", max_frame=64 << 20)) as eng:
+        assert peer.descriptor.transports["tcp"]["max_frame"] == 1 << 20
+        src = np.frombuffer(np.random.default_rng(2).bytes(size), dtype=np.uint8)
+        local = eng.register(src)
+        req = TransferRequest(local, 0, peer.descriptor, peer.region_id, 0, size)
+        assert eng.batch_write([req]) == [None]
+        assert peer.digest(0, size) == digest(src)
+        dst = np.zeros(size, dtype=np.uint8)
+        assert eng.batch_read([TransferRequest(eng.register(dst), 0, peer.descriptor, peer.region_id, 0, size)]) == [None]
+        assert np.array_equal(dst, src)

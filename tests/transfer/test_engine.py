@@ -177,3 +177,13 @@ def test_unregister_and_close_during_transfers_never_crash(transport):
             t.join(10)
         assert not any(t.is_alive() for t in threads)
     assert results and all(e is None or isinstance(e, OutOfRange) for e in results)
+
+
+@pytest.mark.parametrize("endpoint", [{"host": "127.0.0.1"}, {"host": 5, "port": 80}, {"host": "h", "port": True}, "x"])
+def test_malformed_tcp_endpoint_is_no_route_not_a_crash(endpoint):
+    import dataclasses
+    with TransferEngine(TransferConfig(transports="tcp")) as a, TransferEngine(TransferConfig(transports="tcp")) as b:
+        region = b.alloc_shared(4096)
+        bad = dataclasses.replace(b.descriptor(), transports={"tcp": endpoint})
+        st = a.batch_write([TransferRequest(a.register(bytearray(8)), 0, bad, region.region_id, 0, 8)])
+    assert isinstance(st[0], TransferFailed) and "no common transport" in str(st[0])
