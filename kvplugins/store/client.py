@@ -210,7 +210,7 @@ class StoreClient:
 
     def _read(self, keys, spans_per_key, found=None, t0=None) -> list[StoreError | None]:
         """``found``/``t0``: the get RPC's answer and the monotonic time just before it, if already asked."""
-        from kvplugins.store.client_io import local_spans, read_requests
+        from kvplugins.store.client_io import local_spans
         t0 = time.monotonic() if t0 is None else t0
         out: list[StoreError | None] = [None] * len(keys)
         found = found if found is not None else self._rpc_entries("get", keys)
@@ -226,14 +226,30 @@ class StoreClient:
                                       f"{sum(n for _, n in spans_per_key[i])}; pass spans summing to {value[0]}")
             else:
                 reads[i] = value
-        failed = self._transfer("read", read_requests, reads, locals_) if reads else {}
-        for i, err in failed.items():
+        for i, err in self._read_replicas(reads, locals_).items():
             out[i] = err
         ttl = min((v[2] for v in reads.values()), default=0)
         if reads and time.monotonic() - t0 > ttl / 1000:
             for i in reads:
                 out[i] = out[i] or TransferFailed(f"{keys[i]}: read outlived its {ttl} ms lease; bytes may be stale")
         return out
+
+    def _read_replicas(self, reads: dict, locals_) -> dict[int, StoreError]:
+        """Read each object from its first replica; entries that failed retry on the next replica, one transfer
+        batch per round. Returns index -> error of the entries no replica could serve."""
+        from kvplugins.store.client_io import read_requests
+        failed: dict[int, StoreError] = {}
+        pending = dict(reads)
+        for r in range(max((len(v[1]) for v in reads.values()), default=0)):
+            attempt = {i: (v[0], v[1][r:r + 1], v[2]) for i, v in pending.items() if r < len(v[1])}
+            if not attempt:
+                break
+            errors = self._transfer("read", read_requests, attempt, locals_)
+            for i in attempt:
+                failed.pop(i, None)
+            failed.update(errors)
+            pending = {i: reads[i] for i in errors}
+        return failed
 
     def _transfer(self, kind: str, build, todo: dict, locals_) -> dict[int, StoreError]:
         """Run one transfer batch for entries ``todo`` (index -> master locations). Returns index -> error."""

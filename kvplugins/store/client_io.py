@@ -1,7 +1,8 @@
 """Turning (key, spans) plus master locations into transfer-core requests (gather on put, scatter on get).
 
 A location is ``[segment name, region id, offset]``; the object's bytes are the concatenation of the spans, so
-span j lands at ``offset + sum(len of spans before j)`` of every replica. Reads use the first replica.
+span j lands at ``offset + sum(len of spans before j)`` of every replica. A read uses the replica(s) it is given
+(client.py tries them in order).
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def write_requests(todo: dict, locals_, descs, failed):
 
 
 def read_requests(todo: dict, locals_, descs, failed):
-    """Requests reading every key from its first replica into its spans. ``todo[i]`` = [size, locs, ttl]."""
+    """Requests reading every key from the first of its locations into its spans. ``todo[i]`` = [size, locs, ttl]."""
     reqs, owner = [], []
     for i, (_, locs, _) in todo.items():
         _requests(i, locs[:1], locals_[i], descs, failed, reqs, owner)

@@ -109,3 +109,27 @@ def test_malformed_frame_closes_connection_master_keeps_serving(bad):
         assert rpc.call("exists", ["k"]) == [False]
         rpc.close()
         assert "closed connection" in m.log_tail()
+
+
+def test_read_fails_over_to_second_replica_before_heartbeat_timeout():
+    tcp = {"transports": "tcp"}                 # a dead peer fails on TCP at once (a mapped shm would still read)
+    with store_cluster(nodes=2, segment_size="4MiB", node_flags=tcp) as c, \
+            StoreClient(ClientConfig(master=c.master, replicas=2, transports="tcp")) as client:
+        keys = [f"r/{i}" for i in range(10)]
+        client.batch_put(keys, [bytes([i]) * 50_000 for i in range(10)])
+        status = client._rpc.call("status")
+        assert [s["objects"] for s in status["segments"]] == [10, 10]          # every object on both nodes
+        c.nodes[0].kill()
+        assert client.batch_get(keys) == [bytes([i]) * 50_000 for i in range(10)]   # master still lists both
+
+
+def test_pending_put_of_a_dead_writer_is_reclaimed():
+    with store_cluster(nodes=1, segment_size="1MiB", master_flags={"put_timeout_ms": 300}) as c:
+        rpc = RawRpcClient(c.master, 2000)
+        [(code, _)] = rpc.call("put_start", [["dead/a", 1 << 20]])
+        assert code == 0 and rpc.call("status")["pending"] == 1               # the writer "dies" here
+        time.sleep(0.6)
+        status = rpc.call("status")
+        assert status["pending"] == 0 and status["reclaimed"] == 1 and status["bytes_used"] == 0
+        assert rpc.call("put_commit", ["dead/a"])[0][0] == 5                  # too late: expired
+        rpc.close()
