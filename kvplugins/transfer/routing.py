@@ -82,7 +82,7 @@ class Router:
         retry: dict[int, tuple[Entry, list[Transport]]] = {}
         for idxs in by_transport.values():
             transport = pending[idxs[0]][1][0]
-            results = transport.transfer(op, [pending[i][0] for i in idxs], deadline)
+            results = self._transfer(transport, op, [pending[i][0] for i in idxs], deadline)
             done = [0, 0, 0]  # entries, bytes, failed
             for i, err in zip(idxs, results):
                 entry, cands = pending[i]
@@ -95,6 +95,16 @@ class Router:
                     status[i] = err
             self._record(transport.name, *done)
         return retry
+
+    @staticmethod
+    def _transfer(transport: Transport, op: Op, entries: list[Entry], deadline: Deadline) -> list:
+        """transport.transfer(), with an unexpected exception turned into TransferFailed for every entry
+        (so the next transport gets them) instead of escaping the batch."""
+        try:
+            return transport.transfer(op, entries, deadline)
+        except Exception as e:  # noqa: BLE001 - a transport bug or a closed engine must not lose the batch
+            log.exception("%s transport raised during a batch", transport.name)
+            return [TransferFailed(f"{transport.name} transport error: {type(e).__name__}: {e}")] * len(entries)
 
     def _record(self, name: str, entries: int, nbytes: int, failed: int) -> None:
         with self._lock:

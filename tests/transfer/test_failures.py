@@ -132,3 +132,21 @@ def test_server_answers_out_of_range_per_entry_and_keeps_the_connection(make_eng
             rst = eng.batch_read(reqs)
             assert rst[0] is None and isinstance(rst[1], OutOfRange) and isinstance(rst[2], OutOfRange)
         assert peer.digest(5000, 4096) == digest(src[4096:])
+
+
+def test_peer_killed_mid_transfer_fails_fast(make_engine):
+    """The peer is frozen, a 32 MiB write fills the socket buffers and blocks mid-send, then the peer is
+    killed: the batch ends with TransferFailed long before its timeout."""
+    eng = make_engine(transports="tcp", timeout_ms=8000)
+    size = 32 << 20
+    local = eng.register(np.zeros(size, dtype=np.uint8))
+    with Peer(transports="tcp", size=size) as peer:
+        peer.stop()
+        t0 = time.monotonic()
+        fut = eng.submit_write([TransferRequest(local, 0, peer.descriptor, peer.region_id, 0, size)])
+        time.sleep(0.3)
+        assert not fut.done()  # blocked mid-send on the frozen peer
+        peer.kill()
+        st = fut.result(timeout=10)
+    assert isinstance(st[0], TransferFailed) and "tcp peer 127.0.0.1" in str(st[0])
+    assert time.monotonic() - t0 < 4.0
