@@ -14,15 +14,13 @@ def evictable(obj: Object, now: float) -> bool:
 
 
 def victims(table: ObjectTable, now: float, segment: str | None = None):
-    """Evictable objects in LRU order; only those with a replica on ``segment`` if given."""
-    for obj in table.lru():
+    """Evictable objects in LRU order; only those with a replica on ``segment`` if given. Lazy: the caller must
+    stop iterating before it drops any (leased objects were touched recently, so they sit at the MRU end and the
+    scan from the LRU end is short)."""
+    for obj in table.iter_lru():
         if evictable(obj, now) and (segment is None or any(s == segment for s, _ in obj.replicas)):
             yield obj
 
 
 def over_high(used: int, size: int, high: float) -> bool:
     return used > high * size
-
-
-def above_low(used: int, size: int, low: float) -> bool:
-    return used > low * size

@@ -26,6 +26,7 @@ class Object:
 class ObjectTable:
     def __init__(self):
         self._objects: OrderedDict[str, Object] = OrderedDict()
+        self._pending: dict[str, Object] = {}      # the not-yet-committed subset, for the reclaim sweep
 
     def get(self, key: str) -> Object | None:
         return self._objects.get(key)
@@ -33,20 +34,35 @@ class ObjectTable:
     def add(self, obj: Object) -> None:
         self._objects[obj.key] = obj
         self._objects.move_to_end(obj.key)
+        if not obj.complete:
+            self._pending[obj.key] = obj
+
+    def commit(self, obj: Object, now: float) -> None:
+        obj.complete = True
+        self._pending.pop(obj.key, None)
+        self.touch(obj, now)
 
     def touch(self, obj: Object, now: float) -> None:
         obj.last_access = now
         self._objects.move_to_end(obj.key)
 
     def pop(self, key: str) -> Object | None:
+        self._pending.pop(key, None)
         return self._objects.pop(key, None)
 
     def lru(self):
         """Objects, least recently used first (a snapshot; safe to pop while iterating)."""
         return list(self._objects.values())
 
-    def pending(self):
-        return [o for o in self._objects.values() if not o.complete]
+    def iter_lru(self):
+        """Objects, least recently used first, lazily: do not add or pop while iterating."""
+        return iter(self._objects.values())
+
+    def pending(self) -> list[Object]:
+        return list(self._pending.values())
+
+    def pending_count(self) -> int:
+        return len(self._pending)
 
     def __len__(self) -> int:
         return len(self._objects)

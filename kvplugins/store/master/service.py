@@ -12,7 +12,7 @@ import logging
 import time
 
 from kvplugins.store.config import MasterConfig
-from kvplugins.store.master.eviction import above_low, over_high, victims
+from kvplugins.store.master.eviction import over_high, victims
 from kvplugins.store.master.metadata import Object, ObjectTable
 from kvplugins.store.master.segments import Segment, SegmentRegistry
 from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, STORE_FULL, VERSION
@@ -102,8 +102,7 @@ class MasterService:
             if obj is None or obj.complete:
                 out.append([EXPIRED, "no pending put (reclaimed after put_timeout_ms, removed, or never started)"])
                 continue
-            obj.complete = True
-            self.table.touch(obj, now)
+            self.table.commit(obj, now)
             self.counters["commits"] += 1
             out.append([OK, None])
         return out
@@ -248,11 +247,15 @@ class MasterService:
         for seg in self.segments:
             if not over_high(seg.used, seg.size, self.cfg.high_watermark):
                 continue
-            for obj in victims(self.table, now, seg.name):
-                if not above_low(seg.used, seg.size, self.cfg.low_watermark):
+            excess, chosen = seg.used - self.cfg.low_watermark * seg.size, []
+            for obj in victims(self.table, now, seg.name):      # choose first, drop after the lazy scan
+                if excess <= 0:
                     break
+                chosen.append(obj)
+                excess -= seg.allocator.rounded(obj.size)
+            for obj in chosen:
                 self._drop(obj, now)
-                self.counters["evictions"] += 1
+            self.counters["evictions"] += len(chosen)
 
     # ---- introspection -------------------------------------------------------------------------------
     def op_info(self, entries, opts, now):
@@ -264,7 +267,7 @@ class MasterService:
                  "objects": len(s.keys), "free_blocks": s.allocator.free_blocks(),
                  "largest_free": s.allocator.largest_free(),
                  "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000)} for s in self.segments]
-        return {"segments": segs, "objects": len(self.table), "pending": len(self.table.pending()),
+        return {"segments": segs, "objects": len(self.table), "pending": self.table.pending_count(),
                 "zombies": len(self._zombies), "bytes_used": sum(s["used"] for s in segs),
                 "bytes_total": sum(s["size"] for s in segs), **self.counters}
 
