@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvplugins.config import Bytes, component
+from kvplugins.config import Bytes, component, parse_bytes
 from kvplugins.errors import ConfigError
 
 KNOWN_TRANSPORTS = ("shm", "tcp")
@@ -25,6 +25,8 @@ class TransferConfig:
     shm_backend: str = field(default="memfd", metadata={"help": "alloc_shared backing: memfd or posix"})
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_frame, str):  # direct construction may say "16MiB" (load() parses already)
+            object.__setattr__(self, "max_frame", Bytes(parse_bytes(self.max_frame)))
         names = self.transport_list()
         bad = [n for n in names if n not in KNOWN_TRANSPORTS]
         if not names or bad or len(set(names)) != len(names):

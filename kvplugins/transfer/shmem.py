@@ -53,15 +53,28 @@ class Mapping:
 
 def allocate(nbytes: int, backend: str = "memfd") -> Mapping:
     """New zero-filled shared memory of ``nbytes``. memfd: peers open /proc/<pid>/fd/<n>; posix: a
-    /dev/shm file named from pid + random, unlinked on close. Raises OSError if the kernel refuses."""
+    /dev/shm file named from pid + random, unlinked on close (memfd falls back to posix where memfd_create
+    is refused). Raises OSError if the kernel refuses the memory."""
     if backend == "memfd" and hasattr(os, "memfd_create"):
-        fd = os.memfd_create(f"kvp-{os.getpid()}", 0)
-        os.ftruncate(fd, nbytes)
-        return Mapping(fd, nbytes, f"/proc/{os.getpid()}/fd/{fd}")
+        try:
+            fd = os.memfd_create(f"kvp-{os.getpid()}", 0)
+        except OSError:  # e.g. a seccomp filter: POSIX shm below still works
+            pass
+        else:
+            return _mapped(fd, nbytes, f"/proc/{os.getpid()}/fd/{fd}", None)
     path = f"/dev/shm/kvp-{os.getpid()}-{secrets.token_hex(8)}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    os.ftruncate(fd, nbytes)
-    return Mapping(fd, nbytes, path, unlink=path)
+    return _mapped(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), nbytes, path, path)
+
+
+def _mapped(fd: int, nbytes: int, path: str, unlink: str | None) -> Mapping:
+    try:
+        os.ftruncate(fd, nbytes)
+        return Mapping(fd, nbytes, path, unlink=unlink)
+    except BaseException:
+        os.close(fd)
+        if unlink:
+            os.unlink(unlink)
+        raise
 
 
 def open_remote(path: str, length: int) -> Mapping:

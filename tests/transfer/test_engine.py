@@ -130,6 +130,12 @@ def test_config_rejects_bad_values(kw, match):
         TransferConfig(**kw)
 
 
+def test_config_accepts_size_strings():
+    assert TransferConfig(max_frame="4MiB").max_frame == 4 << 20
+    with pytest.raises(ConfigError, match="byte size"):
+        TransferConfig(max_frame="lots")
+
+
 def test_config_from_env():
     cfg = load(TransferConfig, environ={"KVPLUGINS_TRANSFER_MAX_FRAME": "4MiB", "KVPLUGINS_TRANSFER_TRANSPORTS": "tcp"})
     assert cfg.max_frame == 4 << 20 and cfg.transport_list() == ["tcp"]
