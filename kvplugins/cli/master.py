@@ -18,8 +18,8 @@ def run(args) -> int:
     cfg = from_args(MasterConfig, args)
     server = RpcServer(cfg)
     stop_on_signals(server.stop)
-    print(f"kvplugins master: listening on {server.address} (control plane {server.zmq_endpoint})", flush=True)
     if cfg.port_file:
         write_atomic(cfg.port_file, server.address + "\n")
+    print(f"kvplugins master: listening on {server.address} (control plane {server.zmq_endpoint})", flush=True)
     server.serve_forever()
     return 0
