@@ -65,22 +65,22 @@ def build_cases(args) -> list[workload.Case]:
                          args.min_iters, args.max_iters, args.warmup)
 
 
-def _targets(args, segment_bytes: int, log_dir: Path):
+def _targets(args, max_batch: int, log_dir: Path):
+    """Cluster starters, in run order; each sizes its segment for ``max_batch`` bytes per batch."""
     modes = [m for m in args.ours.split(",") if m]
     for m in modes:
         if m not in clusters.KVP_MODES:
             raise SystemExit(f"--ours: unknown mode {m!r}; use shm, tcp or both comma-separated")
     for m in modes:
-        yield lambda m=m: clusters.kvp(m, segment_bytes, log_dir)
+        yield lambda m=m: clusters.kvp(m, max_batch, log_dir)
     if args.vs == "mooncake":
-        yield lambda: clusters.mooncake(segment_bytes, log_dir)
+        yield lambda: clusters.mooncake(max_batch, log_dir)
 
 
 def run_all(args, cases, log_dir: Path) -> dict:
     live = [c for c in cases if not c.skipped]
-    segment_bytes = 2 * max(c.batch_bytes for c in live) + (64 << 20)
     rows, stats, errors = [], {}, []
-    for start in _targets(args, segment_bytes, log_dir):
+    for start in _targets(args, max(c.batch_bytes for c in live), log_dir):
         try:
             with start() as target:
                 print(f"-- {target.label}: {len(live)} cases", file=sys.stderr, flush=True)
@@ -104,7 +104,8 @@ def meta(argv: list[str]) -> dict:
     return {"command": shlex.join(["python", "benchmarks/store_bench.py", *argv]), "time_utc": time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(), "machine": platform.machine(),
             "kernel": platform.release(), "python": platform.python_version(), "kvplugins": version("kvplugins"),
-            "mooncake": version("mooncake-transfer-engine-non-cuda"), "netns": os.environ.get(netns.ENV)}
+            "mooncake": version("mooncake-transfer-engine-non-cuda"), "netns": os.environ.get(netns.ENV),
+            "loadavg_at_start": os.getloadavg()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta(argv), **run_all(args, cases, log_dir)}
     verified = [r for r in result["rows"] if not r["skipped"]]
+    result["meta"]["loadavg_at_end"] = os.getloadavg()
     result["verified"] = {"objects": sum(r["verified_objects"] for r in verified if r["op"] == "get"),
                           "bytes": sum(r["verified_bytes"] for r in verified if r["op"] == "get"),
                           "mismatches": sum("BytesMismatch" in e for e in result["errors"])}

@@ -18,7 +18,8 @@ class KvpClient:
 
     def __init__(self, cfg: dict, buf: np.ndarray | None):
         from kvplugins.store import ClientConfig, StoreClient
-        self.client = StoreClient(ClientConfig(master=cfg["master"], transports=cfg["transports"]))
+        self.client = StoreClient(ClientConfig(master=cfg["master"], transports=cfg["transports"],
+                                               rpc_timeout_ms=cfg.get("rpc_timeout_ms", 10000)))
         self.buf = buf
         if buf is not None:
             self.client.register_buffer(buf)
@@ -34,10 +35,13 @@ class KvpClient:
         return lambda: _check(op, keys, many(keys, spans_per_key), lambda r: r is None)
 
     def remove(self, keys: list[str]) -> None:
-        self.client.batch_remove(keys)
+        _check("remove", keys, self.client.batch_remove(keys), lambda r: r is None)
 
     def stats(self) -> dict:
-        return self.client.stats()
+        """The client's stats plus its transfer engine's per-transport counters (which transport moved the
+        bytes: proves shm vs forced TCP). The engine is the client's private attribute: diagnostics only."""
+        engine = getattr(self.client, "_engine", None)
+        return {**self.client.stats(), "transfer": engine.stats() if engine is not None else None}
 
     def close(self) -> None:
         self.client.close()

@@ -18,6 +18,12 @@ from storebench.procs import Worker, WorkerFailed, free_port, stop, wait_port
 HOST = "127.0.0.1"
 # Our transports per mode: ClientConfig.transports / StoreNodeConfig.transports (-> TransferConfig).
 KVP_MODES = {"shm": "shm,tcp", "tcp": "tcp"}
+# A get leases the object; the space of a removed object comes back when its lease ends. The benchmark's
+# master uses a short lease (longer than a read of the largest batch at 0.25 GB/s) so removed rounds free their
+# space soon (driver.SpaceGate waits for it, untimed); op timing does not depend on it. Mooncake's removals are
+# forced (free at once).
+MIN_LEASE_MS = 1000
+KVP_RPC_TIMEOUT_MS = 10000
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,8 @@ class Target:
     store: str
     mode: str
     backend: str
+    segment_bytes: int
+    lease_ms: int
     cfg: dict
     env: dict = field(default_factory=dict)
 
@@ -35,7 +43,7 @@ def _bin(name: str) -> str:
     path = Path(sys.executable).parent / name
     found = str(path) if path.exists() else shutil.which(name)
     if not found:
-        raise SystemExit(f"{name} not found next to {sys.executable} nor on PATH; see benchmarks/README.md")
+        raise WorkerFailed(f"{name} not found next to {sys.executable} nor on PATH; see benchmarks/README.md")
     return found
 
 
@@ -63,27 +71,34 @@ def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60.0) -> s
 
 
 @contextlib.contextmanager
-def kvp(mode: str, segment_bytes: int, log_dir: Path) -> Iterator[Target]:
+def kvp(mode: str, max_batch: int, log_dir: Path) -> Iterator[Target]:
     """Our store: ``kvplugins master`` + one ``kvplugins store`` node holding the segment; the node and the
-    clients offer the transports of ``mode`` (tcp: TCP forced, as TransferConfig(transports="tcp"))."""
+    clients offer the transports of ``mode`` (tcp: TCP forced, as TransferConfig(transports="tcp")).
+    The segment also holds the rounds removed but still leased: 6 batches (>= 512 MiB)."""
+    segment_bytes, lease_ms = max(512 << 20, 6 * max_batch), max(MIN_LEASE_MS, max_batch * 1000 // 250_000_000)
     transports, exe, env = KVP_MODES[mode], _bin("kvplugins"), dict(os.environ)
     port_file, ready_file = log_dir / f"kvp-{mode}-master.port", log_dir / f"kvp-{mode}-store.ready"
     for f in (port_file, ready_file):
         f.unlink(missing_ok=True)
-    with _popen([exe, "master", "--host", HOST, "--port", "0", "--port-file", str(port_file)],
+    with _popen([exe, "master", "--host", HOST, "--port", "0", "--port-file", str(port_file),
+                 "--lease-ttl-ms", str(lease_ms)],
                 log_dir / f"kvp-{mode}-master.log", env) as master:
         addr = _wait_file(port_file, master)
         with _popen([exe, "store", "--master", addr, "--segment-size", str(segment_bytes), "--host", HOST,
-                     "--transports", transports, "--ready-file", str(ready_file)],
+                     "--transports", transports, "--ready-file", str(ready_file),
+                     "--rpc-timeout-ms", str(KVP_RPC_TIMEOUT_MS)],
                     log_dir / f"kvp-{mode}-store.log", env) as node:
             _wait_file(ready_file, node)
-            yield Target(f"kvp-{mode}", "kvp", mode, "kvp", {"master": addr, "transports": transports}, env)
+            cfg = {"master": addr, "transports": transports}
+            yield Target(f"kvp-{mode}", "kvp", mode, "kvp", segment_bytes, lease_ms, cfg, env)
 
 
 @contextlib.contextmanager
-def mooncake(segment_bytes: int, log_dir: Path) -> Iterator[Target]:
+def mooncake(max_batch: int, log_dir: Path) -> Iterator[Target]:
     """Mooncake: ``mooncake_master`` with its HTTP metadata server + one segment process, TCP protocol.
+    Removals are forced, so the segment needs 2 batches (+ 64 MiB: eviction starts at 90 % use).
     Refuses to start outside a private network namespace (its servers bind 0.0.0.0)."""
+    segment_bytes = 2 * max_batch + (64 << 20)
     if not netns.inside():
         raise SystemExit("refusing to start Mooncake outside a private network namespace; use --vs mooncake")
     rpc, http, metrics = free_port(), free_port(), free_port()
@@ -98,7 +113,7 @@ def mooncake(segment_bytes: int, log_dir: Path) -> Iterator[Target]:
         seg = Worker("mooncake-segment", ["--backend", "mooncake", "--role", "segment", "--config",
                                           _json(cfg), "--segment-bytes", str(segment_bytes)], env, log_dir)
         try:
-            yield Target("mooncake-tcp", "mooncake", "tcp", "mooncake", cfg, env)
+            yield Target("mooncake-tcp", "mooncake", "tcp", "mooncake", segment_bytes, 0, cfg, env)
         finally:
             seg.close()
 
