@@ -10,7 +10,6 @@ TransferFailed. Follows the Mooncake store client design (FAST'25 §4).
 """
 from __future__ import annotations
 
-import threading
 import time
 
 from kvplugins.errors import (BufferNotRegistered, KeyNotFound, NativeError, SizeMismatch, StoreError,
@@ -105,6 +104,8 @@ class StoreClient:
         return value
 
     def batch_put(self, keys: list[str], datas: list) -> list[StoreError | None]:
+        """Store each bytes-like ``datas[i]`` under ``keys[i]`` (copied through the staging buffer, then one
+        allocate RPC + one transfer batch + one commit RPC). Per key: None or the StoreError."""
         views = [memoryview(d).cast("B") for d in datas]
         with self._staging.use(sum(v.nbytes for v in views)) as (base, mv):
             spans, off = [], 0
