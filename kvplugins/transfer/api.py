@@ -26,12 +26,14 @@ class Region:
 
     shm_path: for memory in memfd/POSIX shm, the path a same-host peer opens to map it (else None).
     exported: whether remote peers may read/write it through this engine's servers.
+    readonly: the memory is read-only (e.g. ``bytes``): it can be a write source, never a destination.
     """
     region_id: int
     addr: int
     length: int
     shm_path: str | None = None
     exported: bool = False
+    readonly: bool = False
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,11 @@ class TransferEngine:
         """Register ``mem`` (C-contiguous numpy array, contiguous torch CPU tensor, memoryview/bytearray
         or other buffer, or an int address with ``length`` in bytes). The caller keeps int-addressed
         memory alive until unregister(). ``export=True`` lets peers read/write it (over TCP; shm needs
-        alloc_shared memory). Raises TypeError for unsupported memory, OutOfRange for a bad length."""
-        addr, nbytes, owner = buffer_span(mem, length)
-        return self._added(self._regions.add(addr, nbytes, owner, None, export))
+        alloc_shared memory). Read-only memory (bytes, a read-only array) gives Region.readonly: it may be
+        a write source but never a read destination nor written by peers.
+        Raises TypeError for unsupported memory, OutOfRange for a bad length."""
+        addr, nbytes, owner, readonly = buffer_span(mem, length)
+        return self._added(self._regions.add(addr, nbytes, owner, None, export, readonly))
 
     def alloc_shared(self, nbytes: int, export: bool = True) -> Region:
         """Allocate ``nbytes`` of zeroed memfd/POSIX-shm memory (config.shm_backend) and register it with
@@ -72,12 +74,14 @@ class TransferEngine:
         return region
 
     def memoryview(self, region: Region) -> memoryview:
-        """A writable 1-D byte view of local ``region`` (length ``region.length``). Valid until unregister."""
+        """A 1-D byte view of local ``region`` (length ``region.length``), writable unless region.readonly.
+        alloc_shared memory stays mapped while the view lives; other memory is the caller's to keep."""
         pin = self._regions.pin(region)
         if isinstance(pin, np.ndarray) and pin.dtype == np.uint8 and pin.ctypes.data == region.addr \
                 and pin.nbytes == region.length:
             return memoryview(pin)  # e.g. alloc_shared memory: the view keeps the mapping alive
-        return view_of(region.addr, region.length)
+        view = view_of(region.addr, region.length)
+        return view.toreadonly() if region.readonly else view
 
     def region_for(self, addr: int, length: int) -> Region:
         """The registered region containing [addr, addr+length). Raises BufferNotRegistered."""

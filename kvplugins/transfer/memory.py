@@ -13,8 +13,8 @@ from kvplugins.transfer.api import Region
 from kvplugins.transfer.shmem import Mapping
 
 
-def buffer_span(mem: Any, length: int | None = None) -> tuple[int, int, Any]:
-    """(address, nbytes, keep-alive owner) of ``mem``.
+def buffer_span(mem: Any, length: int | None = None) -> tuple[int, int, Any, bool]:
+    """(address, nbytes, keep-alive owner, readonly) of ``mem``.
 
     mem: a C-contiguous numpy array, a contiguous torch CPU tensor, any contiguous buffer (memoryview,
     bytearray, mmap) or an int address (then ``length`` is required). ``length`` (bytes) may cut the span
@@ -25,9 +25,9 @@ def buffer_span(mem: Any, length: int | None = None) -> tuple[int, int, Any]:
     if isinstance(mem, int):
         if length is None:
             raise TypeError(f"register({mem:#x}): an int address needs length= (bytes)")
-        return mem, _check_length(length, None), None
-    addr, nbytes = _torch_span(mem) if _is_torch(mem) else _buffer_span(mem)
-    return addr, _check_length(nbytes if length is None else length, nbytes), mem
+        return mem, _check_length(length, None), None, False
+    addr, nbytes, readonly = _torch_span(mem) if _is_torch(mem) else _buffer_span(mem)
+    return addr, _check_length(nbytes if length is None else length, nbytes), mem, readonly
 
 
 def _check_length(length: int, limit: int | None) -> int:
@@ -40,18 +40,18 @@ def _is_torch(mem: Any) -> bool:
     return type(mem).__module__.startswith("torch") and hasattr(mem, "data_ptr")
 
 
-def _torch_span(t: Any) -> tuple[int, int]:
+def _torch_span(t: Any) -> tuple[int, int, bool]:
     if t.device.type != "cpu" or not t.is_contiguous():
         raise TypeError(f"register(tensor on {t.device}, contiguous={t.is_contiguous()}): "
                         "pass a contiguous CPU tensor (use .contiguous().cpu())")
-    return int(t.data_ptr()), int(t.numel() * t.element_size())
+    return int(t.data_ptr()), int(t.numel() * t.element_size()), False
 
 
-def _buffer_span(mem: Any) -> tuple[int, int]:
+def _buffer_span(mem: Any) -> tuple[int, int, bool]:
     if isinstance(mem, np.ndarray):
         if not mem.flags.c_contiguous:
             raise TypeError("register(numpy array): the array is not C-contiguous; use np.ascontiguousarray")
-        return int(mem.ctypes.data), int(mem.nbytes)
+        return int(mem.ctypes.data), int(mem.nbytes), not mem.flags.writeable
     try:
         view = memoryview(mem)
     except TypeError:
@@ -60,7 +60,7 @@ def _buffer_span(mem: Any) -> tuple[int, int]:
     if not view.contiguous:
         raise TypeError("register(memoryview): the buffer is not contiguous")
     arr = np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8)
-    return int(arr.ctypes.data), int(arr.nbytes)
+    return int(arr.ctypes.data), int(arr.nbytes), view.readonly
 
 
 def view_of(addr: int, length: int) -> memoryview:
@@ -76,9 +76,10 @@ class RegionTable:
         self._ids = itertools.count(1)
         self._regions: dict[int, tuple[Region, Any]] = {}
 
-    def add(self, addr: int, length: int, owner: Any, shm_path: str | None = None, export: bool = False) -> Region:
+    def add(self, addr: int, length: int, owner: Any, shm_path: str | None = None, export: bool = False,
+            readonly: bool = False) -> Region:
         with self._lock:
-            region = Region(next(self._ids), addr, length, shm_path, bool(export))
+            region = Region(next(self._ids), addr, length, shm_path, bool(export), bool(readonly))
             self._regions[region.region_id] = (region, owner)
             return region
 
@@ -100,13 +101,16 @@ class RegionTable:
             raise OutOfRange(f"local region {region.region_id} is not registered with this engine")
         return _pin(entry[1])
 
-    def resolve_exported(self, region_id: int, offset: int, length: int) -> tuple[int, Any]:
+    def resolve_exported(self, region_id: int, offset: int, length: int, write: bool) -> tuple[int, Any]:
         """(address of [offset, offset+length) of exported region ``region_id``, pin) as pin().
-        Raises OutOfRange for an unknown or unexported region or a span outside it."""
+        Raises OutOfRange for an unknown or unexported region, a span outside it, or a ``write`` into
+        read-only memory."""
         with self._lock:
             entry = self._regions.get(region_id)
         if entry is None or not entry[0].exported:
             raise OutOfRange(f"region {region_id} is not exported by this engine")
+        if write and entry[0].readonly:
+            raise OutOfRange(f"region {region_id} is read-only memory; peers may only read it")
         return span_addr(entry[0], offset, length, "remote"), _pin(entry[1])
 
     def find(self, addr: int, length: int) -> Region:

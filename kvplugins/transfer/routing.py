@@ -40,6 +40,8 @@ class Router:
         for i, req in enumerate(reqs):
             try:
                 entry, cands = self._entry(req, pins, remotes)
+                if op is Op.READ and entry.local.readonly:
+                    raise OutOfRange(f"local region {entry.local.region_id} is read-only; read into writable memory")
                 if entry.length:
                     pending[i] = (entry, cands)
             except TransferError as e:

@@ -83,7 +83,7 @@ class TcpServer:
         pins = []
         for region, offset, length in req.entries:
             try:
-                addr, pin = self._regions.resolve_exported(region, offset, length)
+                addr, pin = self._regions.resolve_exported(region, offset, length, req.op == wire.OP_WRITE)
                 addrs.append(addr)
                 pins.append(pin)
                 status.append(None)

@@ -114,7 +114,7 @@ def test_plain_region_goes_over_tcp_without_fallback(make_engine):
 
 def test_server_answers_out_of_range_per_entry_and_keeps_the_connection(make_engine):
     eng = make_engine(transports="tcp", tcp_connections=1)
-    src = np.frombuffer(np.random.default_rng(4).bytes(8192), dtype=np.uint8)
+    src = np.frombuffer(np.random.default_rng(4).bytes(8192), dtype=np.uint8).copy()  # reads land here
     local = eng.register(src)
     with Peer(transports="tcp", size=SIZE) as peer:
         d = peer.descriptor  # a stale/lying descriptor: bigger region, and a region that is not exported
