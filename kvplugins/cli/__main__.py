@@ -1,0 +1,5 @@
+import sys
+
+from kvplugins.cli import main
+
+sys.exit(main())
