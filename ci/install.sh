@@ -34,6 +34,7 @@ fi
 if $VENV/bin/python -c "import importlib.metadata as m; m.version('triton')" 2>/dev/null; then
   log "uninstall CUDA triton (pulled by xgrammar)"; $PIP uninstall -y -q triton
 fi
-log "kvplugins (native build) with [test,bench]"
+[ -f ci/install-sglang.sh ] && bash ci/install-sglang.sh "$VENV"
+log "kvplugins (native build) with [test]"
 $PIP install -q -c ci/constraints.txt -e ".[test]"
 log "installed: $($VENV/bin/python -c 'import kvplugins,torch,vllm;print("kvplugins",kvplugins.__version__,"torch",torch.__version__,"vllm",vllm.__version__)' 2>/dev/null | tail -1)"
