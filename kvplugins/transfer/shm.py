@@ -6,6 +6,7 @@ into memory nobody reads.
 """
 from __future__ import annotations
 
+import errno
 import os
 import select
 import threading
@@ -78,20 +79,29 @@ class ShmTransport(Transport):
 
     def _check_alive(self, remote: SegmentDescriptor) -> None:
         pid = remote.transports["shm"]["pid"]
-        with self._lock:
-            fd = self._pidfds.get(remote.segment_id)
-        if fd is None:
-            try:
-                fd = os.pidfd_open(pid)
-            except (OSError, ValueError) as e:
-                raise TransferFailed(f"shm peer {remote.segment_id} (pid {pid}) is gone: {e}") from e
-            with self._lock:
-                mine, fd = fd, self._pidfds.setdefault(remote.segment_id, fd)
-            if fd != mine:
-                os.close(mine)
-        if select.select([fd], [], [], 0)[0]:
+        fd = self._pidfd(remote.segment_id, pid)
+        alive = os.path.exists(f"/proc/{pid}") if fd < 0 else not _readable(fd)
+        if not alive:
             self._forget(remote.segment_id)
             raise TransferFailed(f"shm peer {remote.segment_id} (pid {pid}) has exited")
+
+    def _pidfd(self, segment_id: str, pid: int) -> int:
+        """A pidfd of the peer (readable once it exits), opened once; -1 where the kernel has none."""
+        with self._lock:
+            fd = self._pidfds.get(segment_id)
+        if fd is not None:
+            return fd
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError as e:
+            if e.errno != errno.ENOSYS:
+                raise TransferFailed(f"shm peer {segment_id} (pid {pid}) is gone: {e.strerror}") from e
+            fd = -1
+        with self._lock:
+            mine, fd = fd, self._pidfds.setdefault(segment_id, fd)
+        if fd != mine and mine >= 0:
+            os.close(mine)
+        return fd
 
     def _forget(self, segment_id: str) -> None:
         """Unmap a dead peer's regions (its memory is freed once nobody maps it)."""
@@ -108,4 +118,11 @@ class ShmTransport(Transport):
         for m in maps:
             m.close()
         for fd in fds:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
+
+
+def _readable(fd: int) -> bool:
+    poller = select.poll()  # poll, not select: fds above FD_SETSIZE are fine
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
