@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 
 from kvplugins.errors import OutOfRange, ProtocolError
 from kvplugins.transfer import wire
@@ -32,8 +33,12 @@ class TcpServer:
         while not self._closed:
             try:
                 conn, addr = self._sock.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._closed:
+                    return
+                log.warning("transfer server on port %d: accept failed (%s); retrying", self.port, e)
+                time.sleep(0.05)  # e.g. EMFILE: wait for descriptors to free instead of spinning or dying
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 if self._closed:
