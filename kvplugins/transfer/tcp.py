@@ -55,7 +55,7 @@ def plan_frames(entries: list[Entry], indexes: list[int], limit: int, conns: int
 
 
 class TcpTransport(Transport):
-    """Offers {"host", "port"} of its server; reaches every peer that offers tcp."""
+    """Offers {"host", "port", "max_frame"} of its server; reaches every peer offering a valid tcp endpoint."""
     name = "tcp"
 
     def __init__(self, config: TransferConfig, regions: RegionTable):
