@@ -28,7 +28,8 @@ CONNECTOR = {"kv_connector": "KVPluginsConnector", "kv_connector_module_path": "
 @dataclass
 class EngineSpec:
     """One engine run. connector: kv_connector_extra_config, or None to run without the connector.
-    kv_cache_gib: VLLM_CPU_KVCACHE_SPACE (GiB). block_size: tokens per KV block (a multiple of 32 on CPU)."""
+    kv_cache_gib: VLLM_CPU_KVCACHE_SPACE (GiB). block_size: tokens per KV block (a multiple of 32 on CPU).
+    load_failure: vLLM's kv_load_failure_policy for pages that fail to load ("recompute" or "fail")."""
     model: str
     prompts: list[str]
     max_tokens: int = 16
@@ -36,6 +37,7 @@ class EngineSpec:
     kv_cache_gib: float = 1.0
     block_size: int = 32
     max_model_len: int = 8192
+    load_failure: str = "recompute"
     env: dict = field(default_factory=dict)
 
 
@@ -83,7 +85,8 @@ def _child(spec: EngineSpec) -> dict:
 
     kwargs = {}
     if spec.connector is not None:
-        kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": spec.connector}
+        kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": spec.connector,
+                                        "kv_load_failure_policy": spec.load_failure}
     llm = LLM(model=spec.model, dtype="float32", block_size=spec.block_size, max_model_len=spec.max_model_len,
               enforce_eager=True, max_num_seqs=4, seed=0, disable_log_stats=False, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)

@@ -2,8 +2,9 @@
 
 Engine A computes first turns and saves their pages; a fresh engine B gets the next turns and must (1) load
 the shared prefix from the store and (2) produce the same greedy tokens as an engine without the connector.
-Controls: corrupting the stored pages changes B's tokens (so the loaded KV is really used), and with the
-store down the engine still serves, with identical tokens.
+Controls: corrupting the stored pages changes B's tokens (so the loaded KV is really used), a page that fails
+to load is reported and recomputed (identical tokens), and with the store down the engine still serves,
+with identical tokens.
 """
 from __future__ import annotations
 
@@ -43,16 +44,37 @@ def test_fresh_instance_gets_external_hits_and_identical_tokens(shared, baseline
     assert all(len(t) == 16 for t in b["tokens"])
 
 
+def stored_page_keys(client, b, info) -> list[str]:
+    keys = [k for ids in b["prompt_token_ids"] for k in page_keys(info["keyspace"], ids)]
+    stored = [k for k, ok in zip(keys, client.batch_exists(keys)) if ok]
+    assert len(stored) >= b["external_hit_tokens"] // BLOCK  # the keys we compute are the engine's
+    return stored
+
+
+def replace_pages(client, keys, nbytes: int) -> None:
+    """Overwrite stored pages with random bytes (a put of an existing key is a no-op, so remove first)."""
+    client.batch_remove(keys)
+    assert not any(client.batch_put(keys, [os.urandom(nbytes) for _ in keys]))
+
+
+def test_page_that_fails_to_load_is_recomputed(shared, baseline, model, turn_prompts, cluster, tmp_path):
+    from kvplugins.store import ClientConfig, StoreClient
+    _, b, info = shared
+    with StoreClient(ClientConfig(master=cluster.master)) as client:
+        stored = stored_page_keys(client, b, info)
+        replace_pages(client, stored[5:6], info["keyspace"]["page_bytes"] // 2)  # wrong size: load fails
+    log = tmp_path / "engine.log"
+    r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master},
+                             load_failure="recompute"), log_path=str(log))
+    assert "1 of" in log.read_text() and "pages failed to load" in log.read_text()
+    assert r["tokens"] == baseline["tokens"]
+
+
 def test_corrupted_pages_change_tokens(shared, baseline, model, turn_prompts, cluster):
     from kvplugins.store import ClientConfig, StoreClient
     _, b, info = shared
-    keys = [k for ids in b["prompt_token_ids"] for k in page_keys(info["keyspace"], ids)]
     with StoreClient(ClientConfig(master=cluster.master)) as client:
-        stored = [k for k, ok in zip(keys, client.batch_exists(keys)) if ok]
-        assert len(stored) >= b["external_hit_tokens"] // BLOCK  # the keys we compute are the engine's
-        datas = client.batch_get(stored)
-        client.batch_remove(stored)
-        assert not any(client.batch_put(stored, [os.urandom(len(d)) for d in datas]))
+        replace_pages(client, stored_page_keys(client, b, info), info["keyspace"]["page_bytes"])
     bad = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master}))
     assert bad["external_hit_tokens"] >= b["external_hit_tokens"]  # B saved its own pages too
     assert bad["tokens"] != baseline["tokens"]
