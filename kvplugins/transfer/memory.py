@@ -63,9 +63,16 @@ def _buffer_span(mem: Any) -> tuple[int, int, bool]:
     return int(arr.ctypes.data), int(arr.nbytes), view.readonly
 
 
+# PyMemoryView_FromMemory: a view over raw memory without creating a ctypes array type per length
+# (``c_char * n`` costs ~10 us for each new n and caches every type forever).
+_FROM_MEMORY = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
+    ("PyMemoryView_FromMemory", ctypes.pythonapi))
+_PYBUF_WRITE = 0x200
+
+
 def view_of(addr: int, length: int) -> memoryview:
-    """A writable byte memoryview over raw memory (the caller keeps the memory alive)."""
-    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+    """A writable 1-D byte memoryview of ``length`` bytes at ``addr`` (the caller keeps the memory alive)."""
+    return _FROM_MEMORY(addr, length, _PYBUF_WRITE)
 
 
 class RegionTable:

@@ -22,7 +22,7 @@ from kvplugins.transfer.sockio import recv_exact, recv_views, send_all
 from kvplugins.transfer.tcp_server import TcpServer
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
-MIN_PIECE = 64 << 10
+MIN_PIECE = 1 << 20  # smallest frame worth another connection: a thread handoff costs ~50-100 us
 
 
 @dataclass(frozen=True)
