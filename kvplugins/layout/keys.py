@@ -63,10 +63,7 @@ def page_hashes(block_hashes: Sequence[bytes], hash_block_size: int, block_size:
     return list(block_hashes[step - 1::step])
 
 
-def hit_blocks(num_stored: int, first_block: int, num_tokens: int, block_size: int) -> int:
-    """How many pages to load, given ``num_stored`` consecutive stored pages from ``first_block``.
-
-    The engine must compute at least one token itself (it samples from the last one), so the loaded
-    prefix ends before token ``num_tokens - 1``: at most ``(num_tokens - 1) // block_size`` pages in all.
-    """
-    return max(0, min(num_stored, (num_tokens - 1) // block_size - first_block))
+def loadable_pages(num_tokens: int, block_size: int) -> int:
+    """Most leading pages of a ``num_tokens`` prompt worth loading: the engine must compute at least the last
+    token itself (it samples from it), so the loaded prefix ends before token ``num_tokens - 1``."""
+    return max(0, (num_tokens - 1) // block_size)

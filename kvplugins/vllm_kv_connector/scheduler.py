@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvplugins.layout import PageStore, hit_blocks, page_hashes
+from kvplugins.layout import PageStore, loadable_pages, page_hashes
 from kvplugins.vllm_kv_connector import engine
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
 from kvplugins.vllm_kv_connector.metadata import KVPluginsConnectorMetadata
@@ -40,7 +40,6 @@ class SchedulerSide:
             _write_namespaces(cfg.namespace_file, ks)
         self.tracked: dict[str, _Tracked] = {}
         self.pending = KVPluginsConnectorMetadata()
-        self.external_hit_tokens = 0
 
     def _hashes(self, request: "Request") -> list[bytes]:
         return page_hashes(request.block_hashes, self.hash_block_size, self.block_size)
@@ -51,8 +50,7 @@ class SchedulerSide:
         t.first, t.hit = first, 0
         if not self.cfg.load:
             return 0, False
-        limit = hit_blocks(1 << 62, first, request.num_tokens, self.block_size)
-        candidates = self._hashes(request)[first:first + limit]
+        candidates = self._hashes(request)[first:loadable_pages(request.num_tokens, self.block_size)]
         t.hit = self.pages.stored_prefix(candidates)
         return t.hit * self.block_size, False
 
@@ -63,7 +61,6 @@ class SchedulerSide:
         n = min(num_external_tokens // self.block_size, t.hit)
         hashes = self._hashes(request)[t.first:t.first + n]
         self.pending.loads.add(block_ids[t.first:t.first + n], hashes)
-        self.external_hit_tokens += n * self.block_size
 
     def build_meta(self, out: "SchedulerOutput") -> KVPluginsConnectorMetadata:
         meta, self.pending = self.pending, KVPluginsConnectorMetadata()
