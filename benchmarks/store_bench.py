@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from storebench import clusters, netns, workload  # noqa: E402
-from storebench.driver import BytesMismatch, run_target  # noqa: E402
+from storebench.driver import BytesMismatch, Session  # noqa: E402
 from storebench.procs import WorkerFailed  # noqa: E402
 from storebench.report import ratios, tables, targets  # noqa: E402
 from kvplugins.config import parse_bytes  # noqa: E402
@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-iters", type=int, default=10)
     p.add_argument("--max-iters", type=int, default=300)
     p.add_argument("--warmup", type=int, default=3, help="untimed (but verified) rounds per case")
+    p.add_argument("--sequential", action="store_true", help="run the stores one after another instead of "
+                   "interleaved case by case (less memory: one store at a time; ratios more exposed to load drift)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any worker may take to answer")
     p.add_argument("--json", help="write machine-readable results here")
     p.add_argument("--log-dir", help="worker and server logs (default .bench/logs-<pid>)")
@@ -78,20 +80,72 @@ def _targets(args, max_batch: int, log_dir: Path):
 
 
 def run_all(args, cases, log_dir: Path) -> dict:
-    live = [c for c in cases if not c.skipped]
+    """All stores interleaved case by case (default), or one store after another with --sequential."""
+    starters = list(_targets(args, max(c.batch_bytes for c in cases if not c.skipped), log_dir))
+    groups = [[s] for s in starters] if args.sequential else [starters]
     rows, stats, errors = [], {}, []
-    for start in _targets(args, max(c.batch_bytes for c in live), log_dir):
-        try:
-            with start() as target:
-                print(f"-- {target.label}: {len(live)} cases", file=sys.stderr, flush=True)
-                t0 = time.monotonic()
-                got, stats[target.label] = run_target(target, cases, log_dir, args.timeout)
-                rows += got
-                print(f"   done in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
-        except (WorkerFailed, BytesMismatch) as e:
-            errors.append(f"{type(e).__name__}: {e}")
-            print(f"!! {errors[-1]}", file=sys.stderr, flush=True)
+    for group in groups:
+        got, st = run_group(group, cases, log_dir, args.timeout, errors)
+        rows += got
+        stats.update(st)
     return {"rows": rows, "ratios": ratios(rows), "targets": targets(rows), "stats": stats, "errors": errors}
+
+
+def run_group(starters, cases, log_dir: Path, timeout_s: float, errors: list[str]) -> tuple[list[dict], dict]:
+    """Start every store of the group, prefault each, then run case by case over the stores. A store that fails
+    is recorded in ``errors`` and dropped; the others go on."""
+    biggest = max((c for c in cases if not c.skipped), key=lambda c: c.batch_bytes)
+    rows, stats = [], {}
+    with contextlib.ExitStack() as stack:
+        sessions = []
+        for start in starters:
+            with _recorded(errors):
+                target = stack.enter_context(start())
+                session = stack.enter_context(contextlib.closing(Session(target, biggest.batch_bytes, log_dir,
+                                                                         timeout_s)))
+                session.prefault(biggest)
+                sessions.append(session)
+        for case in cases:
+            _say(f"-- {case.name}: {case.skipped or f'{case.iters} rounds'} on "
+                 f"{', '.join(s.target.label for s in sessions)}")
+            for session in list(sessions):
+                if not _recorded_call(errors, lambda: rows.extend(session.run_case(case))):
+                    sessions.remove(session)
+        for session in sessions:
+            _recorded_call(errors, lambda: stats.update({session.target.label: session.stats()}))
+    return rows, stats
+
+
+@contextlib.contextmanager
+def _recorded(errors: list[str]):
+    try:
+        yield
+    except (WorkerFailed, BytesMismatch) as e:
+        errors.append(f"{type(e).__name__}: {e}")
+        _say(f"!! {errors[-1]}")
+
+
+def _recorded_call(errors: list[str], fn) -> bool:
+    n = len(errors)
+    with _recorded(errors):
+        fn()
+    return len(errors) == n
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _git_rev() -> str | None:
+    """HEAD of the checkout, with "+dirty" if tracked files differ from it (the run measured the work tree)."""
+    import subprocess
+    try:
+        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "kvplugins"]).returncode
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def meta(argv: list[str]) -> dict:
@@ -103,7 +157,7 @@ def meta(argv: list[str]) -> dict:
         return None
     return {"command": shlex.join(["python", "benchmarks/store_bench.py", *argv]), "time_utc": time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(), "machine": platform.machine(),
-            "kernel": platform.release(), "python": platform.python_version(), "kvplugins": version("kvplugins"),
+            "kernel": platform.release(), "python": platform.python_version(), "kvplugins": version("kvplugins"), "git": _git_rev(),
             "mooncake": version("mooncake-transfer-engine-non-cuda"), "netns": os.environ.get(netns.ENV),
             "loadavg_at_start": os.getloadavg()}
 
@@ -123,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                           "bytes": sum(r["verified_bytes"] for r in verified if r["op"] == "get"),
                           "mismatches": sum("BytesMismatch" in e for e in result["errors"])}
     print(tables(result["rows"]))
-    print(f"\nverified: {result['verified']['objects']} objects, {result['verified']['bytes']:,} bytes read back "
+    m = result["meta"]
+    print(f"\nload average (1 min) at start {m['loadavg_at_start'][0]:.2f}, at end {m['loadavg_at_end'][0]:.2f}; "
+          f"{m['cpus']} CPUs; kvplugins {m['git']}")
+    print(f"verified: {result['verified']['objects']} objects, {result['verified']['bytes']:,} bytes read back "
           f"equal to what was written; logs in {log_dir}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -74,8 +74,8 @@ def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60.0) -> s
 def kvp(mode: str, max_batch: int, log_dir: Path) -> Iterator[Target]:
     """Our store: ``kvplugins master`` + one ``kvplugins store`` node holding the segment; the node and the
     clients offer the transports of ``mode`` (tcp: TCP forced, as TransferConfig(transports="tcp")).
-    The segment also holds the rounds removed but still leased: 6 batches (>= 512 MiB)."""
-    segment_bytes, lease_ms = max(512 << 20, 6 * max_batch), max(MIN_LEASE_MS, max_batch * 1000 // 250_000_000)
+    The segment also holds the rounds removed but still leased: 4 batches (>= 512 MiB)."""
+    segment_bytes, lease_ms = max(512 << 20, 4 * max_batch), max(MIN_LEASE_MS, max_batch * 1000 // 250_000_000)
     transports, exe, env = KVP_MODES[mode], _bin("kvplugins"), dict(os.environ)
     port_file, ready_file = log_dir / f"kvp-{mode}-master.port", log_dir / f"kvp-{mode}-store.ready"
     for f in (port_file, ready_file):

@@ -61,7 +61,7 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def _verdict(t: dict) -> str:
     if t["value"] is None:
-        return "n/a (needs both stores in the run: --vs mooncake)"
+        return "n/a (this case or Mooncake not in the run)"
     v, thr = t["value"], t["threshold"]
     if t["kind"] == "latency":
         word, margin = ("met", thr / v) if t["met"] else ("MISSED", v / thr)
@@ -80,7 +80,7 @@ def tables(rows: list[dict]) -> str:
     idx = _index(rows)
     keys = list(dict.fromkeys((r["case"], r["op"]) for r in rows))
     skipped = {(r["case"], r["op"]): r["skipped"] for r in rows if r["skipped"]}
-    lat = ["| case | op | " + " | ".join(f"{l} p50 / p99 per batch (per op p50), µs" for l in labels) + " |",
+    lat = ["| case | op | " + " | ".join(f"{l} µs per batch p50 / p99 (per op p50 / p99)" for l in labels) + " |",
            "|---|---|" + "---|" * len(labels)]
     compared = [l for l in OURS if l in labels and MC in labels]
     thr = ["| case | op | " + " | ".join([f"{l} GB/s" for l in labels] + [f"{l}/mooncake" for l in compared]) + " |",
@@ -90,7 +90,7 @@ def tables(rows: list[dict]) -> str:
         for l in labels:
             r = idx.get((l, case, op))
             cells.append(f"{_fmt_us(r['batch_us']['p50'])} / {_fmt_us(r['batch_us']['p99'])} "
-                         f"({_fmt_us(r['op_us']['p50'])})" if r else "skipped")
+                         f"({_fmt_us(r['op_us']['p50'])} / {_fmt_us(r['op_us']['p99'])})" if r else "skipped")
             gb.append(f"{r['gbps']:.3f}" if r else "skipped")
         rat = [_ratio_cell(idx, l, case, op) for l in compared]
         lat.append(f"| {case} | {op} | " + " | ".join(cells) + " |")
