@@ -1,0 +1,187 @@
+"""``KVPluginsHiCacheStorage``: SGLang's HiCache L3 storage on the kvplugins store (a thin adapter).
+
+SGLang builds it through ``StorageBackendFactory`` ("dynamic" backend) as ``cls(storage_config, kwargs)``; the
+host pool arrives later (``register_mem_pool_host``), and ``on_host_pools_registered`` connects and registers
+the pool's host KV memory with the transfer engine, so pages move host memory <-> store with no copy.
+
+One store object per page: the concatenation of the page's buffer-metadata pieces (``get_page_buffer_meta``,
+any layout: page_first, page_first_direct, page_head, layer_first). Keys: ``layout.keys.KeySpace`` over model,
+KV dtype, page size, pool kind, layout, I/O format, PP rank and, for MHA, TP rank/size (MLA ranks share pages;
+only ``is_storage_writer`` ranks write). Page I/O, outage handling (reads miss, writes report False, reconnect
+after ``retry_ms``) and per-page results live in ``kvplugins.layout.hicache.KeyedPageStore``.
+
+Source followed: SGLang 0.5.23 ``mem_cache/hicache_storage.py`` (HiCacheStorage, v1 interface) and
+``managers/cache_controller.py`` (how the prefetch/backup threads call it).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from kvplugins.layout.hicache import KeyedPageStore, hicache_keyspace
+from kvplugins.sglang_hicache_backend import legacy
+from kvplugins.sglang_hicache_backend.config import from_extra_config
+from kvplugins.sglang_hicache_backend.metrics import Metrics
+from kvplugins.sglang_hicache_backend.pool import meta_layout, page_bytes, page_starts, page_tokens, pool_kind
+
+log = logging.getLogger(__name__)
+
+
+class KVPluginsHiCacheStorage(HiCacheStorage):
+    """HiCache L3 backend. storage_config: SGLang's HiCacheStorageConfig (its ``extra_config`` holds our keys,
+    see kvplugins/sglang_hicache_backend/config.py). kwargs: extra factory arguments (unused).
+    Raises ConfigError for an unknown extra-config key or a bad value. Never needs the store to be up."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.storage_config = storage_config
+        extra = storage_config.extra_config or {}
+        self.config = from_extra_config(extra)
+        self.interface_v1 = bool(extra.get("interface_v1", 0))
+        self.is_writer = storage_config.is_storage_writer
+        self.mem_pool_host = None
+        self._pages: KeyedPageStore | None = None      # v1 namespace, zero-copy
+        self._flat = None                               # legacy namespace (flat page tensors)
+        self._metrics = Metrics()
+
+    # ---- host pools ------------------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host):
+        super().register_mem_pool_host(mem_pool_host)
+        v1, flat = (self._keyspace(mem_pool_host, fmt) for fmt in ("v1", "flat"))
+        self._pages = KeyedPageStore(self._client, v1, meta_layout(mem_pool_host), retry_ms=self.config.retry_ms)
+        self._flat = flat
+
+    def on_host_pools_registered(self) -> None:
+        """Connect now and register the host KV memory (a store that is down is retried on use)."""
+        if self._pages is not None and not self._pages.connect():
+            log.warning("kvplugins: store not reachable at attach; HiCache L3 serves misses until it is")
+
+    def _client(self):
+        from kvplugins.store import StoreClient
+        return StoreClient(self.config.client_config())
+
+    def _keyspace(self, pool, io_format: str):
+        sc, kind = self.storage_config, pool_kind(pool)
+        extra = f"ns={self.config.namespace};cp{sc.attn_cp_rank}/{sc.attn_cp_size};dcp{sc.dcp_rank}/{sc.dcp_size}"
+        size = page_bytes(pool) if io_format == "v1" else pool.get_size_per_token() * page_tokens(pool)
+        return hicache_keyspace(model=sc.model_name or "", kv_dtype=str(pool.dtype), page_size=page_tokens(pool),
+                                page_bytes=size, pool=kind, layout=pool.layout, tp_rank=sc.tp_rank,
+                                tp_size=sc.tp_size, pp_rank=sc.pp_rank, pp_size=sc.pp_size,
+                                shared_across_tp=kind == "mla", io_format=io_format, extra=extra)
+
+    def _store(self) -> KeyedPageStore:
+        if self._pages is None:
+            raise RuntimeError("KVPluginsHiCacheStorage: no host pool registered yet (SGLang calls "
+                               "register_mem_pool_host before any page I/O)")
+        return self._pages
+
+    # ---- zero-copy (v1) ----------------------------------------------------------------------------------
+    def batch_get_v1(
+        self,
+        keys: List[str],
+        host_indices: torch.Tensor,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> List[bool]:
+        """Scatter each stored page straight into the host pool. True per page whose bytes landed; a miss or an
+        unreachable store is False. Raises ValueError on inconsistent arguments (never returns None)."""
+        store = self._store()
+        starts = page_starts(self.mem_pool_host, host_indices, len(keys))
+        t0 = time.perf_counter()
+        ok = store.load_each(starts, keys) if keys else []
+        self._metrics.prefetch(sum(ok), store.keyspace.page_bytes, time.perf_counter() - t0)
+        return ok
+
+    def batch_set_v1(
+        self,
+        keys: List[str],
+        host_indices: torch.Tensor,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> List[bool]:
+        """Gather each page straight from the host pool into the store, skipping stored pages (one exists RPC).
+        Non-writer MLA ranks write nothing (True: the writer rank stores the shared page). Never raises: any
+        failure is logged and reported as False for the pages concerned."""
+        if not self.is_writer:
+            return [True] * len(keys)
+        try:
+            store = self._store()
+            starts = page_starts(self.mem_pool_host, host_indices, len(keys))
+            t0 = time.perf_counter()
+            ok = store.save_each(starts, keys)
+        except Exception as e:  # noqa: BLE001 - never raise into SGLang's backup thread
+            log.error("kvplugins: batch_set_v1 of %d pages failed: %r", len(keys), e)
+            return [False] * len(keys)
+        self._metrics.backup(sum(ok), store.keyspace.page_bytes, time.perf_counter() - t0)
+        return ok
+
+    # ---- legacy (flat page tensors; SGLang's generic page IO when interface_v1 is off) -------------------
+    def get(
+        self,
+        key: str,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(
+        self,
+        keys: List[str],
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> List[torch.Tensor | None] | int:
+        """Each stored page copied into ``target_locations[i]`` (a flat tensor of the page's bytes), or None."""
+        return legacy.batch_get(self._store(), self._flat, keys, target_locations)
+
+    def set(
+        self,
+        key: str,
+        value: Optional[Any] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: List[str],
+        values: Optional[Any] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
+        """Store flat page tensors; True if every page is stored. Never raises a store error."""
+        if not self.is_writer:
+            return True
+        return legacy.batch_set(self._store(), self._flat, keys, values)
+
+    # ---- lookups -------------------------------------------------------------------------------------------
+    def _lookup_space(self):
+        return self._store().keyspace if self.interface_v1 else self._flat
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(
+        self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> int:
+        """Number of consecutive stored pages from the start of ``keys``, in one RPC; 0 if the store is down."""
+        return self._store().stored_prefix_in(self._lookup_space(), keys)
+
+    # ---- housekeeping --------------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Remove the pages this backend instance stored (other engines' pages in the shared pool stay)."""
+        if self._pages is not None:
+            self._pages.remove_saved()
+
+    def get_stats(self):
+        """SGLang StorageMetrics (pages and GB/s per prefetch/backup batch since the last call) plus the store
+        client's counters: hits, misses, bytes_put, bytes_got, put/get batch latency p50/p99 (µs)."""
+        client = self._pages.client_if_connected() if self._pages is not None else None
+        return self._metrics.snapshot(client.stats() if client is not None else {},
+                                      self._pages.stats if self._pages is not None else {})
+
+    def close(self) -> None:
+        """Disconnect from the store (idempotent)."""
+        if self._pages is not None:
+            self._pages.close()
