@@ -5,6 +5,7 @@ import inspect
 
 import pytest
 
+pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from kvplugins.demo.run import DemoConfig, DemoResult, prompts, report
 
+pytest.importorskip("transformers")
 pytestmark = pytest.mark.vllm
 
 

@@ -13,10 +13,11 @@ import os
 import socket
 
 import pytest
-from conftest import BLOCK, page_keys
+from kvp_vllm_helpers import BLOCK, page_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
+pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
