@@ -27,11 +27,14 @@ class PageStore:
     client_factory: () -> a StoreClient (called lazily, again after a failure once retry_ms passed).
     keyspace: this process's key space (its TP rank). layout: the engine's KV memory (None on a process that
     only looks up, e.g. a scheduler). ranks: TP ranks whose pages must all be stored for a hit.
+    retry_on_load: a load reconnects at once even inside the back-off window (for engines whose loads follow
+    a lookup that just found the pages, so a failed load would cost a request or a recompute).
     """
 
     def __init__(self, client_factory: Callable[[], Any], keyspace: KeySpace, layout: PageLayout | None = None,
-                 ranks: Sequence[int] = (0,), retry_ms: float = 5000):
+                 ranks: Sequence[int] = (0,), retry_ms: float = 5000, retry_on_load: bool = False):
         self._factory, self.keyspace, self.layout = client_factory, keyspace, layout
+        self._retry_on_load = retry_on_load
         self._spaces = [keyspace.for_rank(r) for r in ranks]
         self._retry_s = retry_ms / 1000
         self._client: Any = None
@@ -103,6 +106,8 @@ class PageStore:
         if not block_ids:
             return []
         spans = self._layout().spans_for(block_ids)
+        if self._client is None and self._retry_on_load:
+            self._down_until = 0.0
         client = self._connected()
         if client is None:
             self.stats["failed_pages"] += len(block_ids)

@@ -32,7 +32,8 @@ class WorkerSide:
         if layout.page_bytes != self.keyspace.page_bytes:
             raise ConfigError(f"KVPluginsConnector: KV tensors give {layout.page_bytes} B pages, the KV cache spec "
                               f"{self.keyspace.page_bytes} B; unsupported KV layout")
-        self.pages = PageStore(self.cfg.client_factory(), self.keyspace, layout, retry_ms=self.cfg.retry_ms)
+        self.pages = PageStore(self.cfg.client_factory(), self.keyspace, layout, retry_ms=self.cfg.retry_ms,
+                               retry_on_load=True)  # the scheduler found these pages just now
         self.pages.connect()
         log.info("kvplugins: %d layers, %d blocks, %d B pages, namespace %s", len(names), layout.num_blocks,
                  layout.page_bytes, self.keyspace.namespace)

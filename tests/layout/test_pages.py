@@ -92,6 +92,27 @@ def test_store_down_is_a_miss_logged_once(caplog):
     assert p.stats["store_errors"] == 1  # later calls did not retry inside the back-off window
 
 
+def test_retry_on_load_reconnects_inside_the_back_off(master):
+    calls = []
+    real = client_factory(master)
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            from kvplugins.errors import MasterUnreachable
+            raise MasterUnreachable(master, 1, "injected first failure")
+        return real()
+    src = kv(5)
+    PageStore(real, KS, PageLayout.from_tensors(src)).save([0], hashes(1, salt=5))
+    dst = kv()
+    p = PageStore(flaky, KS, PageLayout.from_tensors(dst), retry_ms=60000, retry_on_load=True)
+    assert not p.connect()
+    assert p.stored_prefix(hashes(1, salt=5)) == 0  # lookups respect the back-off
+    assert p.load([3], hashes(1, salt=5)) == []     # a load retries at once
+    assert np.array_equal(dst[0][3], src[0][0]) and len(calls) == 2
+    p.close()
+
+
 def test_lookup_only_store_refuses_load_clearly(master):
     from kvplugins.errors import KVPluginsError
     p = PageStore(client_factory(master), KS)
