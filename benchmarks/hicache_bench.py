@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import statistics
@@ -97,6 +98,8 @@ def run_layout(layout: str, args, factories: dict) -> list[dict]:
         att.close()
         reader.close()
         rows.append(summarize(layout, label, samples[label], pages, page_bytes))
+    pairs.clear()
+    gc.collect()          # backends' native clients go away while their servers still run
     return rows
 
 

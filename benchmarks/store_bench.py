@@ -163,10 +163,18 @@ def meta(argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt as e:
+        print(f"store_bench: interrupted ({e or 'SIGINT'}); every server and worker was stopped", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.vs == "mooncake" and not netns.inside():
         return netns.run_inside([str(Path(__file__).resolve()), *argv])
+    netns.interrupt_on_signals()  # a kill still stops every server and worker this run started
     cases = build_cases(args)
     log_dir = Path(args.log_dir or REPO / ".bench" / f"logs-{os.getpid()}")
     log_dir.mkdir(parents=True, exist_ok=True)

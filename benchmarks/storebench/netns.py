@@ -29,6 +29,7 @@ def run_inside(argv: list[str]) -> int:
     if os.geteuid() != 0:
         raise SystemExit("--vs mooncake runs Mooncake inside a private network namespace and needs root (ip netns)")
     ns = f"kvpbench-{os.getpid()}"
+    interrupt_on_signals()
     _ip("netns", "add", ns)
     try:
         _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
@@ -36,11 +37,23 @@ def run_inside(argv: list[str]) -> int:
         try:
             return proc.wait()
         except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            return proc.wait()
+            proc.terminate()
+            try:
+                return proc.wait(15)
+            except subprocess.TimeoutExpired:
+                return 130
     finally:
         _kill_all_in(ns)
         _ip("netns", "del", ns, check=False)
+
+
+def interrupt_on_signals() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt, so ``finally`` blocks stop servers and remove the namespace
+    (also when started in the background, where SIGINT is ignored by default)."""
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise)
 
 
 def _kill_all_in(ns: str) -> None:
