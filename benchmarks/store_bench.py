@@ -155,9 +155,10 @@ def meta(argv: list[str]) -> dict:
         with contextlib.suppress(md.PackageNotFoundError):
             return md.version(dist)
         return None
-    return {"command": shlex.join(["python", "benchmarks/store_bench.py", *argv]), "time_utc": time.strftime(
-            "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(), "machine": platform.machine(),
-            "kernel": platform.release(), "python": platform.python_version(), "kvplugins": version("kvplugins"), "git": _git_rev(),
+    return {"command": shlex.join(["python", "benchmarks/store_bench.py", *argv]),
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+            "machine": platform.machine(), "kernel": platform.release(), "python": platform.python_version(),
+            "kvplugins": version("kvplugins"), "git": _git_rev(),
             "mooncake": version("mooncake-transfer-engine-non-cuda"), "netns": os.environ.get(netns.ENV),
             "loadavg_at_start": os.getloadavg()}
 

@@ -65,7 +65,8 @@ def _verdict(t: dict) -> str:
     v, thr = t["value"], t["threshold"]
     if t["kind"] == "latency":
         word, margin = ("met", thr / v) if t["met"] else ("MISSED", v / thr)
-        return f"{word}: {v:.2f}x Mooncake's latency (needs <= {thr:g}x; {margin:.2f}x {'better' if t['met'] else 'too slow'})"
+        how = "better" if t["met"] else "too slow"
+        return f"{word}: {v:.2f}x Mooncake's latency (needs <= {thr:g}x; {margin:.2f}x {how})"
     word, margin = ("met", v / thr) if t["met"] else ("MISSED", thr / v)
     return f"{word}: {v:.2f}x (needs >= {thr:g}x; {margin:.2f}x {'above' if t['met'] else 'short'})"
 
