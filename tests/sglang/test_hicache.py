@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -214,10 +216,17 @@ def test_store_down_reads_are_misses_and_writes_report_false(tmp_path):
 
 
 def test_attach_with_store_down_then_serves_once_it_is_up(tmp_path):
-    with store_cluster(nodes=1, segment_size="16MiB", tmp=tmp_path) as c:
-        address = c.master
-    case = hc.make_case(address, "mha", "page_first")                      # nothing listens there now
+    with socket.socket() as sock:               # a port nothing listens on yet (the master takes it later)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    case = hc.make_case(f"127.0.0.1:{port}", "mha", "page_first")       # retry_ms=200
+    keys = hc.keys_for("late", 2)
     try:
-        assert case.read(hc.keys_for("late", 2)) == 0 and not case.write(hc.keys_for("late", 2))
+        assert case.read(keys) == 0 and not case.write(keys)
+        with store_cluster(nodes=1, segment_size="16MiB", master_flags={"port": port}, tmp=tmp_path):
+            deadline = time.monotonic() + 10
+            while not case.write(keys) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert case.backend.batch_exists(keys) == 2 and case.read(keys) == 2
     finally:
         case.backend.close()
