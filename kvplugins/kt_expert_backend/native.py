@@ -1,0 +1,129 @@
+"""Thin wrapper over the nanobind module ``kvplugins._moe`` (native/src/moe/): names instead of enums, and native
+``ValueError``/``RuntimeError`` turned into kvplugins errors. Arrays (numpy, or torch tensors via DLPack) are read
+in place; nothing here imports torch.
+
+Formats: ``bf16`` (AVX512-BF16 dot products), ``int8`` (per output channel, AVX512-VNNI), ``int4`` (symmetric,
+one scale per ``group`` inputs, AVX512-VNNI on unpacked nibbles). ISAs: ``avx512`` (needs F/BW/VL/DQ/BF16/VNNI),
+``avx2`` (AVX2+FMA), ``scalar``; ``auto`` picks the widest this CPU and OS run (cpuid + XGETBV).
+"""
+from __future__ import annotations
+
+from kvplugins.errors import ConfigError, NativeError
+
+FORMATS = ("bf16", "int8", "int4")
+ISAS = ("scalar", "avx2", "avx512")
+PROJ = {"gate": 0, "up": 1, "down": 2}
+
+
+def _mod():
+    try:
+        from kvplugins import _moe
+    except ImportError as e:  # pragma: no cover - a broken install
+        raise NativeError(f"kvplugins MoE module is not built ({e}); reinstall with `pip install .`") from e
+    return _moe
+
+
+def best_isa() -> str:
+    """The widest kernel variant this CPU and OS can run: avx512, avx2 or scalar."""
+    return _mod().best_isa()
+
+
+def resolve_isa(name: str) -> str:
+    """``auto`` -> best_isa(); a named ISA is checked. Raises ConfigError naming the choices."""
+    if name == "auto":
+        return best_isa()
+    if name not in ISAS:
+        raise ConfigError(f"isa {name!r} is not one of auto, {', '.join(ISAS)}")
+    if not _mod().isa_supported(ISAS.index(name)):
+        raise ConfigError(f"this CPU cannot run the {name} kernels; use isa=auto (best here: {best_isa()})")
+    return name
+
+
+def _call(fn, *args):
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    except RuntimeError as e:
+        raise NativeError(str(e)) from e
+
+
+class Pool:
+    """``threads`` compute threads in ``subpools`` groups; subpool s is pinned to NUMA node ``nodes[s]`` when that
+    node exists (empty ``nodes``: no pinning). Idle workers poll for ``spin_us`` µs, then sleep."""
+
+    def __init__(self, threads: int, subpools: int = 1, nodes: list[int] | None = None, spin_us: int = 200):
+        self._p = _call(_mod().Pool, int(threads), int(subpools), list(nodes or []), int(spin_us))
+
+    @property
+    def threads(self) -> int:
+        return self._p.threads
+
+    def describe(self) -> str:
+        return self._p.describe()
+
+    def wait(self, ticket: int) -> None:
+        """Block (GIL released) until job ``ticket`` finished; re-raises its error as ConfigError/NativeError."""
+        _call(self._p.wait, ticket)
+
+
+class Layer:
+    """The routed experts of one MoE layer: E experts of gate/up [I, H] and down [H, I] in one format.
+
+    H and I must be multiples of 64; int4 ``group`` a multiple of 64 dividing both. Raises ConfigError.
+    """
+
+    def __init__(self, fmt: str, experts: int, hidden: int, inter: int, group: int = 128, isa: str = "auto"):
+        if fmt not in FORMATS:
+            raise ConfigError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
+        m = _mod()
+        self.format, self.isa, self.group = fmt, resolve_isa(isa), int(group)
+        self.experts, self.hidden, self.inter = int(experts), int(hidden), int(inter)
+        self._l = _call(m.Layer, m.Format(FORMATS.index(fmt)), self.experts, self.hidden, self.inter,
+                        self.group, m.Isa(ISAS.index(self.isa)))
+
+    def set_float(self, pool: Pool, expert: int, proj: str, weight) -> None:
+        """Quantize one projection of ``expert`` from a [rows, cols] bf16 (or uint16 bits) / float32 array:
+        gate, up [I, H]; down [H, I]. Rows are first touched by the subpool that will read them."""
+        _call(self._l.set_float, pool._p, int(expert), PROJ[proj], weight)
+
+    def set_quantized(self, pool: Pool, expert: int, proj: str, q, scale) -> None:
+        """Load one projection already in this layer's format (``quantize``'s output / the convert format)."""
+        _call(self._l.set_quantized, pool._p, int(expert), PROJ[proj], q, scale)
+
+    def loaded(self, expert: int) -> bool:
+        return self._l.loaded(int(expert))
+
+    def forward(self, pool: Pool, x, ids, weights, skip, out, accumulate: bool = False) -> None:
+        """out[T, H] float32 (+)= sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); x [T, H] bf16 or float32,
+        ids [T, K] int64 (-1 = none), weights [T, K] float32, skip [E] uint8/bool or None (nonzero = skipped,
+        e.g. on the GPU). Blocks with the GIL released. Raises ConfigError on bad shapes, ids or unloaded experts."""
+        _call(self._l.forward, pool._p, x, ids, weights, skip, out, bool(accumulate))
+
+    def submit(self, pool: Pool, x, ids, weights, skip, out, accumulate: bool = False) -> int:
+        """forward() queued on the pool's job thread; returns a ticket for Pool.wait. The caller must keep every
+        array alive and unchanged until that wait returns."""
+        return _call(self._l.submit, pool._p, x, ids, weights, skip, out, bool(accumulate))
+
+
+def quantize(fmt: str, weight, group: int = 128):
+    """Quantize a [N, K] bf16/float32 array: returns numpy (q, scale). bf16: q uint16 bits [N, K]; int8: q int8
+    [N, K], scale [N, 1]; int4: q uint8 [N, K/2] (64-element blocks, byte j = q[j]+8 | (q[j+32]+8) << 4), scale
+    [N, K/group]. Symmetric: int8 scale = amax/127, int4 scale = amax/7 per group."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"weight format {fmt!r} is not one of {', '.join(FORMATS)}")
+    return _call(_mod().quantize, FORMATS.index(fmt), weight, int(group))
+
+
+def dequantize(fmt: str, q, scale, group: int = 128):
+    """Inverse of quantize() as float32 numpy [N, K] (for references and tests)."""
+    import numpy as np
+    if fmt == "bf16":
+        return (np.asarray(q, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if fmt == "int8":
+        return np.asarray(q, np.float32) * np.asarray(scale, np.float32)
+    q = np.asarray(q, np.uint8)
+    n, half = q.shape
+    blocks = q.reshape(n, half // 32, 32)
+    vals = np.concatenate([blocks & 15, blocks >> 4], axis=2).reshape(n, half * 2).astype(np.float32) - 8
+    return vals * np.repeat(np.asarray(scale, np.float32), group, axis=1)

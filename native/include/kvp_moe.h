@@ -1,0 +1,72 @@
+// CPU MoE experts: weight formats, packed matrices, the SiLU-gated expert MLP, and the ISA dispatch.
+// Never linked to torch. See native/src/moe/ and kvplugins/kt_expert_backend/.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kvp::moe {
+
+enum class Format : int { BF16 = 0, INT8 = 1, INT4 = 2 };
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+
+const char* format_name(Format f);
+const char* isa_name(Isa i);
+Isa best_isa();                 // cpuid + XGETBV: the widest variant this CPU and OS can run
+bool isa_supported(Isa i);
+
+// A weight matrix W[N, K] (rows are output channels) in one format, rows contiguous:
+//   BF16: N*K uint16;  INT8: N*K int8 + scale[N] (per channel);
+//   INT4: N*K/2 bytes, per 64-element block byte j = (q[j]+8) | (q[j+32]+8) << 4, scale[N*K/group].
+// comp[r] folds the +128 activation offset of the u8 x s8 dot products (int formats only).
+struct Matrix {
+  int N = 0, K = 0, group = 0;
+  size_t row_bytes = 0;
+  uint8_t* data = nullptr;      // 64-byte aligned, owned
+  std::vector<float> scale, comp;
+  Matrix() = default;
+  Matrix(const Matrix&) = delete;
+  Matrix& operator=(const Matrix&) = delete;
+  ~Matrix();
+  void allocate(Format f, int n, int k, int g);
+};
+
+size_t row_bytes(Format f, int K);
+
+// Activations of one token, ready for a format: BF16 -> bf16 row; INT8/INT4 -> u8 row (q + 128) and a scale.
+struct ActRows {
+  const void* const* rows;
+  const float* scale;   // per token, int formats only
+  int n;
+};
+
+// Plain view of a Matrix for the SIMD translation units: they use no std:: templates, so no inline function
+// compiled with AVX-512 flags can be merged (ODR) into code the baseline build runs.
+struct MatView {
+  const uint8_t* data;
+  size_t row_bytes;
+  const float* scale;
+  const float* comp;
+  int N, K, group;
+};
+MatView view(const Matrix& m);
+
+// y[t * ldy + j] = dot(act t, W row r0 + j) for j in [0, nrows); nrows is a multiple of 4.
+using RowsGemm = void (*)(const MatView& w, int r0, int nrows, const ActRows& a, float* y, size_t ldy);
+
+struct Kernels {
+  RowsGemm gemm[3];  // by Format
+};
+const Kernels& kernels(Isa isa);
+
+// One row of K values (bf16 bits when `bf16`, else float32) into format f: dst gets row_bytes(f, K) bytes,
+// scale gets 1 (INT8) or K/group (INT4) floats. Weights: INT8 symmetric /127, INT4 symmetric /7 per group.
+void quantize_row(Format f, const void* src, bool bf16, int K, int group, uint8_t* dst, float* scale);
+// The +128 offset correction of a quantized row (0 for BF16).
+float comp_row(Format f, const uint8_t* row, const float* scale, int K, int group);
+// One activation row for format f: BF16 -> bf16 bits; INT8/INT4 -> u8 (q + 128), *scale = amax / 127.
+void quantize_act(Format f, const void* src, bool bf16, int K, void* dst, float* scale);
+
+}  // namespace kvp::moe

@@ -1,0 +1,88 @@
+// Run-time ISA selection: cpuid feature bits AND the OS-enabled register state (XGETBV), so a kernel whose
+// instructions the CPU or OS cannot execute is never called (no SIGILL). No AMX variant: see docs/kt.md.
+#include <cpuid.h>
+
+#include <cstdlib>
+
+#include "moe_internal.h"
+
+namespace kvp::moe {
+namespace {
+
+struct CpuFeatures {
+  bool avx2 = false, avx512 = false;
+};
+
+uint64_t xgetbv0() {
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (uint64_t(hi) << 32) | lo;
+}
+
+CpuFeatures detect() {
+  CpuFeatures f;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28);
+  if (!osxsave || !avx) return f;
+  const uint64_t xcr0 = xgetbv0();
+  const bool ymm_os = (xcr0 & 0x6) == 0x6, zmm_os = (xcr0 & 0xe6) == 0xe6;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  const bool avx2 = b & (1u << 5);
+  const bool f512 = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+  const bool vnni = c & (1u << 11);
+  unsigned a1 = 0, b1, c1, d1;
+  __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
+  const bool bf16 = a1 & (1u << 5);
+  f.avx2 = avx2 && fma && ymm_os;
+  f.avx512 = f.avx2 && zmm_os && f512 && dq && bw && vl && vnni && bf16;
+  return f;
+}
+
+const CpuFeatures& features() {
+  static const CpuFeatures f = detect();
+  return f;
+}
+
+}  // namespace
+
+bool isa_supported(Isa i) {
+  switch (i) {
+    case Isa::Scalar: return true;
+    case Isa::Avx2: return features().avx2;
+    case Isa::Avx512: return features().avx512;
+  }
+  return false;
+}
+
+Isa best_isa() {
+  if (features().avx512) return Isa::Avx512;
+  if (features().avx2) return Isa::Avx2;
+  return Isa::Scalar;
+}
+
+const char* isa_name(Isa i) {
+  switch (i) {
+    case Isa::Scalar: return "scalar";
+    case Isa::Avx2: return "avx2";
+    case Isa::Avx512: return "avx512";
+  }
+  return "?";
+}
+
+const char* format_name(Format f) {
+  switch (f) {
+    case Format::BF16: return "bf16";
+    case Format::INT8: return "int8";
+    case Format::INT4: return "int4";
+  }
+  return "?";
+}
+
+const Kernels& kernels(Isa isa) {
+  if (isa == Isa::Avx512 && isa_supported(isa)) return kAvx512Kernels;
+  if (isa == Isa::Avx2 && isa_supported(isa)) return kAvx2Kernels;
+  return kScalarKernels;
+}
+
+}  // namespace kvp::moe

@@ -1,0 +1,132 @@
+"""Native MoE kernels (kvplugins._moe) against a torch fp32 reference on real model shapes.
+
+Two checks per format: against the reference run on the *dequantized* weights (isolates kernel errors: only
+activation rounding remains) and against the bf16 weights (the quantization error users see)."""
+import functools
+
+import pytest
+import torch
+
+from kt_ref import dequantized, ref_moe, random_experts, rel_err, routing
+from kvplugins.errors import ConfigError
+from kvplugins.kt_expert_backend import native
+
+# (name, E reduced for memory/time, H, I, top-k); the real models have E=64 and E=128
+SHAPES = [("deepseek-v2-lite", 8, 2048, 1408, 6), ("qwen3-30b-a3b", 12, 2048, 768, 8)]
+# kernel-vs-dequantized tolerance, and vs-bf16-weights tolerance, per format
+TOL = {"bf16": (0.01, 0.01), "int8": (0.03, 0.05), "int4": (0.03, 0.25)}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return native.Pool(2, 1, spin_us=50)
+
+
+@functools.lru_cache(maxsize=2)
+def _experts(E, H, I):
+    return random_experts(E, H, I)
+
+
+def _layer(fmt, isa, E, H, I, w, pool, group=128):
+    layer = native.Layer(fmt, E, H, I, group=group, isa=isa)
+    for e in range(E):
+        for name, m in zip(("gate", "up", "down"), w):
+            layer.set_float(pool, e, name, m[e])
+    return layer
+
+
+@pytest.mark.parametrize("fmt", native.FORMATS)
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_real_shapes_match_reference(shape, fmt, pool):
+    _, E, H, I, K = shape
+    w = _experts(E, H, I)
+    layer = _layer(fmt, "auto", E, H, I, w, pool)
+    deq = w if fmt == "bf16" else [dequantized(fmt, m) for m in w]
+    for T in (1, 4, 37):
+        x = (torch.randn(T, H, generator=torch.Generator().manual_seed(T))).to(torch.bfloat16)
+        ids, wt = routing(T, E, K, seed=T)
+        out = torch.empty(T, H)
+        layer.forward(pool, x, ids, wt, None, out)
+        assert rel_err(out, ref_moe(x, ids, wt, *deq)) < TOL[fmt][0]
+        if fmt != "bf16":
+            assert rel_err(out, ref_moe(x, ids, wt, *w)) < TOL[fmt][1]
+
+
+@pytest.mark.parametrize("fmt", native.FORMATS)
+def test_every_isa_variant_agrees(fmt, pool):
+    """scalar, avx2 and avx512 (where this CPU has them) give the same sums; int paths are exact integers."""
+    E, H, I, K, T = 4, 256, 192, 2, 6
+    w = random_experts(E, H, I, seed=3)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids, wt = routing(T, E, K)
+    outs = {}
+    for isa in native.ISAS:
+        if native.ISAS.index(isa) > native.ISAS.index(native.best_isa()):
+            continue
+        outs[isa] = torch.empty(T, H)
+        _layer(fmt, isa, E, H, I, w, pool, group=64).forward(pool, x, ids, wt, None, outs[isa])
+    assert "scalar" in outs and len(outs) >= 2 or native.best_isa() == "scalar"
+    for isa, out in outs.items():
+        assert rel_err(out, outs["scalar"]) < 1e-5, isa
+    deq = [dequantized(fmt, m, 64) for m in w]
+    assert rel_err(outs["scalar"], ref_moe(x, ids, wt, *deq)) < TOL[fmt][0]
+
+
+def test_skip_mask_ids_and_accumulate(pool):
+    E, H, I, K, T = 6, 128, 128, 3, 5
+    w = random_experts(E, H, I, seed=5)
+    layer = _layer("bf16", "auto", E, H, I, w, pool)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids, wt = routing(T, E, K)
+    ids[0, 1] = -1
+    skip = torch.zeros(E, dtype=torch.bool)
+    skip[[1, 4]] = True
+    out = torch.full((T, H), 7.0)
+    layer.forward(pool, x, ids, wt, skip, out, accumulate=True)
+    assert rel_err(out - 7.0, ref_moe(x, ids, wt, *w, skip=skip)) < 0.01
+    out2 = torch.full((T, H), 7.0)
+    layer.forward(pool, x.float(), ids, wt, skip, out2)  # float32 input, overwrite
+    assert rel_err(out2, ref_moe(x, ids, wt, *w, skip=skip)) < 0.01
+
+
+def test_quantize_dequantize_roundtrip():
+    m = torch.randn(64, 256)
+    for fmt, tol in (("bf16", 0.005), ("int8", 0.01), ("int4", 0.12)):
+        q, s = native.quantize(fmt, m, 64)
+        assert rel_err(torch.from_numpy(native.dequantize(fmt, q, s, 64)), m) < tol
+
+
+def test_set_quantized_equals_set_float(pool):
+    E, H, I = 2, 128, 128
+    w = random_experts(E, H, I, seed=9)
+    a = _layer("int4", "auto", E, H, I, w, pool, group=64)
+    b = native.Layer("int4", E, H, I, group=64)
+    for e in range(E):
+        for name, m in zip(("gate", "up", "down"), w):
+            b.set_quantized(pool, e, name, *native.quantize("int4", m[e], 64))
+    x = torch.randn(3, H).to(torch.bfloat16)
+    ids, wt = routing(3, E, 2)
+    oa, ob = torch.empty(3, H), torch.empty(3, H)
+    a.forward(pool, x, ids, wt, None, oa)
+    b.forward(pool, x, ids, wt, None, ob)
+    assert torch.equal(oa, ob)
+
+
+def test_bad_input_raises_clear_errors(pool):
+    with pytest.raises(ConfigError, match="multiples of 64"):
+        native.Layer("bf16", 2, 100, 128)
+    with pytest.raises(ConfigError, match="group"):
+        native.Layer("int4", 2, 128, 128, group=96)
+    with pytest.raises(ConfigError, match="weight format"):
+        native.Layer("fp8", 2, 128, 128)
+    layer = _layer("bf16", "auto", 2, 128, 128, random_experts(2, 128, 128), pool)
+    x, out = torch.zeros(1, 128, dtype=torch.bfloat16), torch.empty(1, 128)
+    with pytest.raises(ConfigError, match="outside"):
+        layer.forward(pool, x, torch.tensor([[5]]), torch.ones(1, 1), None, out)
+    with pytest.raises(ConfigError, match="int64"):
+        layer.forward(pool, x, torch.tensor([[1]], dtype=torch.int32), torch.ones(1, 1), None, out)
+    with pytest.raises(ConfigError, match="shape"):
+        layer.set_float(pool, 0, "gate", torch.zeros(64, 128))
+    unloaded = native.Layer("bf16", 2, 128, 128)
+    with pytest.raises(ConfigError, match="never loaded"):
+        unloaded.forward(pool, x, torch.tensor([[0]]), torch.ones(1, 1), None, out)
