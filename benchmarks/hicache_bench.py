@@ -46,7 +46,7 @@ GEOMETRY = dict(layers=32, heads=8, head_dim=128, page_size=64, dtype=torch.bflo
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pages", type=int, default=16, help="pages per batch (8 MiB each)")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds per backend, op and layout")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per backend, op and layout")
     p.add_argument("--layouts", default="page_first,layer_first")
     p.add_argument("--no-mooncake", action="store_true", help="skip Mooncake (no root / netns needed)")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -159,14 +159,15 @@ def main(argv=None) -> int:
 
 
 def run_layout_with_servers(layout: str, args, log_dir: Path) -> list[dict]:
-    """Fresh servers per layout, sized to hold every round without eviction."""
-    data = args.rounds * args.pages * 2 * 32 * 8 * 128 * 2 * 64
+    """Fresh servers per layout. Ours are sized for one round (512 MiB at least; LRU eviction drops older rounds,
+    which are never read again); Mooncake's segment holds every round (its put fails rather than waits when full)."""
+    batch = args.pages * 2 * 32 * 8 * 128 * 2 * 64
     with contextlib.ExitStack() as stack:
-        factories = {"kvp-shm": stack.enter_context(backends.kvp("shm", data, log_dir)),
-                     "kvp-tcp": stack.enter_context(backends.kvp("tcp", data, log_dir)),
+        factories = {"kvp-shm": stack.enter_context(backends.kvp("shm", batch, log_dir)),
+                     "kvp-tcp": stack.enter_context(backends.kvp("tcp", batch, log_dir)),
                      "file": stack.enter_context(backends.file(log_dir))}
         if not args.no_mooncake:
-            factories["mooncake-tcp"] = stack.enter_context(backends.mooncake(data, log_dir))
+            factories["mooncake-tcp"] = stack.enter_context(backends.mooncake(args.rounds * batch, log_dir))
         return run_layout(layout, args, factories)
 
 

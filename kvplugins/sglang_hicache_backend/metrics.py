@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import threading
 
+MAX_SAMPLES = 4096   # per list between two get_stats calls (SGLang drains them; this bounds memory if it does not)
+
 
 class Metrics:
-    def __init__(self):
+    """enabled: SGLang's ``enable_storage_metrics``; when off, nothing is recorded per batch."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
         self._lock = threading.Lock()
         self._lists = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
 
     def _add(self, kind: str, pages: int, page_bytes: int, seconds: float) -> None:
-        if pages <= 0:
+        if pages <= 0 or not self.enabled:
             return
         with self._lock:
+            if len(self._lists[f"{kind}_pgs"]) >= MAX_SAMPLES:
+                return
             self._lists[f"{kind}_pgs"].append(pages)
             self._lists[f"{kind}_bandwidth"].append(pages * page_bytes / max(seconds, 1e-9) / 1e9)
 

@@ -45,7 +45,7 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         self.mem_pool_host = None
         self._pages: KeyedPageStore | None = None      # v1 namespace, zero-copy
         self._flat = None                               # legacy namespace (flat page tensors)
-        self._metrics = Metrics()
+        self._metrics = Metrics(storage_config.enable_storage_metrics)
 
     # ---- host pools ------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host):

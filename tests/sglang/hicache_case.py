@@ -64,9 +64,11 @@ class Case:
                                .numpy().tobytes()).hexdigest() for p in range(pages)]
 
 
-def make_case(master: str, kind: str, layout: str, **kw) -> Case:
-    """Backend from the factory ("dynamic", the user's JSON) + a real host pool, attached as SGLang does."""
-    pool = hicache_pools.mla_pool(layout) if kind == "mla" else hicache_pools.mha_pool(layout)
+def make_case(master: str, kind: str, layout: str, pool_kw: dict | None = None, **kw) -> Case:
+    """Backend from the factory ("dynamic", the user's JSON) + a real host pool, attached as SGLang does.
+    pool_kw: pool geometry (hicache_pools); kw: storage_config arguments."""
+    make = hicache_pools.mla_pool if kind == "mla" else hicache_pools.mha_pool
+    pool = make(layout, **(pool_kw or {}))
     sc = storage_config(master, kind=kind, **kw)
     backend = StorageBackendFactory.create_backend("dynamic", sc, pool)
     backend.register_mem_pool_host(pool)

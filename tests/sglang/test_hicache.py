@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang not installed: bash ci/install-sglang.sh")
 
@@ -140,6 +141,8 @@ def test_tp2_ranks_keep_their_own_shards(shared, cluster):
         try:
             assert case.read(hc.keys_for("tp2")) == hc.PAGES
             assert case.digests() == expect
+            stats = case.backend.get_stats()
+            assert stats.prefetch_pgs == [hc.PAGES] and stats.kvplugins["hits"] == hc.PAGES
         finally:
             case.backend.close()
 
@@ -164,6 +167,25 @@ def test_batch_exists_counts_the_stored_prefix(cluster):
         assert case.backend.batch_exists([]) == 0
     finally:
         case.backend.close()
+
+
+def test_kv_dtype_layout_and_model_are_in_the_key_namespace(cluster):
+    """SGLang issue #33268: keys without the KV dtype collide across deployments. Ours never do."""
+    keys = hc.keys_for("namespace", 3)
+    writer = hc.make_case(cluster.master, "mha", "page_first")
+    others = [hc.make_case(cluster.master, "mha", "page_first", pool_kw={"dtype": torch.float16}),
+              hc.make_case(cluster.master, "mha", "layer_first"),
+              hc.make_case(cluster.master, "mha", "page_first", model="other/model"),
+              hc.make_case(cluster.master, "mha", "page_first", namespace="tenant-b"),
+              hc.make_case(cluster.master, "mha", "page_first", pool_kw={"page_size": 8})]
+    same = hc.make_case(cluster.master, "mha", "page_first")
+    try:
+        assert writer.write(keys)
+        assert [o.backend.batch_exists(keys) for o in others] == [0] * len(others)
+        assert same.backend.batch_exists(keys) == 3
+    finally:
+        for c in [writer, same, *others]:
+            c.backend.close()
 
 
 def test_set_skips_stored_pages_and_a_bad_batch_does_not_poison_the_next(cluster):
