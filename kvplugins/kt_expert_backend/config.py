@@ -1,0 +1,22 @@
+"""Settings of the kvplugins kt expert backend that kt-kernel's constructor has no argument for."""
+from __future__ import annotations
+
+import dataclasses
+
+from kvplugins.config import component
+
+
+@component("kt")
+@dataclasses.dataclass(frozen=True)
+class KTConfig:
+    isa: str = dataclasses.field(default="auto", metadata={"help": "kernel variant: auto, avx512, avx2 or scalar"})
+    spin_us: int = dataclasses.field(default=200, metadata={
+        "help": "µs an idle worker polls for work before it sleeps (0 = sleep at once)"})
+    int4_group: int = dataclasses.field(default=128, metadata={
+        "help": "inputs per int4 scale when quantizing online (load_weights_from_tensors); multiple of 64"})
+
+    def __post_init__(self):
+        if self.spin_us < 0:
+            raise ValueError(f"spin_us must be >= 0 (got {self.spin_us})")
+        if self.int4_group < 64 or self.int4_group % 64:
+            raise ValueError(f"int4_group must be a positive multiple of 64 (got {self.int4_group})")

@@ -1,0 +1,177 @@
+"""``KTMoEWrapper``: kt-kernel 0.7.2's inference wrapper API on kvplugins' native kernels.
+
+Constructor: kt-kernel 0.7.2's arguments (``gpu_experts_mask``) and upstream SGLang 0.5.23's call
+(``num_gpu_experts=N``: experts 0..N-1 run on the GPU). Per call: ``submit_forward`` copies the inputs (SGLang
+edits ``topk_ids`` in place right after submitting) and queues the layer on the shared CPU engine;
+``sync_forward`` waits and returns [T, H] in ``hidden_states``' dtype on its device, as kt-kernel does.
+Source followed: kt_kernel/experts_base.py (BaseMoEWrapper) of kt-kernel 0.7.2.
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+from kvplugins.config import load
+from kvplugins.errors import ConfigError
+from kvplugins.kt_expert_backend import deferral, methods, native, weights
+from kvplugins.kt_expert_backend.config import KTConfig
+from kvplugins.kt_expert_backend.engine import Engines, Pending
+
+log = logging.getLogger("kvplugins.kt")
+_UNSUPPORTED_NONZERO = ("swiglu_limit", "swiglu_alpha")
+
+
+class _CaptureSizes:
+    sizes: list = []
+
+
+class KTMoEWrapper:
+    """Routed experts of one MoE layer on the CPU (see module docstring). Raises ConfigError on bad arguments."""
+
+    def __init__(self, layer_idx: int, num_experts: int, num_experts_per_tok: int, hidden_size: int,
+                 moe_intermediate_size: int, gpu_experts_mask=None, cpuinfer_threads: int = 1,
+                 threadpool_count: int = 1, weight_path: Optional[str] = None, chunked_prefill_size: int = 8192,
+                 cpu_save: bool = False, max_deferred_experts_per_token: Optional[int] = None,
+                 method: str = "AMXINT4", numa_nodes: Optional[List[int]] = None, mode: str = "inference",
+                 num_gpu_experts: Optional[int] = None, **kt_extra):
+        import torch
+        if mode != "inference":
+            raise ConfigError(f"mode={mode!r}: the kvplugins kt backend serves inference only")
+        for k in _UNSUPPORTED_NONZERO:
+            if kt_extra.get(k):
+                raise ConfigError(f"{k}={kt_extra[k]} is not supported by the kvplugins kt backend (use 0)")
+        self.cfg = load(KTConfig)
+        self.method = methods.resolve(method)
+        self.layer_idx, self.num_experts = int(layer_idx), int(num_experts)
+        self.num_experts_per_tok, self.hidden_size = int(num_experts_per_tok), int(hidden_size)
+        self.moe_intermediate_size = int(moe_intermediate_size)
+        self.weight_path, self.chunked_prefill_size, self.cpu_save = weight_path, int(chunked_prefill_size), cpu_save
+        self.max_deferred_experts_per_token = int(max_deferred_experts_per_token or 0)
+        if not 0 <= self.max_deferred_experts_per_token < self.num_experts_per_tok:
+            raise ConfigError(f"max_deferred_experts_per_token={max_deferred_experts_per_token} must be in "
+                              f"[0, num_experts_per_tok={num_experts_per_tok})")
+        self.gpu_experts_mask = _gpu_mask(torch, self.num_experts, gpu_experts_mask, num_gpu_experts)
+        self.num_gpu_experts = int(self.gpu_experts_mask.sum())
+        self._skip = self.gpu_experts_mask.to(torch.uint8)
+        self.engine = Engines.get(cpuinfer_threads, threadpool_count, numa_nodes, self.cfg.spin_us)
+        group = self.cfg.int4_group if self.method.format == "int4" else 128
+        self.layer = native.Layer(self.method.format, self.num_experts, self.hidden_size,
+                                  self.moe_intermediate_size, group=group, isa=self.cfg.isa)
+        self._inflight = None
+
+    # ---- weights ----
+    def load_weights_from_tensors(self, gate_proj, up_proj, down_proj, physical_to_logical_map_cpu=None):
+        """Quantize online from bf16/fp16/fp32 tensors: gate/up [E, I, H], down [E, H, I], indexed by logical
+        expert; physical slot p gets logical expert map[p]. GPU-assigned slots are not loaded."""
+        import torch
+        for p in self._cpu_slots():
+            e = self._logical(physical_to_logical_map_cpu, p)
+            for name, w in (("gate", gate_proj), ("up", up_proj), ("down", down_proj)):
+                m = w[e]
+                if m.dtype not in (torch.bfloat16, torch.float32):
+                    m = m.to(torch.bfloat16)
+                self.layer.set_float(self.engine.pool, p, name, m.detach().cpu().contiguous())
+
+    def load_weights(self, physical_to_logical_map_cpu=None):
+        """Load this layer from ``weight_path`` (the `kvplugins kt convert` format, see weights.py)."""
+        if not self.weight_path:
+            raise ConfigError("load_weights needs weight_path (--kt-weight-path); or use load_weights_from_tensors")
+        meta = weights.read_meta(self.weight_path)
+        want = (self.method.format, self.num_experts, self.hidden_size, self.moe_intermediate_size)
+        have = (meta.format, meta.num_experts, meta.hidden_size, meta.moe_intermediate_size)
+        if want != have:
+            raise ConfigError(f"{self.weight_path} holds (format, experts, H, I) = {have}, but --kt-method "
+                              f"{self.method.name} and the model need {want}; re-run `kvplugins kt convert`")
+        if meta.format == "int4" and meta.group != self.layer.group:
+            self.layer = native.Layer("int4", self.num_experts, self.hidden_size, self.moe_intermediate_size,
+                                      group=meta.group, isa=self.cfg.isa)
+        reader = weights.LayerReader(self.weight_path, self.layer_idx)
+        for p in self._cpu_slots():
+            e = self._logical(physical_to_logical_map_cpu, p)
+            for name in weights.PROJS:
+                q, scale = reader.get(e, name)
+                self.layer.set_quantized(self.engine.pool, p, name, q, scale)
+
+    def _cpu_slots(self):
+        return [p for p in range(self.num_experts) if not bool(self.gpu_experts_mask[p])]
+
+    def _logical(self, mapping, p: int) -> int:
+        e = p if mapping is None else int(mapping[p])
+        if not 0 <= e < self.num_experts:
+            raise ConfigError(f"physical_to_logical_map[{p}] = {e} is outside [0, {self.num_experts})")
+        return e
+
+    # ---- forward ----
+    def submit_forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None):
+        """Queue this layer for hidden_states [.., H] with topk_ids/topk_weights [T, K]; returns at once.
+        Inputs are copied, so the caller may change them afterwards. Raises ConfigError on bad shapes/ids."""
+        import torch
+        if self._inflight is not None:
+            raise ConfigError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
+        x = hidden_states.reshape(-1, self.hidden_size)
+        if x.shape[0] > self.chunked_prefill_size:
+            raise ConfigError(f"{x.shape[0]} tokens exceed chunked_prefill_size={self.chunked_prefill_size}; "
+                              "raise --chunked-prefill-size or send smaller chunks")
+        x = x.to(device="cpu", dtype=torch.bfloat16 if x.dtype != torch.float32 else torch.float32, copy=True)
+        ids = topk_ids.to(device="cpu", dtype=torch.int64, copy=True).reshape(x.shape[0], -1)
+        w = topk_weights.to(device="cpu", dtype=torch.float32, copy=True).reshape(x.shape[0], -1)
+        now, later = deferral.split(ids, w, self.num_experts, self.max_deferred_experts_per_token)
+        eng, pool = self.engine, self.engine.pool
+        with eng.lock:
+            prev = eng.pending.pop(self.layer_idx, None)
+            if prev is not None and tuple(prev.out.shape) != (x.shape[0], self.hidden_size):
+                log.warning("layer %d: dropping deferred experts of a %s batch (now %d tokens)",
+                            self.layer_idx, tuple(prev.out.shape), x.shape[0])
+                prev = None
+            out = prev.out if prev is not None else torch.empty(x.shape[0], self.hidden_size)
+            ticket = self.layer.submit(pool, x, now, w, self._skip, out, prev is not None)
+            if later is not None:
+                nxt = torch.empty_like(out)
+                t2 = self.layer.submit(pool, x, later, w, self._skip, nxt, False)
+                eng.pending[self.layer_idx + 1] = Pending(t2, nxt, (x, later, w))
+        self._inflight = (ticket, out, (x, now, w, prev))
+
+    def sync_forward(self, hidden_states, cuda_stream=None):
+        """Wait for this layer's submitted work; returns [T, H] in hidden_states' dtype and device. Deferred
+        experts of this layer keep running; the next layer's output includes them."""
+        if self._inflight is None:
+            raise ConfigError(f"layer {self.layer_idx}: sync_forward without submit_forward")
+        ticket, out, _keep = self._inflight
+        self._inflight = None
+        self.engine.pool.wait(ticket)
+        return out.to(device=hidden_states.device, dtype=hidden_states.dtype)
+
+    def forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None):
+        """submit_forward + sync_forward."""
+        self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
+        return self.sync_forward(hidden_states, cuda_stream)
+
+    # ---- kt-kernel's static buffer API (our buffers are per call; sizes are kept for callers that ask) ----
+    @staticmethod
+    def set_capture_batch_sizes(capture_bs: List[int]):
+        _CaptureSizes.sizes = sorted({int(b) for b in capture_bs})
+
+    @staticmethod
+    def get_capture_batch_sizes() -> List[int]:
+        return list(_CaptureSizes.sizes)
+
+    @staticmethod
+    def clear_buffer_cache():
+        return None
+
+
+def _gpu_mask(torch, num_experts: int, mask, num_gpu_experts):
+    if mask is not None:
+        m = torch.as_tensor(mask).to(device="cpu", dtype=torch.bool).reshape(-1)
+        if m.numel() != num_experts:
+            raise ConfigError(f"gpu_experts_mask has {m.numel()} entries; need num_experts={num_experts}")
+        if num_gpu_experts is not None and int(num_gpu_experts) not in (0, int(m.sum())):
+            raise ConfigError(f"num_gpu_experts={num_gpu_experts} disagrees with gpu_experts_mask "
+                              f"({int(m.sum())} experts on the GPU); pass one of them")
+        return m.clone()
+    n = int(num_gpu_experts or 0)
+    if not 0 <= n <= num_experts:
+        raise ConfigError(f"num_gpu_experts={n} must be in [0, num_experts={num_experts}]")
+    m = torch.zeros(num_experts, dtype=torch.bool)
+    m[:n] = True  # upstream SGLang: experts 0..n-1 run on the GPU (mask_cpu_expert_ids)
+    return m
