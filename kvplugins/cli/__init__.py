@@ -9,7 +9,7 @@ import sys
 
 from kvplugins.errors import KVPluginsError
 
-COMMANDS = ("master", "store", "up", "status", "demo")
+COMMANDS = ("master", "store", "up", "status", "demo", "kt")
 
 
 def build_parser() -> argparse.ArgumentParser:

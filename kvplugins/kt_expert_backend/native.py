@@ -88,7 +88,11 @@ class Layer:
         _call(self._l.set_float, pool._p, int(expert), PROJ[proj], weight)
 
     def set_quantized(self, pool: Pool, expert: int, proj: str, q, scale) -> None:
-        """Load one projection already in this layer's format (``quantize``'s output / the convert format)."""
+        """Load one projection already in this layer's format (``quantize``'s output / the convert format);
+        ``scale`` is None for bf16."""
+        if scale is None:
+            import numpy as np
+            scale = np.zeros((0, 0), np.float32)
         _call(self._l.set_quantized, pool._p, int(expert), PROJ[proj], q, scale)
 
     def loaded(self, expert: int) -> bool:
