@@ -14,7 +14,7 @@ import time
 
 from kvplugins.errors import (BufferNotRegistered, KeyNotFound, NativeError, SizeMismatch, StoreError,
                               TransferError, TransferFailed)
-from kvplugins.store import protocol
+from kvplugins.store import client_io, protocol
 from kvplugins.store.client_stats import ClientStats
 from kvplugins.store.config import ClientConfig
 from kvplugins.store.rpc_client import RawRpcClient
@@ -180,12 +180,11 @@ class StoreClient:
         return self._rpc.call(op, entries, opts) if entries else []
 
     def _write(self, keys, spans_per_key) -> list[StoreError | None]:
-        from kvplugins.store.client_io import local_spans, reject_empty, write_requests
         out: list[StoreError | None] = [None] * len(keys)
-        locals_ = local_spans(self._engine, keys, spans_per_key, out)
-        reject_empty(keys, spans_per_key, out)
+        flat = client_io.flatten(self._engine, keys, spans_per_key, out)
+        client_io.reject_empty(keys, flat, out)
         todo = [i for i, e in enumerate(out) if e is None]
-        started = self._rpc_entries("put_start", [[keys[i], sum(n for _, n in spans_per_key[i])] for i in todo],
+        started = self._rpc_entries("put_start", [[keys[i], flat.sizes[i]] for i in todo],
                                     {"replicas": self.cfg.replicas})
         writes = {}
         for i, (code, value) in zip(todo, started):
@@ -195,7 +194,7 @@ class StoreClient:
                 out[i] = protocol.entry_error(code, keys[i], value)
         if not writes:
             return out
-        failed = self._transfer("write", write_requests, writes, locals_)
+        failed = self._transfer("write", flat, writes)
         self._finish_puts(keys, writes, failed, out)
         return out
 
@@ -211,23 +210,22 @@ class StoreClient:
 
     def _read(self, keys, spans_per_key, found=None, t0=None) -> list[StoreError | None]:
         """``found``/``t0``: the get RPC's answer and the monotonic time just before it, if already asked."""
-        from kvplugins.store.client_io import local_spans
         t0 = time.monotonic() if t0 is None else t0
         out: list[StoreError | None] = [None] * len(keys)
         found = found if found is not None else self._rpc_entries("get", keys)
-        locals_ = local_spans(self._engine, keys, spans_per_key, out)
+        flat = client_io.flatten(self._engine, keys, spans_per_key, out)
         reads = {}
         for i, (code, value) in enumerate(found):
             if out[i] is not None:
                 continue
             if code != protocol.OK:
                 out[i] = KeyNotFound(keys[i])
-            elif sum(n for _, n in spans_per_key[i]) != value[0]:
+            elif flat.sizes[i] != value[0]:
                 out[i] = SizeMismatch(f"{keys[i]}: object is {value[0]} bytes, spans hold "
-                                      f"{sum(n for _, n in spans_per_key[i])}; pass spans summing to {value[0]}")
+                                      f"{flat.sizes[i]}; pass spans summing to {value[0]}")
             else:
                 reads[i] = value
-        for i, err in self._read_replicas(reads, locals_).items():
+        for i, err in self._read_replicas(reads, flat).items():
             out[i] = err
         ttl = min((v[2] for v in reads.values()), default=0)
         if reads and time.monotonic() - t0 > ttl / 1000:
@@ -235,38 +233,38 @@ class StoreClient:
                 out[i] = out[i] or TransferFailed(f"{keys[i]}: read outlived its {ttl} ms lease; bytes may be stale")
         return out
 
-    def _read_replicas(self, reads: dict, locals_) -> dict[int, StoreError]:
+    def _read_replicas(self, reads: dict, flat) -> dict[int, StoreError]:
         """Read each object from its first replica; entries that failed retry on the next replica, one transfer
         batch per round. Returns index -> error of the entries no replica could serve."""
-        from kvplugins.store.client_io import read_requests
         failed: dict[int, StoreError] = {}
         pending = dict(reads)
         for r in range(max((len(v[1]) for v in reads.values()), default=0)):
-            attempt = {i: (v[0], v[1][r:r + 1], v[2]) for i, v in pending.items() if r < len(v[1])}
+            attempt = {i: v[1][r:r + 1] for i, v in pending.items() if r < len(v[1])}
             if not attempt:
                 break
-            errors = self._transfer("read", read_requests, attempt, locals_)
+            errors = self._transfer("read", flat, attempt)
             for i in attempt:
                 failed.pop(i, None)
             failed.update(errors)
             pending = {i: reads[i] for i in errors}
         return failed
 
-    def _transfer(self, kind: str, build, todo: dict, locals_) -> dict[int, StoreError]:
-        """Run one transfer batch for entries ``todo`` (index -> master locations). Returns index -> error."""
+    def _transfer(self, kind: str, flat, todo: dict) -> dict[int, StoreError]:
+        """One array-form transfer per (segment, region) for keys ``todo`` (index -> locations to use).
+        Returns index -> error."""
         failed: dict[int, StoreError] = {}
-        descs = self._descriptors({loc[0] for v in todo.values() for loc in _locs(kind, v)})
-        reqs, owner = build(todo, locals_, descs, failed)
-        fn = self._engine.batch_write if kind == "write" else self._engine.batch_read
-        if not reqs:
-            return failed
-        try:
-            statuses = fn(reqs, timeout_ms=self.cfg.transfer_timeout_ms)
-        except (TransferError, NativeError) as e:      # the whole batch failed
-            statuses = [e] * len(reqs)
-        for idx, err in zip(owner, statuses):
-            if err is not None and idx not in failed:
-                failed[idx] = TransferFailed(f"{kind} of entry {idx} failed: {err}")
+        descs = self._descriptors({loc[0] for locs in todo.values() for loc in locs})
+        fn = self._engine.write_spans if kind == "write" else self._engine.read_spans
+        for desc, region_id, sel, roffs in client_io.groups(flat, todo, descs, failed):
+            try:
+                statuses = fn(desc, region_id, flat.addrs[sel], roffs, flat.lens[sel],
+                              timeout_ms=self.cfg.transfer_timeout_ms)
+            except (TransferError, NativeError) as e:      # the whole batch failed
+                statuses = [e] * len(sel)
+            for j, err in enumerate(statuses):
+                if err is not None:
+                    idx = int(flat.owner[sel[j]])
+                    failed.setdefault(idx, TransferFailed(f"{kind} of entry {idx} failed: {err}"))
         return failed
 
     def _descriptors(self, names: set[str]) -> dict:
@@ -276,10 +274,6 @@ class StoreClient:
             if code == protocol.OK:
                 self._descs[name] = SegmentDescriptor.from_wire(wire)
         return self._descs
-
-
-def _locs(kind: str, value):
-    return value if kind == "write" else value[1]
 
 
 def _raise_first(errors) -> None:

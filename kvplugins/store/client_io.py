@@ -1,66 +1,84 @@
-"""Turning (key, spans) plus master locations into transfer-core requests (gather on put, scatter on get).
+"""Turning (key, spans) plus master locations into transfer-core span arrays (gather on put, scatter on get).
 
 A location is ``[segment name, region id, offset]``; the object's bytes are the concatenation of the spans, so
-span j lands at ``offset + sum(len of spans before j)`` of every replica. A read uses the replica(s) it is given
-(client.py tries them in order).
+span j of a key lands at ``offset + sum(len of its spans before j)`` of every replica. Everything per span is
+kept in numpy arrays (``Flat``) and each (segment, region) of a batch becomes ONE array-form transfer
+(``TransferEngine.write_spans``/``read_spans``), so a batch costs numpy calls, not Python work per span.
+A read uses the replica(s) it is given (client.py tries them in order).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
 
 from kvplugins.errors import BufferNotRegistered, StoreError, TransferFailed
 
 
-def local_spans(engine, keys, spans_per_key, out) -> list:
-    """Per key: [(Region, offset in region, nbytes)], resolving each span's registered region.
-    Sets ``out[i]`` to BufferNotRegistered for keys whose spans are not in registered memory."""
+@dataclass
+class Flat:
+    """Every span of a batch: local address, bytes, owning key index, offset inside its object."""
+    addrs: np.ndarray      # uint64
+    lens: np.ndarray       # uint64
+    owner: np.ndarray      # int64 key index
+    inner: np.ndarray      # uint64 offset of the span inside its object
+    sizes: list[int]       # bytes per key (sum of its spans)
+    nkeys: int
+
+
+def flatten(engine, keys, spans_per_key, out) -> Flat:
+    """The batch's spans as arrays. Sets ``out[i]`` to BufferNotRegistered for keys with a span outside
+    registered memory (or a negative address/length). Raises StoreError if keys and span lists differ."""
     if len(keys) != len(spans_per_key):
         raise StoreError(f"{len(keys)} keys but {len(spans_per_key)} span lists; pass one span list per key")
-    resolved = []
+    addrs, lens, owner, inner, sizes = [], [], [], [], []
     for i, spans in enumerate(spans_per_key):
-        resolved.append([])
-        if out[i] is not None:
-            continue
-        try:
-            for addr, n in spans:
-                if n > 0:
-                    region = engine.region_for(int(addr), int(n))
-                    resolved[i].append((region, int(addr) - region.addr, int(n)))
-        except BufferNotRegistered as e:
-            out[i] = BufferNotRegistered(f"{keys[i]}: {e}; call register_buffer on that memory first")
-    return resolved
+        total = 0
+        for addr, n in spans:
+            addrs.append(addr)
+            lens.append(n)
+            owner.append(i)
+            inner.append(total)
+            total += n
+        sizes.append(total)
+    a, n = np.array(addrs, dtype=np.int64), np.array(lens, dtype=np.int64)
+    own = np.array(owner, dtype=np.int64)
+    bad = (a < 0) | (n < 0)
+    a, n = a.astype(np.uint64), n.astype(np.uint64)
+    bad |= ~engine.spans_registered(np.where(bad, 0, a), np.where(bad, 0, n))
+    for i in np.unique(own[bad]).tolist():
+        if out[i] is None:
+            out[i] = BufferNotRegistered(f"{keys[i]}: a span lies in no registered region; "
+                                         "call register_buffer on that memory first")
+    return Flat(a, n, own, np.array(inner, dtype=np.uint64), sizes, len(keys))
 
 
-def reject_empty(keys, spans_per_key, out) -> None:
+def reject_empty(keys, flat: Flat, out) -> None:
     """A put needs at least one byte: set ``out[i]`` for keys whose spans are empty."""
-    for i, spans in enumerate(spans_per_key):
-        if out[i] is None and not any(n > 0 for _, n in spans):
+    for i, size in enumerate(flat.sizes):
+        if out[i] is None and size <= 0:
             out[i] = StoreError(f"{keys[i]}: empty object; spans must hold at least 1 byte")
 
 
-def _requests(i, locs, spans, descs, failed, reqs, owner) -> None:
-    from kvplugins.transfer import TransferRequest
-    for seg, region_id, offset in locs:
-        desc = descs.get(seg)
-        if desc is None:
-            failed[i] = TransferFailed(f"segment {seg} is gone (node died or unregistered)")
-            return
-        pos = offset
-        for region, local_off, n in spans:
-            reqs.append(TransferRequest(region, local_off, desc, int(region_id), pos, n))
-            owner.append(i)
-            pos += n
-
-
-def write_requests(todo: dict, locals_, descs, failed):
-    """Requests writing every key's spans to every replica. Returns (requests, owning key index per request)."""
-    reqs, owner = [], []
+def groups(flat: Flat, todo: dict, descs: dict, failed: dict) -> list:
+    """One (descriptor, region id, span indices, remote offsets) per (segment, region) the batch touches.
+    ``todo``: key index -> locations to transfer. Keys naming an unknown segment go to ``failed``."""
+    by_region: dict[tuple[str, int], np.ndarray] = {}
     for i, locs in todo.items():
-        _requests(i, locs, locals_[i], descs, failed, reqs, owner)
-    return reqs, owner
-
-
-def read_requests(todo: dict, locals_, descs, failed):
-    """Requests reading every key from the first of its locations into its spans. ``todo[i]`` = [size, locs, ttl]."""
-    reqs, owner = [], []
-    for i, (_, locs, _) in todo.items():
-        _requests(i, locs[:1], locals_[i], descs, failed, reqs, owner)
-    return reqs, owner
+        for seg, region_id, offset in locs:
+            if seg not in descs:
+                failed[i] = TransferFailed(f"segment {seg} is gone (node died or unregistered)")
+                continue
+            key_off = by_region.get((seg, region_id))
+            if key_off is None:
+                key_off = by_region[(seg, region_id)] = np.full(flat.nkeys, -1, dtype=np.int64)
+            key_off[i] = offset
+    out = []
+    for (seg, region_id), key_off in by_region.items():
+        if failed:
+            key_off[list(failed)] = -1
+        span_off = key_off[flat.owner]
+        sel = np.flatnonzero((span_off >= 0) & (flat.lens > 0))
+        if len(sel):
+            out.append((descs[seg], int(region_id), sel, span_off[sel].astype(np.uint64) + flat.inner[sel]))
+    return out

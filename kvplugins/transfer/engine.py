@@ -114,6 +114,36 @@ class TransferEngine:
         """Copy each request's remote bytes into its local region; statuses as batch_write."""
         return self._router.run(Op.READ, reqs, self._timeout(timeout_ms))
 
+    def write_spans(self, remote: SegmentDescriptor, remote_region: int, local_addrs, remote_offsets, lengths,
+                    timeout_ms: float | None = None) -> list[TransferError | None]:
+        """Array form of batch_write for one remote region: span j copies ``lengths[j]`` bytes from local
+        address ``local_addrs[j]`` (inside any registered region) to offset ``remote_offsets[j]`` of region
+        ``remote_region`` of ``remote``. The three are 1-D integer sequences/arrays of equal length (bytes;
+        uint64-able). Spans contiguous on both sides are coalesced (kvplugins/transfer/spans.py). Returns
+        one status per span as batch_write (OutOfRange for a span outside registered memory or the remote
+        region). Raises ValueError for arrays of different lengths or a bad timeout, OutOfRange for
+        negative values, TransferFailed if closed."""
+        return self._router.run_spans(Op.WRITE, remote, remote_region, local_addrs, remote_offsets, lengths,
+                                      self._timeout(timeout_ms))
+
+    def read_spans(self, remote: SegmentDescriptor, remote_region: int, local_addrs, remote_offsets, lengths,
+                   timeout_ms: float | None = None) -> list[TransferError | None]:
+        """Array form of batch_read: span j copies remote bytes into local address ``local_addrs[j]``
+        (writable registered memory). As write_spans otherwise."""
+        return self._router.run_spans(Op.READ, remote, remote_region, local_addrs, remote_offsets, lengths,
+                                      self._timeout(timeout_ms))
+
+    def spans_registered(self, local_addrs, lengths) -> np.ndarray:
+        """Per span (1-D integer arrays of addresses and byte lengths): whether it lies inside one registered
+        region (numpy bool array; empty spans count as registered)."""
+        from kvplugins.transfer.spans import as_u64
+        addrs, lens = as_u64(local_addrs, "local_addrs"), as_u64(lengths, "lengths")
+        index = self._regions.index
+        ok = (index.locate(addrs, lens) >= 0) | (lens == 0)
+        for j in np.flatnonzero(~ok).tolist():
+            ok[j] = index.find(int(addrs[j]), int(lens[j])) is not None
+        return ok
+
     def submit_write(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> Future:
         """batch_write on an engine worker thread; a Future of the status list. Raises as batch_write
         for a closed engine or a bad timeout (immediately, not through the Future)."""

@@ -1,6 +1,7 @@
 """Local memory: turning buffers into (address, length) and the table of registered regions."""
 from __future__ import annotations
 
+import bisect
 import ctypes
 import itertools
 import threading
@@ -75,19 +76,58 @@ def view_of(addr: int, length: int) -> memoryview:
     return _FROM_MEMORY(addr, length, _PYBUF_WRITE)
 
 
+class _Index:
+    """An immutable snapshot of the regions sorted by address, for lock-free lookups by address:
+    ``starts``/``ends`` as Python lists (bisect) and numpy uint64 arrays (searchsorted)."""
+
+    def __init__(self, regions: list[Region]):
+        self.regions = sorted(regions, key=lambda r: r.addr)
+        self.starts = [r.addr for r in self.regions]
+        self.ends = [r.addr + r.length for r in self.regions]
+        self.max_ends = list(itertools.accumulate(self.ends, max))
+        self.np_starts = np.array(self.starts, dtype=np.uint64)
+        self.np_ends = np.array(self.ends, dtype=np.uint64)
+
+    def find(self, addr: int, length: int) -> Region | None:
+        """A region holding [addr, addr+length) (the last-starting one where registrations overlap), or None."""
+        i, end = bisect.bisect_right(self.starts, addr) - 1, addr + length
+        while i >= 0 and self.max_ends[i] >= end:
+            if self.ends[i] >= end:
+                return self.regions[i]
+            i -= 1
+        return None
+
+    def locate(self, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Per span, the index (into ``regions``) of the last-starting region that starts at or before it,
+        or -1 where that region does not hold the whole span (the caller falls back to find())."""
+        idx = np.searchsorted(self.np_starts, addrs, side="right").astype(np.int64) - 1
+        if not len(self.regions):
+            return np.full(len(addrs), -1, dtype=np.int64)
+        safe = np.maximum(idx, 0)
+        ends = self.np_ends[safe]
+        ok = (idx >= 0) & (addrs <= ends) & (lengths <= ends - np.minimum(addrs, ends))   # no uint64 wrap
+        return np.where(ok, idx, -1)
+
+
 class RegionTable:
-    """Thread-safe table of this process's registered regions; ids are never reused."""
+    """Thread-safe table of this process's registered regions; ids are never reused. Lookups by address
+    (find, locate) read an immutable sorted snapshot rebuilt on every add/remove, without the lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._regions: dict[int, tuple[Region, Any]] = {}
+        self.index = _Index([])
+
+    def _reindex(self) -> None:
+        self.index = _Index([r for r, _ in self._regions.values()])
 
     def add(self, addr: int, length: int, owner: Any, shm_path: str | None = None, export: bool = False,
             readonly: bool = False) -> Region:
         with self._lock:
             region = Region(next(self._ids), addr, length, shm_path, bool(export), bool(readonly))
             self._regions[region.region_id] = (region, owner)
+            self._reindex()
             return region
 
     def remove(self, region: Region) -> Any:
@@ -97,6 +137,7 @@ class RegionTable:
             if entry is None or entry[0] != region:
                 raise BufferNotRegistered(f"region {region.region_id} is not registered with this engine")
             del self._regions[region.region_id]
+            self._reindex()
             return entry[1]
 
     def pin(self, region: Region) -> Any:
@@ -121,11 +162,10 @@ class RegionTable:
         return span_addr(entry[0], offset, length, "remote"), _pin(entry[1])
 
     def find(self, addr: int, length: int) -> Region:
-        with self._lock:
-            regions = [r for r, _ in self._regions.values()]
-        for r in regions:
-            if r.addr <= addr and addr + length <= r.addr + r.length:
-                return r
+        """The registered region holding [addr, addr+length). Raises BufferNotRegistered."""
+        region = self.index.find(addr, length)
+        if region is not None:
+            return region
         raise BufferNotRegistered(f"[{addr:#x}, +{length}) lies in no registered region; register the buffer first")
 
     def exported(self) -> list[Region]:
@@ -136,6 +176,7 @@ class RegionTable:
         with self._lock:
             owners = [o for _, o in self._regions.values()]
             self._regions.clear()
+            self._reindex()
             return owners
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from kvplugins.errors import OutOfRange, TransferError, TransferFailed
 from kvplugins.transfer.api import RegionInfo, SegmentDescriptor, TransferRequest
 from kvplugins.transfer.memory import RegionTable, span_addr
+from kvplugins.transfer.spans import SpanBatch, as_u64, prepare
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
 log = logging.getLogger("kvplugins.transfer")
@@ -50,6 +51,59 @@ class Router:
             pending = self._round(op, pending, status, deadline)
         self._count(op, status)
         return status
+
+    def run_spans(self, op: Op, remote: SegmentDescriptor, region_id: int, addrs, roffs, lens,
+                  timeout_ms: float) -> list[TransferError | None]:
+        """The array form (spans.py): every span between local memory and region ``region_id`` of ``remote``."""
+        deadline = Deadline(timeout_ms)
+        addrs, roffs, lens = as_u64(addrs, "local_addrs"), as_u64(roffs, "remote_offsets"), as_u64(lens, "lengths")
+        if not len(addrs) == len(roffs) == len(lens):
+            raise ValueError(f"local_addrs, remote_offsets and lengths differ in length "
+                             f"({len(addrs)}, {len(roffs)}, {len(lens)}); pass one value per span")
+        status: list[TransferError | None] = [None] * len(lens)
+        try:
+            info, cands = self._remote(remote, int(region_id))
+        except TransferError as e:
+            status = [e] * len(lens)
+            cands = []
+        if cands:
+            batch, valid, group = prepare(self._regions, remote, info, addrs, roffs, lens, op is Op.WRITE, status)
+            if batch is not None:
+                merged = self._spans_rounds(op, batch, cands, deadline)
+                for j, g in zip(valid.tolist(), group.tolist()):
+                    status[j] = merged[g]
+        self._count(op, status)
+        return status
+
+    def _spans_rounds(self, op: Op, batch: SpanBatch, cands: list[Transport], deadline: Deadline) -> list:
+        """Run ``batch`` on the first candidate; TransferFailed spans retry on the next ones."""
+        out: list[TransferError | None] = [None] * len(batch)
+        todo, part = list(range(len(batch))), batch
+        for k, transport in enumerate(cands):
+            res = self._transfer_spans(transport, op, part, deadline)
+            failed = [] if res is None else [j for j, e in enumerate(res) if e is not None]
+            self._record(transport.name, len(part) - len(failed),
+                         int(part.lens.sum()) - sum(int(part.lens[j]) for j in failed), len(failed))
+            retry = []
+            for j in failed:
+                out[todo[j]] = res[j]
+                if isinstance(res[j], TransferFailed) and k + 1 < len(cands):
+                    retry.append(j)
+            if not retry:
+                break
+            self._fallback(transport.name, cands[k + 1].name, res[retry[0]])
+            todo, part = [todo[j] for j in retry], part.subset(retry)
+            for i in todo:
+                out[i] = None
+        return out
+
+    @staticmethod
+    def _transfer_spans(transport: Transport, op: Op, batch: SpanBatch, deadline: Deadline):
+        try:
+            return transport.transfer_spans(op, batch, deadline)
+        except Exception as e:  # noqa: BLE001 - as _transfer
+            log.exception("%s transport raised during a span batch", transport.name)
+            return [TransferFailed(f"{transport.name} transport error: {type(e).__name__}: {e}")] * len(batch)
 
     def _entry(self, req: TransferRequest, pins: dict, remotes: dict) -> tuple[Entry, list[Transport]]:
         if not isinstance(req, TransferRequest):

@@ -54,6 +54,27 @@ def plan_frames(entries: list[Entry], indexes: list[int], limit: int, conns: int
     return [f for f in frames if f]
 
 
+def plan_span_frames(addrs: list[int], offs: list[int], lens: list[int], region: int, limit: int,
+                     conns: int) -> list[list[Piece]]:
+    """plan_frames for the array form: spans j (to one remote ``region``) cut into frames the same way."""
+    total = sum(lens)
+    target = min(limit, max(MIN_PIECE, -(-total // conns)))
+    if total <= target and len(lens) <= wire.MAX_ENTRIES:       # the common small batch: one frame
+        return [[Piece(j, a, region, o, n) for j, (a, o, n) in enumerate(zip(addrs, offs, lens))]]
+    frames: list[list[Piece]] = [[]]
+    room = target
+    for j, (a, o, length) in enumerate(zip(addrs, offs, lens)):
+        off = 0
+        while off < length:
+            if room == 0 or len(frames[-1]) == wire.MAX_ENTRIES:
+                frames.append([])
+                room = target
+            n = min(room, length - off)
+            frames[-1].append(Piece(j, a + off, region, o + off, n))
+            off, room = off + n, room - n
+    return [f for f in frames if f]
+
+
 class TcpTransport(Transport):
     """Offers {"host", "port", "max_frame"} of its server; reaches every peer offering a valid tcp endpoint."""
     name = "tcp"
@@ -88,6 +109,23 @@ class TcpTransport(Transport):
         futures = [self._io.submit(self._run_group, op, p, f, status, deadline) for p, f in jobs[1:]]
         if jobs:
             self._run_group(op, *jobs[0], status, deadline)
+        for fut in futures:
+            fut.result()
+        return status
+
+    def transfer_spans(self, op: Op, batch, deadline: Deadline) -> list[TransferError | None] | None:
+        """The array form: frames planned straight from the span arrays (no Entry objects)."""
+        ep = batch.remote.transports["tcp"]
+        peer = (ep["host"], ep["port"])
+        limit = wire.payload_limit(max(MIN_FRAME, min(self._cfg.max_frame, ep.get("max_frame", self._cfg.max_frame))))
+        frames = plan_span_frames(batch.addrs.tolist(), batch.roffs.tolist(), batch.lens.tolist(),
+                                  batch.info.region_id, limit, self._cfg.tcp_connections)
+        status: list[TransferError | None] = [None] * len(batch)
+        groups = min(self._cfg.tcp_connections, len(frames))
+        jobs = [frames[g::groups] for g in range(groups)]
+        futures = [self._io.submit(self._run_group, op, peer, f, status, deadline) for f in jobs[1:]]
+        if jobs:
+            self._run_group(op, peer, jobs[0], status, deadline)
         for fut in futures:
             fut.result()
         return status

@@ -15,10 +15,13 @@ import enum
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvplugins.errors import TransferError
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
+
+if TYPE_CHECKING:
+    from kvplugins.transfer.spans import SpanBatch
 
 
 class Op(enum.IntEnum):
@@ -69,6 +72,14 @@ class Transport(ABC):
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
         """Move every entry; return one status per entry (None = done). TransferFailed entries may be retried on another transport; OutOfRange ones are final.
         Must return by the deadline (plus a small margin), never hang."""
+
+    def transfer_spans(self, op: Op, batch: "SpanBatch", deadline: Deadline) -> list[TransferError | None] | None:
+        """The array form (spans.py): move every span of ``batch``; None when all succeeded, else one status
+        per span. Default: one Entry per span through transfer(); transports override it to skip that."""
+        entries = [Entry(reg, a, batch.remote, batch.info, r, n, pin) for reg, a, r, n, pin in zip(
+            batch.regions, batch.addrs.tolist(), batch.roffs.tolist(), batch.lens.tolist(),
+            [batch.pins] * len(batch))]
+        return self.transfer(op, entries, deadline)
 
     def add_region(self, region: Region) -> None:
         """A local region was registered (an RDMA transport registers it with the NIC here and lists

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class Object:
     key: str
     size: int                              # bytes, as put

@@ -44,38 +44,45 @@ class MasterService:
     # ---- objects -------------------------------------------------------------------------------------
     def op_put_start(self, entries, opts, now):
         replicas = int(opts.get("replicas", 1))
-        out = [self._put_one(e, replicas, now) for e in entries]
+        order = self.segments.by_free_space()   # once per batch, most free bytes first; key j starts at j-th
+        biggest = max((s.size for s in order), default=0)
+        out = [self._put_one(e, replicas, now, order[j % len(order):] + order[:j % len(order)] if len(order) > 1
+                             else order, biggest) for j, e in enumerate(entries)]
         self.evict_watermarks(now)
         return out
 
-    def _put_one(self, entry, replicas: int, now: float):
+    def _put_one(self, entry, replicas: int, now: float, order: list[Segment], biggest: int):
         key, size = _key_size(entry)
         if key is None:
             return [INVALID, f"entry {entry!r:.80} must be [str key, int size > 0]"]
-        if key in self.table:
+        obj = self.table.get(key)
+        if obj is not None:
             self.counters["put_skipped"] += 1
-            return [EXISTS, "complete" if self.table.get(key).complete else "pending"]
-        placed = self._place(size, replicas, now)
+            return [EXISTS, "complete" if obj.complete else "pending"]
+        placed = self._place(size, replicas, now, order, biggest)
         if isinstance(placed, str):
             self.counters["put_full"] += 1
             return [STORE_FULL, placed]
         obj = Object(key, size, placed, deadline=now + self.cfg.put_timeout_ms / 1000, last_access=now)
         self.table.add(obj)
-        for name, _ in placed:
-            self.segments.get(name).keys.add(key)
+        locations = []
+        for seg, off in placed:
+            seg.keys.add(key)
+            locations.append([seg.name, seg.region_id, off])
+        obj.replicas = [(seg.name, off) for seg, off in placed]
         self.counters["puts"] += 1
-        return [OK, self._locations(obj)]
+        return [OK, locations]
 
-    def _place(self, size: int, replicas: int, now: float):
-        """Replica list [(segment, offset)], evicting LRU objects on demand; or a reason string (StoreFull)."""
-        if len(self.segments) == 0:
+    def _place(self, size: int, replicas: int, now: float, order: list[Segment], biggest: int):
+        """Replica list [(Segment, offset)], evicting LRU objects on demand; or a reason string (StoreFull).
+        ``order``: the segments to try, in that order; ``biggest``: the largest segment's size."""
+        if not order:
             return "no segment is registered; start `kvplugins store` or `kvplugins up`"
-        biggest = max(s.size for s in self.segments)
         if -(-size // self.cfg.alloc_align) * self.cfg.alloc_align > biggest:
             return f"object of {size} bytes is larger than the largest segment ({biggest} bytes)"
-        want = min(replicas, len(self.segments))
+        want = min(replicas, len(order))
         while True:
-            placed = self._try_place(size, want)
+            placed = self._try_place(size, want, order)
             if placed:
                 return placed
             victim = next(victims(self.table, now), None)
@@ -84,15 +91,16 @@ class MasterService:
             self._drop(victim, now)
             self.counters["evictions"] += 1
 
-    def _try_place(self, size: int, want: int):
-        placed: list[tuple[str, int]] = []
-        for seg in self.segments.by_free_space():
+    @staticmethod
+    def _try_place(size: int, want: int, order: list[Segment]):
+        placed: list[tuple[Segment, int]] = []
+        for seg in order:
             off = seg.allocator.alloc(size)
             if off is not None:
-                placed.append((seg.name, off))
+                placed.append((seg, off))
                 if len(placed) == want:
                     return placed
-        self._free_now(placed)
+        _free(placed)
         return None
 
     def op_put_commit(self, entries, opts, now):
@@ -176,9 +184,6 @@ class MasterService:
             heapq.heappush(self._zombies, (free_at, self._seq, held))
         else:
             _free(held)
-
-    def _free_now(self, replicas) -> None:
-        _free([(self.segments.get(n), off) for n, off in replicas])
 
     # ---- segments ------------------------------------------------------------------------------------
     def op_register_segment(self, entries, opts, now):
