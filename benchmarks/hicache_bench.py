@@ -5,7 +5,8 @@
     .venv/bin/python benchmarks/hicache_bench.py --no-mooncake        # kvplugins + file only, no root needed
 
 Pool shaped like Llama-3-8B: 32 layers, 8 KV heads, head dim 128, bf16, page 64 tokens (8 MiB per page, K+V),
-layouts page_first and layer_first. Per backend and round: ``page_set_func`` (backup, host -> L3) of a batch of
+layouts page_first and layer_first. ``file`` reads pages back from the page cache (they were just written);
+``file-cold`` drops them from it first (untimed), as an L3 read of pages written long ago. Per backend and round: ``page_set_func`` (backup, host -> L3) of a batch of
 pages, then ``page_get_func`` (prefetch, L3 -> a second host pool); every page read is checked bit-exact
 (sha256) against what was written, untimed. Backends run interleaved round by round, so a change of machine load
 hits all alike. Reported: median pages/s and GB/s (1e9 B) per op, and the ratios of kvplugins to file and mooncake.
@@ -21,7 +22,9 @@ import contextlib
 import gc
 import hashlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +69,9 @@ def one_round(att, reader, keys, idx, expect, first) -> dict:
     t0 = time.perf_counter()
     ok = att.set(keys, idx)
     t1 = time.perf_counter()
+    if att.after_set is not None:
+        att.after_set()
+        t1 = time.perf_counter()
     loaded = reader.get(keys, idx)
     t2 = time.perf_counter()
     good = ok and loaded == len(keys) and digests(reader.pool, first, len(keys)) == expect
@@ -132,7 +138,7 @@ def ratios(rows: list[dict]) -> list[str]:
     for (layout, label), r in by.items():
         if not label.startswith("kvp"):
             continue
-        for other in ("file", "mooncake-tcp"):
+        for other in ("file", "file-cold", "mooncake-tcp"):
             o = by.get((layout, other))
             if o:
                 out.append(f"{layout} {label} / {other}: set x{r['set_GBps'] / o['set_GBps']:.2f}, "
@@ -140,20 +146,32 @@ def ratios(rows: list[dict]) -> list[str]:
     return out
 
 
+def git_rev() -> str:
+    """Short commit of the checkout, with "+dirty" if it has uncommitted changes."""
+    def git(*a):
+        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--", "kvplugins") else "")
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     if not args.no_mooncake and not netns.inside():
         return netns.run_inside([str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])])
+    run = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_rev(),
+           "load_start": os.getloadavg()[0]}
     with contextlib.ExitStack() as stack:
         log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hicache-bench-")))
         log_dir.mkdir(parents=True, exist_ok=True)
         rows = []
         for layout in args.layouts.split(","):
             rows += run_layout_with_servers(layout, args, log_dir)
+    run["load_end"] = os.getloadavg()[0]
+    print(f"{run['date']} kvplugins {run['git']}, 1-min load {run['load_start']:.1f} -> {run['load_end']:.1f}, "
+          f"{args.pages} pages x {args.rounds} rounds")
     print(table(rows))
     print("\n".join(ratios(rows)))
     if args.json:
-        args.json.write_text(json.dumps({"geometry": {k: str(v) for k, v in GEOMETRY.items()},
+        args.json.write_text(json.dumps({**run, "geometry": {k: str(v) for k, v in GEOMETRY.items()},
                                          "pages": args.pages, "rounds": args.rounds, "rows": rows}, indent=1))
     return 0 if all(r.get("verified", True) for r in rows) else 1
 
@@ -165,7 +183,8 @@ def run_layout_with_servers(layout: str, args, log_dir: Path) -> list[dict]:
     with contextlib.ExitStack() as stack:
         factories = {"kvp-shm": stack.enter_context(backends.kvp("shm", batch, log_dir)),
                      "kvp-tcp": stack.enter_context(backends.kvp("tcp", batch, log_dir)),
-                     "file": stack.enter_context(backends.file(log_dir))}
+                     "file": stack.enter_context(backends.file(log_dir)),
+                     "file-cold": stack.enter_context(backends.file(log_dir, cold=True))}
         if not args.no_mooncake:
             factories["mooncake-tcp"] = stack.enter_context(backends.mooncake(args.rounds * batch, log_dir))
         return run_layout(layout, args, factories)

@@ -7,7 +7,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation
@@ -25,6 +25,7 @@ class Attached:
     backend: object
     pool: object
     ctl: HiCacheController
+    after_set: Callable[[], None] | None = None     # untimed, between a round's set and its get
 
     def set(self, keys: list[str], idx: torch.Tensor) -> bool:
         return bool(self.ctl.page_set_func(keys, idx))
@@ -68,10 +69,32 @@ def kvp(mode: str, data_bytes: int, log_dir: Path) -> Iterator[callable]:
 
 
 @contextlib.contextmanager
-def file(log_dir: Path) -> Iterator[callable]:
-    """SGLang's HiCacheFile, one file per page under ``log_dir/hicache-file``."""
-    os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(log_dir / "hicache-file")
-    yield lambda pool: attach("file", "file", None, pool)
+def file(log_dir: Path, cold: bool = False) -> Iterator[callable]:
+    """SGLang's HiCacheFile, one file per page under ``log_dir/<label>``. cold: after each set (untimed), the
+    pages are flushed and dropped from the page cache (fsync + POSIX_FADV_DONTNEED), so the get reads the disk
+    as an L3 read of pages written long ago would; otherwise the get is served from the page cache."""
+    label = "file-cold" if cold else "file"
+    directory = log_dir / label
+
+    def make(pool) -> Attached:
+        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(directory)   # read by HiCacheFile.__init__
+        att = attach(label, "file", None, pool)
+        if cold:
+            att.after_set = lambda: drop_page_cache(directory)
+        return att
+
+    yield make
+
+
+def drop_page_cache(directory: Path) -> None:
+    """Write back and evict every file of ``directory`` from the page cache (this run's files only)."""
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager

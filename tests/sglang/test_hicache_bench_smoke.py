@@ -19,5 +19,5 @@ def test_bench_runs_every_backend_and_verifies_bytes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
     assert {(r["layout"], r["backend"]) for r in rows} == {
-        (lay, b) for lay in ("page_first", "layer_first") for b in ("kvp-shm", "kvp-tcp", "file")}
+        (lay, b) for lay in ("page_first", "layer_first") for b in ("kvp-shm", "kvp-tcp", "file", "file-cold")}
     assert all(r.get("verified") is True and r["set_GBps"] > 0 and r["get_GBps"] > 0 for r in rows), rows
