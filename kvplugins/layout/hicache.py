@@ -32,18 +32,23 @@ def page_spans(ptrs: Sequence[int], sizes: Sequence[int], num_pages: int) -> lis
     if len(ptrs) != len(sizes) or num_pages <= 0 or len(ptrs) % num_pages:
         raise ConfigError(f"buffer metadata of {len(ptrs)} pointers / {len(sizes)} sizes does not split into "
                           f"{num_pages} pages; the host pool's page size and the key count disagree")
+    import numpy as np
     per = len(ptrs) // num_pages
-    out: list[list[Span]] = []
-    for p in range(num_pages):
-        spans: list[list[int]] = []
-        for a, n in zip(ptrs[p * per:(p + 1) * per], sizes[p * per:(p + 1) * per]):
-            a, n = int(a), int(n)
-            if spans and spans[-1][0] + spans[-1][1] == a:
-                spans[-1][1] += n
-            else:
-                spans.append([a, n])
-        out.append([(a, n) for a, n in spans])
-    return out
+    p = np.asarray(ptrs, dtype=np.uint64).reshape(num_pages, per)
+    n = np.asarray(sizes, dtype=np.uint64).reshape(num_pages, per)
+    if not (p[:, :-1] + n[:, :-1] == p[:, 1:]).any():       # the usual case: no piece continues the previous
+        return [list(zip(a, b)) for a, b in zip(p.tolist(), n.tolist())]
+    return [_merged(a, b) for a, b in zip(p.tolist(), n.tolist())]
+
+
+def _merged(ptrs: Sequence[int], sizes: Sequence[int]) -> list[Span]:
+    spans: list[list[int]] = []
+    for a, n in zip(ptrs, sizes):
+        if spans and spans[-1][0] + spans[-1][1] == a:
+            spans[-1][1] += n
+        else:
+            spans.append([a, n])
+    return [(a, n) for a, n in spans]
 
 
 def covering_ranges(ranges: Sequence[Span]) -> list[Span]:
