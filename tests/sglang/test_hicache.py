@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -252,3 +253,60 @@ def test_attach_with_store_down_then_serves_once_it_is_up(tmp_path):
             assert case.backend.batch_exists(keys) == 2 and case.read(keys) == 2
     finally:
         case.backend.close()
+
+
+def test_node_lost_then_replaced_failed_batches_do_not_poison_later_ones(tmp_path):
+    with store_cluster(nodes=1, segment_size="16MiB", master_flags={"heartbeat_timeout_ms": 500},
+                       tmp=tmp_path) as c:
+        case = hc.make_case(c.master, "mha", "page_head")
+        try:
+            assert case.write(hc.keys_for("before", 2))
+            c.nodes[0].kill()
+            assert case.backend.batch_set_v1(hc.keys_for("lost", 2), case.host_indices(2)) == [False, False]
+            assert case.read(hc.keys_for("before", 2)) == 0                  # its only replica is gone
+            c.add_node("16MiB")
+            deadline = time.monotonic() + 10
+            while not case.write(hc.keys_for("after", 2)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert case.read(hc.keys_for("after", 2)) == 2
+        finally:
+            case.backend.close()
+
+
+def test_prefetch_and_backup_threads_share_one_backend(cluster):
+    """SGLang's prefetch and backup threads call one backend concurrently; every page must still be exact."""
+    case = hc.make_case(cluster.master, "mha", "layer_first")
+    reader = hc.make_case(cluster.master, "mha", "layer_first")
+    case.fill(seed=7)
+    expect = case.digests(hc.PAGES)
+    errors: list = []
+
+    def backup(i):
+        keys = hc.keys_for(f"threads-{i}")
+        assert case.backend.batch_set_v1(keys, case.host_indices()) == [True] * hc.PAGES
+
+    def prefetch(i):
+        keys = hc.keys_for(f"threads-{i}")
+        assert case.backend.batch_get_v1(keys, case.host_indices()) == [True] * hc.PAGES
+
+    def run(fn, rounds):
+        try:
+            for i in rounds:
+                fn(i)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    backup(0)
+    threads = [threading.Thread(target=run, args=(backup, range(1, 30))),
+               threading.Thread(target=run, args=(prefetch, [0] * 30))]   # reads page set 0 into the same pages
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and not any(t.is_alive() for t in threads)
+        assert case.digests(hc.PAGES) == expect                            # reads wrote back the same bytes
+        assert reader.read(hc.keys_for("threads-29")) == hc.PAGES and reader.digests() == expect
+    finally:
+        case.backend.close()
+        reader.backend.close()
