@@ -8,7 +8,13 @@
 namespace kvp::moe {
 namespace {
 
-constexpr int kTokChunk = 64;  // token rows kept hot in L2 while a 4-row weight strip stays in L1
+constexpr int kTokChunk = 64;
+constexpr int kPrefetch = 1024;  // bytes ahead in each weight row (decode)  // token rows kept hot in L2 while a 4-row weight strip stays in L1
+
+// Decode (few tokens) streams each weight row once: fetch ahead of the hardware prefetcher.
+static inline void prefetch_rows(const uint8_t* const* rows, int byte_off) {
+  for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + byte_off + kPrefetch, _MM_HINT_T0);
+}
 
 // ---- BF16: 4 weight rows x NT tokens per tile, 32 bf16 per step ----
 template <int NT>
@@ -22,6 +28,7 @@ void bf16_tile(const MatView& w, int r, const ActRows& a, int t0, float* y, size
     for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_setzero_ps();
   for (int k = 0; k < w.K; k += 32) {
     __m512bh wv[4];
+    if (a.n <= 4) prefetch_rows(reinterpret_cast<const uint8_t* const*>(wr), 2 * k);
     for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
     for (int t = 0; t < NT; ++t) {
       __m512bh xv = (__m512bh)_mm512_loadu_si512(x[t] + k);
@@ -44,6 +51,7 @@ void int8_tile(const MatView& w, int r, const ActRows& a, int t0, float* y, size
     for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_setzero_si512();
   for (int k = 0; k < w.K; k += 64) {
     __m512i wv[4];
+    if (a.n <= 4) prefetch_rows(wr, k);
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(wr[j] + k);
     for (int t = 0; t < NT; ++t) {
       __m512i xv = _mm512_loadu_si512(x[t] + k);
@@ -81,6 +89,7 @@ void int4_tile(const MatView& w, int r, const ActRows& a, int t0, float* y, size
       for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_setzero_si512();
     for (int k = g * w.group; k < (g + 1) * w.group; k += 64) {
       __m512i wv[4];
+      if (a.n <= 4 && (k & 127) == 0) prefetch_rows(wr, k / 2);
       for (int j = 0; j < 4; ++j) wv[j] = unpack_int4(wr[j] + k / 2);
       for (int t = 0; t < NT; ++t) {
         __m512i xv = _mm512_loadu_si512(x[t] + k);

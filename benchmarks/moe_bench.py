@@ -1,0 +1,159 @@
+"""CPU MoE expert backends side by side in one run: kvplugins (this repo), kt-kernel 0.7.2 and torch bf16.
+
+    bash ci/install-kt.sh        # kt-kernel 0.7.2 into .venv/kt-kernel-0.7.2 (benchmark only)
+    .venv/bin/python benchmarks/moe_bench.py [--threads N] [--configs bench,dsv2lite,qwen3] [--max-experts E]
+
+Decode (T=1, 4): GB/s of expert weights touched (unique experts routed x their bytes) and the share of this
+machine's read bandwidth, measured in the same run (torch.sum over 1 GiB fp32 with the same thread count,
+best of 5). Prefill (T=128, 512): GFLOP/s (T x K x 3 x 2 x H x I per forward). Routing is uniform random, new
+per iteration, so decode reads weights from DRAM (they are far larger than the caches). Each backend runs alone
+in its own process. "idle CPU" is what that process burns in the second after its last forward. Prints a
+markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.moe import backends  # noqa: E402
+
+CONFIGS = {  # name: (E, H, I, top-k)
+    "bench": (64, 2048, 768, 8),
+    "dsv2lite": (64, 2048, 1408, 6),   # DeepSeek-V2-Lite
+    "qwen3": (128, 2048, 768, 8),      # Qwen3-30B-A3B
+}
+DECODE_T, PREFILL_T = (1, 4), (128, 512)
+
+
+def read_bandwidth(threads: int, gib: float = 1.0) -> float:
+    """Bytes/s that torch.sum reads with `threads` threads (best of 5)."""
+    torch.set_num_threads(threads)
+    a = torch.ones(int(gib * (1 << 30)) // 4)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        a.sum()
+        best = max(best, a.numel() * 4 / (time.perf_counter() - t))
+    return best
+
+
+def routings(T, E, K, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        w = torch.rand(T, K, generator=g)
+        out.append((ids, w / w.sum(1, keepdim=True)))
+    return out
+
+
+def time_fn(fn, x, routes, warmup=2):
+    for ids, w in routes[:warmup]:
+        fn(x, ids, w)
+    t = time.perf_counter()
+    for ids, w in routes[warmup:]:
+        fn(x, ids, w)
+    return (time.perf_counter() - t) / (len(routes) - warmup)
+
+
+def build(label, fmt, w, K, threads):
+    if label.startswith("kvplugins"):
+        return backends.kvplugins_backend(fmt, w, K, threads)
+    if label.startswith("kt-kernel"):
+        return backends.kt_backend(fmt, w, K, threads, 0)
+    return backends.torch_backend(w)
+
+
+def idle_cpu(seconds=1.0) -> float:
+    """CPU seconds per second this process burns while nothing is submitted (kt-kernel issue #1836)."""
+    import resource
+    time.sleep(0.1)
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    time.sleep(seconds)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / (time.perf_counter() - t0)
+
+
+def worker(name, label, fmt, args, bw) -> list:
+    """One backend on one config, alone in this process (no other backend's threads compete)."""
+    E, H, I, K = CONFIGS[name]
+    E = min(E, args.max_experts) if args.max_experts else E
+    g = torch.Generator().manual_seed(1)
+    w = tuple((torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16) for s in ((E, I, H), (E, I, H), (E, H, I)))
+    torch.set_num_threads(args.threads)
+    fn = build(label, fmt, w, K, args.threads)
+    rows = []
+    for T in DECODE_T + PREFILL_T:
+        n = args.decode_iters if T in DECODE_T else args.prefill_iters
+        routes = routings(T, E, K, n + 2, seed=T)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        dt = time_fn(fn, x, routes)
+        touched = sum(len(ids.unique()) for ids, _ in routes[2:]) / n
+        gbs = backends.weight_bytes(fmt, touched, H, I) / dt / 1e9
+        dec = T in DECODE_T
+        rows.append([f"{name} E={E}", label, T, f"{dt * 1e3:.2f}", f"{gbs:.1f}" if dec else "",
+                     f"{100 * gbs * 1e9 / bw:.0f}%" if dec else "", f"{T * K * 6 * H * I / dt / 1e9:.0f}"])
+    idle = f"{100 * idle_cpu():.0f}%"
+    return [r + [idle] for r in rows]
+
+
+def run_isolated(name, label, fmt, args, bw) -> list:
+    import json
+    import subprocess
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{name}|{label}|{fmt}", "--bandwidth", str(bw),
+           "--threads", str(args.threads), "--max-experts", str(args.max_experts),
+           "--decode-iters", str(args.decode_iters), "--prefill-iters", str(args.prefill_iters)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    last = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith("[[")), "")  # kt-kernel prints too
+    if r.returncode != 0 or not last:
+        err = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return [[name, label, "-", f"unavailable: {err}"[:90], "", "", "", ""]]
+    return json.loads(last)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--configs", default="bench,dsv2lite,qwen3")
+    p.add_argument("--formats", default="bf16,int8,int4")
+    p.add_argument("--max-experts", type=int, default=0, help="cap E (memory); 0 = the model's")
+    p.add_argument("--decode-iters", type=int, default=30)
+    p.add_argument("--prefill-iters", type=int, default=3)
+    p.add_argument("--no-kt", action="store_true", help="skip kt-kernel")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.formats = args.formats.split(",")
+    if args.worker:
+        import json
+        print(json.dumps(worker(*args.worker.split("|"), args, args.bandwidth)))
+        return 0
+    bw = read_bandwidth(args.threads)
+    print(f"read bandwidth (torch.sum, {args.threads} threads): {bw / 1e9:.1f} GB/s; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    rows = []
+    for name in args.configs.split(","):
+        cands = []
+        for fmt in args.formats:
+            cands.append((f"kvplugins {fmt}", fmt))
+            if not args.no_kt:
+                cands.append((f"kt-kernel {backends.METHODS[fmt]}", fmt))
+        cands.append(("torch bf16", "bf16"))
+        for label, fmt in cands:
+            rows += run_isolated(name, label, fmt, args, bw)
+            for r in rows[-4:]:
+                print(" | ".join(map(str, r)), flush=True)
+    print("\n| config | backend | T | ms | GB/s | % of read BW | GFLOP/s | idle CPU |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(map(str, r)) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
