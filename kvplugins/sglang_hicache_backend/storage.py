@@ -51,6 +51,7 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host):
         super().register_mem_pool_host(mem_pool_host)
         v1, flat = (self._keyspace(mem_pool_host, fmt) for fmt in ("v1", "flat"))
+        self.close()                                    # a re-attach replaces the previous pool's connection
         self._pages = KeyedPageStore(self._client, v1, meta_layout(mem_pool_host), retry_ms=self.config.retry_ms)
         self._flat = flat
 
