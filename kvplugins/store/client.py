@@ -10,16 +10,18 @@ TransferFailed. Follows the Mooncake store client design (FAST'25 §4).
 """
 from __future__ import annotations
 
+import logging
 import time
 
-from kvplugins.errors import (BufferNotRegistered, KeyNotFound, NativeError, SizeMismatch, StoreError,
-                              TransferError, TransferFailed)
+from kvplugins.errors import (BufferNotRegistered, KeyNotFound, MasterUnreachable, NativeError, SizeMismatch,
+                              StoreError, TransferError, TransferFailed)
 from kvplugins.store import client_io, protocol
 from kvplugins.store.client_stats import ClientStats
 from kvplugins.store.config import ClientConfig
 from kvplugins.store.rpc_client import RawRpcClient
 from kvplugins.store.staging import Staging
 
+log = logging.getLogger(__name__)
 Span = tuple[int, int]          # (address, nbytes) inside a registered buffer
 
 
@@ -151,6 +153,11 @@ class StoreClient:
         return [None if c == protocol.OK else KeyNotFound(k) for k, (c, _) in zip(keys, self._rpc_entries(
             "remove", keys))]
 
+    def flush(self) -> None:
+        """Wait until the master has answered every pipelined put_commit of this client (then every other
+        client sees those objects). Raises MasterUnreachable. close() flushes too."""
+        self._rpc.flush()
+
     def stats(self) -> dict:
         """hits, misses, puts, gets, bytes_put, bytes_got, put/get latency p50/p99 (µs), own segment name."""
         return {**self._stats.snapshot(), "master": self.master,
@@ -161,6 +168,10 @@ class StoreClient:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._rpc.flush()
+        except MasterUnreachable as e:
+            log.warning("close: pipelined commits not confirmed: %s", e)
         if self._segment is not None:
             self._segment.close()
             self._segment_rpc.close()
@@ -200,6 +211,11 @@ class StoreClient:
 
     def _finish_puts(self, keys, writes, failed: dict, out) -> None:
         ok = [i for i in writes if i not in failed]
+        if ok and not self.cfg.wait_commit:
+            committed = [keys[i] for i in ok]
+            self._rpc.send_deferred("put_commit", committed,
+                                    on_reply=lambda good, payload: self._commit_replied(committed, good, payload))
+            ok = []
         for i, (code, value) in zip(ok, self._rpc_entries("put_commit", [keys[i] for i in ok])):
             if code != protocol.OK:
                 out[i] = TransferFailed(f"{keys[i]}: put not committed: {value}")
@@ -207,6 +223,15 @@ class StoreClient:
             self._rpc_entries("put_abort", [keys[i] for i in failed])
             for i, err in failed.items():
                 out[i] = err
+
+    def _commit_replied(self, keys: list[str], ok: bool, payload) -> None:
+        """The reply of a pipelined put_commit: a key the master did not commit is a miss from now on."""
+        bad = [k for k, (code, _) in zip(keys, payload)
+               if code != protocol.OK] if ok and isinstance(payload, list) else list(keys)
+        if bad:
+            self._stats.commit_failed(len(bad))
+            log.warning("%d pipelined put_commit(s) failed (%s...): %s; those keys read as misses",
+                        len(bad), bad[0], payload if not ok else "expired")
 
     def _read(self, keys, spans_per_key, found=None, t0=None) -> list[StoreError | None]:
         """``found``/``t0``: the get RPC's answer and the monotonic time just before it, if already asked."""
@@ -256,14 +281,14 @@ class StoreClient:
         descs = self._descriptors({loc[0] for locs in todo.values() for loc in locs})
         fn = self._engine.write_spans if kind == "write" else self._engine.read_spans
         for desc, region_id, sel, roffs in client_io.groups(flat, todo, descs, failed):
+            addrs, lens = client_io.pick(flat.addrs, sel), client_io.pick(flat.lens, sel)
             try:
-                statuses = fn(desc, region_id, flat.addrs[sel], roffs, flat.lens[sel],
-                              timeout_ms=self.cfg.transfer_timeout_ms)
+                statuses = fn(desc, region_id, addrs, roffs, lens, timeout_ms=self.cfg.transfer_timeout_ms)
             except (TransferError, NativeError) as e:      # the whole batch failed
                 statuses = [e] * len(sel)
             for j, err in enumerate(statuses):
                 if err is not None:
-                    idx = int(flat.owner[sel[j]])
+                    idx = int(flat.owner[sel[j]])       # sel: a list or an index array
                     failed.setdefault(idx, TransferFailed(f"{kind} of entry {idx} failed: {err}"))
         return failed
 

@@ -13,15 +13,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvplugins.errors import BufferNotRegistered, StoreError, TransferFailed
+from kvplugins.transfer.spans import SMALL
 
 
 @dataclass
 class Flat:
-    """Every span of a batch: local address, bytes, owning key index, offset inside its object."""
-    addrs: np.ndarray      # uint64
-    lens: np.ndarray       # uint64
-    owner: np.ndarray      # int64 key index
-    inner: np.ndarray      # uint64 offset of the span inside its object
+    """Every span of a batch: local address, bytes, owning key index, offset inside its object. numpy arrays
+    (uint64; owner int64), or int lists when the batch has at most spans.SMALL spans."""
+    addrs: np.ndarray | list
+    lens: np.ndarray | list
+    owner: np.ndarray | list
+    inner: np.ndarray | list
     sizes: list[int]       # bytes per key (sum of its spans)
     nkeys: int
 
@@ -41,6 +43,8 @@ def flatten(engine, keys, spans_per_key, out) -> Flat:
             inner.append(total)
             total += n
         sizes.append(total)
+    if len(lens) <= SMALL:
+        return _flat_small(engine, keys, addrs, lens, owner, inner, sizes, out)
     a, n = np.array(addrs, dtype=np.int64), np.array(lens, dtype=np.int64)
     own = np.array(owner, dtype=np.int64)
     bad = (a < 0) | (n < 0)
@@ -51,6 +55,21 @@ def flatten(engine, keys, spans_per_key, out) -> Flat:
             out[i] = BufferNotRegistered(f"{keys[i]}: a span lies in no registered region; "
                                          "call register_buffer on that memory first")
     return Flat(a, n, own, np.array(inner, dtype=np.uint64), sizes, len(keys))
+
+
+def _flat_small(engine, keys, addrs, lens, owner, inner, sizes, out) -> Flat:
+    """flatten() for a few spans: plain int lists, region lookups by bisect (no numpy)."""
+    addrs, lens = [int(a) for a in addrs], [int(n) for n in lens]
+    for a, n, i in zip(addrs, lens, owner):
+        if out[i] is not None or n == 0:
+            continue
+        try:
+            if a < 0 or n < 0:
+                raise BufferNotRegistered(f"span ({a}, {n}) has a negative address or length")
+            engine.region_for(a, n)
+        except BufferNotRegistered as e:
+            out[i] = BufferNotRegistered(f"{keys[i]}: {e}; call register_buffer on that memory first")
+    return Flat(addrs, lens, owner, inner, sizes, len(keys))
 
 
 def reject_empty(keys, flat: Flat, out) -> None:
@@ -73,6 +92,8 @@ def groups(flat: Flat, todo: dict, descs: dict, failed: dict) -> list:
             if key_off is None:
                 key_off = by_region[(seg, region_id)] = np.full(flat.nkeys, -1, dtype=np.int64)
             key_off[i] = offset
+    if type(flat.lens) is list:
+        return _groups_small(flat, by_region, descs, failed)
     out = []
     for (seg, region_id), key_off in by_region.items():
         if failed:
@@ -82,3 +103,21 @@ def groups(flat: Flat, todo: dict, descs: dict, failed: dict) -> list:
         if len(sel):
             out.append((descs[seg], int(region_id), sel, span_off[sel].astype(np.uint64) + flat.inner[sel]))
     return out
+
+
+def _groups_small(flat: Flat, by_region: dict, descs: dict, failed: dict) -> list:
+    out = []
+    for (seg, region_id), key_off in by_region.items():
+        sel, roffs = [], []
+        for j, (i, n, inner) in enumerate(zip(flat.owner, flat.lens, flat.inner)):
+            if n > 0 and key_off[i] >= 0 and i not in failed:
+                sel.append(j)
+                roffs.append(int(key_off[i]) + inner)
+        if sel:
+            out.append((descs[seg], int(region_id), sel, roffs))
+    return out
+
+
+def pick(values, sel):
+    """values[sel] for an array, [values[j] for j in sel] for a list."""
+    return [values[j] for j in sel] if type(values) is list else values[sel]

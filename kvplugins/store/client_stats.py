@@ -11,7 +11,8 @@ WINDOW = 4096      # latency samples kept per kind
 class ClientStats:
     def __init__(self):
         self._lock = threading.Lock()
-        self._c = dict.fromkeys(("puts", "gets", "hits", "misses", "errors", "bytes_put", "bytes_got"), 0)
+        self._c = dict.fromkeys(("puts", "gets", "hits", "misses", "errors", "bytes_put", "bytes_got",
+                                  "commit_failures"), 0)
         self._lat = {"put": deque(maxlen=WINDOW), "get": deque(maxlen=WINDOW)}
 
     def record(self, kind: str, keys, spans_per_key, out, t0: float) -> None:
@@ -29,6 +30,11 @@ class ClientStats:
                     self._c["misses"] += 1
                 else:
                     self._c["errors"] += 1
+
+    def commit_failed(self, n: int) -> None:
+        """``n`` pipelined put_commits were refused or lost (their puts had returned success)."""
+        with self._lock:
+            self._c["commit_failures"] += n
 
     def snapshot(self) -> dict:
         with self._lock:

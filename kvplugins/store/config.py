@@ -81,6 +81,9 @@ class ClientConfig:
     transports: str = field(default="shm,tcp", metadata={"help": "transports offered, fastest first"})
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period of the own segment"})
     embedded_start_timeout_ms: int = field(default=30000, metadata={"help": "wait for an auto-started `up`"})
+    wait_commit: bool = field(default=True, metadata={
+        "help": "put waits for put_commit's reply; false pipelines the commit (one round trip less per put, but "
+                "other clients may miss the key for a moment after put returns; docs/store.md, visibility)"})
 
     def __post_init__(self):
         _sizes(self)

@@ -55,17 +55,61 @@ class _Base:
 
 
 class RawRpcClient(_Base):
-    """Length-prefixed msgpack frames over one TCP connection to the master address ``host:port``."""
+    """Length-prefixed msgpack frames over one TCP connection to the master address ``host:port``.
+
+    ``send_deferred`` pipelines a request: it is sent at once and its reply is read later, in order, before
+    the reply of the next ``call`` on this connection, or by ``flush``/``close``. The master serves one
+    connection's frames in order, so anything this client asks after a deferred request sees its effect.
+    At most MAX_DEFERRED replies wait; more make the send flush first."""
+    MAX_DEFERRED = 64
 
     def __init__(self, address: str, timeout_ms: float):
         super().__init__(address, timeout_ms)
         self._host, self._port = parse_address(address)
         self._sock: socket.socket | None = None
+        self._rbuf = bytearray()
+        self._deferred: list[tuple[int, str, object]] = []     # (request id, op, on_reply)
+
+    def send_deferred(self, op: str, entries=(), opts: dict | None = None, on_reply=None) -> None:
+        """Send ``op`` now without waiting; ``on_reply(ok, payload)`` runs when its reply is read (or with
+        (False, reason) if the connection fails first). Raises MasterUnreachable if it cannot be sent."""
+        rid = next(self._ids)
+        body = protocol.pack([protocol.VERSION, rid, op, list(entries), opts or {}])
+        with self._lock:
+            deadline = time.monotonic() + self.timeout_ms / 1000
+            try:
+                if len(self._deferred) >= self.MAX_DEFERRED:
+                    self._drain(deadline)
+                self._send(body, deadline)
+            except (OSError, ProtocolError, TimeoutError) as e:
+                self._reset()
+                raise MasterUnreachable(self.address, self.timeout_ms, f"{op}: {e or type(e).__name__}") from e
+            self._deferred.append((rid, op, on_reply))
+
+    def flush(self, timeout_ms: float | None = None) -> None:
+        """Read the replies of every deferred request. Raises MasterUnreachable (those requests are then
+        reported to their on_reply as failed)."""
+        timeout = self.timeout_ms if timeout_ms is None else timeout_ms
+        with self._lock:
+            if not self._deferred:
+                return
+            try:
+                deadline = time.monotonic() + timeout / 1000
+                self._sock.settimeout(_left(deadline))
+                self._drain(deadline)
+            except (OSError, ProtocolError, TimeoutError) as e:
+                self._reset()
+                raise MasterUnreachable(self.address, timeout, f"flush: {e or type(e).__name__}") from e
 
     def _reset(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        self._rbuf.clear()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        for _, op, on_reply in deferred:
+            if on_reply is not None:
+                on_reply(False, f"{op}: connection to the master lost before its reply")
 
     def _connect(self, deadline: float) -> socket.socket:
         if self._sock is None:
@@ -74,29 +118,40 @@ class RawRpcClient(_Base):
             self._sock = sock
         return self._sock
 
-    def _roundtrip(self, body: bytes, deadline: float) -> bytes:
+    def _send(self, body: bytes, deadline: float) -> None:
         sock = self._connect(deadline)
         sock.settimeout(_left(deadline))
         sock.sendall(protocol.HEADER.pack(len(body)) + body)
-        buf = self._recv_some(sock, deadline, first=True)       # usually the whole reply in one recv
-        while len(buf) < protocol.HEADER.size:
-            buf += self._recv_some(sock, deadline)
-        (n,) = protocol.HEADER.unpack_from(buf)
-        end = protocol.HEADER.size + n
-        while len(buf) < end:
-            buf += self._recv_some(sock, deadline)
-        if len(buf) > end:
-            raise ProtocolError(f"{len(buf) - end} unexpected bytes after the reply")
-        return bytes(buf[protocol.HEADER.size:end])
 
-    @staticmethod
-    def _recv_some(sock: socket.socket, deadline: float, first: bool = False) -> bytes:
-        if not first:
-            sock.settimeout(_left(deadline))
-        chunk = sock.recv(RECV_CHUNK)
+    def _roundtrip(self, body: bytes, deadline: float) -> bytes:
+        self._send(body, deadline)
+        self._drain(deadline)
+        return self._recv_frame(deadline)
+
+    def _drain(self, deadline: float) -> None:
+        """Read the replies of the deferred requests, in order."""
+        while self._deferred:
+            rid, op, on_reply = self._deferred[0]
+            ok, payload = protocol.parse_response(protocol.unpack(self._recv_frame(deadline)), rid)
+            self._deferred.pop(0)
+            if on_reply is not None:
+                on_reply(ok, payload)
+
+    def _recv_frame(self, deadline: float) -> bytes:
+        buf, hdr = self._rbuf, protocol.HEADER.size
+        while len(buf) < hdr or len(buf) < hdr + protocol.HEADER.unpack_from(buf)[0]:
+            self._recv_some(deadline)
+        end = hdr + protocol.HEADER.unpack_from(buf)[0]
+        body = bytes(buf[hdr:end])
+        del buf[:end]
+        return body
+
+    def _recv_some(self, deadline: float) -> None:
+        _left(deadline)       # the socket timeout was set to the time left when the request was sent
+        chunk = self._sock.recv(RECV_CHUNK)
         if not chunk:
             raise ConnectionError("master closed the connection")
-        return chunk
+        self._rbuf += chunk
 
 
 class ZmqRpcClient(_Base):

@@ -16,7 +16,7 @@ from typing import Any
 from kvplugins.errors import OutOfRange, TransferError, TransferFailed
 from kvplugins.transfer.api import RegionInfo, SegmentDescriptor, TransferRequest
 from kvplugins.transfer.memory import RegionTable, span_addr
-from kvplugins.transfer.spans import SpanBatch, as_u64, prepare
+from kvplugins.transfer.spans import SpanBatch, as_u64, is_small, prepare, prepare_small
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
 log = logging.getLogger("kvplugins.transfer")
@@ -56,7 +56,9 @@ class Router:
                   timeout_ms: float) -> list[TransferError | None]:
         """The array form (spans.py): every span between local memory and region ``region_id`` of ``remote``."""
         deadline = Deadline(timeout_ms)
-        addrs, roffs, lens = as_u64(addrs, "local_addrs"), as_u64(roffs, "remote_offsets"), as_u64(lens, "lengths")
+        small = is_small(addrs, roffs, lens)
+        if not small:
+            addrs, roffs, lens = as_u64(addrs, "local_addrs"), as_u64(roffs, "remote_offsets"), as_u64(lens, "lengths")
         if not len(addrs) == len(roffs) == len(lens):
             raise ValueError(f"local_addrs, remote_offsets and lengths differ in length "
                              f"({len(addrs)}, {len(roffs)}, {len(lens)}); pass one value per span")
@@ -67,10 +69,11 @@ class Router:
             status = [e] * len(lens)
             cands = []
         if cands:
-            batch, valid, group = prepare(self._regions, remote, info, addrs, roffs, lens, op is Op.WRITE, status)
+            batch, valid, group = (prepare_small if small else prepare)(
+                self._regions, remote, info, addrs, roffs, lens, op is Op.WRITE, status)
             if batch is not None:
                 merged = self._spans_rounds(op, batch, cands, deadline)
-                for j, g in zip(valid.tolist(), group.tolist()):
+                for j, g in zip(valid, group):
                     status[j] = merged[g]
         self._count(op, status)
         return status
@@ -83,7 +86,7 @@ class Router:
             res = self._transfer_spans(transport, op, part, deadline)
             failed = [] if res is None else [j for j, e in enumerate(res) if e is not None]
             self._record(transport.name, len(part) - len(failed),
-                         int(part.lens.sum()) - sum(int(part.lens[j]) for j in failed), len(failed))
+                         part.nbytes() - sum(int(part.lens[j]) for j in failed), len(failed))
             retry = []
             for j in failed:
                 out[todo[j]] = res[j]

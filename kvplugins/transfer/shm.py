@@ -68,7 +68,10 @@ class ShmTransport(Transport):
             pin, base = self._mapping(batch.remote, batch.info)
         except TransferFailed as err:
             return [err] * len(batch)
-        remote = batch.roffs + np.uint64(base)
+        if isinstance(batch.roffs, list):
+            remote = [base + r for r in batch.roffs]
+        else:
+            remote = batch.roffs + np.uint64(base)
         dst, src = (remote, batch.addrs) if op is Op.WRITE else (batch.addrs, remote)
         native.copy_batch(dst, src, batch.lens, self._threads)
         del pin

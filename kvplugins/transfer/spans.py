@@ -18,11 +18,15 @@ from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
 from kvplugins.transfer.memory import RegionTable
 
 
+SMALL = 8     # batches up to this many spans take the pure-Python path (numpy calls cost ~1 us each)
+
+
 @dataclass
 class SpanBatch:
     """Validated, coalesced spans to one remote region. ``addrs`` (local addresses), ``roffs`` (offsets in
-    the remote region) and ``lens`` (bytes) are uint64 arrays of equal length; span j lies inside local
-    region ``regions[j]``; ``pins`` keep the local memory mapped while the batch runs."""
+    the remote region) and ``lens`` (bytes) are uint64 arrays of equal length, or Python int lists for a
+    small batch (``as_list`` reads either); span j lies inside local region ``regions[j]``; ``pins`` keep
+    the local memory mapped while the batch runs."""
     remote: SegmentDescriptor
     info: RegionInfo
     addrs: np.ndarray
@@ -35,9 +39,51 @@ class SpanBatch:
         return len(self.lens)
 
     def subset(self, idx: list[int]) -> "SpanBatch":
-        sel = np.asarray(idx, dtype=np.int64)
-        return SpanBatch(self.remote, self.info, self.addrs[sel], self.roffs[sel], self.lens[sel],
+        a, r, n = as_list(self.addrs), as_list(self.roffs), as_list(self.lens)
+        return SpanBatch(self.remote, self.info, [a[i] for i in idx], [r[i] for i in idx], [n[i] for i in idx],
                          [self.regions[i] for i in idx], self.pins)
+
+    def nbytes(self) -> int:
+        return sum(self.lens) if isinstance(self.lens, list) else int(self.lens.sum())
+
+
+def as_list(values) -> list[int]:
+    """A SpanBatch field as a list of Python ints."""
+    return values if isinstance(values, list) else values.tolist()
+
+
+def is_small(*seqs) -> bool:
+    """Whether the spans are int lists short enough for the pure-Python path."""
+    return all(type(s) is list and len(s) <= SMALL for s in seqs)
+
+
+def prepare_small(regions: RegionTable, remote: SegmentDescriptor, info: RegionInfo, addrs: list, roffs: list,
+                  lens: list, readonly_ok: bool, status: list) -> tuple[SpanBatch | None, list, list]:
+    """prepare() for a few spans given as int lists, without numpy; same results."""
+    index = regions.index
+    a_out, r_out, n_out, regs, valid, group = [], [], [], [], [], []
+    for j, (a, r, n) in enumerate(zip(addrs, roffs, lens)):
+        if type(a) is not int or type(r) is not int or type(n) is not int or min(a, r, n) < 0:
+            raise OutOfRange(f"span {j}: address, offset and length must be integers >= 0, got {a!r}, {r!r}, {n!r}")
+        reg = index.find(a, n) if n else None
+        if r + n > info.length or (n and reg is None):
+            status[j] = _span_error(remote, info, a, r, n)
+            continue
+        if not n:
+            continue
+        if not readonly_ok and reg.readonly:
+            status[j] = OutOfRange(f"local region {reg.region_id} is read-only; read into writable memory")
+            continue
+        if n_out and regs[-1] is reg and a_out[-1] + n_out[-1] == a and r_out[-1] + n_out[-1] == r:
+            n_out[-1] += n
+        else:
+            a_out.append(a), r_out.append(r), n_out.append(n), regs.append(reg)
+        valid.append(j)
+        group.append(len(n_out) - 1)
+    if not valid:
+        return None, valid, group
+    pins = [regions.pin(reg) for reg in {id(reg): reg for reg in regs}.values()]
+    return SpanBatch(remote, info, a_out, r_out, n_out, regs, pins), valid, group
 
 
 def as_u64(values, name: str) -> np.ndarray:
@@ -73,7 +119,7 @@ def prepare(regions: RegionTable, remote: SegmentDescriptor, info: RegionInfo, a
         if ro:
             valid = np.setdiff1d(valid, np.asarray(ro, dtype=np.int64))
     if not len(valid):
-        return None, valid, valid
+        return None, [], []
     a, r, n, li = addrs[valid], roffs[valid], lens[valid], local_idx[valid]
     starts = np.ones(len(valid), dtype=bool)
     starts[1:] = (a[1:] != a[:-1] + n[:-1]) | (r[1:] != r[:-1] + n[:-1]) | (li[1:] != li[:-1])
@@ -82,7 +128,8 @@ def prepare(regions: RegionTable, remote: SegmentDescriptor, info: RegionInfo, a
     merged = np.add.reduceat(n, first) if len(first) < len(n) else n
     used = [table[i] for i in li[first].tolist()]
     pins = [regions.pin(reg) for reg in {id(reg): reg for reg in used}.values()]
-    return SpanBatch(remote, info, a[first], r[first], merged.astype(np.uint64), used, pins), valid, group
+    return (SpanBatch(remote, info, a[first], r[first], merged.astype(np.uint64), used, pins), valid.tolist(),
+            group.tolist())
 
 
 def _span_error(remote: SegmentDescriptor, info: RegionInfo, addr: int, roff: int, n: int) -> TransferError:

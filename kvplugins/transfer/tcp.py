@@ -18,7 +18,8 @@ from kvplugins.transfer import wire
 from kvplugins.transfer.api import RegionInfo, SegmentDescriptor
 from kvplugins.transfer.config import MIN_FRAME, TransferConfig
 from kvplugins.transfer.memory import RegionTable, view_of
-from kvplugins.transfer.sockio import recv_exact, recv_views, send_all
+from kvplugins.transfer.spans import as_list
+from kvplugins.transfer.sockio import FrameReader, send_all
 from kvplugins.transfer.tcp_server import TcpServer
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
@@ -84,7 +85,7 @@ class TcpTransport(Transport):
         self._server = TcpServer(config.host, config.tcp_port, regions, config.max_frame,
                                  frame_timeout_s=max(1.0, 2 * config.timeout_ms / 1000.0))
         self._lock = threading.Lock()
-        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._io = ThreadPoolExecutor(config.tcp_connections * config.workers, thread_name_prefix="kvp-tcp-io")
         self._ids = itertools.count(1)
 
@@ -118,7 +119,7 @@ class TcpTransport(Transport):
         ep = batch.remote.transports["tcp"]
         peer = (ep["host"], ep["port"])
         limit = wire.payload_limit(max(MIN_FRAME, min(self._cfg.max_frame, ep.get("max_frame", self._cfg.max_frame))))
-        frames = plan_span_frames(batch.addrs.tolist(), batch.roffs.tolist(), batch.lens.tolist(),
+        frames = plan_span_frames(as_list(batch.addrs), as_list(batch.roffs), as_list(batch.lens),
                                   batch.info.region_id, limit, self._cfg.tcp_connections)
         status: list[TransferError | None] = [None] * len(batch)
         groups = min(self._cfg.tcp_connections, len(frames))
@@ -132,85 +133,98 @@ class TcpTransport(Transport):
 
     def _run_group(self, op: Op, peer: tuple[str, int], frames: list[list[Piece]], status: list,
                    deadline: Deadline) -> None:
-        sock, done, fresh = None, 0, False
+        conn, done, fresh = None, 0, False
         try:
             while done < len(frames):
-                if sock is None:
-                    sock, reused = self._acquire(peer, deadline, fresh)
+                if conn is None:
+                    conn, reused = self._acquire(peer, deadline, fresh)
                 try:
-                    self._exchange(sock, op, frames[done], status, deadline)
+                    self._exchange(conn, op, frames[done], status, deadline)
                     done += 1
                 except ConnectionError:
                     if not reused:
                         raise
-                    sock.close()  # a pooled connection the peer had closed: retry once on a new one
-                    sock, fresh = None, True
-            self._release(peer, sock)
+                    conn.sock.close()  # a pooled connection the peer had closed: retry once on a new one
+                    conn, fresh = None, True
+            self._release(peer, conn)
         except (OSError, ProtocolError) as e:
-            if sock is not None:
-                sock.close()
+            if conn is not None:
+                conn.sock.close()
             self._drop_idle(peer)
             err = _failure(peer, e, deadline)
             for frame in frames[done:]:
                 for p in frame:
                     status[p.index] = status[p.index] or err
 
-    def _exchange(self, sock: socket.socket, op: Op, frame: list[Piece], status: list, deadline: Deadline) -> None:
-        left = deadline.remaining()
-        if left <= 0:
+    def _exchange(self, conn: "_Conn", op: Op, frame: list[Piece], status: list, deadline: Deadline) -> None:
+        if deadline.remaining() <= 0:
             raise TimeoutError("deadline passed")
-        sock.settimeout(left)
+        sock, reader = conn.sock, conn.reader
         req_id = next(self._ids)
         head = wire.encode_request(op, req_id, [(p.region, p.offset, p.length) for p in frame])
         body = [view_of(p.local_addr, p.length) for p in frame] if op is Op.WRITE else []
         send_all(sock, [head, *body], deadline.at)
-        prefix = recv_exact(sock, wire.PREFIX.size, deadline.at)
-        hlen, plen = wire.parse_prefix(prefix, self._cfg.max_frame)
-        st = wire.decode_response(recv_exact(sock, hlen, deadline.at), req_id, len(frame))
+        reader.fill(sock, wire.PREFIX.size, deadline.at)
+        hlen, plen = wire.parse_prefix(reader.take(wire.PREFIX.size), self._cfg.max_frame)
+        reader.fill(sock, hlen, deadline.at)
+        st = wire.decode_response(reader.take(hlen), req_id, len(frame))
         ok = [p for p, s in zip(frame, st) if s is None] if op is Op.READ else []
         if plen != sum(p.length for p in ok):
             raise ProtocolError(f"response payload {plen} bytes, expected {sum(p.length for p in ok)}")
-        recv_views(sock, [view_of(p.local_addr, p.length) for p in ok], deadline.at)
+        reader.read_into(sock, [view_of(p.local_addr, p.length) for p in ok], deadline.at)
+        if reader.buffered():
+            raise ProtocolError(f"{reader.buffered()} unexpected bytes after a response")
         for p, s in zip(frame, st):
             if s is not None:
                 status[p.index] = OutOfRange(f"tcp peer answered: {s}")
 
-    def _acquire(self, peer: tuple[str, int], deadline: Deadline, fresh: bool) -> tuple[socket.socket, bool]:
-        with self._lock:
-            idle = self._idle.get(peer)
-            if idle and not fresh:
-                return idle.pop(), True
+    def _acquire(self, peer: tuple[str, int], deadline: Deadline, fresh: bool) -> tuple["_Conn", bool]:
+        """A connection to ``peer`` whose socket timeout is the batch's time left (each call is bounded by it;
+        the loops also check the deadline between calls)."""
         left = deadline.remaining()
         if left <= 0:
             raise TimeoutError("deadline passed before connecting")
+        with self._lock:
+            idle = self._idle.get(peer)
+            conn = idle.pop() if idle and not fresh else None
+        if conn is not None:
+            conn.sock.settimeout(left)
+            return conn, True
         sock = socket.create_connection(peer, timeout=left)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock, False
+        return _Conn(sock, FrameReader()), False
 
-    def _release(self, peer: tuple[str, int], sock: socket.socket | None) -> None:
-        if sock is None:
+    def _release(self, peer: tuple[str, int], conn: "_Conn | None") -> None:
+        if conn is None:
             return
         with self._lock:
             idle = self._idle.setdefault(peer, [])
             if len(idle) < self._cfg.tcp_connections:
-                idle.append(sock)
+                idle.append(conn)
                 return
-        sock.close()
+        conn.sock.close()
 
     def _drop_idle(self, peer: tuple[str, int]) -> None:
         with self._lock:
-            socks = self._idle.pop(peer, [])
-        for s in socks:
-            s.close()
+            conns = self._idle.pop(peer, [])
+        for c in conns:
+            c.sock.close()
 
     def close(self) -> None:
         self._server.close()
         with self._lock:
-            socks = [s for idle in self._idle.values() for s in idle]
+            conns = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
-        for s in socks:
-            s.close()
+        for c in conns:
+            c.sock.close()
         self._io.shutdown(wait=False)
+
+
+@dataclass
+class _Conn:
+    """A pooled connection and its receive buffer."""
+    sock: socket.socket
+    reader: FrameReader
 
 
 def _by_peer(entries: list[Entry]) -> dict[tuple[str, int], list[int]]:

@@ -11,7 +11,7 @@ import time
 from kvplugins.errors import OutOfRange, ProtocolError
 from kvplugins.transfer import wire
 from kvplugins.transfer.memory import RegionTable, view_of
-from kvplugins.transfer.sockio import recv_exact, recv_views, send_all
+from kvplugins.transfer.sockio import FrameReader, send_all
 
 log = logging.getLogger("kvplugins.transfer.tcp")
 
@@ -48,8 +48,10 @@ class TcpServer:
             threading.Thread(target=self._serve, args=(conn, addr), name="kvp-tcp-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket, addr) -> None:
+        reader = FrameReader()
+        conn.settimeout(self._frame_timeout)       # set once: no timeout toggling (2 syscalls) per frame
         try:
-            while self._serve_one(conn):
+            while self._serve_one(conn, reader):
                 pass
         except ProtocolError as e:
             log.warning("closing transfer connection from %s: %s", addr, e)
@@ -60,25 +62,32 @@ class TcpServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _serve_one(self, conn: socket.socket) -> bool:
-        """Serve one request frame; False when the peer closed cleanly between frames."""
-        prefix = memoryview(bytearray(wire.PREFIX.size))
-        conn.settimeout(None)
-        first = conn.recv_into(prefix)
-        if first == 0:
-            return False
-        conn.settimeout(self._frame_timeout)
-        recv_views(conn, [prefix[first:]])
-        hlen, plen = wire.parse_prefix(prefix, self._max_frame)
-        req = wire.decode_request(recv_exact(conn, hlen), plen, self._max_frame)
+    def _serve_one(self, conn: socket.socket, reader: FrameReader) -> bool:
+        """Serve one request frame; False when the peer closed cleanly between frames. Between frames the
+        connection may idle forever; within a frame every receive must progress within frame_timeout_s."""
+        while True:
+            try:
+                if not reader.fill(conn, wire.PREFIX.size, idle_ok=True):
+                    return False
+                break
+            except TimeoutError:
+                if reader.buffered():
+                    raise               # a frame started and stalled
+                if self._closed:
+                    return False
+        deadline = time.monotonic() + self._frame_timeout
+        hlen, plen = wire.parse_prefix(reader.take(wire.PREFIX.size), self._max_frame)
+        reader.fill(conn, hlen, deadline)
+        req = wire.decode_request(reader.take(hlen), plen, self._max_frame)
         status, addrs, _pins = self._resolve(req)  # _pins keeps the memory mapped until we return
         if req.op == wire.OP_WRITE:  # a rejected entry's bytes land in scratch (bounded by max_frame)
-            recv_views(conn, [view_of(a, e[2]) if a is not None else bytearray(e[2]) for e, a in zip(req.entries, addrs)])
-            send_all(conn, [wire.encode_response(req.req_id, status, 0)])
+            reader.read_into(conn, [view_of(a, e[2]) if a is not None else bytearray(e[2])
+                                    for e, a in zip(req.entries, addrs)], deadline)
+            send_all(conn, [wire.encode_response(req.req_id, status, 0)], deadline)
         else:
             views = [view_of(a, e[2]) for e, a in zip(req.entries, addrs) if a is not None]
             head = wire.encode_response(req.req_id, status, sum(len(v) for v in views))
-            send_all(conn, [head, *views])
+            send_all(conn, [head, *views], deadline)
         return True
 
     def _resolve(self, req: wire.Request) -> tuple[list[str | None], list[int | None], list]:

@@ -76,9 +76,9 @@ class Transport(ABC):
     def transfer_spans(self, op: Op, batch: "SpanBatch", deadline: Deadline) -> list[TransferError | None] | None:
         """The array form (spans.py): move every span of ``batch``; None when all succeeded, else one status
         per span. Default: one Entry per span through transfer(); transports override it to skip that."""
-        entries = [Entry(reg, a, batch.remote, batch.info, r, n, pin) for reg, a, r, n, pin in zip(
-            batch.regions, batch.addrs.tolist(), batch.roffs.tolist(), batch.lens.tolist(),
-            [batch.pins] * len(batch))]
+        from kvplugins.transfer.spans import as_list
+        entries = [Entry(reg, a, batch.remote, batch.info, r, n, batch.pins) for reg, a, r, n in zip(
+            batch.regions, as_list(batch.addrs), as_list(batch.roffs), as_list(batch.lens))]
         return self.transfer(op, entries, deadline)
 
     def add_region(self, region: Region) -> None:
