@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -70,7 +71,7 @@ def kvp(mode: str, data_bytes: int, log_dir: Path) -> Iterator[callable]:
 
 @contextlib.contextmanager
 def file(log_dir: Path, cold: bool = False) -> Iterator[callable]:
-    """SGLang's HiCacheFile, one file per page under ``log_dir/<label>``. cold: after each set (untimed), the
+    """SGLang's HiCacheFile, one file per page under ``log_dir/<label>`` (removed on exit). cold: after each set (untimed), the
     pages are flushed and dropped from the page cache (fsync + POSIX_FADV_DONTNEED), so the get reads the disk
     as an L3 read of pages written long ago would; otherwise the get is served from the page cache."""
     label = "file-cold" if cold else "file"
@@ -83,7 +84,10 @@ def file(log_dir: Path, cold: bool = False) -> Iterator[callable]:
             att.after_set = lambda: drop_page_cache(directory)
         return att
 
-    yield make
+    try:
+        yield make
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)          # GBs of page files per layout
 
 
 def drop_page_cache(directory: Path) -> None:
