@@ -81,6 +81,15 @@ class Layer:
         self.experts, self.hidden, self.inter = int(experts), int(hidden), int(inter)
         self._l = _call(m.Layer, m.Format(FORMATS.index(fmt)), self.experts, self.hidden, self.inter,
                         self.group, m.Isa(ISAS.index(self.isa)))
+        self._last = None  # (pool, ticket) of the newest queued job: the weights must outlive it
+
+    def __del__(self):
+        last, self._last = getattr(self, "_last", None), None
+        if last is not None:
+            try:
+                last[0].wait(last[1])
+            except Exception:  # noqa: BLE001 - its error was (or will be) reported to its own waiter
+                pass
 
     def set_float(self, pool: Pool, expert: int, proj: str, weight) -> None:
         """Quantize one projection of ``expert`` from a [rows, cols] bf16 (or uint16 bits) / float32 array:
@@ -106,8 +115,10 @@ class Layer:
 
     def submit(self, pool: Pool, x, ids, weights, skip, out, accumulate: bool = False) -> int:
         """forward() queued on the pool's job thread; returns a ticket for Pool.wait. The caller must keep every
-        array alive and unchanged until that wait returns."""
-        return _call(self._l.submit, pool._p, x, ids, weights, skip, out, bool(accumulate))
+        array alive and unchanged until that wait returns. The layer itself waits for its last job when freed."""
+        ticket = _call(self._l.submit, pool._p, x, ids, weights, skip, out, bool(accumulate))
+        self._last = (pool, ticket)
+        return ticket
 
 
 def quantize(fmt: str, weight, group: int = 128):

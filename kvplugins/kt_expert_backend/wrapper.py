@@ -124,13 +124,17 @@ class KTMoEWrapper:
             if prev is not None and tuple(prev.out.shape) != (x.shape[0], self.hidden_size):
                 log.warning("layer %d: dropping deferred experts of a %s batch (now %d tokens)",
                             self.layer_idx, tuple(prev.out.shape), x.shape[0])
+                pool.wait(prev.ticket)  # its arrays must outlive its job
                 prev = None
             out = prev.out if prev is not None else torch.empty(x.shape[0], self.hidden_size)
             ticket = self.layer.submit(pool, x, now, w, self._skip, out, prev is not None)
             if later is not None:
+                stale = eng.pending.pop(self.layer_idx + 1, None)
+                if stale is not None:  # never consumed (e.g. a forward abandoned mid-model)
+                    pool.wait(stale.ticket)
                 nxt = torch.empty_like(out)
                 t2 = self.layer.submit(pool, x, later, w, self._skip, nxt, False)
-                eng.pending[self.layer_idx + 1] = Pending(t2, nxt, (x, later, w))
+                eng.pending[self.layer_idx + 1] = Pending(t2, nxt, (x, later, w, self.layer))
         self._inflight = (ticket, out, (x, now, w, prev))
 
     def sync_forward(self, hidden_states, cuda_stream=None):
@@ -138,8 +142,10 @@ class KTMoEWrapper:
         experts of this layer keep running; the next layer's output includes them."""
         if self._inflight is None:
             raise ConfigError(f"layer {self.layer_idx}: sync_forward without submit_forward")
-        ticket, out, _keep = self._inflight
+        ticket, out, keep = self._inflight
         self._inflight = None
+        if keep[3] is not None:  # the previous layer's deferred experts (ran first): surface their errors
+            self.engine.pool.wait(keep[3].ticket)
         self.engine.pool.wait(ticket)
         return out.to(device=hidden_states.device, dtype=hidden_states.dtype)
 

@@ -143,6 +143,24 @@ def test_deferred_experts_land_in_the_next_layer(experts):
     assert 101 not in l0.engine.pending and 102 not in l0.engine.pending
 
 
+def test_dropping_a_layer_with_queued_work_is_safe(experts):
+    """A wrapper freed right after submit (its deferred job still queued) must not free weights under the job."""
+    import gc
+    x = torch.randn(64, H).to(torch.bfloat16)
+    ids, wt = routing(64, E, K)
+    for _ in range(3):
+        w = sglang_0523(layer_idx=200, deferred=2)
+        w.load_weights_from_tensors(*experts)
+        w.submit_forward(x, ids, wt)
+        del w
+        gc.collect()
+    nxt = sglang_0523(layer_idx=201)
+    nxt.load_weights_from_tensors(*experts)
+    now, later = deferral.split(ids, wt, E, 2)
+    got = nxt.forward(x, ids, wt)
+    assert rel_err(got, ref_moe(x, ids, wt, *experts) + ref_moe(x, later, wt, *experts)) < 0.01
+
+
 def test_idle_pool_sleeps(experts):
     """kt-kernel users see 100% CPU while idle (kt#1836): our workers sleep after a short spin."""
     w = sglang_0523()
