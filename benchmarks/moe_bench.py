@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/moe_bench.py [--threads N] [--configs bench,dsv2lite,qwen3] [--max-experts E]
 
 Decode (T=1, 4): GB/s of expert weights touched (unique experts routed x their bytes) and the share of this
-machine's read bandwidth, measured in the same run (torch.sum over 1 GiB fp32 with the same thread count,
-best of 5). Prefill (T=128, 512): GFLOP/s (T x K x 3 x 2 x H x I per forward). Routing is uniform random, new
+machine's read bandwidth, measured in the same run (torch.sum over fp32 with the same thread count, best of 5 at
+the start and in every backend's process; the best of all is the denominator). Prefill (T=128, 512): GFLOP/s (T x K x 3 x 2 x H x I per forward). Routing is uniform random, new
 per iteration, so decode reads weights from DRAM (they are far larger than the caches). Each backend runs alone
 in its own process. "idle CPU" is what that process burns in the second after its last forward. Prints a
 markdown table.
@@ -80,12 +80,13 @@ def idle_cpu(seconds=1.0) -> float:
     return (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / (time.perf_counter() - t0)
 
 
-def worker(name, label, fmt, args, bw) -> list:
+def worker(name, label, fmt, args) -> dict:
     """One backend on one config, alone in this process (no other backend's threads compete)."""
     E, H, I, K = CONFIGS[name]
     E = min(E, args.max_experts) if args.max_experts else E
     g = torch.Generator().manual_seed(1)
     w = tuple((torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16) for s in ((E, I, H), (E, I, H), (E, H, I)))
+    bw = read_bandwidth(args.threads, 0.5)  # again here: the machine may be busier or quieter than at start
     torch.set_num_threads(args.threads)
     fn = build(label, fmt, w, K, args.threads)
     rows = []
@@ -97,23 +98,22 @@ def worker(name, label, fmt, args, bw) -> list:
         touched = sum(len(ids.unique()) for ids, _ in routes[2:]) / n
         gbs = backends.weight_bytes(fmt, touched, H, I) / dt / 1e9
         dec = T in DECODE_T
-        rows.append([f"{name} E={E}", label, T, f"{dt * 1e3:.2f}", f"{gbs:.1f}" if dec else "",
-                     f"{100 * gbs * 1e9 / bw:.0f}%" if dec else "", f"{T * K * 6 * H * I / dt / 1e9:.0f}"])
+        rows.append([f"{name} E={E}", label, T, f"{dt * 1e3:.2f}", round(gbs, 1) if dec else "",
+                     "", f"{T * K * 6 * H * I / dt / 1e9:.0f}"])
     idle = f"{100 * idle_cpu():.0f}%"
-    return [r + [idle] for r in rows]
+    return {"bw": bw, "rows": [r + [idle] for r in rows]}
 
 
-def run_isolated(name, label, fmt, args, bw) -> list:
+def run_isolated(name, label, fmt, args) -> dict:
     import json
     import subprocess
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{name}|{label}|{fmt}", "--bandwidth", str(bw),
-           "--threads", str(args.threads), "--max-experts", str(args.max_experts),
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{name}|{label}|{fmt}", "--threads", str(args.threads), "--max-experts", str(args.max_experts),
            "--decode-iters", str(args.decode_iters), "--prefill-iters", str(args.prefill_iters)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    last = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith("[[")), "")  # kt-kernel prints too
+    last = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith('{"bw"')), "")  # kt-kernel prints too
     if r.returncode != 0 or not last:
         err = (r.stderr.strip().splitlines() or ["?"])[-1]
-        return [[name, label, "-", f"unavailable: {err}"[:90], "", "", "", ""]]
+        return {"bw": 0.0, "rows": [[name, label, "-", f"unavailable: {err}"[:90], "", "", "", ""]]}
     return json.loads(last)
 
 
@@ -127,12 +127,11 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-iters", type=int, default=3)
     p.add_argument("--no-kt", action="store_true", help="skip kt-kernel")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.formats = args.formats.split(",")
     if args.worker:
         import json
-        print(json.dumps(worker(*args.worker.split("|"), args, args.bandwidth)))
+        print(json.dumps(worker(*args.worker.split("|"), args)))
         return 0
     bw = read_bandwidth(args.threads)
     print(f"read bandwidth (torch.sum, {args.threads} threads): {bw / 1e9:.1f} GB/s; "
@@ -146,12 +145,18 @@ def main(argv=None) -> int:
                 cands.append((f"kt-kernel {backends.METHODS[fmt]}", fmt))
         cands.append(("torch bf16", "bf16"))
         for label, fmt in cands:
-            rows += run_isolated(name, label, fmt, args, bw)
-            for r in rows[-4:]:
+            res = run_isolated(name, label, fmt, args)
+            bw = max(bw, res["bw"])
+            rows += res["rows"]
+            for r in res["rows"]:
                 print(" | ".join(map(str, r)), flush=True)
     print("\n| config | backend | T | ms | GB/s | % of read BW | GFLOP/s | idle CPU |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if r[4] != "":
+            r[5] = f"{100 * r[4] * 1e9 / bw:.0f}%"
         print("| " + " | ".join(map(str, r)) + " |")
+    print(f"\nread bandwidth: best torch.sum over this run, {args.threads} threads: {bw / 1e9:.1f} GB/s; "
+          f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     return 0
 
 
