@@ -82,15 +82,15 @@ class StoreClient:
     def batch_put_from(self, keys: list[str], spans_per_key: list[list[Span]]) -> list[StoreError | None]:
         """One allocate RPC + one transfer batch + one commit RPC for all keys. Per-key None or the error."""
         t0 = time.perf_counter()
-        out = self._write(list(keys), [list(s) for s in spans_per_key])
-        self._stats.record("put", keys, spans_per_key, out, t0)
+        out, sizes = self._write(list(keys), list(spans_per_key))
+        self._stats.record("put", sizes, out, t0)
         return out
 
     def batch_get_into(self, keys: list[str], spans_per_key: list[list[Span]]) -> list[StoreError | None]:
         """One lookup RPC + one transfer batch. Per-key None, KeyNotFound, SizeMismatch or TransferFailed."""
         t0 = time.perf_counter()
-        out = self._read(list(keys), [list(s) for s in spans_per_key])
-        self._stats.record("get", keys, spans_per_key, out, t0)
+        out, sizes = self._read(list(keys), list(spans_per_key))
+        self._stats.record("get", sizes, out, t0)
         return out
 
     # ---- bytes forms (through the registered staging buffer) ----------------------------------------
@@ -127,8 +127,8 @@ class StoreClient:
             for n in sizes:
                 spans.append([(base + off, n)] if n else [])
                 off += n
-            errs = self._read(keys, spans, found, lease_t0)
-            self._stats.record("get", keys, spans, errs, t0)
+            errs, _ = self._read(keys, spans, found, lease_t0)
+            self._stats.record("get", sizes, errs, t0)
             return [e if e is not None else bytes(mv[s[0][0] - base:s[0][0] - base + s[0][1]])
                     for e, s in zip(errs, spans)]
 
@@ -190,7 +190,8 @@ class StoreClient:
     def _rpc_entries(self, op: str, entries: list, opts: dict | None = None) -> list:
         return self._rpc.call(op, entries, opts) if entries else []
 
-    def _write(self, keys, spans_per_key) -> list[StoreError | None]:
+    def _write(self, keys, spans_per_key) -> tuple[list[StoreError | None], list[int]]:
+        """(per-key None or error, bytes per key)."""
         out: list[StoreError | None] = [None] * len(keys)
         flat = client_io.flatten(self._engine, keys, spans_per_key, out)
         client_io.reject_empty(keys, flat, out)
@@ -204,10 +205,10 @@ class StoreClient:
             elif code != protocol.EXISTS:
                 out[i] = protocol.entry_error(code, keys[i], value)
         if not writes:
-            return out
+            return out, flat.sizes
         failed = self._transfer("write", flat, writes)
         self._finish_puts(keys, writes, failed, out)
-        return out
+        return out, flat.sizes
 
     def _finish_puts(self, keys, writes, failed: dict, out) -> None:
         ok = [i for i in writes if i not in failed]
@@ -233,8 +234,9 @@ class StoreClient:
             log.warning("%d pipelined put_commit(s) failed (%s...): %s; those keys read as misses",
                         len(bad), bad[0], payload if not ok else "expired")
 
-    def _read(self, keys, spans_per_key, found=None, t0=None) -> list[StoreError | None]:
-        """``found``/``t0``: the get RPC's answer and the monotonic time just before it, if already asked."""
+    def _read(self, keys, spans_per_key, found=None, t0=None) -> tuple[list[StoreError | None], list[int]]:
+        """(per-key None or error, bytes per key). ``found``/``t0``: the get RPC's answer and the monotonic time
+        just before it, if already asked."""
         t0 = time.monotonic() if t0 is None else t0
         out: list[StoreError | None] = [None] * len(keys)
         found = found if found is not None else self._rpc_entries("get", keys)
@@ -256,7 +258,7 @@ class StoreClient:
         if reads and time.monotonic() - t0 > ttl / 1000:
             for i in reads:
                 out[i] = out[i] or TransferFailed(f"{keys[i]}: read outlived its {ttl} ms lease; bytes may be stale")
-        return out
+        return out, flat.sizes
 
     def _read_replicas(self, reads: dict, flat) -> dict[int, StoreError]:
         """Read each object from its first replica; entries that failed retry on the next replica, one transfer

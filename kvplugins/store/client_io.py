@@ -33,6 +33,12 @@ def flatten(engine, keys, spans_per_key, out) -> Flat:
     registered memory (or a negative address/length). Raises StoreError if keys and span lists differ."""
     if len(keys) != len(spans_per_key):
         raise StoreError(f"{len(keys)} keys but {len(spans_per_key)} span lists; pass one span list per key")
+    spans_per_key = [s if isinstance(s, (list, tuple)) else list(s) for s in spans_per_key]
+    if all(len(spans) == 1 for spans in spans_per_key) and len(keys) > SMALL:     # the common page batch
+        pairs = np.array([spans[0] for spans in spans_per_key], dtype=np.int64).reshape(-1, 2)
+        a, n = pairs[:, 0].copy(), pairs[:, 1].copy()
+        return _checked(engine, keys, a, n, np.arange(len(keys), dtype=np.int64),
+                        np.zeros(len(keys), dtype=np.uint64), n.tolist(), out)
     addrs, lens, owner, inner, sizes = [], [], [], [], []
     for i, spans in enumerate(spans_per_key):
         total = 0
@@ -45,16 +51,22 @@ def flatten(engine, keys, spans_per_key, out) -> Flat:
         sizes.append(total)
     if len(lens) <= SMALL:
         return _flat_small(engine, keys, addrs, lens, owner, inner, sizes, out)
-    a, n = np.array(addrs, dtype=np.int64), np.array(lens, dtype=np.int64)
-    own = np.array(owner, dtype=np.int64)
+    return _checked(engine, keys, np.array(addrs, dtype=np.int64), np.array(lens, dtype=np.int64),
+                    np.array(owner, dtype=np.int64), np.array(inner, dtype=np.uint64), sizes, out)
+
+
+def _checked(engine, keys, a: np.ndarray, n: np.ndarray, own: np.ndarray, inner: np.ndarray, sizes: list,
+             out) -> Flat:
+    """Flat of int64 span arrays, marking keys with a negative or unregistered span BufferNotRegistered."""
     bad = (a < 0) | (n < 0)
     a, n = a.astype(np.uint64), n.astype(np.uint64)
     bad |= ~engine.spans_registered(np.where(bad, 0, a), np.where(bad, 0, n))
-    for i in np.unique(own[bad]).tolist():
-        if out[i] is None:
-            out[i] = BufferNotRegistered(f"{keys[i]}: a span lies in no registered region; "
-                                         "call register_buffer on that memory first")
-    return Flat(a, n, own, np.array(inner, dtype=np.uint64), sizes, len(keys))
+    if bad.any():
+        for i in np.unique(own[bad]).tolist():
+            if out[i] is None:
+                out[i] = BufferNotRegistered(f"{keys[i]}: a span lies in no registered region; "
+                                             "call register_buffer on that memory first")
+    return Flat(a, n, own, inner, sizes, len(keys))
 
 
 def _flat_small(engine, keys, addrs, lens, owner, inner, sizes, out) -> Flat:
@@ -82,7 +94,7 @@ def reject_empty(keys, flat: Flat, out) -> None:
 def groups(flat: Flat, todo: dict, descs: dict, failed: dict) -> list:
     """One (descriptor, region id, span indices, remote offsets) per (segment, region) the batch touches.
     ``todo``: key index -> locations to transfer. Keys naming an unknown segment go to ``failed``."""
-    by_region: dict[tuple[str, int], np.ndarray] = {}
+    by_region: dict[tuple[str, int], list[int]] = {}      # per (segment, region): object offset per key or -1
     for i, locs in todo.items():
         for seg, region_id, offset in locs:
             if seg not in descs:
@@ -90,12 +102,13 @@ def groups(flat: Flat, todo: dict, descs: dict, failed: dict) -> list:
                 continue
             key_off = by_region.get((seg, region_id))
             if key_off is None:
-                key_off = by_region[(seg, region_id)] = np.full(flat.nkeys, -1, dtype=np.int64)
+                key_off = by_region[(seg, region_id)] = [-1] * flat.nkeys
             key_off[i] = offset
     if type(flat.lens) is list:
         return _groups_small(flat, by_region, descs, failed)
     out = []
-    for (seg, region_id), key_off in by_region.items():
+    for (seg, region_id), offsets in by_region.items():
+        key_off = np.array(offsets, dtype=np.int64)
         if failed:
             key_off[list(failed)] = -1
         span_off = key_off[flat.owner]
@@ -112,7 +125,7 @@ def _groups_small(flat: Flat, by_region: dict, descs: dict, failed: dict) -> lis
         for j, (i, n, inner) in enumerate(zip(flat.owner, flat.lens, flat.inner)):
             if n > 0 and key_off[i] >= 0 and i not in failed:
                 sel.append(j)
-                roffs.append(int(key_off[i]) + inner)
+                roffs.append(key_off[i] + inner)
         if sel:
             out.append((descs[seg], int(region_id), sel, roffs))
     return out

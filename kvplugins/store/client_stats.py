@@ -15,21 +15,27 @@ class ClientStats:
                                   "commit_failures"), 0)
         self._lat = {"put": deque(maxlen=WINDOW), "get": deque(maxlen=WINDOW)}
 
-    def record(self, kind: str, keys, spans_per_key, out, t0: float) -> None:
-        """Count one batch of ``kind`` ('put'/'get') started at perf_counter ``t0``."""
+    def record(self, kind: str, sizes: list[int], out, t0: float) -> None:
+        """Count one batch of ``kind`` ('put'/'get') started at perf_counter ``t0``; ``sizes``: bytes per key."""
         from kvplugins.errors import KeyNotFound
         us = (time.perf_counter() - t0) * 1e6
+        done = misses = errors = 0
+        nbytes = 0
+        for size, err in zip(sizes, out):
+            if err is None:
+                done += 1
+                nbytes += size
+            elif isinstance(err, KeyNotFound):
+                misses += 1
+            else:
+                errors += 1
         with self._lock:
             self._lat[kind].append(us)
-            self._c[kind + "s"] += len(keys)
-            for spans, err in zip(spans_per_key, out):
-                if err is None:
-                    self._c["bytes_" + ("put" if kind == "put" else "got")] += sum(n for _, n in spans)
-                    self._c["hits"] += kind == "get"
-                elif isinstance(err, KeyNotFound):
-                    self._c["misses"] += 1
-                else:
-                    self._c["errors"] += 1
+            self._c[kind + "s"] += len(out)
+            self._c["bytes_" + ("put" if kind == "put" else "got")] += nbytes
+            self._c["hits"] += done if kind == "get" else 0
+            self._c["misses"] += misses
+            self._c["errors"] += errors
 
     def commit_failed(self, n: int) -> None:
         """``n`` pipelined put_commits were refused or lost (their puts had returned success)."""

@@ -64,3 +64,16 @@ def test_random_churn_keeps_invariants():
     for off in list(live):
         a.free(off)
     assert a.free_blocks() == 1 and a.free_bytes == 1 << 16
+
+
+def test_alloc_many_is_consecutive_and_frees_per_object():
+    a = Allocator(4096, align=64)
+    assert a.alloc_many([100, 64, 1]) == [0, 128, 192]          # rounded to 64, back to back
+    assert a.used_bytes == 256
+    hole = a.alloc(64)                                           # 256
+    a.free(128)                                                  # a 64-byte hole at 128
+    assert a.alloc_many([64, 64]) == [320, 384]                  # needs one block holding both: not the hole
+    assert a.alloc_many([4096]) is None                          # no single block holds it
+    for off in (0, 192, hole, 320, 384):
+        a.free(off)
+    assert a.free_blocks() == 1 and a.used_bytes == 0            # every piece freed on its own, merged

@@ -29,6 +29,27 @@ class Allocator:
     def alloc(self, size: int) -> int | None:
         """Offset of a new allocation of ``size`` bytes (> 0), or None if no free block fits."""
         need = self.rounded(size)
+        start = self._carve(need)
+        if start is not None:
+            self._used[start] = need
+        return start
+
+    def alloc_many(self, sizes: list[int]) -> list[int] | None:
+        """Offsets of one allocation per size, carved consecutively from the first free block that holds
+        them all (so a batch lands contiguously), or None if no single block does (then use alloc())."""
+        rounded = [(n + self.align - 1) & ~(self.align - 1) for n in sizes]
+        off = self._carve(sum(rounded))
+        if off is None:
+            return None
+        offsets, used = [], self._used
+        for n in rounded:
+            offsets.append(off)
+            used[off] = n
+            off += n
+        return offsets
+
+    def _carve(self, need: int) -> int | None:
+        """Take ``need`` bytes from the front of the first free block that holds them; its start or None."""
         for i, start in enumerate(self._starts):
             have = self._free[start]
             if have >= need:
@@ -38,7 +59,6 @@ class Allocator:
                 else:
                     self._starts[i] = start + need
                     self._free[start + need] = have - need
-                self._used[start] = need
                 self.used_bytes += need
                 return start
         return None

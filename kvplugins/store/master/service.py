@@ -46,9 +46,40 @@ class MasterService:
         replicas = int(opts.get("replicas", 1))
         order = self.segments.by_free_space()   # once per batch, most free bytes first; key j starts at j-th
         biggest = max((s.size for s in order), default=0)
-        out = [self._put_one(e, replicas, now, order[j % len(order):] + order[:j % len(order)] if len(order) > 1
-                             else order, biggest) for j, e in enumerate(entries)]
+        out = self._put_contiguous(entries, now, order) if replicas == 1 and order and len(entries) > 1 \
+            else [None] * len(entries)
+        for j, e in enumerate(entries):
+            if out[j] is None:
+                out[j] = self._put_one(e, replicas, now, order[j % len(order):] + order[:j % len(order)]
+                                       if len(order) > 1 else order, biggest)
         self.evict_watermarks(now)
+        return out
+
+    def _put_contiguous(self, entries, now: float, order: list[Segment]) -> list:
+        """Single-replica batch fast path: the batch's new keys are cut into one consecutive chunk per segment
+        (in ``order``), each chunk carved consecutively from one free block of its segment, so its bytes are
+        contiguous there and the client's transfer coalesces them. Entries it does not place (invalid,
+        existing, duplicate in the batch, or no block holds their chunk) stay None for the per-key path."""
+        out: list = [None] * len(entries)
+        fresh, seen = [], set()
+        for j, e in enumerate(entries):
+            key, size = _key_size(e)
+            if key is not None and key not in seen and key not in self.table:
+                seen.add(key)
+                fresh.append((j, key, size))
+        step = -(-len(fresh) // len(order)) if fresh else 1
+        deadline = now + self.cfg.put_timeout_ms / 1000
+        for c, seg in enumerate(order):
+            chunk = fresh[c * step:(c + 1) * step]
+            offsets = seg.allocator.alloc_many([size for _, _, size in chunk]) if chunk else None
+            if offsets is None:
+                continue
+            name, region = seg.name, seg.region_id
+            for (j, key, size), off in zip(chunk, offsets):
+                self.table.add(Object(key, size, [(name, off)], deadline=deadline, last_access=now))
+                seg.keys.add(key)
+                out[j] = [OK, [[name, region, off]]]
+            self.counters["puts"] += len(chunk)
         return out
 
     def _put_one(self, entry, replicas: int, now: float, order: list[Segment], biggest: int):
