@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
+
 from kvplugins.errors import (BufferNotRegistered, KeyNotFound, MasterUnreachable, NativeError, SizeMismatch,
                               StoreError, TransferError, TransferFailed)
 from kvplugins.store import client_io, protocol
@@ -89,7 +91,9 @@ class StoreClient:
     def batch_get_into(self, keys: list[str], spans_per_key: list[list[Span]]) -> list[StoreError | None]:
         """One lookup RPC + one transfer batch. Per-key None, KeyNotFound, SizeMismatch or TransferFailed."""
         t0 = time.perf_counter()
-        out, sizes = self._read(list(keys), list(spans_per_key))
+        keys = list(keys)
+        read = self._read_cols if len(keys) > client_io.SMALL else self._read
+        out, sizes = read(keys, list(spans_per_key))
         self._stats.record("get", sizes, out, t0)
         return out
 
@@ -260,6 +264,33 @@ class StoreClient:
                 out[i] = out[i] or TransferFailed(f"{keys[i]}: read outlived its {ttl} ms lease; bytes may be stale")
         return out, flat.sizes
 
+    def _read_cols(self, keys, spans_per_key) -> tuple[list[StoreError | None], list[int]]:
+        """_read for a big batch: the master answers in columns and the spans are planned with numpy (no
+        per-key Python objects). Objects with several replicas take the general path."""
+        t0 = time.monotonic()
+        out: list[StoreError | None] = [None] * len(keys)
+        ttl, sizes, names, regions, seg_idx, offs, more = self._rpc.call("get", keys, {"cols": 1})
+        if more:
+            found = [[protocol.NOT_FOUND, None] if n < 0 else [protocol.OK, [n, more.get(j) or [
+                [names[k], regions[k], off]], ttl]] for j, (n, k, off) in enumerate(zip(sizes, seg_idx, offs))]
+            return self._read(keys, spans_per_key, found, t0)
+        flat = client_io.arrays(client_io.flatten(self._engine, keys, spans_per_key, out))
+        got, want = np.array(sizes, dtype=np.int64), np.array(flat.sizes, dtype=np.int64)
+        for i in np.flatnonzero(got != want).tolist():
+            if out[i] is None:
+                out[i] = KeyNotFound(keys[i]) if got[i] < 0 else SizeMismatch(
+                    f"{keys[i]}: object is {got[i]} bytes, spans hold {want[i]}; pass spans summing to {got[i]}")
+        ok = np.array([e is None for e in out], dtype=bool)
+        failed: dict[int, StoreError] = {}
+        groups = client_io.col_groups(flat, ok, (names, regions, np.array(seg_idx), np.array(offs)),
+                                      self._descriptors(set(names)), failed)
+        for i, err in self._run_groups("read", flat, groups, failed).items():
+            out[i] = err
+        if ok.any() and time.monotonic() - t0 > ttl / 1000:
+            for i in np.flatnonzero(ok).tolist():
+                out[i] = out[i] or TransferFailed(f"{keys[i]}: read outlived its {ttl} ms lease; bytes may be stale")
+        return out, flat.sizes
+
     def _read_replicas(self, reads: dict, flat) -> dict[int, StoreError]:
         """Read each object from its first replica; entries that failed retry on the next replica, one transfer
         batch per round. Returns index -> error of the entries no replica could serve."""
@@ -281,8 +312,12 @@ class StoreClient:
         Returns index -> error."""
         failed: dict[int, StoreError] = {}
         descs = self._descriptors({loc[0] for locs in todo.values() for loc in locs})
+        return self._run_groups(kind, flat, client_io.groups(flat, todo, descs, failed), failed)
+
+    def _run_groups(self, kind: str, flat, groups: list, failed: dict) -> dict[int, StoreError]:
+        """Run each (descriptor, region id, span indices, remote offsets) group; adds index -> error to ``failed``."""
         fn = self._engine.write_spans if kind == "write" else self._engine.read_spans
-        for desc, region_id, sel, roffs in client_io.groups(flat, todo, descs, failed):
+        for desc, region_id, sel, roffs in groups:
             addrs, lens = client_io.pick(flat.addrs, sel), client_io.pick(flat.lens, sel)
             try:
                 statuses = fn(desc, region_id, addrs, roffs, lens, timeout_ms=self.cfg.transfer_timeout_ms)

@@ -8,6 +8,7 @@ A read uses the replica(s) it is given (client.py tries them in order).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +36,9 @@ def flatten(engine, keys, spans_per_key, out) -> Flat:
         raise StoreError(f"{len(keys)} keys but {len(spans_per_key)} span lists; pass one span list per key")
     spans_per_key = [s if isinstance(s, (list, tuple)) else list(s) for s in spans_per_key]
     if all(len(spans) == 1 for spans in spans_per_key) and len(keys) > SMALL:     # the common page batch
-        pairs = np.array([spans[0] for spans in spans_per_key], dtype=np.int64).reshape(-1, 2)
-        a, n = pairs[:, 0].copy(), pairs[:, 1].copy()
+        pairs = np.fromiter(itertools.chain.from_iterable(spans[0] for spans in spans_per_key), dtype=np.int64,
+                            count=2 * len(keys))
+        a, n = pairs[0::2].copy(), pairs[1::2].copy()
         return _checked(engine, keys, a, n, np.arange(len(keys), dtype=np.int64),
                         np.zeros(len(keys), dtype=np.uint64), n.tolist(), out)
     addrs, lens, owner, inner, sizes = [], [], [], [], []
@@ -111,11 +113,39 @@ def groups(flat: Flat, todo: dict, descs: dict, failed: dict) -> list:
         key_off = np.array(offsets, dtype=np.int64)
         if failed:
             key_off[list(failed)] = -1
-        span_off = key_off[flat.owner]
-        sel = np.flatnonzero((span_off >= 0) & (flat.lens > 0))
-        if len(sel):
-            out.append((descs[seg], int(region_id), sel, span_off[sel].astype(np.uint64) + flat.inner[sel]))
+        _add_group(out, flat, descs[seg], int(region_id), key_off)
     return out
+
+
+def _add_group(out: list, flat: Flat, desc, region_id: int, key_off: np.ndarray) -> None:
+    """Append the group of spans whose key has an object offset (>= 0) in ``key_off`` (one per key)."""
+    span_off = key_off[flat.owner]
+    sel = np.flatnonzero((span_off >= 0) & (flat.lens > 0))
+    if len(sel):
+        out.append((desc, region_id, sel, span_off[sel].astype(np.uint64) + flat.inner[sel]))
+
+
+def col_groups(flat: Flat, ok: np.ndarray, cols, descs: dict, failed: dict) -> list:
+    """groups() from a column reply (``cols`` = segment names, region ids, per-key segment index, per-key
+    offset) for the keys where ``ok`` (bool per key) holds; ``flat`` in array form."""
+    names, regions, seg_idx, offs = cols
+    out = []
+    for k, name in enumerate(names):
+        mask = ok & (seg_idx == k)
+        if name not in descs:
+            for i in np.flatnonzero(mask).tolist():
+                failed[i] = TransferFailed(f"segment {name} is gone (node died or unregistered)")
+        elif mask.any():
+            _add_group(out, flat, descs[name], int(regions[k]), np.where(mask, offs, -1))
+    return out
+
+
+def arrays(flat: Flat) -> Flat:
+    """``flat`` in array form (a small batch's lists converted)."""
+    if type(flat.lens) is not list:
+        return flat
+    return Flat(np.array(flat.addrs, dtype=np.uint64), np.array(flat.lens, dtype=np.uint64),
+                np.array(flat.owner, dtype=np.int64), np.array(flat.inner, dtype=np.uint64), flat.sizes, flat.nkeys)
 
 
 def _groups_small(flat: Flat, by_region: dict, descs: dict, failed: dict) -> list:

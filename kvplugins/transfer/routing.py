@@ -73,8 +73,9 @@ class Router:
                 self._regions, remote, info, addrs, roffs, lens, op is Op.WRITE, status)
             if batch is not None:
                 merged = self._spans_rounds(op, batch, cands, deadline)
-                for j, g in zip(valid, group):
-                    status[j] = merged[g]
+                if merged.count(None) != len(merged):
+                    for j, g in zip(valid, group):
+                        status[j] = merged[g]
         self._count(op, status)
         return status
 
@@ -181,11 +182,11 @@ class Router:
             log.warning("transfer fell back from %s to %s: %s", src, dst, err)
 
     def _count(self, op: Op, status: list) -> None:
+        errors = [type(e).__name__ for e in status if e is not None]
         with self._lock:
             self._counts[("batches", op.name.lower())] += 1
-            for err in status:
-                if err is not None:
-                    self._counts[("errors", type(err).__name__)] += 1
+            for name in errors:
+                self._counts[("errors", name)] += 1
 
     def stats(self) -> dict[str, Any]:
         """{"batches": {...}, "errors": {...}, "fallbacks": {"shm->tcp": n}, "<transport>": {entries, bytes,

@@ -18,6 +18,7 @@ class Object:
     deadline: float = 0.0                  # pending: reclaimed after this time
     lease_until: float = 0.0               # complete: never evicted/freed before this time
     last_access: float = 0.0
+    locations: list | None = None          # cached [[segment, region id, offset], ...] for replies; None = stale
 
     def leased(self, now: float) -> bool:
         return self.lease_until > now

@@ -76,9 +76,11 @@ class MasterService:
                 continue
             name, region = seg.name, seg.region_id
             for (j, key, size), off in zip(chunk, offsets):
-                self.table.add(Object(key, size, [(name, off)], deadline=deadline, last_access=now))
+                locations = [[name, region, off]]
+                self.table.add(Object(key, size, [(name, off)], deadline=deadline, last_access=now,
+                                      locations=locations))
                 seg.keys.add(key)
-                out[j] = [OK, [[name, region, off]]]
+                out[j] = [OK, locations]
             self.counters["puts"] += len(chunk)
         return out
 
@@ -101,6 +103,7 @@ class MasterService:
             seg.keys.add(key)
             locations.append([seg.name, seg.region_id, off])
         obj.replicas = [(seg.name, off) for seg, off in placed]
+        obj.locations = locations
         self.counters["puts"] += 1
         return [OK, locations]
 
@@ -159,18 +162,53 @@ class MasterService:
         return out
 
     def op_get(self, entries, opts, now):
+        if opts.get("cols"):
+            return self._get_cols(entries, now)
         out, ttl = [], self.cfg.lease_ttl_ms
+        lease, get, touch, hits = now + ttl / 1000, self.table.get, self.table.touch, 0
         for key in entries:
-            obj = self.table.get(key) if isinstance(key, str) else None
+            obj = get(key) if isinstance(key, str) else None
             if obj is None or not obj.complete:
-                self.counters["misses"] += 1
                 out.append([NOT_FOUND, None])
                 continue
-            obj.lease_until = max(obj.lease_until, now + ttl / 1000)
-            self.table.touch(obj, now)
-            self.counters["hits"] += 1
-            out.append([OK, [obj.size, self._locations(obj), ttl]])
+            if obj.lease_until < lease:
+                obj.lease_until = lease
+            touch(obj, now)
+            hits += 1
+            out.append([OK, [obj.size, obj.locations or self._locations(obj), ttl]])
+        self.counters["hits"] += hits
+        self.counters["misses"] += len(entries) - hits
         return out
+
+    def _get_cols(self, entries, now):
+        """op_get with opts {"cols": 1}: columns instead of one nested list per key (a 128-key reply packs in
+        a fraction of the time): [ttl ms, sizes (-1 = miss), segment names, their region ids, per key the
+        index of its first replica's segment (-1 = miss), its offset, {key index: all locations} for keys
+        with more than one replica]."""
+        ttl = self.cfg.lease_ttl_ms
+        lease, get, touch = now + ttl / 1000, self.table.get, self.table.touch
+        sizes, seg_idx, offs, more, names, regions, index = [], [], [], {}, [], [], {}
+        for j, key in enumerate(entries):
+            obj = get(key) if isinstance(key, str) else None
+            if obj is None or not obj.complete:
+                sizes.append(-1), seg_idx.append(-1), offs.append(0)
+                continue
+            if obj.lease_until < lease:
+                obj.lease_until = lease
+            touch(obj, now)
+            name, off = obj.replicas[0]
+            k = index.get(name)
+            if k is None:
+                k = index[name] = len(names)
+                names.append(name)
+                regions.append(self.segments.get(name).region_id)
+            sizes.append(obj.size), seg_idx.append(k), offs.append(off)
+            if len(obj.replicas) > 1:
+                more[j] = obj.locations or self._locations(obj)
+        hits = len(entries) - sizes.count(-1)
+        self.counters["hits"] += hits
+        self.counters["misses"] += len(entries) - hits
+        return [ttl, sizes, names, regions, seg_idx, offs, more]
 
     def op_exists(self, entries, opts, now):
         return [self._complete(k) for k in entries]
@@ -198,7 +236,9 @@ class MasterService:
         return obj is not None and obj.complete
 
     def _locations(self, obj: Object):
-        return [[name, self.segments.get(name).region_id, off] for name, off in obj.replicas]
+        """[[segment, region id, offset], ...] of ``obj``'s replicas, cached on it (reset when they change)."""
+        obj.locations = [[name, self.segments.get(name).region_id, off] for name, off in obj.replicas]
+        return obj.locations
 
     def _drop(self, obj: Object, now: float, free_at: float | None = None) -> None:
         """Remove ``obj`` from the table; its space is freed now, or when its lease/put deadline ends."""
@@ -261,6 +301,7 @@ class MasterService:
     def _lose_objects(self, name: str, objs) -> None:
         for obj in objs:
             obj.replicas = [(n, o) for n, o in obj.replicas if n != name]
+            obj.locations = None
             if not obj.replicas:
                 self.table.pop(obj.key)
                 self.counters["objects_lost"] += 1
