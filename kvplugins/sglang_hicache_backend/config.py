@@ -5,7 +5,7 @@ interface_v1) are set aside before loading; any other unknown key raises ConfigE
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from kvplugins.config import Bytes, component, load, parse_bytes
@@ -54,4 +54,9 @@ def from_extra_config(extra_config: Mapping[str, Any] | None, environ: Mapping[s
     """HiCacheConfig from SGLang's extra_config dict (its own keys skipped), env and config file.
     Raises ConfigError naming an unknown key and listing the valid ones."""
     ours = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
+    valid = [f.name for f in fields(HiCacheConfig)]
+    unknown = sorted(set(ours) - set(valid))
+    if unknown:
+        raise ConfigError(f"--hicache-storage-backend-extra-config: unknown key(s) {', '.join(unknown)}; valid keys: "
+                          f"{', '.join(valid)} (and SGLang's own: {', '.join(SGLANG_KEYS)})")
     return load(HiCacheConfig, ours, environ=environ)

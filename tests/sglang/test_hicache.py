@@ -93,7 +93,7 @@ def test_factory_builds_backend_from_user_json(cluster):
 
 def test_unknown_extra_config_key_lists_valid_keys():
     sc = hc.storage_config("127.0.0.1:1", mastr="typo")
-    with pytest.raises(ConfigError, match="mastr.*valid keys: .*master"):
+    with pytest.raises(ConfigError, match="extra-config: unknown key.*mastr.*valid keys: master.*interface_v1"):
         KVPluginsHiCacheStorage(sc, {})
 
 
