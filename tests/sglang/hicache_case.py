@@ -24,9 +24,12 @@ PAGES = 6                 # pages written per case
 FIRST = 2                 # first host page used (page 0 is never special-cased)
 
 
-def storage_config(master: str, *, kind: str = "mha", tp_rank: int = 0, tp_size: int = 1, v1: bool = True,
+def storage_config(master: str | None, *, kind: str = "mha", tp_rank: int = 0, tp_size: int = 1, v1: bool = True,
                    model: str = "test/model", **extra) -> HiCacheStorageConfig:
-    cfg = {**USER_JSON, "interface_v1": int(v1), "master": master, "retry_ms": 200, **extra}
+    """The HiCacheStorageConfig SGLang builds for one rank; master None = the user's JSON names no master."""
+    cfg = {**USER_JSON, "interface_v1": int(v1), "retry_ms": 200, **extra}
+    if master is not None:
+        cfg["master"] = master
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=kind == "mla", enable_storage_metrics=True,
                                 is_page_first_layout=True, model_name=model, extra_config=cfg)
@@ -64,7 +67,7 @@ class Case:
                                .numpy().tobytes()).hexdigest() for p in range(pages)]
 
 
-def make_case(master: str, kind: str, layout: str, pool_kw: dict | None = None, **kw) -> Case:
+def make_case(master: str | None, kind: str, layout: str, pool_kw: dict | None = None, **kw) -> Case:
     """Backend from the factory ("dynamic", the user's JSON) + a real host pool, attached as SGLang does.
     pool_kw: pool geometry (hicache_pools); kw: storage_config arguments."""
     make = hicache_pools.mla_pool if kind == "mla" else hicache_pools.mha_pool

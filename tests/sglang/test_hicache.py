@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang not installed: bash ci/install-sglang.sh")
 
 import hicache_case as hc  # noqa: E402
-from helpers.cluster import store_cluster  # noqa: E402
+from helpers.cluster import store_cluster, up_process  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # noqa: E402
 
 from kvplugins.errors import ConfigError  # noqa: E402
@@ -310,3 +310,15 @@ def test_prefetch_and_backup_threads_share_one_backend(cluster):
     finally:
         case.backend.close()
         reader.backend.close()
+
+
+def test_no_master_key_uses_the_embedded_store(tmp_path, monkeypatch):
+    """The single-host flags (no "master"): the backend finds the running `kvplugins up` by its discovery file."""
+    with up_process(segment_size="16MiB", tmp=tmp_path) as up:
+        monkeypatch.setenv("KVPLUGINS_UP_DISCOVERY_FILE", str(up.discovery_file))
+        case = hc.make_case(None, "mla", "layer_first")
+        try:
+            assert case.write(hc.keys_for("embedded", 2)) and case.read(hc.keys_for("embedded", 2)) == 2
+            assert case.backend.get_stats().kvplugins["master"] == up.address
+        finally:
+            case.backend.close()
