@@ -9,7 +9,7 @@ import sys
 
 from kvplugins.errors import KVPluginsError
 
-COMMANDS = ("master", "store", "up", "status", "demo", "kt")
+COMMANDS = ("master", "store", "up", "status", "demo", "kt", "pd-proxy")  # module: name with "-" -> "_"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"kvplugins.cli.{name}").add_parser(sub)
+        importlib.import_module(f"kvplugins.cli.{name.replace('-', '_')}").add_parser(sub)
     return parser
 
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return int(importlib.import_module(f"kvplugins.cli.{args.command}").run(args) or 0)
+        return int(importlib.import_module(f"kvplugins.cli.{args.command.replace('-', '_')}").run(args) or 0)
     except KVPluginsError as e:
         print(f"kvplugins {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@ The child (``python -m kvplugins.demo.engine SPEC OUT``) starts vllm.LLM on the 
 its own (so each TTFT is clean), writes a JSON result and exits, so no KV survives in local memory between
 runs: a later engine can only reuse KV through the store. Result fields: ``tokens`` (greedy ids per prompt),
 ``prompt_tokens`` (prompt lengths), ``ttft_ms`` (engine-measured time to first token, ms),
-``external_hit_tokens`` (vLLM's vllm:external_prefix_cache_hits counter), ``local_hit_tokens``.
+``external_hit_tokens`` (vLLM's vllm:external_prefix_cache_hits counter), ``local_hit_tokens``,
+``wall_s`` (seconds of each generate call), ``preemptions`` (vllm:num_preemptions), ``finish_reasons``, ``kvplugins`` (the connector's ``vllm:kvplugins_*``
+counters as vLLM's Prometheus metrics show them, name without prefix -> value).
 """
 from __future__ import annotations
 
@@ -21,13 +23,13 @@ from pathlib import Path
 from kvplugins.errors import KVPluginsError
 
 WARMUP = "User: Thanks. Assistant:"  # shorter than one block: nothing of it is saved or loaded
-CONNECTOR = {"kv_connector": "KVPluginsConnector", "kv_connector_module_path": "kvplugins.vllm_kv_connector",
-             "kv_role": "kv_both"}
+CONNECTOR = {"kv_connector": "KVPluginsConnector", "kv_role": "kv_both"}  # by name: the vllm.general_plugins entry point
 
 
 @dataclass
 class EngineSpec:
-    """One engine run. connector: kv_connector_extra_config, or None to run without the connector.
+    """One engine run. prompts: texts, or token-id lists. connector: kv_connector_extra_config, or None to run
+    without the connector.
     kv_cache_gib: VLLM_CPU_KVCACHE_SPACE (GiB). block_size: tokens per KV block (a multiple of 32 on CPU).
     load_failure: vLLM's kv_load_failure_policy for pages that fail to load ("recompute" or "fail")."""
     model: str
@@ -39,6 +41,12 @@ class EngineSpec:
     max_model_len: int = 8192
     load_failure: str = "recompute"
     env: dict = field(default_factory=dict)
+    batch: bool = False           # all prompts in one generate call (lets vLLM batch and preempt them)
+    max_num_seqs: int = 4
+    num_blocks: int = 0           # KV blocks (vLLM num_gpu_blocks_override); 0 = from kv_cache_gib
+    transfer: dict = field(default_factory=dict)  # more kv_transfer_config fields (e.g. kv_connector, kv_role)
+    dtype: str = "float32"
+    max_num_batched_tokens: int = 0  # vLLM's per-step token budget; 0 = vLLM's default
 
 
 def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = None) -> dict:
@@ -83,26 +91,37 @@ def _counter(llm, name: str) -> int:
 def _child(spec: EngineSpec) -> dict:
     from vllm import LLM, SamplingParams
 
-    kwargs = {}
+    kwargs = {"num_gpu_blocks_override": spec.num_blocks} if spec.num_blocks else {}
+    if spec.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
     if spec.connector is not None:
         kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": spec.connector,
-                                        "kv_load_failure_policy": spec.load_failure}
-    llm = LLM(model=spec.model, dtype="float32", block_size=spec.block_size, max_model_len=spec.max_model_len,
-              enforce_eager=True, max_num_seqs=4, seed=0, disable_log_stats=False, **kwargs)
+                                        "kv_load_failure_policy": spec.load_failure, **spec.transfer}
+    llm = LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, max_model_len=spec.max_model_len,
+              enforce_eager=True, max_num_seqs=spec.max_num_seqs, seed=0, disable_log_stats=False, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
     llm.generate([WARMUP], SamplingParams(max_tokens=2), use_tqdm=False)  # first-run costs off the TTFTs
-    result = {"tokens": [], "prompt_tokens": [], "prompt_token_ids": [], "ttft_ms": []}
-    for prompt in spec.prompts:
+    result = {"tokens": [], "prompt_tokens": [], "prompt_token_ids": [], "ttft_ms": [], "finish_reasons": []}
+    groups = [spec.prompts] if spec.batch else [[p] for p in spec.prompts]
+    for group in groups:
         t0 = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        outs = llm.generate([{"prompt_token_ids": p} if isinstance(p, list) else p for p in group], params,
+                            use_tqdm=False)
         wall = time.perf_counter() - t0
-        ttft = getattr(out.metrics, "first_token_latency", 0.0) or wall
-        result["tokens"].append(list(out.outputs[0].token_ids))
-        result["prompt_tokens"].append(len(out.prompt_token_ids))
-        result["prompt_token_ids"].append(list(out.prompt_token_ids))
-        result["ttft_ms"].append(ttft * 1000)
+        result.setdefault("wall_s", []).append(wall)
+        for out in outs:
+            ttft = getattr(out.metrics, "first_token_latency", 0.0) or wall
+            result["tokens"].append(list(out.outputs[0].token_ids))
+            result["finish_reasons"].append(out.outputs[0].finish_reason)
+            result["prompt_tokens"].append(len(out.prompt_token_ids))
+            result["prompt_token_ids"].append(list(out.prompt_token_ids))
+            result["ttft_ms"].append(ttft * 1000)
+    time.sleep(0.5)  # let the last step's stats reach the metrics
     result["external_hit_tokens"] = _counter(llm, "vllm:external_prefix_cache_hits")
     result["local_hit_tokens"] = _counter(llm, "vllm:prefix_cache_hits")
+    result["preemptions"] = _counter(llm, "vllm:num_preemptions")
+    result["kvplugins"] = {m.name.removeprefix("vllm:kvplugins_"): getattr(m, "value", getattr(m, "count", 0))
+                           for m in llm.get_metrics() if m.name.startswith("vllm:kvplugins_")}
     return result
 
 

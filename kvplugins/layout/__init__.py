@@ -9,6 +9,7 @@ Engine-independent (no vLLM or SGLang imports):
 """
 from kvplugins.layout.keys import KeySpace, loadable_pages, page_hashes
 from kvplugins.layout.pages import PageStore
-from kvplugins.layout.spans import PageLayout, Plane, Span, planes_of
+from kvplugins.layout.spans import PageLayout, Plane, Span, block_dim_of, planes_of
 
-__all__ = ["KeySpace", "PageLayout", "PageStore", "Plane", "Span", "loadable_pages", "page_hashes", "planes_of"]
+__all__ = ["KeySpace", "PageLayout", "PageStore", "Plane", "Span", "block_dim_of", "loadable_pages", "page_hashes",
+           "planes_of"]

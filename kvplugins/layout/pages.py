@@ -5,12 +5,14 @@ stored object straight into the engine's blocks (``batch_get_into``), saves gath
 (``batch_put_from``). It survives an unreachable store: the first failure is logged once, every call then
 answers "miss"/"not saved" without touching the network until ``retry_ms`` has passed, then it retries.
 Never raises a store error into the engine; a load that did not land reports its block ids as failed.
+Thread-safe: several engine threads (e.g. a load thread and a save thread) may share one PageStore.
 
 Source followed: the Mooncake store's batch_get_into/batch_put_from zero-copy contract (docs/store.md).
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -40,6 +42,7 @@ class PageStore:
         self._client: Any = None
         self._down_until = 0.0
         self._logged_down = False
+        self._state_lock = threading.RLock()  # (re)connect and fail-over may race between engine threads
         self.stats = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "failed_pages": 0, "saved_pages": 0,
                       "skipped_pages": 0, "store_errors": 0}
 
@@ -49,6 +52,10 @@ class PageStore:
         return self._connected() is not None
 
     def _connected(self) -> Any:
+        with self._state_lock:
+            return self._connect_locked()
+
+    def _connect_locked(self) -> Any:
         if self._client is not None:
             return self._client
         if time.monotonic() < self._down_until:
@@ -67,6 +74,10 @@ class PageStore:
         return client
 
     def _failed(self, err: Exception) -> None:
+        with self._state_lock:
+            self._fail_locked(err)
+
+    def _fail_locked(self, err: Exception) -> None:
         self.stats["store_errors"] += 1
         if not self._logged_down:
             log.warning("kvplugins: store unavailable, serving without it (retry in %.0f s): %s",

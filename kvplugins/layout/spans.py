@@ -6,6 +6,9 @@ contiguous run of ``block_bytes`` bytes at ``base + b * block_stride``. Examples
   NHD        ``[2, num_blocks, L, kv_heads, head_size]``      -> 2 planes (K, V)
   HND        ``[2, num_blocks, kv_heads, L, head_size]``      -> 2 planes (K, V)
   MLA        ``[num_blocks, L, kv_lora_rank + rope_dim]``     -> 1 plane
+  cross-layer (vLLM KVCacheLayout BLNHC/BLHNC: blocks outermost, then layers): each layer's view is one plane
+  whose ``block_stride`` spans every layer's block
+  (HND is usually a permuted view of a logical NHD shape: a block is still one dense run, in memory order)
 A page (block ``b`` of every layer, "page-first") is the concatenation of each plane's run in plane order,
 so a page object in the store is ``sum(plane.block_bytes)`` bytes. Adjacent runs are merged into one span.
 """
@@ -55,7 +58,9 @@ def planes_of(tensor: Any, block_dim: int = 0) -> list[Plane]:
     """The planes of one layer's KV tensor whose dimension ``block_dim`` indexes blocks.
 
     Dimensions before ``block_dim`` (e.g. the K/V dim of NHD/HND) become separate planes in index order;
-    dimensions after it must be dense (C-contiguous), since one block must be one run of bytes.
+    dimensions after it must tile one dense run of bytes in some order (a permuted view such as vLLM's HND
+    over a logical NHD shape is fine: the page holds the block's bytes in memory order), since one block
+    must be one run of bytes.
     tensor: torch CPU tensor or numpy array, any dtype. Raises ConfigError for other memory or a layout
     whose block is not contiguous (the message names the shape and strides).
     """
@@ -63,11 +68,12 @@ def planes_of(tensor: Any, block_dim: int = 0) -> list[Plane]:
     if not 0 <= block_dim < len(shape):
         raise ConfigError(f"block_dim {block_dim} out of range for a tensor of shape {shape}")
     inner = shape[block_dim + 1:]
-    expect = item
-    for size, stride in zip(reversed(inner), reversed(strides[block_dim + 1:])):
-        if size != 1 and stride != expect:
+    expect = item  # the dims after the block dim, in memory order (any permutation), must tile one dense run
+    for stride, size in sorted((st, sz) for sz, st in zip(inner, strides[block_dim + 1:]) if sz != 1):
+        if stride != expect:
             raise ConfigError(f"KV tensor shape {shape} strides {strides} B: the dims after block dim "
-                              f"{block_dim} are not contiguous, so a block is not one run of bytes")
+                              f"{block_dim} do not form one dense run of bytes, so a block is not contiguous "
+                              "(e.g. a layout with heads outside blocks); this layout is not supported")
         expect *= size
     block_bytes = math.prod(inner) * item
     outer = shape[:block_dim]
@@ -76,6 +82,20 @@ def planes_of(tensor: Any, block_dim: int = 0) -> list[Plane]:
         base = addr + sum(i * s for i, s in zip(idx, strides))
         planes.append(Plane(base, strides[block_dim], block_bytes, shape[block_dim]))
     return planes
+
+
+def block_dim_of(shape: Sequence[int], num_blocks: int) -> int:
+    """The dim of a KV tensor of ``shape`` that indexes the engine's ``num_blocks`` blocks: the first dim of
+    exactly that size, else the first whose size is a multiple of it (a kernel splitting engine blocks).
+    E.g. 0 for CPU/FlashInfer/MLA ``[num_blocks, ...]``, 1 for FlashAttention ``[2, num_blocks, ...]``.
+    Raises ConfigError when no dim fits."""
+    for d, size in enumerate(shape):
+        if size == num_blocks:
+            return d
+    for d, size in enumerate(shape):
+        if size >= num_blocks > 0 and size % num_blocks == 0:
+            return d
+    raise ConfigError(f"no dim of KV tensor shape {tuple(shape)} indexes {num_blocks} blocks")
 
 
 def _indices(shape: Sequence[int]) -> Iterable[tuple[int, ...]]:

@@ -23,6 +23,20 @@ class VllmConnectorConfig:
         "help": "model name in page keys; '' = vLLM's model path. Set it when hosts load one model from different paths"})
     save: bool = field(default=True, metadata={"help": "save newly computed full pages to the store"})
     load: bool = field(default=True, metadata={"help": "load stored prefix pages instead of computing them"})
+    async_load_tokens: int = field(default=256, metadata={
+        "help": "hits of at least this many tokens load in the background while other requests run "
+                "(the request waits in WAITING_FOR_REMOTE_KVS); smaller hits load before the step's forward. "
+                "0 = always before the forward"})
+    pd_mode: str = field(default="store", metadata={
+        "help": "P/D (kv_producer): how decode gets a request's KV: 'store' (the producer saves its pages, decode "
+                "loads them) or 'direct' (decode reads the producer's KV blocks through the transfer core)"})
+    pd_host: str = field(default="127.0.0.1", metadata={
+        "help": "P/D (kv_producer): address this instance's transfer engine binds and advertises (reachable by "
+                "decode instances; the direct path reads the KV memory through it)"})
+    pd_wait_ms: int = field(default=5000, metadata={
+        "help": "P/D store path (consumer): wait this long for the producer's pages to land before computing them"})
+    pd_hold_ms: int = field(default=30000, metadata={
+        "help": "P/D direct path (producer): free a request's blocks after this long even without the decode ack"})
     namespace_file: str = field(default="", metadata={
         "help": "write this engine's page-key namespaces here (JSON: rank -> namespace) for tooling; '' = none"})
 
@@ -30,6 +44,14 @@ class VllmConnectorConfig:
         for name in ("rpc_timeout_ms", "transfer_timeout_ms", "retry_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config {name}={getattr(self, name)} must be > 0 ms")
+        if self.pd_mode not in ("store", "direct"):
+            raise ConfigError(f"kv_connector_extra_config pd_mode={self.pd_mode!r}: use 'store' or 'direct'")
+        if self.pd_wait_ms < 0 or self.pd_hold_ms <= 0:
+            raise ConfigError(f"kv_connector_extra_config pd_wait_ms={self.pd_wait_ms} must be >= 0 and "
+                              f"pd_hold_ms={self.pd_hold_ms} > 0 ms")
+        if self.async_load_tokens < 0:
+            raise ConfigError(f"kv_connector_extra_config async_load_tokens={self.async_load_tokens} must be >= 0 "
+                              "(0 = always load before the forward)")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "VllmConnectorConfig":

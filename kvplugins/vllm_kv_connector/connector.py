@@ -1,9 +1,12 @@
 """KVPluginsConnector: the KVConnectorBase_V1 subclass vLLM instantiates in its scheduler and its workers.
 
 Each hook only translates: the scheduler role delegates to SchedulerSide, the worker role to WorkerSide.
-Loads are synchronous (the pages land before the step's forward; async loading is issue #4); saves run in
-wait_for_save, after the forward wrote the step's KV. Source followed: vLLM 0.32 KVConnectorBase_V1
-(vllm/distributed/kv_transfer/kv_connector/v1/base.py).
+Large hits load asynchronously (``get_num_new_matched_tokens`` -> ``(n, True)``; completion through
+``get_finished``), small ones before the step's forward; saves are submitted in ``wait_for_save`` and run in
+the background, ``handle_preemptions`` (called before every forward) fences the saves of requests whose
+blocks were freed. Telemetry: ``get_kv_connector_stats`` / ``build_kv_connector_stats`` /
+``build_prom_metrics`` (stats.py). Source followed: vLLM 0.32 KVConnectorBase_V1
+(vllm/distributed/kv_transfer/kv_connector/v1/base.py) and the model runner's connector mixin.
 """
 from __future__ import annotations
 
@@ -13,21 +16,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.attention.backend import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
 from kvplugins.vllm_kv_connector.metadata import KVPluginsConnectorMetadata
+from kvplugins.vllm_kv_connector.stats import KVPluginsPromMetrics, KVPluginsStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -65,19 +73,30 @@ class KVPluginsConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        if connector_output.invalid_block_ids:
+            self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.finished(request)
-        return False, None
+        return self._scheduler.finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._scheduler.handshakes = dict(metadata)
 
     # -- worker side ------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker.register(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        self._worker.fence(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self._worker.load(self._get_connector_metadata())
+        meta = self._get_connector_metadata()
+        self._worker.hold(meta)
+        self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are complete when start_load_kv returns
+        return  # synchronous loads are complete when start_load_kv returns; async ones are not read yet
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:
@@ -86,10 +105,31 @@ class KVPluginsConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         self._worker.save(self._get_connector_metadata())
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._worker.handshake()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.finished(finished_req_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
 
     def shutdown(self):
-        side = self._scheduler or self._worker
-        if side is not None and side.pages is not None:
-            side.pages.close()
+        if self._worker is not None:
+            self._worker.close()
+        elif self._scheduler is not None and self._scheduler.pages is not None:
+            self._scheduler.pages.close()
+
+    # -- telemetry --------------------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return (self._scheduler or self._worker).stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPluginsStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVConnectorPromMetrics | None:
+        return KVPluginsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,13 +1,23 @@
-"""Worker half: maps the engine's KV tensors once, then loads/saves whole pages straight into/from them."""
+"""Worker half: maps the engine's KV tensors once, then loads/saves whole pages straight into/from them.
+
+Threads: small hits load inline before the forward; large hits load on the ``kvp-load`` thread (one
+``batch_get_into`` per step, the transfer core moves the bytes) and are reported through ``finished``;
+saves run on the ``kvp-save`` thread after the forward, never blocking it. A save reads blocks that stay
+unchanged while their request holds them; ``fence`` waits, before a forward, for the saves of requests whose
+blocks were freed (finished or preempted), so a reused block is never read half-rewritten.
+"""
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvplugins.errors import ConfigError
-from kvplugins.layout import PageLayout, PageStore, Plane, planes_of
+from kvplugins.layout import PageLayout, PageStore, Plane, block_dim_of, planes_of
 from kvplugins.vllm_kv_connector import engine
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
-from kvplugins.vllm_kv_connector.metadata import KVPluginsConnectorMetadata
+from kvplugins.vllm_kv_connector.metadata import Held, KVPluginsConnectorMetadata, PageBatch, RemoteLoad
+from kvplugins.vllm_kv_connector.stats import StatsRecorder
 
 log = logging.getLogger(__name__)
 
@@ -16,39 +26,198 @@ class WorkerSide:
     def __init__(self, vllm_config, kv_cache_config, cfg: VllmConnectorConfig):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         self.cfg, self.kv_cache_config = cfg, kv_cache_config
-        self.keyspace = engine.keyspace(vllm_config, kv_cache_config, cfg, get_tensor_model_parallel_rank())
+        self.role = vllm_config.kv_transfer_config.kv_role
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.keyspace = engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank)
         self.pages: PageStore | None = None
         self.load_errors: set[int] = set()
+        self.stats = StatsRecorder()
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvp-load")
+        self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="kvp-save")
+        self._loading: dict[Future, list[str]] = {}     # async load batch -> its request ids
+        self._saving: dict[str, Future] = {}            # request id -> its latest save batch
+        self._held: dict[str, tuple[Held, float]] = {}  # P/D producer: request -> (hold, first seen, monotonic s)
+        self._finished: set[str] = set()                # finished request ids vLLM told us about
+        self._export = self._reader = None              # P/D direct: producer export / consumer reader
 
     def register(self, kv_caches: dict) -> None:
-        """kv_caches: layer name -> KV tensor, block dim first (CPU: [num_blocks, kv_heads, block_size,
-        head_size*2]). Raises ConfigError if the pages it describes differ from the key space's page bytes."""
+        """kv_caches: layer name -> KV tensor (CPU: [num_blocks, kv_heads, block_size, head_size*2]; GPU backends'
+        NHD/HND/cross-layer/MLA layouts map the same way, see kvplugins.layout.spans). Raises ConfigError if the pages it describes differ from the key space's page bytes."""
         names = engine.attention_group(self.kv_cache_config).layer_names
         missing = [n for n in names if n not in kv_caches]
         if missing:
             raise ConfigError(f"KVPluginsConnector: no KV tensor for layers {missing}")
         num_blocks = self.kv_cache_config.num_blocks
-        layout = PageLayout([p for n in names for p in _engine_blocks(planes_of(kv_caches[n]), num_blocks)])
+        layout = PageLayout([p for n in names for p in _engine_blocks(_planes(kv_caches[n], num_blocks), num_blocks)])
         if layout.page_bytes != self.keyspace.page_bytes:
             raise ConfigError(f"KVPluginsConnector: KV tensors give {layout.page_bytes} B pages, the KV cache spec "
                               f"{self.keyspace.page_bytes} B; unsupported KV layout")
         self.pages = PageStore(self.cfg.client_factory(), self.keyspace, layout, retry_ms=self.cfg.retry_ms,
                                retry_on_load=True)  # the scheduler found these pages just now
         self.pages.connect()
+        if self.role == "kv_producer":  # any request may ask for the direct path (kvplugins_mode)
+            from kvplugins.vllm_kv_connector.pd import Export
+            self._export = Export(layout, self.cfg)
         log.info("kvplugins: %d layers, %d blocks, %d B pages, namespace %s", len(names), layout.num_blocks,
                  layout.page_bytes, self.keyspace.namespace)
 
+    # -- loads ------------------------------------------------------------------------------------------------
     def load(self, meta: KVPluginsConnectorMetadata) -> None:
-        if meta.loads.block_ids and self.pages is not None:
-            self.load_errors.update(self.pages.load(meta.loads.block_ids, meta.loads.hashes))
+        """Synchronous loads now; asynchronous ones submitted to the load thread."""
+        if meta.loads.block_ids:
+            self.load_errors.update(self._load_batch(meta.loads))
+        for remote in meta.acks:
+            self._load_pool.submit(self._direct_ack, remote)
+        direct = {r: b for r, b in meta.async_loads.items() if r in meta.remote}
+        for req_id, pages in direct.items():
+            fut = self._load_pool.submit(self._direct_batch, pages, meta.remote[req_id])
+            self._loading[fut] = [req_id]
+        batch = PageBatch()
+        for req_id, pages in meta.async_loads.items():
+            if req_id not in direct:
+                batch.add(pages.block_ids, pages.hashes)
+        self.stats.add(async_blocks=sum(len(b) for b in meta.async_loads.values()))
+        stored = [r for r in meta.async_loads if r not in direct]
+        if stored:
+            self._loading[self._load_pool.submit(self._load_batch, batch)] = stored
+
+    def _load_batch(self, batch: PageBatch) -> list[int]:
+        """Load a batch; returns the block ids that did not land (every id when anything unexpected raised)."""
+        if not batch.block_ids:
+            return []
+        if self.pages is None:
+            return list(batch.block_ids)
+        t0 = time.perf_counter()
+        try:
+            failed = self.pages.load(batch.block_ids, batch.hashes)
+        except Exception as e:  # noqa: BLE001 - a load must end in "loaded" or "failed", never in a lost thread
+            log.warning("kvplugins: load of %d pages failed: %r", len(batch), e)
+            failed = list(batch.block_ids)
+        done = len(batch) - len(failed)
+        self.stats.add(loaded_blocks=done, loaded_bytes=done * self.keyspace.page_bytes, failed_blocks=len(failed))
+        self.stats.observe("load_seconds", time.perf_counter() - t0)
+        return failed
+
+    def _reader_for(self):
+        if self._reader is None:
+            from kvplugins.vllm_kv_connector.pd import Reader
+            self._reader = Reader(self.pages._layout(), self.cfg)
+        return self._reader
+
+    def _direct_batch(self, batch: PageBatch, remote: RemoteLoad) -> list[int]:
+        """P/D direct path: read the producer's blocks into ours, then ack; returns local ids that failed."""
+        t0 = time.perf_counter()
+        src = remote.src.get(str(self.tp_rank)) if isinstance(remote.src, dict) else None
+        try:
+            reader = self._reader_for()
+            failed = reader.read(src, batch.block_ids, remote.remote_ids) if src else list(batch.block_ids)
+            if src:
+                reader.ack(src, remote.slot, remote.token)
+        except Exception as e:  # noqa: BLE001 - a load must end in "loaded" or "failed", never in a lost thread
+            log.warning("kvplugins: direct load of %d pages failed: %r", len(batch), e)
+            failed = list(batch.block_ids)
+        done = len(batch) - len(failed)
+        self.stats.add(loaded_blocks=done, loaded_bytes=done * self.keyspace.page_bytes, failed_blocks=len(failed),
+                       direct_blocks=done)
+        self.stats.observe("load_seconds", time.perf_counter() - t0)
+        return failed
+
+    def _direct_ack(self, remote: RemoteLoad) -> None:
+        src = remote.src.get(str(self.tp_rank)) if isinstance(remote.src, dict) else None
+        if src and self.pages is not None:
+            self._reader_for().ack(src, remote.slot, remote.token)
+
+    def handshake(self):
+        """P/D direct producer: what decode needs to read this worker's KV (PDHandshake), else None."""
+        return self._export.handshake if self._export is not None else None
+
+    # -- saves ------------------------------------------------------------------------------------------------
+    def fence(self, meta: KVPluginsConnectorMetadata) -> None:
+        """Before the forward: wait for in-flight saves of requests whose blocks may be rewritten now."""
+        for req_id in meta.fence:
+            fut = self._saving.pop(req_id, None)
+            if fut is not None:
+                fut.result()
 
     def save(self, meta: KVPluginsConnectorMetadata) -> None:
-        if meta.saves.block_ids and self.pages is not None:
-            self.pages.save(meta.saves.block_ids, meta.saves.hashes)
+        """After the forward: submit this step's full pages to the save thread (returns at once)."""
+        if not meta.saves or self.pages is None:
+            return
+        batch = PageBatch()
+        for pages in meta.saves.values():
+            batch.add(pages.block_ids, pages.hashes)
+        fut = self._save_pool.submit(self._save_batch, batch)
+        for req_id in meta.saves:
+            self._saving[req_id] = fut
+
+    def _save_batch(self, batch: PageBatch) -> None:
+        t0 = time.perf_counter()
+        try:
+            n = self.pages.save(batch.block_ids, batch.hashes)
+        except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
+            log.warning("kvplugins: save of %d pages failed: %r", len(batch), e)
+            return
+        self.stats.add(saved_blocks=n, saved_bytes=n * self.keyspace.page_bytes)
+        self.stats.observe("save_seconds", time.perf_counter() - t0)
+
+    # -- completion -------------------------------------------------------------------------------------------
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished sending, finished receiving): requests whose async load ended (failed blocks, if any,
+        are in ``load_errors`` by now, as vLLM requires)."""
+        recving: set[str] = set()
+        for fut in [f for f in self._loading if f.done()]:
+            recving.update(self._loading.pop(fut))
+            self.load_errors.update(fut.result())
+        sending = self._sent(finished_req_ids)
+        for req_id in [r for r, f in self._saving.items() if f.done()]:
+            del self._saving[req_id]
+        return sending or None, recving or None
+
+    def hold(self, meta: KVPluginsConnectorMetadata) -> None:
+        """P/D producer: remember the requests whose blocks vLLM now holds for us."""
+        now = time.monotonic()
+        for req_id, held in meta.held.items():
+            self._held[req_id] = (held, now)
+
+    def _sent(self, finished_req_ids: set[str]) -> set[str]:
+        """Held requests that vLLM reported finished and whose blocks we no longer need."""
+        self._finished.update(finished_req_ids)
+        now, out = time.monotonic(), set()
+        for req_id, (held, seen) in list(self._held.items()):
+            if req_id not in self._finished:
+                continue
+            if held.mode == "store":
+                fut = self._saving.get(req_id)
+                done = fut is None or fut.done()
+            else:
+                done = (self._export is not None and self._export.acked(held.slot, held.token)) \
+                    or now - seen > held.hold_s
+            if done:
+                out.add(req_id)
+                del self._held[req_id]
+                self._finished.discard(req_id)
+        self._finished.intersection_update(self._held)
+        return out
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors
+
+    def close(self) -> None:
+        """Let in-flight transfers end (each is bounded by the store timeouts), then close the client."""
+        self._load_pool.shutdown(wait=True)
+        self._save_pool.shutdown(wait=True)
+        for side in (self._export, self._reader):
+            if side is not None:
+                side.close()
+        if self.pages is not None:
+            self.pages.close()
+
+
+def _planes(tensor, num_blocks: int) -> list[Plane]:
+    """A layer's planes: CPU ``[num_blocks, ...]``, FlashAttention ``[2, num_blocks, ...]`` (K/V planes), HND or
+    cross-layer views (see kvplugins.layout.spans)."""
+    return planes_of(tensor, block_dim_of(tuple(tensor.shape), num_blocks))
 
 
 def _engine_blocks(planes: list[Plane], num_blocks: int) -> list[Plane]:

@@ -56,9 +56,11 @@ def test_torch_tensor_zero_copy():
 
 
 def test_non_contiguous_block_raises():
-    t = rand((4, 32, 8)).transpose(0, 2, 1)  # block dim first, inner dims transposed
+    t = rand((32, 4, 8)).transpose(1, 0, 2)  # blocks (4) inside an outer dim (32): a block is 32 runs
     with pytest.raises(ConfigError, match="not contiguous"):
         planes_of(t)
+    permuted = rand((4, 32, 8)).transpose(0, 2, 1)  # inner dims permuted (HND-style view): still one run
+    assert planes_of(permuted)[0].block_bytes == 32 * 8 * permuted.itemsize
 
 
 def test_bad_block_id_and_bad_input_raise():

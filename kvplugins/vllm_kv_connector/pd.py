@@ -1,0 +1,146 @@
+"""P/D disaggregation: a prefill instance (``kv_role: kv_producer``) hands a request's KV to a decode instance
+(``kv_consumer``), through the store or directly.
+
+* Producer: ``request_finished`` returns ``(True, {"kvplugins": params})`` and vLLM holds the request's blocks
+  until the worker reports it in ``finished_sending``: for the store path once its page saves landed, for the
+  direct path once the decode side acknowledged its read (it writes the request's token into this producer's
+  mailbox word) or ``pd_hold_ms`` passed.
+* Consumer: the params come back in the decode request (``SamplingParams.extra_args["kv_transfer_params"]`` or
+  the OpenAI ``kv_transfer_params`` field). Store path: look the pages up (waiting up to ``pd_wait_ms`` for the
+  producer's saves to land), then load as any hit. Direct path: read the producer's KV blocks through the
+  transfer core (shm on one host when possible, else TCP) straight into the allocated blocks, then ack.
+
+params (JSON): ``v``, ``mode`` ("store"/"direct"), ``pages`` (full prompt pages computed), ``namespace`` (rank
+0's key namespace: both sides must match); direct adds ``block_ids`` (producer blocks of those pages), ``slot``,
+``token`` and ``ranks`` (TP rank -> ``PDHandshake`` fields). Source followed: vLLM 0.32 KVConnectorBase_V1
+(request_finished / get_finished / handshake metadata) and the NIXL connector's P/D flow (read, not copied).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+
+from kvplugins.errors import ConfigError, KVPluginsError
+from kvplugins.layout import PageLayout
+
+log = logging.getLogger(__name__)
+
+PARAMS_KEY = "kvplugins"
+MAILBOX_SLOTS = 4096  # acks in flight per producer; a slot is reused after 4096 newer requests
+
+
+@dataclass
+class PDHandshake(KVConnectorHandshakeMetadata):
+    """What a producer worker exports: its transfer-engine descriptor (SegmentDescriptor.to_wire()), its KV
+    planes in page order as ``[region_id, offset, block_stride, block_bytes]`` (bytes) and its mailbox
+    ``[region_id, slots]`` (one uint64 word per slot)."""
+    descriptor: dict = field(default_factory=dict)
+    planes: list = field(default_factory=list)
+    mailbox: list = field(default_factory=list)
+
+
+def params_of(request) -> dict | None:
+    """Our part of a request's kv_transfer_params, or None."""
+    p = getattr(request, "kv_transfer_params", None) or {}
+    ours = p.get(PARAMS_KEY) if isinstance(p, dict) else None
+    return ours if isinstance(ours, dict) and ours.get("v") == 1 else None
+
+
+def _engine(cfg):
+    from kvplugins.transfer import TransferConfig, TransferEngine
+    return TransferEngine(TransferConfig(host=cfg.pd_host, transports=cfg.transports,
+                                         timeout_ms=float(cfg.transfer_timeout_ms)))
+
+
+class Export:
+    """Producer worker: its KV memory and a mailbox exported through a transfer engine of its own."""
+
+    def __init__(self, layout: PageLayout, cfg):
+        self.engine = _engine(cfg)
+        for addr, nbytes in layout.regions():
+            self.engine.register(addr, length=nbytes, export=True)
+        self.mailbox = self.engine.alloc_shared(MAILBOX_SLOTS * 8, export=True)
+        self._words = np.frombuffer(self.engine.memoryview(self.mailbox), dtype=np.uint64)
+        planes = []
+        for p in layout.planes:
+            r = self.engine.region_for(p.base, p.block_bytes)
+            planes.append([r.region_id, p.base - r.addr, p.block_stride, p.block_bytes])
+        self.handshake = PDHandshake(self.engine.descriptor().to_wire(), planes,
+                                     [self.mailbox.region_id, MAILBOX_SLOTS])
+
+    def acked(self, slot: int, token: int) -> bool:
+        """Whether the decode side wrote ``token`` into mailbox word ``slot``."""
+        return int(self._words[slot]) == token
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class Reader:
+    """Consumer worker: reads producer blocks into its own blocks (registered with a transfer engine) and acks."""
+
+    def __init__(self, layout: PageLayout, cfg):
+        self.layout, self.engine = layout, _engine(cfg)
+        for addr, nbytes in layout.regions():
+            self.engine.register(addr, length=nbytes)
+        self._ack = np.zeros(1, dtype=np.uint64)
+        self._ack_region = self.engine.register(self._ack)
+
+    def read(self, src: dict, local_ids: list[int], remote_ids: list[int]) -> list[int]:
+        """Copy producer block ``remote_ids[i]`` into local block ``local_ids[i]``; returns local ids that failed.
+        src: the producer rank's PDHandshake fields. Raises nothing: any error fails every page."""
+        try:
+            return self._read(src, local_ids, remote_ids)
+        except (KVPluginsError, KeyError, TypeError, ValueError) as e:
+            log.warning("kvplugins: direct read of %d pages failed: %r", len(local_ids), e)
+            return list(local_ids)
+
+    def _read(self, src: dict, local_ids: list[int], remote_ids: list[int]) -> list[int]:
+        from kvplugins.transfer import SegmentDescriptor
+        planes = src["planes"]
+        mine = self.layout.planes
+        if len(planes) != len(mine) or any(p[3] != q.block_bytes for p, q in zip(planes, mine)):
+            raise ConfigError(f"producer KV planes {[p[3] for p in planes]} B differ from this engine's "
+                              f"{[q.block_bytes for q in mine]} B")
+        desc = SegmentDescriptor.from_wire(src["descriptor"])
+        by_region: dict[int, tuple[list, list, list, list]] = {}
+        for i, (lb, rb) in enumerate(zip(local_ids, remote_ids)):
+            for (region, off, stride, nbytes), q in zip(planes, mine):
+                a, o, n, page = by_region.setdefault(region, ([], [], [], []))
+                a.append(q.base + lb * q.block_stride)
+                o.append(off + rb * stride)
+                n.append(nbytes)
+                page.append(i)
+        failed: set[int] = set()
+        for region, (a, o, n, page) in by_region.items():
+            errors = self.engine.read_spans(desc, region, np.array(a, np.uint64), np.array(o, np.uint64),
+                                            np.array(n, np.uint64))
+            failed.update(page[j] for j, e in enumerate(errors) if e is not None)
+        if failed:
+            log.warning("kvplugins: %d of %d pages failed to read from the producer", len(failed), len(local_ids))
+        return [local_ids[i] for i in sorted(failed)]
+
+    def ack(self, src: dict, slot: int, token: int) -> None:
+        """Tell the producer its blocks are free (best effort: it frees them after pd_hold_ms anyway)."""
+        from kvplugins.transfer import SegmentDescriptor
+        try:
+            self._ack[0] = token
+            desc = SegmentDescriptor.from_wire(src["descriptor"])
+            err = self.engine.write_spans(desc, src["mailbox"][0], np.array([self._ack.ctypes.data], np.uint64),
+                                          np.array([slot * 8], np.uint64), np.array([8], np.uint64))[0]
+            if err is not None:
+                raise err
+        except (KVPluginsError, KeyError, TypeError, ValueError) as e:
+            log.warning("kvplugins: ack to the producer failed (it frees the blocks after pd_hold_ms): %r", e)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def handshake_dict(meta: Any) -> dict:
+    """PDHandshake (or its dict) -> plain dict for the params."""
+    return asdict(meta) if isinstance(meta, PDHandshake) else dict(meta)

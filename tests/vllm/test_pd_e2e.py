@@ -1,0 +1,57 @@
+"""P/D disaggregation with real vLLM OpenAI servers: a prefill instance (kv_producer) and a decode instance
+(kv_consumer) behind `kvplugins pd-proxy` (in-process). Each path gets its own prompt (so the decode side's
+local prefix cache cannot serve it): through the store, and direct (decode reads the prefill side's KV blocks
+through the transfer core). The decode side's tokens must equal a single instance's (no connector)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from kvp_vllm_helpers import BLOCK, Server, http_json
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def pd(model, cluster, tmp_path_factory):
+    from kvplugins.cli.pd_proxy import PDProxyConfig, serve
+    d = tmp_path_factory.mktemp("pd")
+    extra = {"master": cluster.master}
+    prefill = Server(model, {"kv_connector": "KVPluginsConnector", "kv_role": "kv_producer",
+                             "kv_connector_extra_config": extra}, d / "prefill.log")
+    decode = Server(model, {"kv_connector": "KVPluginsConnector", "kv_role": "kv_consumer",
+                            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra},
+                    d / "decode.log")
+    proxy = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        proxy = serve(PDProxyConfig(prefill=prefill.url, decode=decode.url))
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        yield prefill, decode, f"http://127.0.0.1:{proxy.server_address[1]}"
+    finally:
+        if proxy is not None:
+            proxy.shutdown()
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.mark.parametrize("mode,index", [("store", 0), ("direct", 1)])
+def test_pd_tokens_equal_single_instance(pd, baseline, model, turn_prompts, mode, index):
+    prefill, decode, proxy = pd
+    before = decode.metrics()
+    body = {"model": model, "prompt": turn_prompts[1][index], "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": {"kvplugins_mode": mode}}
+    out = http_json(proxy + "/v1/completions", body)
+    assert out["choices"][0]["token_ids"] == baseline["tokens"][index]
+    time.sleep(1.5)  # the last steps' stats reach /metrics
+    after = decode.metrics()
+
+    def delta(name):
+        return after.get(f"vllm:kvplugins_{name}_total", 0) - before.get(f"vllm:kvplugins_{name}_total", 0)
+    pages = (baseline["prompt_tokens"][index] - 1) // BLOCK
+    assert delta("loaded_blocks") == pages and delta("failed_blocks") == 0
+    assert delta("direct_blocks") == (pages if mode == "direct" else 0)
+    assert delta("saved_blocks") == 0  # a consumer does not save
