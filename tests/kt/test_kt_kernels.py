@@ -130,3 +130,21 @@ def test_bad_input_raises_clear_errors(pool):
     unloaded = native.Layer("bf16", 2, 128, 128)
     with pytest.raises(ConfigError, match="never loaded"):
         unloaded.forward(pool, x, torch.tensor([[0]]), torch.ones(1, 1), None, out)
+
+
+def test_subpools_split_rows_and_give_identical_results():
+    """threadpool_count=2 on a one-node machine: no pinning (and says so), same bits as one subpool."""
+    E, H, I, K, T = 4, 256, 256, 2, 9
+    w = random_experts(E, H, I, seed=13)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids, wt = routing(T, E, K)
+    outs = []
+    for threads, subpools in ((1, 1), (2, 2), (3, 2)):
+        pool = native.Pool(threads, subpools, spin_us=0)
+        assert f"{subpools} subpool" in pool.describe() and "pinned" in pool.describe()
+        out = torch.empty(T, H)
+        _layer("int8", "auto", E, H, I, w, pool).forward(pool, x, ids, wt, None, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    with pytest.raises(ConfigError, match="threadpool_count"):
+        native.Pool(2, 3)

@@ -49,8 +49,8 @@ void set_float(Layer& l, Pool& pool, int e, int p, AnyArr src) {
   const Proj pr = Proj(p);
   check_2d(src, "weight", proj_rows(l, pr), proj_cols(l, pr));
   const bool bf16 = is_bf16(src, "weight");
-  nb::gil_scoped_release rel;
-  l.set_float(pool, e, pr, src.data(), bf16);
+  nb::gil_scoped_release rel;  // through the job queue: Pool::run must never run on two threads at once
+  pool.wait(pool.submit([&] { l.set_float(pool, e, pr, src.data(), bf16); }));
 }
 
 void set_quantized(Layer& l, Pool& pool, int e, int p, AnyArr q, AnyArr scale) {
@@ -64,7 +64,7 @@ void set_quantized(Layer& l, Pool& pool, int e, int p, AnyArr q, AnyArr scale) {
     sp = static_cast<const float*>(scale.data());
   }
   nb::gil_scoped_release rel;
-  l.set_quantized(pool, e, pr, static_cast<const uint8_t*>(q.data()), sp);
+  pool.wait(pool.submit([&] { l.set_quantized(pool, e, pr, static_cast<const uint8_t*>(q.data()), sp); }));
 }
 
 ForwardArgs make_args(const Layer& l, AnyArr x, AnyArr ids, AnyArr w, nb::object skip, AnyArr out, bool acc) {
