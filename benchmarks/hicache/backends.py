@@ -71,9 +71,10 @@ def kvp(mode: str, data_bytes: int, log_dir: Path) -> Iterator[callable]:
 
 @contextlib.contextmanager
 def file(log_dir: Path, cold: bool = False) -> Iterator[callable]:
-    """SGLang's HiCacheFile, one file per page under ``log_dir/<label>`` (removed on exit). cold: after each set (untimed), the
-    pages are flushed and dropped from the page cache (fsync + POSIX_FADV_DONTNEED), so the get reads the disk
-    as an L3 read of pages written long ago would; otherwise the get is served from the page cache."""
+    """SGLang's HiCacheFile, one file per page under ``log_dir/<label>`` (removed on exit). cold: after each set
+    (untimed), the pages are flushed and dropped from the page cache (fsync + POSIX_FADV_DONTNEED), so the get
+    reads the disk as an L3 read of pages written long ago would; otherwise the get is served from the page
+    cache."""
     label = "file-cold" if cold else "file"
     directory = log_dir / label
 
