@@ -5,8 +5,8 @@
     .venv/bin/python benchmarks/hicache_bench.py --no-mooncake        # kvplugins + file only, no root needed
 
 Pool shaped like Llama-3-8B: 32 layers, 8 KV heads, head dim 128, bf16, page 64 tokens (8 MiB per page, K+V),
-layouts page_first and layer_first. ``file`` reads pages back from the page cache (they were just written); ``file-cold``
-drops them from it first (untimed), as an L3 read of pages written long ago. Per backend and round:
+layouts page_first and layer_first. ``file`` reads pages back from the page cache (they were just written);
+``file-cold`` drops them from it first (untimed), as an L3 read of pages written long ago. Per backend and round:
 ``page_set_func`` (backup, host -> L3) of a batch of pages, then ``page_get_func`` (prefetch, L3 -> a second host
 pool); every page read is checked bit-exact (sha256) against what was written, untimed. ``--warmup`` untimed rounds
 come first, so each store has seen its segment written once, as in a long-running engine (a client's first write
