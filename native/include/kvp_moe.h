@@ -58,6 +58,9 @@ using RowsGemm = void (*)(const MatView& w, int r0, int nrows, const ActRows& a,
 
 struct Kernels {
   RowsGemm gemm[3];  // by Format
+  void (*silu_mul)(const float* gate, const float* up, float* out, int n);  // out = silu(gate) * up
+  void (*to_bf16)(const float* src, uint16_t* dst, int n);                   // round to nearest even
+  void (*to_u8)(const float* src, uint8_t* dst, float* scale, int n);        // quantize_act for INT8/INT4
 };
 const Kernels& kernels(Isa isa);
 

@@ -114,6 +114,7 @@ template <int NT> struct Int4 { static void run(const MatView& w, int r, const A
 
 }  // namespace
 
-const Kernels kAvx2Kernels = {{gemm<Bf16, 2>, gemm<Int8, 2>, gemm<Int4, 1>}};
+const Kernels kAvx2Kernels = {{gemm<Bf16, 2>, gemm<Int8, 2>, gemm<Int4, 1>}, silu_mul_scalar, to_bf16_scalar,
+                               to_u8_scalar};
 
 }  // namespace kvp::moe

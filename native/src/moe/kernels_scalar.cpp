@@ -1,4 +1,6 @@
 // Portable reference kernels: the baseline every CPU runs, and the oracle for the SIMD variants.
+#include <cmath>
+
 #include "moe_internal.h"
 
 namespace kvp::moe {
@@ -53,6 +55,18 @@ void gemm_int4(const MatView& w, int r0, int nrows, const ActRows& a, float* y, 
 
 }  // namespace
 
-const Kernels kScalarKernels = {{gemm_bf16, gemm_int8, gemm_int4}};
+void silu_mul_scalar(const float* gate, const float* up, float* out, int n) {
+  for (int i = 0; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+void to_bf16_scalar(const float* src, uint16_t* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
+void to_u8_scalar(const float* src, uint8_t* dst, float* scale, int n) {
+  quantize_act(Format::INT8, src, false, n, dst, scale);
+}
+
+const Kernels kScalarKernels = {{gemm_bf16, gemm_int8, gemm_int4}, silu_mul_scalar, to_bf16_scalar, to_u8_scalar};
 
 }  // namespace kvp::moe

@@ -52,8 +52,6 @@ Routing route(const ForwardArgs& a, int E) {
   return r;
 }
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
-
 }  // namespace
 
 Layer::Layer(Format f, int experts, int hidden, int inter, int group, Isa isa)
@@ -145,8 +143,15 @@ void Layer::forward(Pool& pool, const ForwardArgs& a) {
   auto first_sub = [&](int n) { std::vector<int> c(one); c[0] = n; return c; };
   constexpr int kTokStep = 8;
   pool.run(first_sub((a.T + kTokStep - 1) / kTokStep), [&](int, int i) {
-    for (int t = i * kTokStep; t < std::min(a.T, (i + 1) * kTokStep); ++t)
-      quantize_act(f_, static_cast<const uint8_t*>(a.x) + size_t(t) * H_ * xesz, a.x_bf16, H_, &xact[t * xb], &xscale[t]);
+    for (int t = i * kTokStep; t < std::min(a.T, (i + 1) * kTokStep); ++t) {
+      const uint8_t* src = static_cast<const uint8_t*>(a.x) + size_t(t) * H_ * xesz;
+      if (f_ == Format::BF16 && a.x_bf16)
+        std::memcpy(&xact[t * xb], src, xb);
+      else if (f_ == Format::BF16)
+        kern_->to_bf16(reinterpret_cast<const float*>(src), reinterpret_cast<uint16_t*>(&xact[t * xb]), H_);
+      else
+        quantize_act(f_, src, a.x_bf16, H_, &xact[t * xb], &xscale[t]);
+    }
   });
   // Phase A: per subpool, its shard of W1 rows for every active expert.
   std::vector<int> ca(S);
@@ -161,13 +166,16 @@ void Layer::forward(Pool& pool, const ForwardArgs& a) {
     kern_->gemm[int(f_)](view(experts_[e]->w1), r0, kChunkA, ActRows{xrows.data(), xs.data(), n}, y.data(), kChunkA);
     for (int j = 0; j < n; ++j)
       for (int b = 0; b < kChunkA; b += 2 * kBlock)
-        for (int c = 0; c < kBlock; ++c)
-          h[size_t(lo + j) * I_ + (r0 + b) / 2 + c] = silu(y[j * kChunkA + b + c]) * y[j * kChunkA + b + kBlock + c];
+        kern_->silu_mul(&y[j * kChunkA + b], &y[j * kChunkA + b + kBlock], &h[size_t(lo + j) * I_ + (r0 + b) / 2], kBlock);
   });
   // Phase B: h rows into the kernel's activation format.
   pool.run(first_sub((rows + kTokStep - 1) / kTokStep), [&](int, int i) {
-    for (int j = i * kTokStep; j < std::min(rows, (i + 1) * kTokStep); ++j)
-      quantize_act(f_, &h[size_t(j) * I_], false, I_, &hact[j * hb], &hscale[j]);
+    for (int j = i * kTokStep; j < std::min(rows, (i + 1) * kTokStep); ++j) {
+      if (f_ == Format::BF16)
+        kern_->to_bf16(&h[size_t(j) * I_], reinterpret_cast<uint16_t*>(&hact[j * hb]), I_);
+      else
+        kern_->to_u8(&h[size_t(j) * I_], &hact[j * hb], &hscale[j], I_);
+    }
   });
   // Phase C: each task owns H rows [r0, r0 + cc) of every token's output.
   const int cc = H_ / 64 >= 4 * pool.threads() ? 64 : 16;

@@ -28,5 +28,8 @@ static inline const uint8_t* row_ptr(const MatView& w, int r) { return w.data + 
 extern const Kernels kScalarKernels;
 extern const Kernels kAvx2Kernels;
 extern const Kernels kAvx512Kernels;
+void silu_mul_scalar(const float* gate, const float* up, float* out, int n);
+void to_bf16_scalar(const float* src, uint16_t* dst, int n);
+void to_u8_scalar(const float* src, uint8_t* dst, float* scale, int n);
 
 }  // namespace kvp::moe
