@@ -7,13 +7,9 @@ from kvplugins.errors import BufferNotRegistered, KeyNotFound, SizeMismatch
 from kvplugins.store import ClientConfig, StoreClient
 
 
-def test_big_get_batch_reports_each_key(client):
+def test_big_get_batch_reports_each_key(client, put_pages):
     n, size = 40, 3000
-    src = np.random.default_rng(6).integers(0, 256, n * size, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    a, b = client.register_buffer(src).addr, client.register_buffer(dst).addr
-    keys = [f"cr/{i}" for i in range(n)]
-    assert client.batch_put_from(keys, [[(a + i * size, size)] for i in range(n)]) == [None] * n
+    src, dst, b, keys = put_pages(client, "cr", n, size, seed=6)
     asked = keys[:30] + ["cr/missing"] + keys[30:]
     spans = [[(b + i * size, size)] for i in range(30)] + [[(b, 10)]] + [[(b + i * size, size)] for i in range(30, n)]
     spans[3] = [(b + 3 * size, size - 1)]                                  # wrong total: SizeMismatch
@@ -27,14 +23,10 @@ def test_big_get_batch_reports_each_key(client):
         assert np.array_equal(dst[i * size:(i + 1) * size], src[i * size:(i + 1) * size])
 
 
-def test_big_get_batch_of_two_replica_objects(cluster):
+def test_big_get_batch_of_two_replica_objects(cluster, put_pages):
     with StoreClient(ClientConfig(master=cluster.master, replicas=2)) as c:
         n, size = 20, 5000
-        src = np.random.default_rng(7).integers(0, 256, n * size, dtype=np.uint8)
-        dst = np.zeros_like(src)
-        a, b = c.register_buffer(src).addr, c.register_buffer(dst).addr
-        keys = [f"cr2/{i}" for i in range(n)]
-        assert c.batch_put_from(keys, [[(a + i * size, size)] for i in range(n)]) == [None] * n
+        src, dst, b, keys = put_pages(c, "cr2", n, size, seed=7)
         assert c.batch_get_into(keys, [[(b + i * size, 2000), (b + i * size + 2000, 3000)] for i in range(n)]) \
             == [None] * n
         assert np.array_equal(dst, src)

@@ -66,14 +66,10 @@ def test_master_lost_with_deferred_requests():
 
 
 @pytest.mark.parametrize("wait_commit", [True, False])
-def test_big_single_span_batches_are_exact(cluster, wait_commit):
+def test_big_single_span_batches_are_exact(cluster, wait_commit, put_pages):
     with StoreClient(ClientConfig(master=cluster.master, wait_commit=wait_commit)) as c:
         n, size = 96, 8192
-        src = np.random.default_rng(4).integers(0, 256, n * size, dtype=np.uint8)
-        dst = np.zeros_like(src)
-        a, b = c.register_buffer(src).addr, c.register_buffer(dst).addr
-        keys = [f"pc/big{wait_commit}/{i}" for i in range(n)]
-        assert c.batch_put_from(keys, [[(a + i * size, size)] for i in range(n)]) == [None] * n
+        src, dst, b, keys = put_pages(c, f"pc/big{wait_commit}", n, size, seed=4)
         order = np.random.default_rng(5).permutation(n)                  # scatter back in another order
         out = c.batch_get_into([keys[i] for i in order], [[(b + i * size, size)] for i in order])
         assert out == [None] * n
