@@ -47,14 +47,15 @@ import hicache_pools  # noqa: E402
 from hicache import backends  # noqa: E402
 
 GEOMETRY = dict(layers=32, heads=8, head_dim=128, page_size=64, dtype=torch.bfloat16)
+PAGE_BYTES = 2 * 32 * 8 * 128 * 2 * 64          # K+V, layers, heads, head dim, bf16, tokens: 8 MiB
 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pages", type=int, default=16, help="pages per batch (8 MiB each)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per backend, op and layout")
-    p.add_argument("--warmup", type=int, default=4, help="untimed (verified) rounds first, per backend: enough "
-                   "to write our 4-batch segment once, as a long-running engine has (store_bench does the same)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed (verified) rounds first, per backend; "
+                   "default: enough to write our segment once, as a long-running engine has (store_bench does so)")
     p.add_argument("--layouts", default="page_first,layer_first")
     p.add_argument("--no-mooncake", action="store_true", help="skip Mooncake (no root / netns needed)")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -162,6 +163,9 @@ def git_rev() -> str:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.warmup is None:
+        batch = args.pages * PAGE_BYTES
+        args.warmup = -(-max(512 << 20, 4 * batch) // batch)      # our segment (storebench.clusters.kvp) / batch
     if not args.no_mooncake and not netns.inside():
         return netns.run_inside([str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])])
     run = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_rev(),
@@ -187,7 +191,7 @@ def main(argv=None) -> int:
 def run_layout_with_servers(layout: str, args, log_dir: Path) -> list[dict]:
     """Fresh servers per layout. Ours are sized for one round (512 MiB at least; LRU eviction drops older rounds,
     which are never read again); Mooncake's segment holds every round (its put fails rather than waits when full)."""
-    batch = args.pages * 2 * 32 * 8 * 128 * 2 * 64
+    batch = args.pages * PAGE_BYTES
     with contextlib.ExitStack() as stack:
         factories = {"kvp-shm": stack.enter_context(backends.kvp("shm", batch, log_dir)),
                      "kvp-tcp": stack.enter_context(backends.kvp("tcp", batch, log_dir)),
