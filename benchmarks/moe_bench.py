@@ -5,7 +5,7 @@
 
 Decode (T=1, 4): GB/s of expert weights touched (unique experts routed x their bytes) and the share of this
 machine's read bandwidth, measured in the same run (torch.sum over fp32 with the same thread count, best of 5 at
-the start and in every backend's process; the best of all is the denominator). Prefill (T=128, 512): GFLOP/s (T x K x 3 x 2 x H x I per forward). Routing is uniform random, new
+the start and in every backend's process; the best of all is the denominator). Prefill (T=128, 512): GFLOP/s (T x K x 3 x 2 x H x I per forward). Times are medians per forward. Routing is uniform random, new
 per iteration, so decode reads weights from DRAM (they are far larger than the caches). Each backend runs alone
 in its own process. "idle CPU" is what that process burns in the second after its last forward. Prints a
 markdown table.
@@ -13,7 +13,6 @@ markdown table.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -53,13 +52,16 @@ def routings(T, E, K, n, seed=0):
     return out
 
 
-def time_fn(fn, x, routes, warmup=2):
+def time_fn(fn, x, routes, warmup=2, clock=time.perf_counter):
+    """Median seconds per forward: the machine is shared, and a median ignores the bursts of other work."""
     for ids, w in routes[:warmup]:
         fn(x, ids, w)
-    t = time.perf_counter()
+    times = []
     for ids, w in routes[warmup:]:
+        t = clock()
         fn(x, ids, w)
-    return (time.perf_counter() - t) / (len(routes) - warmup)
+        times.append(clock() - t)
+    return sorted(times)[len(times) // 2]
 
 
 def build(label, fmt, w, K, threads):
@@ -94,7 +96,7 @@ def worker(name, label, fmt, args) -> dict:
         n = args.decode_iters if T in DECODE_T else args.prefill_iters
         routes = routings(T, E, K, n + 2, seed=T)
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-        dt = time_fn(fn, x, routes)
+        dt = time_fn(fn, x, routes, clock=time.process_time if args.cpu_time else time.perf_counter)
         touched = sum(len(ids.unique()) for ids, _ in routes[2:]) / n
         gbs = backends.weight_bytes(fmt, touched, H, I) / dt / 1e9
         dec = T in DECODE_T
@@ -107,7 +109,9 @@ def worker(name, label, fmt, args) -> dict:
 def run_isolated(name, label, fmt, args) -> dict:
     import json
     import subprocess
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{name}|{label}|{fmt}", "--threads", str(args.threads), "--max-experts", str(args.max_experts),
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{name}|{label}|{fmt}",
+           "--threads", str(args.threads), *(["--cpu-time"] if args.cpu_time else []),
+           "--max-experts", str(args.max_experts),
            "--decode-iters", str(args.decode_iters), "--prefill-iters", str(args.prefill_iters)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     last = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith('{"bw"')), "")  # kt-kernel prints too
@@ -126,6 +130,9 @@ def main(argv=None) -> int:
     p.add_argument("--decode-iters", type=int, default=30)
     p.add_argument("--prefill-iters", type=int, default=3)
     p.add_argument("--no-kt", action="store_true", help="skip kt-kernel")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time forwards by process CPU time, not wall time (per-core efficiency on a busy machine; "
+                        "use with --threads 1)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.formats = args.formats.split(",")
