@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <new>
+
+#include <sys/mman.h>
 #include <stdexcept>
 
 #include "moe_internal.h"
@@ -23,9 +25,14 @@ Matrix::~Matrix() { std::free(data); }
 void Matrix::allocate(Format f, int n, int k, int g) {
   N = n, K = k, group = g, row_bytes = kvp::moe::row_bytes(f, k);
   std::free(data);
-  const size_t bytes = (size_t(n) * row_bytes + 63) / 64 * 64;
-  data = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));  // not touched: first touch places pages
+  // 2 MiB-aligned and madvise(MADV_HUGEPAGE) when large: decode streams every byte once, and 4 KiB pages cost a
+  // TLB walk per page. Not touched here: the first touch (by the owning subpool) places the pages.
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t align = size_t(n) * row_bytes >= kHuge ? kHuge : 64;
+  const size_t bytes = (size_t(n) * row_bytes + align - 1) / align * align;
+  data = static_cast<uint8_t*>(std::aligned_alloc(align, bytes));
   if (!data) throw std::bad_alloc();
+  if (align == kHuge) madvise(data, bytes, MADV_HUGEPAGE);  // advisory: failure only means small pages
   scale.assign(f == Format::INT8 ? n : f == Format::INT4 ? size_t(n) * (k / g) : 0, 0.f);
   comp.assign(f == Format::BF16 ? 0 : n, 0.f);
 }
