@@ -154,6 +154,15 @@ class KTMoEWrapper:
         self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
         return self.sync_forward(hidden_states, cuda_stream)
 
+    def __del__(self):
+        """A wrapper freed between submit and sync first waits for its job: the job reads our input copies."""
+        inflight, self._inflight = getattr(self, "_inflight", None), None
+        if inflight is not None:
+            try:
+                self.engine.pool.wait(inflight[0])
+            except Exception:  # noqa: BLE001 - nobody is left to receive it
+                pass
+
     # ---- kt-kernel's static buffer API (our buffers are per call; sizes are kept for callers that ask) ----
     @staticmethod
     def set_capture_batch_sizes(capture_bs: List[int]):
