@@ -116,12 +116,16 @@ class Reader:
                 n.append(nbytes)
                 page.append(i)
         failed: set[int] = set()
+        first = None
         for region, (a, o, n, page) in by_region.items():
             errors = self.engine.read_spans(desc, region, np.array(a, np.uint64), np.array(o, np.uint64),
                                             np.array(n, np.uint64))
-            failed.update(page[j] for j, e in enumerate(errors) if e is not None)
+            bad = [j for j, e in enumerate(errors) if e is not None]
+            failed.update(page[j] for j in bad)
+            first = first or (errors[bad[0]] if bad else None)
         if failed:
-            log.warning("kvplugins: %d of %d pages failed to read from the producer", len(failed), len(local_ids))
+            log.warning("kvplugins: %d of %d pages failed to read from the producer: %r", len(failed),
+                        len(local_ids), first)
         return [local_ids[i] for i in sorted(failed)]
 
     def ack(self, src: dict, slot: int, token: int) -> None:

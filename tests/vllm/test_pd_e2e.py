@@ -1,7 +1,9 @@
 """P/D disaggregation with real vLLM OpenAI servers: a prefill instance (kv_producer) and a decode instance
 (kv_consumer) behind `kvplugins pd-proxy` (in-process). Each path gets its own prompt (so the decode side's
 local prefix cache cannot serve it): through the store, and direct (decode reads the prefill side's KV blocks
-through the transfer core). The decode side's tokens must equal a single instance's (no connector)."""
+through the transfer core). The decode side's tokens must equal a single instance's (no connector), and its
+GET /metrics must count the pages it loaded (vllm:kvplugins_* counters and load-latency histogram). Both servers
+name the connector only by "kv_connector" (the vllm.general_plugins entry point registers it)."""
 from __future__ import annotations
 
 import threading
@@ -55,3 +57,4 @@ def test_pd_tokens_equal_single_instance(pd, baseline, model, turn_prompts, mode
     assert delta("loaded_blocks") == pages and delta("failed_blocks") == 0
     assert delta("direct_blocks") == (pages if mode == "direct" else 0)
     assert delta("saved_blocks") == 0  # a consumer does not save
+    assert after["vllm:kvplugins_load_seconds_count"] > before.get("vllm:kvplugins_load_seconds_count", 0)
