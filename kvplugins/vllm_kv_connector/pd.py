@@ -4,7 +4,9 @@
 * Producer: ``request_finished`` returns ``(True, {"kvplugins": params})`` and vLLM holds the request's blocks
   until the worker reports it in ``finished_sending``: for the store path once its page saves landed, for the
   direct path once the decode side acknowledged its read (it writes the request's token into this producer's
-  mailbox word) or ``pd_hold_ms`` passed.
+  mailbox word) or ``pd_hold_ms`` passed. While it holds them, the request's lease word (second half of the
+  mailbox) holds its token; the decode side reads that word after its data read and treats the read as failed
+  unless the token is still there, so blocks freed and reused before the read never become wrong tokens.
 * Consumer: the params come back in the decode request (``SamplingParams.extra_args["kv_transfer_params"]`` or
   the OpenAI ``kv_transfer_params`` field). Store path: look the pages up (waiting up to ``pd_wait_ms`` for the
   producer's saves to land), then load as any hit. Direct path: read the producer's KV blocks through the
@@ -18,6 +20,7 @@ params (JSON): ``v``, ``mode`` ("store"/"direct"), ``pages`` (full prompt pages 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,6 +34,7 @@ log = logging.getLogger(__name__)
 
 PARAMS_KEY = "kvplugins"
 MAILBOX_SLOTS = 4096  # acks in flight per producer; a slot is reused after 4096 newer requests
+# mailbox layout (uint64 words): [0, SLOTS) ack words (written by decode), [SLOTS, 2*SLOTS) lease words (producer)
 
 
 @dataclass
@@ -63,7 +67,7 @@ class Export:
         self.engine = _engine(cfg)
         for addr, nbytes in layout.regions():
             self.engine.register(addr, length=nbytes, export=True)
-        self.mailbox = self.engine.alloc_shared(MAILBOX_SLOTS * 8, export=True)
+        self.mailbox = self.engine.alloc_shared(2 * MAILBOX_SLOTS * 8, export=True)
         self._words = np.frombuffer(self.engine.memoryview(self.mailbox), dtype=np.uint64)
         planes = []
         for p in layout.planes:
@@ -76,6 +80,10 @@ class Export:
         """Whether the decode side wrote ``token`` into mailbox word ``slot``."""
         return int(self._words[slot]) == token
 
+    def lease(self, slot: int, token: int) -> None:
+        """Mark the blocks of ``slot``'s request held (token) or released (0)."""
+        self._words[MAILBOX_SLOTS + slot] = token
+
     def close(self) -> None:
         self.engine.close()
 
@@ -84,17 +92,26 @@ class Reader:
     """Consumer worker: reads producer blocks into its own blocks (registered with a transfer engine) and acks."""
 
     def __init__(self, layout: PageLayout, cfg):
-        self.layout, self.engine = layout, _engine(cfg)
+        self.layout, self.engine, self._wait_s = layout, _engine(cfg), cfg.pd_wait_ms / 1000
         for addr, nbytes in layout.regions():
             self.engine.register(addr, length=nbytes)
-        self._ack = np.zeros(1, dtype=np.uint64)
+        self._ack = np.zeros(2, dtype=np.uint64)  # [0]: ack word to write, [1]: lease word read back
         self._ack_region = self.engine.register(self._ack)
 
-    def read(self, src: dict, local_ids: list[int], remote_ids: list[int]) -> list[int]:
+    def read(self, src: dict, local_ids: list[int], remote_ids: list[int], slot: int, token: int) -> list[int]:
         """Copy producer block ``remote_ids[i]`` into local block ``local_ids[i]``; returns local ids that failed.
-        src: the producer rank's PDHandshake fields. Raises nothing: any error fails every page."""
+        src: the producer rank's PDHandshake fields. Every page fails if the producer's lease for (slot, token)
+        is not held after the read (blocks released, maybe reused). Raises nothing: any error fails every page."""
         try:
-            return self._read(src, local_ids, remote_ids)
+            deadline = time.monotonic() + self._wait_s  # the producer marks the lease one engine step after finishing
+            while not self._leased(src, slot, token) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            failed = self._read(src, local_ids, remote_ids)
+            if not self._leased(src, slot, token):
+                log.warning("kvplugins: the producer no longer holds the blocks of token %d (released after "
+                            "pd_hold_ms, or not yet held): computing the prompt", token)
+                return list(local_ids)
+            return failed
         except (KVPluginsError, KeyError, TypeError, ValueError) as e:
             log.warning("kvplugins: direct read of %d pages failed: %r", len(local_ids), e)
             return list(local_ids)
@@ -127,6 +144,14 @@ class Reader:
             log.warning("kvplugins: %d of %d pages failed to read from the producer: %r", len(failed),
                         len(local_ids), first)
         return [local_ids[i] for i in sorted(failed)]
+
+    def _leased(self, src: dict, slot: int, token: int) -> bool:
+        from kvplugins.transfer import SegmentDescriptor
+        self._ack[1] = 0
+        desc = SegmentDescriptor.from_wire(src["descriptor"])
+        err = self.engine.read_spans(desc, src["mailbox"][0], np.array([self._ack.ctypes.data + 8], np.uint64),
+                                     np.array([(MAILBOX_SLOTS + slot) * 8], np.uint64), np.array([8], np.uint64))[0]
+        return err is None and int(self._ack[1]) == token
 
     def ack(self, src: dict, slot: int, token: int) -> None:
         """Tell the producer its blocks are free (best effort: it frees them after pd_hold_ms anyway)."""

@@ -110,7 +110,8 @@ class WorkerSide:
         src = remote.src.get(str(self.tp_rank)) if isinstance(remote.src, dict) else None
         try:
             reader = self._reader_for()
-            failed = reader.read(src, batch.block_ids, remote.remote_ids) if src else list(batch.block_ids)
+            failed = (reader.read(src, batch.block_ids, remote.remote_ids, remote.slot, remote.token) if src
+                      else list(batch.block_ids))
             if src:
                 reader.ack(src, remote.slot, remote.token)
         except Exception as e:  # noqa: BLE001 - a load must end in "loaded" or "failed", never in a lost thread
@@ -178,6 +179,8 @@ class WorkerSide:
         now = time.monotonic()
         for req_id, held in meta.held.items():
             self._held[req_id] = (held, now)
+            if held.mode == "direct" and self._export is not None:
+                self._export.lease(held.slot, held.token)
 
     def _sent(self, finished_req_ids: set[str]) -> set[str]:
         """Held requests that vLLM reported finished and whose blocks we no longer need."""
@@ -193,6 +196,8 @@ class WorkerSide:
                 done = (self._export is not None and self._export.acked(held.slot, held.token)) \
                     or now - seen > held.hold_s
             if done:
+                if held.mode == "direct" and self._export is not None:
+                    self._export.lease(held.slot, 0)  # released: decode reads from now on fail
                 out.add(req_id)
                 del self._held[req_id]
                 self._finished.discard(req_id)
