@@ -105,21 +105,27 @@ class WorkerSide:
         return self._reader
 
     def _direct_batch(self, batch: PageBatch, remote: RemoteLoad) -> list[int]:
-        """P/D direct path: read the producer's blocks into ours, then ack; returns local ids that failed."""
+        """P/D direct path: read the producer's blocks into ours, then ack; pages that did not arrive are tried
+        in the store (a producer saves them as well); returns local ids that failed both."""
         t0 = time.perf_counter()
         src = remote.src.get(str(self.tp_rank)) if isinstance(remote.src, dict) else None
+        direct = 0
         try:
             reader = self._reader_for()
             failed = (reader.read(src, batch.block_ids, remote.remote_ids, remote.slot, remote.token) if src
                       else list(batch.block_ids))
             if src:
                 reader.ack(src, remote.slot, remote.token)
+            direct = len(batch) - len(failed)
+            if failed and self.pages is not None:  # the producer saved its pages too: try the store for the rest
+                idx = {b: i for i, b in enumerate(batch.block_ids)}
+                failed = self.pages.load(failed, [batch.hashes[idx[b]] for b in failed])
         except Exception as e:  # noqa: BLE001 - a load must end in "loaded" or "failed", never in a lost thread
             log.warning("kvplugins: direct load of %d pages failed: %r", len(batch), e)
             failed = list(batch.block_ids)
         done = len(batch) - len(failed)
         self.stats.add(loaded_blocks=done, loaded_bytes=done * self.keyspace.page_bytes, failed_blocks=len(failed),
-                       direct_blocks=done)
+                       direct_blocks=direct)
         self.stats.observe("load_seconds", time.perf_counter() - t0)
         return failed
 

