@@ -78,7 +78,13 @@ def convert(hf_dir, out_dir, method: str, group: int = 128, threadpool_count: in
             progress: bool = True) -> weights.Meta:
     """Convert every MoE layer's routed experts. method: bf16 | int8 | int4. Returns the written Meta.
     threadpool_count is accepted for kt-kernel CLI parity: NUMA placement happens at load (first touch)."""
-    from tqdm import tqdm
+    try:
+        import safetensors  # noqa: F401
+        import torch  # noqa: F401
+        from tqdm import tqdm
+    except ImportError as e:
+        raise ConfigError(f"`kvplugins kt convert` needs torch, safetensors and tqdm ({e}); install them into this "
+                          "environment (SGLang installs all three)") from e
     if method not in native.FORMATS:
         raise ConfigError(f"--method {method!r} is not one of {', '.join(native.FORMATS)}")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
