@@ -41,6 +41,6 @@ if ! $VENV/bin/python -c "import mooncake.store" 2>/dev/null; then
   log "mooncake-transfer-engine-non-cuda (benchmark anchor)"; KVPLUGINS_VENV="$VENV" bash benchmarks/install_mooncake.sh
 fi
 log "kt-kernel 0.7.2 (benchmark anchor, isolated --target dir)"; bash ci/install-kt.sh
-log "kvplugins (native build) with [test]"
-$PIP install -q -c ci/constraints.txt -e ".[test]"
+log "kvplugins (native build) with [test,kt]"
+$PIP install -q -c ci/constraints.txt -e ".[test,kt]"
 log "installed: $($VENV/bin/python -c 'import kvplugins,torch,vllm;print("kvplugins",kvplugins.__version__,"torch",torch.__version__,"vllm",vllm.__version__)' 2>/dev/null | tail -1)"
