@@ -20,7 +20,7 @@ from kvplugins.errors import (BufferNotRegistered, KeyNotFound, MasterUnreachabl
 from kvplugins.store import client_io, protocol
 from kvplugins.store.client_stats import ClientStats
 from kvplugins.store.config import ClientConfig
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.rpc_client import master_client
 from kvplugins.store.staging import Staging
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class StoreClient:
         else:
             from kvplugins.store import embedded
             self.master = embedded.ensure_running(cfg.embedded_start_timeout_ms / 1000)
-        self._rpc = RawRpcClient(self.master, cfg.rpc_timeout_ms)
+        self._rpc = master_client(self.master, cfg.rpc_timeout_ms)
         self._rpc.call("info")
         self._engine = TransferEngine(TransferConfig(host=cfg.host, transports=cfg.transports,
                                                      timeout_ms=float(cfg.transfer_timeout_ms)))
@@ -52,7 +52,7 @@ class StoreClient:
         self._closed = False
         if cfg.segment_size:
             from kvplugins.store.segment import OwnedSegment
-            self._segment_rpc = RawRpcClient(self.master, cfg.rpc_timeout_ms)
+            self._segment_rpc = master_client(self.master, cfg.rpc_timeout_ms)
             self._segment = OwnedSegment(self._engine, cfg.segment_size, self._segment_rpc,
                                          cfg.heartbeat_interval_ms)
 

@@ -29,6 +29,7 @@ STORE_FULL = 2
 EXISTS = 3        # put_start: the key is already stored or being written; the put is a no-op success
 INVALID = 4       # bad entry (e.g. size <= 0); value names the problem
 EXPIRED = 5       # put_commit: the pending object was reclaimed (writer too slow)
+ON_DISK = 6       # get: the object is only on a node's disk tier; value tells the client how to promote it
 
 OPS = ("info", "put_start", "put_commit", "put_abort", "get", "exists", "exists_prefix", "remove",
        "status", "register_segment", "heartbeat", "unregister", "describe")

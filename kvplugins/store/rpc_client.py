@@ -188,6 +188,12 @@ def _left(deadline: float) -> float:
     return left
 
 
+def master_client(address: str, timeout_ms: float) -> RawRpcClient:
+    """The per-operation client of the master at ``address`` (what StoreClient uses). The one place that turns a
+    configured master address into a client (master HA extends it to follow the elected leader)."""
+    return RawRpcClient(address, timeout_ms)
+
+
 def control_client(address: str, timeout_ms: float) -> ZmqRpcClient:
     """A zmq control-plane client for the master whose raw address is ``address`` (asks ``info``)."""
     raw = RawRpcClient(address, timeout_ms)

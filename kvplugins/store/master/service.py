@@ -13,8 +13,10 @@ import time
 
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.eviction import over_high, victims
+from kvplugins.store.master.journal import Journal
 from kvplugins.store.master.metadata import Object, ObjectTable
 from kvplugins.store.master.segments import Segment, SegmentRegistry
+from kvplugins.store.master.tiering import Tiering
 from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, STORE_FULL, VERSION
 
 log = logging.getLogger(__name__)
@@ -25,14 +27,19 @@ COUNTERS = ("hits", "misses", "puts", "put_skipped", "put_full", "commits", "abo
 class MasterService:
     """Batch operations on the object table and segment registry. ``clock`` returns seconds (tests inject)."""
 
-    def __init__(self, config: MasterConfig, clock=time.monotonic, zmq_endpoint: str = ""):
+    def __init__(self, config: MasterConfig, clock=time.monotonic, zmq_endpoint: str = "",
+                 journal: Journal | None = None, tiering: Tiering | None = None):
         self.cfg, self.clock, self.zmq_endpoint = config, clock, zmq_endpoint
+        self.journal = journal or Journal()
+        self.tiering = tiering or Tiering()
+        self.tiering.service = self
         self.table = ObjectTable()
         self.segments = SegmentRegistry(config.alloc_align)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._zombies: list[tuple[float, int, list[tuple[str, int]]]] = []   # heap of (free_at, seq, replicas)
         self._seq = 0
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
+        self._ops.update(self.tiering.ops())
 
     def handle(self, op: str, entries: list, opts: dict):
         """Run one batch op; returns its payload. Raises ValueError for an unknown op or bad batch options."""
@@ -122,8 +129,7 @@ class MasterService:
             victim = next(victims(self.table, now), None)
             if victim is None:
                 return f"no space for {size} bytes and every stored object is leased or pending"
-            self._drop(victim, now)
-            self.counters["evictions"] += 1
+            self._evict(victim, now, urgent=True)
 
     @staticmethod
     def _try_place(size: int, want: int, order: list[Segment]):
@@ -138,7 +144,7 @@ class MasterService:
         return None
 
     def op_put_commit(self, entries, opts, now):
-        out = []
+        out, done = [], []
         for key in entries:
             obj = self.table.get(key) if isinstance(key, str) else None
             if obj is None or obj.complete:
@@ -147,6 +153,8 @@ class MasterService:
             self.table.commit(obj, now)
             self.counters["commits"] += 1
             out.append([OK, None])
+            done.append(obj)
+        self.journal.committed(done)
         return out
 
     def op_put_abort(self, entries, opts, now):
@@ -171,6 +179,9 @@ class MasterService:
             if obj is None or not obj.complete:
                 out.append([NOT_FOUND, None])
                 continue
+            if not obj.replicas:                 # disk-resident only: the tier answers (promote on hit)
+                out.append(self.tiering.get(obj, now))
+                continue
             if obj.lease_until < lease:
                 obj.lease_until = lease
             touch(obj, now)
@@ -190,7 +201,7 @@ class MasterService:
         sizes, seg_idx, offs, more, names, regions, index = [], [], [], {}, [], [], {}
         for j, key in enumerate(entries):
             obj = get(key) if isinstance(key, str) else None
-            if obj is None or not obj.complete:
+            if obj is None or not obj.complete or not obj.replicas:   # TODO(disk tier): promote in cols mode
                 sizes.append(-1), seg_idx.append(-1), offs.append(0)
                 continue
             if obj.lease_until < lease:
@@ -240,9 +251,17 @@ class MasterService:
         obj.locations = [[name, self.segments.get(name).region_id, off] for name, off in obj.replicas]
         return obj.locations
 
+    def _evict(self, obj: Object, now: float, urgent: bool) -> None:
+        """Eviction chose ``obj``: the disk tier takes it over (offload) or it is dropped."""
+        self.counters["evictions"] += 1
+        if not self.tiering.evict(obj, now, urgent):
+            self._drop(obj, now)
+
     def _drop(self, obj: Object, now: float, free_at: float | None = None) -> None:
         """Remove ``obj`` from the table; its space is freed now, or when its lease/put deadline ends."""
         self.table.pop(obj.key)
+        if obj.complete:
+            self.journal.removed([obj])
         for name, _ in obj.replicas:
             seg = self.segments.get(name)
             if seg is not None:
@@ -268,6 +287,7 @@ class MasterService:
                 continue
             old = [o for o in self.table.lru() if any(n == seg.name for n, _ in o.replicas)]
             self._lose_objects(seg.name, old)
+            self.journal.segment_added(seg)
             log.info("segment %s registered: %d bytes from host %s", seg.name, seg.size, wire.get("host_id"))
             out.append([OK, seg.name])
         return out
@@ -293,18 +313,29 @@ class MasterService:
 
     def _remove_segment(self, seg: Segment, why: str) -> None:
         self.segments.pop(seg.name)
+        self.journal.segment_removed(seg.name)
         lost = [self.table.get(k) for k in seg.keys if self.table.get(k) is not None]
         self._lose_objects(seg.name, lost)
         self.counters["segments_lost"] += 1
         log.warning("segment %s removed (%s); %d objects lost a replica", seg.name, why, len(lost))
 
     def _lose_objects(self, name: str, objs) -> None:
+        changed, gone = [], []
         for obj in objs:
             obj.replicas = [(n, o) for n, o in obj.replicas if n != name]
             obj.locations = None
             if not obj.replicas:
                 self.table.pop(obj.key)
                 self.counters["objects_lost"] += 1
+                gone.append(obj)
+            else:
+                changed.append(obj)
+        done = [o for o in changed if o.complete]
+        if done:
+            self.journal.replicas_changed(done)
+        done = [o for o in gone if o.complete]
+        if done:
+            self.journal.removed(done)
 
     # ---- sweep ---------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -318,6 +349,7 @@ class MasterService:
                 self.counters["reclaimed"] += 1
         while self._zombies and self._zombies[0][0] <= now:
             _free(heapq.heappop(self._zombies)[2])
+        self.tiering.tick(now)
         self.evict_watermarks(now)
 
     def evict_watermarks(self, now: float) -> None:
@@ -331,8 +363,7 @@ class MasterService:
                 chosen.append(obj)
                 excess -= seg.allocator.rounded(obj.size)
             for obj in chosen:
-                self._drop(obj, now)
-            self.counters["evictions"] += len(chosen)
+                self._evict(obj, now, urgent=False)
 
     # ---- introspection -------------------------------------------------------------------------------
     def op_info(self, entries, opts, now):
@@ -346,7 +377,7 @@ class MasterService:
                  "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000)} for s in self.segments]
         return {"segments": segs, "objects": len(self.table), "pending": self.table.pending_count(),
                 "zombies": len(self._zombies), "bytes_used": sum(s["used"] for s in segs),
-                "bytes_total": sum(s["size"] for s in segs), **self.counters}
+                "bytes_total": sum(s["size"] for s in segs), **self.counters, **self.tiering.status()}
 
 
 def _free(held) -> None:

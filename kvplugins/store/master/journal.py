@@ -1,0 +1,28 @@
+"""The master's persistence seam: every change to committed placement goes through a Journal.
+
+MasterService calls these hooks from its single thread, after the change is applied in memory and before the
+op's reply is sent, so an acknowledged put is durable once ``committed`` returns. The base class keeps nothing
+(the embedded / single-master default); the etcd-backed journal (master HA, issue #6) persists and recovers.
+Hooks must not raise for a transient store outage they can retry; a hook that cannot persist raises
+kvplugins.errors.StoreError and the op answers an error instead of acknowledging.
+"""
+from __future__ import annotations
+
+
+class Journal:
+    """No persistence. Subclasses override every hook."""
+
+    def committed(self, objs: list) -> None:
+        """``objs`` (metadata.Object) became complete (put_commit, promotion, migration)."""
+
+    def removed(self, objs: list) -> None:
+        """``objs`` left the table (remove, eviction without offload, lost every replica)."""
+
+    def replicas_changed(self, objs: list) -> None:
+        """``objs`` still exist but their replica list or tier changed (segment lost, offload, drain)."""
+
+    def segment_added(self, seg) -> None:
+        """Segment ``seg`` (segments.Segment) registered."""
+
+    def segment_removed(self, name: str) -> None:
+        """Segment ``name`` left (unregister, heartbeat timeout, drained)."""
