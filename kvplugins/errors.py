@@ -3,12 +3,14 @@
 KVPluginsError
 ├── ConfigError            bad flag / env / file value; the message names the value and the fix
 ├── NativeError            a native status code (kvplugins/native.py converts them, in one place)
+├── AuthError              a peer refused our shared secret, or could not prove it holds it (kvplugins/security)
 ├── TransferError          the transfer core (kvplugins/transfer)
 │   ├── ProtocolError      malformed or unknown-version frame on the wire
 │   ├── OutOfRange         a request outside a registered region
 │   └── TransferFailed     the bytes did not move (peer gone, timeout, every transport failed)
 └── StoreError             the store (kvplugins/store)
     ├── KeyNotFound
+    │   └── ChecksumMismatch   every replica read failed its checksum (a miss; never wrong bytes)
     ├── StoreFull          no space even after evicting every evictable object
     ├── BufferNotRegistered
     ├── SizeMismatch
@@ -27,6 +29,11 @@ class ConfigError(KVPluginsError, ValueError):
 
 class NativeError(KVPluginsError):
     """The native core returned a failure status."""
+
+
+class AuthError(KVPluginsError):
+    """Authentication with a peer failed: it refused this process's shared secret (none, or a different one),
+    or it could not prove that it holds ours. The message names the peer and the fix."""
 
 
 class TransferError(KVPluginsError):
@@ -54,6 +61,10 @@ class KeyNotFound(StoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its arg; keep the message readable
         return str(self.args[0]) if self.args else "key not found"
+
+
+class ChecksumMismatch(KeyNotFound):
+    """The object's bytes did not match its xxh3_64 checksum on any replica: reported as a miss."""
 
 
 class StoreFull(StoreError):

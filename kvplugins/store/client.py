@@ -3,10 +3,13 @@ batch); bytes go through the transfer core (kvplugins/transfer) directly between
 memory and the segments, never through the master.
 
 Put: ``put_start`` (master allocates, object pending) -> one transfer batch writes every span to every replica
--> ``put_commit`` (complete; ``put_abort`` for entries whose transfer failed). Get: ``get`` (lookup + lease)
--> one transfer batch reads the spans -> if the read outlived the lease, TransferFailed (never stale bytes).
-Errors (kvplugins/errors.py): KeyNotFound, StoreFull, BufferNotRegistered, SizeMismatch, MasterUnreachable,
-TransferFailed. Follows the Mooncake store client design (FAST'25 §4).
+-> ``put_commit`` with each object's xxh3_64 (complete; ``put_abort`` for entries whose transfer failed).
+Get: ``get`` (lookup + lease) -> one transfer batch reads the spans -> the bytes are checked against the
+checksum (a mismatch tries the next replica, is reported to the master with ``report_corrupt``, and with no good
+replica left is a ChecksumMismatch miss) -> if the read outlived the lease, TransferFailed (never stale bytes).
+Placement per put: store/placement.py PutConfig (replicas, preferred segment, soft/hard pin).
+Errors (kvplugins/errors.py): KeyNotFound (ChecksumMismatch), StoreFull, BufferNotRegistered, SizeMismatch,
+MasterUnreachable, TransferFailed. Follows the Mooncake store client design (FAST'25 §4).
 """
 from __future__ import annotations
 
@@ -15,11 +18,12 @@ import time
 
 import numpy as np
 
-from kvplugins.errors import (BufferNotRegistered, KeyNotFound, MasterUnreachable, NativeError, SizeMismatch,
-                              StoreError, TransferError, TransferFailed)
-from kvplugins.store import client_io, protocol
+from kvplugins.errors import (BufferNotRegistered, ChecksumMismatch, KeyNotFound, MasterUnreachable, NativeError,
+                              SizeMismatch, StoreError, TransferError, TransferFailed)
+from kvplugins.store import checksum, client_io, protocol
 from kvplugins.store.client_stats import ClientStats
 from kvplugins.store.config import ClientConfig
+from kvplugins.store.placement import PutConfig, from_client
 from kvplugins.store.rpc_client import master_client
 from kvplugins.store.staging import Staging
 
@@ -35,6 +39,7 @@ class StoreClient:
         from kvplugins.config import load
         from kvplugins.transfer import TransferConfig, TransferEngine
         self.cfg = cfg = config or load(ClientConfig)
+        self._put_cfg = from_client(cfg)
         if cfg.master:
             self.master = cfg.master
         else:
@@ -73,23 +78,27 @@ class StoreClient:
         self._engine.unregister(region)
 
     # ---- zero-copy -----------------------------------------------------------------------------------
-    def put_from(self, key: str, spans: list[Span]) -> None:
-        """Store the concatenation of ``spans`` (address, nbytes) under ``key``. A complete key is a no-op."""
-        _raise_first(self.batch_put_from([key], [spans]))
+    def put_from(self, key: str, spans: list[Span], config: PutConfig | None = None) -> None:
+        """Store the concatenation of ``spans`` (address, nbytes) under ``key``. A complete key is a no-op.
+        ``config``: placement of this put (store/placement.py); None = the ClientConfig defaults."""
+        _raise_first(self.batch_put_from([key], [spans], config))
 
     def get_into(self, key: str, spans: list[Span]) -> None:
         """Scatter object ``key`` into ``spans``. Raises KeyNotFound, SizeMismatch (sum of lengths != size)."""
         _raise_first(self.batch_get_into([key], [spans]))
 
-    def batch_put_from(self, keys: list[str], spans_per_key: list[list[Span]]) -> list[StoreError | None]:
-        """One allocate RPC + one transfer batch + one commit RPC for all keys. Per-key None or the error."""
+    def batch_put_from(self, keys: list[str], spans_per_key: list[list[Span]],
+                       config: PutConfig | None = None) -> list[StoreError | None]:
+        """One allocate RPC + one transfer batch + one commit RPC for all keys. Per-key None or the error
+        (StoreFull names hard-pinned objects when they hold the space). ``config``: as put_from."""
         t0 = time.perf_counter()
-        out, sizes = self._write(list(keys), list(spans_per_key))
+        out, sizes = self._write(list(keys), list(spans_per_key), config or self._put_cfg)
         self._stats.record("put", sizes, out, t0)
         return out
 
     def batch_get_into(self, keys: list[str], spans_per_key: list[list[Span]]) -> list[StoreError | None]:
-        """One lookup RPC + one transfer batch. Per-key None, KeyNotFound, SizeMismatch or TransferFailed."""
+        """One lookup RPC + one transfer batch. Per-key None, KeyNotFound (ChecksumMismatch when no replica's
+        bytes matched the checksum), SizeMismatch or TransferFailed."""
         t0 = time.perf_counter()
         keys = list(keys)
         read = self._read_cols if len(keys) > client_io.SMALL else self._read
@@ -98,9 +107,9 @@ class StoreClient:
         return out
 
     # ---- bytes forms (through the registered staging buffer) ----------------------------------------
-    def put(self, key: str, data) -> None:
-        """Store ``data`` (bytes-like) under ``key``."""
-        _raise_first(self.batch_put([key], [data]))
+    def put(self, key: str, data, config: PutConfig | None = None) -> None:
+        """Store ``data`` (bytes-like) under ``key``. ``config``: as put_from."""
+        _raise_first(self.batch_put([key], [data], config))
 
     def get(self, key: str) -> bytes:
         """The bytes stored under ``key``. Raises KeyNotFound."""
@@ -109,9 +118,10 @@ class StoreClient:
             raise value
         return value
 
-    def batch_put(self, keys: list[str], datas: list) -> list[StoreError | None]:
+    def batch_put(self, keys: list[str], datas: list, config: PutConfig | None = None) -> list[StoreError | None]:
         """Store each bytes-like ``datas[i]`` under ``keys[i]`` (copied through the staging buffer, then one
-        allocate RPC + one transfer batch + one commit RPC). Per key: None or the StoreError."""
+        allocate RPC + one transfer batch + one commit RPC). Per key: None or the StoreError. ``config``: as
+        put_from."""
         views = [memoryview(d).cast("B") for d in datas]
         with self._staging.use(sum(v.nbytes for v in views)) as (base, mv):
             spans, off = [], 0
@@ -119,12 +129,12 @@ class StoreClient:
                 mv[off:off + v.nbytes] = v
                 spans.append([(base + off, v.nbytes)] if v.nbytes else [])
                 off += v.nbytes
-            return self.batch_put_from(keys, spans)
+            return self.batch_put_from(keys, spans, config)
 
     def batch_get(self, keys: list[str]) -> list:
         """Per key: the bytes, or the StoreError (KeyNotFound for a miss)."""
         keys, t0, lease_t0 = list(keys), time.perf_counter(), time.monotonic()
-        found = self._rpc_entries("get", keys)
+        found = self._lookup(keys)
         sizes = [v[0] if c == protocol.OK else 0 for c, v in found]
         with self._staging.use(sum(sizes)) as (base, mv):
             spans, off = [], 0
@@ -163,7 +173,8 @@ class StoreClient:
         self._rpc.flush()
 
     def stats(self) -> dict:
-        """hits, misses, puts, gets, bytes_put, bytes_got, put/get latency p50/p99 (µs), own segment name."""
+        """hits, misses, puts, gets, bytes_put, bytes_got, checksum_errors (replica reads that failed their
+        checksum), corrupt_reported, put/get latency p50/p99 (µs), own segment name."""
         return {**self._stats.snapshot(), "master": self.master,
                 "segment": self._segment.name if self._segment else None}
 
@@ -194,14 +205,13 @@ class StoreClient:
     def _rpc_entries(self, op: str, entries: list, opts: dict | None = None) -> list:
         return self._rpc.call(op, entries, opts) if entries else []
 
-    def _write(self, keys, spans_per_key) -> tuple[list[StoreError | None], list[int]]:
+    def _write(self, keys, spans_per_key, config: PutConfig) -> tuple[list[StoreError | None], list[int]]:
         """(per-key None or error, bytes per key)."""
         out: list[StoreError | None] = [None] * len(keys)
         flat = client_io.flatten(self._engine, keys, spans_per_key, out)
         client_io.reject_empty(keys, flat, out)
         todo = [i for i, e in enumerate(out) if e is None]
-        started = self._rpc_entries("put_start", [[keys[i], flat.sizes[i]] for i in todo],
-                                    {"replicas": self.cfg.replicas})
+        started = self._rpc_entries("put_start", [[keys[i], flat.sizes[i]] for i in todo], config.wire)
         writes = {}
         for i, (code, value) in zip(todo, started):
             if code == protocol.OK:
@@ -211,17 +221,18 @@ class StoreClient:
         if not writes:
             return out, flat.sizes
         failed = self._transfer("write", flat, writes)
-        self._finish_puts(keys, writes, failed, out)
+        self._finish_puts(keys, writes, failed, out, checksum.digests(self._engine, flat, writes))
         return out, flat.sizes
 
-    def _finish_puts(self, keys, writes, failed: dict, out) -> None:
+    def _finish_puts(self, keys, writes, failed: dict, out, sums: dict) -> None:
         ok = [i for i in writes if i not in failed]
+        opts = {"xxh3": [sums[i] for i in ok]}
         if ok and not self.cfg.wait_commit:
             committed = [keys[i] for i in ok]
-            self._rpc.send_deferred("put_commit", committed,
+            self._rpc.send_deferred("put_commit", committed, opts,
                                     on_reply=lambda good, payload: self._commit_replied(committed, good, payload))
             ok = []
-        for i, (code, value) in zip(ok, self._rpc_entries("put_commit", [keys[i] for i in ok])):
+        for i, (code, value) in zip(ok, self._rpc_entries("put_commit", [keys[i] for i in ok], opts)):
             if code != protocol.OK:
                 out[i] = TransferFailed(f"{keys[i]}: put not committed: {value}")
         if failed:
@@ -243,7 +254,7 @@ class StoreClient:
         just before it, if already asked."""
         t0 = time.monotonic() if t0 is None else t0
         out: list[StoreError | None] = [None] * len(keys)
-        found = found if found is not None else self._rpc_entries("get", keys)
+        found = self._lookup(keys, found)
         flat = client_io.flatten(self._engine, keys, spans_per_key, out)
         reads = {}
         for i, (code, value) in enumerate(found):
@@ -256,7 +267,7 @@ class StoreClient:
                                       f"{flat.sizes[i]}; pass spans summing to {value[0]}")
             else:
                 reads[i] = value
-        for i, err in self._read_replicas(reads, flat).items():
+        for i, err in self._read_replicas(reads, flat, keys).items():
             out[i] = err
         ttl = min((v[2] for v in reads.values()), default=0)
         if reads and time.monotonic() - t0 > ttl / 1000:
@@ -269,10 +280,11 @@ class StoreClient:
         per-key Python objects). Objects with several replicas take the general path."""
         t0 = time.monotonic()
         out: list[StoreError | None] = [None] * len(keys)
-        ttl, sizes, names, regions, seg_idx, offs, more = self._rpc.call("get", keys, {"cols": 1})
-        if more:
-            found = [[protocol.NOT_FOUND, None] if n < 0 else [protocol.OK, [n, more.get(j) or [
-                [names[k], regions[k], off]], ttl]] for j, (n, k, off) in enumerate(zip(sizes, seg_idx, offs))]
+        ttl, sizes, names, regions, seg_idx, offs, more, sums, disk = self._rpc.call("get", keys, {"cols": 1})
+        if more or disk:
+            found = [disk.get(j, [protocol.NOT_FOUND, None]) if n < 0 else [protocol.OK, [n, more.get(j) or [
+                [names[k], regions[k], off]], ttl, sums[j]]]
+                for j, (n, k, off) in enumerate(zip(sizes, seg_idx, offs))]
             return self._read(keys, spans_per_key, found, t0)
         flat = client_io.arrays(client_io.flatten(self._engine, keys, spans_per_key, out))
         got, want = np.array(sizes, dtype=np.int64), np.array(flat.sizes, dtype=np.int64)
@@ -286,26 +298,67 @@ class StoreClient:
                                       self._descriptors(set(names)), failed)
         for i, err in self._run_groups("read", flat, groups, failed).items():
             out[i] = err
+        if self.cfg.verify_checksums:
+            read = {i: sums[i] for i in np.flatnonzero(ok).tolist() if out[i] is None}
+            bad = checksum.mismatched(self._engine, flat, read)
+            for i in bad:
+                out[i] = ChecksumMismatch(f"{keys[i]}: bytes read do not match the object's checksum")
+            self._report_corrupt([[keys[i], names[seg_idx[i]], offs[i], sums[i]] for i in bad])
         if ok.any() and time.monotonic() - t0 > ttl / 1000:
             for i in np.flatnonzero(ok).tolist():
                 out[i] = out[i] or TransferFailed(f"{keys[i]}: read outlived its {ttl} ms lease; bytes may be stale")
         return out, flat.sizes
 
-    def _read_replicas(self, reads: dict, flat) -> dict[int, StoreError]:
-        """Read each object from its first replica; entries that failed retry on the next replica, one transfer
-        batch per round. Returns index -> error of the entries no replica could serve."""
+    def _read_replicas(self, reads: dict, flat, keys) -> dict[int, StoreError]:
+        """Read each object from its first replica; entries that failed (transfer error or checksum mismatch)
+        retry on the next replica, one transfer batch per round. Returns index -> error of the entries no
+        replica could serve. Corrupt replicas are reported to the master."""
         failed: dict[int, StoreError] = {}
-        pending = dict(reads)
+        pending, corrupt = dict(reads), []
         for r in range(max((len(v[1]) for v in reads.values()), default=0)):
             attempt = {i: v[1][r:r + 1] for i, v in pending.items() if r < len(v[1])}
             if not attempt:
                 break
             errors = self._transfer("read", flat, attempt)
+            if self.cfg.verify_checksums:
+                for i in checksum.mismatched(self._engine, flat, {i: _sum(reads[i]) for i in attempt
+                                                                   if i not in errors}):
+                    errors[i] = ChecksumMismatch(f"{keys[i]}: bytes read do not match the object's checksum")
+                    seg, _, off = attempt[i][0]
+                    corrupt.append([keys[i], seg, off, _sum(reads[i])])
             for i in attempt:
                 failed.pop(i, None)
             failed.update(errors)
             pending = {i: reads[i] for i in errors}
+        self._report_corrupt(corrupt)
         return failed
+
+    def _report_corrupt(self, entries: list) -> None:
+        """Tell the master which replicas ([key, segment, offset, checksum]) failed their checksum."""
+        if not entries:
+            return
+        try:
+            reported = sum(code == protocol.OK for code, _ in self._rpc.call("report_corrupt", entries))
+        except StoreError as e:
+            log.warning("report_corrupt of %d replicas failed: %s", len(entries), e)
+            reported = 0
+        log.warning("%d replica read(s) failed their checksum (first: %s on %s)", len(entries), entries[0][0],
+                    entries[0][1])
+        self._stats.checksum_failed(len(entries), reported)
+
+    def _lookup(self, keys: list[str], found: list | None = None) -> list:
+        """The get answer for ``keys`` (asked now unless ``found`` is given), disk-resident entries (ON_DISK)
+        promoted by the disk tier's client side (kvplugins.store.disk.promote.resolve) or, without it, misses."""
+        found = self._rpc_entries("get", keys) if found is None else found
+        if not any(code == protocol.ON_DISK for code, _ in found):
+            return found
+        try:
+            from kvplugins.store.disk.promote import resolve
+        except ModuleNotFoundError as e:
+            if not (e.name or "").startswith("kvplugins.store.disk"):
+                raise
+            return [[protocol.NOT_FOUND, None] if c == protocol.ON_DISK else [c, v] for c, v in found]
+        return resolve(self, keys, found)
 
     def _transfer(self, kind: str, flat, todo: dict) -> dict[int, StoreError]:
         """One array-form transfer per (segment, region) for keys ``todo`` (index -> locations to use).
@@ -336,6 +389,11 @@ class StoreClient:
             if code == protocol.OK:
                 self._descs[name] = SegmentDescriptor.from_wire(wire)
         return self._descs
+
+
+def _sum(value):
+    """The checksum of a get answer's value [size, locations, ttl, checksum] (None if absent)."""
+    return value[3] if len(value) > 3 else None
 
 
 def _raise_first(errors) -> None:

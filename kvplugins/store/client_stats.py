@@ -12,7 +12,7 @@ class ClientStats:
     def __init__(self):
         self._lock = threading.Lock()
         self._c = dict.fromkeys(("puts", "gets", "hits", "misses", "errors", "bytes_put", "bytes_got",
-                                  "commit_failures"), 0)
+                                  "commit_failures", "checksum_errors", "corrupt_reported"), 0)
         self._lat = {"put": deque(maxlen=WINDOW), "get": deque(maxlen=WINDOW)}
 
     def record(self, kind: str, sizes: list[int], out, t0: float) -> None:
@@ -41,6 +41,12 @@ class ClientStats:
         """``n`` pipelined put_commits were refused or lost (their puts had returned success)."""
         with self._lock:
             self._c["commit_failures"] += n
+
+    def checksum_failed(self, n: int, reported: int) -> None:
+        """``n`` replica reads did not match their checksum; ``reported`` of them the master dropped."""
+        with self._lock:
+            self._c["checksum_errors"] += n
+            self._c["corrupt_reported"] += reported
 
     def snapshot(self) -> dict:
         with self._lock:

@@ -27,7 +27,8 @@ class MasterConfig:
     port: int = field(default=0, metadata={"help": "raw framed-socket RPC port (the master address); 0 = any"})
     zmq_port: int = field(default=0, metadata={"help": "zmq ROUTER control-plane port; 0 = any"})
     port_file: str = field(default="", metadata={"help": "write 'host:port' of the master here once ready"})
-    heartbeat_timeout_ms: int = field(default=3000, metadata={"help": "a segment silent this long is removed"})
+    heartbeat_timeout_ms: int = field(default=2000, metadata={
+        "help": "a segment silent this long is removed (nodes beat every 500 ms; a dead node is gone in < 3 s)"})
     lease_ttl_ms: int = field(default=5000, metadata={"help": "a get protects the object from eviction this long"})
     put_timeout_ms: int = field(default=30000, metadata={"help": "a pending put not committed by then is reclaimed"})
     high_watermark: float = field(default=0.95, metadata={"help": "segment usage fraction that starts eviction"})
@@ -35,6 +36,15 @@ class MasterConfig:
     alloc_align: int = field(default=64, metadata={"help": "allocation granularity inside a segment (bytes)"})
     max_frame: Bytes = field(default=Bytes(64 << 20), metadata={"help": "largest RPC frame accepted"})
     tick_ms: int = field(default=100, metadata={"help": "period of the expiry/eviction sweep"})
+    metrics_port: int = field(default=-1, metadata={
+        "help": "Prometheus /metrics port (kvplugins/store/metrics.py); -1 = off, 0 = any free port (logged)"})
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "address the metrics endpoint binds"})
+    etcd: str = field(default="", metadata={
+        "help": "etcd client URL (http://127.0.0.1:2379): run as one of several HA masters (election, metadata "
+                "persisted in etcd); '' = a single master without persistence"})
+    etcd_prefix: str = field(default="/kvplugins/default", metadata={"help": "etcd key prefix of this cluster"})
+    etcd_lease_ttl_ms: int = field(default=2000, metadata={
+        "help": "leader lease: a dead leader is replaced after about this long"})
 
     def __post_init__(self):
         _sizes(self)
@@ -43,7 +53,7 @@ class MasterConfig:
                               "need 0 < low_watermark <= high_watermark <= 1")
         if self.alloc_align <= 0 or self.alloc_align & (self.alloc_align - 1):
             raise ConfigError(f"alloc_align={self.alloc_align} must be a power of two, e.g. 64")
-        for name in ("heartbeat_timeout_ms", "lease_ttl_ms", "put_timeout_ms", "tick_ms"):
+        for name in ("heartbeat_timeout_ms", "lease_ttl_ms", "put_timeout_ms", "tick_ms", "etcd_lease_ttl_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0 ms")
 
@@ -60,11 +70,27 @@ class StoreNodeConfig:
     rpc_timeout_ms: int = field(default=3000, metadata={"help": "timeout of each master RPC"})
     ready_file: str = field(default="", metadata={"help": "write the segment id here once registered"})
     prefault: bool = field(default=True, metadata={"help": "touch every segment page at start (steady put latency)"})
+    metrics_port: int = field(default=-1, metadata={
+        "help": "Prometheus /metrics port of this node; -1 = off, 0 = any free port (logged)"})
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "address the metrics endpoint binds"})
+    disk_dir: str = field(default="", metadata={"help": "disk tier directory (offload on evict); '' = no disk tier"})
+    disk_capacity: Bytes = field(default=Bytes(0), metadata={"help": "object bytes the disk tier may hold, e.g. 64GiB"})
+    disk_poll_ms: int = field(default=50, metadata={"help": "period of the node's disk-tier/drain command poll"})
+    drain: bool = field(default=False, metadata={
+        "help": "do not start a node: drain the node of --segment (migrate its objects) and wait until it left"})
+    segment: str = field(default="", metadata={"help": "with --drain: the segment name to drain (`kvplugins status`)"})
+    drain_timeout_ms: int = field(default=600000, metadata={"help": "with --drain: give up after this long"})
 
     def __post_init__(self):
         _sizes(self)
         if self.segment_size <= 0:
             raise ConfigError(f"segment_size={self.segment_size} must be > 0, e.g. 4GiB")
+        if self.disk_dir and self.disk_capacity <= 0:
+            raise ConfigError(f"disk_dir={self.disk_dir!r} needs disk_capacity > 0, e.g. --disk-capacity 64GiB")
+        if self.drain and not self.segment:
+            raise ConfigError("--drain needs --segment NAME (the segment names are in `kvplugins status`)")
+        if self.disk_poll_ms <= 0:
+            raise ConfigError(f"disk_poll_ms={self.disk_poll_ms} must be > 0 ms")
 
 
 @component("client")
@@ -77,6 +103,13 @@ class ClientConfig:
     segment_size: Bytes = field(default=Bytes(0), metadata={"help": "DRAM this client contributes; 0 = none"})
     staging_size: Bytes = field(default=Bytes(16 << 20), metadata={"help": "initial staging buffer (bytes API)"})
     replicas: int = field(default=1, metadata={"help": "replicas written per put (on distinct segments)"})
+    preferred_segment: str = field(default="", metadata={
+        "help": "segment name that gets a put's first replica when it has room; '' = most free first"})
+    pin: str = field(default="none", metadata={
+        "help": "none | soft (evicted last until pin_ttl_ms after the put) | hard (never evicted)"})
+    pin_ttl_ms: int = field(default=60000, metadata={"help": "how long a soft pin lasts"})
+    verify_checksums: bool = field(default=True, metadata={
+        "help": "check each object read against its xxh3_64 checksum (a mismatch reads as a miss)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address this client's transfer engine binds"})
     transports: str = field(default="shm,tcp", metadata={"help": "transports offered, fastest first"})
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period of the own segment"})
@@ -89,6 +122,8 @@ class ClientConfig:
         _sizes(self)
         if self.replicas < 1:
             raise ConfigError(f"replicas={self.replicas} must be >= 1")
+        from kvplugins.store.placement import from_client
+        from_client(self)           # validates pin / pin_ttl_ms (raises ConfigError)
         if self.rpc_timeout_ms <= 0 or self.transfer_timeout_ms <= 0:
             raise ConfigError("rpc_timeout_ms and transfer_timeout_ms must be > 0 ms")
 

@@ -52,8 +52,8 @@ def test_put_get_roundtrip_and_exists_prefix(m):
     assert m.handle("get", ["a"], {}) == [[NOT_FOUND, None]]          # pending is invisible
     assert m.handle("exists", ["a"], {}) == [False]
     m.handle("put_commit", ["a"], {})
-    [(code, (size, locs2, ttl))] = m.handle("get", ["a"], {})
-    assert (code, size, locs2, ttl) == (OK, 100, locs, 1000)
+    [(code, (size, locs2, ttl, xxh))] = m.handle("get", ["a"], {})
+    assert (code, size, locs2, ttl, xxh) == (OK, 100, locs, 1000, None)     # committed without a checksum
     put(m, "b")
     assert m.handle("exists_prefix", ["a", "b", "c", "a"], {}) == 2
     assert m.handle("put_start", [["a", 100]], {}) == [[EXISTS, "complete"]]

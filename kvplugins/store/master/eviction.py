@@ -1,25 +1,44 @@
-"""Which objects may go, and in what order: least recently used complete objects without a live lease.
+"""Which objects may go, and in what order: least recently used complete objects without a live lease, then
+soft-pinned ones (store/placement.py); hard-pinned objects never.
 
 Two triggers (both in service.py): on demand inside put_start when nothing fits, and the watermark sweep —
 a segment above ``high_watermark`` sheds objects with a replica on it until it is at or below ``low_watermark``.
-Pending objects and objects under a live lease are never victims.
+Pending objects and objects under a live lease are never victims. A soft pin whose TTL ended is turned into a
+plain object by ``expire_soft_pins`` (the master's sweep).
 """
 from __future__ import annotations
 
 from kvplugins.store.master.metadata import Object, ObjectTable
 
+SOFT, HARD = 1, 2
+
 
 def evictable(obj: Object, now: float) -> bool:
-    return obj.complete and not obj.leased(now)
+    return obj.complete and not obj.leased(now) and obj.pin != HARD
 
 
 def victims(table: ObjectTable, now: float, segment: str | None = None):
-    """Evictable objects in LRU order; only those with a replica on ``segment`` if given. Lazy: the caller must
-    stop iterating before it drops any (leased objects were touched recently, so they sit at the MRU end and the
-    scan from the LRU end is short)."""
-    for obj in table.iter_lru():
-        if evictable(obj, now) and (segment is None or any(s == segment for s, _ in obj.replicas)):
-            yield obj
+    """Evictable objects: unpinned ones in LRU order, then soft-pinned ones in LRU order; only those with a
+    replica on ``segment`` if given. Lazy: the caller must stop iterating before it drops any (leased objects
+    were touched recently, so they sit at the MRU end and the scan from the LRU end is short)."""
+    for lru in (table.iter_lru, table.iter_pinned):
+        for obj in lru():
+            if evictable(obj, now) and (segment is None or any(s == segment for s, _ in obj.replicas)):
+                yield obj
+
+
+def expire_soft_pins(table: ObjectTable, now: float) -> int:
+    """Unpin soft-pinned objects whose TTL ended; returns how many."""
+    done = [o for o in table.iter_pinned() if o.pin == SOFT and o.pin_until <= now]
+    for obj in done:
+        table.unpin(obj)
+    return len(done)
+
+
+def hard_pinned_bytes(table: ObjectTable) -> tuple[int, int]:
+    """(count, bytes) of hard-pinned objects: named in a StoreFull message."""
+    objs = [o for o in table.iter_pinned() if o.pin == HARD]
+    return len(objs), sum(o.size for o in objs)
 
 
 def over_high(used: int, size: int, high: float) -> bool:

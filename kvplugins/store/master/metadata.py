@@ -1,7 +1,8 @@
-"""The object table: key -> size, replicas, state (pending/complete), lease expiry, last access.
+"""The object table: key -> size, replicas, state (pending/complete), lease expiry, last access, checksum, pin.
 
 The table is kept in LRU order (least recently used first): a commit or a get moves the key to the end,
-so eviction (eviction.py) walks it from the front. Times are master-clock seconds.
+so eviction (eviction.py) walks it from the front. Pinned objects (store/placement.py) live in a second LRU
+of their own, so the eviction scan never walks past them. Times are master-clock seconds.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ class Object:
     lease_until: float = 0.0               # complete: never evicted/freed before this time
     last_access: float = 0.0
     locations: list | None = None          # cached [[segment, region id, offset], ...] for replies; None = stale
+    checksum: int | None = None            # xxh3_64 of the bytes, from put_commit; None = not given
+    pin: int = 0                           # 0 none, 1 soft (until pin_until), 2 hard (placement.PIN_CODES)
+    pin_until: float = 0.0                 # soft pin: evicted last until this time
 
     def leased(self, now: float) -> bool:
         return self.lease_until > now
@@ -26,15 +30,20 @@ class Object:
 
 class ObjectTable:
     def __init__(self):
-        self._objects: OrderedDict[str, Object] = OrderedDict()
+        self._objects: OrderedDict[str, Object] = OrderedDict()   # unpinned, LRU first
+        self._pinned: OrderedDict[str, Object] = OrderedDict()    # pin != 0, LRU first
         self._pending: dict[str, Object] = {}      # the not-yet-committed subset, for the reclaim sweep
 
     def get(self, key: str) -> Object | None:
-        return self._objects.get(key)
+        obj = self._objects.get(key)
+        if obj is None and self._pinned:
+            return self._pinned.get(key)
+        return obj
 
     def add(self, obj: Object) -> None:
-        self._objects[obj.key] = obj
-        self._objects.move_to_end(obj.key)
+        lru = self._pinned if obj.pin else self._objects
+        lru[obj.key] = obj
+        lru.move_to_end(obj.key)
         if not obj.complete:
             self._pending[obj.key] = obj
 
@@ -45,19 +54,31 @@ class ObjectTable:
 
     def touch(self, obj: Object, now: float) -> None:
         obj.last_access = now
-        self._objects.move_to_end(obj.key)
+        (self._pinned if obj.pin else self._objects).move_to_end(obj.key)
+
+    def unpin(self, obj: Object) -> None:
+        """Make pinned ``obj`` a plain object, most recently used."""
+        if self._pinned.pop(obj.key, None) is obj:
+            self._objects[obj.key] = obj
+        obj.pin = 0
 
     def pop(self, key: str) -> Object | None:
         self._pending.pop(key, None)
-        return self._objects.pop(key, None)
+        obj = self._objects.pop(key, None)
+        return self._pinned.pop(key, None) if obj is None else obj
 
     def lru(self):
-        """Objects, least recently used first (a snapshot; safe to pop while iterating)."""
-        return list(self._objects.values())
+        """Every object, unpinned ones least recently used first, then the pinned ones (a snapshot; safe to pop
+        while iterating)."""
+        return list(self._objects.values()) + list(self._pinned.values())
 
     def iter_lru(self):
-        """Objects, least recently used first, lazily: do not add or pop while iterating."""
+        """Unpinned objects, least recently used first, lazily: do not add or pop while iterating."""
         return iter(self._objects.values())
+
+    def iter_pinned(self):
+        """Pinned objects (soft and hard), least recently used first, lazily (as iter_lru)."""
+        return iter(self._pinned.values())
 
     def pending(self) -> list[Object]:
         return list(self._pending.values())
@@ -66,7 +87,7 @@ class ObjectTable:
         return len(self._pending)
 
     def __len__(self) -> int:
-        return len(self._objects)
+        return len(self._objects) + len(self._pinned)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._objects
+        return key in self._objects or key in self._pinned

@@ -12,16 +12,19 @@ import logging
 import time
 
 from kvplugins.store.config import MasterConfig
-from kvplugins.store.master.eviction import over_high, victims
+from kvplugins.store.master import admin_ops
+from kvplugins.store.master import placement
+from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes, over_high, victims
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.master.metadata import Object, ObjectTable
 from kvplugins.store.master.segments import Segment, SegmentRegistry
 from kvplugins.store.master.tiering import Tiering
-from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, STORE_FULL, VERSION
+from kvplugins.store.placement import parse_opts
+from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, ON_DISK, STORE_FULL, VERSION
 
 log = logging.getLogger(__name__)
 COUNTERS = ("hits", "misses", "puts", "put_skipped", "put_full", "commits", "aborts", "removes", "evictions",
-            "reclaimed", "segments_lost", "objects_lost")
+            "reclaimed", "segments_lost", "objects_lost", "corrupt_replicas")
 
 
 class MasterService:
@@ -40,6 +43,7 @@ class MasterService:
         self._seq = 0
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
         self._ops.update(self.tiering.ops())
+        self._ops.update(admin_ops.ops(self))      # get_size, remove_by_regex, remove_all (compat)
 
     def handle(self, op: str, entries: list, opts: dict):
         """Run one batch op; returns its payload. Raises ValueError for an unknown op or bad batch options."""
@@ -50,19 +54,22 @@ class MasterService:
 
     # ---- objects -------------------------------------------------------------------------------------
     def op_put_start(self, entries, opts, now):
-        replicas = int(opts.get("replicas", 1))
+        """opts (store/placement.py PutConfig.wire): replicas, segment (preferred), pin, pin_ttl_ms."""
+        replicas, preferred, pin, pin_ttl_s = parse_opts(opts)
+        pin = (pin, now + pin_ttl_s if pin else 0.0)
         order = self.segments.by_free_space()   # once per batch, most free bytes first; key j starts at j-th
         biggest = max((s.size for s in order), default=0)
-        out = self._put_contiguous(entries, now, order) if replicas == 1 and order and len(entries) > 1 \
+        fast = [s for s in order if s.name == preferred] or order    # a preferred segment takes the batch
+        out = self._put_contiguous(entries, now, fast, pin) if replicas == 1 and order and len(entries) > 1 \
             else [None] * len(entries)
         for j, e in enumerate(entries):
             if out[j] is None:
-                out[j] = self._put_one(e, replicas, now, order[j % len(order):] + order[:j % len(order)]
-                                       if len(order) > 1 else order, biggest)
+                turn = order[j % len(order):] + order[:j % len(order)] if len(order) > 1 else order
+                out[j] = self._put_one(e, replicas, now, placement.preferred_first(turn, preferred), biggest, pin)
         self.evict_watermarks(now)
         return out
 
-    def _put_contiguous(self, entries, now: float, order: list[Segment]) -> list:
+    def _put_contiguous(self, entries, now: float, order: list[Segment], pin: tuple[int, float]) -> list:
         """Single-replica batch fast path: the batch's new keys are cut into one consecutive chunk per segment
         (in ``order``), each chunk carved consecutively from one free block of its segment, so its bytes are
         contiguous there and the client's transfer coalesces them. Entries it does not place (invalid,
@@ -85,13 +92,13 @@ class MasterService:
             for (j, key, size), off in zip(chunk, offsets):
                 locations = [[name, region, off]]
                 self.table.add(Object(key, size, [(name, off)], deadline=deadline, last_access=now,
-                                      locations=locations))
+                                      locations=locations, pin=pin[0], pin_until=pin[1]))
                 seg.keys.add(key)
                 out[j] = [OK, locations]
             self.counters["puts"] += len(chunk)
         return out
 
-    def _put_one(self, entry, replicas: int, now: float, order: list[Segment], biggest: int):
+    def _put_one(self, entry, replicas: int, now: float, order: list[Segment], biggest: int, pin: tuple):
         key, size = _key_size(entry)
         if key is None:
             return [INVALID, f"entry {entry!r:.80} must be [str key, int size > 0]"]
@@ -103,7 +110,8 @@ class MasterService:
         if isinstance(placed, str):
             self.counters["put_full"] += 1
             return [STORE_FULL, placed]
-        obj = Object(key, size, placed, deadline=now + self.cfg.put_timeout_ms / 1000, last_access=now)
+        obj = Object(key, size, placed, deadline=now + self.cfg.put_timeout_ms / 1000, last_access=now,
+                     pin=pin[0], pin_until=pin[1])
         self.table.add(obj)
         locations = []
         for seg, off in placed:
@@ -123,33 +131,29 @@ class MasterService:
             return f"object of {size} bytes is larger than the largest segment ({biggest} bytes)"
         want = min(replicas, len(order))
         while True:
-            placed = self._try_place(size, want, order)
+            placed = placement.try_place(size, want, order)
             if placed:
                 return placed
             victim = next(victims(self.table, now), None)
             if victim is None:
-                return f"no space for {size} bytes and every stored object is leased or pending"
+                n, held = hard_pinned_bytes(self.table)
+                return (f"no space for {size} bytes and every stored object is leased, pending or hard-pinned "
+                        f"({n} hard-pinned objects hold {held} bytes; remove some or add segments)")
             self._evict(victim, now, urgent=True)
 
-    @staticmethod
-    def _try_place(size: int, want: int, order: list[Segment]):
-        placed: list[tuple[Segment, int]] = []
-        for seg in order:
-            off = seg.allocator.alloc(size)
-            if off is not None:
-                placed.append((seg, off))
-                if len(placed) == want:
-                    return placed
-        _free(placed)
-        return None
-
     def op_put_commit(self, entries, opts, now):
+        """opts: {"xxh3": [xxh3_64 of each entry's bytes]} (optional; stored and returned by get)."""
         out, done = [], []
-        for key in entries:
+        sums = opts.get("xxh3")
+        if sums is not None and (not isinstance(sums, list) or len(sums) != len(entries)):
+            raise ValueError(f"xxh3 must be a list of one checksum per entry ({len(entries)})")
+        for j, key in enumerate(entries):
             obj = self.table.get(key) if isinstance(key, str) else None
             if obj is None or obj.complete:
                 out.append([EXPIRED, "no pending put (reclaimed after put_timeout_ms, removed, or never started)"])
                 continue
+            if sums is not None:
+                obj.checksum = sums[j]
             self.table.commit(obj, now)
             self.counters["commits"] += 1
             out.append([OK, None])
@@ -186,7 +190,7 @@ class MasterService:
                 obj.lease_until = lease
             touch(obj, now)
             hits += 1
-            out.append([OK, [obj.size, obj.locations or self._locations(obj), ttl]])
+            out.append([OK, [obj.size, obj.locations or self._locations(obj), ttl, obj.checksum]])
         self.counters["hits"] += hits
         self.counters["misses"] += len(entries) - hits
         return out
@@ -195,14 +199,20 @@ class MasterService:
         """op_get with opts {"cols": 1}: columns instead of one nested list per key (a 128-key reply packs in
         a fraction of the time): [ttl ms, sizes (-1 = miss), segment names, their region ids, per key the
         index of its first replica's segment (-1 = miss), its offset, {key index: all locations} for keys
-        with more than one replica]."""
+        with more than one replica, per key its xxh3_64 checksum (None = none), {key index: the tier's
+        [ON_DISK, value]} for disk-resident objects (their size is -1 here; the client resolves them)]."""
         ttl = self.cfg.lease_ttl_ms
         lease, get, touch = now + ttl / 1000, self.table.get, self.table.touch
         sizes, seg_idx, offs, more, names, regions, index = [], [], [], {}, [], [], {}
+        sums, disk = [], {}
         for j, key in enumerate(entries):
             obj = get(key) if isinstance(key, str) else None
-            if obj is None or not obj.complete or not obj.replicas:   # TODO(disk tier): promote in cols mode
-                sizes.append(-1), seg_idx.append(-1), offs.append(0)
+            if obj is None or not obj.complete or not obj.replicas:
+                if obj is not None and obj.complete:             # disk-resident only: the tier answers
+                    answer = self.tiering.get(obj, now)
+                    if answer[0] == ON_DISK:
+                        disk[j] = answer
+                sizes.append(-1), seg_idx.append(-1), offs.append(0), sums.append(None)
                 continue
             if obj.lease_until < lease:
                 obj.lease_until = lease
@@ -213,13 +223,13 @@ class MasterService:
                 k = index[name] = len(names)
                 names.append(name)
                 regions.append(self.segments.get(name).region_id)
-            sizes.append(obj.size), seg_idx.append(k), offs.append(off)
+            sizes.append(obj.size), seg_idx.append(k), offs.append(off), sums.append(obj.checksum)
             if len(obj.replicas) > 1:
                 more[j] = obj.locations or self._locations(obj)
         hits = len(entries) - sizes.count(-1)
         self.counters["hits"] += hits
         self.counters["misses"] += len(entries) - hits
-        return [ttl, sizes, names, regions, seg_idx, offs, more]
+        return [ttl, sizes, names, regions, seg_idx, offs, more, sums, disk]
 
     def op_exists(self, entries, opts, now):
         return [self._complete(k) for k in entries]
@@ -242,6 +252,36 @@ class MasterService:
             out.append([OK, None])
         return out
 
+    def op_report_corrupt(self, entries, opts, now):
+        """entries: [key, segment name, offset, checksum] of a replica whose bytes did not match ``checksum``.
+        That replica is dropped (its space freed once the object's lease ends); an object left without a
+        replica is removed. Stale reports (the key was re-put, the replica moved) are ignored: NOT_FOUND."""
+        out = []
+        for e in entries:
+            key, name, off, checksum = e if isinstance(e, list) and len(e) == 4 else (None, None, None, None)
+            obj = self.table.get(key) if isinstance(key, str) else None
+            if obj is None or not obj.complete or obj.checksum != checksum or (name, off) not in obj.replicas:
+                out.append([NOT_FOUND, None])
+                continue
+            self.counters["corrupt_replicas"] += 1
+            log.warning("replica of %s on %s at %s is corrupt (checksum mismatch); dropped", key, name, off)
+            self._drop_replica(obj, name, off, now)
+            out.append([OK, None])
+        return out
+
+    def _drop_replica(self, obj: Object, name: str, off: int, now: float) -> None:
+        if len(obj.replicas) == 1:
+            self._drop(obj, now)
+            return
+        obj.replicas = [r for r in obj.replicas if r != (name, off)]
+        obj.locations = None
+        seg = self.segments.get(name)
+        if seg is not None:
+            seg.keys.discard(obj.key)
+            self._seq += 1
+            heapq.heappush(self._zombies, (max(obj.lease_until, now), self._seq, [(seg, off)]))
+        self.journal.replicas_changed([obj])
+
     def _complete(self, key) -> bool:
         obj = self.table.get(key) if isinstance(key, str) else None
         return obj is not None and obj.complete
@@ -259,6 +299,7 @@ class MasterService:
 
     def _drop(self, obj: Object, now: float, free_at: float | None = None) -> None:
         """Remove ``obj`` from the table; its space is freed now, or when its lease/put deadline ends."""
+        self.tiering.dropped(obj, now)      # disk copy deleted, a tier flight cancelled, the tier's lease ended
         self.table.pop(obj.key)
         if obj.complete:
             self.journal.removed([obj])
@@ -349,6 +390,7 @@ class MasterService:
                 self.counters["reclaimed"] += 1
         while self._zombies and self._zombies[0][0] <= now:
             _free(heapq.heappop(self._zombies)[2])
+        expire_soft_pins(self.table, now)
         self.tiering.tick(now)
         self.evict_watermarks(now)
 

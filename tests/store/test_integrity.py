@@ -1,0 +1,100 @@
+"""Object checksums on real processes: the writer's xxh3_64 reaches the master, and bytes flipped inside a node's
+segment (written through the segment's shm path from its SegmentDescriptor) are detected on every read path
+(single get, small batch, big column batch, bytes batch_get): a miss (ChecksumMismatch), a counter, the replica
+dropped by the master; with a second replica the good one serves. Parametrized over both transports."""
+import numpy as np
+import pytest
+import xxhash
+
+from helpers.cluster import store_cluster
+from kvplugins.errors import ChecksumMismatch, KeyNotFound
+from kvplugins.store import ClientConfig, StoreClient
+
+TRANSPORTS = ["shm,tcp", "tcp"]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def pool(request):
+    with store_cluster(nodes=2, segment_size="8MiB", node_flags={"transports": request.param}) as c:
+        yield c, request.param
+
+
+def client_of(pool, **cfg):
+    c, transports = pool
+    return StoreClient(ClientConfig(master=c.master, transports=transports, **cfg))
+
+
+def flip_byte(client, key: str, rng, replica: int = 0) -> None:
+    """XOR one random byte of ``key``'s replica ``replica`` with a random non-zero mask, through the shm file."""
+    [(code, (size, locs, _, _))] = client._rpc.call("get", [key])
+    seg, region_id, off = locs[replica]
+    [(code, wire)] = client._rpc.call("describe", [seg])
+    path = next(r[2] for r in wire["regions"] if r[0] == region_id)
+    with open(path, "r+b") as f:
+        pos = off + int(rng.integers(size))
+        f.seek(pos)
+        old = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([old ^ int(rng.integers(1, 256))]))
+
+
+def test_master_stores_the_writers_xxh3(pool):
+    with client_of(pool) as client:
+        data = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8)
+        base = client.register_buffer(data).addr
+        client.put_from("sum/multi", [(base, 3000), (base + 5000, 5000)])           # two spans, one object
+        client.put("sum/bytes", b"hello")
+        got = {k: v[3] for k, (_, v) in zip(["sum/multi", "sum/bytes"],
+                                            client._rpc.call("get", ["sum/multi", "sum/bytes"]))}
+        want = xxhash.xxh3_64_intdigest(data[:3000].tobytes() + data[5000:].tobytes())
+        assert got == {"sum/multi": want, "sum/bytes": xxhash.xxh3_64_intdigest(b"hello")}
+        assert client.get("sum/bytes") == b"hello" and client.stats()["checksum_errors"] == 0
+
+
+def test_every_flipped_byte_is_detected_on_every_read_path(pool):
+    rng = np.random.default_rng(2)
+    n = 120
+    with client_of(pool) as client:
+        sizes = rng.integers(1, 40_000, n).tolist()
+        datas = [rng.integers(0, 256, s, dtype=np.uint8).tobytes() for s in sizes]
+        keys = [f"flip/{pool[1]}/{i}" for i in range(n)]
+        assert client.batch_put(keys, datas) == [None] * n
+        for k in keys:
+            flip_byte(client, k, rng)
+        dst = np.zeros(sum(sizes), dtype=np.uint8)
+        b = client.register_buffer(dst).addr
+        offs = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        spans = [[(b + offs[i], sizes[i])] for i in range(n)]
+        out = [client.batch_get_into(keys[i:i + 1], spans[i:i + 1])[0] for i in range(0, 10)]      # single
+        out += client.batch_get_into(keys[10:16], spans[10:16])                                 # small batch
+        out += client.batch_get(keys[16:40])                                                    # bytes form
+        out += client.batch_get_into(keys[40:], spans[40:])                                     # column form
+        assert all(isinstance(e, ChecksumMismatch) and isinstance(e, KeyNotFound) for e in out), out
+        st = client.stats()
+        assert st["checksum_errors"] == n and st["corrupt_reported"] == n and st["misses"] == n
+        assert client.batch_exists(keys) == [False] * n                  # the master dropped every one
+        assert client._rpc.call("status")["corrupt_replicas"] >= n
+
+
+def test_a_corrupt_replica_fails_over_to_the_good_one(pool):
+    rng = np.random.default_rng(3)
+    with client_of(pool, replicas=2) as client:
+        keys = [f"rep/{pool[1]}/{i}" for i in range(30)]
+        datas = [bytes(rng.integers(0, 256, 5000, dtype=np.uint8)) for _ in keys]
+        assert client.batch_put(keys, datas) == [None] * 30
+        for k in keys:
+            flip_byte(client, k, rng, replica=0)
+        assert client.batch_get(keys[:20]) == datas[:20]                 # column batch falls back per key
+        assert [client.get(k) for k in keys[20:]] == datas[20:]
+        assert client.stats()["checksum_errors"] == 30
+        assert all(len(v[1]) == 1 for _, v in client._rpc.call("get", keys))   # bad replica dropped
+        assert client.batch_get(keys) == datas and client.stats()["checksum_errors"] == 30
+
+
+def test_verification_can_be_turned_off(pool):
+    rng = np.random.default_rng(4)
+    with client_of(pool, verify_checksums=False) as client:
+        client.put(f"off/{pool[1]}", b"\x00" * 4096)
+        flip_byte(client, f"off/{pool[1]}", rng)
+        assert client.get(f"off/{pool[1]}") != b"\x00" * 4096            # the opt-out reads what is there
+        assert client.stats()["checksum_errors"] == 0
