@@ -10,7 +10,7 @@ import dataclasses
 
 from kvplugins.config import add_arguments, from_args
 
-NODE_SKIP = ("master", "host", "ready_file")
+NODE_SKIP = ("master", "host", "ready_file", "metrics_port", "metrics_host")   # one endpoint: the master's
 
 
 def _classes():
@@ -56,21 +56,35 @@ def _serve(mcfg, ncfg, path) -> int:
     stop = threading.Event()
     stop_on_signals(stop.set)
     node = StoreNode(ncfg, server.address)
+    node_metrics = _attach_metrics(server, node)
     try:
         write_atomic(path, json.dumps({"master": server.address, "zmq": server.zmq_endpoint, "pid": os.getpid(),
                                        "segment": node.segment.name}))
         if mcfg.port_file:
             write_atomic(mcfg.port_file, server.address + "\n")
-        print(embedded.flags_text(server.address) + f"(discovery file {path})", flush=True)
+        metrics = f"; metrics {server.metrics.endpoint.url}" if server.metrics.endpoint else ""
+        print(embedded.flags_text(server.address) + f"(discovery file {path}{metrics})", flush=True)
         while not stop.wait(0.5):
             pass
     finally:
+        if node_metrics is not None:
+            node_metrics.close()
         node.close()
         server.stop()
         loop.join(timeout=5)
         if (embedded.read_discovery(path) or {}).get("pid") == os.getpid():
             path.unlink(missing_ok=True)
     return 0
+
+
+def _attach_metrics(server, node):
+    """The node's series on the master's endpoint (one /metrics for the whole `up` process), if enabled."""
+    if server.metrics.endpoint is None:
+        return None
+    from kvplugins.store.metrics import NodeMetrics
+    nm = NodeMetrics(node, server.address)
+    nm.attach(server.metrics.endpoint)
+    return nm
 
 
 def _detach(args, up, path) -> int:

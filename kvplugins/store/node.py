@@ -46,8 +46,12 @@ def serve(config: StoreNodeConfig, master: str, stop: threading.Event) -> None:
     node = StoreNode(config, master)
     print(f"kvplugins store: segment {node.segment.name} ({config.segment_size} bytes) -> master {master}",
           flush=True)
+    from kvplugins.store.metrics import serve_node
+    exporter = serve_node(node, config)          # /metrics if metrics_port >= 0
     try:
         while not stop.wait(0.5):      # short waits keep signal handlers responsive
             pass
     finally:
+        if exporter is not None:
+            exporter.close()
         node.close()

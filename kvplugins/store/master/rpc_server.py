@@ -24,6 +24,7 @@ from kvplugins.errors import ProtocolError
 from kvplugins.store import protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
+from kvplugins.store.metrics import MasterMetrics
 
 log = logging.getLogger(__name__)
 RECV_CHUNK = 1 << 16          # below malloc's mmap threshold: a 1 MiB recv buffer costs ~20 µs per call
@@ -58,6 +59,7 @@ class RpcServer:
         self.zmq_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.service = service or MasterService(config, zmq_endpoint=self.zmq_endpoint)
         self.service.zmq_endpoint = self.zmq_endpoint
+        self.metrics = MasterMetrics(self, config)      # op latency timer; /metrics if metrics_port >= 0
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._router.getsockopt(zmq.FD), selectors.EVENT_READ, "zmq")
@@ -84,11 +86,13 @@ class RpcServer:
                 if time.monotonic() >= next_tick:
                     self._on_zmq()                   # safety net for the edge-triggered ZMQ_FD
                     self.service.tick()
+                    self.metrics.publish()           # snapshot for the metrics thread
                     next_tick = time.monotonic() + tick_s
         finally:
             self.close()
 
     def close(self) -> None:
+        self.metrics.close()
         for conn in list(self._conns.values()):
             self._drop(conn, None)
         self._sel.close()
@@ -100,6 +104,7 @@ class RpcServer:
     def _answer(self, body: bytes) -> bytes:
         """Response body for one request body. Raises ProtocolError for a malformed request."""
         rid, op, entries, opts = protocol.parse_request(protocol.unpack(body))
+        t0 = time.perf_counter()
         try:
             payload, ok = self.service.handle(op, entries, opts), True
         except (ValueError, TypeError, KeyError) as e:
@@ -107,6 +112,8 @@ class RpcServer:
         except Exception as e:  # noqa: BLE001 - a logic bug answers this request; the master keeps serving
             log.exception("op %s failed", op)
             payload, ok = f"{op}: internal error {e!r}", False
+        if ok:
+            self.metrics.timer.record(op, time.perf_counter() - t0)
         return protocol.pack([protocol.VERSION, rid, ok, payload])
 
     def _on_event(self, key, ev: int) -> None:
