@@ -1,4 +1,6 @@
-"""``kvplugins store``: a store node contributing one DRAM segment (kvplugins/store/node.py)."""
+"""``kvplugins store``: a store node contributing one DRAM segment (kvplugins/store/node.py), optionally with a
+disk tier (``--disk-dir``, ``--disk-capacity``); ``kvplugins store --drain --segment NAME`` drains a running node
+(kvplugins/store/disk/drain.py) and exits when it has left."""
 from __future__ import annotations
 
 from kvplugins.config import add_arguments, from_args
@@ -6,7 +8,7 @@ from kvplugins.config import add_arguments, from_args
 
 def add_parser(sub) -> None:
     from kvplugins.store.config import StoreNodeConfig
-    p = sub.add_parser("store", help="contribute a DRAM segment to the pool of a master")
+    p = sub.add_parser("store", help="contribute a DRAM segment to the pool of a master (or --drain one)")
     add_arguments(p, StoreNodeConfig)
     p.add_argument("--config", help="TOML/JSON config file ([store] table)")
 
@@ -19,6 +21,10 @@ def run(args) -> int:
     from kvplugins.store.process import stop_on_signals
     cfg = from_args(StoreNodeConfig, args)
     master = embedded.resolve_master(cfg.master)
+    if cfg.drain:
+        from kvplugins.store.disk.drain import drain
+        drain(master, cfg.segment, cfg.drain_timeout_ms, cfg.rpc_timeout_ms)
+        return 0
     stop = threading.Event()
     stop_on_signals(stop.set)
     node.serve(cfg, master, stop)

@@ -2,7 +2,8 @@
 
 The segment lives in this process's TransferEngine (alloc_shared, exported); clients read and write it directly
 through the transfer core — the master only hands out offsets. Registration and heartbeats use the master's
-zmq control plane (the ``info`` op on the master address names it).
+zmq control plane (the ``info`` op on the master address names it). The node's disk tier and drain commands
+run in a NodeTier (kvplugins/store/disk/worker.py) polling the master's raw endpoint.
 """
 from __future__ import annotations
 
@@ -18,33 +19,42 @@ log = logging.getLogger(__name__)
 
 
 class StoreNode:
-    """Start the transfer engine, allocate and register the segment. ``master``: raw address host:port.
+    """Start the transfer engine, allocate and register the segment, start the disk tier / drain worker.
+    ``master``: raw address host:port; ``on_drained()`` is called once the master drained this node.
     Raises MasterUnreachable if the master does not answer within ``rpc_timeout_ms``."""
 
-    def __init__(self, config: StoreNodeConfig, master: str):
+    def __init__(self, config: StoreNodeConfig, master: str, on_drained=lambda: None):
+        from kvplugins.store.disk.worker import NodeTier
         from kvplugins.transfer import TransferConfig, TransferEngine
         self.cfg, self.master = config, master
         self.engine = TransferEngine(TransferConfig(host=config.host, transports=config.transports))
+        self.segment = self.tier = self._rpc = None
         try:
             self._rpc = control_client(master, config.rpc_timeout_ms)
             self.segment = OwnedSegment(self.engine, config.segment_size, self._rpc, config.heartbeat_interval_ms,
                                         prefault=config.prefault)
+            self.tier = NodeTier(config, self.engine, self.segment, master, on_drained)
         except BaseException:
-            self.engine.close()
+            self.close()
             raise
         if config.ready_file:
             write_atomic(config.ready_file, self.segment.name + "\n")
 
     def close(self) -> None:
-        self.segment.close()
-        self._rpc.close()
+        if self.tier is not None:
+            self.tier.close()
+        if self.segment is not None:
+            self.segment.close()
+        if self._rpc is not None:
+            self._rpc.close()
         self.engine.close()
 
 
 def serve(config: StoreNodeConfig, master: str, stop: threading.Event) -> None:
-    """Run a node until ``stop`` is set."""
-    node = StoreNode(config, master)
-    print(f"kvplugins store: segment {node.segment.name} ({config.segment_size} bytes) -> master {master}",
+    """Run a node until ``stop`` is set (a signal, or the master drained it)."""
+    node = StoreNode(config, master, on_drained=stop.set)
+    disk = f", disk tier {config.disk_dir} ({config.disk_capacity} bytes)" if config.disk_dir else ""
+    print(f"kvplugins store: segment {node.segment.name} ({config.segment_size} bytes{disk}) -> master {master}",
           flush=True)
     from kvplugins.store.metrics import serve_node
     exporter = serve_node(node, config)          # /metrics if metrics_port >= 0

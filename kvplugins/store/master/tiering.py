@@ -1,36 +1,357 @@
-"""The master's disk-tier seam: what eviction does with a victim, and how a get answers a disk-resident object.
+"""The master's disk tier (issue #6): offload on evict, promote on hit, drain — what eviction does with a victim
+and how a get answers a disk-resident object.
 
-MasterService owns one Tiering. The base class has no disk tier: an evicted object is dropped. The disk-tier
-implementation (issue #6: offload on evict, promote on hit) overrides these hooks; it may keep state of its own
-and add ops of its own through ``ops()``.
+MasterService owns one Tiering and calls evict/get/dropped/tick/status; ops() adds the tier's RPC ops. Until a
+store node with ``--disk-dir`` registers its tier, an evicted object is dropped (no disk tier).
+
+* Offload (watermark sweep, ``urgent=False``): an ``offload`` command is queued for the node holding a replica;
+  the node polls (``tier_poll``), writes the file durably and confirms (``tier_done``); only then are its DRAM
+  replicas freed (when the last reader's lease ends) and the object is disk-only. On-demand eviction
+  (``urgent=True``, a put is waiting) never waits for disk: an object with a clean disk copy (promoted earlier)
+  has its DRAM freed at once; any other victim is dropped (an offload in flight is cancelled, its file deleted).
+* Promote: a get of a disk-only object answers ``[ON_DISK, [node endpoint, size]]``; the client asks that node
+  (kvplugins.store.disk.promote), which calls ``promote_start`` (a DRAM offset in its own segment), loads and
+  verifies the file there, and ``promote_commit``s; the object is in DRAM again and keeps its clean disk copy.
+* Drain (``drain``; master/drain.py): the segment takes no new placements; its objects are migrated by its node.
+Disk-only objects carry lease_until = inf so eviction never picks them (they hold no DRAM).
 """
 from __future__ import annotations
+
+import heapq
+from itertools import islice
+
+from kvplugins.store.master import drain
+from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, INF, POLL_BATCH, Copy, DiskNode, Flight, \
+    raw_allocator
+from kvplugins.store.protocol import EXISTS, INVALID, NOT_FOUND, OK, ON_DISK, STORE_FULL
+
+COUNTERS = ("offloads", "offload_failures", "offload_deferred", "promotions", "promote_failures", "disk_hits",
+            "disk_corrupt", "disk_evicted", "disk_lost", "migrations", "migrate_failures", "drains")
+CLEAN_SCAN = 256      # a promotion looks this far down the LRU for a victim that is already on disk
 
 
 class Tiering:
     def __init__(self, service=None):
         self.service = service
+        self.nodes: dict[str, DiskNode] = {}        # segment name -> node tier
+        self.copies: dict[str, Copy] = {}           # key -> its disk copy
+        self.flights: dict[str, Flight] = {}        # key -> the copy in flight
+        self.disk_bytes = 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
+    # ---- hooks the service calls ---------------------------------------------------------------------
     def evict(self, obj, now: float, urgent: bool) -> bool:
         """Eviction chose ``obj``. Return True if the tier took it over (the service must not drop it), False to
         let the service drop it. ``urgent``: a put is waiting for the space now (on-demand eviction), so only a
         step that frees DRAM at once helps; False from the watermark sweep. After True, ``obj`` must no longer be a
         victim (eviction.victims) or its DRAM must be free, or the on-demand loop would pick it again."""
-        return False
+        if self.copy(obj) is not None:
+            self.to_disk_only(obj, now, max(now, obj.lease_until))      # clean copy: DRAM goes at once
+            return True
+        if urgent:
+            return False        # a flight of obj is cancelled by dropped(); the node's file is then deleted
+        if obj.key in self.flights or any(n in self.nodes and self.nodes[n].draining for n, _ in obj.replicas):
+            self.counters["offload_deferred"] += 1      # already on its way to disk, or the drain moves it
+            return True
+        node = self._offload_node(obj)
+        if node is None:
+            return False
+        seg = self.service.segments.get(node.segment)
+        if seg.used - node.offloading <= self.service.cfg.low_watermark * seg.size:
+            self.counters["offload_deferred"] += 1      # offloads in flight already bring it under low
+            return True
+        off = dict(obj.replicas)[node.segment]
+        self.flights[obj.key] = Flight("offload", obj, node.segment, now + FLIGHT_TIMEOUT_S)
+        node.offloading += obj.size
+        node.queue.append(["offload", obj.key, off, obj.size, _checksum(obj)])
+        return True
 
     def get(self, obj, now: float):
-        """A get found ``obj`` complete but with no DRAM replica. Return the per-entry result
-        (``[protocol.ON_DISK, value]`` or ``[protocol.NOT_FOUND, None]``)."""
-        from kvplugins.store.protocol import NOT_FOUND
-        return [NOT_FOUND, None]
+        """A get found ``obj`` complete but with no DRAM replica: ``[ON_DISK, [node endpoint, size]]`` (promote it
+        through that node, kvplugins.store.disk.promote) or ``[NOT_FOUND, None]``."""
+        c = self.copy(obj)
+        if c is None or not self.nodes[c.segment].endpoint:
+            return [NOT_FOUND, None]
+        self.counters["disk_hits"] += 1
+        return [ON_DISK, [self.nodes[c.segment].endpoint, obj.size]]
+
+    def dropped(self, obj, now: float) -> None:
+        """``obj`` is leaving the table (remove, eviction, loss): delete its disk copy, cancel its flight (a
+        destination the node may still write is freed after put_timeout_ms), end a disk-only object's tier lease."""
+        c = self.copies.get(obj.key)
+        if c is not None and c.obj is obj:
+            self.forget_copy(obj.key, delete=True)
+        f = self.flights.get(obj.key)
+        if f is not None and f.obj is obj:
+            self.end_flight(obj.key, now, free_dest_at=now + self.service.cfg.put_timeout_ms / 1000)
+        if obj.lease_until == INF:
+            obj.lease_until = now
 
     def ops(self) -> dict:
         """Extra RPC ops: name -> fn(entries, opts, now)."""
-        return {}
+        return {"tier_register": self.op_tier_register, "tier_poll": self.op_tier_poll,
+                "tier_done": self.op_tier_done, "promote_start": self.op_promote_start,
+                "promote_commit": self.op_promote_commit, "drain": self.op_drain}
 
     def tick(self, now: float) -> None:
-        """Called on every master sweep."""
+        """Called on every master sweep: forget nodes whose segment left, abandon flights past their deadline."""
+        for name in [n for n in self.nodes if self.service.segments.get(n) is None]:
+            self.lose_node(name, now)
+        for key in [k for k, f in self.flights.items() if f.deadline <= now]:
+            self.end_flight(key, now, free_dest_at=now + self.service.cfg.put_timeout_ms / 1000)
 
     def status(self) -> dict:
         """Merged into the ``status`` op's answer."""
-        return {}
+        return {**self.counters, "disk_objects": len(self.copies), "disk_bytes": self.disk_bytes,
+                "disk_capacity": sum(n.capacity for n in self.nodes.values()),
+                "draining": sorted(n.segment for n in self.nodes.values() if n.draining)}
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+    def copy(self, obj) -> Copy | None:
+        """``obj``'s disk copy, if it has a valid one."""
+        c = self.copies.get(obj.key)
+        return c if c is not None and c.obj is obj and c.segment in self.nodes else None
+
+    def add_copy(self, obj, segment: str, checksum: int) -> None:
+        self.forget_copy(obj.key, delete=False)
+        self.copies[obj.key] = Copy(segment, obj, checksum)
+        self.nodes[segment].keys.add(obj.key)
+        self.disk_bytes += obj.size
+
+    def forget_copy(self, key: str, delete: bool) -> None:
+        c = self.copies.pop(key, None)
+        if c is None:
+            return
+        self.disk_bytes -= c.obj.size
+        node = self.nodes.get(c.segment)
+        if node is not None:
+            node.keys.discard(key)
+            if delete:
+                node.queue.append(["delete", key])
+
+    def to_disk_only(self, obj, now: float, free_at: float) -> None:
+        """Free ``obj``'s DRAM replicas (at ``free_at``) and leave it on disk only."""
+        svc = self.service
+        held = []
+        for name, off in obj.replicas:
+            seg = svc.segments.get(name)
+            if seg is not None:
+                seg.keys.discard(obj.key)
+            held.append((seg, off))
+        obj.replicas, obj.locations, obj.lease_until = [], None, INF
+        self.free_at(held, free_at, now)
+        svc.journal.replicas_changed([obj])
+
+    def free_at(self, held: list, at: float, now: float) -> None:
+        """Free [(Segment, offset)] now or, through the service's zombie heap, at ``at``."""
+        svc = self.service
+        if at > now:
+            svc._seq += 1
+            heapq.heappush(svc._zombies, (at, svc._seq, held))
+            return
+        for seg, off in held:
+            if seg is not None:
+                seg.allocator.free(off)
+
+    def end_flight(self, key: str, now: float, free_dest_at: float | None = None) -> Flight | None:
+        """Close ``key``'s flight; a destination is freed at ``free_dest_at``."""
+        f = self.flights.pop(key, None)
+        if f is None:
+            return None
+        if f.kind == "offload" and f.segment in self.nodes:
+            self.nodes[f.segment].offloading -= f.obj.size
+        if f.dest is not None and free_dest_at is not None:
+            self.free_at([f.dest], free_dest_at, now)
+        return f
+
+    def lose_node(self, name: str, now: float) -> None:
+        """Node ``name``'s segment left: its files stay on its disk (announced again when it returns), so the
+        master forgets them without deleting; objects that were only there are lost."""
+        node = self.nodes.pop(name)
+        for key in [k for k, f in self.flights.items() if f.segment == name]:
+            self.end_flight(key, now, free_dest_at=now + self.service.cfg.put_timeout_ms / 1000)
+        lost = []
+        for key in list(node.keys):
+            c = self.copies.pop(key, None)
+            if c is not None:
+                self.disk_bytes -= c.obj.size
+                if self.service.table.get(key) is c.obj and not c.obj.replicas:
+                    lost.append(c.obj)
+        for obj in lost:
+            self.service._drop(obj, now)
+        self.counters["disk_lost"] += len(lost)
+
+    def _offload_node(self, obj) -> DiskNode | None:
+        for name, _ in obj.replicas:
+            node = self.nodes.get(name)
+            if node is not None and node.endpoint and not node.draining and obj.size <= node.capacity:
+                return node
+        return None
+
+    def _current(self, key, kind: str, segment: str):
+        """The flight of ``kind`` for ``key`` by node ``segment`` if its object is still the table's."""
+        f = self.flights.get(key) if isinstance(key, str) else None
+        if f is None or f.kind != kind or f.segment != segment:
+            return None
+        return f if self.service.table.get(key) is f.obj else None
+
+    # ---- ops: node registration and commands ---------------------------------------------------------
+    def op_tier_register(self, entries, opts, now):
+        """[[segment, endpoint, capacity bytes, [[key, size, checksum], ...]]] -> [[OK, keys to delete]]: a node
+        (re)joins with the objects already on its disk; unknown keys become disk-only objects."""
+        out = []
+        for segment, endpoint, capacity, files in entries:
+            if self.service.segments.get(segment) is None:
+                out.append([NOT_FOUND, f"segment {segment} is not registered"])
+                continue
+            if segment in self.nodes:
+                self.lose_node(segment, now)
+            self.nodes[segment] = DiskNode(segment, str(endpoint), int(capacity))
+            out.append([OK, self._adopt(segment, files, now)])
+        return out
+
+    def _adopt(self, segment: str, files, now: float) -> list[str]:
+        from kvplugins.store.master.metadata import Object
+        table, stale, new = self.service.table, [], []
+        for key, size, digest in files:
+            obj = table.get(key)
+            if obj is None:
+                obj = Object(key, size, [], complete=True, lease_until=INF, last_access=now)
+                if hasattr(obj, "checksum"):
+                    obj.checksum = digest
+                table.add(obj)
+                new.append(obj)
+            elif not (obj.complete and obj.size == size and self.copy(obj) is None
+                      and _checksum(obj) in (0, digest)):
+                stale.append(key)
+                continue
+            self.add_copy(obj, segment, digest)
+        if new:
+            self.service.journal.committed(new)
+        return stale
+
+    def op_tier_poll(self, entries, opts, now):
+        """[segment] -> [[OK, [commands, {segment: descriptor}]]] or [[NOT_FOUND, None]] (register again)."""
+        out = []
+        for segment in entries:
+            node = self.nodes.get(segment) if isinstance(segment, str) else None
+            if node is None:
+                out.append([NOT_FOUND, None])
+                continue
+            if node.draining:
+                drain.plan(self, node, now)
+            cmds, node.queue = node.queue[:POLL_BATCH], node.queue[POLL_BATCH:]
+            names = {c[4] for c in cmds if c[0] == "migrate"}
+            out.append([OK, [cmds, {n: self.service.segments.get(n).descriptor for n in names
+                                    if self.service.segments.get(n) is not None}]])
+        return out
+
+    def op_tier_done(self, entries, opts, now):
+        """[[kind, key, ok, detail], ...] with opts {segment}: results of polled commands, and ``evicted`` /
+        ``corrupt`` reports of files the node lost."""
+        segment = opts.get("segment")
+        if segment not in self.nodes:
+            return [[NOT_FOUND, None] for _ in entries]
+        for kind, key, ok, detail in entries:
+            if kind == "offload":
+                self._offloaded(key, segment, ok, detail, now)
+            elif kind == "migrate":
+                drain.migrated(self, key, segment, ok, detail, now)
+            elif kind in ("evicted", "corrupt"):
+                self._file_lost(key, segment, kind, now)
+        return [[OK, None] for _ in entries]
+
+    def _offloaded(self, key, segment: str, ok: bool, digest, now: float) -> None:
+        f = self._current(key, "offload", segment)
+        if f is None:            # cancelled (removed) or timed out: nobody wants that file any more
+            c = self.copies.get(key)
+            if ok and (c is None or c.segment != segment):
+                self.nodes[segment].queue.append(["delete", key])
+            return
+        self.end_flight(key, now)
+        if not ok:
+            self.counters["offload_failures"] += 1
+            return
+        self.add_copy(f.obj, segment, int(digest))
+        self.to_disk_only(f.obj, now, max(now, f.obj.lease_until))      # readers that got it keep their lease
+        self.counters["offloads"] += 1
+
+    def _file_lost(self, key, segment: str, kind: str, now: float) -> None:
+        c = self.copies.get(key)
+        if c is None or c.segment != segment:
+            return
+        self.forget_copy(key, delete=False)
+        self.counters["disk_evicted" if kind == "evicted" else "disk_corrupt"] += 1
+        if self.service.table.get(key) is c.obj and not c.obj.replicas and key not in self.flights:
+            self.service._drop(c.obj, now)
+
+    # ---- ops: promote on hit -------------------------------------------------------------------------
+    def op_promote_start(self, entries, opts, now):
+        """[key, ...] with opts {segment}: a DRAM offset in that node's segment for each disk-only key it holds
+        -> [[OK, [offset, size]] | [EXISTS, "in DRAM"/"busy"] | [NOT_FOUND, None] | [STORE_FULL, reason]]."""
+        segment = opts.get("segment")
+        seg = self.service.segments.get(segment)
+        if seg is None or segment not in self.nodes:
+            return [[NOT_FOUND, f"segment {segment} is not a registered disk node"] for _ in entries]
+        out = []
+        for key in entries:
+            obj = self.service.table.get(key) if isinstance(key, str) else None
+            c = self.copy(obj) if obj is not None else None
+            if obj is not None and (obj.replicas or key in self.flights):
+                out.append([EXISTS, "in DRAM" if obj.replicas else "busy"])
+            elif c is None or c.segment != segment:
+                out.append([NOT_FOUND, None])
+            else:
+                out.append(self._promote_alloc(obj, seg, now))
+        return out
+
+    def _promote_alloc(self, obj, seg, now: float):
+        from kvplugins.store.master.eviction import victims
+        alloc = raw_allocator(seg)
+        while (off := alloc.alloc(obj.size)) is None:
+            found = list(islice(victims(self.service.table, now, seg.name), CLEAN_SCAN))
+            victim = next((v for v in found if self.copy(v) is not None), found[0] if found else None)
+            if victim is None:          # (objects already on disk go first: freeing them loses nothing)
+                self.counters["promote_failures"] += 1
+                return [STORE_FULL, f"segment {seg.name} has no room for {obj.size} bytes"]
+            self.service._evict(victim, now, urgent=True)
+        deadline = now + self.service.cfg.put_timeout_ms / 1000
+        self.flights[obj.key] = Flight("promote", obj, seg.name, deadline, dest=(seg, off))
+        return [OK, [off, obj.size]]
+
+    def op_promote_commit(self, entries, opts, now):
+        """[[key, ok, detail], ...] with opts {segment}: the node loaded (or failed to load) each started key."""
+        segment, out = opts.get("segment"), []
+        for key, ok, detail in entries:
+            f = self._current(key, "promote", segment)
+            if f is None:
+                out.append([NOT_FOUND, "no promotion in flight (removed or timed out)"])
+                continue
+            if not ok:
+                self.end_flight(key, now, free_dest_at=now)
+                self.counters["promote_failures"] += 1
+                self._file_lost(key, segment, "corrupt", now)
+                out.append([OK, None])
+                continue
+            self.flights.pop(key)
+            seg, off = f.dest
+            obj = f.obj
+            obj.replicas, obj.locations = [(seg.name, off)], None
+            obj.lease_until = now + self.service.cfg.lease_ttl_ms / 1000   # until the client's get re-asks
+            seg.keys.add(key)
+            self.service.table.touch(obj, now)
+            self.service.journal.replicas_changed([obj])
+            self.counters["promotions"] += 1
+            out.append([OK, None])
+        return out
+
+    # ---- ops: drain ----------------------------------------------------------------------------------
+    def op_drain(self, entries, opts, now):
+        """[segment, ...] -> [[OK, None] | [NOT_FOUND, reason]]: start draining those nodes."""
+        return [drain.start(self, name, now) if isinstance(name, str) else [INVALID, "segment name expected"]
+                for name in entries]
+
+
+def _checksum(obj) -> int:
+    """The object's checksum as put (0 = unknown)."""
+    return int(getattr(obj, "checksum", 0) or 0)

@@ -1,0 +1,176 @@
+"""NodeTier: a store node's link to the master's disk tier and drain (master/tiering.py, master/drain.py).
+
+It announces the node (``tier_register``: promote endpoint, disk capacity, the objects already on disk), then
+polls the master every ``disk_poll_ms`` on the raw endpoint (``tier_poll``) and runs the commands it gets, in
+order: ``offload`` (write the object from this node's segment to a durable file), ``delete`` (a file nobody
+needs), ``migrate`` (drain: write an object to another segment through the transfer core), ``exit`` (drained:
+stop the node). Results go back in one ``tier_done`` per poll. Promote requests arrive on the promote endpoint
+(server.py) and load files into this node's segment at master-allocated offsets (``promote_start`` /
+``promote_commit``). Every node runs one, with or without a disk (drain needs it).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError, TransferError
+from kvplugins.store.disk.files import CorruptFile, checksum
+from kvplugins.store.protocol import NOT_FOUND, OK
+from kvplugins.store.rpc_client import master_client
+
+log = logging.getLogger(__name__)
+
+
+class NodeTier:
+    """``segment``: the node's OwnedSegment; ``on_exit()``: called once the master says the drain is done."""
+
+    def __init__(self, config, engine, segment, master: str, on_exit):
+        from kvplugins.store.disk.server import OpServer
+        from kvplugins.store.disk.store import DiskStore
+        from kvplugins.store.staging import Staging
+        self.cfg, self.engine, self.segment, self.on_exit = config, engine, segment, on_exit
+        self.disk = DiskStore(config.disk_dir, config.disk_capacity) if config.disk_dir else None
+        self.rpc = master_client(master, config.rpc_timeout_ms)
+        self.mem = engine.memoryview(segment.region)
+        self._staging = Staging(engine, 1 << 20)
+        self._lock = threading.Lock()        # guards _lost (the disk store has its own lock)
+        self._lost: list = []                # evicted/corrupt files to report
+        self.server = OpServer(config.host, {"promote": self.op_promote}) if self.disk else None
+        self._registered = False
+        self._register()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvp-disk-tier", daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.address if self.server else ""
+
+    def _register(self) -> None:
+        files = self.disk.entries() if self.disk else []
+        capacity = self.disk.capacity if self.disk else 0
+        [(code, stale)] = self.rpc.call("tier_register", [[self.segment.name, self.endpoint, capacity, files]])
+        if code != OK:
+            raise StoreError(f"master refused the disk tier of {self.segment.name}: {stale}")
+        for key in stale:
+            self.disk.delete(key)
+        self._registered = True
+        log.info("disk tier of %s registered: %d files (%d stale deleted)", self.segment.name, len(files), len(stale))
+
+    # ---- poll loop -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        down = False
+        while not self._stop.wait(self.cfg.disk_poll_ms / 1000):
+            try:
+                if not self._registered:
+                    self._register()
+                self._poll_once()
+                down = False
+            except (MasterUnreachable, StoreError) as e:
+                if not down:
+                    log.warning("disk tier poll failed: %s", e)
+                down, self._registered = True, isinstance(e, MasterUnreachable) and self._registered
+
+    def _poll_once(self) -> None:
+        [(code, value)] = self.rpc.call("tier_poll", [self.segment.name])
+        if code == NOT_FOUND:
+            self._registered = False
+            return
+        cmds, descs = value
+        done = [r for cmd in cmds if (r := self._run(cmd, descs)) is not None]
+        with self._lock:
+            done += self._lost
+            self._lost = []
+        if done:
+            self.rpc.call("tier_done", done, {"segment": self.segment.name})
+        if any(c[0] == "exit" for c in cmds):
+            log.info("segment %s drained; the node leaves", self.segment.name)
+            self._stop.set()
+            self.on_exit()
+
+    def _run(self, cmd: list, descs: dict):
+        kind = cmd[0]
+        if kind == "offload":
+            return self._offload(*cmd[1:])
+        if kind == "delete":
+            if self.disk:
+                self.disk.delete(cmd[1])
+            return None
+        if kind == "migrate":
+            return self._migrate(*cmd[1:], descs)
+        return None
+
+    def _offload(self, key: str, off: int, size: int, expected: int):
+        if self.disk is None:
+            return ["offload", key, False, "this node has no disk tier"]
+        data = self.mem[off:off + size]
+        digest = checksum(data)
+        if expected and digest != expected:
+            return ["offload", key, False, "the DRAM copy fails its checksum"]
+        try:
+            evicted = self.disk.put(key, data, digest)
+        except (OSError, StoreError) as e:
+            log.warning("offload of %s failed: %s", key, e)
+            return ["offload", key, False, str(e)]
+        self._report_lost("evicted", evicted)
+        return ["offload", key, True, digest]
+
+    def _migrate(self, key: str, size: int, src: int, dest: str, region_id: int, off: int, descs: dict):
+        from kvplugins.transfer import SegmentDescriptor
+        if dest not in descs:
+            return ["migrate", key, False, f"no descriptor for {dest}"]
+        try:
+            with self._staging.use(size) as (base, view):
+                if src >= 0:
+                    addr = self.segment.region.addr + src
+                else:
+                    self.disk.read_into(key, view[:size])
+                    addr = base
+                [err] = self.engine.write_spans(SegmentDescriptor.from_wire(descs[dest]), region_id, [addr], [off],
+                                                [size], timeout_ms=self.cfg.rpc_timeout_ms)
+        except KeyNotFound:
+            return ["migrate", key, False, "missing"]
+        except CorruptFile:
+            return ["migrate", key, False, "corrupt"]
+        except TransferError as e:
+            err = e
+        return ["migrate", key, err is None, str(err) if err else None]
+
+    def _report_lost(self, kind: str, keys) -> None:
+        if keys:
+            with self._lock:
+                self._lost += [[kind, k, False, None] for k in keys]
+
+    # ---- promote endpoint ----------------------------------------------------------------------------
+    def op_promote(self, keys: list, opts: dict) -> list:
+        """Load each disk-resident key into this node's segment. -> per key [code, detail] (OK, EXISTS: already
+        in DRAM or another promotion runs, NOT_FOUND, STORE_FULL)."""
+        started = self.rpc.call("promote_start", list(keys), {"segment": self.segment.name})
+        out, commits = [], []
+        for key, (code, value) in zip(keys, started):
+            if code != OK:
+                out.append([code, value])
+                continue
+            off, size = value
+            try:
+                self.disk.read_into(key, self.mem[off:off + size])
+                commits.append([key, True, None])
+                out.append([OK, None])
+            except (KeyNotFound, CorruptFile, OSError) as e:
+                commits.append([key, False, "corrupt" if isinstance(e, CorruptFile) else "missing"])
+                out.append([NOT_FOUND, str(e)])
+        if commits:
+            self.rpc.call("promote_commit", commits, {"segment": self.segment.name})
+        return out
+
+    def stats(self) -> dict:
+        return self.disk.stats() if self.disk else {}
+
+    def close(self) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        if self.server:
+            self.server.close()
+        self._staging.close()
+        self.rpc.close()

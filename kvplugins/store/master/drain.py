@@ -1,0 +1,112 @@
+"""Draining a node (``kvplugins store --drain``): the master side.
+
+``start`` freezes the segment's allocator (no new placements; disk_state.Frozen) and marks its node draining.
+Each poll of that node (``plan``) moves up to MAX_FLIGHTS objects at a time: an object with another DRAM replica
+just drops this one; any other object (in this segment's DRAM or only on the node's disk) gets a destination on
+another segment, allocated like a put, and a ``migrate`` command: the node writes the bytes there through the
+transfer core and confirms; ``migrated`` switches the replica (the old DRAM is freed one lease TTL later, so
+readers that got the old location still read valid bytes). Pending puts are waited for. When nothing is left the
+node is told to ``exit``: it unregisters and stops. Reads keep working throughout.
+"""
+from __future__ import annotations
+
+from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, INF, Flight, Frozen
+from kvplugins.store.protocol import NOT_FOUND, OK
+
+MAX_FLIGHTS = 32
+
+
+def start(tier, name: str, now: float):
+    seg, node = tier.service.segments.get(name), tier.nodes.get(name)
+    if seg is None or node is None:
+        return [NOT_FOUND, f"{name} is not the segment of a running `kvplugins store` node; see `kvplugins status`"]
+    if not node.draining:
+        node.draining = True
+        seg.allocator = Frozen(seg.allocator)
+        tier.counters["drains"] += 1
+    return [OK, None]
+
+
+def plan(tier, node, now: float) -> None:
+    """Queue migrate commands for the draining ``node`` (or ``exit`` once it holds nothing)."""
+    svc = tier.service
+    seg = svc.segments.get(node.segment)
+    busy = sum(1 for f in tier.flights.values() if f.segment == node.segment)
+    waiting = busy
+    for key in list(seg.keys) + [k for k in node.keys if k not in seg.keys]:
+        obj = svc.table.get(key)
+        if obj is None or not obj.complete or key in tier.flights:
+            waiting += obj is not None
+            continue
+        if busy >= MAX_FLIGHTS:
+            return
+        if _drop_extra_replica(tier, obj, seg, now):
+            continue
+        if not any(n == seg.name for n, _ in obj.replicas) and obj.replicas:
+            tier.forget_copy(key, delete=True)        # DRAM lives elsewhere: the disk copy here just goes
+            continue
+        busy += _start_migration(tier, obj, node, seg, now)
+        waiting += 1
+    if not waiting and not node.queue:
+        node.queue.append(["exit"])
+
+
+def _drop_extra_replica(tier, obj, seg, now: float) -> bool:
+    mine = [(n, o) for n, o in obj.replicas if n == seg.name]
+    if not mine or len(obj.replicas) == 1:
+        return False
+    obj.replicas, obj.locations = [(n, o) for n, o in obj.replicas if n != seg.name], None
+    seg.keys.discard(obj.key)
+    tier.free_at([(seg, mine[0][1])], max(now, obj.lease_until), now)
+    tier.service.journal.replicas_changed([obj])
+    return True
+
+
+def _start_migration(tier, obj, node, seg, now: float) -> int:
+    """1 if a migrate command was queued, 0 if no other segment can take ``obj`` now (retried next poll)."""
+    svc = tier.service
+    holders = {n for n, _ in obj.replicas}
+    order = [s for s in svc.segments.by_free_space() if s.name not in holders and s.name != seg.name
+             and not isinstance(s.allocator, Frozen)]
+    lease, obj.lease_until = obj.lease_until, INF      # on-demand eviction below must not pick obj itself
+    placed = svc._place(obj.size, 1, now, order, max((s.size for s in order), default=0)) if order else None
+    if not isinstance(placed, list):
+        obj.lease_until = lease
+        tier.counters["migrate_failures"] += 1
+        return 0
+    dest, off = placed[0]
+    src = dict(obj.replicas).get(seg.name, -1)          # -1: from the node's disk
+    obj.lease_until = lease
+    tier.flights[obj.key] = Flight("migrate", obj, node.segment, now + FLIGHT_TIMEOUT_S, dest=(dest, off))
+    node.queue.append(["migrate", obj.key, obj.size, src, dest.name, dest.region_id, off])
+    return 1
+
+
+def migrated(tier, key, segment: str, ok: bool, detail, now: float) -> None:
+    """The node reports a migration; on success the object's replica moves to the destination."""
+    f = tier._current(key, "migrate", segment)
+    if f is None:
+        return
+    svc, obj = tier.service, f.obj
+    dest, off = f.dest
+    if not ok or svc.segments.get(dest.name) is not dest:
+        tier.end_flight(key, now, free_dest_at=now)
+        tier.counters["migrate_failures"] += 1
+        if detail in ("corrupt", "missing"):
+            tier._file_lost(key, segment, "corrupt", now)
+        return
+    tier.flights.pop(key)
+    seg = svc.segments.get(segment)
+    old = [(seg, o) for n, o in obj.replicas if n == segment]
+    obj.replicas = [(n, o) for n, o in obj.replicas if n != segment] + [(dest.name, off)]
+    obj.locations = None
+    if obj.lease_until == INF:                          # it was on disk only
+        obj.lease_until = now
+    dest.keys.add(key)
+    if seg is not None:
+        seg.keys.discard(key)
+    tier.free_at(old, max(now, obj.lease_until), now)  # readers that got the old location keep their lease
+    if (c := tier.copies.get(key)) is not None and c.segment == segment:
+        tier.forget_copy(key, delete=True)
+    svc.journal.replicas_changed([obj])
+    tier.counters["migrations"] += 1

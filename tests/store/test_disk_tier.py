@@ -1,0 +1,152 @@
+"""The disk tier with real master and node processes: offload on evict (watermark sweep), promote on hit with
+checksums verified, a torn or corrupt file never reads back, a remove deletes the file, and the disk round trip
+across a node restart (SIGKILL, then a new process on the same --disk-dir)."""
+import time
+
+import pytest
+
+from helpers.cluster import store_cluster
+from kvplugins.errors import KeyNotFound, StoreError
+from kvplugins.store import ClientConfig, StoreClient
+from kvplugins.store.disk import files
+from kvplugins.store.disk.files import CorruptFile
+from kvplugins.store.disk.store import DiskStore
+
+OBJ = 64 << 10
+# 4 MiB segment: above 20% (13 objects) the sweep offloads down to 10%; reads lease objects for 300 ms
+MASTER = {"high_watermark": 0.2, "low_watermark": 0.1, "lease_ttl_ms": 300, "heartbeat_timeout_ms": 1000}
+
+
+def _data(i: int) -> bytes:
+    return bytes([i % 251]) * (OBJ - 7) + i.to_bytes(7, "little")
+
+
+def _wait(pred, what: str, timeout: float = 10.0):
+    t0 = time.monotonic()
+    while not (value := pred()):
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def _put_and_offload(client, prefix: str, n: int) -> list[str]:
+    """Put n objects (slowly enough for the sweep's offloads to keep up); wait until the sweep settled."""
+    keys = [f"{prefix}/{i}" for i in range(n)]
+    for i, k in enumerate(keys):
+        client.put(k, _data(i))
+        time.sleep(0.01)
+    rpc = client._rpc
+    _wait(lambda: rpc.call("status")["bytes_used"] <= 0.2 * (4 << 20) and not _in_flight(rpc), "offloads")
+    return keys
+
+
+def _in_flight(rpc) -> bool:
+    s = rpc.call("status")
+    return s["offloads"] + s["offload_failures"] < s["disk_objects"] or s["zombies"] > 0
+
+
+@pytest.fixture
+def disk_cluster(tmp_path):
+    flags = {"disk_dir": str(tmp_path / "disk"), "disk_capacity": "64MiB"}
+    with store_cluster(nodes=1, segment_size="4MiB", master_flags=MASTER, node_flags=flags,
+                       tmp=tmp_path / "cluster") as c:
+        c.disk = tmp_path / "disk"
+        c.node_flags = flags
+        yield c
+
+
+# ---- the file format and the node-local store (no processes) -----------------------------------------------
+def test_torn_and_corrupt_files_never_read_back(tmp_path):
+    store = DiskStore(tmp_path, 1 << 20)
+    for k in ("a", "b", "c"):
+        store.put(k, _data(ord(k)), files.checksum(_data(ord(k))))
+    objects = tmp_path / "objects"
+    path_a, path_b = objects / files.file_name("a"), objects / files.file_name("b")
+    raw = bytearray(path_b.read_bytes())
+    raw[-100] ^= 0xFF                                        # flip one object byte
+    path_b.write_bytes(raw)
+    path_a.write_bytes(path_a.read_bytes()[:-10])            # torn: cut short
+    (tmp_path / "tmp" / "x.tmp").write_bytes(b"half a write")
+    store = DiskStore(tmp_path, 1 << 20)                     # "restart"
+    assert store.stats()["disk_corrupt"] == 1 and not path_a.exists()      # torn file dropped at scan
+    assert not list((tmp_path / "tmp").iterdir())
+    dest = bytearray(OBJ)
+    with pytest.raises(CorruptFile):
+        store.read_into("b", memoryview(dest))
+    assert not path_b.exists() and store.stats()["disk_corrupt"] == 2
+    assert store.read_into("c", memoryview(dest)) == files.checksum(_data(ord("c"))) and dest == _data(ord("c"))
+    assert [e[0] for e in store.entries()] == ["c"]
+
+
+def test_capacity_evicts_least_recently_used_files(tmp_path):
+    store = DiskStore(tmp_path, 3 * OBJ)
+    for i in range(3):
+        assert store.put(f"k{i}", _data(i), files.checksum(_data(i))) == []
+    store.read_into("k0", memoryview(bytearray(OBJ)))       # k0 used: k1 is now least recently used
+    assert store.put("k3", _data(3), files.checksum(_data(3))) == ["k1"]
+    assert {e[0] for e in store.entries()} == {"k0", "k2", "k3"} and store.used == 3 * OBJ
+    with pytest.raises(StoreError):
+        store.put("big", bytes(4 * OBJ), 0)
+
+
+# ---- real processes ---------------------------------------------------------------------------------------
+def test_offload_on_evict_and_promote_on_hit(disk_cluster):
+    with StoreClient(ClientConfig(master=disk_cluster.master)) as client:
+        keys = _put_and_offload(client, "o", 24)
+        status = client._rpc.call("status")
+        assert status["offloads"] >= 10 and status["disk_objects"] == status["offloads"]
+        assert status["objects"] == 24 and status["disk_bytes"] == status["disk_objects"] * OBJ
+        assert len(list((disk_cluster.disk / "objects").glob("*/*.kvd"))) == status["disk_objects"]
+        for i, k in enumerate(keys):                          # single gets: the row-form answer
+            assert client.get(k) == _data(i)
+        after = client._rpc.call("status")
+        assert after["promotions"] == status["disk_objects"] and after["disk_hits"] >= after["promotions"]
+
+
+def test_batch_get_promotes_in_column_form(disk_cluster):
+    with StoreClient(ClientConfig(master=disk_cluster.master)) as client:
+        keys = _put_and_offload(client, "b", 40)
+        assert client._rpc.call("status")["disk_objects"] >= 20
+        assert client.batch_get(keys) == [_data(i) for i in range(40)]      # > SMALL keys: column replies
+
+
+def test_corrupt_disk_file_is_a_miss_never_wrong_bytes(disk_cluster):
+    with StoreClient(ClientConfig(master=disk_cluster.master)) as client:
+        keys = _put_and_offload(client, "c", 24)
+        on_disk = [k for k in keys if (disk_cluster.disk / "objects" / files.file_name(k)).exists()]
+        assert len(on_disk) >= 10
+        path = disk_cluster.disk / "objects" / files.file_name(on_disk[0])
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0x01
+        path.write_bytes(raw)
+        with pytest.raises(KeyNotFound):
+            client.get(on_disk[0])
+        status = client._rpc.call("status")
+        assert status["disk_corrupt"] == 1 and not path.exists()
+        assert client.get(on_disk[1]) == _data(keys.index(on_disk[1]))     # the others still promote
+
+
+def test_remove_deletes_the_disk_file(disk_cluster):
+    with StoreClient(ClientConfig(master=disk_cluster.master)) as client:
+        keys = _put_and_offload(client, "r", 24)
+        victim = next(k for k in keys if (disk_cluster.disk / "objects" / files.file_name(k)).exists())
+        client.remove(victim)
+        _wait(lambda: not (disk_cluster.disk / "objects" / files.file_name(victim)).exists(), "file deleted")
+        with pytest.raises(KeyNotFound):
+            client.get(victim)
+
+
+def test_disk_round_trip_across_node_restart(disk_cluster):
+    c = disk_cluster
+    with StoreClient(ClientConfig(master=c.master)) as client:
+        keys = _put_and_offload(client, "t", 24)
+        on_disk = {k for k in keys if (c.disk / "objects" / files.file_name(k)).exists()}
+        assert len(on_disk) >= 10
+        c.nodes[0].kill()                                     # SIGKILL: no unregister, files stay
+        _wait(lambda: not client._rpc.call("status")["segments"], "dead node removed")
+        assert client.batch_exists(keys) == [False] * 24      # the master forgot everything of that node
+        c.add_node("4MiB", **c.node_flags)                    # a new process on the same --disk-dir
+        assert client.batch_exists(keys) == [k in on_disk for k in keys]     # re-announced at registration
+        for k in sorted(on_disk):
+            assert client.get(k) == _data(keys.index(k))
+        assert client._rpc.call("status")["promotions"] == len(on_disk)
