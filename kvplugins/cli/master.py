@@ -16,6 +16,9 @@ def run(args) -> int:
     from kvplugins.store.config import MasterConfig
     from kvplugins.store.master.rpc_server import RpcServer
     cfg = from_args(MasterConfig, args)
+    if cfg.etcd:                     # one of several masters; the etcd-elected one serves (store/ha)
+        from kvplugins.store.ha.master import serve
+        return serve(cfg)
     server = RpcServer(cfg)
     stop_on_signals(server.stop)
     if cfg.port_file:

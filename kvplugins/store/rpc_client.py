@@ -188,14 +188,27 @@ def _left(deadline: float) -> float:
     return left
 
 
+def _leader_client(address: str, timeout_ms: float, plane: str):
+    """A client following the elected master of an HA address, or None for a single master's host:port."""
+    if not (address.startswith("etcd://") or "," in address):
+        return None
+    from kvplugins.store.ha.follower import LeaderClient
+    return LeaderClient(address, timeout_ms, plane)
+
+
 def master_client(address: str, timeout_ms: float) -> RawRpcClient:
     """The per-operation client of the master at ``address`` (what StoreClient uses). The one place that turns a
-    configured master address into a client (master HA extends it to follow the elected leader)."""
-    return RawRpcClient(address, timeout_ms)
+    configured master address into a client. An HA address (``etcd://host:port[/prefix]`` or a comma list of
+    masters) gives a client following the elected leader (kvplugins/store/ha/follower.py)."""
+    return _leader_client(address, timeout_ms, "raw") or RawRpcClient(address, timeout_ms)
 
 
 def control_client(address: str, timeout_ms: float) -> ZmqRpcClient:
-    """A zmq control-plane client for the master whose raw address is ``address`` (asks ``info``)."""
+    """A zmq control-plane client for the master whose raw address is ``address`` (asks ``info``); for an HA
+    address, one that follows the leader's control plane."""
+    ha = _leader_client(address, timeout_ms, "zmq")
+    if ha is not None:
+        return ha
     raw = RawRpcClient(address, timeout_ms)
     try:
         endpoint = raw.call("info")["zmq"]

@@ -1,0 +1,150 @@
+"""LeaderClient: a master client that finds the elected master and follows it across fail-overs.
+
+Addresses: ``etcd://host:port[/prefix]`` (the leader's addresses are read from ``{prefix}/leader``; default
+prefix /kvplugins/default) or a comma list ``host:port,host:port`` of masters (the one answering ``info`` leads;
+standbys refuse). Same interface as RawRpcClient (call / send_deferred / flush / close, ``address``,
+``timeout_ms``). An op that fails because the master is gone or answers "not leader" is retried on the
+(re-resolved) leader until the op's timeout; then MasterUnreachable names the address and the timeout.
+Retrying is safe for the store's ops: puts are idempotent by key (a put_start the dead leader had not journaled
+is simply allocated again; its put_commit on the new leader answers "expired", so the put is not acknowledged);
+put_start is not re-sent to a still-living leader whose connection failed after it was sent (ONCE_PER_LEADER).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from kvplugins.errors import MasterUnreachable, StoreError
+from kvplugins.store.ha import NOT_LEADER
+from kvplugins.store.rpc_client import RawRpcClient, ZmqRpcClient
+
+BACKOFF_S = 0.05
+DEFAULT_PREFIX = "/kvplugins/default"
+# Ops not re-sent to a leader that may have applied them before the connection failed (a second put_start of a
+# key would answer "exists (pending)" and the put would look done); on a new leader they are safe to re-send.
+ONCE_PER_LEADER = frozenset({"put_start"})
+
+
+def follows_leader(address: str) -> bool:
+    """Whether ``address`` names an HA cluster (etcd:// or a comma list) rather than one master."""
+    return address.startswith("etcd://") or "," in address
+
+
+class _EtcdFinder:
+    def __init__(self, address: str, timeout_ms: float):
+        from kvplugins.store.ha.etcd import Etcd, parse_endpoint
+        host, port, prefix = parse_endpoint(address)
+        self.etcd = Etcd(f"http://{host}:{port}", timeout_s=min(2.0, timeout_ms / 1000))
+        self.key = (prefix or DEFAULT_PREFIX) + "/leader"
+
+    def leader(self, deadline: float) -> dict | None:
+        return self.etcd.get_json(self.key)
+
+
+class _ListFinder:
+    def __init__(self, address: str, timeout_ms: float):
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()]
+
+    def leader(self, deadline: float) -> dict | None:
+        for addr in self.addresses:
+            probe = RawRpcClient(addr, max(50.0, min(1000.0, (deadline - time.monotonic()) * 1000)))
+            try:
+                return {"raw": addr, "zmq": probe.call("info")["zmq"]}
+            except StoreError:
+                continue
+            finally:
+                probe.close()
+        return None
+
+
+class LeaderClient:
+    """Follow the leader of ``address``; ``plane``: "raw" (per-operation endpoint) or "zmq" (control plane)."""
+
+    def __init__(self, address: str, timeout_ms: float, plane: str = "raw"):
+        self.address, self.timeout_ms, self.plane = address, timeout_ms, plane
+        self._finder = (_EtcdFinder if address.startswith("etcd://") else _ListFinder)(address, timeout_ms)
+        self._inner, self._leader_id = None, None
+        self._lock = threading.RLock()
+
+    def call(self, op: str, entries=(), opts: dict | None = None, timeout_ms: float | None = None):
+        """Run ``op`` on the leader; returns its payload. Raises MasterUnreachable (no leader answered in
+        time), StoreError (the leader refused the request)."""
+        timeout = self.timeout_ms if timeout_ms is None else timeout_ms
+        return self._retry(op, timeout, lambda inner, left_ms: inner.call(op, entries, opts, timeout_ms=left_ms))
+
+    def send_deferred(self, op: str, entries=(), opts: dict | None = None, on_reply=None) -> None:
+        """RawRpcClient.send_deferred on the leader (re-sent to a new leader if it cannot be sent)."""
+        self._retry(op, self.timeout_ms, lambda inner, _: inner.send_deferred(op, entries, opts, on_reply))
+
+    def flush(self, timeout_ms: float | None = None) -> None:
+        """Read the replies of the deferred requests (see RawRpcClient.flush). Raises MasterUnreachable."""
+        with self._lock:
+            if self._inner is not None and hasattr(self._inner, "flush"):
+                self._inner.flush(timeout_ms)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _retry(self, op: str, timeout_ms: float, fn):
+        deadline = time.monotonic() + timeout_ms / 1000
+        last: Exception | None = StoreError("no leader is elected")
+        applied_by = None            # leader that may have applied ``op`` before its connection failed
+        with self._lock:
+            while True:
+                try:
+                    inner = self._connect(deadline)
+                except StoreError as e:
+                    inner, last = None, self._failed(e)
+                if inner is not None:
+                    if self._leader_id == applied_by:
+                        raise MasterUnreachable(self.address, timeout_ms, f"{op}: the connection to leader "
+                                                f"{self._leader_id} failed after sending; not sent again") from last
+                    try:
+                        return fn(inner, self._attempt_ms(deadline))
+                    except StoreError as e:
+                        if isinstance(e, MasterUnreachable) and op in ONCE_PER_LEADER:
+                            applied_by = self._leader_id
+                        last = self._failed(e)
+                if time.monotonic() + BACKOFF_S >= deadline:
+                    raise MasterUnreachable(self.address, timeout_ms, f"{op}: no leader answered: {last}") from last
+                time.sleep(BACKOFF_S)
+
+    def _failed(self, err: StoreError) -> StoreError:
+        """Forget the current leader after ``err`` (it is gone or not leader); re-raise any other refusal."""
+        if not isinstance(err, MasterUnreachable) and NOT_LEADER not in str(err):
+            raise err
+        self._drop()
+        return err
+
+    def _attempt_ms(self, deadline: float) -> float:
+        """Time for one attempt: all that is left on the raw plane (a dead peer's TCP connection fails at
+        once); half of it on zmq, whose requests to a dead endpoint just wait, so a re-lookup still fits."""
+        left = max(1.0, (deadline - time.monotonic()) * 1000)
+        return left if self.plane == "raw" else max(min(left, 200.0), left / 2)
+
+    def _connect(self, deadline: float):
+        if self._inner is None:
+            try:
+                leader = self._finder.leader(deadline)
+            except StoreError as e:
+                raise MasterUnreachable(self.address, self.timeout_ms, f"leader lookup: {e}") from e
+            if leader is None:
+                return None
+            self._inner = RawRpcClient(leader["raw"], self.timeout_ms) if self.plane == "raw" \
+                else ZmqRpcClient(leader["zmq"], self.timeout_ms)
+            self._leader_id = leader.get("id", leader["raw"])
+            self._inner.call("info", timeout_ms=self._attempt_ms(deadline))   # connected, and it leads
+        return self._inner
+
+    def _drop(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+            self._inner = None
+
+
+def leader_info(address: str, timeout_ms: float = 2000) -> dict | None:
+    """{"raw", "zmq", ...} of the current leader of ``address`` (etcd:// or a comma list), or None."""
+    finder = (_EtcdFinder if address.startswith("etcd://") else _ListFinder)(address, timeout_ms)
+    return finder.leader(time.monotonic() + timeout_ms / 1000)
+

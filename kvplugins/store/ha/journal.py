@@ -1,0 +1,119 @@
+"""EtcdJournal: the master's Journal hooks (master/journal.py) persisted in etcd. Inside ``batch()`` (the
+leader guard wraps every op and every sweep in one) the hooks' writes are collected and persisted when the op
+ends, before its reply is sent, in one fenced transaction per MAX_TXN_OPS keys; outside, each hook writes at
+once. Either way a put_commit is durable in etcd before the master acknowledges it.
+
+Fencing: every transaction compares ``{prefix}/leader`` with this master's leader value; if another master
+leads now, nothing is written, ``on_fenced`` steps this one down and the op answers an error (the client
+retries on the new leader). A transient etcd failure is retried for up to RETRY_S, then raises StoreError.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import msgpack
+
+from kvplugins.errors import StoreError
+from kvplugins.store.ha.etcd import MAX_TXN_OPS, delete_op, put_op
+from kvplugins.store.master.journal import Journal
+
+RETRY_S = 1.0
+
+
+class EtcdJournal(Journal):
+    """Persist committed placement under ``prefix`` of ``etcd`` (ha.etcd.Etcd). ``fence``: the leader value
+    writes are conditional on (set by the leader guard); ``on_fenced(why)``: called when that no longer holds."""
+
+    def __init__(self, etcd, prefix: str):
+        self.etcd, self.prefix = etcd, prefix.rstrip("/")
+        self.fence: bytes = b""
+        self.on_fenced = None
+        self._batch: dict | None = None
+
+    @property
+    def leader_key(self) -> str:
+        return self.prefix + "/leader"
+
+    def obj_key(self, key: str) -> str:
+        return f"{self.prefix}/obj/{key}"
+
+    def seg_key(self, name: str) -> str:
+        return f"{self.prefix}/seg/{name}"
+
+    # ---- hooks ---------------------------------------------------------------------------------------
+    def committed(self, objs: list) -> None:
+        self._write({self.obj_key(o.key): put_op(self.obj_key(o.key), encode_object(o)) for o in objs})
+
+    def replicas_changed(self, objs: list) -> None:
+        self.committed(objs)
+
+    def removed(self, objs: list) -> None:
+        self._write({self.obj_key(o.key): delete_op(self.obj_key(o.key)) for o in objs})
+
+    def segment_added(self, seg) -> None:
+        value = msgpack.packb([seg.descriptor, seg.region_id, seg.size])
+        self._write({self.seg_key(seg.name): put_op(self.seg_key(seg.name), value)})
+
+    def segment_removed(self, name: str) -> None:
+        self._write({self.seg_key(name): delete_op(self.seg_key(name))})
+
+    # ---- load ----------------------------------------------------------------------------------------
+    def load(self) -> tuple[list, list]:
+        """([(name, wire, region id, size)], [(key, size, [(segment, offset)], checksum, pin)]), objects oldest
+        first. Raises StoreError."""
+        cut = len(self.prefix) + len("/seg/")         # == len("/obj/")
+        segs = [(k[cut:], *msgpack.unpackb(v)) for k, v in self.etcd.range_prefix(self.prefix + "/seg/")]
+        objs = [(k[cut:], *decode_object(v)) for k, v in self.etcd.range_prefix(self.prefix + "/obj/")]
+        return segs, objs
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Collect the writes of the hooks called inside the block; persist them when it ends (a later write
+        of a key supersedes an earlier one). Raises StoreError if they could not be persisted."""
+        self._batch = {}
+        try:
+            yield
+        finally:
+            ops, self._batch = self._batch, None
+            self._flush(ops)
+
+    def _write(self, ops: dict) -> None:
+        if self._batch is not None:
+            self._batch.update(ops)
+        else:
+            self._flush(ops)
+
+    def _flush(self, ops: dict) -> None:
+        ops = list(ops.values())
+        for i in range(0, len(ops), MAX_TXN_OPS):
+            self._txn(ops[i:i + MAX_TXN_OPS])
+
+    def _txn(self, ops: list) -> None:
+        deadline = time.monotonic() + RETRY_S
+        while True:
+            try:
+                ok = self.etcd.txn([self.etcd.value_is(self.leader_key, self.fence)], ops)
+                break
+            except StoreError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+        if not ok:
+            if self.on_fenced is not None:
+                self.on_fenced("another master holds the leader key")
+            raise StoreError(f"not leader: {self.leader_key} no longer holds this master's value; "
+                             "the metadata change was not persisted")
+
+
+def encode_object(obj) -> bytes:
+    """msgpack [size, [[segment, offset], ...], checksum or None, 2 if hard-pinned else 0] (a soft pin's TTL
+    is master-clock time and is not kept)."""
+    hard = 2 if getattr(obj, "pin", 0) == 2 else 0
+    return msgpack.packb([obj.size, [list(r) for r in obj.replicas], getattr(obj, "checksum", None), hard])
+
+
+def decode_object(value: bytes) -> tuple:
+    """(size, [(segment, offset)], checksum, pin) from encode_object's bytes."""
+    size, replicas, checksum, *rest = msgpack.unpackb(value)
+    return size, [(name, off) for name, off in replicas], checksum, (rest[0] if rest else 0)

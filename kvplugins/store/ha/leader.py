@@ -1,0 +1,92 @@
+"""LeaderGuard: the object RpcServer serves in an HA master (duck-types MasterService: handle, tick,
+zmq_endpoint; other attributes are the current MasterService's).
+
+While this master leads, ops run on its MasterService, whose Journal is the EtcdJournal. On election the guard
+builds a fresh MasterService and restores it from etcd (recovery.py) before answering any op; on losing the
+lease it drops that state. A standby (or a leader still recovering) answers every op with a refusal that
+starts with NOT_LEADER and names the leader, so clients (follower.py) look the leader up and retry.
+All of it runs on the RpcServer's single thread; the Elector's thread only flips its lease state.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from kvplugins.errors import StoreError
+from kvplugins.store.ha import NOT_LEADER, recovery
+from kvplugins.store.master.service import MasterService
+
+log = logging.getLogger(__name__)
+
+
+class LeaderGuard:
+    """``cfg``: MasterConfig; ``journal``: EtcdJournal. Set ``elector`` (election.Elector) before serving."""
+
+    def __init__(self, cfg, journal, elector=None):
+        self.cfg, self.journal, self.elector = cfg, journal, elector
+        self.zmq_endpoint = ""
+        self.active = False
+        self.recovered: dict = {}
+        self.inner = MasterService(cfg)          # a standby's empty placeholder (never journals)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)
+
+    def handle(self, op: str, entries: list, opts: dict):
+        """MasterService.handle on the leader. Raises ValueError('not leader; the leader is ...') elsewhere."""
+        if not self._check():
+            raise ValueError(self._refusal())
+        try:
+            with self.journal.batch():         # persisted before the reply is sent
+                return self.inner.handle(op, entries, opts)
+        except StoreError as e:          # the journal could not persist: the op is not acknowledged
+            raise ValueError(str(e)) from e
+
+    def tick(self) -> None:
+        if self._check():
+            try:
+                with self.journal.batch():
+                    self.inner.tick()
+            except StoreError as e:      # etcd down: memory is ahead of etcd; a successor re-expires it
+                log.warning("sweep not persisted: %s", e)
+
+    def _check(self) -> bool:
+        leader = self.elector is not None and self.elector.is_leader()
+        if leader and not self.active:
+            try:
+                self._take_over()
+            except StoreError as e:
+                log.warning("elected, but recovery from etcd failed (retrying): %s", e)
+        elif not leader and self.active:
+            self._step_down()
+        return self.active
+
+    def _take_over(self) -> None:
+        t0 = time.monotonic()
+        self.journal.fence = self.elector.value
+        self.journal.on_fenced = self.elector.lost
+        service = MasterService(self.cfg, zmq_endpoint=self.zmq_endpoint, journal=self.journal)
+        segs, objs = self.journal.load()
+        self.recovered = recovery.restore(service, segs, objs, service.clock())
+        self.inner, self.active = service, True
+        log.warning("leader now: recovered %d segments, %d objects (%d dropped) in %.0f ms",
+                    self.recovered["segments"], self.recovered["objects"], self.recovered["dropped"],
+                    (time.monotonic() - t0) * 1000)
+
+    def _step_down(self) -> None:
+        log.warning("no longer leader: dropping the in-memory metadata (the new leader recovers it from etcd)")
+        self.inner, self.active = MasterService(self.cfg, zmq_endpoint=self.zmq_endpoint), False
+
+    def _refusal(self) -> str:
+        try:
+            value = self.elector.leader() if self.elector is not None else None
+        except Exception as e:  # noqa: BLE001 - the refusal is answered whatever etcd does
+            value = None
+            log.info("leader lookup failed: %s", e)
+        if value is None:
+            return f"{NOT_LEADER}; no leader is elected yet (retry shortly)"
+        if value == getattr(self.elector, "value", None):
+            return f"{NOT_LEADER}; this master was just elected and is recovering (retry shortly)"
+        leader = json.loads(value)
+        return f"{NOT_LEADER}; the leader is {leader['raw']} (control plane {leader['zmq']})"
