@@ -32,7 +32,10 @@ EXPIRED = 5       # put_commit: the pending object was reclaimed (writer too slo
 ON_DISK = 6       # get: the object is only on a node's disk tier; value tells the client how to promote it
 
 OPS = ("info", "put_start", "put_commit", "put_abort", "get", "exists", "exists_prefix", "remove",
-       "status", "register_segment", "heartbeat", "unregister", "describe")
+       "status", "register_segment", "heartbeat", "unregister", "describe", "report_corrupt")
+# put_start opts: store/placement.py PutConfig.wire. put_commit opts: {"xxh3": [checksum per entry]}.
+# get value: [size, [[segment, region id, offset], ...], lease ttl ms, xxh3_64 checksum or None]
+# (the {"cols": 1} form: MasterService._get_cols). report_corrupt entries: [key, segment, offset, checksum].
 
 
 def pack(obj) -> bytes:
