@@ -1,0 +1,174 @@
+"""kvplugins.store.compat.MooncakeDistributedStore: the method names, parameter names/order, defaults and return
+types of the installed Mooncake (0.3.13, read from its pybind signatures), a Mooncake-style script run against
+our real store processes with Mooncake's documented return codes, and the admin ops behind it."""
+import re
+
+import numpy as np
+import pytest
+
+from helpers.cluster import store_cluster
+from kvplugins.store import compat
+from kvplugins.store.compat import MooncakeDistributedStore, ReplicateConfig
+from kvplugins.store.rpc_client import control_client
+
+METHODS = ("setup", "close", "put", "get", "put_batch", "get_batch", "put_from", "get_into", "batch_put_from",
+           "batch_get_into", "register_buffer", "unregister_buffer", "is_exist", "batch_is_exist", "get_size",
+           "remove", "remove_by_regex", "remove_all")
+SIG = re.compile(r"^\s*(?:\d+\. )?(\w+)\(self: [\w.]+(.*)\) -> (.+)$", re.M)
+
+
+def mooncake_signature(fn) -> tuple[list[tuple[str, str | None]], str]:
+    """([(param name, default text or None)], return type) from a pybind docstring (first overload)."""
+    name, params, ret = SIG.findall(fn.__doc__)[0]
+    out = []
+    for p in filter(None, (x.strip() for x in params.split(", "))):
+        head, _, default = p.partition(" = ")
+        out.append((head.split(":")[0], default or None))
+    return out, ret.strip()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_signature_matches_installed_mooncake(method):
+    import inspect
+    mc = pytest.importorskip("mooncake.store")
+    theirs, their_ret = mooncake_signature(getattr(mc.MooncakeDistributedStore, method))
+    sig = inspect.signature(getattr(MooncakeDistributedStore, method))
+    ours = [p for p in sig.parameters.values() if p.name != "self"]
+    assert len(ours) == len(theirs), (method, [p.name for p in ours], theirs)
+    for p, (name, default) in zip(ours, theirs):
+        if name.startswith("arg"):                       # pybind positional: ours must be positional too
+            assert p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD), (method, p)
+        else:
+            assert p.name == name and p.kind == p.POSITIONAL_OR_KEYWORD, (method, p.name, name)
+        if default is not None:
+            assert p.default is not p.empty, (method, name)
+            if default[0] not in "<":                   # literal defaults must be equal
+                assert repr(p.default) == default or str(p.default) == default, (method, name, p.default, default)
+    assert sig.return_annotation.replace("List", "list") == their_ret, (method, sig.return_annotation, their_ret)
+
+
+def test_replicate_config_has_mooncake_attributes_and_defaults():
+    mc = pytest.importorskip("mooncake.store")
+    theirs, ours = mc.ReplicateConfig(), ReplicateConfig()
+    names = [a for a in dir(theirs) if not a.startswith("_")]
+    assert "replica_num" in names and "with_hard_pin" in names
+    for name in names:
+        want, got = getattr(theirs, name), getattr(ours, name)
+        want = int(want) if hasattr(want, "__int__") and not isinstance(want, (bool, int)) else want
+        assert got == want, (name, got, want)
+
+
+def mooncake_style_script(store, master: str) -> dict:
+    """Code written for mooncake.store (return codes as its API reference documents them)."""
+    seen = {}
+    assert store.setup("localhost", "http://localhost:8080/metadata", 0, 16 * 1024 * 1024, "tcp", "", master) == 0
+    assert store.put("hello_key", b"Hello, Mooncake Store!") == 0
+    assert store.put("hello_key", b"Hello, Mooncake Store!") == 0          # existing key: no-op success
+    assert store.get("hello_key") == b"Hello, Mooncake Store!"
+    assert store.get("absent") == b""
+    assert (store.is_exist("hello_key"), store.is_exist("absent")) == (1, 0)
+    assert (store.get_size("hello_key"), store.get_size("absent")) == (22, -704)
+    config = ReplicateConfig()
+    config.replica_num = 2
+    assert store.put("important_data", b"Critical information" * 50, config) == 0
+    keys, values = ["key1", "key2", "key3"], [b"value1", b"value2", b"value3" * 1000]
+    assert store.put_batch(keys, values) == 0
+    assert store.get_batch(keys + ["absent"]) == values + [b""]
+    assert store.batch_is_exist(keys + ["absent"]) == [1, 1, 1, 0]
+
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    src, dst = buf.ctypes.data, buf.ctypes.data + (512 << 10)
+    buf[:3 * 4096] = np.random.default_rng(1).integers(0, 256, 3 * 4096, dtype=np.uint8)
+    assert store.register_buffer(buf.ctypes.data, buf.nbytes) == 0
+    assert store.put_from("zc/0", src, 4096) == 0
+    assert store.batch_put_from(["zc/1", "zc/2"], [src + 4096, src + 8192], [4096, 4096]) == [0, 0]
+    assert store.get_into("zc/0", dst, 64 * 1024) == 4096                  # capacity >= size: bytes read
+    assert np.array_equal(buf[512 << 10:(512 << 10) + 4096], buf[:4096])
+    assert store.get_into("zc/0", dst, 100) == -600                          # buffer too small
+    assert store.get_into("absent", dst, 4096) == -704
+    assert store.batch_get_into(["zc/1", "zc/2", "absent"], [dst, dst + 4096, dst + 8192], [4096] * 3) \
+        == [4096, 4096, -704]
+    assert np.array_equal(buf[512 << 10:(512 << 10) + 8192], buf[4096:3 * 4096])
+    assert store.unregister_buffer(buf.ctypes.data) == 0
+    assert store.unregister_buffer(buf.ctypes.data) < 0
+    assert store.put_from("zc/3", src, 4096) == -600                        # no longer registered
+
+    assert store.remove("hello_key") == 0
+    assert store.remove("hello_key") == -704
+    assert store.remove_by_regex("(") < 0
+    assert store.remove_by_regex("^zc/") == 3
+    seen["left"] = store.remove_all()
+    assert store.is_exist("important_data") == 0 and store.get_batch(keys) == [b""] * 3
+    assert store.close() == 0
+    return seen
+
+
+def test_mooncake_script_runs_on_our_store():
+    with store_cluster(nodes=2, segment_size="4MiB") as c:
+        ctl = control_client(c.master, 3000)
+        store = MooncakeDistributedStore()
+        assert mooncake_style_script(store, c.master) == {"left": 4}   # important_data + key1..3
+        assert ctl.call("status")["objects"] == 0
+        ctl.close()
+
+
+def test_replica_num_places_two_replicas_and_pins_map():
+    with store_cluster(nodes=2, segment_size="4MiB") as c:
+        store = MooncakeDistributedStore()
+        assert store.setup("localhost", "", 0, 1 << 20, "tcp", "", c.master) == 0
+        cfg = ReplicateConfig()
+        cfg.replica_num, cfg.with_hard_pin = 2, True
+        assert store.put("r2", b"r" * 1000, cfg) == 0
+        ctl = control_client(c.master, 3000)
+        assert sorted(s["objects"] for s in ctl.call("status")["segments"]) == [1, 1]   # one per node
+        ctl.close()
+        put = cfg.to_put_config(compat_defaults())
+        assert (put.replicas, put.pin) == (2, "hard")
+        cfg.with_hard_pin, cfg.soft_pin_action, cfg.soft_pin_ttl_ms = False, compat.SoftPinAction.ENABLE, 500
+        assert cfg.to_put_config(compat_defaults()).pin == "soft"
+        cfg.replica_num = 0
+        assert store.put("bad", b"x", cfg) == -600                  # INVALID_PARAMS, not an exception
+        assert store.close() == 0
+
+
+def compat_defaults():
+    from kvplugins.store.placement import PutConfig
+    return PutConfig()
+
+
+def test_errors_are_codes_before_setup_and_when_master_is_down(monkeypatch):
+    store = MooncakeDistributedStore()
+    assert store.put("k", b"v") == -1 and store.get("k") == b"" and store.is_exist("k") == -1
+    assert store.batch_get_into(["a", "b"], [0, 0], [1, 1]) == [-1, -1]
+    assert store.get_batch(["a"]) == [b""]
+    monkeypatch.setenv("KVPLUGINS_CLIENT_RPC_TIMEOUT_MS", "300")
+    with store_cluster(nodes=0) as c:
+        master = c.master
+    assert store.setup("localhost", "", 0, 1 << 20, "tcp", "", master) == -900     # RPC_FAIL
+    assert store.setup({"local_hostname": "localhost", "bogus": 1}) == -600
+    assert store.setup("localhost", "", 0, 1 << 20, "ib", "", master) == -600
+
+
+def test_admin_ops_honour_leases():
+    from kvplugins.store.config import MasterConfig
+    from kvplugins.store.master.service import MasterService
+    from kvplugins.store.protocol import INVALID, NOT_FOUND, OK
+    now = [100.0]
+    m = MasterService(MasterConfig(lease_ttl_ms=1000), clock=lambda: now[0])
+    wire = {"v": 1, "segment_id": "s", "host_id": "h", "transports": {}, "regions": [[1, 4096, None]]}
+    [(code, seg)] = m.handle("register_segment", [[wire, 1, 4096]], {})
+    assert code == OK
+    for key in ("a/1", "a/2", "b/1"):
+        assert m.handle("put_start", [[key, 100]], {})[0][0] == OK
+        assert m.handle("put_commit", [key], {})[0][0] == OK
+    assert m.handle("put_start", [["p/1", 100]], {})[0][0] == OK            # pending: not counted, not removed
+    assert m.handle("get_size", ["a/1", "p/1", "zz", 7], {}) == [[OK, 100], [NOT_FOUND, None]] + [[NOT_FOUND, None]] * 2
+    m.handle("get", ["a/1"], {})                                              # lease on a/1
+    used = m.segments.get(seg).used
+    assert m.handle("remove_by_regex", ["^a/"], {}) == [OK, 2]
+    assert m.handle("remove_by_regex", ["("], {})[0] == INVALID
+    assert m.segments.get(seg).used == used - 128                             # a/2 freed; leased a/1 still held
+    now[0] += 1.5
+    m.tick()
+    assert m.segments.get(seg).used == used - 256                             # lease over: freed
+    assert m.handle("remove_all", [], {}) == [OK, 1] and len(m.table) == 1    # the pending put stays
