@@ -150,3 +150,29 @@ def test_disk_round_trip_across_node_restart(disk_cluster):
         for k in sorted(on_disk):
             assert client.get(k) == _data(keys.index(k))
         assert client._rpc.call("status")["promotions"] == len(on_disk)
+
+
+def test_promote_endpoint_requires_the_shared_secret(tmp_path, monkeypatch):
+    from kvplugins.errors import AuthError
+    from kvplugins.store.protocol import ON_DISK
+    from kvplugins.store.rpc_client import RawRpcClient
+    token = tmp_path / "token"
+    token.write_text("disk-tier-secret-" + "b2" * 16 + "\n")
+    token.chmod(0o600)
+    monkeypatch.delenv("KVPLUGINS_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("KVPLUGINS_AUTH_TOKEN_FILE", str(token))
+    flags = {"disk_dir": str(tmp_path / "disk"), "disk_capacity": "64MiB"}
+    with store_cluster(nodes=1, segment_size="4MiB", master_flags=MASTER, node_flags=flags,
+                       tmp=tmp_path / "cluster") as c, StoreClient(ClientConfig(master=c.master)) as client:
+        keys = _put_and_offload(client, "s", 24)
+        answers = client._rpc.call("get", keys)
+        j = next(i for i, (code, _) in enumerate(answers) if code == ON_DISK)
+        endpoint = answers[j][1][0]
+        monkeypatch.delenv("KVPLUGINS_AUTH_TOKEN_FILE")            # a peer without the secret
+        stranger = RawRpcClient(endpoint, 2000)
+        with pytest.raises(AuthError):
+            stranger.call("promote", [keys[j]])
+        stranger.close()
+        _wait(lambda: "refused disk-tier promote connection" in c.nodes[0].log_tail(), "the refusal logged")
+        monkeypatch.setenv("KVPLUGINS_AUTH_TOKEN_FILE", str(token))
+        assert client.get(keys[j]) == _data(j)                     # the client holding the secret promotes

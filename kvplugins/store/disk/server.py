@@ -1,7 +1,9 @@
 """The node's promote endpoint: the master's raw frame format (protocol.py: 4-byte length + msgpack
 ``[VERSION, id, op, entries, opts]`` -> ``[VERSION, id, ok, payload]``; never pickle) on a TCP port of the node,
 one thread per connection. A client reaches it with rpc_client.RawRpcClient. Ops: ``promote`` (keys -> per key
-``[code, detail]``). Off the per-operation path: only gets of disk-resident objects come here.
+``[code, detail]``). Off the per-operation path: only gets of disk-resident objects come here. With a shared
+secret configured (kvplugins/security) every connection must pass its handshake first, as on the master's raw
+endpoint; binding a non-loopback address without one raises ConfigError.
 """
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ import socket
 import socketserver
 import threading
 
+from kvplugins import security
 from kvplugins.errors import ProtocolError
+from kvplugins.security import handshake
 from kvplugins.store import protocol
 
 log = logging.getLogger(__name__)
 MAX_FRAME = 16 << 20
+AUTH_TIMEOUT_S = 5.0
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -22,10 +27,15 @@ class _Handler(socketserver.BaseRequestHandler):
         sock: socket.socket = self.request
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            if self.server.secret is not None:
+                reason = handshake.serve_blocking(sock, self.server.secret, AUTH_TIMEOUT_S)
+                if reason is not None:
+                    return self.server.refusals.refused("disk-tier promote connection", self.client_address, reason)
+                sock.settimeout(None)
             while (body := _recv_frame(sock)) is not None:
                 sock.sendall(protocol.frame(self.server.answer(body)))
         except (OSError, ProtocolError) as e:
-            log.info("promote endpoint: closed connection from %s: %s", self.client_address, e)
+            log.info("promote endpoint: closed connection from %s: %s", self.client_address, e or type(e).__name__)
 
 
 class _Server(socketserver.ThreadingTCPServer):
@@ -33,6 +43,9 @@ class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
     def __init__(self, host: str, ops: dict):
+        self.secret = security.resolve()
+        security.require_for_bind(host, self.secret, "store --host (the disk tier's promote endpoint)")
+        self.refusals = security.RefusalLog()
         super().__init__((host, 0), _Handler)
         self.ops = ops
 
