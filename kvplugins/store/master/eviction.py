@@ -29,7 +29,7 @@ def victims(table: ObjectTable, now: float, segment: str | None = None):
 
 def expire_soft_pins(table: ObjectTable, now: float) -> int:
     """Unpin soft-pinned objects whose TTL ended; returns how many."""
-    done = [o for o in table.iter_pinned() if o.pin == SOFT and o.pin_until <= now]
+    done = table.expired_soft_pins(now)
     for obj in done:
         table.unpin(obj)
     return len(done)

@@ -6,6 +6,7 @@ of their own, so the eviction scan never walks past them. Times are master-clock
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ class ObjectTable:
         self._objects: OrderedDict[str, Object] = OrderedDict()   # unpinned, LRU first
         self._pinned: OrderedDict[str, Object] = OrderedDict()    # pin != 0, LRU first
         self._pending: dict[str, Object] = {}      # the not-yet-committed subset, for the reclaim sweep
+        self._soft: list[tuple[float, str]] = []   # heap of (pin_until, key) of soft pins, for expiry
 
     def get(self, key: str) -> Object | None:
         obj = self._objects.get(key)
@@ -44,6 +46,8 @@ class ObjectTable:
         lru = self._pinned if obj.pin else self._objects
         lru[obj.key] = obj
         lru.move_to_end(obj.key)
+        if obj.pin == 1:
+            heapq.heappush(self._soft, (obj.pin_until, obj.key))
         if not obj.complete:
             self._pending[obj.key] = obj
 
@@ -61,6 +65,16 @@ class ObjectTable:
         if self._pinned.pop(obj.key, None) is obj:
             self._objects[obj.key] = obj
         obj.pin = 0
+
+    def expired_soft_pins(self, now: float) -> list[Object]:
+        """Soft-pinned objects whose pin ended by ``now`` (each reported once)."""
+        out = []
+        while self._soft and self._soft[0][0] <= now:
+            _, key = heapq.heappop(self._soft)
+            obj = self._pinned.get(key)
+            if obj is not None and obj.pin == 1 and obj.pin_until <= now:
+                out.append(obj)
+        return out
 
     def pop(self, key: str) -> Object | None:
         self._pending.pop(key, None)

@@ -138,7 +138,8 @@ class MasterService:
             if victim is None:
                 n, held = hard_pinned_bytes(self.table)
                 return (f"no space for {size} bytes and every stored object is leased, pending or hard-pinned "
-                        f"({n} hard-pinned objects hold {held} bytes; remove some or add segments)")
+                        f"({n} hard-pinned objects hold {held} bytes, {len(self._zombies)} removed objects wait for "
+                        "their readers' leases; remove some or add segments)")
             self._evict(victim, now, urgent=True)
 
     def op_put_commit(self, entries, opts, now):
