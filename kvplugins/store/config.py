@@ -40,8 +40,8 @@ class MasterConfig:
         "help": "Prometheus /metrics port (kvplugins/store/metrics.py); -1 = off, 0 = any free port (logged)"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "address the metrics endpoint binds"})
     etcd: str = field(default="", metadata={
-        "help": "etcd client URL (http://127.0.0.1:2379): run as one of several HA masters (election, metadata "
-                "persisted in etcd); '' = a single master without persistence"})
+        "help": "etcd client URL(s) (http://127.0.0.1:2379, comma-separated for several members): run as one of "
+                "several HA masters (election, metadata persisted in etcd); '' = a single master, no persistence"})
     etcd_prefix: str = field(default="/kvplugins/default", metadata={"help": "etcd key prefix of this cluster"})
     etcd_lease_ttl_ms: int = field(default=2000, metadata={
         "help": "leader lease: a dead leader is replaced after about this long"})

@@ -28,7 +28,7 @@ class Elector:
         self.etcd, self.key, self.value = etcd, key, value
         self.ttl_s = max(1, math.ceil(ttl_ms / 1000))
         self.poll_s = min(poll_ms / 1000, self.ttl_s / 4)
-        self._lease = None
+        self._lease: int | None = None             # etcd lease id while leading
         self._valid_until = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvp-elector", daemon=True)
@@ -40,10 +40,6 @@ class Elector:
     def is_leader(self) -> bool:
         """True while this master holds a lease it refreshed recently enough (thread-safe, no I/O)."""
         return self._lease is not None and time.monotonic() < self._valid_until
-
-    def leader(self) -> bytes | None:
-        """The current leader's value (any master's), or None while there is none. Raises StoreError."""
-        return self.etcd.get(self.key)
 
     def lost(self, why: str) -> None:
         """Step down now (e.g. a fenced write found another leader); campaigns again later."""
@@ -68,7 +64,7 @@ class Elector:
             try:
                 self._keep_alive() if self._lease is not None else self._campaign()
                 failing = False
-            except StoreError as e:
+            except Exception as e:  # noqa: BLE001 - etcd errors and odd replies: retry, never kill the thread
                 if not failing:
                     log.warning("election: %s", e)
                 failing = True
@@ -91,7 +87,7 @@ class Elector:
     def _keep_alive(self) -> None:
         t0, lease = time.monotonic(), self._lease
         ttl = self.etcd.refresh(lease)
-        if lease is not self._lease:
+        if lease != self._lease:
             return                                  # stepped down meanwhile
         if ttl <= 0:
             self.lost("lease expired")

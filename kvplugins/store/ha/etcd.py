@@ -15,15 +15,22 @@ from kvplugins.errors import ConfigError, StoreError
 MAX_TXN_OPS = 128          # etcd's default --max-txn-ops
 
 
-def parse_endpoint(address: str) -> tuple[str, int, str]:
-    """'etcd://host:port[/prefix]' or 'http://host:port' -> (host, port, prefix or ''). Raises ConfigError."""
-    rest = address.split("://", 1)[1] if "://" in address else address
-    hostport, slash, prefix = rest.partition("/")
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"etcd address {address!r} must be etcd://host:port[/prefix] or http://host:port, "
-                          "e.g. etcd://127.0.0.1:2379/kvplugins/default")
-    return host.strip("[]"), int(port), (slash + prefix).rstrip("/")
+def parse_endpoint(address: str) -> tuple[list[tuple[str, int]], str]:
+    """'etcd://host:port[,host:port...][/prefix]' or 'http://host:port[,http://host:port...]' ->
+    ([(host, port), ...], prefix or ''). Several endpoints = members of one etcd cluster. Raises ConfigError."""
+    if address.count("://") > 1:                     # a list of URLs: http://a:1,http://b:2
+        hostports = ",".join(u.split("://", 1)[-1].strip().rstrip("/") for u in address.split(","))
+        slash = prefix = ""
+    else:
+        hostports, slash, prefix = (address.split("://", 1)[1] if "://" in address else address).partition("/")
+    endpoints = []
+    for hp in hostports.split(","):
+        host, sep, port = hp.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"etcd address {address!r} must be etcd://host:port[,host:port][/prefix] or "
+                              "http://host:port[,http://host:port], e.g. etcd://127.0.0.1:2379/kvplugins/default")
+        endpoints.append((host.strip("[]"), int(port)))
+    return endpoints, (slash + prefix).rstrip("/")
 
 
 def b64(data: bytes | str) -> str:
@@ -45,24 +52,43 @@ def _prefix_end(prefix: bytes) -> bytes:
 
 
 class Etcd:
-    """One etcd endpoint (``http://host:port``), requests time out after ``timeout_s``.
-    Every method raises StoreError (naming the URL) when etcd does not answer."""
+    """A client of one etcd cluster (``http://host:port``, or a comma list of its members: a request that
+    cannot reach one member goes to the next); requests time out after ``timeout_s``. Every method raises
+    StoreError (naming the URLs) when no member answers. One instance per thread."""
 
     def __init__(self, url: str, timeout_s: float = 2.0):
         import etcd3gw
-        host, port, _ = parse_endpoint(url)
-        self.url = f"http://{host}:{port}"
-        self.client = etcd3gw.client(host=host, port=port, timeout=timeout_s, api_path="/v3/")
-        self._errors = (etcd3gw.exceptions.Etcd3Exception, OSError, ValueError)
+        endpoints, _ = parse_endpoint(url)
+        self.url = ",".join(f"http://{host}:{port}" for host, port in endpoints)
+        self._clients = [etcd3gw.client(host=host, port=port, timeout=timeout_s, api_path="/v3/")
+                         for host, port in endpoints]
+        self._cur = 0
+        exc = etcd3gw.exceptions
+        self._down = (exc.ConnectionFailedError, exc.ConnectionTimeoutError, OSError)
+        self._errors = (exc.Etcd3Exception, ValueError)
+
+    @property
+    def client(self):
+        return self._clients[self._cur]
 
     def _do(self, what: str, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except self._errors as e:
-            raise StoreError(f"etcd {self.url}: {what} failed: {e!r:.300}; is etcd running?") from e
+        """``fn(client, *args, **kwargs)`` on the current member, then on the next ones while they are down."""
+        last = None
+        for _ in self._clients:
+            try:
+                return fn(self.client, *args, **kwargs)
+            except self._down as e:
+                last = e
+                self._cur = (self._cur + 1) % len(self._clients)
+            except self._errors as e:
+                raise StoreError(f"etcd {self.url}: {what} failed: {e!r:.300}") from e
+        raise StoreError(f"etcd {self.url}: {what} failed: {last!r:.300}; is etcd running?") from last
+
+    def _post(self, client, path: str, body: dict) -> dict:
+        return client.post(client.get_url(path), json=body)
 
     def get(self, key: str) -> bytes | None:
-        values = self._do("get", self.client.get, key.encode())
+        values = self._do("get", lambda c: c.get(key.encode()))
         return values[0] if values else None
 
     def get_json(self, key: str) -> dict | None:
@@ -76,7 +102,7 @@ class Etcd:
         rows, rev = [], None
         while True:
             req = {"key": b64(start), "range_end": b64(end), "limit": page, **({"revision": rev} if rev else {})}
-            res = self._do("range", self.client.post, self.client.get_url("/kv/range"), json=req)
+            res = self._do("range", self._post, "/kv/range", req)
             rev = rev or int(res["header"]["revision"])
             kvs = res.get("kvs", [])
             rows += [(int(kv.get("mod_revision", 0)), base64.b64decode(kv["key"]).decode(),
@@ -89,23 +115,27 @@ class Etcd:
 
     def txn(self, compare: list[dict], success: list[dict]) -> bool:
         """One transaction; True if ``compare`` held (then ``success`` ran)."""
-        result = self._do("txn", self.client.transaction, {"compare": compare, "success": success, "failure": []})
+        result = self._do("txn", self._post, "/kv/txn", {"compare": compare, "success": success, "failure": []})
         return bool(result.get("succeeded", False))
 
     def value_is(self, key: str, value: bytes) -> dict:
         """A compare clause: ``key`` holds ``value``."""
         return {"key": b64(key), "result": "EQUAL", "target": "VALUE", "value": b64(value)}
 
-    def lease(self, ttl_s: int):
-        return self._do("lease grant", self.client.lease, ttl_s)
+    def lease(self, ttl_s: int) -> int:
+        """Grant a lease of ``ttl_s`` seconds; its id."""
+        return int(self._do("lease grant", self._post, "/lease/grant", {"TTL": ttl_s})["ID"])
 
-    def refresh(self, lease) -> int:
+    def refresh(self, lease: int) -> int:
         """Keep ``lease`` alive; its remaining TTL in seconds, or <= 0 if it already expired."""
-        return self._do("lease keepalive", lease.refresh)
+        return int(self._do("lease keepalive", self._post, "/lease/keepalive", {"ID": lease})["result"].get("TTL", -1))
 
-    def revoke(self, lease) -> None:
-        self._do("lease revoke", lease.revoke)
+    def revoke(self, lease: int) -> None:
+        self._do("lease revoke", self._post, "/kv/lease/revoke", {"ID": lease})
 
-    def create(self, key: str, value: bytes, lease) -> bool:
+    def create(self, key: str, value: bytes, lease: int) -> bool:
         """Put ``key`` = ``value`` under ``lease`` only if ``key`` does not exist; True if it was created."""
-        return bool(self._do("create", self.client.create, key.encode(), value, lease=lease))
+        absent = {"key": b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+        put = put_op(key, value)
+        put["request_put"]["lease"] = lease
+        return self.txn([absent], [put])

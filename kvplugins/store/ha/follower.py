@@ -1,6 +1,6 @@
 """LeaderClient: a master client that finds the elected master and follows it across fail-overs.
 
-Addresses: ``etcd://host:port[/prefix]`` (the leader's addresses are read from ``{prefix}/leader``; default
+Addresses: ``etcd://host:port[,host:port][/prefix]`` (the leader's addresses are read from ``{prefix}/leader``; default
 prefix /kvplugins/default) or a comma list ``host:port,host:port`` of masters (the one answering ``info`` leads;
 standbys refuse). Same interface as RawRpcClient (call / send_deferred / flush / close, ``address``,
 ``timeout_ms``). An op that fails because the master is gone or answers "not leader" is retried on the
@@ -33,8 +33,8 @@ def follows_leader(address: str) -> bool:
 class _EtcdFinder:
     def __init__(self, address: str, timeout_ms: float):
         from kvplugins.store.ha.etcd import Etcd, parse_endpoint
-        host, port, prefix = parse_endpoint(address)
-        self.etcd = Etcd(f"http://{host}:{port}", timeout_s=min(2.0, timeout_ms / 1000))
+        endpoints, prefix = parse_endpoint(address)
+        self.etcd = Etcd(",".join(f"http://{h}:{p}" for h, p in endpoints), timeout_s=min(2.0, timeout_ms / 1000))
         self.key = (prefix or DEFAULT_PREFIX) + "/leader"
 
     def leader(self, deadline: float) -> dict | None:

@@ -80,13 +80,13 @@ class LeaderGuard:
 
     def _refusal(self) -> str:
         try:
-            value = self.elector.leader() if self.elector is not None else None
+            value = self.journal.etcd.get(self.journal.leader_key)     # this thread's etcd client
         except Exception as e:  # noqa: BLE001 - the refusal is answered whatever etcd does
             value = None
             log.info("leader lookup failed: %s", e)
         if value is None:
             return f"{NOT_LEADER}; no leader is elected yet (retry shortly)"
-        if value == getattr(self.elector, "value", None):
+        if self.elector is not None and value == self.elector.value:
             return f"{NOT_LEADER}; this master was just elected and is recovering (retry shortly)"
         leader = json.loads(value)
         return f"{NOT_LEADER}; the leader is {leader['raw']} (control plane {leader['zmq']})"

@@ -24,7 +24,7 @@ def serve(cfg) -> int:
     guard = LeaderGuard(cfg, journal)
     server = RpcServer(cfg, service=guard)
     value = json.dumps({"raw": server.address, "zmq": server.zmq_endpoint, "id": uuid.uuid4().hex}).encode()
-    guard.elector = Elector(etcd, journal.leader_key, value, cfg.etcd_lease_ttl_ms)
+    guard.elector = Elector(Etcd(cfg.etcd), journal.leader_key, value, cfg.etcd_lease_ttl_ms)   # own thread
     stop_on_signals(server.stop)
     if cfg.port_file:
         write_atomic(cfg.port_file, server.address + "\n")
