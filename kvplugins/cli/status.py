@@ -1,4 +1,6 @@
-"""``kvplugins status``: segments, bytes used/total, objects, hits/misses, evictions of a master."""
+"""``kvplugins status``: the pool as a table (rich) — one row per segment (host, size, used, objects, heartbeat
+age, disk tier), a totals row, then the master's counters; ``--json`` prints the raw ``status`` answer (plus
+``tier_segments``) for scripts."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,6 +8,11 @@ import dataclasses
 from kvplugins.config import add_arguments, from_args
 
 SHOWN = ("master", "rpc_timeout_ms")
+# (label, status key) of the counters shown under the table, when the master reports them.
+COUNTERS = (("objects", "objects"), ("hits", "hits"), ("misses", "misses"), ("puts", "commits"), ("removes", "removes"),
+            ("evictions", "evictions"), ("offloads", "offloads"), ("promotions", "promotions"),
+            ("checksum errors", "corrupt_replicas"), ("segments lost", "segments_lost"),
+            ("objects lost", "objects_lost"), ("pending puts", "pending"), ("zombie ranges", "zombies"))
 
 
 def add_parser(sub) -> None:
@@ -22,35 +29,85 @@ def run(args) -> int:
 
     from kvplugins.store import embedded
     from kvplugins.store.config import ClientConfig
-    from kvplugins.store.rpc_client import control_client
     cfg = from_args(ClientConfig, args)
     master = embedded.resolve_master(cfg.master)
-    ctl = control_client(master, cfg.rpc_timeout_ms)
-    try:
-        st = ctl.call("status")
-    finally:
-        ctl.close()
+    st = fetch(master, cfg.rpc_timeout_ms)
     if args.json:
         print(json.dumps(st, indent=1))
     else:
-        _render(master, st)
+        from rich.console import Console
+        render(master, st, Console())
     return 0
 
 
-def _render(master: str, st: dict) -> None:
-    from rich.console import Console
+def fetch(master: str, timeout_ms: float) -> dict:
+    """The master's ``status`` answer with ``tier_segments`` added ({} from a master without that op).
+    Raises MasterUnreachable."""
+    from kvplugins.errors import MasterUnreachable, StoreError
+    from kvplugins.store.rpc_client import control_client
+    ctl = control_client(master, timeout_ms)
+    try:
+        st = ctl.call("status")
+        try:
+            st["tier_segments"] = ctl.call("tier_segments")
+        except MasterUnreachable:
+            raise
+        except StoreError:
+            st["tier_segments"] = {}
+    finally:
+        ctl.close()
+    return st
+
+
+def render(master: str, st: dict, console) -> None:
+    """Print ``st`` (the ``status`` answer, see fetch) as the segment table and the counters line."""
+    console.print(segment_table(master, st))
+    console.print(counter_line(st))
+
+
+def segment_table(master: str, st: dict):
     from rich.table import Table
 
     from kvplugins.config import format_bytes
-    table = Table(title=f"kvplugins store @ {master}")
-    for col in ("segment", "host", "used", "total", "use %", "objects", "free blocks", "heartbeat age"):
-        table.add_column(col, justify="left" if col in ("segment", "host") else "right")
-    for s in st["segments"]:
-        table.add_row(s["name"], s["host_id"], format_bytes(s["used"]), format_bytes(s["size"]),
-                      f"{100 * s['used'] / s['size']:.1f}", str(s["objects"]), str(s["free_blocks"]),
-                      f"{s['heartbeat_age_ms']} ms")
-    console = Console()
-    console.print(table)
-    console.print(f"objects {st['objects']} (pending {st['pending']})  used {format_bytes(st['bytes_used'])} / "
-                  f"{format_bytes(st['bytes_total'])}  hits {st['hits']}  misses {st['misses']}  "
-                  f"evictions {st['evictions']}  lost segments {st['segments_lost']}")
+    tiers = st.get("tier_segments") or {}
+    table = Table(title=f"kvplugins store @ {master}", show_footer=True)
+    cols = ["segment", "host", "size", "used", "used %", "objects", "heartbeat"] + (["disk tier"] if tiers else [])
+    footers = ["total", f"{len(st['segments'])} segments", format_bytes(st["bytes_total"]),
+               format_bytes(st["bytes_used"]), _pct(st["bytes_used"], st["bytes_total"]), str(st["objects"]), "",
+               _disk_total(st)]
+    for col, foot in zip(cols, footers):
+        table.add_column(col, foot, justify="left" if col in ("segment", "host", "disk tier") else "right")
+    for s in sorted(st["segments"], key=lambda s: s["name"]):
+        row = [s["name"], s.get("host_id", ""), format_bytes(s["size"]), format_bytes(s["used"]),
+               _pct(s["used"], s["size"]), str(s["objects"]), f"{s['heartbeat_age_ms']} ms"]
+        table.add_row(*row + ([_disk(tiers.get(s["name"]))] if tiers else []))
+    return table
+
+
+def counter_line(st: dict) -> str:
+    parts = [f"{label} {st[key]}" for label, key in COUNTERS if isinstance(st.get(key), int)]
+    lookups = st.get("hits", 0) + st.get("misses", 0)
+    if lookups:
+        parts.insert(3, f"hit ratio {100 * st['hits'] / lookups:.1f}%")
+    if st.get("draining"):
+        parts.append(f"draining {', '.join(st['draining'])}")
+    return "  ".join(parts)
+
+
+def _pct(used: int, size: int) -> str:
+    return f"{100 * used / size:.1f}" if size else "-"
+
+
+def _disk(tier: dict | None) -> str:
+    if not tier:
+        return "-"
+    from kvplugins.config import format_bytes
+    text = f"{tier['disk_objects']} obj / {format_bytes(tier['disk_capacity'])}"
+    return text + (" draining" if tier.get("draining") else "")
+
+
+def _disk_total(st: dict) -> str:
+    if not st.get("disk_capacity"):
+        return ""
+    from kvplugins.config import format_bytes
+    return f"{format_bytes(st.get('disk_bytes', 0))} of {format_bytes(st['disk_capacity'])}"
