@@ -93,7 +93,7 @@ def migrated(tier, key, segment: str, ok: bool, detail, now: float) -> None:
         tier.end_flight(key, now, free_dest_at=now)
         tier.counters["migrate_failures"] += 1
         if detail in ("corrupt", "missing"):
-            tier._file_lost(key, segment, "corrupt", now)
+            tier.file_lost(key, segment, detail, now)
         return
     tier.flights.pop(key)
     seg = svc.segments.get(segment)

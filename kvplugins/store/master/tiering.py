@@ -27,6 +27,7 @@ from kvplugins.store.protocol import EXISTS, INVALID, NOT_FOUND, OK, ON_DISK, ST
 
 COUNTERS = ("offloads", "offload_failures", "offload_deferred", "promotions", "promote_failures", "disk_hits",
             "disk_corrupt", "disk_evicted", "disk_lost", "migrations", "migrate_failures", "drains")
+LOST_COUNTER = {"evicted": "disk_evicted", "corrupt": "disk_corrupt"}
 CLEAN_SCAN = 256      # a promotion looks this far down the LRU for a victim that is already on disk
 
 
@@ -103,6 +104,7 @@ class Tiering:
     def status(self) -> dict:
         """Merged into the ``status`` op's answer."""
         return {**self.counters, "disk_objects": len(self.copies), "disk_bytes": self.disk_bytes,
+                "disk_flights": len(self.flights),
                 "disk_capacity": sum(n.capacity for n in self.nodes.values()),
                 "draining": sorted(n.segment for n in self.nodes.values() if n.draining)}
 
@@ -258,7 +260,7 @@ class Tiering:
             elif kind == "migrate":
                 drain.migrated(self, key, segment, ok, detail, now)
             elif kind in ("evicted", "corrupt"):
-                self._file_lost(key, segment, kind, now)
+                self.file_lost(key, segment, kind, now)
         return [[OK, None] for _ in entries]
 
     def _offloaded(self, key, segment: str, ok: bool, digest, now: float) -> None:
@@ -276,12 +278,14 @@ class Tiering:
         self.to_disk_only(f.obj, now, max(now, f.obj.lease_until))      # readers that got it keep their lease
         self.counters["offloads"] += 1
 
-    def _file_lost(self, key, segment: str, kind: str, now: float) -> None:
+    def file_lost(self, key, segment: str, why: str, now: float) -> None:
+        """Node ``segment`` no longer has ``key``'s file (``why``: "evicted" by its LRU, "corrupt", "missing");
+        an object that was only there is dropped (a miss from now on)."""
         c = self.copies.get(key)
         if c is None or c.segment != segment:
             return
         self.forget_copy(key, delete=False)
-        self.counters["disk_evicted" if kind == "evicted" else "disk_corrupt"] += 1
+        self.counters[LOST_COUNTER.get(why, "disk_lost")] += 1
         if self.service.table.get(key) is c.obj and not c.obj.replicas and key not in self.flights:
             self.service._drop(c.obj, now)
 
@@ -330,7 +334,7 @@ class Tiering:
             if not ok:
                 self.end_flight(key, now, free_dest_at=now)
                 self.counters["promote_failures"] += 1
-                self._file_lost(key, segment, "corrupt", now)
+                self.file_lost(key, segment, detail, now)
                 out.append([OK, None])
                 continue
             self.flights.pop(key)

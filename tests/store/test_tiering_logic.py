@@ -1,0 +1,116 @@
+"""The master's disk-tier bookkeeping (master/tiering.py, master/drain.py) without processes: the ops a node and
+a client would send, driven by hand with a fake clock. Covers the races real-process tests cannot aim at."""
+from kvplugins.store.config import MasterConfig
+from kvplugins.store.master.service import MasterService
+from kvplugins.store.protocol import EXISTS, NOT_FOUND, OK, ON_DISK
+
+OBJ = 64
+
+
+class Clock:
+    t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def master(high=1.0, low=1.0):
+    clock = Clock()
+    svc = MasterService(MasterConfig(lease_ttl_ms=1000, put_timeout_ms=2000, high_watermark=high,
+                                     low_watermark=low, alloc_align=64), clock=clock)
+    svc.clock_ = clock
+    return svc
+
+
+def node(svc, seg_id="s", size=4 * OBJ, files=(), endpoint="127.0.0.1:1"):
+    wire = {"v": 1, "segment_id": seg_id, "host_id": "h", "transports": {}, "regions": [[1, size, None]]}
+    [(code, name)] = svc.handle("register_segment", [[wire, 1, size]], {})
+    [(code, stale)] = svc.handle("tier_register", [[name, endpoint, 1 << 20, list(files)]], {})
+    assert code == OK
+    return name, stale
+
+
+def put(svc, *keys):
+    started = svc.handle("put_start", [[k, OBJ] for k in keys], {})
+    assert all(code == OK for code, _ in started)
+    svc.handle("put_commit", list(keys), {})
+    svc.tick()                                                # the master's sweep (watermarks, tier)
+
+
+def poll(svc, name):
+    [(code, (cmds, _))] = svc.handle("tier_poll", [name], {})
+    assert code == OK
+    return cmds
+
+
+def test_sweep_offloads_and_frees_dram_only_after_the_node_confirms():
+    svc = master(high=0.6, low=0.3)
+    name, _ = node(svc)
+    put(svc, "a", "b", "c")                                   # 75% > high: the sweep picks a and b
+    cmds = poll(svc, name)
+    assert [c[:2] for c in cmds] == [["offload", "a"], ["offload", "b"]]
+    assert svc.segments.get(name).used == 3 * OBJ              # nothing freed before the files are durable
+    svc.handle("tier_done", [["offload", "a", True, 11], ["offload", "b", True, 12]], {"segment": name})
+    assert svc.segments.get(name).used == OBJ and svc.handle("get", ["a"], {})[0] == [ON_DISK, ["127.0.0.1:1", OBJ]]
+    assert svc.op_status([], {}, svc.clock())["offloads"] == 2
+
+
+def test_urgent_eviction_drops_an_object_in_flight_and_its_late_file_is_deleted():
+    svc = master(high=0.6, low=0.3)
+    name, _ = node(svc)
+    put(svc, "a", "b", "c")
+    assert len(poll(svc, name)) == 2                          # offloads of a and b in flight
+    put(svc, "d", "e")                                        # e finds it full: evicts a at once (dropped)
+    assert svc.handle("exists", ["a", "e"], {}) == [False, True]
+    svc.handle("tier_done", [["offload", "a", True, 11]], {"segment": name})
+    assert ["delete", "a"] in poll(svc, name)                 # nobody wants that file
+    assert svc.op_status([], {}, svc.clock())["disk_objects"] == 0
+
+
+def test_promotion_and_its_races():
+    svc = master()
+    name, stale = node(svc, files=[["x", OBJ, 7], ["y", OBJ, 8]])
+    assert stale == [] and svc.handle("get", ["x"], {})[0][0] == ON_DISK
+    [(code, (off, size))] = svc.handle("promote_start", ["x"], {"segment": name})
+    assert code == OK and size == OBJ
+    assert svc.handle("promote_start", ["x"], {"segment": name})[0][0] == EXISTS      # a second client waits
+    svc.handle("promote_commit", [["x", True, None]], {"segment": name})
+    [(code, (n, locations, _, checksum))] = svc.handle("get", ["x"], {})
+    assert code == OK and locations == [[name, 1, off]] and checksum == 7
+    svc.handle("promote_start", ["y"], {"segment": name})
+    svc.handle("promote_commit", [["y", False, "corrupt"]], {"segment": name})          # the file failed its check
+    assert svc.handle("get", ["y"], {})[0][0] == NOT_FOUND
+    assert svc.op_status([], {}, svc.clock())["disk_corrupt"] == 1
+
+
+def test_removed_key_deletes_its_file_and_a_reput_never_reuses_it():
+    svc = master()
+    name, _ = node(svc, files=[["k", OBJ, 5]])
+    svc.handle("remove", ["k"], {})
+    assert ["delete", "k"] in poll(svc, name)
+    put(svc, "k")                                             # same key, new bytes
+    assert svc.tiering.copy(svc.table.get("k")) is None       # the old file is no clean copy of the new object
+
+
+def test_restarted_node_announcing_a_stale_file_is_told_to_delete_it():
+    svc = master()
+    node(svc, "a")
+    put(svc, "k")                                             # k now lives in DRAM with its own checksum
+    svc.table.get("k").checksum = 1
+    _, stale = node(svc, "b", files=[["k", OBJ, 2], ["k2", OBJ, 3]])
+    assert stale == ["k"] and svc.handle("exists", ["k2"], {}) == [True]
+
+
+def test_drain_migrates_then_tells_the_node_to_exit():
+    svc = master()
+    a, _ = node(svc, "a", files=[["disk", OBJ, 9]])
+    put(svc, "d1")                                            # placed on a (the only segment)
+    b, _ = node(svc, "b")
+    assert svc.handle("drain", [a], {}) == [[OK, None]]
+    put(svc, "new")
+    assert svc.table.get("new").replicas[0][0] == b           # no new placements on a
+    cmds = poll(svc, a)
+    assert sorted((c[1], c[3] >= 0, c[4]) for c in cmds) == [("d1", True, b), ("disk", False, b)]
+    svc.handle("tier_done", [["migrate", c[1], True, None] for c in cmds], {"segment": a})
+    assert [r[0] for r in svc.table.get("d1").replicas] == [b] and svc.handle("get", ["disk"], {})[0][0] == OK
+    assert ["exit"] in poll(svc, a) + poll(svc, a)            # after the file deletes
