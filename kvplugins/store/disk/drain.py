@@ -38,8 +38,9 @@ def drain(master: str, segment: str, timeout_ms: float, rpc_timeout_ms: float, o
 
 
 def _objects_on(rpc, segment: str) -> int | None:
-    """Objects still on ``segment`` (DRAM), or None once it left."""
-    for seg in rpc.call("status")["segments"]:
+    """Objects still on ``segment`` (its DRAM and its node's disk), or None once it left."""
+    st = rpc.call("status")
+    for seg in st["segments"]:
         if seg["name"] == segment:
-            return seg["objects"]
+            return seg["objects"] + st.get("tier_segments", {}).get(segment, {}).get("disk_objects", 0)
     return None

@@ -106,7 +106,9 @@ class Tiering:
         return {**self.counters, "disk_objects": len(self.copies), "disk_bytes": self.disk_bytes,
                 "disk_flights": len(self.flights),
                 "disk_capacity": sum(n.capacity for n in self.nodes.values()),
-                "draining": sorted(n.segment for n in self.nodes.values() if n.draining)}
+                "draining": sorted(n.segment for n in self.nodes.values() if n.draining),
+                "tier_segments": {n.segment: {"disk_objects": len(n.keys), "disk_capacity": n.capacity,
+                                              "draining": n.draining} for n in self.nodes.values()}}
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
     def copy(self, obj) -> Copy | None:
