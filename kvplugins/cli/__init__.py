@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"kvplugins.cli.{name.replace('-', '_')}").add_parser(sub)
+    from kvplugins.security.cli import add_flags
+    add_flags(sub)                               # --token-file on master, store, up, status
     return parser
 
 
@@ -25,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        from kvplugins.security.cli import apply
+        apply(args)                              # the shared secret: flag > env > file, handed to every component
         return int(importlib.import_module(f"kvplugins.cli.{args.command.replace('-', '_')}").run(args) or 0)
     except KVPluginsError as e:
         print(f"kvplugins {args.command}: error: {e}", file=sys.stderr)

@@ -11,7 +11,9 @@ import socket
 import threading
 import time
 
+from kvplugins import security
 from kvplugins.errors import ConfigError, MasterUnreachable, ProtocolError, StoreError
+from kvplugins.security import handshake
 from kvplugins.store import protocol
 
 RECV_CHUNK = 1 << 16
@@ -31,6 +33,7 @@ class _Base:
         self.address, self.timeout_ms = address, timeout_ms
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._secret = security.resolve()   # the cluster's shared secret: authenticate each connection once
 
     def call(self, op: str, entries=(), opts: dict | None = None, timeout_ms: float | None = None):
         """Run batch op ``op`` on the master; returns its payload.
@@ -115,6 +118,8 @@ class RawRpcClient(_Base):
         if self._sock is None:
             sock = socket.create_connection((self._host, self._port), timeout=_left(deadline))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._secret is not None:
+                handshake.client(sock, self._secret, deadline, f"master {self.address}")
             self._sock = sock
         return self._sock
 
@@ -150,6 +155,7 @@ class RawRpcClient(_Base):
         _left(deadline)       # the socket timeout was set to the time left when the request was sent
         chunk = self._sock.recv(RECV_CHUNK)
         if not chunk:
+            handshake.check_refused(self._rbuf, f"master {self.address}")   # AuthError if it refused us
             raise ConnectionError("master closed the connection")
         self._rbuf += chunk
 
@@ -160,23 +166,31 @@ class ZmqRpcClient(_Base):
     def __init__(self, endpoint: str, timeout_ms: float):
         super().__init__(endpoint, timeout_ms)
         import zmq
-        self._zmq = zmq
+
+        from kvplugins.security import curve
+        self._zmq, self._curve = zmq, curve
         self._ctx = zmq.Context.instance()
-        self._sock = None
+        self._sock = self._monitor = None
 
     def _reset(self) -> None:
         if self._sock is not None:
             self._sock.close(0)
-            self._sock = None
+            self._monitor.close(0)
+            self._sock = self._monitor = None
 
     def _roundtrip(self, body: bytes, deadline: float) -> bytes:
         zmq = self._zmq
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._monitor = self._curve.client_monitor(self._sock)
+            self._curve.client_socket(self._sock, self._secret)      # CURVE keys from the shared secret
             self._sock.connect(self.address)
         self._sock.send(body)
         if not self._sock.poll(int(_left(deadline) * 1000), zmq.POLLIN):
+            if self._curve.handshake_failed(self._monitor):
+                self._reset()
+                raise self._curve.refused_error(self.address)
             raise TimeoutError("no reply")
         return self._sock.recv()
 

@@ -68,6 +68,7 @@ def allocate(nbytes: int, backend: str = "memfd") -> Mapping:
 
 def _mapped(fd: int, nbytes: int, path: str, unlink: str | None) -> Mapping:
     try:
+        os.fchmod(fd, 0o600)     # owner only (a memfd starts 0777): other users can neither read nor write it
         os.ftruncate(fd, nbytes)
         return Mapping(fd, nbytes, path, unlink=unlink)
     except BaseException:

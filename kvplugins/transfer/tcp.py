@@ -13,7 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from kvplugins.errors import OutOfRange, ProtocolError, TransferError, TransferFailed
+from kvplugins import security
+from kvplugins.errors import AuthError, OutOfRange, ProtocolError, TransferError, TransferFailed
+from kvplugins.security import handshake
 from kvplugins.transfer import wire
 from kvplugins.transfer.api import RegionInfo, SegmentDescriptor
 from kvplugins.transfer.config import MIN_FRAME, TransferConfig
@@ -82,8 +84,9 @@ class TcpTransport(Transport):
 
     def __init__(self, config: TransferConfig, regions: RegionTable):
         self._cfg = config
+        self._secret = security.resolve()     # the cluster's shared secret (None: loopback-only, no handshake)
         self._server = TcpServer(config.host, config.tcp_port, regions, config.max_frame,
-                                 frame_timeout_s=max(1.0, 2 * config.timeout_ms / 1000.0))
+                                 frame_timeout_s=max(1.0, 2 * config.timeout_ms / 1000.0), secret=self._secret)
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._io = ThreadPoolExecutor(config.tcp_connections * config.workers, thread_name_prefix="kvp-tcp-io")
@@ -147,7 +150,7 @@ class TcpTransport(Transport):
                     conn.sock.close()  # a pooled connection the peer had closed: retry once on a new one
                     conn, fresh = None, True
             self._release(peer, conn)
-        except (OSError, ProtocolError) as e:
+        except (OSError, ProtocolError, AuthError) as e:
             if conn is not None:
                 conn.sock.close()
             self._drop_idle(peer)
@@ -165,7 +168,12 @@ class TcpTransport(Transport):
         body = [view_of(p.local_addr, p.length) for p in frame] if op is Op.WRITE else []
         send_all(sock, [head, *body], deadline.at)
         reader.fill(sock, wire.PREFIX.size, deadline.at)
-        hlen, plen = wire.parse_prefix(reader.take(wire.PREFIX.size), self._cfg.max_frame)
+        prefix = reader.take(wire.PREFIX.size)
+        try:
+            hlen, plen = wire.parse_prefix(prefix, self._cfg.max_frame)
+        except ProtocolError:
+            handshake.check_refused(prefix, "the peer")     # a server with a secret refused us: AuthError
+            raise
         reader.fill(sock, hlen, deadline.at)
         st = wire.decode_response(reader.take(hlen), req_id, len(frame))
         ok = [p for p, s in zip(frame, st) if s is None] if op is Op.READ else []
@@ -192,6 +200,9 @@ class TcpTransport(Transport):
             return conn, True
         sock = socket.create_connection(peer, timeout=left)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._secret is not None:
+            handshake.client(sock, self._secret, deadline.at, "the peer")
+            sock.settimeout(max(1e-3, deadline.remaining()))
         return _Conn(sock, FrameReader()), False
 
     def _release(self, peer: tuple[str, int], conn: "_Conn | None") -> None:
@@ -246,6 +257,10 @@ def _advertised(host: str) -> str:
 
 def _failure(peer: tuple[str, int], e: BaseException, deadline: Deadline) -> TransferFailed:
     where = f"tcp peer {peer[0]}:{peer[1]}"
+    if isinstance(e, AuthError):
+        failed = TransferFailed(f"{where}: authentication failed: {e}")
+        failed.__cause__ = e
+        return failed
     if isinstance(e, (TimeoutError, socket.timeout)):
         return TransferFailed(f"{where} did not answer within the {deadline.timeout_ms:g} ms timeout")
     return TransferFailed(f"{where} failed: {type(e).__name__}: {e}")

@@ -9,6 +9,8 @@ import threading
 import time
 
 from kvplugins.errors import OutOfRange, ProtocolError
+from kvplugins.security import RefusalLog, Secret, require_for_bind
+from kvplugins.security.handshake import serve_blocking
 from kvplugins.transfer import wire
 from kvplugins.transfer.memory import RegionTable, view_of
 from kvplugins.transfer.sockio import FrameReader, send_all
@@ -18,10 +20,15 @@ log = logging.getLogger("kvplugins.transfer.tcp")
 
 class TcpServer:
     """Listens on (host, port); ``port`` is the bound port (port 0 picks a free one). A connection may idle
-    between frames forever, but a frame started must complete within ``frame_timeout_s``."""
+    between frames forever, but a frame started must complete within ``frame_timeout_s``. With ``secret`` every
+    connection must pass the handshake (kvplugins/security/handshake.py) before its first frame; a non-loopback
+    ``host`` without one raises ConfigError."""
 
-    def __init__(self, host: str, port: int, regions: RegionTable, max_frame: int, frame_timeout_s: float):
+    def __init__(self, host: str, port: int, regions: RegionTable, max_frame: int, frame_timeout_s: float,
+                 secret: Secret | None = None):
+        require_for_bind(host, secret, "transfer host (store/client --host, KVPLUGINS_TRANSFER_HOST)")
         self._regions, self._max_frame, self._frame_timeout = regions, max_frame, frame_timeout_s
+        self._secret, self._refusals = secret, RefusalLog()
         self._sock = socket.create_server((host, port), backlog=128)
         self.port = self._sock.getsockname()[1]
         self._lock = threading.Lock()
@@ -49,8 +56,10 @@ class TcpServer:
 
     def _serve(self, conn: socket.socket, addr) -> None:
         reader = FrameReader()
-        conn.settimeout(self._frame_timeout)       # set once: no timeout toggling (2 syscalls) per frame
         try:
+            if self._secret is not None and not self._authenticated(conn, addr):
+                return
+            conn.settimeout(self._frame_timeout)   # set once: no timeout toggling (2 syscalls) per frame
             while self._serve_one(conn, reader):
                 pass
         except ProtocolError as e:
@@ -61,6 +70,19 @@ class TcpServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _authenticated(self, conn: socket.socket, addr) -> bool:
+        """Run the handshake; a refused peer is logged and drained briefly (so it reads the refusal, not a reset)."""
+        refused = serve_blocking(conn, self._secret, self._frame_timeout)
+        if refused is None:
+            return True
+        self._refusals.refused("transfer connection", addr, refused)
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(0.2)
+        deadline, left = time.monotonic() + 1.0, self._max_frame
+        while left > 0 and time.monotonic() < deadline and (got := conn.recv(min(left, 1 << 16))):
+            left -= len(got)
+        return False
 
     def _serve_one(self, conn: socket.socket, reader: FrameReader) -> bool:
         """Serve one request frame; False when the peer closed cleanly between frames. Between frames the

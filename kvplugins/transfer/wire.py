@@ -61,7 +61,9 @@ def parse_prefix(prefix: bytes | memoryview, max_frame: int) -> tuple[int, int]:
     """(header_len, payload_len) of a 16-byte prefix. Raises ProtocolError on bad magic or sizes."""
     magic, hlen, plen = PREFIX.unpack(prefix)
     if magic != MAGIC:
-        raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r})")
+        hint = " (an authentication handshake: the peer has a shared secret, this process has none)" \
+            if magic == b"KVPA" else ""
+        raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}){hint}")
     if not 0 < hlen <= MAX_HEADER:
         raise ProtocolError(f"header length {hlen} outside 1..{MAX_HEADER}")
     if hlen + plen > max_frame:

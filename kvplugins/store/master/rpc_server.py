@@ -20,7 +20,9 @@ import time
 
 import zmq
 
+from kvplugins import security
 from kvplugins.errors import ProtocolError
+from kvplugins.security.curve import CurveServer
 from kvplugins.store import protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
@@ -40,6 +42,7 @@ class _Conn:
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.writing = False          # registered for EVENT_WRITE
+        self.guard = None             # security.ServerHandshake until the peer has authenticated
 
 
 class RpcServer:
@@ -47,11 +50,15 @@ class RpcServer:
 
     def __init__(self, config: MasterConfig, service: MasterService | None = None):
         self.cfg = config
+        self._secret = security.resolve()   # shared secret: both endpoints authenticate (kvplugins/security)
+        security.require_for_bind(config.host, self._secret, "master --host")
+        self._refusals = security.RefusalLog()
         self._listener = socket.create_server((config.host, config.port), reuse_port=False)
         self._listener.setblocking(False)
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._curve = CurveServer(self._router, self._secret) if self._secret else None
         if config.zmq_port:
             self._router.bind(f"tcp://{config.host}:{config.zmq_port}")
         else:
@@ -97,6 +104,8 @@ class RpcServer:
             self._drop(conn, None)
         self._sel.close()
         self._listener.close()
+        if self._curve is not None:
+            self._curve.close()
         self._router.close(0)
         self._ctx.term()
 
@@ -151,6 +160,7 @@ class RpcServer:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = _Conn(sock, peer)
+        conn.guard = security.ServerHandshake(self._secret) if self._secret else None
         self._conns[sock.fileno()] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -164,11 +174,27 @@ class RpcServer:
         if not data:
             return self._drop(conn, None)
         conn.inbuf += data
+        if conn.guard is not None and not self._authenticate(conn):
+            return
         try:
             self._serve_frames(conn)
         except ProtocolError as e:
             return self._drop(conn, str(e))
         self._flush(conn)
+
+    def _authenticate(self, conn: _Conn) -> bool:
+        """Feed a not yet authenticated connection's bytes to its handshake; True once it has passed."""
+        out, outcome = conn.guard.feed(conn.inbuf)
+        conn.outbuf += out
+        if outcome is None:
+            self._flush(conn)
+        elif outcome is False:
+            self._flush(conn)
+            self._refusals.refused("master RPC connection", conn.peer, conn.guard.reason)
+            self._drop(conn, None)
+        else:
+            conn.guard = None
+        return outcome is True
 
     def _serve_frames(self, conn: _Conn) -> None:
         hdr = protocol.HEADER.size

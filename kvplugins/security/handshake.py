@@ -1,0 +1,168 @@
+"""Mutual challenge-response authentication of a TCP connection, once, before its first frame.
+
+Used by the master's raw RPC endpoint and the transfer core's TCP data connections when a secret is set.
+Every message is MSG (72 bytes): magic b"KVPA", version, kind, reason, 1 pad byte, a 32-byte nonce, a 32-byte MAC.
+
+    client -> server  HELLO      nonce = cn (random)
+    server -> client  CHALLENGE  nonce = sn (random), mac = HMAC(secret, "S" + cn + sn)   (the server proves itself)
+    client -> server  PROOF      mac = HMAC(secret, "C" + sn + cn)                        (the client proves itself)
+    server -> client  ACCEPTED   -- frames follow as usual; or REFUSED (reason) and the server closes.
+
+The secret never goes on the wire; nonces from ``secrets`` make every exchange fresh (no replay), the "S"/"C"
+labels keep one side's answer from being reflected as the other's, MACs are compared in constant time. A peer
+that sends anything else first (a frame, a pickle) gets REFUSED(NOT_AUTHENTICATED) and is closed unserved.
+This authenticates; it does not encrypt (operations.md, Security).
+"""
+from __future__ import annotations
+
+import hmac
+import secrets
+import socket
+import struct
+import time
+
+from kvplugins.errors import AuthError
+from kvplugins.security.secret import HOW, Secret
+
+MAGIC = b"KVPA"
+VERSION = 1
+MSG = struct.Struct("<4sBBBx32s32s")
+HELLO, CHALLENGE, PROOF, ACCEPTED, REFUSED = 1, 2, 3, 4, 5
+BAD_PROOF, NOT_AUTHENTICATED, BAD_MESSAGE = 1, 2, 3
+_ZERO = bytes(32)
+_REASONS = {BAD_PROOF: "its shared secret differs from this process's",
+            NOT_AUTHENTICATED: "it requires authentication and this process has no shared secret configured",
+            BAD_MESSAGE: "the authentication exchange was malformed (a different kvplugins version?)"}
+
+
+def message(kind: int, nonce: bytes = _ZERO, mac: bytes = _ZERO, reason: int = 0) -> bytes:
+    return MSG.pack(MAGIC, VERSION, kind, reason, nonce, mac)
+
+
+def refusal_error(peer: str, reason: int) -> AuthError:
+    """The AuthError a client raises when ``peer`` refused it."""
+    return AuthError(f"{peer} refused this connection: {_REASONS.get(reason, f'reason {reason}')}; {HOW}")
+
+
+def check_refused(data: bytes | bytearray | memoryview, peer: str) -> None:
+    """Raise the client's AuthError if ``data`` (at least the first 7 bytes a server answered instead of a
+    frame) starts a REFUSED message: a client without a secret learns why it was closed."""
+    if bytes(data[:4]) == MAGIC and len(data) >= 7:
+        _, kind, reason = struct.unpack_from("<BBB", data, 4)
+        raise refusal_error(peer, reason if kind == REFUSED else BAD_MESSAGE)
+
+
+class ServerHandshake:
+    """The server side of one connection, fed the bytes received so far (blocking or non-blocking sockets).
+    After it fails, ``reason`` says why (for the log line naming the peer)."""
+
+    def __init__(self, secret: Secret):
+        self._secret, self._sn, self._cn = secret, secrets.token_bytes(32), b""
+        self._want = HELLO
+        self.reason = ""
+
+    def feed(self, buf: bytearray) -> tuple[bytes, bool | None]:
+        """Consume handshake messages from the front of ``buf``. Returns (bytes to send, outcome): outcome
+        None = send and wait for more, True = authenticated (frames follow), False = refused (send, then close)."""
+        if buf[:4] != MAGIC[:len(buf[:4])]:
+            return self._refuse(NOT_AUTHENTICATED, "it sent data without authenticating")
+        if len(buf) < MSG.size:
+            return b"", None
+        magic, version, kind, _, nonce, mac = MSG.unpack_from(buf)
+        del buf[:MSG.size]
+        if kind == REFUSED and version == VERSION:
+            return self._refuse(BAD_PROOF, "wrong shared secret (it rejected this server's proof)")
+        if version != VERSION or kind != self._want:
+            return self._refuse(BAD_MESSAGE, f"unexpected handshake message (version {version}, kind {kind})")
+        if kind == HELLO:
+            self._cn, self._want = nonce, PROOF
+            out = message(CHALLENGE, self._sn, self._secret.mac(b"S", self._cn, self._sn))
+            if buf:
+                more, outcome = self.feed(buf)
+                return out + more, outcome
+            return out, None
+        if not hmac.compare_digest(mac, self._secret.mac(b"C", self._sn, self._cn)):
+            return self._refuse(BAD_PROOF, "wrong shared secret")
+        return message(ACCEPTED), True
+
+    def _refuse(self, reason: int, text: str) -> tuple[bytes, bool]:
+        self.reason = text
+        return message(REFUSED, reason=reason), False
+
+
+def serve_blocking(sock: socket.socket, secret: Secret, timeout_s: float) -> str | None:
+    """Run the server side on a blocking socket. Returns None when authenticated, else the refusal reason (the
+    refusal was sent; the caller logs and closes). Raises OSError/TimeoutError (peer gone or silent)."""
+    hs, buf = ServerHandshake(secret), bytearray()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        chunk = sock.recv(MSG.size - len(buf))     # never past a message: frames follow
+        if not chunk:
+            raise ConnectionError("peer closed the connection during authentication")
+        buf += chunk
+        out, outcome = hs.feed(buf)
+        if out:
+            sock.sendall(out)
+        if outcome is True:
+            return None
+        if outcome is False:
+            return hs.reason
+
+
+def client(sock: socket.socket, secret: Secret, deadline: float, peer: str) -> None:
+    """Authenticate a freshly connected blocking socket to ``peer`` (e.g. "master 10.0.0.1:5555") by ``deadline``
+    (time.monotonic()); on failure the socket is closed. Raises AuthError (refused, or the peer could not prove
+    it holds the secret), TimeoutError/OSError (network)."""
+    try:
+        _client(sock, secret, deadline, peer)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _client(sock: socket.socket, secret: Secret, deadline: float, peer: str) -> None:
+    cn = secrets.token_bytes(32)
+    _send(sock, message(HELLO, cn), deadline)
+    kind, reason, sn, mac = _receive(sock, deadline, peer)
+    if kind == REFUSED:
+        raise refusal_error(peer, reason)
+    if kind != CHALLENGE or not hmac.compare_digest(mac, secret.mac(b"S", cn, sn)):
+        try:
+            _send(sock, message(REFUSED, reason=BAD_PROOF), deadline)   # so the server logs the refusal too
+        except OSError:
+            pass
+        raise AuthError(f"{peer} could not prove it holds this process's shared secret (its secret differs, or it "
+                        f"is not a kvplugins peer); {HOW}")
+    _send(sock, message(PROOF, mac=secret.mac(b"C", sn, cn)), deadline)
+    kind, reason, _, _ = _receive(sock, deadline, peer)
+    if kind != ACCEPTED:
+        raise refusal_error(peer, reason if kind == REFUSED else BAD_MESSAGE)
+
+
+def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
+    sock.settimeout(_left(deadline))
+    sock.sendall(data)
+
+
+def _receive(sock: socket.socket, deadline: float, peer: str) -> tuple[int, int, bytes, bytes]:
+    buf = bytearray()
+    while len(buf) < MSG.size:
+        sock.settimeout(_left(deadline))
+        chunk = sock.recv(MSG.size - len(buf))
+        if not chunk:
+            raise AuthError(f"{peer} closed the connection during authentication: it has no shared secret "
+                            f"configured (or is not a kvplugins peer); {HOW}")
+        buf += chunk
+        if buf[:4] != MAGIC[:len(buf[:4])]:
+            raise AuthError(f"{peer} answered the authentication with something else: it has no shared secret "
+                            f"configured (or is not a kvplugins peer); {HOW}")
+    magic, version, kind, reason, nonce, mac = MSG.unpack(buf)
+    return (kind, reason, nonce, mac) if version == VERSION else (REFUSED, BAD_MESSAGE, nonce, mac)
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("authentication did not finish in time")
+    return left

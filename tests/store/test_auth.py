@@ -1,0 +1,195 @@
+"""The shared secret on real processes: a master and a store node started with KVPLUGINS_AUTH_TOKEN_FILE serve
+clients holding the secret (raw RPC, zmq control plane, transfer TCP); clients with no secret or a wrong one are
+refused on every endpoint with AuthError, nothing is served or written, and the master logs each refused peer's
+address. Loopback is the default bind everywhere; a non-loopback bind without a secret does not start."""
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvplugins
+from helpers.auth import FILE_ENV, TOKEN_ENV, read_until_closed, use_secret
+from helpers.cluster import store_cluster
+from kvplugins.errors import AuthError
+from kvplugins.security import handshake
+from kvplugins.store import ClientConfig, StoreClient
+from kvplugins.store.embedded import CLI
+from kvplugins.store.rpc_client import RawRpcClient, ZmqRpcClient, control_client
+from kvplugins.transfer import SegmentDescriptor, wire
+
+SECRET = "cluster-secret-" + "a1" * 16
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    """A master + one 8 MiB node sharing SECRET through a 0600 token file; yields (cluster, token file)."""
+    d = tmp_path_factory.mktemp("auth")
+    token = d / "token"
+    token.write_text(SECRET + "\n")
+    token.chmod(0o600)
+    with pytest.MonkeyPatch.context() as mp:
+        use_secret(mp, token_file=token)
+        with store_cluster(nodes=1, segment_size="8MiB", tmp=d / "cluster") as c:
+            yield c, token
+
+
+@pytest.fixture
+def as_peer(monkeypatch, secured):
+    """as_peer(None | "right" | "wrong"): this test process's secret from now on."""
+    def use(which):
+        use_secret(monkeypatch, token="not-the-cluster-secret-0123456789" if which == "wrong" else None,
+                   token_file=secured[1] if which == "right" else None)
+    return use
+
+
+def _zmq_endpoint(master: str) -> str:
+    ctl = control_client(master, 3000)
+    try:
+        return ctl.address
+    finally:
+        ctl.close()
+
+
+def _wait_log(proc, text: str, timeout_s: float = 5.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in proc.log_tail(20000):
+            return proc.log_tail(20000)
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in the log:\n{proc.log_tail()}")
+
+
+def test_cluster_with_the_secret_works_on_every_connection(secured, as_peer):
+    cluster, _ = secured
+    as_peer("right")
+    client = StoreClient(ClientConfig(master=cluster.master, transports="tcp"))   # data over authenticated TCP
+    try:
+        data = os.urandom(100_000)
+        client.put("auth/ok", data)
+        assert client.get("auth/ok") == data
+        assert client.batch_get(["auth/ok", "auth/missing"])[0] == data
+    finally:
+        client.close()
+    ctl = control_client(cluster.master, 3000)          # zmq under CURVE
+    try:
+        st = ctl.call("status")
+    finally:
+        ctl.close()
+    assert [s["name"] for s in st["segments"]] == [cluster.nodes[0].address]   # the node registered over zmq
+    assert st["objects"] >= 1
+
+
+@pytest.mark.parametrize("which, reason", [(None, "requires authentication"), ("wrong", "could not prove")])
+def test_raw_rpc_refuses_missing_or_wrong_secret(secured, as_peer, which, reason):
+    cluster, _ = secured
+    as_peer(which)
+    rpc = RawRpcClient(cluster.master, 3000)
+    with pytest.raises(AuthError, match=reason):
+        rpc.call("info")
+    rpc.close()
+    with pytest.raises(AuthError, match="KVPLUGINS_AUTH_TOKEN_FILE"):
+        StoreClient(ClientConfig(master=cluster.master))
+    log = _wait_log(cluster.master_proc, "refused master RPC connection from 127.0.0.1:")
+    assert ("sent data without authenticating" if which is None else "wrong shared secret") in log
+
+
+@pytest.mark.parametrize("which", [None, "wrong"])
+def test_zmq_control_plane_refuses_missing_or_wrong_secret(secured, as_peer, which):
+    cluster, _ = secured
+    as_peer("right")
+    endpoint = _zmq_endpoint(cluster.master)
+    as_peer(which)
+    zmq_client = ZmqRpcClient(endpoint, 1500)
+    try:
+        with pytest.raises(AuthError, match="CURVE handshake failed"):
+            zmq_client.call("register_segment", [[{"v": 1}, 0, 4096]])
+    finally:
+        zmq_client.close()
+    _wait_log(cluster.master_proc, "refused zmq control-plane connection from 127.0.0.1:")
+    as_peer("right")
+    ctl = control_client(cluster.master, 3000)
+    try:
+        assert len(ctl.call("status")["segments"]) == 1        # nothing was registered by the refused peer
+    finally:
+        ctl.close()
+
+
+def test_store_node_without_the_secret_does_not_join(secured, as_peer, tmp_path):
+    cluster, _ = secured
+    as_peer(None)
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, FILE_ENV)}
+    proc = subprocess.run(CLI + ["store", "--master", cluster.master, "--segment-size", "4MiB"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "requires authentication" in proc.stderr
+
+
+def test_transfer_tcp_refuses_an_unauthenticated_peer(secured, as_peer):
+    cluster, _ = secured
+    as_peer("right")
+    client = StoreClient(ClientConfig(master=cluster.master, transports="tcp"))
+    try:
+        data = os.urandom(8192)
+        client.put("auth/victim", data)
+        [(_, wire_desc)] = client._rpc.call("describe", [cluster.nodes[0].address])
+        desc = SegmentDescriptor.from_wire(wire_desc)
+        host, port = desc.transports["tcp"]["host"], desc.transports["tcp"]["port"]
+        region = desc.regions[0].region_id
+        evil = np.zeros(desc.regions[0].length, np.uint8).tobytes()[:1 << 20]
+        with socket.create_connection((host, port), timeout=5) as s:       # no handshake: a write frame at once
+            s.sendall(wire.encode_request(wire.OP_WRITE, 1, [(region, 0, len(evil))]) + evil)
+            answer = read_until_closed(s)
+        assert answer[:4] == handshake.MAGIC and answer[5] == handshake.REFUSED   # refused, no frame served
+        assert client.get("auth/victim") == data                              # and nothing was written
+    finally:
+        client.close()
+    _wait_log(cluster.nodes[0], "refused transfer connection from 127.0.0.1:")
+
+
+def test_non_loopback_bind_needs_the_secret(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, FILE_ENV)}
+    proc = subprocess.run(CLI + ["master", "--host", "0.0.0.0", "--port", "0"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--host='0.0.0.0' is not a loopback address" in proc.stderr and FILE_ENV in proc.stderr
+    token = tmp_path / "token"
+    token.write_text(SECRET)
+    token.chmod(0o600)
+    port_file = tmp_path / "port"
+    with subprocess.Popen(CLI + ["master", "--host", "0.0.0.0", "--port", "0", "--port-file", str(port_file),
+                                 "--token-file", str(token)], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT) as master:
+        try:
+            deadline = time.monotonic() + 20
+            while not (port_file.exists() and port_file.read_text().strip()) and master.poll() is None \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert master.poll() is None, master.stdout.read().decode()
+            assert port_file.read_text().startswith("0.0.0.0:")
+        finally:
+            master.kill()
+
+
+def test_default_binds_are_loopback():
+    from dataclasses import fields
+
+    from kvplugins.cli.pd_proxy import PDProxyConfig
+    from kvplugins.security import is_loopback
+    from kvplugins.store.config import ClientConfig as Client, MasterConfig, StoreNodeConfig
+    from kvplugins.transfer import TransferConfig
+    spec = importlib.util.spec_from_file_location(      # the connector's config alone (its package imports vLLM)
+        "kvp_vllm_config", Path(kvplugins.__file__).parent / "vllm_kv_connector" / "config.py")
+    vllm_config = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vllm_config)
+    for cls in (MasterConfig, StoreNodeConfig, Client, TransferConfig, PDProxyConfig, vllm_config.VllmConnectorConfig):
+        hosts = {f.name: f.default for f in fields(cls) if f.name.endswith("host")}
+        assert hosts, cls
+        for name, default in hosts.items():
+            assert is_loopback(default), f"{cls.__name__}.{name} defaults to {default!r}"
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "", "10.1.2.3"))
