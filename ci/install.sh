@@ -10,20 +10,25 @@ VENV=${KVPLUGINS_VENV:-.venv}
 PY=${PYTHON:-python3}
 log() { printf '\n== %s\n' "$*"; }
 
-if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+SUDO=""      # apt needs root: as a user, use passwordless sudo where there is one
+[ "$(id -u)" = 0 ] || { command -v sudo >/dev/null && sudo -n true 2>/dev/null && SUDO=sudo; }
+if command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }; then
   need=()
   for p in iproute2 libibverbs1 etcd-server; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
   if [ ${#need[@]} -gt 0 ]; then
     log "apt-get install ${need[*]}"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
   fi
   # etcd-server's package starts a system etcd where an init system runs; the tests start their own on free
   # ports (tests/helpers/etcd.py), so stop it (best effort; containers have no init system).
   if command -v systemctl >/dev/null && systemctl is-active --quiet etcd 2>/dev/null; then
-    systemctl disable --now etcd >/dev/null 2>&1 || true
+    $SUDO systemctl disable --now etcd >/dev/null 2>&1 || true
+  elif [ -x /etc/init.d/etcd ] && $SUDO /etc/init.d/etcd status >/dev/null 2>&1; then
+    $SUDO /etc/init.d/etcd stop >/dev/null 2>&1 || true
   fi
 fi
-command -v etcd >/dev/null || echo "WARNING: etcd not installed (needs root: apt-get install -y etcd-server); the master HA tests will fail" >&2
+command -v etcd >/dev/null || echo "WARNING: etcd not installed (needs root or sudo: apt-get install -y etcd-server);" \
+  "the master HA tests (tests/store/test_ha.py) will fail" >&2
 
 [ -x "$VENV/bin/python" ] || { log "venv $VENV"; $PY -m venv "$VENV"; }
 PIP="$VENV/bin/python -m pip"

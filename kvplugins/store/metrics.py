@@ -8,7 +8,7 @@ Thread safety: the master is one single-threaded selector loop (master/rpc_serve
 read from another thread. The loop times each dispatched op into an ``OpTimer`` (plain list increments, ~0.3 µs
 per batch op) and, once per sweep (``tick_ms``), publishes an immutable ``MasterSnapshot`` (a msgpack copy of
 the ``status`` op's answer plus the latency histograms); the HTTP thread's collector only reads the latest
-snapshot reference. A node's collector asks the master's ``status`` op over its own control connection, at
+snapshot reference. Timing costs two perf_counter calls and ~0.5 µs per batch op (not per key). A node's collector asks the master's ``status`` op over its own control connection, at
 most once per ``NODE_CACHE_S``, and reads the node's own (immutable or thread-safe) fields.
 """
 from __future__ import annotations
@@ -36,13 +36,14 @@ class OpTimer:
         self.bounds = bounds
         self._ops: dict[str, list] = {}
 
-    def record(self, op: str, seconds: float) -> None:
-        """Count one dispatch of ``op`` that took ``seconds`` (bucket counts..., then count, then sum)."""
-        h = self._ops.get(op)
-        if h is None:
-            h = self._ops[op] = [0] * (len(self.bounds) + 2) + [0.0]
-        h[bisect_left(self.bounds, seconds)] += 1
-        h[-2] += 1
+    def record(self, op: str, seconds: float, bisect=bisect_left) -> None:
+        """Count one dispatch of ``op`` that took ``seconds``: [count per bucket (the last: beyond every bound),
+        sum of seconds]. ~0.5 µs here."""
+        try:
+            h = self._ops[op]
+        except KeyError:
+            h = self._ops[op] = [0] * (len(self.bounds) + 1) + [0.0]
+        h[bisect(self.bounds, seconds)] += 1
         h[-1] += seconds
 
     def snapshot(self) -> dict[str, tuple]:
@@ -51,9 +52,9 @@ class OpTimer:
 
 @dataclass(frozen=True)
 class MasterSnapshot:
-    status: dict          # the ``status`` op's answer (a private copy)
+    status: dict | None   # the ``status`` op's answer (a private copy); None on an HA standby
     counters: tuple       # names of the service's monotonically increasing counters
-    ops: dict             # op -> (bucket counts..., overflow, count, sum seconds)
+    ops: dict             # op -> (count per bucket..., count beyond the last bound, sum of seconds)
     bounds: tuple
     tier_counters: tuple = ()    # names of the disk tier's counters (Tiering.counters), if it has any
 
@@ -77,7 +78,13 @@ class MasterMetrics:
             return
         from kvplugins.store import protocol
         service = self._server.service
-        status = protocol.unpack(protocol.pack(service.handle("status", [], {})))   # deep private copy
+        try:
+            status = protocol.unpack(protocol.pack(service.handle("status", [], {})))   # deep private copy
+        except ValueError:             # an HA standby refuses every op: it reports only that it does not lead
+            status = None
+        except Exception:  # noqa: BLE001 - metrics must never stop the master's loop
+            log.exception("metrics snapshot failed; serving the previous one")
+            return
         self.snapshot = MasterSnapshot(status, tuple(service.counters), self.timer.snapshot(), self.timer.bounds,
                                        tuple(getattr(service.tiering, "counters", ())))
 
@@ -166,7 +173,11 @@ class _Collector:
 # ---- series ------------------------------------------------------------------------------------------
 def master_families(snap: MasterSnapshot) -> list:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-    st, out = snap.status, []
+    st = snap.status
+    out = [GaugeMetricFamily("kvplugins_master_leader", "1 if this master serves (always 1 without HA), 0 on an "
+                             "HA standby", value=0 if st is None else 1)]
+    if st is None:
+        return out + [_latency_family(snap)]
     for name, key, doc in (("capacity_bytes", "bytes_total", "DRAM of all registered segments"),
                            ("used_bytes", "bytes_used", "allocated bytes (objects, pending puts, zombies)"),
                            ("objects", "objects", "objects in the table (pending included)"),
@@ -235,7 +246,7 @@ def _latency_family(snap: MasterSnapshot):
         for bound, c in zip(snap.bounds, h[:n]):
             cum += c
             buckets.append((repr(bound), cum))
-        buckets.append(("+Inf", h[-2]))
+        buckets.append(("+Inf", cum + h[n]))
         fam.add_metric([op], buckets, sum_value=h[-1])
     return fam
 

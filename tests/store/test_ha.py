@@ -76,8 +76,9 @@ def test_leader_killed_mid_workload_loses_no_acknowledged_object(tmp):
             procs.append(_start_node(address, "16MiB", tmp, 0, _env(tmp), {}))
             client = StoreClient(ClientConfig(master=address, rpc_timeout_ms=10000))
             acked, failed, killed = {}, [], threading.Event()
-            killer = threading.Thread(target=lambda: (time.sleep(rng.random() / 50), old.kill(), killed.set()))
-            after_kill, i = 0, 0
+            delay = rng.random() / 50                       # kill 0-20 ms into a batch
+            killer = threading.Thread(target=lambda: (time.sleep(delay), old.kill(), killed.set()))
+            after_kill, reads_after_kill, i = 0, 0, 0
             deadline = time.monotonic() + 40
             while after_kill < 60 and time.monotonic() < deadline:
                 keys = [f"k{i + j}" for j in range(3)]
@@ -89,11 +90,18 @@ def test_leader_killed_mid_workload_loses_no_acknowledged_object(tmp):
                         after_kill += killed.is_set()
                     else:
                         failed.append((key, err))
+                if acked:                                   # reads go on too, and never return wrong bytes
+                    key = rng.choice(list(acked))
+                    value = client.batch_get([key])[0]
+                    assert value == acked[key] or isinstance(value, StoreError), key
+                    reads_after_kill += killed.is_set() and value == acked[key]
                 if len(acked) >= 120 and not killer.is_alive() and not killed.is_set():
                     killer.start()
+            assert killer.ident is not None, f"only {len(acked)} puts acknowledged before the deadline: {failed[:3]}"
             killer.join()
             assert killed.is_set() and not old.alive()
             assert after_kill >= 60, f"only {after_kill} puts acknowledged after the kill; failures {failed[-3:]}"
+            assert reads_after_kill >= 10
             assert len(failed) <= 6, f"{len(failed)} puts failed across one fail-over: {failed[:3]}"
             assert _wait_leader(address)["raw"] == standby.address
             got = client.batch_get(list(acked))

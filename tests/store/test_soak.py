@@ -78,7 +78,10 @@ def test_soak_clients_mixed_ops():
     assert status["objects"] == total["final_keys"]                  # the table holds exactly the acknowledged keys
     assert total["hits"] > OPS and total["misses"] > 0 and total["remove"] > 0   # the mix really ran
     assert total["lease_refused"] <= total["hits"] // 100, errors     # refusals are rare and never wrong bytes
+    print(f"soak: {CLIENTS} clients x {OPS} ops, {max(r['seconds'] for r in results):.1f} s; "
+          f"{ {k: v for k, v in total.items() if k in ('hits', 'misses', 'lease_refused', 'final_keys')} }")
     for name, series in samples.items():
         assert len(series) >= 20, f"{name}: only {len(series)} RSS samples"
         q = quarter_means(series)
+        print(f"soak: {name} RSS MiB per quarter {[round(x / 1024, 1) for x in q]}")
         assert abs(q[3] - q[1]) <= 0.10 * q[1], f"{name} RSS KiB per quarter {q} grew more than 10 %"

@@ -1,8 +1,8 @@
 """LeaderClient: a master client that finds the elected master and follows it across fail-overs.
 
-Addresses: ``etcd://host:port[,host:port][/prefix]`` (the leader's addresses are read from ``{prefix}/leader``; default
-prefix /kvplugins/default) or a comma list ``host:port,host:port`` of masters (the one answering ``info`` leads;
-standbys refuse). Same interface as RawRpcClient (call / send_deferred / flush / close, ``address``,
+Addresses: ``etcd://host:port[,host:port][/prefix]`` (the leader's addresses are read from ``{prefix}/leader``;
+default prefix /kvplugins/default) or a comma list ``host:port,host:port`` of masters (the one answering ``info``
+leads; standbys refuse). Same interface as RawRpcClient (call / send_deferred / flush / close, ``address``,
 ``timeout_ms``). An op that fails because the master is gone or answers "not leader" is retried on the
 (re-resolved) leader until the op's timeout; then MasterUnreachable names the address and the timeout.
 Retrying is safe for the store's ops: puts are idempotent by key (a put_start the dead leader had not journaled
@@ -23,11 +23,6 @@ DEFAULT_PREFIX = "/kvplugins/default"
 # Ops not re-sent to a leader that may have applied them before the connection failed (a second put_start of a
 # key would answer "exists (pending)" and the put would look done); on a new leader they are safe to re-send.
 ONCE_PER_LEADER = frozenset({"put_start"})
-
-
-def follows_leader(address: str) -> bool:
-    """Whether ``address`` names an HA cluster (etcd:// or a comma list) rather than one master."""
-    return address.startswith("etcd://") or "," in address
 
 
 class _EtcdFinder:
@@ -134,8 +129,18 @@ class LeaderClient:
             self._inner = RawRpcClient(leader["raw"], self.timeout_ms) if self.plane == "raw" \
                 else ZmqRpcClient(leader["zmq"], self.timeout_ms)
             self._leader_id = leader.get("id", leader["raw"])
-            self._inner.call("info", timeout_ms=self._attempt_ms(deadline))   # connected, and it leads
+            self._probe(leader["raw"], deadline)
         return self._inner
+
+    def _probe(self, raw: str, deadline: float) -> None:
+        """Ask ``info`` on the leader's raw endpoint: it is up and it leads. On the zmq plane this is a separate
+        TCP probe, because a zmq request to a dead endpoint only times out, while a TCP connect is refused."""
+        probe = self._inner if self.plane == "raw" else RawRpcClient(raw, self.timeout_ms)
+        try:
+            probe.call("info", timeout_ms=max(1.0, (deadline - time.monotonic()) * 1000))
+        finally:
+            if probe is not self._inner:
+                probe.close()
 
     def _drop(self) -> None:
         if self._inner is not None:
