@@ -114,3 +114,17 @@ def test_drain_migrates_then_tells_the_node_to_exit():
     svc.handle("tier_done", [["migrate", c[1], True, None] for c in cmds], {"segment": a})
     assert [r[0] for r in svc.table.get("d1").replicas] == [b] and svc.handle("get", ["disk"], {})[0][0] == OK
     assert ["exit"] in poll(svc, a) + poll(svc, a)            # after the file deletes
+
+
+def test_a_failing_disk_gets_no_offloads_for_a_while():
+    svc = master(high=0.6, low=0.3)
+    name, _ = node(svc)
+    put(svc, "a", "b", "c")
+    svc.handle("tier_done", [["offload", c[1], False, "No space left on device"] for c in poll(svc, name)],
+               {"segment": name})
+    put(svc, "d")                                             # over high again: dropped, not offloaded
+    assert poll(svc, name) == [] and svc.op_status([], {}, svc.clock())["offload_failures"] == 2
+    svc.clock_.t += 1.5
+    put(svc, "e", "f")                                        # over high once more: offloaded again
+    cmds = poll(svc, name)
+    assert cmds and all(c[0] == "offload" for c in cmds)

@@ -40,6 +40,7 @@ class DiskNode:
     keys: set = field(default_factory=set)        # keys with a disk copy here
     queue: list = field(default_factory=list)     # commands not yet polled
     offloading: int = 0       # bytes of offloads in flight
+    retry_at: float = 0.0     # after a failed offload: no new offload before this time (master clock, s)
     draining: bool = False
 
 

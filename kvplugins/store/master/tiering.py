@@ -28,7 +28,8 @@ from kvplugins.store.protocol import EXISTS, INVALID, NOT_FOUND, OK, ON_DISK, ST
 COUNTERS = ("offloads", "offload_failures", "offload_deferred", "promotions", "promote_failures", "disk_hits",
             "disk_corrupt", "disk_evicted", "disk_lost", "migrations", "migrate_failures", "drains")
 LOST_COUNTER = {"evicted": "disk_evicted", "corrupt": "disk_corrupt"}
-CLEAN_SCAN = 256      # a promotion looks this far down the LRU for a victim that is already on disk
+CLEAN_SCAN = 256
+OFFLOAD_BACKOFF_S = 1.0     # after a failed offload (disk full, I/O error) the node gets no offload this long      # a promotion looks this far down the LRU for a victim that is already on disk
 
 
 class Tiering:
@@ -54,7 +55,7 @@ class Tiering:
         if obj.key in self.flights or any(n in self.nodes and self.nodes[n].draining for n, _ in obj.replicas):
             self.counters["offload_deferred"] += 1      # already on its way to disk, or the drain moves it
             return True
-        node = self._offload_node(obj)
+        node = self._offload_node(obj, now)
         if node is None:
             return False
         seg = self.service.segments.get(node.segment)
@@ -185,10 +186,11 @@ class Tiering:
             self.service._drop(obj, now)
         self.counters["disk_lost"] += len(lost)
 
-    def _offload_node(self, obj) -> DiskNode | None:
+    def _offload_node(self, obj, now: float) -> DiskNode | None:
         for name, _ in obj.replicas:
             node = self.nodes.get(name)
-            if node is not None and node.endpoint and not node.draining and obj.size <= node.capacity:
+            if node is not None and node.endpoint and not node.draining and obj.size <= node.capacity \
+                    and node.retry_at <= now:
                 return node
         return None
 
@@ -275,6 +277,7 @@ class Tiering:
         self.end_flight(key, now)
         if not ok:
             self.counters["offload_failures"] += 1
+            self.nodes[segment].retry_at = now + OFFLOAD_BACKOFF_S     # a failing disk acts as none for a while
             return
         self.add_copy(f.obj, segment, int(digest))
         self.to_disk_only(f.obj, now, max(now, f.obj.lease_until))      # readers that got it keep their lease
