@@ -62,7 +62,9 @@ class MasterConfig:
 @dataclass(frozen=True)
 class StoreNodeConfig:
     """A store node: contributes one DRAM segment to the pool (kvplugins/store/node.py)."""
-    master: str = field(default="", metadata={"help": "master address host:port; '' = the embedded `kvplugins up`"})
+    master: str = field(default="", metadata={
+        "help": "master address host:port (HA: etcd://host:port/prefix or host:port,host:port); '' = the embedded "
+                "`kvplugins up`"})
     segment_size: Bytes = field(default=Bytes(1 << 30), metadata={"help": "DRAM this node contributes"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the transfer engine binds"})
     transports: str = field(default="shm,tcp", metadata={"help": "transports offered, fastest first"})
@@ -97,7 +99,9 @@ class StoreNodeConfig:
 @dataclass(frozen=True)
 class ClientConfig:
     """A StoreClient (kvplugins/store/client.py)."""
-    master: str = field(default="", metadata={"help": "master host:port; '' = discover or start `kvplugins up`"})
+    master: str = field(default="", metadata={
+        "help": "master host:port (HA: etcd://host:port/prefix or host:port,host:port); '' = discover or start "
+                "`kvplugins up`"})
     rpc_timeout_ms: int = field(default=3000, metadata={"help": "timeout of each master RPC"})
     transfer_timeout_ms: int = field(default=10000, metadata={"help": "timeout of each transfer batch"})
     segment_size: Bytes = field(default=Bytes(0), metadata={"help": "DRAM this client contributes; 0 = none"})
