@@ -1,6 +1,5 @@
 """``kvplugins status``: the pool as a table (rich) — one row per segment (host, size, used, objects, heartbeat
-age, disk tier), a totals row, then the master's counters; ``--json`` prints the raw ``status`` answer (plus
-``tier_segments``) for scripts."""
+age, disk tier), a totals row, then the master's counters; ``--json`` prints the raw ``status`` answer for scripts."""
 from __future__ import annotations
 
 import dataclasses
@@ -41,22 +40,13 @@ def run(args) -> int:
 
 
 def fetch(master: str, timeout_ms: float) -> dict:
-    """The master's ``status`` answer with ``tier_segments`` added ({} from a master without that op).
-    Raises MasterUnreachable."""
-    from kvplugins.errors import MasterUnreachable, StoreError
+    """The master's ``status`` answer. Raises MasterUnreachable."""
     from kvplugins.store.rpc_client import control_client
     ctl = control_client(master, timeout_ms)
     try:
-        st = ctl.call("status")
-        try:
-            st["tier_segments"] = ctl.call("tier_segments")
-        except MasterUnreachable:
-            raise
-        except StoreError:
-            st["tier_segments"] = {}
+        return ctl.call("status")
     finally:
         ctl.close()
-    return st
 
 
 def render(master: str, st: dict, console) -> None:
@@ -69,7 +59,8 @@ def segment_table(master: str, st: dict):
     from rich.table import Table
 
     from kvplugins.config import format_bytes
-    tiers = st.get("tier_segments") or {}
+    tiers = {name: t for name, t in (st.get("tier_segments") or {}).items()    # nodes with a disk tier
+             if t.get("disk_capacity") or t.get("draining")}
     table = Table(title=f"kvplugins store @ {master}", show_footer=True)
     cols = ["segment", "host", "size", "used", "used %", "objects", "heartbeat"] + (["disk tier"] if tiers else [])
     footers = ["total", f"{len(st['segments'])} segments", format_bytes(st["bytes_total"]),

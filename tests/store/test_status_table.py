@@ -35,7 +35,8 @@ def test_table_rows_totals_and_disk_tier(tmp_path):
         raw = json.loads(status(c.master, "--json"))
     segs = {s["name"]: s for s in raw["segments"]}
     assert set(segs) == {plain, disk} and raw["objects"] == 8
-    assert raw["tier_segments"][disk]["disk_capacity"] == 16 << 20 and plain not in raw["tier_segments"]
+    assert raw["tier_segments"][disk]["disk_capacity"] == 16 << 20
+    assert raw["tier_segments"].get(plain, {}).get("disk_capacity", 0) == 0
     header = row(text, "segment")
     assert header == ["segment", "host", "size", "used", "used %", "objects", "heartbeat", "disk tier"]
     for name, seg in segs.items():

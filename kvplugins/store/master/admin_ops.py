@@ -1,6 +1,5 @@
 """Administrative master ops that walk or inspect the object table: ``get_size``, ``remove_by_regex``,
-``remove_all`` (what the Mooncake-compatible client, kvplugins/store/compat.py, needs beyond the batch ops), and
-``tier_segments`` (per segment disk-tier facts for ``kvplugins status``).
+``remove_all`` (what the Mooncake-compatible client, kvplugins/store/compat.py, needs beyond the batch ops).
 
 ``remove_by_regex`` and ``remove_all`` scan every object in the master's single thread: O(objects), so they
 are for operators and tests, never for the per-request path. Removal goes through ``MasterService.op_remove``,
@@ -20,7 +19,6 @@ def ops(service) -> dict:
         "get_size": lambda entries, opts, now: get_size(service, entries),
         "remove_by_regex": lambda entries, opts, now: remove_by_regex(service, entries, now),
         "remove_all": lambda entries, opts, now: remove_all(service, now),
-        "tier_segments": lambda entries, opts, now: tier_segments(service),
     }
 
 
@@ -54,14 +52,3 @@ def remove_all(service, now: float) -> list:
 def _remove(service, keys: list[str], now: float) -> int:
     return sum(1 for code, _ in service.op_remove(keys, {}, now) if code == OK)
 
-
-def tier_segments(service) -> dict:
-    """{segment: {"disk_capacity": bytes, "disk_objects": n, "draining": bool}} for segments whose node has a
-    disk tier or is draining (read from the disk tier's per-node records, master/disk_state.DiskNode)."""
-    out = {}
-    for name, node in getattr(service.tiering, "nodes", {}).items():
-        capacity, draining = getattr(node, "capacity", 0), getattr(node, "draining", False)
-        if capacity or draining:
-            out[name] = {"disk_capacity": capacity, "disk_objects": len(getattr(node, "keys", ())),
-                         "draining": bool(draining)}
-    return out
