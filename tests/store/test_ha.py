@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cluster import _env, _spawn, _start_node, _wait_file
+from helpers.cluster import _env, _spawn, _start_node, _wait_file, store_cluster
 from helpers.etcd import etcd_server
-from kvplugins.errors import StoreError
+from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.ha.etcd import Etcd, put_op
 from kvplugins.store.ha.follower import leader_info
 from kvplugins.store.ha.journal import EtcdJournal
 from kvplugins.store.ha.leader import LeaderGuard
-from kvplugins.store.protocol import OK
+from kvplugins.store.protocol import EXISTS, OK
 from kvplugins.store.rpc_client import RawRpcClient, master_client
 
 pytestmark = pytest.mark.timeout(120)
@@ -161,6 +161,29 @@ def test_stopped_leader_hands_over_at_once(tmp):
         finally:
             for m in masters:
                 m.kill()
+
+
+def test_put_start_is_not_sent_twice_to_a_living_leader(tmp, monkeypatch):
+    """A comma list of one real master: when the connection fails right after a request was applied, a
+    read-only op is retried, but put_start is not re-sent to that same leader (it would answer 'exists')."""
+    real, failing = RawRpcClient.call, {"exists", "put_start"}
+
+    def call_then_fail(self, op, *args, **kwargs):
+        out = real(self, op, *args, **kwargs)
+        if op in failing:
+            failing.discard(op)
+            self.close()
+            raise MasterUnreachable(self.address, 1, f"{op}: connection reset (injected)")
+        return out
+
+    with store_cluster(nodes=1, tmp=tmp) as c:
+        client = master_client(f"{c.master},{c.master}", 3000)
+        monkeypatch.setattr(RawRpcClient, "call", call_then_fail)
+        assert client.call("exists", ["k"]) == [False]                   # retried once, then answered
+        with pytest.raises(MasterUnreachable, match="put_start: the connection to leader .* not sent again"):
+            client.call("put_start", [["k", 64]])
+        assert client.call("put_start", [["k", 64]])[0] == [EXISTS, "pending"]   # the first one was applied
+        client.close()
 
 
 def test_master_without_etcd_fails_with_a_clear_error(tmp):
