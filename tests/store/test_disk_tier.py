@@ -100,7 +100,8 @@ def test_offload_on_evict_and_promote_on_hit(disk_cluster):
         for i, k in enumerate(keys):                          # single gets: the row-form answer
             assert client.get(k) == _data(i)
         after = client._rpc.call("status")
-        assert after["promotions"] == status["disk_objects"] and after["disk_hits"] >= after["promotions"]
+        # (promotions push usage over high again, so the sweep may offload a later key before it is read)
+        assert after["promotions"] >= status["disk_objects"] and after["disk_hits"] >= after["promotions"]
 
 
 def test_batch_get_promotes_in_column_form(disk_cluster):
