@@ -30,6 +30,7 @@ MSG = struct.Struct("<4sBBBx32s32s")
 HELLO, CHALLENGE, PROOF, ACCEPTED, REFUSED = 1, 2, 3, 4, 5
 BAD_PROOF, NOT_AUTHENTICATED, BAD_MESSAGE = 1, 2, 3
 _ZERO = bytes(32)
+DEADLINE_S = 5.0      # a connection must finish the handshake this soon after it opened (then it is dropped)
 _REASONS = {BAD_PROOF: "its shared secret differs from this process's",
             NOT_AUTHENTICATED: "it requires authentication and this process has no shared secret configured",
             BAD_MESSAGE: "the authentication exchange was malformed (a different kvplugins version?)"}
@@ -60,6 +61,14 @@ class ServerHandshake:
         self._secret, self._sn, self._cn = secret, secrets.token_bytes(32), b""
         self._want = HELLO
         self.reason = ""
+        self.deadline = time.monotonic() + DEADLINE_S
+
+    def overdue(self, now: float) -> bool:
+        """True once the peer has had DEADLINE_S to authenticate (a silent or trickling peer); sets ``reason``."""
+        if now < self.deadline:
+            return False
+        self.reason = f"it did not authenticate within {DEADLINE_S:g} s"
+        return True
 
     def feed(self, buf: bytearray) -> tuple[bytes, bool | None]:
         """Consume handshake messages from the front of ``buf``. Returns (bytes to send, outcome): outcome

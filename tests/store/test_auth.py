@@ -152,6 +152,36 @@ def test_transfer_tcp_refuses_an_unauthenticated_peer(secured, as_peer):
     _wait_log(cluster.nodes[0], "refused transfer connection from 127.0.0.1:")
 
 
+def test_a_silent_connection_is_closed_after_the_handshake_deadline(secured):
+    cluster, _ = secured
+    host, port = cluster.master.rsplit(":", 1)
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=handshake.DEADLINE_S + 5) as s:
+        s.sendall(handshake.MAGIC[:2])                   # starts a handshake, then stalls
+        answer = read_until_closed(s)
+    assert handshake.DEADLINE_S - 0.5 <= time.monotonic() - t0 < handshake.DEADLINE_S + 4
+    assert answer == b""
+    _wait_log(cluster.master_proc, "did not authenticate within")
+
+
+@pytest.mark.parametrize("how", ["flag", "config-file"])
+def test_status_command_takes_the_secret_from_a_flag_or_the_config_file(secured, tmp_path, how):
+    cluster, token = secured
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, FILE_ENV)}
+    cmd = CLI + ["status", "--json", "--master", cluster.master]
+    denied = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert denied.returncode == 2 and "requires authentication" in denied.stderr
+    if how == "flag":
+        cmd += ["--token-file", str(token)]
+    else:
+        conf = tmp_path / "kvp.toml"
+        conf.write_text(f'[auth]\ntoken_file = "{token}"\n')
+        cmd += ["--config", str(conf)]
+    ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert cluster.nodes[0].address in ok.stdout
+
+
 def test_non_loopback_bind_needs_the_secret(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, FILE_ENV)}
     proc = subprocess.run(CLI + ["master", "--host", "0.0.0.0", "--port", "0"], env=env, capture_output=True,

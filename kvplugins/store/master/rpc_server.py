@@ -93,6 +93,7 @@ class RpcServer:
                 if time.monotonic() >= next_tick:
                     self._on_zmq()                   # safety net for the edge-triggered ZMQ_FD
                     self.service.tick()
+                    self._drop_unauthenticated()
                     self.metrics.publish()           # snapshot for the metrics thread
                     next_tick = time.monotonic() + tick_s
         finally:
@@ -195,6 +196,15 @@ class RpcServer:
         else:
             conn.guard = None
         return outcome is True
+
+    def _drop_unauthenticated(self) -> None:
+        """Close connections still not authenticated after handshake.DEADLINE_S (they hold a descriptor)."""
+        if self._secret is None:
+            return
+        now = time.monotonic()
+        for conn in [c for c in self._conns.values() if c.guard is not None and c.guard.overdue(now)]:
+            self._refusals.refused("master RPC connection", conn.peer, conn.guard.reason)
+            self._drop(conn, None)
 
     def _serve_frames(self, conn: _Conn) -> None:
         hdr = protocol.HEADER.size
