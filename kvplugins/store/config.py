@@ -78,6 +78,7 @@ class StoreNodeConfig:
     disk_dir: str = field(default="", metadata={"help": "disk tier directory (offload on evict); '' = no disk tier"})
     disk_capacity: Bytes = field(default=Bytes(0), metadata={"help": "object bytes the disk tier may hold, e.g. 64GiB"})
     disk_poll_ms: int = field(default=50, metadata={"help": "period of the node's disk-tier/drain command poll"})
+    disk_threads: int = field(default=4, metadata={"help": "offloads written at once (their fsyncs overlap)"})
     drain: bool = field(default=False, metadata={
         "help": "do not start a node: drain the node of --segment (migrate its objects) and wait until it left"})
     segment: str = field(default="", metadata={"help": "with --drain: the segment name to drain (`kvplugins status`)"})
@@ -93,6 +94,8 @@ class StoreNodeConfig:
             raise ConfigError("--drain needs --segment NAME (the segment names are in `kvplugins status`)")
         if self.disk_poll_ms <= 0:
             raise ConfigError(f"disk_poll_ms={self.disk_poll_ms} must be > 0 ms")
+        if self.disk_threads < 1:
+            raise ConfigError(f"disk_threads={self.disk_threads} must be >= 1")
 
 
 @component("client")

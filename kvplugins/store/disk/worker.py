@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError, TransferError
 from kvplugins.store.disk.files import CorruptFile, checksum
@@ -36,6 +37,8 @@ class NodeTier:
         self._lock = threading.Lock()        # guards _lost (the disk store has its own lock)
         self._lost: list = []                # evicted/corrupt files to report
         self.server = OpServer(config.host, {"promote": self.op_promote}) if self.disk else None
+        self._pool = ThreadPoolExecutor(config.disk_threads, thread_name_prefix="kvp-offload") \
+            if self.disk and config.disk_threads > 1 else None
         self._registered = False
         self._register()
         self._stop = threading.Event()
@@ -77,7 +80,7 @@ class NodeTier:
             self._registered = False
             return
         cmds, descs = value
-        done = [r for cmd in cmds if (r := self._run(cmd, descs)) is not None]
+        done = [r for r in self._run_all(cmds, descs) if r is not None]
         with self._lock:
             done += self._lost
             self._lost = []
@@ -87,6 +90,22 @@ class NodeTier:
             log.info("segment %s drained; the node leaves", self.segment.name)
             self._stop.set()
             self.on_exit()
+
+    def _run_all(self, cmds: list, descs: dict) -> list:
+        """Run ``cmds`` in order, except that consecutive offloads (distinct keys: the master keeps one flight
+        per key) run on ``disk_threads`` threads at once, so their fsyncs overlap."""
+        out, i = [], 0
+        while i < len(cmds):
+            j = i
+            while j < len(cmds) and cmds[j][0] == "offload":
+                j += 1
+            if j - i > 1 and self._pool is not None:
+                out += list(self._pool.map(lambda c: self._offload(*c[1:]), cmds[i:j]))
+            else:
+                j = max(j, i + 1)
+                out += [self._run(c, descs) for c in cmds[i:j]]
+            i = j
+        return out
 
     def _run(self, cmd: list, descs: dict):
         kind = cmd[0]
@@ -172,5 +191,7 @@ class NodeTier:
             self._thread.join(timeout=5)
         if self.server:
             self.server.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self._staging.close()
         self.rpc.close()
