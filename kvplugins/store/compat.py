@@ -9,15 +9,17 @@ one place where Python calls answer integer codes instead of raising (kvplugins/
 Mooncake contract. Codes: 0 ok; put/remove/register: 0 or a negative ErrorCode; ``get`` / ``get_batch``:
 ``b""`` for a miss; ``get_into``: bytes read or negative; ``is_exist``: 1 / 0 / -1; ``get_size``: bytes or
 negative; ``remove_by_regex`` / ``remove_all``: number removed or negative. Errors map as: KeyNotFound (and a
-checksum mismatch) -> OBJECT_NOT_FOUND (-704), StoreFull -> NO_AVAILABLE_HANDLE (-200), bad arguments,
-unregistered buffer or a too small ``get_into`` buffer -> INVALID_PARAMS (-600), TransferFailed ->
-TRANSFER_FAIL (-800), MasterUnreachable -> RPC_FAIL (-900), anything else -> INTERNAL_ERROR (-1).
+checksum mismatch) -> OBJECT_NOT_FOUND (-704), a remove of a leased object without ``force`` ->
+OBJECT_HAS_LEASE (-706), StoreFull -> NO_AVAILABLE_HANDLE (-200), bad arguments or a too small ``get_into``
+buffer -> INVALID_PARAMS (-600), TransferFailed -> TRANSFER_FAIL (-800), MasterUnreachable -> RPC_FAIL (-900),
+anything else -> INTERNAL_ERROR (-1). As Mooncake over TCP, ``put_from``/``get_into`` also accept memory that was
+never registered (it is copied through the staging buffer instead of zero-copy). The codes of a test script
+were checked against a real mooncake_master 0.3.13 (tests/store/test_compat.py).
 
 Differences (docs/store.md, "Mooncake-compatible API"): ``metadata_server``, ``rdma_devices``, ``engine``,
 ``tenant_id`` and the client HTTP server are accepted and ignored (our master is the metadata server; metrics
 live on the master and nodes); ``protocol`` "rdma" falls back to our default transports (shm, tcp); the SSD
-offload is the store nodes' disk tier, not the client's. ``remove(force=False)`` of a leased object succeeds
-(the lease keeps the reader's bytes valid until it ends), where Mooncake answers OBJECT_HAS_LEASE (-706).
+offload is the store nodes' disk tier, not the client's.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ INTERNAL_ERROR = -1
 NO_AVAILABLE_HANDLE = -200
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 
@@ -203,9 +206,8 @@ class MooncakeDistributedStore:
 
     @_guard()
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
-        """Store ``size`` bytes at registered address ``buffer_ptr`` under ``key``. 0 or a negative code."""
-        self._c.put_from(key, [(int(buffer_ptr), int(size))], self._put_cfg(config))
-        return OK
+        """Store ``size`` bytes at address ``buffer_ptr`` (registered: zero-copy) under ``key``. 0 or negative."""
+        return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
 
     @_guard()
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
@@ -218,8 +220,15 @@ class MooncakeDistributedStore:
                        config: ReplicateConfig | None = None) -> list[int]:
         """Per key 0 or a negative code; one allocate + one transfer + one commit for the batch."""
         _same_length(keys, buffer_ptrs, sizes)
+        keys, cfg = list(keys), self._put_cfg(config)
         spans = [[(int(p), int(n))] for p, n in zip(buffer_ptrs, sizes)]
-        return [code_of(e) for e in self._c.batch_put_from(list(keys), spans, self._put_cfg(config))]
+        errs = self._c.batch_put_from(keys, spans, cfg)
+        copy = [i for i, e in enumerate(errs) if isinstance(e, BufferNotRegistered) and _plausible(*spans[i][0])]
+        if copy:
+            redo = self._c.batch_put([keys[i] for i in copy], [_memory(*spans[i][0]) for i in copy], cfg)
+            for i, err in zip(copy, redo):
+                errs[i] = err
+        return [code_of(e) for e in errs]
 
     @_guard(on_error=_per_key)
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
@@ -233,8 +242,12 @@ class MooncakeDistributedStore:
                 out[i] = INVALID_PARAMS      # Mooncake: "User buffer too small"
         todo = [i for i in todo if out[i] >= 0]
         errs = self._c.batch_get_into([keys[i] for i in todo], [[(int(ptrs[i]), out[i])] for i in todo])
+        copy = [i for i, err in zip(todo, errs)                        # not registered: copied, as Mooncake/TCP
+                if isinstance(err, BufferNotRegistered) and _plausible(int(ptrs[i]), out[i])]
         for i, err in zip(todo, errs):
-            out[i] = out[i] if err is None else code_of(err)
+            out[i] = out[i] if err is None or i in copy else code_of(err)
+        for i, value in zip(copy, self._c.batch_get([keys[i] for i in copy]) if copy else ()):
+            out[i] = code_of(value) if isinstance(value, StoreError) else _copy_out(int(ptrs[i]), value, caps[i])
         return out
 
     # ---- metadata ----------------------------------------------------------------------------------
@@ -254,20 +267,21 @@ class MooncakeDistributedStore:
 
     @_guard()
     def remove(self, key: str, force: bool = False) -> int:
-        """Remove ``key``: 0, or OBJECT_NOT_FOUND. A reader's lease keeps its bytes valid (``force`` moot)."""
-        self._c.remove(key)
-        return OK
+        """Remove ``key``: 0, OBJECT_NOT_FOUND, or OBJECT_HAS_LEASE while a read lease runs (unless ``force``;
+        even then the reader's bytes stay valid until its lease ends)."""
+        [result] = self._call("remove_checked", [key], {"force": bool(force)})
+        return {"removed": OK, "leased": OBJECT_HAS_LEASE}.get(result, OBJECT_NOT_FOUND)
 
     @_guard()
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
-        """Remove every object whose key matches ``regex_pattern`` (Python ``re.search``). The number removed,
-        or INVALID_PARAMS for a pattern that does not compile."""
-        return self._count("remove_by_regex", [regex_pattern])
+        """Remove every object whose key matches ``regex_pattern`` (Python ``re.search``), leased ones only with
+        ``force``. The number removed, or INVALID_PARAMS for a pattern that does not compile."""
+        return self._count("remove_by_regex", [regex_pattern], force)
 
     @_guard()
     def remove_all(self, force: bool = False) -> int:
-        """Remove every object. The number removed, or a negative code."""
-        return self._count("remove_all", [])
+        """Remove every object (leased ones only with ``force``). The number removed, or a negative code."""
+        return self._count("remove_all", [], force)
 
     # ---- internals ---------------------------------------------------------------------------------
     @property
@@ -280,21 +294,40 @@ class MooncakeDistributedStore:
         from kvplugins.store.placement import from_client
         return None if config is None else config.to_put_config(from_client(self._c.cfg))
 
-    def _call(self, op: str, entries: list):
+    def _call(self, op: str, entries: list, opts: dict | None = None):
         """One master op (the admin ops of store/master/admin_ops.py) on the client's master connection."""
-        return self._c._rpc.call(op, entries)
+        return self._c._rpc.call(op, entries, opts)
 
     def _sizes(self, keys: list[str]) -> list[int]:
         from kvplugins.store.protocol import OK as FOUND
         found = self._call("get_size", list(keys))
         return [size if code == FOUND else OBJECT_NOT_FOUND for code, size in found]
 
-    def _count(self, op: str, entries: list) -> int:
+    def _count(self, op: str, entries: list, force: bool) -> int:
         from kvplugins.store.protocol import OK as DONE
-        code, value = self._call(op, entries)
+        code, value = self._call(op, entries, {"force": bool(force)})
         if code != DONE:
             raise ValueError(value)
         return int(value)
+
+
+def _plausible(addr: int, nbytes: int) -> bool:
+    """A raw span worth copying through (never NULL, never negative); anything else stays INVALID_PARAMS."""
+    return addr > 4096 and nbytes > 0
+
+
+def _memory(addr: int, nbytes: int) -> memoryview:
+    """A view of ``nbytes`` at a raw address the caller owns (Mooncake's put_from of unregistered memory)."""
+    import ctypes
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+
+
+def _copy_out(addr: int, value: bytes, capacity: int) -> int:
+    import ctypes
+    if len(value) > capacity:
+        return INVALID_PARAMS
+    ctypes.memmove(addr, value, len(value))
+    return len(value)
 
 
 def _first_code(errors) -> int:

@@ -4,6 +4,7 @@ loopback ports (found by binding port 0) with a temp data dir, waited for, and S
     with etcd_server() as e:
         e.url        # "http://127.0.0.1:PORT" (client URL; what `kvplugins master --etcd` takes)
         e.endpoint   # "etcd://127.0.0.1:PORT" (what clients and nodes take as their master address)
+        e.stop(); e.start()   # an outage: SIGKILL, then the same ports and data dir again
 
 Outside CI a missing ``etcd`` binary fails with a message naming ``bash ci/install.sh``; nothing is skipped.
 """
@@ -27,6 +28,7 @@ class Etcd:
     url: str
     popen: subprocess.Popen
     log: Path
+    args: list
 
     @property
     def endpoint(self) -> str:
@@ -34,6 +36,16 @@ class Etcd:
 
     def log_tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        """SIGKILL etcd (an outage); ``start()`` brings it back on the same ports and data dir."""
+        _kill(self.popen)
+
+    def start(self) -> None:
+        with open(self.log, "ab") as f:
+            self.popen = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+        _wait_healthy(self)
 
 
 def etcd_binary() -> str:
@@ -74,15 +86,20 @@ def _start(tmp: Path) -> Etcd:
     with open(log, "wb") as f:
         popen = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
                                  start_new_session=True)
-    etcd = Etcd(url, popen, log)
+    etcd = Etcd(url, popen, log, args)
+    _wait_healthy(etcd)
+    return etcd
+
+
+def _wait_healthy(etcd: Etcd) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if popen.poll() is not None:
-            raise RuntimeError(f"etcd exited with {popen.returncode}:\n{etcd.log_tail()}")
-        if _healthy(url):
-            return etcd
+        if etcd.popen.poll() is not None:
+            raise RuntimeError(f"etcd exited with {etcd.popen.returncode}:\n{etcd.log_tail()}")
+        if _healthy(etcd.url):
+            return
         time.sleep(0.05)
-    _kill(popen)
+    _kill(etcd.popen)
     raise RuntimeError(f"etcd not healthy after {START_TIMEOUT_S} s:\n{etcd.log_tail()}")
 
 

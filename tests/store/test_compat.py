@@ -58,9 +58,11 @@ def test_replicate_config_has_mooncake_attributes_and_defaults():
         assert got == want, (name, got, want)
 
 
-def mooncake_style_script(store, master: str) -> dict:
-    """Code written for mooncake.store (return codes as its API reference documents them)."""
-    seen = {}
+def mooncake_style_script(store, master: str) -> None:
+    """Code written for mooncake.store. Every expected value is what a real mooncake_master 0.3.13 + two
+    segment processes answered to this same script (run once by hand inside a private network namespace,
+    2026-11-21: Mooncake binds 0.0.0.0, so it cannot run in CI here). The master's lease must outlast the script
+    (Mooncake's default lease is 5 s, like ours)."""
     assert store.setup("localhost", "http://localhost:8080/metadata", 0, 16 * 1024 * 1024, "tcp", "", master) == 0
     assert store.put("hello_key", b"Hello, Mooncake Store!") == 0
     assert store.put("hello_key", b"Hello, Mooncake Store!") == 0          # existing key: no-op success
@@ -91,23 +93,29 @@ def mooncake_style_script(store, master: str) -> dict:
     assert np.array_equal(buf[512 << 10:(512 << 10) + 8192], buf[4096:3 * 4096])
     assert store.unregister_buffer(buf.ctypes.data) == 0
     assert store.unregister_buffer(buf.ctypes.data) < 0
-    assert store.put_from("zc/3", src, 4096) == -600                        # no longer registered
+    assert store.put_from("zc/3", src, 4096) == 0                           # unregistered memory: copied
+    buf[(512 << 10):(512 << 10) + 4096] = 0
+    assert store.get_into("zc/0", dst, 4096) == 4096                         # into unregistered memory too
+    assert np.array_equal(buf[512 << 10:(512 << 10) + 4096], buf[:4096])
 
-    assert store.remove("hello_key") == 0
+    assert store.remove("hello_key") == -706                     # read above: its lease runs (OBJECT_HAS_LEASE)
+    assert store.remove("absent") == -704
+    assert store.remove("hello_key", True) == 0                  # force
     assert store.remove("hello_key") == -704
-    assert store.remove_by_regex("(") < 0
-    assert store.remove_by_regex("^zc/") == 3
-    seen["left"] = store.remove_all()
-    assert store.is_exist("important_data") == 0 and store.get_batch(keys) == [b""] * 3
+    assert store.remove_by_regex("(") == -600
+    assert store.remove_by_regex("^zc/") == 1                    # zc/0..2 were read (leased); zc/3 was not
+    assert store.remove_by_regex("^zc/", True) == 3
+    assert store.is_exist("zc/0") == 0
+    assert store.remove_all() == 1                               # important_data; key1..3 leased by get_batch
+    assert store.remove_all(True) == 3
+    assert store.batch_is_exist(keys + ["important_data"]) == [0, 0, 0, 0]
     assert store.close() == 0
-    return seen
 
 
 def test_mooncake_script_runs_on_our_store():
-    with store_cluster(nodes=2, segment_size="4MiB") as c:
+    with store_cluster(nodes=2, segment_size="4MiB", master_flags={"lease_ttl_ms": 60000}) as c:
         ctl = control_client(c.master, 3000)
-        store = MooncakeDistributedStore()
-        assert mooncake_style_script(store, c.master) == {"left": 4}   # important_data + key1..3
+        mooncake_style_script(MooncakeDistributedStore(), c.master)
         assert ctl.call("status")["objects"] == 0
         ctl.close()
 
@@ -165,10 +173,39 @@ def test_admin_ops_honour_leases():
     assert m.handle("get_size", ["a/1", "p/1", "zz", 7], {}) == [[OK, 100], [NOT_FOUND, None]] + [[NOT_FOUND, None]] * 2
     m.handle("get", ["a/1"], {})                                              # lease on a/1
     used = m.segments.get(seg).used
-    assert m.handle("remove_by_regex", ["^a/"], {}) == [OK, 2]
+    assert m.handle("remove_by_regex", ["^a/"], {}) == [OK, 1]               # leased a/1 skipped
+    assert m.handle("remove_checked", ["a/1", "a/2"], {}) == ["leased", "missing"]
+    assert m.handle("remove_by_regex", ["^a/"], {"force": True}) == [OK, 1]
     assert m.handle("remove_by_regex", ["("], {})[0] == INVALID
     assert m.segments.get(seg).used == used - 128                             # a/2 freed; leased a/1 still held
     now[0] += 1.5
     m.tick()
     assert m.segments.get(seg).used == used - 256                             # lease over: freed
-    assert m.handle("remove_all", [], {}) == [OK, 1] and len(m.table) == 1    # the pending put stays
+    m.handle("get", ["b/1"], {})
+    assert m.handle("remove_all", [], {}) == [OK, 0]                          # b/1 leased
+    assert m.handle("remove_checked", ["b/1"], {"force": True}) == ["removed"]
+    assert m.handle("remove_all", [], {"force": True}) == [OK, 0] and len(m.table) == 1   # the pending put stays
+
+
+def test_same_script_gives_the_same_codes_on_real_mooncake():
+    """The expectations above are Mooncake's: the script passes against a real mooncake_master too (in a private
+    network namespace, since Mooncake binds 0.0.0.0; needs root for `unshare -n`)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("mooncake.store")
+    if not (Path(sys.executable).parent / "mooncake_master").exists():
+        pytest.skip("mooncake_master not installed next to this interpreter (benchmarks/install_mooncake.sh)")
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs `unshare -n` (root) for a private network namespace")
+    import signal
+    proc = subprocess.Popen(["unshare", "-n", sys.executable, str(Path(__file__).with_name("mooncake_crosscheck.py"))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)          # Mooncake's processes too (same session)
+            proc.wait(10)
+    assert proc.returncode == 0 and "SCRIPT OK" in out, (out[-2000:], err[-3000:])

@@ -146,6 +146,33 @@ def test_restarted_single_master_recovers_every_committed_object(tmp):
                 p.kill()
 
 
+def test_etcd_outage_stops_service_then_a_leader_serves_again(tmp):
+    """etcd down for 3 s (longer than the leader lease): the leader steps down (nothing is served without a
+    lease), the masters survive, and once etcd is back a leader recovers and serves every object."""
+    prefix = "/kvp/outage"
+    with etcd_server() as etcd:
+        address = etcd.endpoint + prefix
+        procs = [_master(etcd.url, prefix, tmp, i) for i in range(2)]
+        try:
+            leader = _wait_leader(address)["raw"]
+            procs.append(_start_node(address, "16MiB", tmp, 0, _env(tmp), {}))
+            with StoreClient(ClientConfig(master=address, rpc_timeout_ms=15000)) as client:
+                data = {f"o{i}": bytes([i]) * (100 + i) for i in range(50)}
+                assert client.batch_put(list(data), list(data.values())) == [None] * 50
+                etcd.stop()
+                time.sleep(3.0)
+                with pytest.raises(StoreError, match="not leader"):   # its lease could not be refreshed
+                    RawRpcClient(leader, 2000).call("info")
+                etcd.start()
+                client.put("after", b"a" * 64)                     # retried until a leader serves again
+                assert client.batch_get(list(data)) == list(data.values())
+                assert client.get("after") == b"a" * 64
+            assert all(p.alive() for p in procs)
+        finally:
+            for p in procs:
+                p.kill()
+
+
 def test_stopped_leader_hands_over_at_once(tmp):
     prefix = "/kvp/handover"
     with etcd_server() as etcd:

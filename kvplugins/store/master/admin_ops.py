@@ -1,10 +1,13 @@
-"""Administrative master ops that walk or inspect the object table: ``get_size``, ``remove_by_regex``,
-``remove_all`` (what the Mooncake-compatible client, kvplugins/store/compat.py, needs beyond the batch ops).
+"""Administrative master ops that inspect or walk the object table: ``get_size``, ``remove_checked``,
+``remove_by_regex``, ``remove_all`` (what the Mooncake-compatible client, kvplugins/store/compat.py, needs beyond
+the batch ops).
 
-``remove_by_regex`` and ``remove_all`` scan every object in the master's single thread: O(objects), so they
-are for operators and tests, never for the per-request path. Removal goes through ``MasterService.op_remove``,
-so leases are honoured exactly as for a plain remove (a reader's leased bytes stay valid until the lease ends).
-Follows Mooncake 0.3.13's RemoveByRegex/RemoveAll/GetSize master operations (semantics, not code).
+Mooncake semantics: without ``{"force": true}`` in opts these removes skip objects whose read lease is still
+running (a plain ``remove`` op does not: it removes at once and frees the space when the lease ends; both keep
+a reader's leased bytes valid). ``remove_by_regex`` and ``remove_all`` scan every object in the master's single
+thread: O(objects), so they are for operators and tests, never for the per-request path. Removal goes through
+``MasterService.op_remove``. Follows Mooncake 0.3.13's Remove/RemoveByRegex/RemoveAll/GetSize master operations
+(semantics, observed against a real mooncake_master; not code).
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ def ops(service) -> dict:
     """name -> fn(entries, opts, now) for MasterService's dispatcher."""
     return {
         "get_size": lambda entries, opts, now: get_size(service, entries),
-        "remove_by_regex": lambda entries, opts, now: remove_by_regex(service, entries, now),
-        "remove_all": lambda entries, opts, now: remove_all(service, now),
+        "remove_checked": lambda entries, opts, now: remove_checked(service, entries, bool(opts.get("force")), now),
+        "remove_by_regex": lambda entries, opts, now: remove_by_regex(service, entries, bool(opts.get("force")),
+                                                                      now),
+        "remove_all": lambda entries, opts, now: remove_all(service, bool(opts.get("force")), now),
     }
 
 
@@ -31,7 +36,21 @@ def get_size(service, keys: list) -> list:
     return out
 
 
-def remove_by_regex(service, entries: list, now: float) -> list:
+def remove_checked(service, keys: list, force: bool, now: float) -> list:
+    """Per key "removed", "missing" (no complete object) or "leased" (a read lease runs and not ``force``)."""
+    out = []
+    for key in keys:
+        obj = service.table.get(key) if isinstance(key, str) else None
+        if obj is None or not obj.complete:
+            out.append("missing")
+        elif obj.leased(now) and not force:
+            out.append("leased")
+        else:
+            out.append("removed" if _remove(service, [key], now) else "missing")
+    return out
+
+
+def remove_by_regex(service, entries: list, force: bool, now: float) -> list:
     """entries: ``[pattern]`` (Python ``re`` syntax, matched with ``re.search``). Answers ``[OK, removed count]``
     or ``[INVALID, reason]`` for a pattern that does not compile."""
     if len(entries) != 1 or not isinstance(entries[0], str):
@@ -40,15 +59,17 @@ def remove_by_regex(service, entries: list, now: float) -> list:
         pattern = re.compile(entries[0])
     except re.error as e:
         return [INVALID, f"regex {entries[0]!r} does not compile: {e}"]
-    keys = [o.key for o in service.table.iter_lru() if o.complete and pattern.search(o.key)]
-    return [OK, _remove(service, keys, now)]
+    return [OK, _remove(service, _removable(service, force, now, pattern.search), now)]
 
 
-def remove_all(service, now: float) -> list:
-    """Remove every complete object; answers ``[OK, removed count]``."""
-    return [OK, _remove(service, [o.key for o in service.table.iter_lru() if o.complete], now)]
+def remove_all(service, force: bool, now: float) -> list:
+    """Remove every complete object (not leased ones unless ``force``); answers ``[OK, removed count]``."""
+    return [OK, _remove(service, _removable(service, force, now, lambda key: True), now)]
+
+
+def _removable(service, force: bool, now: float, match) -> list[str]:
+    return [o.key for o in service.table.iter_lru() if o.complete and (force or not o.leased(now)) and match(o.key)]
 
 
 def _remove(service, keys: list[str], now: float) -> int:
     return sum(1 for code, _ in service.op_remove(keys, {}, now) if code == OK)
-
