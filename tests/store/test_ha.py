@@ -3,12 +3,14 @@ SIGKILLed leader replaced mid-workload with no acknowledged object lost (read ba
 single master recovering every committed object's placement. Real processes on loopback, port 0."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,40 @@ def _master(etcd_url: str, prefix: str, tmp: Path, i: int):
                   tmp / f"master{i}.log", _env(tmp))
     proc.address = _wait_file(proc, port_file, f"HA master #{i}")
     return proc
+
+
+@dataclass
+class _Ha:
+    """A real etcd plus the processes started on it (all killed when the test ends)."""
+    etcd: object
+    prefix: str
+    tmp: Path
+    procs: list = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.etcd.endpoint + self.prefix
+
+    def master(self, i: int):
+        self.procs.append(_master(self.etcd.url, self.prefix, self.tmp, i))
+        return self.procs[-1]
+
+    def node(self):
+        self.procs.append(_start_node(self.address, "16MiB", self.tmp, 0, _env(self.tmp), {}))
+        return self.procs[-1]
+
+
+@contextlib.contextmanager
+def _ha(tmp: Path, prefix: str, masters: int = 2):
+    with etcd_server() as etcd:
+        ha = _Ha(etcd, prefix, tmp)
+        try:
+            for i in range(masters):
+                ha.master(i)
+            yield ha
+        finally:
+            for proc in ha.procs:
+                proc.kill()
 
 
 def _wait_leader(address: str, timeout_s: float = 15.0) -> dict:
@@ -62,132 +98,107 @@ def tmp():
 
 
 def test_leader_killed_mid_workload_loses_no_acknowledged_object(tmp):
-    rng, prefix = random.Random(6), "/kvp/failover"
-    with etcd_server() as etcd:
-        address = etcd.endpoint + prefix
-        masters = [_master(etcd.url, prefix, tmp, i) for i in range(2)]
-        procs = list(masters)
-        try:
-            leader = _wait_leader(address)
-            old = next(m for m in masters if m.address == leader["raw"])
-            standby = next(m for m in masters if m is not old)
-            with pytest.raises(StoreError, match=f"not leader; the leader is {leader['raw']}"):
-                RawRpcClient(standby.address, 2000).call("info")
-            procs.append(_start_node(address, "16MiB", tmp, 0, _env(tmp), {}))
-            client = StoreClient(ClientConfig(master=address, rpc_timeout_ms=10000))
-            acked, failed, killed = {}, [], threading.Event()
-            delay = rng.random() / 50                       # kill 0-20 ms into a batch
-            killer = threading.Thread(target=lambda: (time.sleep(delay), old.kill(), killed.set()))
-            after_kill, reads_after_kill, i = 0, 0, 0
-            deadline = time.monotonic() + 40
-            while after_kill < 60 and time.monotonic() < deadline:
-                keys = [f"k{i + j}" for j in range(3)]
-                datas = [_blob(rng, i + j) for j in range(3)]
-                i += 3
-                for key, data, err in zip(keys, datas, client.batch_put(keys, datas)):
-                    if err is None:
-                        acked[key] = data
-                        after_kill += killed.is_set()
-                    else:
-                        failed.append((key, err))
-                if acked:                                   # reads go on too, and never return wrong bytes
-                    key = rng.choice(list(acked))
-                    value = client.batch_get([key])[0]
-                    assert value == acked[key] or isinstance(value, StoreError), key
-                    reads_after_kill += killed.is_set() and value == acked[key]
-                if len(acked) >= 120 and not killer.is_alive() and not killed.is_set():
-                    killer.start()
-            assert killer.ident is not None, f"only {len(acked)} puts acknowledged before the deadline: {failed[:3]}"
-            killer.join()
-            assert killed.is_set() and not old.alive()
-            assert after_kill >= 60, f"only {after_kill} puts acknowledged after the kill; failures {failed[-3:]}"
-            assert reads_after_kill >= 10
-            assert len(failed) <= 6, f"{len(failed)} puts failed across one fail-over: {failed[:3]}"
-            assert _wait_leader(address)["raw"] == standby.address
-            got = client.batch_get(list(acked))
-            lost = [k for k, v in zip(acked, got) if v != acked[k]]
-            assert not lost, f"{len(lost)} of {len(acked)} acknowledged objects lost or wrong, e.g. {lost[:3]}"
-            with StoreClient(ClientConfig(master=f"{old.address},{standby.address}")) as by_list:
-                key = next(iter(acked))
-                assert by_list.get(key) == acked[key]          # a comma list finds the surviving leader
-            client.close()
-        finally:
-            for p in procs:
-                p.kill()
+    rng = random.Random(6)
+    with _ha(tmp, "/kvp/failover") as ha:
+        address, masters = ha.address, list(ha.procs)
+        leader = _wait_leader(address)
+        old = next(m for m in masters if m.address == leader["raw"])
+        standby = next(m for m in masters if m is not old)
+        with pytest.raises(StoreError, match=f"not leader; the leader is {leader['raw']}"):
+            RawRpcClient(standby.address, 2000).call("info")
+        ha.node()
+        client = StoreClient(ClientConfig(master=address, rpc_timeout_ms=10000))
+        acked, failed, killed = {}, [], threading.Event()
+        delay = rng.random() / 50                       # kill 0-20 ms into a batch
+        killer = threading.Thread(target=lambda: (time.sleep(delay), old.kill(), killed.set()))
+        after_kill, reads_after_kill, i = 0, 0, 0
+        deadline = time.monotonic() + 40
+        while after_kill < 60 and time.monotonic() < deadline:
+            keys = [f"k{i + j}" for j in range(3)]
+            datas = [_blob(rng, i + j) for j in range(3)]
+            i += 3
+            for key, data, err in zip(keys, datas, client.batch_put(keys, datas)):
+                if err is None:
+                    acked[key] = data
+                    after_kill += killed.is_set()
+                else:
+                    failed.append((key, err))
+            if acked:                                   # reads go on too, and never return wrong bytes
+                key = rng.choice(list(acked))
+                value = client.batch_get([key])[0]
+                assert value == acked[key] or isinstance(value, StoreError), key
+                reads_after_kill += killed.is_set() and value == acked[key]
+            if len(acked) >= 120 and not killer.is_alive() and not killed.is_set():
+                killer.start()
+        assert killer.ident is not None, f"only {len(acked)} puts acknowledged before the deadline: {failed[:3]}"
+        killer.join()
+        assert killed.is_set() and not old.alive()
+        assert after_kill >= 60, f"only {after_kill} puts acknowledged after the kill; failures {failed[-3:]}"
+        assert reads_after_kill >= 10
+        assert len(failed) <= 6, f"{len(failed)} puts failed across one fail-over: {failed[:3]}"
+        assert _wait_leader(address)["raw"] == standby.address
+        got = client.batch_get(list(acked))
+        lost = [k for k, v in zip(acked, got) if v != acked[k]]
+        assert not lost, f"{len(lost)} of {len(acked)} acknowledged objects lost or wrong, e.g. {lost[:3]}"
+        with StoreClient(ClientConfig(master=f"{old.address},{standby.address}")) as by_list:
+            key = next(iter(acked))
+            assert by_list.get(key) == acked[key]          # a comma list finds the surviving leader
+        client.close()
 
 
 def test_restarted_single_master_recovers_every_committed_object(tmp):
-    rng, prefix = random.Random(7), "/kvp/restart"
-    with etcd_server() as etcd:
-        address = etcd.endpoint + prefix
-        procs = [_master(etcd.url, prefix, tmp, 0)]
-        try:
-            _wait_leader(address)
-            procs.append(_start_node(address, "16MiB", tmp, 0, _env(tmp), {}))
-            client = StoreClient(ClientConfig(master=address, rpc_timeout_ms=10000))
-            data = {f"obj{i}": _blob(rng, i) for i in range(200)}
-            assert client.batch_put(list(data), list(data.values())) == [None] * 200
-            client.remove("obj0")
-            del data["obj0"]
-            procs[0].kill()
-            procs.append(_master(etcd.url, prefix, tmp, 1))
-            _wait_leader(address)
-            status = master_client(address, 5000).call("status")
-            assert status["objects"] == 199 and len(status["segments"]) == 1
-            got = client.batch_get(list(data))
-            assert [k for k, v in zip(data, got) if v != data[k]] == []
-            assert not client.exists("obj0")
-            client.put("after-restart", b"x" * 100)                 # the recovered allocator places new puts
-            assert client.batch_get(list(data)[:20]) == list(data.values())[:20]
-            assert client.get("after-restart") == b"x" * 100
-            client.close()
-        finally:
-            for p in procs:
-                p.kill()
+    rng = random.Random(7)
+    with _ha(tmp, "/kvp/restart", masters=1) as ha:
+        address = ha.address
+        _wait_leader(address)
+        ha.node()
+        client = StoreClient(ClientConfig(master=address, rpc_timeout_ms=10000))
+        data = {f"obj{i}": _blob(rng, i) for i in range(200)}
+        assert client.batch_put(list(data), list(data.values())) == [None] * 200
+        client.remove("obj0")
+        del data["obj0"]
+        ha.procs[0].kill()
+        ha.master(1)
+        _wait_leader(address)
+        status = master_client(address, 5000).call("status")
+        assert status["objects"] == 199 and len(status["segments"]) == 1
+        got = client.batch_get(list(data))
+        assert [k for k, v in zip(data, got) if v != data[k]] == []
+        assert not client.exists("obj0")
+        client.put("after-restart", b"x" * 100)                 # the recovered allocator places new puts
+        assert client.batch_get(list(data)[:20]) == list(data.values())[:20]
+        assert client.get("after-restart") == b"x" * 100
+        client.close()
 
 
 def test_etcd_outage_stops_service_then_a_leader_serves_again(tmp):
     """etcd down for 3 s (longer than the leader lease): the leader steps down (nothing is served without a
     lease), the masters survive, and once etcd is back a leader recovers and serves every object."""
-    prefix = "/kvp/outage"
-    with etcd_server() as etcd:
-        address = etcd.endpoint + prefix
-        procs = [_master(etcd.url, prefix, tmp, i) for i in range(2)]
-        try:
-            leader = _wait_leader(address)["raw"]
-            procs.append(_start_node(address, "16MiB", tmp, 0, _env(tmp), {}))
-            with StoreClient(ClientConfig(master=address, rpc_timeout_ms=15000)) as client:
-                data = {f"o{i}": bytes([i]) * (100 + i) for i in range(50)}
-                assert client.batch_put(list(data), list(data.values())) == [None] * 50
-                etcd.stop()
-                time.sleep(3.0)
-                with pytest.raises(StoreError, match="not leader"):   # its lease could not be refreshed
-                    RawRpcClient(leader, 2000).call("info")
-                etcd.start()
-                client.put("after", b"a" * 64)                     # retried until a leader serves again
-                assert client.batch_get(list(data)) == list(data.values())
-                assert client.get("after") == b"a" * 64
-            assert all(p.alive() for p in procs)
-        finally:
-            for p in procs:
-                p.kill()
+    with _ha(tmp, "/kvp/outage") as ha:
+        leader = _wait_leader(ha.address)["raw"]
+        ha.node()
+        with StoreClient(ClientConfig(master=ha.address, rpc_timeout_ms=15000)) as client:
+            data = {f"o{i}": bytes([i]) * (100 + i) for i in range(50)}
+            assert client.batch_put(list(data), list(data.values())) == [None] * 50
+            ha.etcd.stop()
+            time.sleep(3.0)
+            with pytest.raises(StoreError, match="not leader"):   # its lease could not be refreshed
+                RawRpcClient(leader, 2000).call("info")
+            ha.etcd.start()
+            client.put("after", b"a" * 64)                     # retried until a leader serves again
+            assert client.batch_get(list(data)) == list(data.values())
+            assert client.get("after") == b"a" * 64
+        assert all(p.alive() for p in ha.procs)
 
 
 def test_stopped_leader_hands_over_at_once(tmp):
-    prefix = "/kvp/handover"
-    with etcd_server() as etcd:
-        address = etcd.endpoint + prefix
-        masters = [_master(etcd.url, prefix, tmp, i) for i in range(2)]
-        try:
-            first = _wait_leader(address)["raw"]
-            old = next(m for m in masters if m.address == first)
-            old.kill(signal.SIGTERM)
-            assert old.popen.returncode == 0
-            assert (leader_info(address) or {}).get("raw") != first     # its lease was revoked on the way out
-            assert _wait_leader(address)["raw"] == next(m for m in masters if m is not old).address
-        finally:
-            for m in masters:
-                m.kill()
+    with _ha(tmp, "/kvp/handover") as ha:
+        first = _wait_leader(ha.address)["raw"]
+        old = next(m for m in ha.procs if m.address == first)
+        old.kill(signal.SIGTERM)
+        assert old.popen.returncode == 0
+        assert (leader_info(ha.address) or {}).get("raw") != first     # its lease was revoked on the way out
+        assert _wait_leader(ha.address)["raw"] == next(m for m in ha.procs if m is not old).address
 
 
 def test_put_start_is_not_sent_twice_to_a_living_leader(tmp, monkeypatch):
