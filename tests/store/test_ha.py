@@ -248,8 +248,9 @@ def _wire(seg_id: str, size: int) -> dict:
 
 
 def test_journal_batches_are_fenced_and_recovery_rebuilds_placement():
-    """In process, real etcd (behind a dead first member): 300 objects (3 transactions per op) with checksums and hard pins survive into a
-    second guard; a deposed leader's write is refused; recovered allocators hand out no used byte twice."""
+    """In process, real etcd (behind a dead first member): 300 objects (3 transactions per op) with checksums
+    and hard pins survive into a second guard; a deposed leader's write is refused; recovered allocators hand
+    out no used byte twice."""
     with etcd_server() as server:
         etcd = Etcd(f"http://127.0.0.1:1,{server.url}")        # a member that is down: requests go to the next
         a, b = EtcdJournal(etcd, "/kvp/unit"), EtcdJournal(etcd, "/kvp/unit")
