@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 log() { printf '\n== %s\n' "$*"; }
 
 SUDO=""      # apt needs root: as a user, use passwordless sudo where there is one
-[ "$(id -u)" = 0 ] || { command -v sudo >/dev/null && sudo -n true 2>/dev/null && SUDO=sudo; }
+if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null && sudo -n true 2>/dev/null; then SUDO=sudo; fi
 if command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }; then
   need=()
   for p in iproute2 libibverbs1 etcd-server; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
