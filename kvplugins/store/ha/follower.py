@@ -35,6 +35,9 @@ class _EtcdFinder:
     def leader(self, deadline: float) -> dict | None:
         return self.etcd.get_json(self.key)
 
+    def none_found(self) -> str:
+        return f"no leader is elected: etcd {self.etcd.url} has no {self.key} (masters down, or another prefix?)"
+
 
 class _ListFinder:
     def __init__(self, address: str, timeout_ms: float):
@@ -50,6 +53,9 @@ class _ListFinder:
             finally:
                 probe.close()
         return None
+
+    def none_found(self) -> str:
+        return f"none of the masters {', '.join(self.addresses)} answered as leader"
 
 
 class LeaderClient:
@@ -83,7 +89,7 @@ class LeaderClient:
 
     def _retry(self, op: str, timeout_ms: float, fn):
         deadline = time.monotonic() + timeout_ms / 1000
-        last: Exception | None = StoreError("no leader is elected")
+        last: Exception | None = StoreError(self._finder.none_found())
         applied_by = None            # leader that may have applied ``op`` before its connection failed
         with self._lock:
             while True:

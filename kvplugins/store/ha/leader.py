@@ -18,6 +18,7 @@ from kvplugins.store.ha import NOT_LEADER, recovery
 from kvplugins.store.master.service import MasterService
 
 log = logging.getLogger(__name__)
+LOOKUP_CACHE_S = 0.1          # a standby's refusals name the leader it read from etcd at most this long ago
 
 
 class LeaderGuard:
@@ -28,6 +29,7 @@ class LeaderGuard:
         self.zmq_endpoint = ""
         self.active = False
         self.recovered: dict = {}
+        self._looked_up: tuple[float, bytes | None] = (-LOOKUP_CACHE_S, None)    # (when, leader value)
         self.inner = MasterService(cfg)          # a standby's empty placeholder (never journals)
 
     def __getattr__(self, name):
@@ -79,11 +81,14 @@ class LeaderGuard:
         self.inner, self.active = MasterService(self.cfg, zmq_endpoint=self.zmq_endpoint), False
 
     def _refusal(self) -> str:
-        try:
-            value = self.journal.etcd.get(self.journal.leader_key)     # this thread's etcd client
-        except Exception as e:  # noqa: BLE001 - the refusal is answered whatever etcd does
-            value = None
-            log.info("leader lookup failed: %s", e)
+        now = time.monotonic()
+        if now - self._looked_up[0] > LOOKUP_CACHE_S:       # a client hammering a standby costs etcd little
+            try:
+                self._looked_up = (now, self.journal.etcd.get(self.journal.leader_key))   # this thread's client
+            except Exception as e:  # noqa: BLE001 - the refusal is answered whatever etcd does
+                self._looked_up = (now, None)
+                log.info("leader lookup failed: %s", e)
+        value = self._looked_up[1]
         if value is None:
             return f"{NOT_LEADER}; no leader is elected yet (retry shortly)"
         if self.elector is not None and value == self.elector.value:
