@@ -100,6 +100,7 @@ def test_hard_pin_never_evicted_and_named_in_store_full():
     for i in range(5):                                            # only the unpinned slot turns over
         put(m, [f"b{i}"])
     assert m.handle("exists", ["h0", "h1", "h2", "b4"], {}) == [True] * 4
+    assert m.handle("status", [], {})["pinned"] == 3
     m.handle("get", ["b4"], {})                                   # leased: nothing evictable is left
     [(code, msg)] = m.handle("put_start", [["c", OBJ]], {})
     assert code == STORE_FULL and "3 hard-pinned objects hold 192 bytes" in msg

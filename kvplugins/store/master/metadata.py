@@ -35,11 +35,15 @@ class ObjectTable:
         self._pinned: OrderedDict[str, Object] = OrderedDict()    # pin != 0, LRU first
         self._pending: dict[str, Object] = {}      # the not-yet-committed subset, for the reclaim sweep
         self._soft: list[tuple[float, str]] = []   # heap of (pin_until, key) of soft pins, for expiry
+        self._parked: dict[str, Object] = {}       # in no LRU: disk-only objects (no DRAM to evict; tiering.py)
 
     def get(self, key: str) -> Object | None:
         obj = self._objects.get(key)
-        if obj is None and self._pinned:
-            return self._pinned.get(key)
+        if obj is None:
+            if self._pinned:
+                obj = self._pinned.get(key)
+            if obj is None and self._parked:
+                return self._parked.get(key)
         return obj
 
     def add(self, obj: Object) -> None:
@@ -79,12 +83,26 @@ class ObjectTable:
     def pop(self, key: str) -> Object | None:
         self._pending.pop(key, None)
         obj = self._objects.pop(key, None)
-        return self._pinned.pop(key, None) if obj is None else obj
+        if obj is None:
+            obj = self._pinned.pop(key, None)
+        return self._parked.pop(key, None) if obj is None else obj
+
+    def park(self, obj: Object) -> None:
+        """Take complete ``obj`` out of the LRU lists (eviction never scans it; get/pop still find it)."""
+        self._objects.pop(obj.key, None)
+        self._pinned.pop(obj.key, None)
+        self._parked[obj.key] = obj
+
+    def unpark(self, obj: Object, now: float) -> None:
+        """Put parked ``obj`` back into its LRU list, most recently used."""
+        if self._parked.pop(obj.key, None) is obj:
+            (self._pinned if obj.pin else self._objects)[obj.key] = obj
+            obj.last_access = now
 
     def lru(self):
         """Every object, unpinned ones least recently used first, then the pinned ones (a snapshot; safe to pop
         while iterating)."""
-        return list(self._objects.values()) + list(self._pinned.values())
+        return list(self._objects.values()) + list(self._pinned.values()) + list(self._parked.values())
 
     def iter_lru(self):
         """Unpinned objects, least recently used first, lazily: do not add or pop while iterating."""
@@ -100,8 +118,11 @@ class ObjectTable:
     def pending_count(self) -> int:
         return len(self._pending)
 
+    def pinned_count(self) -> int:
+        return len(self._pinned)
+
     def __len__(self) -> int:
-        return len(self._objects) + len(self._pinned)
+        return len(self._objects) + len(self._pinned) + len(self._parked)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._objects or key in self._pinned
+        return key in self._objects or key in self._pinned or key in self._parked

@@ -419,7 +419,7 @@ class MasterService:
                  "largest_free": s.allocator.largest_free(),
                  "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000)} for s in self.segments]
         return {"segments": segs, "objects": len(self.table), "pending": self.table.pending_count(),
-                "zombies": len(self._zombies), "bytes_used": sum(s["used"] for s in segs),
+                "pinned": self.table.pinned_count(), "zombies": len(self._zombies), "bytes_used": sum(s["used"] for s in segs),
                 "bytes_total": sum(s["size"] for s in segs), **self.counters, **self.tiering.status()}
 
 
