@@ -73,7 +73,12 @@ class TcpServer:
 
     def _authenticated(self, conn: socket.socket, addr) -> bool:
         """Run the handshake; a refused peer is logged and drained briefly (so it reads the refusal, not a reset)."""
-        refused = serve_blocking(conn, self._secret, self._frame_timeout)
+        try:
+            refused = serve_blocking(conn, self._secret, self._frame_timeout)
+        except TimeoutError:
+            self._refusals.refused("transfer connection", addr, f"it did not authenticate within "
+                                   f"{self._frame_timeout:g} s")
+            return False
         if refused is None:
             return True
         self._refusals.refused("transfer connection", addr, refused)

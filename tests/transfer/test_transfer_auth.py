@@ -5,6 +5,7 @@ is owner-only (0600), which is what protects it instead."""
 import logging
 import os
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -100,6 +101,21 @@ def test_an_unauthenticated_frame_is_refused_unserved_and_logged(monkeypatch, ca
             assert answer[:4] == handshake.MAGIC and answer[5] == handshake.REFUSED and len(answer) == 72
         assert bytes(server.memoryview(region)[:4096]) == b"\x07" * 4096
         assert "refused transfer connection from 127.0.0.1:" in caplog.text
+    finally:
+        server.close()
+
+
+def test_a_silent_connection_is_closed_after_the_frame_timeout(monkeypatch, caplog):
+    use_secret(monkeypatch, SECRET)
+    server = TransferEngine(TransferConfig(transports="tcp", timeout_ms=500))    # frame timeout: 1 s
+    try:
+        ep = server.descriptor().transports["tcp"]
+        caplog.set_level(logging.WARNING, logger="kvplugins.security")
+        t0 = time.monotonic()
+        with socket.create_connection((ep["host"], ep["port"]), timeout=10) as s:
+            assert read_until_closed(s) == b""
+        assert 0.9 <= time.monotonic() - t0 < 5
+        assert "did not authenticate within 1 s" in caplog.text
     finally:
         server.close()
 
