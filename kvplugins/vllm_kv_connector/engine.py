@@ -38,7 +38,28 @@ def keyspace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: V
                     layer_group=",".join(group.layer_names),
                     tp_rank=tp_rank, tp_size=par.tensor_parallel_size,
                     page_bytes=spec.page_size_bytes * len(group.layer_names),
-                    extra=f"hash={cache.prefix_caching_hash_algo};kv_quant={spec.kv_quant_mode}")
+                    extra=f"hash={cache.prefix_caching_hash_algo};kv_quant={spec.kv_quant_mode};"
+                          f"layout={physical_layout(vllm_config, kv_cache_config)}")
+
+
+def physical_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
+    """How a page's bytes are arranged in memory: ``<attention backend>:<KV cache layout>``, e.g.
+    ``CPU_ATTN:LBHNC`` or ``FLASH_ATTN:LBNHC`` (vLLM's KVCacheLayout names; the legacy NHD/HND aliases map to
+    LBNHC/LBHNC). It is part of the key namespace, so two engines whose backends or layouts differ never read
+    each other's pages as wrong bytes (they miss instead). The layout is the one the engine core resolved
+    (``KVCacheConfig.kv_cache_layout``, else ``cache_config.kv_cache_layout``); before it is resolved, the
+    backend's preferred layout. Source followed: vLLM 0.32 vllm/v1/kv_cache_layout.py and
+    kv_connector/utils.get_current_attn_backend."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backend
+    backend = get_current_attn_backend(vllm_config, attention_group(kv_cache_config).layer_names)
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
+    if name is None:
+        supported = backend.supported_kv_cache_layouts() or ()
+        return f"{backend.get_name()}:{supported[0].name if supported else 'default'}"
+    return f"{backend.get_name()}:{_LAYOUT_ALIASES.get(name, name)}"
+
+
+_LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}  # vLLM's legacy names (config/cache.py)
 
 
 def hash_block_size(kv_cache_config: "KVCacheConfig", block_size: int) -> int:

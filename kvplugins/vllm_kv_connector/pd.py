@@ -100,21 +100,38 @@ class Reader:
 
     def read(self, src: dict, local_ids: list[int], remote_ids: list[int], slot: int, token: int) -> list[int]:
         """Copy producer block ``remote_ids[i]`` into local block ``local_ids[i]``; returns local ids that failed.
-        src: the producer rank's PDHandshake fields. Every page fails if the producer's lease for (slot, token)
-        is not held after the read (blocks released, maybe reused). Raises nothing: any error fails every page."""
+        src: the producer rank's PDHandshake fields. Every page fails, unread, if the producer's lease for
+        (slot, token) does not show within pd_wait_ms, and after the read if it is no longer held (blocks
+        released, maybe reused). Raises nothing: any error fails every page."""
         try:
-            deadline = time.monotonic() + self._wait_s  # the producer marks the lease one engine step after finishing
-            while not self._leased(src, slot, token) and time.monotonic() < deadline:
-                time.sleep(0.005)
+            if not self._wait_lease(src, slot, token):
+                log.warning("kvplugins: the producer did not hold the blocks of token %d within pd_wait_ms=%d "
+                            "(released after pd_hold_ms, or a restarted producer): not reading them", token,
+                            self._wait_s * 1000)
+                return list(local_ids)
+            t0 = time.monotonic()
             failed = self._read(src, local_ids, remote_ids)
+            if failed:
+                log.warning("kvplugins: direct read of %d pages: %d failed after %.0f ms", len(local_ids),
+                            len(failed), (time.monotonic() - t0) * 1000)
             if not self._leased(src, slot, token):
                 log.warning("kvplugins: the producer no longer holds the blocks of token %d (released after "
-                            "pd_hold_ms, or not yet held): computing the prompt", token)
+                            "pd_hold_ms): its bytes are not used", token)
                 return list(local_ids)
             return failed
         except (KVPluginsError, KeyError, TypeError, ValueError) as e:
             log.warning("kvplugins: direct read of %d pages failed: %r", len(local_ids), e)
             return list(local_ids)
+
+    def _wait_lease(self, src: dict, slot: int, token: int) -> bool:
+        """Whether the producer holds (slot, token), waiting up to pd_wait_ms: it marks the lease one engine step
+        after the request finished, which may be after decode got the params."""
+        deadline = time.monotonic() + self._wait_s
+        while not self._leased(src, slot, token):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def _read(self, src: dict, local_ids: list[int], remote_ids: list[int]) -> list[int]:
         from kvplugins.transfer import SegmentDescriptor

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from kvplugins.errors import ConfigError
 from kvplugins.layout import PageLayout, PageStore, Plane, block_dim_of, planes_of
-from kvplugins.vllm_kv_connector import engine
+from kvplugins.vllm_kv_connector import engine, threads
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
 from kvplugins.vllm_kv_connector.metadata import Held, KVPluginsConnectorMetadata, PageBatch, RemoteLoad
 from kvplugins.vllm_kv_connector.stats import StatsRecorder
@@ -32,8 +32,8 @@ class WorkerSide:
         self.pages: PageStore | None = None
         self.load_errors: set[int] = set()
         self.stats = StatsRecorder()
-        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvp-load")
-        self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="kvp-save")
+        self._load_pool = threads.pool("kvp-load")  # unpinned: see threads.py
+        self._save_pool = threads.pool("kvp-save")
         self._loading: dict[Future, list[str]] = {}     # async load batch -> its request ids
         self._saving: dict[str, Future] = {}            # request id -> its latest save batch
         self._held: dict[str, tuple[Held, float]] = {}  # P/D producer: request -> (hold, first seen, monotonic s)
@@ -54,10 +54,10 @@ class WorkerSide:
                               f"{self.keyspace.page_bytes} B; unsupported KV layout")
         self.pages = PageStore(self.cfg.client_factory(), self.keyspace, layout, retry_ms=self.cfg.retry_ms,
                                retry_on_load=True)  # the scheduler found these pages just now
-        self.pages.connect()
+        threads.run_unpinned(self.pages.connect)  # its transfer engine's server threads inherit the wide mask
         if self.role == "kv_producer":  # any request may ask for the direct path (kvplugins_mode)
             from kvplugins.vllm_kv_connector.pd import Export
-            self._export = Export(layout, self.cfg)
+            self._export = threads.run_unpinned(Export, layout, self.cfg)
         log.info("kvplugins: %d layers, %d blocks, %d B pages, namespace %s", len(names), layout.num_blocks,
                  layout.page_bytes, self.keyspace.namespace)
 
@@ -118,8 +118,7 @@ class WorkerSide:
                 reader.ack(src, remote.slot, remote.token)
             direct = len(batch) - len(failed)
             if failed and self.pages is not None:  # the producer saved its pages too: try the store for the rest
-                idx = {b: i for i, b in enumerate(batch.block_ids)}
-                failed = self.pages.load(failed, [batch.hashes[idx[b]] for b in failed])
+                failed = self._store_fallback(batch, failed)
         except Exception as e:  # noqa: BLE001 - a load must end in "loaded" or "failed", never in a lost thread
             log.warning("kvplugins: direct load of %d pages failed: %r", len(batch), e)
             failed = list(batch.block_ids)
@@ -128,6 +127,15 @@ class WorkerSide:
                        direct_blocks=direct)
         self.stats.observe("load_seconds", time.perf_counter() - t0)
         return failed
+
+    def _store_fallback(self, batch: PageBatch, block_ids: list[int]) -> list[int]:
+        """Load ``block_ids`` (of ``batch``) from the store, retrying once the pages that failed (a read may
+        outlive its lease on a loaded host); returns the ids still missing."""
+        idx = {b: i for i, b in enumerate(batch.block_ids)}
+        for _ in range(2):
+            if block_ids:
+                block_ids = self.pages.load(block_ids, [batch.hashes[idx[b]] for b in block_ids])
+        return block_ids
 
     def _direct_ack(self, remote: RemoteLoad) -> None:
         src = remote.src.get(str(self.tp_rank)) if isinstance(remote.src, dict) else None
