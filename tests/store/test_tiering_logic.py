@@ -128,3 +128,15 @@ def test_a_failing_disk_gets_no_offloads_for_a_while():
     put(svc, "e", "f")                                        # over high once more: offloaded again
     cmds = poll(svc, name)
     assert cmds and all(c[0] == "offload" for c in cmds)
+
+
+def test_disk_only_objects_stay_out_of_the_eviction_scan():
+    svc = master()
+    name, _ = node(svc, files=[[f"d/{i}", OBJ, i] for i in range(1000)])
+    put(svc, "a")
+    assert [o.key for o in svc.table.iter_lru()] == ["a"] and len(svc.table) == 1001 and "d/7" in svc.table
+    [(code, (off, _))] = svc.handle("promote_start", ["d/7"], {"segment": name})
+    svc.handle("promote_commit", [["d/7", True, None]], {"segment": name})
+    assert [o.key for o in svc.table.iter_lru()] == ["a", "d/7"]         # promoted: back in the LRU, newest
+    svc.handle("remove", ["d/8"], {})
+    assert "d/8" not in svc.table and len(svc.table) == 1000

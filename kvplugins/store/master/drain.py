@@ -102,6 +102,7 @@ def migrated(tier, key, segment: str, ok: bool, detail, now: float) -> None:
     obj.locations = None
     if obj.lease_until == INF:                          # it was on disk only
         obj.lease_until = now
+        svc.table.unpark(obj, now)
     dest.keys.add(key)
     if seg is not None:
         seg.keys.discard(key)

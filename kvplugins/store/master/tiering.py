@@ -13,7 +13,8 @@ store node with ``--disk-dir`` registers its tier, an evicted object is dropped 
   (kvplugins.store.disk.promote), which calls ``promote_start`` (a DRAM offset in its own segment), loads and
   verifies the file there, and ``promote_commit``s; the object is in DRAM again and keeps its clean disk copy.
 * Drain (``drain``; master/drain.py): the segment takes no new placements; its objects are migrated by its node.
-Disk-only objects carry lease_until = inf so eviction never picks them (they hold no DRAM).
+Disk-only objects hold no DRAM: they are parked outside the table's LRU lists (eviction never scans them) and
+carry lease_until = inf.
 """
 from __future__ import annotations
 
@@ -144,6 +145,7 @@ class Tiering:
                 seg.keys.discard(obj.key)
             held.append((seg, off))
         obj.replicas, obj.locations, obj.lease_until = [], None, INF
+        svc.table.park(obj)                 # out of the LRU: eviction scans never walk disk-only objects
         self.free_at(held, free_at, now)
         svc.journal.replicas_changed([obj])
 
@@ -226,6 +228,7 @@ class Tiering:
                 if hasattr(obj, "checksum"):
                     obj.checksum = digest
                 table.add(obj)
+                table.park(obj)
                 new.append(obj)
             elif not (obj.complete and obj.size == size and self.copy(obj) is None
                       and _checksum(obj) in (0, digest)):
@@ -348,7 +351,7 @@ class Tiering:
             obj.replicas, obj.locations = [(seg.name, off)], None
             obj.lease_until = now + self.service.cfg.lease_ttl_ms / 1000   # until the client's get re-asks
             seg.keys.add(key)
-            self.service.table.touch(obj, now)
+            self.service.table.unpark(obj, now)
             self.service.journal.replicas_changed([obj])
             self.counters["promotions"] += 1
             out.append([OK, None])
