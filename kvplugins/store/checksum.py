@@ -36,25 +36,27 @@ def digests(engine, flat, wanted) -> dict[int, int]:
     """key index -> xxh3_64 of the concatenation of its spans, for the key indices in ``wanted`` (a set or
     dict). Every span must lie in registered memory (client_io.flatten checked it)."""
     addrs, lens, owner = _lists(flat)
-    views, out = _Views(engine), {}
-    if len(owner) == flat.nkeys:              # one span per key (the common page batch)
-        for a, n, i in zip(addrs, lens, owner):
-            if i in wanted:
-                out[i] = xxhash.xxh3_64_intdigest(views.get(a, n)) if n else EMPTY
-        return out
-    prev, h = -1, None
+    views, parts = _Views(engine), {}
     for a, n, i in zip(addrs, lens, owner):
-        if i not in wanted:
-            continue
-        if i != prev:
-            if h is not None:
-                out[prev] = h.intdigest()
-            h, prev = xxhash.xxh3_64(), i
-        if n:
-            h.update(views.get(a, n))
-    if h is not None:
-        out[prev] = h.intdigest()
+        if n and i in wanted:
+            got = parts.get(i)
+            if got is None:
+                parts[i] = views.get(a, n)
+            elif type(got) is list:
+                got.append(views.get(a, n))
+            else:
+                parts[i] = [got, views.get(a, n)]
+    out = dict.fromkeys(wanted, EMPTY)
+    for i, got in parts.items():
+        out[i] = _digest(got) if type(got) is list else xxhash.xxh3_64_intdigest(got)
     return out
+
+
+def _digest(views: list) -> int:
+    h = xxhash.xxh3_64()
+    for v in views:
+        h.update(v)
+    return h.intdigest()
 
 
 def mismatched(engine, flat, expected: dict[int, int | None]) -> list[int]:

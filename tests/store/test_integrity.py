@@ -98,3 +98,16 @@ def test_verification_can_be_turned_off(pool):
         flip_byte(client, f"off/{pool[1]}", rng)
         assert client.get(f"off/{pool[1]}") != b"\x00" * 4096            # the opt-out reads what is there
         assert client.stats()["checksum_errors"] == 0
+
+
+def test_checksums_of_mixed_span_counts_in_one_batch(pool):
+    with client_of(pool) as client:
+        data = np.random.default_rng(5).integers(0, 256, 4000, dtype=np.uint8)
+        b = client.register_buffer(data).addr
+        keys = ["mix/two", "mix/empty", "mix/one"]                      # 3 spans for 3 keys, not one each
+        out = client.batch_put_from(keys, [[(b, 100), (b + 1000, 200)], [], [(b + 2000, 300)]])
+        assert out[0] is None and out[1] is not None and out[2] is None
+        sums = [v[3] for _, v in client._rpc.call("get", ["mix/two", "mix/one"])]
+        assert sums == [xxhash.xxh3_64_intdigest(data[:100].tobytes() + data[1000:1200].tobytes()),
+                        xxhash.xxh3_64_intdigest(data[2000:2300].tobytes())]
+        assert client.get("mix/two") == data[:100].tobytes() + data[1000:1200].tobytes()
