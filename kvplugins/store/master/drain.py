@@ -10,6 +10,8 @@ node is told to ``exit``: it unregisters and stops. Reads keep working throughou
 """
 from __future__ import annotations
 
+from itertools import chain, islice
+
 from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, INF, Flight, Frozen
 from kvplugins.store.protocol import NOT_FOUND, OK
 
@@ -28,16 +30,27 @@ def start(tier, name: str, now: float):
 
 
 def plan(tier, node, now: float) -> None:
-    """Queue migrate commands for the draining ``node`` (or ``exit`` once it holds nothing)."""
+    """Queue migrate commands for the draining ``node`` (or ``exit`` once it holds nothing). Looks at no more
+    keys than it can start now (plus those in flight), so a poll costs O(MAX_FLIGHTS), not O(objects)."""
     svc = tier.service
     seg = svc.segments.get(node.segment)
     busy = sum(1 for f in tier.flights.values() if f.segment == node.segment)
-    waiting = busy
-    for key in list(seg.keys) + [k for k in node.keys if k not in seg.keys]:
+    if busy >= MAX_FLIGHTS:
+        return
+    disk_only = (k for k in node.keys if k not in seg.keys)
+    keys = list(islice(chain(seg.keys, disk_only), len(tier.flights) + 4 * MAX_FLIGHTS))
+    if not keys and not busy and not node.queue:
+        node.queue.append(["exit"])
+        return
+    for key in keys:
         obj = svc.table.get(key)
-        if obj is None or not obj.complete or key in tier.flights:
-            waiting += obj is not None
+        if obj is None:                               # a stale entry (the object left without telling the tier)
+            seg.keys.discard(key)
+            if key in node.keys:
+                tier.forget_copy(key, delete=True)
             continue
+        if not obj.complete or key in tier.flights:
+            continue                                  # pending puts and flights are waited for
         if busy >= MAX_FLIGHTS:
             return
         if _drop_extra_replica(tier, obj, seg, now):
@@ -46,9 +59,6 @@ def plan(tier, node, now: float) -> None:
             tier.forget_copy(key, delete=True)        # DRAM lives elsewhere: the disk copy here just goes
             continue
         busy += _start_migration(tier, obj, node, seg, now)
-        waiting += 1
-    if not waiting and not node.queue:
-        node.queue.append(["exit"])
 
 
 def _drop_extra_replica(tier, obj, seg, now: float) -> bool:
