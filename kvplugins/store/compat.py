@@ -234,21 +234,24 @@ class MooncakeDistributedStore:
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         """Per key the bytes read or a negative code: one size lookup, then one read batch."""
         _same_length(keys, buffer_ptrs, sizes)
-        keys, ptrs, caps = list(keys), list(buffer_ptrs), list(sizes)
-        out = self._sizes(keys)
+        keys, ptrs, caps = list(keys), [int(p) for p in buffer_ptrs], list(sizes)
+        out = [n if n <= cap else INVALID_PARAMS          # Mooncake: "User buffer too small"
+               for n, cap in zip(self._sizes(keys), caps)]
         todo = [i for i, n in enumerate(out) if n >= 0]
-        for i in todo:
-            if out[i] > caps[i]:
-                out[i] = INVALID_PARAMS      # Mooncake: "User buffer too small"
-        todo = [i for i in todo if out[i] >= 0]
-        errs = self._c.batch_get_into([keys[i] for i in todo], [[(int(ptrs[i]), out[i])] for i in todo])
-        copy = [i for i, err in zip(todo, errs)                        # not registered: copied, as Mooncake/TCP
-                if isinstance(err, BufferNotRegistered) and _plausible(int(ptrs[i]), out[i])]
+        errs = self._c.batch_get_into([keys[i] for i in todo], [[(ptrs[i], out[i])] for i in todo])
+        copy = {i for i, err in zip(todo, errs) if isinstance(err, BufferNotRegistered) and _plausible(ptrs[i], out[i])}
         for i, err in zip(todo, errs):
-            out[i] = out[i] if err is None or i in copy else code_of(err)
-        for i, value in zip(copy, self._c.batch_get([keys[i] for i in copy]) if copy else ()):
-            out[i] = code_of(value) if isinstance(value, StoreError) else _copy_out(int(ptrs[i]), value, caps[i])
+            if err is not None and i not in copy:
+                out[i] = code_of(err)
+        self._copy_into(keys, ptrs, caps, sorted(copy), out)
         return out
+
+    def _copy_into(self, keys, ptrs, caps, idx: list[int], out: list[int]) -> None:
+        """get_into of memory that was never registered: read through the staging buffer, then copy (as Mooncake
+        does over TCP). Sets ``out[i]`` to the bytes copied or a code."""
+        if idx:
+            for i, value in zip(idx, self._c.batch_get([keys[i] for i in idx])):
+                out[i] = code_of(value) if isinstance(value, StoreError) else _copy_out(ptrs[i], value, caps[i])
 
     # ---- metadata ----------------------------------------------------------------------------------
     def is_exist(self, key: str, /) -> int:

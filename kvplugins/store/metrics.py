@@ -5,15 +5,17 @@ as ``metrics on http://HOST:PORT/metrics``), bound to ``--metrics-host`` (127.0.
 is named ``kvplugins_*``; the list is in docs/operations.md (Monitoring).
 
 Thread safety: the master is one single-threaded selector loop (master/rpc_server.py) and its tables are never
-read from another thread. The loop times each dispatched op into an ``OpTimer`` (plain list increments, ~0.3 µs
-per batch op) and, once per sweep (``tick_ms``), publishes an immutable ``MasterSnapshot`` (a msgpack copy of
-the ``status`` op's answer plus the latency histograms); the HTTP thread's collector only reads the latest
-snapshot reference. Timing costs two perf_counter calls and ~0.5 µs per batch op (not per key). A node's collector asks the master's ``status`` op over its own control connection, at
-most once per ``NODE_CACHE_S``, and reads the node's own (immutable or thread-safe) fields.
+read from another thread. The loop times each dispatched op into an ``OpTimer`` (two perf_counter calls and
+plain list increments, ~0.5 µs per batch op, not per key) and, once per sweep (``tick_ms``), publishes an
+immutable ``MasterSnapshot`` (a msgpack copy of the ``status`` op's answer plus the latency histograms); the
+HTTP thread's collector only reads the latest snapshot reference. A node's collector asks the master's
+``status`` op over its own control connection, at most once per ``NODE_CACHE_S``, and reads the node's own
+(immutable or thread-safe) fields.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -104,6 +106,7 @@ class NodeMetrics:
         self.node, self.master, self.timeout_ms = node, master, timeout_ms
         self._cached: tuple[float, dict | None] = (0.0, None)
         self._rpc = None
+        self._lock = threading.Lock()      # scrapes may run concurrently (one HTTP thread each)
         self.endpoint = None
 
     def serve(self, host: str, port: int) -> "NodeMetrics":
@@ -118,13 +121,19 @@ class NodeMetrics:
     def close(self) -> None:
         if self.endpoint is not None:
             self.endpoint.close()
-        if self._rpc is not None:
-            self._rpc.close()
+        with self._lock:
+            if self._rpc is not None:
+                self._rpc.close()
 
     def _master_status(self) -> dict | None:
-        at, st = self._cached
-        if time.monotonic() - at < NODE_CACHE_S:
+        with self._lock:
+            at, st = self._cached
+            if time.monotonic() - at >= NODE_CACHE_S:
+                st = self._ask_master()
+                self._cached = (time.monotonic(), st)
             return st
+
+    def _ask_master(self) -> dict | None:
         from kvplugins.errors import StoreError
         from kvplugins.store.rpc_client import control_client
         try:
@@ -134,7 +143,6 @@ class NodeMetrics:
         except StoreError as e:       # MasterUnreachable included: the node still reports what it knows
             log.debug("metrics: master status unavailable: %s", e)
             st = None
-        self._cached = (time.monotonic(), st)
         return st
 
     def _families(self):
