@@ -140,3 +140,10 @@ def test_disk_only_objects_stay_out_of_the_eviction_scan():
     assert [o.key for o in svc.table.iter_lru()] == ["a", "d/7"]         # promoted: back in the LRU, newest
     svc.handle("remove", ["d/8"], {})
     assert "d/8" not in svc.table and len(svc.table) == 1000
+
+
+def test_a_big_disk_announces_in_chunks():
+    svc = master()
+    name, _ = node(svc, files=[["a", OBJ, 1]])
+    [(code, stale)] = svc.handle("tier_register", [[name, "127.0.0.1:1", 1 << 20, [["b", OBJ, 2]]]], {"more": 1})
+    assert code == OK and svc.handle("exists", ["a", "b"], {}) == [True, True]       # the first chunk stays

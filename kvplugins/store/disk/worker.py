@@ -20,6 +20,7 @@ from kvplugins.store.protocol import NOT_FOUND, OK
 from kvplugins.store.rpc_client import master_client
 
 log = logging.getLogger(__name__)
+ANNOUNCE_CHUNK = 20_000       # files per tier_register frame (~1.5 MB)
 
 
 class NodeTier:
@@ -50,11 +51,15 @@ class NodeTier:
         return self.server.address if self.server else ""
 
     def _register(self) -> None:
+        """Announce this node and its files (in chunks of ANNOUNCE_CHUNK: one frame and one master step each)."""
         files = self.disk.entries() if self.disk else []
-        capacity = self.disk.capacity if self.disk else 0
-        [(code, stale)] = self.rpc.call("tier_register", [[self.segment.name, self.endpoint, capacity, files]])
-        if code != OK:
-            raise StoreError(f"master refused the disk tier of {self.segment.name}: {stale}")
+        capacity, stale = self.disk.capacity if self.disk else 0, []
+        for i in range(0, max(len(files), 1), ANNOUNCE_CHUNK):
+            chunk = [[self.segment.name, self.endpoint, capacity, files[i:i + ANNOUNCE_CHUNK]]]
+            [(code, value)] = self.rpc.call("tier_register", chunk, {"more": 1} if i else {})
+            if code != OK:
+                raise StoreError(f"master refused the disk tier of {self.segment.name}: {value}")
+            stale += value
         for key in stale:
             self.disk.delete(key)
         self._registered = True

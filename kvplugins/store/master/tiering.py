@@ -206,15 +206,17 @@ class Tiering:
     # ---- ops: node registration and commands ---------------------------------------------------------
     def op_tier_register(self, entries, opts, now):
         """[[segment, endpoint, capacity bytes, [[key, size, checksum], ...]]] -> [[OK, keys to delete]]: a node
-        (re)joins with the objects already on its disk; unknown keys become disk-only objects."""
+        (re)joins with the objects already on its disk; unknown keys become disk-only objects. opts {"more": 1}:
+        further files of a node that registered already (a big disk announces in chunks)."""
         out = []
         for segment, endpoint, capacity, files in entries:
             if self.service.segments.get(segment) is None:
                 out.append([NOT_FOUND, f"segment {segment} is not registered"])
                 continue
-            if segment in self.nodes:
-                self.lose_node(segment, now)
-            self.nodes[segment] = DiskNode(segment, str(endpoint), int(capacity))
+            if not (opts.get("more") and segment in self.nodes):
+                if segment in self.nodes:
+                    self.lose_node(segment, now)
+                self.nodes[segment] = DiskNode(segment, str(endpoint), int(capacity))
             out.append([OK, self._adopt(segment, files, now)])
         return out
 
