@@ -25,7 +25,7 @@ from kvplugins.store.rpc_client import control_client
 WORKER = Path(__file__).with_name("soak_worker.py")
 CLIENTS, KEYS = 8, 48
 OPS = int(os.environ.get("KVPLUGINS_SOAK_OPS", "2500"))
-SAMPLE_S = 0.2
+SAMPLE_S = 0.1
 
 
 def rss_kib(pid: int) -> int:
