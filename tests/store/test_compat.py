@@ -185,6 +185,11 @@ def test_admin_ops_honour_leases():
     assert m.handle("remove_all", [], {}) == [OK, 0]                          # b/1 leased
     assert m.handle("remove_checked", ["b/1"], {"force": True}) == ["removed"]
     assert m.handle("remove_all", [], {"force": True}) == [OK, 0] and len(m.table) == 1   # the pending put stays
+    for key, pin in (("h/1", 2), ("s/1", 1)):                                 # hard and soft pinned objects too
+        assert m.handle("put_start", [[key, 100]], {"pin": pin, "pin_ttl_ms": 60000})[0][0] == OK
+        assert m.handle("put_commit", [key], {})[0][0] == OK
+    assert m.handle("remove_by_regex", ["^h/"], {}) == [OK, 1]
+    assert m.handle("remove_all", [], {}) == [OK, 1] and len(m.table) == 1
 
 
 def test_same_script_gives_the_same_codes_on_real_mooncake():

@@ -68,7 +68,8 @@ def remove_all(service, force: bool, now: float) -> list:
 
 
 def _removable(service, force: bool, now: float, match) -> list[str]:
-    return [o.key for o in service.table.iter_lru() if o.complete and (force or not o.leased(now)) and match(o.key)]
+    """Keys of every complete object (unpinned, pinned and disk-only alike) that ``match`` and may go now."""
+    return [o.key for o in service.table.lru() if o.complete and (force or not o.leased(now)) and match(o.key)]
 
 
 def _remove(service, keys: list[str], now: float) -> int:
