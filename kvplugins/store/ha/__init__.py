@@ -5,6 +5,7 @@
 * journal.py   — EtcdJournal: the master's Journal hooks persisted in etcd (fenced on the leader key); load()
 * recovery.py  — rebuild a MasterService's segments, allocators and object table from the journal
 * leader.py    — LeaderGuard: what RpcServer serves; the leader's MasterService, or "not leader" answers
+* group_commit.py — RpcServer holds a loop turn's replies until that turn's etcd writes are persisted
 * follower.py  — LeaderClient: a master client that finds the leader (etcd:// or a comma list) and follows it
 * master.py    — ``kvplugins master --etcd``: wires the above around RpcServer
 

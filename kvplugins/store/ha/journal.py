@@ -1,7 +1,8 @@
-"""EtcdJournal: the master's Journal hooks (master/journal.py) persisted in etcd. Inside ``batch()`` (the
-leader guard wraps every op and every sweep in one) the hooks' writes are collected and persisted when the op
-ends, before its reply is sent, in one fenced transaction per MAX_TXN_OPS keys; outside, each hook writes at
-once. Either way a put_commit is durable in etcd before the master acknowledges it.
+"""EtcdJournal: the master's Journal hooks (master/journal.py) persisted in etcd. Between ``begin()`` and
+``commit()`` (the leader guard opens a batch per op, or per loop turn with group commit) the hooks' writes are
+collected and persisted at the commit, before any reply of those ops is sent, in one fenced transaction per
+MAX_TXN_OPS keys; outside a batch each hook writes at once. Either way a put_commit is durable in etcd before
+the master acknowledges it.
 
 Fencing: every transaction compares ``{prefix}/leader`` with this master's leader value; if another master
 leads now, nothing is written, ``on_fenced`` steps this one down and the op answers an error (the client
@@ -67,16 +68,29 @@ class EtcdJournal(Journal):
         objs = [(k[cut:], *decode_object(v)) for k, v in self.etcd.range_prefix(self.prefix + "/obj/")]
         return segs, objs
 
+    def begin(self) -> None:
+        """Collect the hooks' writes from now on (a later write of a key supersedes an earlier one) until
+        ``commit``; a no-op while a batch is open."""
+        if self._batch is None:
+            self._batch = {}
+
+    def commit(self) -> None:
+        """Persist the open batch (if any) and close it. Raises StoreError if it could not be persisted."""
+        ops, self._batch = self._batch, None
+        if ops:
+            self._flush(ops)
+
     @contextlib.contextmanager
     def batch(self):
-        """Collect the writes of the hooks called inside the block; persist them when it ends (a later write
-        of a key supersedes an earlier one). Raises StoreError if they could not be persisted."""
-        self._batch = {}
+        """begin() ... commit() around the block; inside an open batch, the outer commit persists the writes."""
+        if self._batch is not None:
+            yield
+            return
+        self.begin()
         try:
             yield
         finally:
-            ops, self._batch = self._batch, None
-            self._flush(ops)
+            self.commit()
 
     def _write(self, ops: dict) -> None:
         if self._batch is not None:

@@ -28,6 +28,7 @@ class LeaderGuard:
         self.cfg, self.journal, self.elector = cfg, journal, elector
         self.zmq_endpoint = ""
         self.active = False
+        self.grouped = False                     # set by group_commit.GroupCommit: replies wait for sync()
         self.recovered: dict = {}
         self._looked_up: tuple[float, bytes | None] = (-LOOKUP_CACHE_S, None)    # (when, leader value)
         self.inner = MasterService(cfg)          # a standby's empty placeholder (never journals)
@@ -39,11 +40,19 @@ class LeaderGuard:
         """MasterService.handle on the leader. Raises ValueError('not leader; the leader is ...') elsewhere."""
         if not self._check():
             raise ValueError(self._refusal())
+        if self.grouped:                        # the server holds the reply until sync() persisted the batch
+            self.journal.begin()
+            return self.inner.handle(op, entries, opts)
         try:
             with self.journal.batch():         # persisted before the reply is sent
                 return self.inner.handle(op, entries, opts)
         except StoreError as e:          # the journal could not persist: the op is not acknowledged
             raise ValueError(str(e)) from e
+
+    def sync(self) -> None:
+        """Group commit (group_commit.py): persist the writes of every op since the last sync, before the
+        server sends their replies. Raises StoreError if they could not be persisted."""
+        self.journal.commit()
 
     def tick(self) -> None:
         if self._check():

@@ -25,6 +25,7 @@ from kvplugins.errors import ProtocolError
 from kvplugins.security.curve import CurveServer
 from kvplugins.store import protocol
 from kvplugins.store.config import MasterConfig
+from kvplugins.store.ha import group_commit
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.metrics import MasterMetrics
 
@@ -67,6 +68,7 @@ class RpcServer:
         self.service = service or MasterService(config, zmq_endpoint=self.zmq_endpoint)
         self.service.zmq_endpoint = self.zmq_endpoint
         self.metrics = MasterMetrics(self, config)      # op latency timer; /metrics if metrics_port >= 0
+        self._group = group_commit.for_server(self)     # HA master: replies wait for their etcd writes
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._router.getsockopt(zmq.FD), selectors.EVENT_READ, "zmq")
@@ -96,6 +98,8 @@ class RpcServer:
                     self._drop_unauthenticated()
                     self.metrics.publish()           # snapshot for the metrics thread
                     next_tick = time.monotonic() + tick_s
+                if self._group is not None:
+                    self._group.sync()               # persist this turn's metadata, then send its replies
         finally:
             self.close()
 
@@ -135,7 +139,8 @@ class RpcServer:
         elif conn.sock.fileno() in self._conns:
             if ev & selectors.EVENT_READ:
                 self._on_readable(conn)
-            if ev & selectors.EVENT_WRITE and conn.sock.fileno() in self._conns:
+            if ev & selectors.EVENT_WRITE and conn.sock.fileno() in self._conns and not (
+                    self._group is not None and self._group.holds(conn)):
                 self._flush(conn)
 
     def _on_zmq(self) -> None:
@@ -150,7 +155,10 @@ class RpcServer:
             except ProtocolError as e:
                 log.warning("dropped zmq message from %r: %s", parts[0], e)
                 continue
-            self._router.send_multipart(parts[:-1] + [reply])
+            if self._group is not None:
+                self._group.send_zmq(parts[:-1] + [reply])
+            else:
+                self._router.send_multipart(parts[:-1] + [reply])
 
     # ---- raw endpoint --------------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -181,6 +189,8 @@ class RpcServer:
             self._serve_frames(conn)
         except ProtocolError as e:
             return self._drop(conn, str(e))
+        if self._group is not None:
+            return self._group.hold(conn)
         self._flush(conn)
 
     def _authenticate(self, conn: _Conn) -> bool:

@@ -1,0 +1,56 @@
+"""Group commit for an HA master: the replies of every op served in one turn of RpcServer's loop are held until
+their metadata writes are persisted in etcd by one ``service.sync()`` (one transaction per 128 keys for the
+whole turn instead of one per op), then sent. If the writes cannot be persisted the held connections are
+closed and the zmq replies dropped: nothing unpersisted is ever acknowledged, and clients retry.
+
+RpcServer uses this only when its service has ``sync`` (ha.leader.LeaderGuard); a plain master is unchanged.
+Follows the classic database group commit (a log flush shared by every transaction waiting on it).
+"""
+from __future__ import annotations
+
+import logging
+
+from kvplugins.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+
+class GroupCommit:
+    """Held replies of one loop turn of ``server`` (an RpcServer)."""
+
+    def __init__(self, server):
+        self.server = server
+        self.conns: set = set()              # raw connections whose outbuf holds unsent replies
+        self.zmq: list[list[bytes]] = []     # ROUTER replies not yet sent
+        server.service.grouped = True
+
+    def hold(self, conn) -> None:
+        self.conns.add(conn)
+
+    def holds(self, conn) -> bool:
+        return conn in self.conns
+
+    def send_zmq(self, parts: list[bytes]) -> None:
+        self.zmq.append(parts)
+
+    def sync(self) -> None:
+        """Persist this turn's writes, then send (or, on failure, drop) the held replies."""
+        conns, msgs, self.conns, self.zmq = self.conns, self.zmq, set(), []
+        try:
+            self.server.service.sync()
+            failed = None
+        except StoreError as e:
+            failed = f"metadata not persisted, replies withheld: {e}"
+            log.warning("%s (%d connections, %d control messages)", failed, len(conns), len(msgs))
+        srv = self.server
+        for conn in conns:
+            if srv._conns.get(conn.sock.fileno()) is conn:         # still open
+                srv._flush(conn) if failed is None else srv._drop(conn, failed)
+        if failed is None:
+            for parts in msgs:
+                srv._router.send_multipart(parts)
+
+
+def for_server(server) -> GroupCommit | None:
+    """A GroupCommit when ``server.service`` persists in batches (has ``sync``), else None."""
+    return GroupCommit(server) if hasattr(type(server.service), "sync") else None
