@@ -181,13 +181,19 @@ def test_etcd_outage_stops_service_then_a_leader_serves_again(tmp):
             data = {f"o{i}": bytes([i]) * (100 + i) for i in range(50)}
             assert client.batch_put(list(data), list(data.values())) == [None] * 50
             ha.etcd.stop()
+            during: list = []                                   # a put whose etcd write fails at first
+            writer = threading.Thread(target=lambda: during.append(client.batch_put(["during"], [b"d" * 64])[0]))
+            writer.start()
             time.sleep(3.0)
             with pytest.raises(StoreError, match="not leader"):   # its lease could not be refreshed
                 RawRpcClient(leader, 2000).call("info")
             ha.etcd.start()
             client.put("after", b"a" * 64)                     # retried until a leader serves again
+            writer.join()
             assert client.batch_get(list(data)) == list(data.values())
             assert client.get("after") == b"a" * 64
+            if during[0] is None:                               # acknowledged, so it must be there
+                assert client.get("during") == b"d" * 64
         assert all(p.alive() for p in ha.procs)
 
 
