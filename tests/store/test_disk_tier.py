@@ -192,3 +192,26 @@ def test_promote_endpoint_requires_the_shared_secret(tmp_path, monkeypatch):
         _wait(lambda: "refused disk-tier promote connection" in c.nodes[0].log_tail(), "the refusal logged")
         monkeypatch.setenv("KVPLUGINS_AUTH_TOKEN_FILE", str(token))
         assert client.get(keys[j]) == _data(j)                     # the client holding the secret promotes
+
+
+def test_fast_restart_before_the_old_segment_times_out(tmp_path):
+    """SIGKILL and restart at once: the new process's disk is recognised (its ID file), its files are adopted, not
+    deleted as stale, and objects whose DRAM copy died with the old process live on from the disk."""
+    flags = {"disk_dir": str(tmp_path / "disk"), "disk_capacity": "64MiB"}
+    with store_cluster(nodes=1, segment_size="4MiB", master_flags={**MASTER, "heartbeat_timeout_ms": 4000},
+                       node_flags=flags, tmp=tmp_path / "cluster") as c, \
+            StoreClient(ClientConfig(master=c.master)) as client:
+        c.disk, c.node_flags = tmp_path / "disk", flags
+        keys = _put_and_offload(client, "q", 24)
+        c.nodes[0].kill()
+        c.add_node("4MiB", **c.node_flags)
+        assert len(client._rpc.call("status")["segments"]) == 2     # the old segment is still registered
+        files = {k for k in keys if (c.disk / "objects" / files_name(k)).exists()}
+        _wait(lambda: len(client._rpc.call("status")["segments"]) == 1, "old segment timed out")
+        assert files and {k for k, ok in zip(keys, client.batch_exists(keys)) if ok} == files
+        assert {k for k in keys if (c.disk / "objects" / files_name(k)).exists()} == files     # none deleted
+        assert [client.get(k) for k in sorted(files)] == [_data(keys.index(k)) for k in sorted(files)]
+
+
+def files_name(key: str) -> str:
+    return files.file_name(key)

@@ -147,3 +147,21 @@ def test_a_big_disk_announces_in_chunks():
     name, _ = node(svc, files=[["a", OBJ, 1]])
     [(code, stale)] = svc.handle("tier_register", [[name, "127.0.0.1:1", 1 << 20, [["b", OBJ, 2]]]], {"more": 1})
     assert code == OK and svc.handle("exists", ["a", "b"], {}) == [True, True]       # the first chunk stays
+
+
+def test_a_restarted_process_takes_over_its_disk_and_dram_losses_fall_back_to_it():
+    svc = master()
+    wire = {"v": 1, "segment_id": "old", "host_id": "h", "transports": {}, "regions": [[1, 4 * OBJ, None]]}
+    [(_, old)] = svc.handle("register_segment", [[wire, 1, 4 * OBJ]], {})
+    svc.handle("tier_register", [[old, "127.0.0.1:1", 1 << 20, [["x", OBJ, 7], ["y", OBJ, 8]], "disk-1"]], {})
+    svc.handle("promote_start", ["x"], {"segment": old})
+    svc.handle("promote_commit", [["x", True, None]], {"segment": old})           # x: DRAM on old + its file
+    wire = {**wire, "segment_id": "new"}
+    [(_, new)] = svc.handle("register_segment", [[wire, 1, 4 * OBJ]], {})
+    [(code, stale)] = svc.handle("tier_register", [[new, "127.0.0.1:2", 1 << 20, [["x", OBJ, 7], ["y", OBJ, 8]],
+                                                    "disk-1"]], {})
+    assert code == OK and stale == []                          # same disk: adopted, nothing deleted
+    svc.handle("unregister", [old], {})                        # the old process's segment leaves
+    svc.tick()
+    assert [a[0] for a in svc.handle("get", ["x", "y"], {})] == [ON_DISK, ON_DISK]
+    assert svc.handle("get", ["x"], {})[0][1][0] == "127.0.0.1:2"

@@ -1,7 +1,8 @@
 """DiskStore: a node's disk tier — the index of its object files, capacity accounting and LRU eviction.
 
-At start the directory is scanned: temp files of interrupted writes are removed, every object file's header is
-checked (a torn or garbled one is deleted and counted in ``corrupt``) and indexed. Object bytes are verified
+The directory holds an ``ID`` file (its identity for the master), ``objects/`` and ``tmp/``. At start it is
+scanned: temp files of interrupted writes are removed, every object file's header is checked (a torn or garbled
+one is deleted and counted in ``corrupt``) and indexed. Object bytes are verified
 against their checksum on every read (``read_into``); a corrupt file is deleted, counted, and never served.
 Capacity: a write that does not fit evicts least recently used files first (their keys are returned so the
 master forgets them). Thread-safe (the node's poll worker writes; promote requests read).
@@ -41,6 +42,7 @@ class DiskStore:
         self._index: OrderedDict[str, Entry] = OrderedDict()     # LRU first
         self.used = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.disk_id = _disk_id(self.root)
         self._scan()
 
     def _scan(self) -> None:
@@ -143,3 +145,14 @@ class DiskStore:
         with self._lock:
             return {"disk_objects": len(self._index), "disk_bytes": self.used, "disk_capacity": self.capacity,
                     **{f"disk_{k}": v for k, v in self.counters.items()}}
+
+
+def _disk_id(root: Path) -> str:
+    """The directory's identity (``ID`` file, made once): how the master recognises this disk after a restart."""
+    path = root / "ID"
+    if not path.exists():
+        import uuid
+
+        from kvplugins.store.process import write_atomic
+        write_atomic(path, uuid.uuid4().hex + "\n")
+    return path.read_text().strip()

@@ -54,8 +54,9 @@ class NodeTier:
         """Announce this node and its files (in chunks of ANNOUNCE_CHUNK: one frame and one master step each)."""
         files = self.disk.entries() if self.disk else []
         capacity, stale = self.disk.capacity if self.disk else 0, []
+        disk_id = self.disk.disk_id if self.disk else ""
         for i in range(0, max(len(files), 1), ANNOUNCE_CHUNK):
-            chunk = [[self.segment.name, self.endpoint, capacity, files[i:i + ANNOUNCE_CHUNK]]]
+            chunk = [[self.segment.name, self.endpoint, capacity, files[i:i + ANNOUNCE_CHUNK], disk_id]]
             [(code, value)] = self.rpc.call("tier_register", chunk, {"more": 1} if i else {})
             if code != OK:
                 raise StoreError(f"master refused the disk tier of {self.segment.name}: {value}")

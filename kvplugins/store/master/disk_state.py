@@ -37,6 +37,7 @@ class DiskNode:
     segment: str
     endpoint: str             # host:port of its promote endpoint ('' = no disk tier)
     capacity: int             # bytes
+    disk_id: str = ""         # identity of its disk directory (survives process restarts)
     keys: set = field(default_factory=set)        # keys with a disk copy here
     queue: list = field(default_factory=list)     # commands not yet polled
     offloading: int = 0       # bytes of offloads in flight

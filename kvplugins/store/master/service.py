@@ -366,7 +366,7 @@ class MasterService:
         for obj in objs:
             obj.replicas = [(n, o) for n, o in obj.replicas if n != name]
             obj.locations = None
-            if not obj.replicas:
+            if not obj.replicas and not self.tiering.keeps(obj):     # (kept: it lives on in a node's disk)
                 self.table.pop(obj.key)
                 self.counters["objects_lost"] += 1
                 gone.append(obj)

@@ -90,6 +90,15 @@ class Tiering:
         if obj.lease_until == INF:
             obj.lease_until = now
 
+    def keeps(self, obj) -> bool:
+        """``obj`` lost its last DRAM replica (its segment left). True if it lives on as a disk-only object (it
+        has a disk copy on a live node), False to let the service drop it."""
+        if not obj.complete or self.copy(obj) is None:
+            return False
+        obj.lease_until = INF
+        self.service.table.park(obj)
+        return True
+
     def ops(self) -> dict:
         """Extra RPC ops: name -> fn(entries, opts, now)."""
         return {"tier_register": self.op_tier_register, "tier_poll": self.op_tier_poll,
@@ -205,18 +214,21 @@ class Tiering:
 
     # ---- ops: node registration and commands ---------------------------------------------------------
     def op_tier_register(self, entries, opts, now):
-        """[[segment, endpoint, capacity bytes, [[key, size, checksum], ...]]] -> [[OK, keys to delete]]: a node
-        (re)joins with the objects already on its disk; unknown keys become disk-only objects. opts {"more": 1}:
-        further files of a node that registered already (a big disk announces in chunks)."""
+        """[[segment, endpoint, capacity bytes, [[key, size, checksum], ...], disk id]] -> [[OK, keys to delete]]:
+        a node (re)joins with the objects already on its disk; unknown keys become disk-only objects. A node
+        record with the same disk id (a restarted process whose old segment has not timed out yet) is replaced.
+        opts {"more": 1}: further files of a node that registered already (a big disk announces in chunks)."""
         out = []
-        for segment, endpoint, capacity, files in entries:
+        for segment, endpoint, capacity, files, *disk_id in entries:
             if self.service.segments.get(segment) is None:
                 out.append([NOT_FOUND, f"segment {segment} is not registered"])
                 continue
             if not (opts.get("more") and segment in self.nodes):
-                if segment in self.nodes:
-                    self.lose_node(segment, now)
-                self.nodes[segment] = DiskNode(segment, str(endpoint), int(capacity))
+                disk_id = str(disk_id[0]) if disk_id else ""
+                for old in [n.segment for n in self.nodes.values() if n.segment == segment or
+                            (disk_id and n.disk_id == disk_id)]:
+                    self.lose_node(old, now)      # the same node again, or its disk under a restarted process
+                self.nodes[segment] = DiskNode(segment, str(endpoint), int(capacity), disk_id)
             out.append([OK, self._adopt(segment, files, now)])
         return out
 
