@@ -89,3 +89,13 @@ def test_drain_moves_disk_only_objects(tmp_path):
         assert [s["name"] for s in status["segments"]] == [c.nodes[1].address]
         assert status["migrations"] == 30 and status["disk_objects"] == 0
         assert client.batch_get(keys) == [_data(i) for i in range(30)]
+
+
+def test_drain_of_an_unknown_segment_fails_clearly():
+    from helpers.cluster import master_process
+    with master_process() as m:
+        done = _drain(m.address, "nope:1")
+        assert done.returncode != 0 and "nope:1 is not the segment of a running `kvplugins store` node" in done.stderr
+        done = subprocess.run(CLI + ["store", "--drain", "--master", m.address], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode != 0 and "--drain needs --segment NAME" in done.stderr
