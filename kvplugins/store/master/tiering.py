@@ -29,8 +29,8 @@ from kvplugins.store.protocol import EXISTS, INVALID, NOT_FOUND, OK, ON_DISK, ST
 COUNTERS = ("offloads", "offload_failures", "offload_deferred", "promotions", "promote_failures", "disk_hits",
             "disk_corrupt", "disk_evicted", "disk_lost", "migrations", "migrate_failures", "drains")
 LOST_COUNTER = {"evicted": "disk_evicted", "corrupt": "disk_corrupt"}
-CLEAN_SCAN = 256
-OFFLOAD_BACKOFF_S = 1.0     # after a failed offload (disk full, I/O error) the node gets no offload this long      # a promotion looks this far down the LRU for a victim that is already on disk
+CLEAN_SCAN = 256            # a promotion looks this far down the LRU for a victim that is already on disk
+OFFLOAD_BACKOFF_S = 1.0     # after a failed offload (disk full, I/O error) the node gets no offload this long
 
 
 class Tiering:
