@@ -4,11 +4,12 @@
     .venv/bin/python benchmarks/moe_bench.py [--threads N] [--configs bench,dsv2lite,qwen3] [--max-experts E]
 
 Decode (T=1, 4): GB/s of expert weights touched (unique experts routed x their bytes) and the share of this
-machine's read bandwidth, measured in the same run (torch.sum over fp32 with the same thread count, best of 5 at
-the start and in every backend's process; the best of all is the denominator). Prefill (T=128, 512): GFLOP/s (T x K x 3 x 2 x H x I per forward). Times are medians per forward. Routing is uniform random, new
-per iteration, so decode reads weights from DRAM (they are far larger than the caches). Each backend runs alone
-in its own process. "idle CPU" is what that process burns in the second after its last forward. Prints a
-markdown table.
+machine's read bandwidth, measured in the same run (torch.sum over fp32 with the same thread count and the same
+clock as the forwards, best of 5 at the start and in every backend's process; the best of all is the
+denominator). Prefill (T=128, 512): GFLOP/s (T x K x 3 x 2 x H x I per forward). Times are medians per
+forward. Routing is uniform random, new per iteration, so decode reads weights from DRAM (they are far larger than
+the caches). Each backend runs alone in its own process. "idle CPU" is what that process burns in the second
+after its last forward. Prints a markdown table.
 """
 from __future__ import annotations
 
@@ -26,20 +27,26 @@ CONFIGS = {  # name: (E, H, I, top-k)
     "bench": (64, 2048, 768, 8),
     "dsv2lite": (64, 2048, 1408, 6),   # DeepSeek-V2-Lite
     "qwen3": (128, 2048, 768, 8),      # Qwen3-30B-A3B
+    "tiny": (8, 256, 128, 2),          # smoke test only (tests/kt/test_kt_bench.py)
 }
 DECODE_T, PREFILL_T = (1, 4), (128, 512)
 
 
-def read_bandwidth(threads: int, gib: float = 1.0) -> float:
-    """Bytes/s that torch.sum reads with `threads` threads (best of 5)."""
+def read_bandwidth(threads: int, gib: float = 1.0, clock=time.perf_counter) -> float:
+    """Bytes/s that torch.sum reads with `threads` threads (best of 5), timed by the same clock as the forwards:
+    with --cpu-time a wall-clock probe would count time the probe spent descheduled and flatter the backends."""
     torch.set_num_threads(threads)
     a = torch.ones(int(gib * (1 << 30)) // 4)
     best = 0.0
     for _ in range(5):
-        t = time.perf_counter()
+        t = clock()
         a.sum()
-        best = max(best, a.numel() * 4 / (time.perf_counter() - t))
+        best = max(best, a.numel() * 4 / max(clock() - t, 1e-9))
     return best
+
+
+def _clock(args):
+    return time.process_time if args.cpu_time else time.perf_counter
 
 
 def routings(T, E, K, n, seed=0):
@@ -88,7 +95,7 @@ def worker(name, label, fmt, args) -> dict:
     E = min(E, args.max_experts) if args.max_experts else E
     g = torch.Generator().manual_seed(1)
     w = tuple((torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16) for s in ((E, I, H), (E, I, H), (E, H, I)))
-    bw = read_bandwidth(args.threads, 0.5)  # again here: the machine may be busier or quieter than at start
+    bw = read_bandwidth(args.threads, args.bw_gib / 2, _clock(args))  # the machine may be quieter than at start
     torch.set_num_threads(args.threads)
     fn = build(label, fmt, w, K, args.threads)
     rows = []
@@ -96,7 +103,7 @@ def worker(name, label, fmt, args) -> dict:
         n = args.decode_iters if T in DECODE_T else args.prefill_iters
         routes = routings(T, E, K, n + 2, seed=T)
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-        dt = time_fn(fn, x, routes, clock=time.process_time if args.cpu_time else time.perf_counter)
+        dt = time_fn(fn, x, routes, clock=_clock(args))
         touched = sum(len(ids.unique()) for ids, _ in routes[2:]) / n
         gbs = backends.weight_bytes(fmt, touched, H, I) / dt / 1e9
         dec = T in DECODE_T
@@ -111,7 +118,7 @@ def run_isolated(name, label, fmt, args) -> dict:
     import subprocess
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{name}|{label}|{fmt}",
            "--threads", str(args.threads), *(["--cpu-time"] if args.cpu_time else []),
-           "--max-experts", str(args.max_experts),
+           "--max-experts", str(args.max_experts), "--bw-gib", str(args.bw_gib),
            "--decode-iters", str(args.decode_iters), "--prefill-iters", str(args.prefill_iters)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     last = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith('{"bw"')), "")  # kt-kernel prints too
@@ -133,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-time", action="store_true",
                    help="time forwards by process CPU time, not wall time (per-core efficiency on a busy machine; "
                         "use with --threads 1)")
+    p.add_argument("--bw-gib", type=float, default=1.0, help="GiB the read-bandwidth probe sums (workers: half)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.formats = args.formats.split(",")
@@ -140,7 +148,7 @@ def main(argv=None) -> int:
         import json
         print(json.dumps(worker(*args.worker.split("|"), args)))
         return 0
-    bw = read_bandwidth(args.threads)
+    bw = read_bandwidth(args.threads, args.bw_gib, _clock(args))
     print(f"read bandwidth (torch.sum, {args.threads} threads): {bw / 1e9:.1f} GB/s; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     rows = []

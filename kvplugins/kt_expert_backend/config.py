@@ -14,6 +14,8 @@ class KTConfig:
         "help": "µs an idle worker polls for work before it sleeps (0 = sleep at once)"})
     int4_group: int = dataclasses.field(default=128, metadata={
         "help": "inputs per int4 scale when quantizing online (load_weights_from_tensors); multiple of 64"})
+    numa_sysfs: str = dataclasses.field(default="/sys/devices/system/node", metadata={
+        "help": "directory with node<N>/cpulist, where subpools find their NUMA node's CPUs (sysfs)"})
 
     def __post_init__(self):
         if self.spin_us < 0:

@@ -17,9 +17,9 @@ from kvplugins.kt_expert_backend import native
 log = logging.getLogger("kvplugins.kt")
 
 
-def numa_node_count() -> int:
+def numa_node_count(root: str = native.NODE_ROOT) -> int:
     try:
-        return sum(1 for d in os.listdir("/sys/devices/system/node") if d.startswith("node") and d[4:].isdigit())
+        return sum(1 for d in os.listdir(root) if d.startswith("node") and d[4:].isdigit())
     except OSError:
         return 1
 
@@ -40,17 +40,18 @@ class Engine:
 
 
 class Engines:
-    """Process registry of engines keyed by (threads, subpools, nodes, spin_us)."""
+    """Process registry of engines keyed by (threads, subpools, nodes, spin_us, node_root)."""
     _engines: dict = {}
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls, threads: int, subpools: int, numa_nodes, spin_us: int) -> Engine:
-        nodes = tuple(numa_nodes) if numa_nodes else (tuple(range(subpools)) if numa_node_count() >= subpools > 1 else ())
-        key = (int(threads), int(subpools), nodes, int(spin_us))
+    def get(cls, threads: int, subpools: int, numa_nodes, spin_us: int, node_root: str = native.NODE_ROOT) -> Engine:
+        auto = tuple(range(subpools)) if numa_node_count(node_root) >= subpools > 1 else ()
+        nodes = tuple(numa_nodes) if numa_nodes else auto
+        key = (int(threads), int(subpools), nodes, int(spin_us), node_root)
         with cls._lock:
             eng = cls._engines.get(key)
             if eng is None:
-                eng = cls._engines[key] = Engine(native.Pool(threads, subpools, list(nodes), spin_us))
+                eng = cls._engines[key] = Engine(native.Pool(threads, subpools, list(nodes), spin_us, node_root))
                 log.info("kt expert backend: %s (kernels: %s)", eng.pool.describe(), native.best_isa())
             return eng

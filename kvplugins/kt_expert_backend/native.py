@@ -13,6 +13,7 @@ from kvplugins.errors import ConfigError, NativeError
 FORMATS = ("bf16", "int8", "int4")
 ISAS = ("scalar", "avx2", "avx512")
 PROJ = {"gate": 0, "up": 1, "down": 2}
+NODE_ROOT = "/sys/devices/system/node"
 
 
 def _mod():
@@ -50,10 +51,12 @@ def _call(fn, *args):
 
 class Pool:
     """``threads`` compute threads in ``subpools`` groups; subpool s is pinned to NUMA node ``nodes[s]`` when that
-    node exists (empty ``nodes``: no pinning). Idle workers poll for ``spin_us`` µs, then sleep."""
+    node exists (empty ``nodes``: no pinning). Idle workers poll for ``spin_us`` µs, then sleep. Node CPUs are read
+    from ``node_root``/node<N>/cpulist (sysfs; tests pass a fake topology)."""
 
-    def __init__(self, threads: int, subpools: int = 1, nodes: list[int] | None = None, spin_us: int = 200):
-        self._p = _call(_mod().Pool, int(threads), int(subpools), list(nodes or []), int(spin_us))
+    def __init__(self, threads: int, subpools: int = 1, nodes: list[int] | None = None, spin_us: int = 200,
+                 node_root: str = NODE_ROOT):
+        self._p = _call(_mod().Pool, int(threads), int(subpools), list(nodes or []), int(spin_us), str(node_root))
 
     @property
     def threads(self) -> int:

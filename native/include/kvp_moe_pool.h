@@ -20,8 +20,10 @@ class Pool {
  public:
   using TaskFn = std::function<void(int sub, int idx)>;
   // threads >= 1 in all (the job thread computes too); nodes[s] = NUMA node of subpool s, or empty to pin
-  // nothing; spin_us = how long an idle worker polls before it sleeps.
-  Pool(int threads, int subpools, std::vector<int> nodes, int spin_us);
+  // nothing; spin_us = how long an idle worker polls before it sleeps; node_root = the directory holding
+  // node<N>/cpulist (sysfs; tests point it at a fake topology).
+  Pool(int threads, int subpools, std::vector<int> nodes, int spin_us,
+       const std::string& node_root = "/sys/devices/system/node");
   ~Pool();
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;

@@ -144,8 +144,8 @@ NB_MODULE(_moe, m) {
   m.def("isa_supported", [](int i) { return isa_supported(Isa(i)); });
   m.def("quantize", &quantize, nb::arg("format"), nb::arg("src"), nb::arg("group") = 128);
   nb::class_<Pool>(m, "Pool")
-      .def(nb::init<int, int, std::vector<int>, int>(), nb::arg("threads"), nb::arg("subpools"), nb::arg("nodes"),
-           nb::arg("spin_us"))
+      .def(nb::init<int, int, std::vector<int>, int, const std::string&>(), nb::arg("threads"), nb::arg("subpools"),
+           nb::arg("nodes"), nb::arg("spin_us"), nb::arg("node_root") = "/sys/devices/system/node")
       .def("wait", [](Pool& p, uint64_t t) { nb::gil_scoped_release rel; p.wait(t); })
       .def_prop_ro("threads", &Pool::threads)
       .def_prop_ro("subpools", &Pool::subpools)

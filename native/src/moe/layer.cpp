@@ -52,6 +52,16 @@ Routing route(const ForwardArgs& a, int E) {
   return r;
 }
 
+// Phase C rows per task. Prefill: 64 (a strip stays in L2 while token chunks reuse it). Decode streams each down
+// matrix once: one chunk for one thread, else the fewest that give every thread two tasks, so each is one long
+// sequential read (every chunk boundary restarts the prefetch stream). Always a divisor of H, a multiple of 16.
+int down_chunk(int H, int threads, int T) {
+  if (T > 4) return H / 64 >= 4 * threads ? 64 : 16;
+  int cc = H;
+  while (H / cc < (threads > 1 ? 2 * threads : 1) && cc % 32 == 0) cc /= 2;
+  return cc;
+}
+
 }  // namespace
 
 Layer::Layer(Format f, int experts, int hidden, int inter, int group, Isa isa)
@@ -178,7 +188,7 @@ void Layer::forward(Pool& pool, const ForwardArgs& a) {
     }
   });
   // Phase C: each task owns H rows [r0, r0 + cc) of every token's output.
-  const int cc = H_ / 64 >= 4 * pool.threads() ? 64 : 16;
+  const int cc = down_chunk(H_, pool.threads(), a.T);
   std::vector<int> cnt(S);
   for (int s = 0; s < S; ++s) cnt[s] = (shard_lo(H_, S, cc, s + 1) - shard_lo(H_, S, cc, s)) / cc;
   pool.run(cnt, [&](int s, int i) {

@@ -13,8 +13,8 @@ namespace kvp::moe {
 namespace {
 
 // "0-3,8-11" (the /sys cpulist format) -> cpu ids; empty when the node does not exist.
-std::vector<int> node_cpus(int node) {
-  std::ifstream f("/sys/devices/system/node/node" + std::to_string(node) + "/cpulist");
+std::vector<int> node_cpus(const std::string& root, int node) {
+  std::ifstream f(root + "/node" + std::to_string(node) + "/cpulist");
   std::string text, part;
   std::vector<int> cpus;
   if (!std::getline(f, text)) return cpus;
@@ -38,7 +38,8 @@ int sub_of(int thread, int threads, int subpools) { return int(int64_t(thread) *
 
 }  // namespace
 
-Pool::Pool(int threads, int subpools, std::vector<int> nodes, int spin_us) : subpools_(subpools), spin_us_(spin_us) {
+Pool::Pool(int threads, int subpools, std::vector<int> nodes, int spin_us, const std::string& node_root)
+    : subpools_(subpools), spin_us_(spin_us) {
   if (threads < 1) throw std::invalid_argument("threads must be >= 1 (got " + std::to_string(threads) + ")");
   if (subpools < 1 || subpools > threads)
     throw std::invalid_argument("threadpool_count must be in [1, threads=" + std::to_string(threads) + "] (got " +
@@ -47,7 +48,7 @@ Pool::Pool(int threads, int subpools, std::vector<int> nodes, int spin_us) : sub
   for (int i = 1; i < threads; ++i) workers_.emplace_back(&Pool::worker_main, this, sub_of(i, threads, subpools), 0);
   job_thread_ = std::thread(&Pool::job_main, this);
   std::vector<std::vector<int>> cpus;
-  for (int s = 0; s < subpools && int(nodes.size()) == subpools; ++s) cpus.push_back(node_cpus(nodes[s]));
+  for (int s = 0; s < subpools && int(nodes.size()) == subpools; ++s) cpus.push_back(node_cpus(node_root, nodes[s]));
   bool ok = !cpus.empty();
   for (auto& c : cpus) ok = ok && !c.empty();
   if (!ok) {
