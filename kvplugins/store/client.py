@@ -321,8 +321,8 @@ class StoreClient:
                 break
             errors = self._transfer("read", flat, attempt)
             if self.cfg.verify_checksums:
-                for i in checksum.mismatched(self._engine, flat, {i: _sum(reads[i]) for i in attempt
-                                                                   if i not in errors}):
+                done = {i: _sum(reads[i]) for i in attempt if i not in errors}
+                for i in checksum.mismatched(self._engine, flat, done):
                     errors[i] = ChecksumMismatch(f"{keys[i]}: bytes read do not match the object's checksum")
                     seg, _, off = attempt[i][0]
                     corrupt.append([keys[i], seg, off, _sum(reads[i])])

@@ -111,3 +111,25 @@ def test_checksums_of_mixed_span_counts_in_one_batch(pool):
         assert sums == [xxhash.xxh3_64_intdigest(data[:100].tobytes() + data[1000:1200].tobytes()),
                         xxhash.xxh3_64_intdigest(data[2000:2300].tobytes())]
         assert client.get("mix/two") == data[:100].tobytes() + data[1000:1200].tobytes()
+
+
+def test_big_column_batch_checks_each_key(pool):
+    """A 4 MiB column-form batch: the writer's checksums are exact, exactly the corrupted keys are misses."""
+    rng = np.random.default_rng(6)
+    n, size = 16, 256 << 10                                           # 4 MiB
+    with client_of(pool) as client:
+        src = rng.integers(0, 256, n * size, dtype=np.uint8)
+        a = client.register_buffer(src).addr
+        keys = [f"big/{pool[1]}/{i}" for i in range(n)]
+        assert client.batch_put_from(keys, [[(a + i * size, size)] for i in range(n)]) == [None] * n
+        sums = [v[3] for _, v in client._rpc.call("get", keys)]
+        assert sums == [xxhash.xxh3_64_intdigest(src[i * size:(i + 1) * size]) for i in range(n)]
+        bad = set(rng.choice(n, 5, replace=False).tolist())
+        for i in bad:
+            flip_byte(client, keys[i], rng)
+        dst = np.zeros_like(src)
+        b = client.register_buffer(dst).addr
+        out = client.batch_get_into(keys, [[(b + i * size, size)] for i in range(n)])
+        assert {i for i, e in enumerate(out) if isinstance(e, ChecksumMismatch)} == bad
+        assert all(np.array_equal(dst[i * size:(i + 1) * size], src[i * size:(i + 1) * size])
+                   for i in range(n) if i not in bad)
