@@ -79,6 +79,8 @@ class NodeTier:
                 if not down:
                     log.warning("disk tier poll failed: %s", e)
                 down, self._registered = True, isinstance(e, MasterUnreachable) and self._registered
+            except Exception:  # noqa: BLE001 - a bug in one command must not stop offloads and drains for good
+                log.exception("disk tier poll failed; polling goes on")
 
     def _poll_once(self) -> None:
         [(code, value)] = self.rpc.call("tier_poll", [self.segment.name])
