@@ -159,6 +159,8 @@ class NodeTier:
             return ["migrate", key, False, "missing"]
         except CorruptFile:
             return ["migrate", key, False, "corrupt"]
+        except OSError as e:
+            return ["migrate", key, False, f"disk read failed: {e}"]
         except TransferError as e:
             err = e
         return ["migrate", key, err is None, str(err) if err else None]
