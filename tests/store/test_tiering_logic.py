@@ -140,6 +140,8 @@ def test_disk_only_objects_stay_out_of_the_eviction_scan():
     assert [o.key for o in svc.table.iter_lru()] == ["a", "d/7"]         # promoted: back in the LRU, newest
     svc.handle("remove", ["d/8"], {})
     assert "d/8" not in svc.table and len(svc.table) == 1000
+    svc.clock_.t += 2                                         # past d/7's lease from the promotion
+    assert svc.handle("remove_all", [], {}) == [OK, 1000] and len(svc.table) == 0     # disk-only ones too
 
 
 def test_a_big_disk_announces_in_chunks():

@@ -3,7 +3,7 @@ node, and the copies in flight (offload, promote, migrate). Pure bookkeeping; ti
 
 A disk copy or a flight names the Object it belongs to and is valid only while the table still maps the key to
 that very Object (a removed and re-put key never reuses an old copy). A disk-only object holds no DRAM and is
-"leased" by the tier (lease_until = inf) so eviction never picks it. An object in flight stays evictable by an
+parked outside the table's LRU lists, so eviction never picks it. An object in flight stays evictable by an
 on-demand eviction (a put never waits for disk): it is dropped, the flight cancelled and its file deleted.
 """
 from __future__ import annotations

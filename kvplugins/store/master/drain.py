@@ -108,11 +108,10 @@ def migrated(tier, key, segment: str, ok: bool, detail, now: float) -> None:
     tier.flights.pop(key)
     seg = svc.segments.get(segment)
     old = [(seg, o) for n, o in obj.replicas if n == segment]
+    if not obj.replicas:                                # it was on disk only: back into the LRU
+        svc.table.unpark(obj, now)
     obj.replicas = [(n, o) for n, o in obj.replicas if n != segment] + [(dest.name, off)]
     obj.locations = None
-    if obj.lease_until == INF:                          # it was on disk only
-        obj.lease_until = now
-        svc.table.unpark(obj, now)
     dest.keys.add(key)
     if seg is not None:
         seg.keys.discard(key)

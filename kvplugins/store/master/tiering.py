@@ -13,8 +13,7 @@ store node with ``--disk-dir`` registers its tier, an evicted object is dropped 
   (kvplugins.store.disk.promote), which calls ``promote_start`` (a DRAM offset in its own segment), loads and
   verifies the file there, and ``promote_commit``s; the object is in DRAM again and keeps its clean disk copy.
 * Drain (``drain``; master/drain.py): the segment takes no new placements; its objects are migrated by its node.
-Disk-only objects hold no DRAM: they are parked outside the table's LRU lists (eviction never scans them) and
-carry lease_until = inf.
+Disk-only objects hold no DRAM: they are parked outside the table's LRU lists, so eviction never picks them.
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ import heapq
 from itertools import islice
 
 from kvplugins.store.master import drain
-from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, INF, POLL_BATCH, Copy, DiskNode, Flight, \
+from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, POLL_BATCH, Copy, DiskNode, Flight, \
     raw_allocator
 from kvplugins.store.protocol import EXISTS, INVALID, NOT_FOUND, OK, ON_DISK, STORE_FULL
 
@@ -80,22 +79,19 @@ class Tiering:
 
     def dropped(self, obj, now: float) -> None:
         """``obj`` is leaving the table (remove, eviction, loss): delete its disk copy, cancel its flight (a
-        destination the node may still write is freed after put_timeout_ms), end a disk-only object's tier lease."""
+        destination the node may still write is freed after put_timeout_ms)."""
         c = self.copies.get(obj.key)
         if c is not None and c.obj is obj:
             self.forget_copy(obj.key, delete=True)
         f = self.flights.get(obj.key)
         if f is not None and f.obj is obj:
             self.end_flight(obj.key, now, free_dest_at=now + self.service.cfg.put_timeout_ms / 1000)
-        if obj.lease_until == INF:
-            obj.lease_until = now
 
     def keeps(self, obj) -> bool:
         """``obj`` lost its last DRAM replica (its segment left). True if it lives on as a disk-only object (it
         has a disk copy on a live node), False to let the service drop it."""
         if not obj.complete or self.copy(obj) is None:
             return False
-        obj.lease_until = INF
         self.service.table.park(obj)
         return True
 
@@ -153,7 +149,7 @@ class Tiering:
             if seg is not None:
                 seg.keys.discard(obj.key)
             held.append((seg, off))
-        obj.replicas, obj.locations, obj.lease_until = [], None, INF
+        obj.replicas, obj.locations = [], None
         svc.table.park(obj)                 # out of the LRU: eviction scans never walk disk-only objects
         self.free_at(held, free_at, now)
         svc.journal.replicas_changed([obj])
@@ -238,7 +234,7 @@ class Tiering:
         for key, size, digest in files:
             obj = table.get(key)
             if obj is None:
-                obj = Object(key, size, [], complete=True, lease_until=INF, last_access=now)
+                obj = Object(key, size, [], complete=True, last_access=now)
                 if hasattr(obj, "checksum"):
                     obj.checksum = digest
                 table.add(obj)
