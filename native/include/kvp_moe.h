@@ -24,16 +24,23 @@ bool isa_supported(Isa i);
 struct Matrix {
   int N = 0, K = 0, group = 0;
   size_t row_bytes = 0;
-  uint8_t* data = nullptr;      // 64-byte aligned, owned
+  uint8_t* data = nullptr;      // 64-byte aligned; owned unless placed in a caller's block
+  bool owned = true;
   std::vector<float> scale, comp;
   Matrix() = default;
   Matrix(const Matrix&) = delete;
   Matrix& operator=(const Matrix&) = delete;
   ~Matrix();
-  void allocate(Format f, int n, int k, int g);
+  // at: where the rows go (a block from alloc_weights, data_bytes long); nullptr allocates them here.
+  void allocate(Format f, int n, int k, int g, uint8_t* at = nullptr);
+  static size_t data_bytes(Format f, int n, int k);  // rounded up to 64
 };
 
 size_t row_bytes(Format f, int K);
+// Weight memory, 2 MiB-aligned when it is 2 MiB or more, with MADV_HUGEPAGE (free with std::free): decode
+// streams every byte once, and 4 KiB pages would cost a TLB walk per page. A tail under 1 MiB past the last full
+// 2 MiB stays on small pages; a longer one gets a huge page (at most 1 MiB of physical memory unused).
+uint8_t* alloc_weights(size_t bytes);
 
 // Activations of one token, ready for a format: BF16 -> bf16 row; INT8/INT4 -> u8 row (q + 128) and a scale.
 struct ActRows {

@@ -2,6 +2,7 @@
 // outputs weighted by the router's top-k weights and summed per token.
 #pragma once
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -44,7 +45,16 @@ class Layer {
   int group() const { return G_; }
 
  private:
-  struct Expert { Matrix w1, w2; };  // w1: gate/up interleaved in 16-row blocks [2I, H]; w2: down [H, I]
+  // w1: gate/up interleaved in 16-row blocks [2I, H]; w2: down [H, I]. Both live in one alloc_weights block,
+  // so small matrices (int8 down, int4) still sit on huge pages.
+  struct Expert {
+    Matrix w1, w2;
+    uint8_t* block = nullptr;
+    Expert() = default;
+    Expert(const Expert&) = delete;
+    Expert& operator=(const Expert&) = delete;
+    ~Expert() { std::free(block); }
+  };
   int dest_row(Proj p, int r) const;
   void place(Pool& pool, int e, Proj p, const std::function<void(int, uint8_t*, float*)>& fill);
   void check_args(const ForwardArgs& a) const;

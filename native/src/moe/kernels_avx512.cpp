@@ -157,14 +157,10 @@ void int4_tile(const MatView& w, int r, const ActRows& a, int t0, float* y, size
   }
 }
 
-// Rows outer (a 4-row strip stays in L1), token tiles inner; tokens in L2-sized chunks. Decode (one token per
-// call, the common case at T <= 4) takes 8-row strips: half the per-strip reduction and loop overhead.
+// Rows outer (a 4-row strip stays in L1), token tiles inner; tokens in L2-sized chunks. (8-row strips for
+// decode measured slower for bf16 and no faster for int8 on Zen 4: R stays 4.)
 template <template <int> class Tile, int MaxNT>
 void gemm(const MatView& w, int r0, int nrows, const ActRows& a, float* y, size_t ldy) {
-  if (a.n == 1 && nrows % 8 == 0) {
-    for (int j = 0; j < nrows; j += 8) Tile<1>::run8(w, r0 + j, a, 0, y + j, ldy);
-    return;
-  }
   for (int c0 = 0; c0 < a.n; c0 += kTokChunk) {
     const int c1 = a.n < c0 + kTokChunk ? a.n : c0 + kTokChunk;
     for (int j = 0; j < nrows; j += 4) {
@@ -178,17 +174,12 @@ void gemm(const MatView& w, int r0, int nrows, const ActRows& a, float* y, size_
 using TileArgs = const ActRows;
 template <int NT> struct Bf16 {
   static void run(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) { bf16_tile<NT, 4>(w, r, a, t, y, l); }
-  static void run8(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) { bf16_tile<NT, 8>(w, r, a, t, y, l); }
 };
 template <int NT> struct Int8 {
   static void run(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) { int8_tile<NT, 4>(w, r, a, t, y, l); }
-  static void run8(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) { int8_tile<NT, 8>(w, r, a, t, y, l); }
 };
 template <int NT> struct Int4 {
   static void run(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) { int4_tile<NT>(w, r, a, t, y, l); }
-  static void run8(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) {
-    int4_tile<NT>(w, r, a, t, y, l), int4_tile<NT>(w, r + 4, a, t, y + 4, l);
-  }
 };
 
 // exp(x) as 2^n * 2^f, f in [-0.5, 0.5], degree-6 polynomial (rel. error ~1e-7 over the clamped range).

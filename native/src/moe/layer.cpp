@@ -87,9 +87,12 @@ int Layer::dest_row(Proj p, int r) const {
 void Layer::place(Pool& pool, int e, Proj p, const std::function<void(int, uint8_t*, float*)>& fill) {
   if (e < 0 || e >= E_) throw bad("expert " + std::to_string(e) + " out of range [0, " + std::to_string(E_) + ")");
   if (!experts_[e]) {
-    experts_[e] = std::make_unique<Expert>();
-    experts_[e]->w1.allocate(f_, 2 * I_, H_, G_);
-    experts_[e]->w2.allocate(f_, H_, I_, G_);
+    auto x = std::make_unique<Expert>();
+    const size_t b1 = Matrix::data_bytes(f_, 2 * I_, H_);
+    x->block = alloc_weights(b1 + Matrix::data_bytes(f_, H_, I_));
+    x->w1.allocate(f_, 2 * I_, H_, G_, x->block);
+    x->w2.allocate(f_, H_, I_, G_, x->block + b1);
+    experts_[e] = std::move(x);
   }
   Matrix& m = p == Proj::Down ? experts_[e]->w2 : experts_[e]->w1;
   const int rows = p == Proj::Down ? H_ : I_, S = pool.subpools(), step = 16;

@@ -20,19 +20,31 @@ size_t row_bytes(Format f, int K) {
   return 0;
 }
 
-Matrix::~Matrix() { std::free(data); }
+Matrix::~Matrix() {
+  if (owned) std::free(data);
+}
 
-void Matrix::allocate(Format f, int n, int k, int g) {
-  N = n, K = k, group = g, row_bytes = kvp::moe::row_bytes(f, k);
-  std::free(data);
-  // 2 MiB-aligned and madvise(MADV_HUGEPAGE) when large: decode streams every byte once, and 4 KiB pages cost a
-  // TLB walk per page. Not touched here: the first touch (by the owning subpool) places the pages.
+size_t Matrix::data_bytes(Format f, int n, int k) { return (size_t(n) * kvp::moe::row_bytes(f, k) + 63) / 64 * 64; }
+
+uint8_t* alloc_weights(size_t bytes) {
+  // Not touched here: the first touch (by the owning subpool) places the pages on its NUMA node.
   constexpr size_t kHuge = size_t(2) << 20;
-  const size_t align = size_t(n) * row_bytes >= kHuge ? kHuge : 64;
-  const size_t bytes = (size_t(n) * row_bytes + align - 1) / align * align;
-  data = static_cast<uint8_t*>(std::aligned_alloc(align, bytes));
-  if (!data) throw std::bad_alloc();
-  if (align == kHuge) madvise(data, bytes, MADV_HUGEPAGE);  // advisory: failure only means small pages
+  const size_t align = bytes >= kHuge ? kHuge : 64;
+  const size_t total = (bytes + align - 1) / align * align;
+  uint8_t* p = static_cast<uint8_t*>(std::aligned_alloc(align, total));
+  if (!p) throw std::bad_alloc();
+  // A tail of at least 1 MiB gets its own huge page too (at most 1 MiB of it unused); a smaller tail stays on
+  // 4 KiB pages. madvise is advisory: failure only means small pages.
+  const size_t tail = bytes % kHuge;
+  if (bytes >= kHuge) madvise(p, tail >= kHuge / 2 ? total : bytes - tail, MADV_HUGEPAGE);
+  return p;
+}
+
+void Matrix::allocate(Format f, int n, int k, int g, uint8_t* at) {
+  N = n, K = k, group = g, row_bytes = kvp::moe::row_bytes(f, k);
+  if (owned) std::free(data);
+  owned = at == nullptr;
+  data = owned ? alloc_weights(data_bytes(f, n, k)) : at;
   scale.assign(f == Format::INT8 ? n : f == Format::INT4 ? size_t(n) * (k / g) : 0, 0.f);
   comp.assign(f == Format::BF16 ? 0 : n, 0.f);
 }
