@@ -4,7 +4,9 @@ Threads: small hits load inline before the forward; large hits load on the ``kvp
 ``batch_get_into`` per step, the transfer core moves the bytes) and are reported through ``finished``;
 saves run on the ``kvp-save`` thread after the forward, never blocking it. A save reads blocks that stay
 unchanged while their request holds them; ``fence`` waits, before a forward, for the saves of requests whose
-blocks were freed (finished or preempted), so a reused block is never read half-rewritten.
+blocks were freed (finished or preempted), so a reused block is never read half-rewritten. These threads,
+and the transfer engines' server threads, run on every CPU vLLM gave the worker, not only on the one its
+OpenMP binding pins the main thread to (threads.py).
 """
 from __future__ import annotations
 

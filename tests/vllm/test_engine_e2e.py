@@ -5,7 +5,8 @@ the shared prefix from the store, in the background (an asynchronous hit), and (
 tokens as an engine without the connector. Both name the connector only ("kv_connector":"KVPluginsConnector",
 no module path): the vllm.general_plugins entry point registers it. Then, in this order (each uses what the
 one before left in the store): a preempted batch reloads from the store (connector inside MultiConnector);
-a page that fails to load is recomputed; corrupted pages change the tokens (the loaded KV is really used);
+a page that fails to load is recomputed; with policy "fail" a page failing its checksum fails only its request;
+corrupted pages change the tokens (the loaded KV is really used);
 the store node is stopped and then killed in the middle of the loads (everything recomputed, identical tokens,
 no hang). Independently: with the store down the engine still serves, with identical tokens.
 """
@@ -58,6 +59,7 @@ def test_fresh_instance_gets_external_hits_and_identical_tokens(shared, baseline
     assert stats["hit_blocks"] == shared_pages and stats["failed_blocks"] == 0
     assert stats["loaded_bytes"] == shared_pages * b_page_bytes(shared)
     assert a["kvplugins"]["saved_blocks"] >= shared_pages and a["kvplugins"]["miss_blocks"] > 0
+    assert shared[2]["keyspace"]["extra"].endswith(";layout=CPU_ATTN:LBHNC")  # the CPU backend's resolved layout
 
 
 def b_page_bytes(shared) -> int:
@@ -103,6 +105,41 @@ def test_page_that_fails_to_load_is_recomputed(shared, baseline, model, turn_pro
                              load_failure="recompute"), log_path=str(log))
     assert "1 of" in log.read_text() and "pages failed to load" in log.read_text()
     assert r["tokens"] == baseline["tokens"]
+    assert r["kvplugins"]["failed_blocks"] == 1
+
+
+def flip_stored_byte(client, key: str) -> None:
+    """Flip one byte of ``key``'s stored bytes inside the store node's segment (through the segment's shm file,
+    as tests/store/test_integrity.py does): the store's checksum no longer matches."""
+    [(_, (size, locs, _, _))] = client._rpc.call("get", [key])
+    seg, region_id, off = locs[0]
+    [(_, wire)] = client._rpc.call("describe", [seg])
+    with open(next(r[2] for r in wire["regions"] if r[0] == region_id), "r+b") as f:
+        f.seek(off + size // 2)
+        old = f.read(1)[0]
+        f.seek(off + size // 2)
+        f.write(bytes([old ^ 0x5A]))
+
+
+def test_fail_policy_fails_only_that_request_with_a_clear_error(shared, baseline, model, turn_prompts, cluster,
+                                                                tmp_path):
+    """A stored page whose bytes no longer match its checksum, with kv_load_failure_policy="fail": the request
+    that loads it ends with finish_reason "error" (vLLM logs why, the connector names the page and the cause);
+    the engine neither hangs nor crashes: the next request in the same engine gets the baseline's tokens."""
+    from kvplugins.store import ClientConfig, StoreClient
+    _, b, info = shared
+    with StoreClient(ClientConfig(master=cluster.master)) as client:
+        stored = stored_page_keys(client, b, info)
+        client.batch_remove(stored[5:6])  # the test before left page 5 (of prompt 0) the wrong size: drop it
+        flip_stored_byte(client, stored[2])  # an earlier page of prompt 0
+    log = tmp_path / "engine.log"
+    r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master}, load_failure="fail"),
+                  timeout_s=240, log_path=str(log))
+    text = log.read_text()
+    assert r["finish_reasons"] == ["error", "length"]
+    assert "Failing 1 request(s) due to KV load failure (failure_policy=fail" in text
+    assert f"{stored[2]}: bytes read do not match the object's checksum" in text  # which page, and why
+    assert r["tokens"][1] == baseline["tokens"][1]
     assert r["kvplugins"]["failed_blocks"] == 1
 
 

@@ -55,9 +55,15 @@ def test_pd_tokens_equal_single_instance(pd, baseline, model, turn_prompts, mode
         return after.get(f"vllm:kvplugins_{name}_total", 0) - before.get(f"vllm:kvplugins_{name}_total", 0)
     pages = (baseline["prompt_tokens"][index] - 1) // BLOCK
     assert delta("loaded_blocks") == pages and delta("failed_blocks") == 0
-    assert delta("direct_blocks") == (pages if mode == "direct" else 0)
+    assert delta("direct_blocks") == (pages if mode == "direct" else 0), connector_lines(decode, prefill)
     assert delta("saved_blocks") == 0  # a consumer does not save
     assert after["vllm:kvplugins_load_seconds_count"] > before.get("vllm:kvplugins_load_seconds_count", 0)
+
+
+def connector_lines(*servers) -> str:
+    """The connector's log lines of each server (why a direct read failed, how long it took)."""
+    return "\n".join(f"{s.log_path.name}: {ln}" for s in servers for ln in s.log_path.read_text().splitlines()
+                     if "kvplugins" in ln and ("WARNING" in ln or ln.startswith("kvplugins:")))
 
 
 def test_pd_direct_read_without_the_producers_lease_falls_back_to_the_store(pd, baseline, model, turn_prompts):
@@ -81,4 +87,5 @@ def test_pd_direct_read_without_the_producers_lease_falls_back_to_the_store(pd, 
 
     def delta(name):
         return after.get(f"vllm:kvplugins_{name}_total", 0) - before.get(f"vllm:kvplugins_{name}_total", 0)
-    assert delta("direct_blocks") == 0 and delta("loaded_blocks") == pages and delta("failed_blocks") == 0
+    assert (delta("direct_blocks"), delta("loaded_blocks"), delta("failed_blocks")) == (0, pages, 0), \
+        connector_lines(decode)
