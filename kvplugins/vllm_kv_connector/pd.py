@@ -9,8 +9,9 @@
   unless the token is still there, so blocks freed and reused before the read never become wrong tokens.
 * Consumer: the params come back in the decode request (``SamplingParams.extra_args["kv_transfer_params"]`` or
   the OpenAI ``kv_transfer_params`` field). Store path: look the pages up (waiting up to ``pd_wait_ms`` for the
-  producer's saves to land), then load as any hit. Direct path: read the producer's KV blocks through the
-  transfer core (shm on one host when possible, else TCP) straight into the allocated blocks, then ack.
+  producer's saves to land), then load as any hit. Direct path: read the producer's KV blocks straight into
+  the allocated blocks (on one host with process_vm_readv, vmread.py, else through the transfer core's TCP),
+  then ack.
 
 params (JSON): ``v``, ``mode`` ("store"/"direct"), ``pages`` (full prompt pages computed), ``namespace`` (rank
 0's key namespace: both sides must match); direct adds ``block_ids`` (producer blocks of those pages), ``slot``,
@@ -20,6 +21,7 @@ params (JSON): ``v``, ``mode`` ("store"/"direct"), ``pages`` (full prompt pages 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 
 from kvplugins.errors import ConfigError, KVPluginsError
 from kvplugins.layout import PageLayout
+from kvplugins.vllm_kv_connector import vmread
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +43,13 @@ MAILBOX_SLOTS = 4096  # acks in flight per producer; a slot is reused after 4096
 @dataclass
 class PDHandshake(KVConnectorHandshakeMetadata):
     """What a producer worker exports: its transfer-engine descriptor (SegmentDescriptor.to_wire()), its KV
-    planes in page order as ``[region_id, offset, block_stride, block_bytes]`` (bytes) and its mailbox
-    ``[region_id, slots]`` (one uint64 word per slot)."""
+    planes in page order as ``[region_id, offset, block_stride, block_bytes, address]`` (bytes; the address
+    of block 0 in the producer, for same-host reads with vmread.py), its mailbox ``[region_id, slots]`` (one
+    uint64 word per slot) and its process id."""
     descriptor: dict = field(default_factory=dict)
     planes: list = field(default_factory=list)
     mailbox: list = field(default_factory=list)
+    pid: int = 0
 
 
 def params_of(request) -> dict | None:
@@ -72,9 +77,9 @@ class Export:
         planes = []
         for p in layout.planes:
             r = self.engine.region_for(p.base, p.block_bytes)
-            planes.append([r.region_id, p.base - r.addr, p.block_stride, p.block_bytes])
+            planes.append([r.region_id, p.base - r.addr, p.block_stride, p.block_bytes, p.base])
         self.handshake = PDHandshake(self.engine.descriptor().to_wire(), planes,
-                                     [self.mailbox.region_id, MAILBOX_SLOTS])
+                                     [self.mailbox.region_id, MAILBOX_SLOTS], os.getpid())
 
     def acked(self, slot: int, token: int) -> bool:
         """Whether the decode side wrote ``token`` into mailbox word ``slot``."""
@@ -97,6 +102,7 @@ class Reader:
             self.engine.register(addr, length=nbytes)
         self._ack = np.zeros(2, dtype=np.uint64)  # [0]: ack word to write, [1]: lease word read back
         self._ack_region = self.engine.register(self._ack)
+        self._vm_ok = True  # same-host reads with process_vm_readv, until one fails
 
     def read(self, src: dict, local_ids: list[int], remote_ids: list[int], slot: int, token: int) -> list[int]:
         """Copy producer block ``remote_ids[i]`` into local block ``local_ids[i]``; returns local ids that failed.
@@ -141,9 +147,11 @@ class Reader:
             raise ConfigError(f"producer KV planes {[p[3] for p in planes]} B differ from this engine's "
                               f"{[q.block_bytes for q in mine]} B")
         desc = SegmentDescriptor.from_wire(src["descriptor"])
+        if self._vm_read(src, desc, local_ids, remote_ids):
+            return []
         by_region: dict[int, tuple[list, list, list, list]] = {}
         for i, (lb, rb) in enumerate(zip(local_ids, remote_ids)):
-            for (region, off, stride, nbytes), q in zip(planes, mine):
+            for (region, off, stride, nbytes, *_), q in zip(planes, mine):
                 a, o, n, page = by_region.setdefault(region, ([], [], [], []))
                 a.append(q.base + lb * q.block_stride)
                 o.append(off + rb * stride)
@@ -161,6 +169,22 @@ class Reader:
             log.warning("kvplugins: %d of %d pages failed to read from the producer: %r", len(failed),
                         len(local_ids), first)
         return [local_ids[i] for i in sorted(failed)]
+
+    def _vm_read(self, src: dict, desc, local_ids: list[int], remote_ids: list[int]) -> bool:
+        """Same host: copy the blocks with process_vm_readv (no producer thread involved); False (after logging
+        the reason once) where that is not possible, and the transfer core reads them instead."""
+        planes, mine = src["planes"], self.layout.planes
+        if not self._vm_ok or desc.host_id != self.engine.host_id or not src.get("pid") \
+                or any(len(p) < 5 for p in planes):
+            return False
+        spans = [(q.base + lb * q.block_stride, p[4] + rb * p[2], p[3])
+                 for lb, rb in zip(local_ids, remote_ids) for p, q in zip(planes, mine)]
+        why = vmread.read(src["pid"], spans)
+        if why is not None:
+            self._vm_ok = False
+            log.warning("kvplugins: reading the producer's KV memory directly failed (%s); using the transfer "
+                        "core (TCP) from now on", why)
+        return why is None
 
     def _leased(self, src: dict, slot: int, token: int) -> bool:
         from kvplugins.transfer import SegmentDescriptor
