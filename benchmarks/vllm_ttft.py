@@ -10,8 +10,12 @@ Engines, in order:
   nc    no connector: TTFT of each prompt (1K/4K/8K tokens, one at a time)
   cold  connector, empty store: the same ("cold" TTFTs; the engine saves the pages)
   warm  connector, fresh process: the TTFT prompts again (their pages come from the store)
-  then --repeat times, interleaved: a batch of --batch new 1K prompts with --out output tokens each, without and
-  with the connector (0% hits: the overhead case; tokens/s of prompt + output, medians compared)
+  then --repeat rounds, interleaved (the order alternates each round): one engine without and one with the
+  connector, each running --batches batches of --batch new 1K prompts with --out output tokens (0% hits: the
+  overhead case). Per batch: tokens (prompt + output) per wall second, and per CPU second of the engine's
+  processes (engine core + worker) plus the store process (where the connector's saves land). CPU time is
+  what the connector costs even when the run is descheduled on a busy machine; wall time is what a user sees.
+  Compared: medians per side and the median of the per-round ratios (each round's two engines run back to back).
 Goals: warm <= 0.15 x cold TTFT at 4K; connector throughput >= 0.97 x no-connector at 0% hits.
 
     .venv/bin/python benchmarks/vllm_ttft.py [--sizes 1024,4096,8192] [--batch 4] [--out 32] [--json F]
@@ -33,6 +37,12 @@ from kvplugins.demo.engine import EngineSpec, run_fresh
 SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
              num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
              tie_word_embeddings=True)
+
+
+# vLLM-CPU reserves CPUs for its scheduler process, one more when a kv_transfer_config is set
+# (vllm/utils/ompmultiprocessing.py); on a 2-CPU host that gives the engine without a connector 1 OpenMP thread and
+# the engine with one 2. Fixing the reservation makes both compute with the same threads on the same CPU.
+SAME_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
 def build_model(path: Path) -> Path:
@@ -64,7 +74,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4, help="prompts in the throughput batch (1K tokens each)")
     ap.add_argument("--out", type=int, default=32, help="output tokens of each throughput prompt")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--repeat", type=int, default=3, help="interleaved throughput runs per side")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved throughput rounds (one engine per side each)")
+    ap.add_argument("--batches", type=int, default=3, help="throughput batches per engine (new prompts each)")
     ap.add_argument("--skip-ttft", action="store_true", help="only the 0%%-hit throughput comparison")
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
@@ -76,7 +87,7 @@ def main() -> int:
     vocab = len(AutoTokenizer.from_pretrained(model))
     ttft_prompts = prompts(sizes, vocab, seed=1)
     base = dict(model=model, dtype=args.dtype, kv_cache_gib=4, max_model_len=max(sizes) + 64, block_size=32,
-                max_num_batched_tokens=max(sizes) + 64)
+                max_num_batched_tokens=max(sizes) + 64, env=SAME_CPUS)
     from kvplugins.store import UpConfig, embedded
     tmp = tempfile.mkdtemp(prefix="kvp-bench-")
     up = UpConfig(discovery_file=str(Path(tmp, "up.json")))
@@ -89,13 +100,16 @@ def main() -> int:
                 t = run_fresh(EngineSpec(prompts=ttft_prompts, max_tokens=1, connector=c, **base), timeout_s=1800)
                 res[name] = {"ttft_ms": t["ttft_ms"], "hits": t["external_hit_tokens"]}
                 print(name, json.dumps(res[name]), flush=True)
-        for i in range(args.repeat):  # interleaved, so load drift on a shared machine hits both alike
-            for name, c in (("nc", None), ("conn", conn)):
-                b = run_fresh(EngineSpec(prompts=prompts([1024] * args.batch, vocab, seed=100 + i), batch=True,
-                                         max_tokens=args.out, connector=c, **base), timeout_s=1800)
-                res.setdefault(f"batch_s_{name}", []).append(b["wall_s"][0])
-                res.setdefault(f"batch_hits_{name}", []).append(b["external_hit_tokens"])
-                print(name, "batch", round(b["wall_s"][0], 2), "s", flush=True)
+        store_pid = int(embedded.read_discovery(embedded.discovery_path(up))["pid"])
+        for i in range(args.repeat):  # interleaved, alternating order, so load drift hits both sides alike
+            sides = (("nc", None), ("conn", conn)) if i % 2 == 0 else (("conn", conn), ("nc", None))
+            for name, c in sides:
+                batches = [prompts([1024] * args.batch, vocab, seed=1000 * i + 10 * j + (name == "conn"))
+                           for j in range(args.batches)]  # new prompts everywhere: 0% hits
+                r = overhead_run(dict(base, kv_cache_gib=1, connector=c, batches=batches, out=args.out,
+                                          store_pid=store_pid))
+                res.setdefault(f"rounds_{name}", []).append(r)
+                print(name, "round", i, json.dumps(r), flush=True)
     finally:  # stop our `kvplugins up`, also when it came up too late for ensure_running
         info = embedded.read_discovery(embedded.discovery_path(up))
         if info:
@@ -114,15 +128,107 @@ def report(res: dict, sizes: list[int], args) -> None:
         for i, n in enumerate(sizes):
             nc, cold, warm = res["nc"]["ttft_ms"][i], res["cold"]["ttft_ms"][i], res["warm"]["ttft_ms"][i]
             print(f"| {n} | {nc:.0f} | {cold:.0f} | {warm:.0f} | {warm / cold:.3f} |")
-    tokens = args.batch * (1024 + args.out)
-    tp_nc = sorted(tokens / s for s in res["batch_s_nc"])
-    tp_c = sorted(tokens / s for s in res["batch_s_conn"])
-    med_nc, med_c = tp_nc[len(tp_nc) // 2], tp_c[len(tp_c) // 2]
-    print(f"\n0% hits, batch of {args.batch} x 1K prompts + {args.out} output tokens, {args.repeat} interleaved runs "
-          f"each: no connector {[round(x) for x in tp_nc]} tok/s, connector {[round(x) for x in tp_c]} tok/s; "
-          f"medians {med_nc:.0f} vs {med_c:.0f} ({100 * (1 - med_c / med_nc):+.1f}% overhead; external hits "
-          f"{res['batch_hits_conn']})")
+    if "rounds_nc" in res:
+        print(overhead_summary(res, args))
 
+
+def overhead_summary(res: dict, args) -> str:
+    """Medians of tokens per wall second and per CPU second, per side, and the median per-round ratio."""
+    def per(rounds, key):  # per batch rates, and each round's median
+        rates = [[b["tokens"] / b[key] for b in r["batches"]] for r in rounds]
+        return [x for r in rates for x in r], [median(r) for r in rates]
+    lines = [f"0% hits: {args.repeat} interleaved rounds x {args.batches} batches of {args.batch} x 1K prompts + "
+             f"{args.out} output tokens; external hits {[r['external_hit_tokens'] for r in res['rounds_conn']]}"]
+    for key, what in (("wall_s", "tokens per wall s"), ("cpu_s", "tokens per CPU s")):
+        nc, nc_rounds = per(res["rounds_nc"], key)
+        c, c_rounds = per(res["rounds_conn"], key)
+        ratios = [b / a for a, b in zip(nc_rounds, c_rounds)]
+        lines.append(f"{what}: no connector median {median(nc):.0f} (range {min(nc):.0f}-{max(nc):.0f}), connector "
+                     f"median {median(c):.0f} (range {min(c):.0f}-{max(c):.0f}): {100 * (1 - median(c) / median(nc)):+.1f}% "
+                     f"overhead; per-round connector/no-connector {[round(x, 3) for x in ratios]}, median "
+                     f"{median(ratios):.3f}")
+    return "\n".join(lines)
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+
+
+def overhead_run(spec: dict, timeout_s: float = 1800) -> dict:
+    """One engine in a fresh process (``--overhead-child``) running ``spec["batches"]``; its result dict."""
+    import subprocess
+    with tempfile.TemporaryDirectory(prefix="kvp-overhead-") as tmp:
+        spec_file, out_file, log = Path(tmp, "spec.json"), Path(tmp, "out.json"), Path(tmp, "engine.log")
+        spec_file.write_text(json.dumps(spec))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec["kv_cache_gib"]), **spec["env"]}
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([sys.executable, __file__, "--overhead-child", str(spec_file), str(out_file)],
+                                    stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                proc.wait(timeout=timeout_s)
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        if not out_file.exists():
+            raise RuntimeError(f"engine run failed; log tail:\n{log.read_text()[-3000:]}")
+        return json.loads(out_file.read_text())
+
+
+def overhead_child(spec_path: str, out_path: str) -> None:
+    """Child process: one vLLM engine, then per batch wall seconds and CPU seconds (this process tree + the store)."""
+    import time
+
+    from vllm import LLM, SamplingParams
+
+    from kvplugins.demo.engine import CONNECTOR, WARMUP
+    spec = json.loads(Path(spec_path).read_text())
+    kwargs = {}
+    if spec["connector"] is not None:
+        kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": spec["connector"]}
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], block_size=spec["block_size"], enforce_eager=True,
+              max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+              max_num_seqs=4, seed=0, disable_log_stats=False, **kwargs)
+    llm.generate([WARMUP], SamplingParams(max_tokens=2), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=spec["out"], ignore_eos=True)
+    out = {"batches": []}
+    for batch in spec["batches"]:
+        (e0, s0), t0 = tree_cpu_s(spec["store_pid"]), time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        wall, (e1, s1) = time.perf_counter() - t0, tree_cpu_s(spec["store_pid"])
+        tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
+        out["batches"].append({"wall_s": wall, "cpu_s": e1 - e0 + s1 - s0, "store_cpu_s": s1 - s0, "tokens": tokens})
+    out["external_hit_tokens"] = int(sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                                         if m.name == "vllm:external_prefix_cache_hits"))
+    Path(out_path).write_text(json.dumps(out))
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's slow teardown; the parent kills the process group
+
+
+def tree_cpu_s(extra_pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and its descendants (vLLM's engine core and worker), and of
+    ``extra_pid`` (the store), from /proc/<pid>/stat."""
+    stat: dict[int, tuple[int, int]] = {}  # pid -> (ppid, ticks)
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                f = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stat[int(d)] = (int(f[1]), int(f[11]) + int(f[12]))
+    mine, todo = {os.getpid()}, [os.getpid()]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, (pp, _) in stat.items() if pp == parent and p not in mine]
+        mine.update(kids)
+        todo += kids
+    hz = os.sysconf("SC_CLK_TCK")
+    return sum(stat[p][1] for p in mine) / hz, stat.get(extra_pid, (0, 0))[1] / hz
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--overhead-child"]:
+        overhead_child(sys.argv[2], sys.argv[3])
     sys.exit(main())
