@@ -8,8 +8,8 @@ master and two store nodes (real processes, loopback).
   all read back exactly at the end;
 * RSS of the master and of a node flat within 10 % between the 2nd and the last quarter of the run.
 
-``KVPLUGINS_SOAK_OPS`` sets the operations per client (default 2500 keeps the test near 30-60 s on this
-2-core VM under load; the issue's 20 000 is ``KVPLUGINS_SOAK_OPS=20000``).
+``KVPLUGINS_SOAK_OPS`` sets the operations per client: the default 2500 keeps a local run near 30-60 s; CI
+(ci/test.sh) runs the issue's 8 x 20 000 (about 2-4 min on 2 cores).
 """
 import json
 import os
@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from helpers.cluster import store_cluster
 from kvplugins.store.rpc_client import control_client
@@ -39,6 +41,7 @@ def quarter_means(samples: list[tuple[float, int]]) -> list[float]:
     return [statistics.mean(v for t, v in samples if t0 + q * span <= t <= t0 + (q + 1) * span) for q in range(4)]
 
 
+@pytest.mark.timeout(int(max(300, OPS * CLIENTS / 50 + 120)))
 def test_soak_clients_mixed_ops():
     timeout_s = max(240, OPS * CLIENTS / 50)
     # 8 x 48 keys x <= 16 KiB = 6 MiB live at most; 2 x 16 MiB keeps every segment under the 95 % watermark.
