@@ -15,8 +15,8 @@ constexpr int kPrefetch = 16384;  // bytes ahead in the weight stream (decode)
 // follow it, so the tile prefetches one linear stream kPrefetch bytes ahead of what it reads, as many lines per
 // step as it consumes: the next strip is already on its way when this one ends (a per-row prefetch would fetch
 // past each row's end into rows already in flight). kPrefetch: 8-32 KiB measured best on Zen 4 (1 thread).
-static inline void prefetch_lin(const uint8_t* strip, int off, int lines) {
-  const char* p = reinterpret_cast<const char*>(strip) + kPrefetch + off;
+static inline void prefetch_lin(const uint8_t* strip, size_t off, int lines, size_t dist = kPrefetch) {
+  const char* p = reinterpret_cast<const char*>(strip) + dist + off;
   for (int i = 0; i < lines; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
 }
 
@@ -33,8 +33,10 @@ static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 // ---- BF16: 4 weight rows x NT tokens per tile, 32 bf16 per step ----
+// pf: bytes ahead of this strip to prefetch, R lines per step (0: none). Decode: kPrefetch. Prefill: one strip,
+// on a strip's first token tile only, so the next strip comes from DRAM while this one is computed.
 template <int NT, int R>
-void bf16_tile(const MatView& w, int r, const ActRows& a, int t0, float* y, size_t ldy) {
+void bf16_tile(const MatView& w, int r, const ActRows& a, int t0, float* y, size_t ldy, size_t pf) {
   const uint16_t* wr[R];
   for (int j = 0; j < R; ++j) wr[j] = reinterpret_cast<const uint16_t*>(row_ptr(w, r + j));
   const uint16_t* x[NT];
@@ -44,7 +46,7 @@ void bf16_tile(const MatView& w, int r, const ActRows& a, int t0, float* y, size
     for (int j = 0; j < R; ++j) acc[t][j] = _mm512_setzero_ps();
   for (int k = 0; k < w.K; k += 32) {
     __m512bh wv[R];
-    if (a.n <= 4) prefetch_lin(row_ptr(w, r), 2 * R * k, R);  // R rows x 64 bytes per step
+    if (pf) prefetch_lin(row_ptr(w, r), 2 * R * size_t(k), R, pf);  // R rows x 64 bytes per step
     for (int j = 0; j < R; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
     for (int t = 0; t < NT; ++t) {
       __m512bh xv = (__m512bh)_mm512_loadu_si512(x[t] + k);
@@ -172,15 +174,45 @@ void gemm(const MatView& w, int r0, int nrows, const ActRows& a, float* y, size_
 }
 
 using TileArgs = const ActRows;
-template <int NT> struct Bf16 {
-  static void run(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) { bf16_tile<NT, 4>(w, r, a, t, y, l); }
-};
 template <int NT> struct Int8 {
   static void run(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) { int8_tile<NT, 4>(w, r, a, t, y, l); }
 };
 template <int NT> struct Int4 {
   static void run(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) { int4_tile<NT>(w, r, a, t, y, l); }
 };
+
+// BF16 tile of exactly `left` (< NT + 1) tokens.
+template <int NT>
+void bf16_tail(const MatView& w, int r, const ActRows& a, int t, int left, float* y, size_t ldy, size_t pf) {
+  if constexpr (NT > 1) {
+    if (left >= NT) return bf16_tile<NT, 4>(w, r, a, t, y, ldy, pf);
+    return bf16_tail<NT - 1>(w, r, a, t, left, y, ldy, pf);
+  } else {
+    bf16_tile<1, 4>(w, r, a, t, y, ldy, pf);
+  }
+}
+
+// BF16: decode (<= 4 tokens) runs one tile of all tokens per 4-row strip. Prefill runs 6-token tiles (24
+// accumulators; 10 loads per 24 dot products instead of 8 per 16) and one exact-size tail tile, and prefetches
+// the next strip during each strip's first tile. Measured on Zen 4, 1 thread, DeepSeek-V2-Lite shape: prefill
+// +10-20% over 4-token tiles with a 1-token tail and no prefill prefetch.
+void gemm_bf16(const MatView& w, int r0, int nrows, const ActRows& a, float* y, size_t ldy) {
+  constexpr int NT = 6;
+  if (a.n <= 0) return;
+  if (a.n <= 4) {
+    for (int j = 0; j < nrows; j += 4) bf16_tail<4>(w, r0 + j, a, 0, a.n, y + j, ldy, kPrefetch);
+    return;
+  }
+  const size_t strip = 4 * w.row_bytes;
+  for (int c0 = 0; c0 < a.n; c0 += kTokChunk) {
+    const int c1 = a.n < c0 + kTokChunk ? a.n : c0 + kTokChunk;
+    for (int j = 0; j < nrows; j += 4) {
+      int t = c0;
+      for (; t + NT <= c1; t += NT) bf16_tile<NT, 4>(w, r0 + j, a, t, y + j, ldy, t == c0 ? strip : 0);
+      if (t < c1) bf16_tail<NT - 1>(w, r0 + j, a, t, c1 - t, y + j, ldy, t == c0 ? strip : 0);
+    }
+  }
+}
 
 // exp(x) as 2^n * 2^f, f in [-0.5, 0.5], degree-6 polynomial (rel. error ~1e-7 over the clamped range).
 static inline __m512 exp512(__m512 x) {
@@ -233,6 +265,6 @@ void to_u8(const float* src, uint8_t* dst, float* scale, int n) {
 
 }  // namespace
 
-const Kernels kAvx512Kernels = {{gemm<Bf16, 4>, gemm<Int8, 4>, gemm<Int4, 2>}, silu_mul, to_bf16, to_u8};
+const Kernels kAvx512Kernels = {{gemm_bf16, gemm<Int8, 4>, gemm<Int4, 2>}, silu_mul, to_bf16, to_u8};
 
 }  // namespace kvp::moe
