@@ -267,13 +267,23 @@ class StoreClient:
                                       f"{flat.sizes[i]}; pass spans summing to {value[0]}")
             else:
                 reads[i] = value
-        for i, err in self._read_replicas(reads, flat, keys).items():
+        failed, corrupt = self._read_replicas(reads, flat, keys)
+        for i, err in failed.items():
             out[i] = err
         ttl = min((v[2] for v in reads.values()), default=0)
-        if reads and time.monotonic() - t0 > ttl / 1000:
-            for i in reads:
-                out[i] = out[i] or TransferFailed(f"{keys[i]}: read outlived its {ttl} ms lease; bytes may be stale")
+        self._settle_lease(keys, out, list(reads), corrupt, t0, ttl)
         return out, flat.sizes
+
+    def _settle_lease(self, keys, out, read: list[int], corrupt: list, t0: float, ttl: int) -> None:
+        """A read that outlived its lease may have raced a reallocation of the object's space: its entries fail
+        with TransferFailed (a checksum mismatch there proves nothing about the replica, so it is not
+        reported). Within the lease, mismatches are real corruption and are reported to the master."""
+        if read and time.monotonic() - t0 > ttl / 1000:
+            for i in read:
+                if out[i] is None or isinstance(out[i], ChecksumMismatch):
+                    out[i] = TransferFailed(f"{keys[i]}: read outlived its {ttl} ms lease; bytes may be stale")
+            return
+        self._report_corrupt(corrupt)
 
     def _read_cols(self, keys, spans_per_key) -> tuple[list[StoreError | None], list[int]]:
         """_read for a big batch: the master answers in columns and the spans are planned with numpy (no
@@ -298,21 +308,20 @@ class StoreClient:
                                       self._descriptors(set(names)), failed)
         for i, err in self._run_groups("read", flat, groups, failed).items():
             out[i] = err
+        corrupt = []
         if self.cfg.verify_checksums:
             read = {i: sums[i] for i in np.flatnonzero(ok).tolist() if out[i] is None}
             bad = checksum.mismatched(self._engine, flat, read)
             for i in bad:
                 out[i] = ChecksumMismatch(f"{keys[i]}: bytes read do not match the object's checksum")
-            self._report_corrupt([[keys[i], names[seg_idx[i]], offs[i], sums[i]] for i in bad])
-        if ok.any() and time.monotonic() - t0 > ttl / 1000:
-            for i in np.flatnonzero(ok).tolist():
-                out[i] = out[i] or TransferFailed(f"{keys[i]}: read outlived its {ttl} ms lease; bytes may be stale")
+            corrupt = [[keys[i], names[seg_idx[i]], offs[i], sums[i]] for i in bad]
+        self._settle_lease(keys, out, np.flatnonzero(ok).tolist(), corrupt, t0, ttl)
         return out, flat.sizes
 
-    def _read_replicas(self, reads: dict, flat, keys) -> dict[int, StoreError]:
+    def _read_replicas(self, reads: dict, flat, keys) -> tuple[dict[int, StoreError], list]:
         """Read each object from its first replica; entries that failed (transfer error or checksum mismatch)
-        retry on the next replica, one transfer batch per round. Returns index -> error of the entries no
-        replica could serve. Corrupt replicas are reported to the master."""
+        retry on the next replica, one transfer batch per round. Returns (index -> error of the entries no
+        replica could serve, the mismatched replicas as report_corrupt entries)."""
         failed: dict[int, StoreError] = {}
         pending, corrupt = dict(reads), []
         for r in range(max((len(v[1]) for v in reads.values()), default=0)):
@@ -330,8 +339,7 @@ class StoreClient:
                 failed.pop(i, None)
             failed.update(errors)
             pending = {i: reads[i] for i in errors}
-        self._report_corrupt(corrupt)
-        return failed
+        return failed, corrupt
 
     def _report_corrupt(self, entries: list) -> None:
         """Tell the master which replicas ([key, segment, offset, checksum]) failed their checksum."""
