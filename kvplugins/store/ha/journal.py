@@ -18,6 +18,7 @@ import msgpack
 from kvplugins.errors import StoreError
 from kvplugins.store.ha.etcd import MAX_TXN_OPS, delete_op, put_op
 from kvplugins.store.master.journal import Journal
+from kvplugins.store.placement import PIN_CODES
 
 RETRY_S = 1.0
 
@@ -123,8 +124,8 @@ class EtcdJournal(Journal):
 def encode_object(obj) -> bytes:
     """msgpack [size, [[segment, offset], ...], checksum or None, 2 if hard-pinned else 0] (a soft pin's TTL
     is master-clock time and is not kept)."""
-    hard = 2 if getattr(obj, "pin", 0) == 2 else 0
-    return msgpack.packb([obj.size, [list(r) for r in obj.replicas], getattr(obj, "checksum", None), hard])
+    hard = PIN_CODES["hard"] if obj.pin == PIN_CODES["hard"] else 0
+    return msgpack.packb([obj.size, [list(r) for r in obj.replicas], obj.checksum, hard])
 
 
 def decode_object(value: bytes) -> tuple:

@@ -48,12 +48,8 @@ def restore(service, segs: list, objs: list, now: float) -> dict:
 
 
 def _add(service, obj: Object, checksum=None, pin: int = 0) -> None:
-    """Add recovered ``obj`` with its checksum and hard pin (fields of metadata.Object when present)."""
-    fields = Object.__dataclass_fields__
-    if checksum is not None and "checksum" in fields:
-        obj.checksum = checksum
-    if pin and "pin" in fields:
-        obj.pin = pin
+    """Add recovered ``obj`` with its checksum and hard pin (set before ``add``: the pin picks its LRU list)."""
+    obj.checksum, obj.pin = checksum, pin
     service.table.add(obj)
     for name, _ in obj.replicas:
         service.segments.get(name).keys.add(obj.key)

@@ -234,9 +234,7 @@ class Tiering:
         for key, size, digest in files:
             obj = table.get(key)
             if obj is None:
-                obj = Object(key, size, [], complete=True, last_access=now)
-                if hasattr(obj, "checksum"):
-                    obj.checksum = digest
+                obj = Object(key, size, [], complete=True, last_access=now, checksum=digest)
                 table.add(obj)
                 table.park(obj)
                 new.append(obj)
@@ -376,4 +374,4 @@ class Tiering:
 
 def _checksum(obj) -> int:
     """The object's checksum as put (0 = unknown)."""
-    return int(getattr(obj, "checksum", 0) or 0)
+    return obj.checksum or 0
