@@ -19,7 +19,9 @@ bool isa_supported(Isa i);
 
 // A weight matrix W[N, K] (rows are output channels) in one format, rows contiguous:
 //   BF16: N*K uint16;  INT8: N*K int8 + scale[N] (per channel);
-//   INT4: N*K/2 bytes, per 64-element block byte j = (q[j]+8) | (q[j+32]+8) << 4, scale[N*K/group].
+//   INT4: N*K/2 bytes, per 64-element block byte j = (q[j] & 15) | (q[j+32] & 15) << 4 (two's complement
+//   nibbles), scale[N*K/group]. Files and quantize_row hold the offset form (q + 8) instead: int4_to_memory
+//   converts (XOR 0x88), so a kernel reads 16 * q from either nibble with one AND (and a shift), no subtract.
 // comp[r] folds the +128 activation offset of the u8 x s8 dot products (int formats only).
 struct Matrix {
   int N = 0, K = 0, group = 0;
@@ -68,13 +70,18 @@ struct Kernels {
   void (*silu_mul)(const float* gate, const float* up, float* out, int n);  // out = silu(gate) * up
   void (*to_bf16)(const float* src, uint16_t* dst, int n);                   // round to nearest even
   void (*to_u8)(const float* src, uint8_t* dst, float* scale, int n);        // quantize_act for INT8/INT4
+  // Reorders a u8 activation row of K values in place into the order this table's INT4 kernel reads (nullptr:
+  // natural order). Run on every INT4 activation row after quantizing it.
+  void (*int4_act)(uint8_t* row, int K, int group);
 };
 const Kernels& kernels(Isa isa);
 
 // One row of K values (bf16 bits when `bf16`, else float32) into format f: dst gets row_bytes(f, K) bytes,
 // scale gets 1 (INT8) or K/group (INT4) floats. Weights: INT8 symmetric /127, INT4 symmetric /7 per group.
 void quantize_row(Format f, const void* src, bool bf16, int K, int group, uint8_t* dst, float* scale);
-// The +128 offset correction of a quantized row (0 for BF16).
+// A row of INT4 bytes from the offset form (files, quantize_row) into the memory form (see Matrix), in place.
+void int4_to_memory(uint8_t* row, size_t bytes);
+// The +128 offset correction of a quantized row in the offset form (0 for BF16).
 float comp_row(Format f, const uint8_t* row, const float* scale, int K, int group);
 // One activation row for format f: BF16 -> bf16 bits; INT8/INT4 -> u8 (q + 128), *scale = amax / 127.
 void quantize_act(Format f, const void* src, bool bf16, int K, void* dst, float* scale);

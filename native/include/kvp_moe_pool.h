@@ -61,6 +61,7 @@ class Pool {
   std::mutex job_mu_;
   std::condition_variable job_cv_, done_cv_;
   std::deque<std::pair<uint64_t, std::function<void()>>> jobs_;
+  std::atomic<size_t> queued_{0};  // jobs_.size(), for the job thread's lock-free idle spin
   std::map<uint64_t, std::exception_ptr> job_errors_;
   uint64_t next_ticket_ = 0, done_ticket_ = 0;
 };

@@ -71,7 +71,8 @@ void int8_tile(const MatView& w, int r, const ActRows& a, int t0, float* y, size
 // One 64-weight block of row `p` (32 packed bytes) against 64 u8 activations.
 static inline __m256i dot64_int4(const uint8_t* x, const uint8_t* p) {
   const __m256i m = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
-  __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  // memory form (two's complement nibbles) back to q + 8: the s16 madd path wants small unsigned nibbles
+  __m256i b = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(char(0x88)));
   __m256i lo = _mm256_sub_epi8(_mm256_and_si256(b, m), eight);                          // elements 0..31
   __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m), eight);    // elements 32..63
   __m256i s = dot16(x, _mm256_castsi256_si128(lo));
@@ -115,6 +116,6 @@ template <int NT> struct Int4 { static void run(const MatView& w, int r, const A
 }  // namespace
 
 const Kernels kAvx2Kernels = {{gemm<Bf16, 2>, gemm<Int8, 2>, gemm<Int4, 1>}, silu_mul_scalar, to_bf16_scalar,
-                               to_u8_scalar};
+                               to_u8_scalar, nullptr};
 
 }  // namespace kvp::moe

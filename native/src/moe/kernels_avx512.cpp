@@ -89,73 +89,115 @@ void int8_tile(const MatView& w, int r, const ActRows& a, int t0, float* y, size
 }
 
 // ---- INT4: 64 weights per 32 packed bytes, one float scale per group ----
-static inline __m512i unpack_int4(const uint8_t* p) {
-  const __m256i m = _mm256_set1_epi8(0x0f);
-  __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-  __m512i v = _mm512_inserti64x4(_mm512_zextsi256_si512(lo), hi, 1);
-  return _mm512_sub_epi8(v, _mm512_set1_epi8(8));
+// Memory form (kvp_moe.h): two's complement nibbles, so `b & 0xF0` is 16 * q of the high nibble and
+// `(b << 4) & 0xF0` (a 16-bit shift; the AND drops the bits that crossed bytes) is 16 * q of the low one, both
+// exact s8 for dpbusd: three ALU ops per 64 packed bytes, no subtract, and the 1/16 goes into the epilogue.
+// Groups of 128 (or any multiple) read 64 packed bytes = weights k..k+127 per step: the low nibbles hold
+// [k, k+32) and [k+64, k+96), the high ones [k+32, k+64) and [k+96, k+128); int4_act stored the activations in
+// that order, so both activation vectors are plain 64-byte loads. Group 64 reads one 32-byte block per step.
+static inline void nibbles16(__m512i b, __m512i& lo, __m512i& hi) {
+  const __m512i m = _mm512_set1_epi8(char(0xf0));
+  hi = _mm512_and_si512(b, m);
+  lo = _mm512_and_si512(_mm512_slli_epi16(b, 4), m);
 }
 
-// Two consecutive 32-byte blocks (weights k..k+127) in one 64-byte load: the low nibbles hold weights
-// [k, k+32) and [k+64, k+96), the high nibbles [k+32, k+64) and [k+96, k+128). Three ALU ops and a subtract per
-// 128 weights instead of five per 64; the activations are gathered in the same order (cat256).
-static inline void unpack_int4_pair(const uint8_t* p, __m512i& lo, __m512i& hi) {
-  const __m512i m = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
-  const __m512i b = _mm512_loadu_si512(p);
-  lo = _mm512_sub_epi8(_mm512_and_si512(b, m), eight);
-  hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(b, 4), m), eight);
+// 4 (or fewer, zero-padded) 16-lane sums -> 4 floats.
+static inline __m128 reduce_n(const __m512* v, int n) {
+  const __m512 z = _mm512_setzero_ps();
+  return reduce4(v[0], n > 1 ? v[1] : z, n > 2 ? v[2] : z, n > 3 ? v[3] : z);
 }
 
-static inline __m512i cat256(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-
-template <int NT>
+// R rows x NT tokens. R * NT int accumulators live for one group, R * NT float ones for the row.
+template <int NT, int R>
 void int4_tile(const MatView& w, int r, const ActRows& a, int t0, float* y, size_t ldy) {
-  const uint8_t* wr[4];
-  for (int j = 0; j < 4; ++j) wr[j] = row_ptr(w, r + j);
+  const uint8_t* wr[R];
+  for (int j = 0; j < R; ++j) wr[j] = row_ptr(w, r + j);
   const uint8_t* x[NT];
   for (int t = 0; t < NT; ++t) x[t] = static_cast<const uint8_t*>(a.rows[t0 + t]);
   const int groups = w.K / w.group;
-  __m512 facc[NT][4];
-  for (int t = 0; t < NT; ++t)
-    for (int j = 0; j < 4; ++j) facc[t][j] = _mm512_setzero_ps();
+  const bool pf = a.n <= 4, pairs = w.group % 128 == 0;
+  __m512 facc[NT * R];
+  for (int i = 0; i < NT * R; ++i) facc[i] = _mm512_setzero_ps();
   for (int g = 0; g < groups; ++g) {
-    __m512i acc[NT][4];
+    __m512i acc[NT][R];
     for (int t = 0; t < NT; ++t)
-      for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_setzero_si512();
-    int k = g * w.group;
+      for (int j = 0; j < R; ++j) acc[t][j] = _mm512_setzero_si512();
     const int kend = (g + 1) * w.group;
-    for (; k + 128 <= kend; k += 128) {  // two packed blocks per 64-byte load (see unpack_int4_pair)
-      __m512i lo[4], hi[4];
-      if (a.n <= 4) prefetch_lin(wr[0], 2 * k, 4);  // 4 rows x 64 bytes per step
-      for (int j = 0; j < 4; ++j) unpack_int4_pair(wr[j] + k / 2, lo[j], hi[j]);
-      for (int t = 0; t < NT; ++t) {
-        const __m512i xlo = cat256(x[t] + k, x[t] + k + 64), xhi = cat256(x[t] + k + 32, x[t] + k + 96);
-        for (int j = 0; j < 4; ++j)
-          acc[t][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[t][j], xlo, lo[j]), xhi, hi[j]);
+    if (pairs) {
+      for (int k = g * w.group; k < kend; k += 128) {
+        __m512i lo[R], hi[R];
+        if (pf) prefetch_lin(wr[0], size_t(R) * k / 2, R);  // R rows x 64 bytes per step
+        for (int j = 0; j < R; ++j) nibbles16(_mm512_loadu_si512(wr[j] + k / 2), lo[j], hi[j]);
+        for (int t = 0; t < NT; ++t) {
+          const __m512i xlo = _mm512_loadu_si512(x[t] + k), xhi = _mm512_loadu_si512(x[t] + k + 64);
+          for (int j = 0; j < R; ++j)
+            acc[t][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[t][j], xlo, lo[j]), xhi, hi[j]);
+        }
+      }
+    } else {
+      for (int k = g * w.group; k < kend; k += 64) {
+        __m512i wv[R];
+        if (pf) prefetch_lin(wr[0], size_t(R) * k / 2, (R + 1) / 2);  // R rows x 32 bytes per step
+        for (int j = 0; j < R; ++j) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + k / 2));
+          const __m256i m = _mm256_set1_epi8(char(0xf0));
+          wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(_mm256_slli_epi16(b, 4), m)),
+                                     _mm256_and_si256(b, m), 1);
+        }
+        for (int t = 0; t < NT; ++t) {
+          const __m512i xv = _mm512_loadu_si512(x[t] + k);
+          for (int j = 0; j < R; ++j) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], xv, wv[j]);
+        }
       }
     }
-    for (; k < kend; k += 64) {  // group 64 (or an odd tail): one block per step
-      __m512i wv[4];
-      if (a.n <= 4) prefetch_lin(wr[0], 2 * k, 2);  // 4 rows x 32 bytes per step
-      for (int j = 0; j < 4; ++j) wv[j] = unpack_int4(wr[j] + k / 2);
-      for (int t = 0; t < NT; ++t) {
-        __m512i xv = _mm512_loadu_si512(x[t] + k);
-        for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], xv, wv[j]);
-      }
-    }
-    for (int j = 0; j < 4; ++j) {
-      __m512 s = _mm512_set1_ps(w.scale[size_t(r + j) * groups + g]);
-      for (int t = 0; t < NT; ++t) facc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][j]), s, facc[t][j]);
+    for (int j = 0; j < R; ++j) {
+      const __m512 s = _mm512_set1_ps(w.scale[size_t(r + j) * groups + g]);
+      for (int t = 0; t < NT; ++t)
+        facc[t * R + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t][j]), s, facc[t * R + j]);
     }
   }
-  const __m128 comp = _mm_loadu_ps(w.comp + r);
-  for (int t = 0; t < NT; ++t) {
-    const __m128 sum = reduce4(facc[t][0], facc[t][1], facc[t][2], facc[t][3]);
-    _mm_storeu_ps(y + (t0 + t) * ldy, _mm_mul_ps(_mm_sub_ps(sum, comp), _mm_set1_ps(a.scale[t0 + t])));
+  // facc is 16 * (sum - comp / scale): y = (facc / 16 - comp) * activation scale.
+  alignas(16) float out[NT * R + 3];
+  for (int i = 0; i < NT * R; i += 4) _mm_store_ps(out + i, reduce_n(facc + i, NT * R - i));
+  for (int t = 0; t < NT; ++t)
+    for (int j = 0; j < R; ++j)
+      y[(t0 + t) * ldy + j] = (out[t * R + j] * (1.f / 16) - w.comp[r + j]) * a.scale[t0 + t];
+}
+
+// INT4: decode picks the tile that covers all tokens in one pass over the strip (the weights are unpacked once):
+// 4-row strips for 1-2 tokens, 2-row strips for 3-4 (4 x 4 would need 32 accumulators). Prefill: 4 rows x 2.
+template <int NT, int R>
+void int4_rows(const MatView& w, int r0, int nrows, const ActRows& a, int t, float* y, size_t ldy) {
+  for (int j = 0; j < nrows; j += R) int4_tile<NT, R>(w, r0 + j, a, t, y + j, ldy);
+}
+
+void gemm_int4(const MatView& w, int r0, int nrows, const ActRows& a, float* y, size_t ldy) {
+  switch (a.n) {
+    case 0: return;
+    case 1: return int4_rows<1, 4>(w, r0, nrows, a, 0, y, ldy);
+    case 2: return int4_rows<2, 4>(w, r0, nrows, a, 0, y, ldy);
+    case 3: return int4_rows<3, 2>(w, r0, nrows, a, 0, y, ldy);
+    case 4: return int4_rows<4, 2>(w, r0, nrows, a, 0, y, ldy);
+    default: break;
+  }
+  for (int c0 = 0; c0 < a.n; c0 += kTokChunk) {
+    const int c1 = a.n < c0 + kTokChunk ? a.n : c0 + kTokChunk;
+    for (int j = 0; j < nrows; j += 4) {
+      int t = c0;
+      for (; t + 2 <= c1; t += 2) int4_tile<2, 4>(w, r0 + j, a, t, y + j, ldy);
+      if (t < c1) int4_tile<1, 4>(w, r0 + j, a, t, y + j, ldy);
+    }
+  }
+}
+
+// Group 128+: swap bytes [32, 64) and [64, 96) of every 128-byte block (see int4_tile). Group 64: natural.
+void int4_act(uint8_t* row, int K, int group) {
+  if (group % 128) return;
+  for (int k = 0; k < K; k += 128) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k + 32));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k + 32),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k + 64)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k + 64), b);
   }
 }
 
@@ -176,9 +218,6 @@ void gemm(const MatView& w, int r0, int nrows, const ActRows& a, float* y, size_
 using TileArgs = const ActRows;
 template <int NT> struct Int8 {
   static void run(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) { int8_tile<NT, 4>(w, r, a, t, y, l); }
-};
-template <int NT> struct Int4 {
-  static void run(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) { int4_tile<NT>(w, r, a, t, y, l); }
 };
 
 // BF16 tile of exactly `left` (< NT + 1) tokens.
@@ -265,6 +304,6 @@ void to_u8(const float* src, uint8_t* dst, float* scale, int n) {
 
 }  // namespace
 
-const Kernels kAvx512Kernels = {{gemm_bf16, gemm<Int8, 4>, gemm<Int4, 2>}, silu_mul, to_bf16, to_u8};
+const Kernels kAvx512Kernels = {{gemm_bf16, gemm<Int8, 4>, gemm_int4}, silu_mul, to_bf16, to_u8, int4_act};
 
 }  // namespace kvp::moe

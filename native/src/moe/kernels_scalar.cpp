@@ -30,9 +30,9 @@ void gemm_int8(const MatView& w, int r0, int nrows, const ActRows& a, float* y, 
   }
 }
 
-inline int nibble(const uint8_t* row, int k) {
-  uint8_t b = row[(k / 64) * 32 + (k % 32)];
-  return ((k % 64) < 32 ? (b & 15) : (b >> 4)) - 8;
+inline int nibble(const uint8_t* row, int k) {  // memory form: two's complement nibbles
+  const uint8_t b = row[(k / 64) * 32 + (k % 32)];
+  return (k % 64) < 32 ? int8_t(uint8_t(b << 4)) >> 4 : int8_t(b) >> 4;
 }
 
 void gemm_int4(const MatView& w, int r0, int nrows, const ActRows& a, float* y, size_t ldy) {
@@ -67,6 +67,7 @@ void to_u8_scalar(const float* src, uint8_t* dst, float* scale, int n) {
   quantize_act(Format::INT8, src, false, n, dst, scale);
 }
 
-const Kernels kScalarKernels = {{gemm_bf16, gemm_int8, gemm_int4}, silu_mul_scalar, to_bf16_scalar, to_u8_scalar};
+const Kernels kScalarKernels = {{gemm_bf16, gemm_int8, gemm_int4}, silu_mul_scalar, to_bf16_scalar, to_u8_scalar,
+                                  nullptr};
 
 }  // namespace kvp::moe

@@ -62,6 +62,16 @@ int down_chunk(int H, int threads, int T) {
   return cc;
 }
 
+// A row of n activations as float32: bf16 rows are widened into a per-thread buffer (exact), float rows as is.
+const float* widen(const uint8_t* src, bool bf16, int n) {
+  if (!bf16) return reinterpret_cast<const float*>(src);
+  thread_local std::vector<float> buf;
+  buf.resize(n);
+  const uint16_t* b = reinterpret_cast<const uint16_t*>(src);
+  for (int i = 0; i < n; ++i) buf[i] = bf16_to_f32(b[i]);
+  return buf.data();
+}
+
 }  // namespace
 
 Layer::Layer(Format f, int experts, int hidden, int inter, int group, Isa isa)
@@ -106,6 +116,7 @@ void Layer::place(Pool& pool, int e, Proj p, const std::function<void(int, uint8
       float* sc = spr ? &m.scale[d * spr] : nullptr;
       fill(r, dst, sc);
       if (f_ != Format::BF16) m.comp[d] = comp_row(f_, dst, sc, m.K, G_);
+      if (f_ == Format::INT4) int4_to_memory(dst, m.row_bytes);
     }
   });
   loaded_[e] |= uint8_t(1 << int(p));
@@ -163,7 +174,8 @@ void Layer::forward(Pool& pool, const ForwardArgs& a) {
       else if (f_ == Format::BF16)
         kern_->to_bf16(reinterpret_cast<const float*>(src), reinterpret_cast<uint16_t*>(&xact[t * xb]), H_);
       else
-        quantize_act(f_, src, a.x_bf16, H_, &xact[t * xb], &xscale[t]);
+        kern_->to_u8(widen(src, a.x_bf16, H_), &xact[t * xb], &xscale[t], H_);
+      if (f_ == Format::INT4 && kern_->int4_act) kern_->int4_act(&xact[t * xb], H_, G_);
     }
   });
   // Phase A: per subpool, its shard of W1 rows for every active expert.
@@ -188,6 +200,7 @@ void Layer::forward(Pool& pool, const ForwardArgs& a) {
         kern_->to_bf16(&h[size_t(j) * I_], reinterpret_cast<uint16_t*>(&hact[j * hb]), I_);
       else
         kern_->to_u8(&h[size_t(j) * I_], &hact[j * hb], &hscale[j], I_);
+      if (f_ == Format::INT4 && kern_->int4_act) kern_->int4_act(&hact[j * hb], I_, G_);
     }
   });
   // Phase C: each task owns H rows [r0, r0 + cc) of every token's output.

@@ -113,6 +113,10 @@ float comp_row(Format f, const uint8_t* row, const float* scale, int K, int grou
   return 0.f;
 }
 
+void int4_to_memory(uint8_t* row, size_t bytes) {
+  for (size_t i = 0; i < bytes; ++i) row[i] ^= 0x88;
+}
+
 void quantize_act(Format f, const void* src, bool bf16, int K, void* dst, float* scale) {
   if (f == Format::BF16) {
     quantize_row(f, src, bf16, K, 0, static_cast<uint8_t*>(dst), nullptr);

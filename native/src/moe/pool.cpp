@@ -148,6 +148,7 @@ uint64_t Pool::submit(std::function<void()> job) {
     std::lock_guard<std::mutex> lk(job_mu_);
     ticket = ++next_ticket_;
     jobs_.emplace_back(ticket, std::move(job));
+    queued_.fetch_add(1, std::memory_order_release);
   }
   job_cv_.notify_one();
   return ticket;
@@ -170,13 +171,15 @@ void Pool::job_main() {
     std::unique_lock<std::mutex> lk(job_mu_);
     if (jobs_.empty() && !stop_) {
       lk.unlock();
-      spin_until([&] { std::lock_guard<std::mutex> g(job_mu_); return !jobs_.empty() || stop_.load(); });
+      // polls an atomic, not the mutex: a locked poll contends with submit() and burns CPU in lock/unlock
+      spin_until([&] { return queued_.load(std::memory_order_acquire) != 0 || stop_.load(); });
       lk.lock();
     }
     job_cv_.wait(lk, [&] { return !jobs_.empty() || stop_; });
     if (jobs_.empty()) return;
     auto [ticket, job] = std::move(jobs_.front());
     jobs_.pop_front();
+    queued_.fetch_sub(1, std::memory_order_relaxed);
     lk.unlock();
     std::exception_ptr err;
     try {
