@@ -40,18 +40,20 @@ class Engine:
 
 
 class Engines:
-    """Process registry of engines keyed by (threads, subpools, nodes, spin_us, node_root)."""
+    """Process registry of engines keyed by (threads, subpools, nodes, spin_us, node_root, sync_spin_us)."""
     _engines: dict = {}
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls, threads: int, subpools: int, numa_nodes, spin_us: int, node_root: str = native.NODE_ROOT) -> Engine:
+    def get(cls, threads: int, subpools: int, numa_nodes, spin_us: int, node_root: str = native.NODE_ROOT,
+            sync_spin_us: int = 0) -> Engine:
         auto = tuple(range(subpools)) if numa_node_count(node_root) >= subpools > 1 else ()
         nodes = tuple(numa_nodes) if numa_nodes else auto
-        key = (int(threads), int(subpools), nodes, int(spin_us), node_root)
+        key = (int(threads), int(subpools), nodes, int(spin_us), node_root, int(sync_spin_us))
         with cls._lock:
             eng = cls._engines.get(key)
             if eng is None:
-                eng = cls._engines[key] = Engine(native.Pool(threads, subpools, list(nodes), spin_us, node_root))
+                eng = cls._engines[key] = Engine(native.Pool(threads, subpools, list(nodes), spin_us, node_root,
+                                                             wait_spin_us=sync_spin_us))
                 log.info("kt expert backend: %s (kernels: %s)", eng.pool.describe(), native.best_isa())
             return eng

@@ -49,14 +49,25 @@ def _call(fn, *args):
         raise NativeError(str(e)) from e
 
 
+def _call_arrays(fn, name, *args):
+    """A forward/submit call; nanobind's TypeError for an array it may not convert becomes a ConfigError."""
+    try:
+        return _call(fn, *args)
+    except TypeError as e:
+        raise ConfigError(f"{name}: pass C-contiguous CPU arrays of the documented dtypes (x bf16 or float32, ids "
+                          f"int64, weights and out float32), e.g. .contiguous() tensors: {e}") from e
+
+
 class Pool:
     """``threads`` compute threads in ``subpools`` groups; subpool s is pinned to NUMA node ``nodes[s]`` when that
-    node exists (empty ``nodes``: no pinning). Idle workers poll for ``spin_us`` µs, then sleep. Node CPUs are read
-    from ``node_root``/node<N>/cpulist (sysfs; tests pass a fake topology)."""
+    node exists (empty ``nodes``: no pinning). Idle workers poll for ``spin_us`` µs, then sleep; ``wait`` polls
+    for its job for up to ``wait_spin_us`` µs, then sleeps. Node CPUs are read from ``node_root``/node<N>/cpulist
+    (sysfs; tests pass a fake topology)."""
 
     def __init__(self, threads: int, subpools: int = 1, nodes: list[int] | None = None, spin_us: int = 200,
-                 node_root: str = NODE_ROOT):
-        self._p = _call(_mod().Pool, int(threads), int(subpools), list(nodes or []), int(spin_us), str(node_root))
+                 node_root: str = NODE_ROOT, wait_spin_us: int = 0):
+        self._p = _call(_mod().Pool, int(threads), int(subpools), list(nodes or []), int(spin_us),
+                        int(wait_spin_us), str(node_root))
 
     @property
     def threads(self) -> int:
@@ -113,13 +124,16 @@ class Layer:
     def forward(self, pool: Pool, x, ids, weights, skip, out, accumulate: bool = False) -> None:
         """out[T, H] float32 (+)= sum_k weights[t, k] * expert_{ids[t, k]}(x[t]); x [T, H] bf16 or float32,
         ids [T, K] int64 (-1 = none), weights [T, K] float32, skip [E] uint8/bool or None (nonzero = skipped,
-        e.g. on the GPU). Blocks with the GIL released. Raises ConfigError on bad shapes, ids or unloaded experts."""
-        _call(self._l.forward, pool._p, x, ids, weights, skip, out, bool(accumulate))
+        e.g. on the GPU). Blocks with the GIL released. Raises ConfigError on bad shapes, ids or unloaded experts,
+        and when ``out`` is not a C-contiguous float32 array (a converted copy would receive the result)."""
+        _call_arrays(self._l.forward, "forward", pool._p, x, ids, weights, skip, out, bool(accumulate))
 
     def submit(self, pool: Pool, x, ids, weights, skip, out, accumulate: bool = False) -> int:
         """forward() queued on the pool's job thread; returns a ticket for Pool.wait. The caller must keep every
-        array alive and unchanged until that wait returns. The layer itself waits for its last job when freed."""
-        ticket = _call(self._l.submit, pool._p, x, ids, weights, skip, out, bool(accumulate))
+        array alive and unchanged until that wait returns. The layer itself waits for its last job when freed.
+        Every array must already be C-contiguous with its dtype (ConfigError otherwise): the job would read a
+        converted copy freed when submit returns."""
+        ticket = _call_arrays(self._l.submit, "submit", pool._p, x, ids, weights, skip, out, bool(accumulate))
         self._last = (pool, ticket)
         return ticket
 

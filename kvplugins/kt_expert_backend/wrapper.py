@@ -54,7 +54,8 @@ class KTMoEWrapper:
         self.num_gpu_experts = int(self.gpu_experts_mask.sum())
         self._skip = self.gpu_experts_mask.to(torch.uint8)
         self._skip_np = self._skip.numpy()
-        self.engine = Engines.get(cpuinfer_threads, threadpool_count, numa_nodes, self.cfg.spin_us, self.cfg.numa_sysfs)
+        self.engine = Engines.get(cpuinfer_threads, threadpool_count, numa_nodes, self.cfg.spin_us, self.cfg.numa_sysfs,
+                                  self.cfg.sync_spin_us)
         group = self.cfg.int4_group
         if self.method.format == "int4" and (self.hidden_size % group or self.moe_intermediate_size % group):
             group = 64  # the shape does not divide by the configured group; load_weights takes the file's

@@ -133,6 +133,14 @@ def test_bad_input_raises_clear_errors(pool):
         layer.forward(pool, x, torch.tensor([[1]], dtype=torch.int32), torch.ones(1, 1), None, out)
     with pytest.raises(ConfigError, match="shape"):
         layer.set_float(pool, 0, "gate", torch.zeros(64, 128))
+    with pytest.raises(ConfigError, match="C-contiguous"):  # the result would land in a converted copy
+        layer.forward(pool, x, torch.tensor([[1]]), torch.ones(1, 1), None, torch.empty(1, 256)[:, ::2])
+    with pytest.raises(ConfigError, match="C-contiguous"):  # the queued job would read a freed copy
+        layer.submit(pool, x.expand(2, 128).contiguous(), torch.tensor([[1, 0], [1, 0]])[:, :1], torch.ones(2, 1),
+                     None, torch.empty(2, 128))
+    strided = torch.zeros(2, 128, dtype=torch.bfloat16)[::2]  # forward's inputs may be converted: it blocks
+    layer.forward(pool, strided, torch.tensor([[1]]), torch.ones(1, 1), None, out)
+    assert torch.equal(out, torch.zeros(1, 128))
     unloaded = native.Layer("bf16", 2, 128, 128)
     with pytest.raises(ConfigError, match="never loaded"):
         unloaded.forward(pool, x, torch.tensor([[0]]), torch.ones(1, 1), None, out)
@@ -154,3 +162,24 @@ def test_subpools_split_rows_and_give_identical_results():
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     with pytest.raises(ConfigError, match="threadpool_count"):
         native.Pool(2, 3)
+
+
+def test_wait_spin_gives_same_bits_and_job_errors():
+    """Pool.wait polls for its job for wait_spin_us before sleeping (KTConfig.sync_spin_us): the results are the
+    same bits as a sleeping wait, and an error raised inside the job still surfaces at wait."""
+    E, H, I, K, T = 4, 256, 256, 2, 3
+    w = random_experts(E, H, I, seed=17)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids, wt = routing(T, E, K)
+    outs = []
+    for pool in (native.Pool(1, 1, spin_us=0), native.Pool(2, 1, spin_us=0, wait_spin_us=20000)):
+        out = torch.empty(T, H)
+        _layer("int8", "auto", E, H, I, w, pool).forward(pool, x, ids, wt, None, out)
+        outs.append(out)
+        unloaded = native.Layer("bf16", 2, H, 128)
+        keep = (ids[:, :1] % 2, wt[:, :1].contiguous(), torch.empty(T, H))  # alive until wait returns
+        ticket = unloaded.submit(pool, x, *keep[:2], None, keep[2])
+        with pytest.raises(ConfigError, match="never loaded"):
+            pool.wait(ticket)
+    assert torch.equal(outs[0], outs[1])
+    assert "wait spin 20000 us" in pool.describe()

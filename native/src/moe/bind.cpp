@@ -83,7 +83,8 @@ ForwardArgs make_args(const Layer& l, AnyArr x, AnyArr ids, AnyArr w, nb::object
   a.x = x.data(), a.ids = static_cast<const int64_t*>(ids.data()), a.weights = static_cast<const float*>(w.data());
   a.out = static_cast<float*>(out.data()), a.accumulate = acc;
   if (!skip.is_none()) {
-    AnyArr m = nb::cast<AnyArr>(skip);
+    AnyArr m;
+    need(nb::try_cast<AnyArr>(skip, m, false), "skip mask must be a C-contiguous 1-byte CPU array");
     need(m.ndim() == 1 && m.shape(0) == size_t(l.experts()) && m.itemsize() == 1, "skip mask must be 1-byte [E]");
     a.skip = static_cast<const uint8_t*>(m.data());
   }
@@ -144,8 +145,9 @@ NB_MODULE(_moe, m) {
   m.def("isa_supported", [](int i) { return isa_supported(Isa(i)); });
   m.def("quantize", &quantize, nb::arg("format"), nb::arg("src"), nb::arg("group") = 128);
   nb::class_<Pool>(m, "Pool")
-      .def(nb::init<int, int, std::vector<int>, int, const std::string&>(), nb::arg("threads"), nb::arg("subpools"),
-           nb::arg("nodes"), nb::arg("spin_us"), nb::arg("node_root") = "/sys/devices/system/node")
+      .def(nb::init<int, int, std::vector<int>, int, int, const std::string&>(), nb::arg("threads"),
+           nb::arg("subpools"), nb::arg("nodes"), nb::arg("spin_us"), nb::arg("wait_spin_us"),
+           nb::arg("node_root") = "/sys/devices/system/node")
       .def("wait", [](Pool& p, uint64_t t) { nb::gil_scoped_release rel; p.wait(t); })
       .def_prop_ro("threads", &Pool::threads)
       .def_prop_ro("subpools", &Pool::subpools)
@@ -155,10 +157,12 @@ NB_MODULE(_moe, m) {
            nb::arg("inter"), nb::arg("group"), nb::arg("isa"))
       .def("set_float", &set_float)
       .def("set_quantized", &set_quantized)
+      // No implicit conversion where a converted copy would be lost: forward's `out` (the result would land in a
+      // temporary) and every array of submit (the queued job would read a temporary freed when submit returns).
       .def("forward", &forward, nb::arg("pool"), nb::arg("x"), nb::arg("ids"), nb::arg("weights"),
-           nb::arg("skip").none(), nb::arg("out"), nb::arg("accumulate"))
-      .def("submit", &submit, nb::arg("pool"), nb::arg("x"), nb::arg("ids"), nb::arg("weights"),
-           nb::arg("skip").none(), nb::arg("out"), nb::arg("accumulate"))
+           nb::arg("skip").none(), nb::arg("out").noconvert(), nb::arg("accumulate"))
+      .def("submit", &submit, nb::arg("pool"), nb::arg("x").noconvert(), nb::arg("ids").noconvert(),
+           nb::arg("weights").noconvert(), nb::arg("skip").none(), nb::arg("out").noconvert(), nb::arg("accumulate"))
       .def("loaded", [](const Layer& l, int e) { return e >= 0 && e < l.experts() && l.loaded(e); })
       .def_prop_ro("isa", [](const Layer& l) { return std::string(isa_name(l.isa())); });
   nb::enum_<Format>(m, "Format").value("BF16", Format::BF16).value("INT8", Format::INT8).value("INT4", Format::INT4);

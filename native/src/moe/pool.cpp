@@ -38,8 +38,9 @@ int sub_of(int thread, int threads, int subpools) { return int(int64_t(thread) *
 
 }  // namespace
 
-Pool::Pool(int threads, int subpools, std::vector<int> nodes, int spin_us, const std::string& node_root)
-    : subpools_(subpools), spin_us_(spin_us) {
+Pool::Pool(int threads, int subpools, std::vector<int> nodes, int spin_us, int wait_spin_us,
+           const std::string& node_root)
+    : subpools_(subpools), spin_us_(spin_us), wait_spin_us_(wait_spin_us) {
   if (threads < 1) throw std::invalid_argument("threads must be >= 1 (got " + std::to_string(threads) + ")");
   if (subpools < 1 || subpools > threads)
     throw std::invalid_argument("threadpool_count must be in [1, threads=" + std::to_string(threads) + "] (got " +
@@ -77,11 +78,11 @@ Pool::~Pool() {
 
 std::string Pool::describe() const {
   return std::to_string(threads()) + " threads in " + std::to_string(subpools_) + " subpool(s), " + pinning_ +
-         ", idle spin " + std::to_string(spin_us_) + " us";
+         ", idle spin " + std::to_string(spin_us_) + " us, wait spin " + std::to_string(wait_spin_us_) + " us";
 }
 
-bool Pool::spin_until(const std::function<bool()>& ready) const {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+bool Pool::spin_until(const std::function<bool()>& ready, int us) const {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
   for (int i = 0;; ++i) {
     if (ready()) return true;
     _mm_pause();
@@ -129,7 +130,7 @@ void Pool::run(const std::vector<int>& counts, const TaskFn& fn) {
 
 void Pool::worker_main(int sub, uint64_t seen) {
   for (;;) {
-    if (!spin_until([&] { return gen_.load(std::memory_order_acquire) != seen; })) {
+    if (!spin_until([&] { return gen_.load(std::memory_order_acquire) != seen; }, spin_us_)) {
       std::unique_lock<std::mutex> lk(mu_);
       sleepers_.fetch_add(1);
       cv_.wait(lk, [&] { return gen_.load() != seen; });
@@ -155,6 +156,7 @@ uint64_t Pool::submit(std::function<void()> job) {
 }
 
 void Pool::wait(uint64_t ticket) {
+  if (wait_spin_us_ > 0) spin_until([&] { return done_polled_.load(std::memory_order_acquire) >= ticket; }, wait_spin_us_);
   std::unique_lock<std::mutex> lk(job_mu_);
   if (ticket == 0 || ticket > next_ticket_) throw std::invalid_argument("unknown ticket " + std::to_string(ticket));
   done_cv_.wait(lk, [&] { return done_ticket_ >= ticket; });
@@ -172,7 +174,7 @@ void Pool::job_main() {
     if (jobs_.empty() && !stop_) {
       lk.unlock();
       // polls an atomic, not the mutex: a locked poll contends with submit() and burns CPU in lock/unlock
-      spin_until([&] { return queued_.load(std::memory_order_acquire) != 0 || stop_.load(); });
+      spin_until([&] { return queued_.load(std::memory_order_acquire) != 0 || stop_.load(); }, spin_us_);
       lk.lock();
     }
     job_cv_.wait(lk, [&] { return !jobs_.empty() || stop_; });
@@ -190,6 +192,7 @@ void Pool::job_main() {
     lk.lock();
     if (err) job_errors_[ticket] = err;
     done_ticket_ = ticket;
+    done_polled_.store(ticket, std::memory_order_release);
     lk.unlock();
     done_cv_.notify_all();
   }
