@@ -9,8 +9,10 @@
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -67,6 +69,7 @@ def kt_backend(fmt, w, K, threads, layer_idx):
     gate, up, down = w
     E, I, H = gate.shape
     tmp = tempfile.mkdtemp(prefix="kt-bench-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # up to 1.1 GB per run (bf16 safetensors, kt's dumps)
     if fmt == "bf16":  # kt-kernel's BF16 path reads HF-style safetensors (BF16SafeTensorLoader)
         from safetensors.torch import save_file
         save_file({f"model.layers.{layer_idx}.mlp.experts.{e}.{n}_proj.weight": t[e].contiguous()
