@@ -22,3 +22,16 @@ def test_moe_bench_runs_on_a_tiny_shape():
         if int(c[2]) <= 4:
             assert float(c[4]) > 0 and c[5].strip().endswith("%")  # GB/s and % of read bandwidth
         assert float(c[6]) > 0  # GFLOP/s
+
+
+def test_moe_paired_runs_on_a_tiny_shape():
+    """benchmarks/moe_paired.py (kvplugins and torch interleaved in one process) prints one row per T, with
+    positive times and a ratio."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "moe_paired.py"), "--configs", "tiny", "--tokens", "4,16",
+           "--blocks", "2", "--forwards", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [ln.split("|")[1:-1] for ln in r.stdout.splitlines() if ln.startswith("| tiny")]
+    assert [int(c[1]) for c in rows] == [4, 16], r.stdout
+    for c in rows:
+        assert float(c[2]) > 0 and float(c[3]) > 0 and float(c[4].split()[0]) > 0
