@@ -52,8 +52,7 @@ class KTMoEWrapper:
                               f"[0, num_experts_per_tok={num_experts_per_tok})")
         self.gpu_experts_mask = _gpu_mask(torch, self.num_experts, gpu_experts_mask, num_gpu_experts)
         self.num_gpu_experts = int(self.gpu_experts_mask.sum())
-        self._skip = self.gpu_experts_mask.to(torch.uint8)
-        self._skip_np = self._skip.numpy()
+        self._skip_np = self.gpu_experts_mask.to(torch.uint8).numpy()
         self.engine = Engines.get(cpuinfer_threads, threadpool_count, numa_nodes, self.cfg.spin_us, self.cfg.numa_sysfs,
                                   self.cfg.sync_spin_us)
         group = self.cfg.int4_group

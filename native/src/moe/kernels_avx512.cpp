@@ -106,6 +106,39 @@ void int8_tile(const MatView& w, int r, const ActRows& a, int t0, float* y, size
   }
 }
 
+// Prefill order shared by every format: rows outer in 4-row strips (a strip stays in L1; 8-row strips measured
+// slower for bf16 decode and no faster for int8), token tiles inner, tokens in L2-sized chunks. tile(j, t, n,
+// first) computes strip rows j..j+3 for tokens [t, t + n), n <= NT (the last tile of a chunk takes the exact
+// remainder); `first` marks the strip's first tile of the chunk.
+template <int NT, class Tile>
+void prefill_strips(const ActRows& a, int nrows, const Tile& tile) {
+  for (int c0 = 0; c0 < a.n; c0 += kTokChunk) {
+    const int c1 = a.n < c0 + kTokChunk ? a.n : c0 + kTokChunk;
+    for (int j = 0; j < nrows; j += 4)
+      for (int t = c0; t < c1; t += NT) tile(j, t, c1 - t < NT ? c1 - t : NT, t == c0);
+  }
+}
+
+// INT8, 4 rows x exactly n (1..4) tokens. Decode runs one such tile per strip (all tokens in one pass over the
+// weights); prefill runs 4-token tiles and an exact remainder.
+void int8_rows_n(const MatView& w, int r, const ActRows& a, int t, int n, float* y, size_t ldy) {
+  switch (n) {
+    case 1: return int8_tile<1, 4>(w, r, a, t, y, ldy);
+    case 2: return int8_tile<2, 4>(w, r, a, t, y, ldy);
+    case 3: return int8_tile<3, 4>(w, r, a, t, y, ldy);
+    default: return int8_tile<4, 4>(w, r, a, t, y, ldy);
+  }
+}
+
+void gemm_int8(const MatView& w, int r0, int nrows, const ActRows& a, float* y, size_t ldy) {
+  if (a.n <= 0) return;
+  if (a.n <= 4) {
+    for (int j = 0; j < nrows; j += 4) int8_rows_n(w, r0 + j, a, 0, a.n, y + j, ldy);
+    return;
+  }
+  prefill_strips<4>(a, nrows, [&](int j, int t, int n, bool) { int8_rows_n(w, r0 + j, a, t, n, y + j, ldy); });
+}
+
 // ---- INT4: 64 weights per 32 packed bytes, one float scale per group ----
 // Memory form (kvp_moe.h): two's complement nibbles, so `b & 0xF0` is 16 * q of the high nibble and
 // `(b << 4) & 0xF0` (a 16-bit shift; the AND drops the bits that crossed bytes) is 16 * q of the low one, both
@@ -199,14 +232,10 @@ void gemm_int4(const MatView& w, int r0, int nrows, const ActRows& a, float* y, 
     case 4: return int4_rows<4, 2>(w, r0, nrows, a, 0, y, ldy);
     default: break;
   }
-  for (int c0 = 0; c0 < a.n; c0 += kTokChunk) {
-    const int c1 = a.n < c0 + kTokChunk ? a.n : c0 + kTokChunk;
-    for (int j = 0; j < nrows; j += 4) {
-      int t = c0;
-      for (; t + 2 <= c1; t += 2) int4_tile<2, 4>(w, r0 + j, a, t, y + j, ldy);
-      if (t < c1) int4_tile<1, 4>(w, r0 + j, a, t, y + j, ldy);
-    }
-  }
+  prefill_strips<2>(a, nrows, [&](int j, int t, int n, bool) {
+    if (n == 2) int4_tile<2, 4>(w, r0 + j, a, t, y + j, ldy);
+    else int4_tile<1, 4>(w, r0 + j, a, t, y + j, ldy);
+  });
 }
 
 // Group 128+: swap bytes [32, 64) and [64, 96) of every 128-byte block (see int4_tile). Group 64: natural.
@@ -219,25 +248,6 @@ void int4_act(uint8_t* row, int K, int group) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k + 64), b);
   }
 }
-
-// Rows outer (a 4-row strip stays in L1), token tiles inner; tokens in L2-sized chunks. (8-row strips for
-// decode measured slower for bf16 and no faster for int8 on Zen 4: R stays 4.)
-template <template <int> class Tile, int MaxNT>
-void gemm(const MatView& w, int r0, int nrows, const ActRows& a, float* y, size_t ldy) {
-  for (int c0 = 0; c0 < a.n; c0 += kTokChunk) {
-    const int c1 = a.n < c0 + kTokChunk ? a.n : c0 + kTokChunk;
-    for (int j = 0; j < nrows; j += 4) {
-      int t = c0;
-      for (; t + MaxNT <= c1; t += MaxNT) Tile<MaxNT>::run(w, r0 + j, a, t, y + j, ldy);
-      for (; t < c1; ++t) Tile<1>::run(w, r0 + j, a, t, y + j, ldy);
-    }
-  }
-}
-
-using TileArgs = const ActRows;
-template <int NT> struct Int8 {
-  static void run(const MatView& w, int r, TileArgs& a, int t, float* y, size_t l) { int8_tile<NT, 4>(w, r, a, t, y, l); }
-};
 
 // BF16 tile of exactly `left` (< NT + 1) tokens.
 template <int NT>
@@ -252,7 +262,7 @@ void bf16_tail(const MatView& w, int r, const ActRows& a, int t, int left, float
 
 // BF16: decode (<= 4 tokens) runs one tile of all tokens per 4-row strip. Prefill runs 6-token tiles (24
 // accumulators; 10 loads per 24 dot products instead of 8 per 16) and one exact-size tail tile, and prefetches
-// the next strip during each strip's first tile. Measured on Zen 4, 1 thread, DeepSeek-V2-Lite shape: prefill
+// the next strip during each strip's first tile. Measured on this CPU, 1 thread, DeepSeek-V2-Lite shape: prefill
 // +10-20% over 4-token tiles with a 1-token tail and no prefill prefetch.
 void gemm_bf16(const MatView& w, int r0, int nrows, const ActRows& a, float* y, size_t ldy) {
   constexpr int NT = 6;
@@ -262,14 +272,9 @@ void gemm_bf16(const MatView& w, int r0, int nrows, const ActRows& a, float* y, 
     return;
   }
   const size_t strip = 4 * w.row_bytes;
-  for (int c0 = 0; c0 < a.n; c0 += kTokChunk) {
-    const int c1 = a.n < c0 + kTokChunk ? a.n : c0 + kTokChunk;
-    for (int j = 0; j < nrows; j += 4) {
-      int t = c0;
-      for (; t + NT <= c1; t += NT) bf16_tile<NT, 4>(w, r0 + j, a, t, y + j, ldy, t == c0 ? strip : 0);
-      if (t < c1) bf16_tail<NT - 1>(w, r0 + j, a, t, c1 - t, y + j, ldy, t == c0 ? strip : 0);
-    }
-  }
+  prefill_strips<NT>(a, nrows, [&](int j, int t, int n, bool first) {
+    bf16_tail<NT>(w, r0 + j, a, t, n, y + j, ldy, first ? strip : 0);
+  });
 }
 
 // exp(x) as 2^n * 2^f, f in [-0.5, 0.5], degree-6 polynomial (rel. error ~1e-7 over the clamped range).
@@ -323,6 +328,6 @@ void to_u8(const float* src, uint8_t* dst, float* scale, int n) {
 
 }  // namespace
 
-const Kernels kAvx512Kernels = {{gemm_bf16, gemm<Int8, 4>, gemm_int4}, silu_mul, to_bf16, to_u8, int4_act};
+const Kernels kAvx512Kernels = {{gemm_bf16, gemm_int8, gemm_int4}, silu_mul, to_bf16, to_u8, int4_act};
 
 }  // namespace kvp::moe
