@@ -50,6 +50,16 @@ def _clock(args):
     return time.process_time if args.cpu_time else time.perf_counter
 
 
+def experts(name: str, max_experts: int = 0):
+    """(E, H, I, K, (gate [E, I, H], up [E, I, H], down [E, H, I]) bf16, generator) for config ``name``, E capped
+    at ``max_experts`` (0: none); the same seeded weights for every backend, and the generator for the inputs."""
+    E, H, I, K = CONFIGS[name]
+    E = min(E, max_experts) if max_experts else E
+    g = torch.Generator().manual_seed(1)
+    w = tuple((torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16) for s in ((E, I, H), (E, I, H), (E, H, I)))
+    return E, H, I, K, w, g
+
+
 def routings(T, E, K, n, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -101,10 +111,7 @@ def idle_cpu(seconds=1.0) -> float:
 
 def worker(name, label, fmt, args) -> dict:
     """One backend on one config, alone in this process (no other backend's threads compete)."""
-    E, H, I, K = CONFIGS[name]
-    E = min(E, args.max_experts) if args.max_experts else E
-    g = torch.Generator().manual_seed(1)
-    w = tuple((torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16) for s in ((E, I, H), (E, I, H), (E, H, I)))
+    E, H, I, K, w, g = experts(name, args.max_experts)
     bw = read_bandwidth(args.threads, args.bw_gib / 2, _clock(args))  # the machine may be quieter than at start
     torch.set_num_threads(args.threads)
     fn = build(label, fmt, w, K, args.threads)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.moe import backends  # noqa: E402
-from benchmarks.moe_bench import CONFIGS, routings, touch_all_experts  # noqa: E402
+from benchmarks.moe_bench import experts, routings, touch_all_experts  # noqa: E402
 
 
 def block_medians(fns, x, routes, blocks):
@@ -51,10 +51,7 @@ def main(argv=None) -> int:
     print("| config | T | kvplugins bf16 ms | torch bf16 ms | torch/kvplugins per block: median (range) |\n"
           "|---|---|---|---|---|")
     for name in args.configs.split(","):
-        E, H, I, K = CONFIGS[name]
-        E = min(E, args.max_experts) if args.max_experts else E
-        g = torch.Generator().manual_seed(1)
-        w = tuple((torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16) for s in ((E, I, H), (E, I, H), (E, H, I)))
+        E, H, I, K, w, g = experts(name, args.max_experts)
         fns = {"kvplugins": backends.kvplugins_backend("bf16", w, K, 1), "torch": backends.torch_backend(w)}
         for fn in fns.values():
             touch_all_experts(fn, E, H, K)

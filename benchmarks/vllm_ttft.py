@@ -31,6 +31,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
@@ -148,11 +149,6 @@ def overhead_summary(res: dict, args) -> str:
                      f"overhead; per-round connector/no-connector {[round(x, 3) for x in ratios]}, median "
                      f"{median(ratios):.3f}")
     return "\n".join(lines)
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
 
 
 def overhead_run(spec: dict, timeout_s: float = 1800) -> dict:

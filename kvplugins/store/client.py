@@ -308,14 +308,14 @@ class StoreClient:
                                       self._descriptors(set(names)), failed)
         for i, err in self._run_groups("read", flat, groups, failed).items():
             out[i] = err
-        corrupt = []
+        corrupt, idx = [], np.flatnonzero(ok).tolist()
         if self.cfg.verify_checksums:
-            read = {i: sums[i] for i in np.flatnonzero(ok).tolist() if out[i] is None}
+            read = {i: sums[i] for i in idx if out[i] is None}
             bad = checksum.mismatched(self._engine, flat, read)
             for i in bad:
                 out[i] = ChecksumMismatch(f"{keys[i]}: bytes read do not match the object's checksum")
             corrupt = [[keys[i], names[seg_idx[i]], offs[i], sums[i]] for i in bad]
-        self._settle_lease(keys, out, np.flatnonzero(ok).tolist(), corrupt, t0, ttl)
+        self._settle_lease(keys, out, idx, corrupt, t0, ttl)
         return out, flat.sizes
 
     def _read_replicas(self, reads: dict, flat, keys) -> tuple[dict[int, StoreError], list]:

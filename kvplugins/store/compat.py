@@ -30,6 +30,7 @@ import logging
 
 from kvplugins.errors import (BufferNotRegistered, ConfigError, KeyNotFound, KVPluginsError, MasterUnreachable,
                               SizeMismatch, StoreError, StoreFull, TransferError)
+from kvplugins.transfer.memory import view_of
 
 log = logging.getLogger(__name__)
 
@@ -321,15 +322,13 @@ def _plausible(addr: int, nbytes: int) -> bool:
 
 def _memory(addr: int, nbytes: int) -> memoryview:
     """A view of ``nbytes`` at a raw address the caller owns (Mooncake's put_from of unregistered memory)."""
-    import ctypes
-    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+    return view_of(addr, nbytes)
 
 
 def _copy_out(addr: int, value: bytes, capacity: int) -> int:
-    import ctypes
     if len(value) > capacity:
         return INVALID_PARAMS
-    ctypes.memmove(addr, value, len(value))
+    view_of(addr, len(value))[:] = value
     return len(value)
 
 

@@ -110,17 +110,19 @@ class Reader:
         (slot, token) does not show within pd_wait_ms, and after the read if it is no longer held (blocks
         released, maybe reused). Raises nothing: any error fails every page."""
         try:
-            if not self._wait_lease(src, slot, token):
+            from kvplugins.transfer import SegmentDescriptor
+            desc = SegmentDescriptor.from_wire(src["descriptor"])  # once: the lease poll reads it every 5 ms
+            if not self._wait_lease(src, desc, slot, token):
                 log.warning("kvplugins: the producer did not hold the blocks of token %d within pd_wait_ms=%d "
                             "(released after pd_hold_ms, or a restarted producer): not reading them", token,
                             self._wait_s * 1000)
                 return list(local_ids)
             t0 = time.monotonic()
-            failed = self._read(src, local_ids, remote_ids)
+            failed = self._read(src, desc, local_ids, remote_ids)
             if failed:
                 log.warning("kvplugins: direct read of %d pages: %d failed after %.0f ms", len(local_ids),
                             len(failed), (time.monotonic() - t0) * 1000)
-            if not self._leased(src, slot, token):
+            if not self._leased(src, desc, slot, token):
                 log.warning("kvplugins: the producer no longer holds the blocks of token %d (released after "
                             "pd_hold_ms): its bytes are not used", token)
                 return list(local_ids)
@@ -129,24 +131,22 @@ class Reader:
             log.warning("kvplugins: direct read of %d pages failed: %r", len(local_ids), e)
             return list(local_ids)
 
-    def _wait_lease(self, src: dict, slot: int, token: int) -> bool:
+    def _wait_lease(self, src: dict, desc, slot: int, token: int) -> bool:
         """Whether the producer holds (slot, token), waiting up to pd_wait_ms: it marks the lease one engine step
         after the request finished, which may be after decode got the params."""
         deadline = time.monotonic() + self._wait_s
-        while not self._leased(src, slot, token):
+        while not self._leased(src, desc, slot, token):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.005)
         return True
 
-    def _read(self, src: dict, local_ids: list[int], remote_ids: list[int]) -> list[int]:
-        from kvplugins.transfer import SegmentDescriptor
+    def _read(self, src: dict, desc, local_ids: list[int], remote_ids: list[int]) -> list[int]:
         planes = src["planes"]
         mine = self.layout.planes
         if len(planes) != len(mine) or any(p[3] != q.block_bytes for p, q in zip(planes, mine)):
             raise ConfigError(f"producer KV planes {[p[3] for p in planes]} B differ from this engine's "
                               f"{[q.block_bytes for q in mine]} B")
-        desc = SegmentDescriptor.from_wire(src["descriptor"])
         if self._vm_read(src, desc, local_ids, remote_ids):
             return []
         by_region: dict[int, tuple[list, list, list, list]] = {}
@@ -186,10 +186,8 @@ class Reader:
                         "core (TCP) from now on", why)
         return why is None
 
-    def _leased(self, src: dict, slot: int, token: int) -> bool:
-        from kvplugins.transfer import SegmentDescriptor
+    def _leased(self, src: dict, desc, slot: int, token: int) -> bool:
         self._ack[1] = 0
-        desc = SegmentDescriptor.from_wire(src["descriptor"])
         err = self.engine.read_spans(desc, src["mailbox"][0], np.array([self._ack.ctypes.data + 8], np.uint64),
                                      np.array([(MAILBOX_SLOTS + slot) * 8], np.uint64), np.array([8], np.uint64))[0]
         return err is None and int(self._ack[1]) == token

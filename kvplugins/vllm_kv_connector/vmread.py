@@ -13,6 +13,7 @@ holds the request's token afterwards (pd.Reader), so a wrong or reused process i
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 IOV_MAX = 1024
@@ -22,6 +23,7 @@ class _Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
+@functools.cache
 def _syscall():
     if not hasattr(os, "sched_getaffinity"):  # not Linux
         return None

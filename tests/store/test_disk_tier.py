@@ -206,12 +206,8 @@ def test_fast_restart_before_the_old_segment_times_out(tmp_path):
         c.nodes[0].kill()
         c.add_node("4MiB", **c.node_flags)
         assert len(client._rpc.call("status")["segments"]) == 2     # the old segment is still registered
-        files = {k for k in keys if (c.disk / "objects" / files_name(k)).exists()}
+        on_disk = {k for k in keys if (c.disk / "objects" / files.file_name(k)).exists()}
         _wait(lambda: len(client._rpc.call("status")["segments"]) == 1, "old segment timed out")
-        assert files and {k for k, ok in zip(keys, client.batch_exists(keys)) if ok} == files
-        assert {k for k in keys if (c.disk / "objects" / files_name(k)).exists()} == files     # none deleted
-        assert [client.get(k) for k in sorted(files)] == [_data(keys.index(k)) for k in sorted(files)]
-
-
-def files_name(key: str) -> str:
-    return files.file_name(key)
+        assert on_disk and {k for k, ok in zip(keys, client.batch_exists(keys)) if ok} == on_disk
+        assert {k for k in keys if (c.disk / "objects" / files.file_name(k)).exists()} == on_disk   # none deleted
+        assert [client.get(k) for k in sorted(on_disk)] == [_data(keys.index(k)) for k in sorted(on_disk)]
