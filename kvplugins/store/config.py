@@ -35,6 +35,21 @@ class MasterConfig:
     low_watermark: float = field(default=0.85, metadata={"help": "eviction stops at this usage fraction"})
     alloc_align: int = field(default=64, metadata={"help": "allocation granularity inside a segment (bytes)"})
     max_frame: Bytes = field(default=Bytes(64 << 20), metadata={"help": "largest RPC frame accepted"})
+    max_batch: int = field(default=65536, metadata={"help": "most entries (keys, segments) one op may carry"})
+    max_key_bytes: int = field(default=4096, metadata={"help": "longest key accepted, in UTF-8 bytes"})
+    max_connections: int = field(default=4096, metadata={
+        "help": "raw RPC connections open at once; more are refused with the reason (0 = unlimited)"})
+    max_connections_per_peer: int = field(default=1024, metadata={
+        "help": "raw RPC connections open at once from one peer host (0 = unlimited)"})
+    idle_timeout_ms: int = field(default=600000, metadata={
+        "help": "a raw RPC connection with no request this long is closed (clients reconnect; 0 = never)"})
+    frame_timeout_ms: int = field(default=10000, metadata={
+        "help": "a request frame (or handshake) started must arrive in full within this; a peer that leaves "
+                "its replies unread this long is dropped"})
+    partial_frames_budget: Bytes = field(default=Bytes(256 << 20), metadata={
+        "help": "bytes of partly received frames held over all connections; past it the largest is dropped"})
+    reply_buffer: Bytes = field(default=Bytes(8 << 20), metadata={
+        "help": "unsent reply bytes per connection above which the master reads no more of its requests"})
     tick_ms: int = field(default=100, metadata={"help": "period of the expiry/eviction sweep"})
     metrics_port: int = field(default=-1, metadata={
         "help": "Prometheus /metrics port (kvplugins/store/metrics.py); -1 = off, 0 = any free port (logged)"})
@@ -53,9 +68,19 @@ class MasterConfig:
                               "need 0 < low_watermark <= high_watermark <= 1")
         if self.alloc_align <= 0 or self.alloc_align & (self.alloc_align - 1):
             raise ConfigError(f"alloc_align={self.alloc_align} must be a power of two, e.g. 64")
-        for name in ("heartbeat_timeout_ms", "lease_ttl_ms", "put_timeout_ms", "tick_ms", "etcd_lease_ttl_ms"):
+        for name in ("heartbeat_timeout_ms", "lease_ttl_ms", "put_timeout_ms", "tick_ms", "etcd_lease_ttl_ms",
+                     "frame_timeout_ms", "max_batch", "max_key_bytes", "partial_frames_budget", "reply_buffer"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0 ms")
+                raise ConfigError(f"master {name}={getattr(self, name)} must be > 0")
+        for name in ("max_connections", "max_connections_per_peer", "idle_timeout_ms"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"master {name}={getattr(self, name)} must be >= 0 (0 = unlimited)")
+
+    def conn_limits(self):
+        """The raw RPC endpoint's kvplugins.security.limits.ConnLimits."""
+        from kvplugins.security.limits import ConnLimits
+        return ConnLimits(self.max_connections, self.max_connections_per_peer, self.idle_timeout_ms / 1000,
+                          self.frame_timeout_ms / 1000)
 
 
 @component("store")

@@ -57,16 +57,3 @@ def from_client(cfg) -> PutConfig:
     return PutConfig(replicas=cfg.replicas, preferred_segment=cfg.preferred_segment, pin=cfg.pin,
                      pin_ttl_ms=cfg.pin_ttl_ms)
 
-
-def parse_opts(opts: dict) -> tuple[int, str, int, float]:
-    """(replicas, preferred segment, pin code, pin ttl seconds) from put_start options (master side).
-    Raises ValueError naming a bad option (the master answers the request with it)."""
-    replicas, segment = opts.get("replicas", 1), opts.get("segment", "")
-    pin, ttl = opts.get("pin", 0), opts.get("pin_ttl_ms", 0)
-    if not isinstance(replicas, int) or replicas < 1:
-        raise ValueError(f"replicas={replicas!r} must be an int >= 1")
-    if not isinstance(segment, str):
-        raise ValueError(f"segment={segment!r} must be a segment name")
-    if pin not in (0, 1, 2) or not isinstance(ttl, (int, float)) or (pin == 1 and ttl <= 0):
-        raise ValueError(f"pin={pin!r} must be 0, 1 (soft, with pin_ttl_ms > 0) or 2; pin_ttl_ms={ttl!r}")
-    return replicas, segment, pin, ttl / 1000

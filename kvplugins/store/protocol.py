@@ -8,6 +8,8 @@ Request body:  [VERSION, request_id, op, entries, opts]
 Response body: [VERSION, request_id, ok, payload]
   ok true: payload is the op's result (usually a list, one result per entry: [code, value]).
   ok false: payload is an error string (unknown op, bad arguments); the connection stays open.
+  Request id 0 is never sent: a response with id 0 and ok false is a refusal of the whole connection (over a
+  connection limit); the server closes it after that frame.
 A frame of another version, over max_frame, or not msgpack of this shape closes that connection
 (the master logs why and keeps serving).
 """
@@ -71,6 +73,8 @@ def parse_response(msg, rid: int):
     """Validate a decoded response to request ``rid``; returns (ok, payload). Raises ProtocolError."""
     if not isinstance(msg, list) or len(msg) != 4 or msg[0] != VERSION:
         raise ProtocolError(f"malformed response from master: {msg!r:.200}")
+    if msg[1] == 0 and msg[2] is False:     # id 0 is no request's: the server refused the connection
+        raise ProtocolError(f"the server {msg[3]}"[:1000])
     if msg[1] != rid:
         raise ProtocolError(f"response id {msg[1]} does not match request {rid}")
     return bool(msg[2]), msg[3]

@@ -7,6 +7,7 @@ RawRpcClient: the per-operation path (length-prefixed msgpack over TCP). ZmqRpcC
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ from kvplugins.security import handshake
 from kvplugins.store import protocol
 
 RECV_CHUNK = 1 << 16
+IDLE_CHECK_S = 1.0     # a connection unused this long is checked for a close by the master before reuse
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -72,6 +74,7 @@ class RawRpcClient(_Base):
         self._sock: socket.socket | None = None
         self._rbuf = bytearray()
         self._deferred: list[tuple[int, str, object]] = []     # (request id, op, on_reply)
+        self._used = 0.0                                        # when a request last went out (monotonic s)
 
     def send_deferred(self, op: str, entries=(), opts: dict | None = None, on_reply=None) -> None:
         """Send ``op`` now without waiting; ``on_reply(ok, payload)`` runs when its reply is read (or with
@@ -115,6 +118,10 @@ class RawRpcClient(_Base):
                 on_reply(False, f"{op}: connection to the master lost before its reply")
 
     def _connect(self, deadline: float) -> socket.socket:
+        if self._sock is not None and not self._deferred and time.monotonic() - self._used > IDLE_CHECK_S \
+                and not _open(self._sock):
+            self._reset()            # the master closed it while idle (master.idle_timeout_ms): reconnect
+        self._used = time.monotonic()
         if self._sock is None:
             sock = socket.create_connection((self._host, self._port), timeout=_left(deadline))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -193,6 +200,16 @@ class ZmqRpcClient(_Base):
                 raise self._curve.refused_error(self.address)
             raise TimeoutError("no reply")
         return self._sock.recv()
+
+
+def _open(sock: socket.socket) -> bool:
+    """False if the peer has closed ``sock`` (EOF or an error pending); a zero-timeout peek, no bytes consumed."""
+    try:
+        if not select.select([sock], [], [], 0)[0]:
+            return True
+        return sock.recv(1, socket.MSG_PEEK) != b""      # readable: returns at once (bytes or EOF)
+    except OSError:
+        return False
 
 
 def _left(deadline: float) -> float:

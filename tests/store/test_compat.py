@@ -170,7 +170,9 @@ def test_admin_ops_honour_leases():
         assert m.handle("put_start", [[key, 100]], {})[0][0] == OK
         assert m.handle("put_commit", [key], {})[0][0] == OK
     assert m.handle("put_start", [["p/1", 100]], {})[0][0] == OK            # pending: not counted, not removed
-    assert m.handle("get_size", ["a/1", "p/1", "zz", 7], {}) == [[OK, 100], [NOT_FOUND, None]] + [[NOT_FOUND, None]] * 2
+    assert m.handle("get_size", ["a/1", "p/1", "zz"], {}) == [[OK, 100], [NOT_FOUND, None], [NOT_FOUND, None]]
+    with pytest.raises(ValueError, match=r"get_size: entries: Expected `str`, got `int` - at `\$\[1\]`"):
+        m.handle("get_size", ["a/1", 7], {})                                  # a non-string key refuses the op
     m.handle("get", ["a/1"], {})                                              # lease on a/1
     used = m.segments.get(seg).used
     assert m.handle("remove_by_regex", ["^a/"], {}) == [OK, 1]               # leased a/1 skipped

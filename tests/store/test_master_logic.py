@@ -129,11 +129,14 @@ def test_replicas_on_distinct_segments(m):
     assert code == OK and len({l[0] for l in locs}) == 2
 
 
-def test_bad_entries_answered_not_crashing(m):
+def test_bad_entries_refuse_the_whole_op_naming_the_field(m):
     reg(m)
-    assert m.handle("put_start", [["x", -1], "junk"], {})[0][0] == 4
-    assert m.handle("register_segment", [["nope"]], {})[0][0] == 4
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"put_start: entries: Expected `int` >= 1 - at `\$\[1\]\[1\]`"):
+        m.handle("put_start", [["ok", 64], ["x", -1]], {})
+    assert m.handle("exists", ["ok"], {}) == [False]           # nothing of the refused batch was applied
+    with pytest.raises(ValueError, match=r"register_segment: .* at `\$\[0\]`"):
+        m.handle("register_segment", [["nope"]], {})
+    with pytest.raises(ValueError, match="unknown op 'frobnicate'"):
         m.handle("frobnicate", [], {})
 
 

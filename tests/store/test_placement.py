@@ -125,8 +125,10 @@ def test_bad_put_config_is_a_clear_error():
     with pytest.raises(ConfigError, match="pin_ttl_ms"):
         ClientConfig(pin="soft", pin_ttl_ms=0)
     m = service()
-    with pytest.raises(ValueError, match="pin="):
+    with pytest.raises(ValueError, match=r"put_start: opts: Invalid enum value 7 - at `\$.pin`"):
         m.handle("put_start", [["k", 1]], {"pin": 7})
+    with pytest.raises(ValueError, match="soft pin .* needs pin_ttl_ms > 0"):
+        m.handle("put_start", [["k", 1]], {"pin": 1})
 
 
 def test_put_config_per_call_on_real_processes():

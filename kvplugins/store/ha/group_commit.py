@@ -3,7 +3,8 @@ their metadata writes are persisted in etcd by one ``service.sync()`` (one trans
 whole turn instead of one per op), then sent. If the writes cannot be persisted the held connections are
 closed and the zmq replies dropped: nothing unpersisted is ever acknowledged, and clients retry.
 
-RpcServer uses this only when its service has ``sync`` (ha.leader.LeaderGuard); a plain master is unchanged.
+RpcServer uses this when its service has ``sync`` (ha.leader.LeaderGuard); a plain master gets ``Immediate``, the
+same interface sending every reply at once.
 Follows the classic database group commit (a log flush shared by every transaction waiting on it).
 """
 from __future__ import annotations
@@ -51,6 +52,26 @@ class GroupCommit:
                 srv._router.send_multipart(parts)
 
 
-def for_server(server) -> GroupCommit | None:
-    """A GroupCommit when ``server.service`` persists in batches (has ``sync``), else None."""
-    return GroupCommit(server) if hasattr(type(server.service), "sync") else None
+class Immediate:
+    """A plain master's replies: sent at once (GroupCommit's interface, nothing held)."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def hold(self, conn) -> None:
+        if self.server._conns.get(conn.sock.fileno()) is conn:
+            self.server._flush(conn)
+
+    def holds(self, conn) -> bool:
+        return False
+
+    def send_zmq(self, parts: list[bytes]) -> None:
+        self.server._router.send_multipart(parts)
+
+    def sync(self) -> None:
+        pass
+
+
+def for_server(server) -> GroupCommit | Immediate:
+    """A GroupCommit when ``server.service`` persists in batches (has ``sync``), else Immediate."""
+    return GroupCommit(server) if hasattr(type(server.service), "sync") else Immediate(server)

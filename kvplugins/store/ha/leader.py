@@ -36,16 +36,23 @@ class LeaderGuard:
     def __getattr__(self, name):
         return getattr(self.__dict__["inner"], name)
 
-    def handle(self, op: str, entries: list, opts: dict):
+    def handle(self, op: str, entries, opts, defer: bool = False):
         """MasterService.handle on the leader. Raises ValueError('not leader; the leader is ...') elsewhere."""
+        return self._journaled(lambda: self.inner.handle(op, entries, opts, defer))
+
+    def step(self, scan) -> bool:
+        """MasterService.step on the leader (a deferred admin scan), journaled like an op."""
+        return self._journaled(lambda: self.inner.step(scan))
+
+    def _journaled(self, fn):
         if not self._check():
             raise ValueError(self._refusal())
         if self.grouped:                        # the server holds the reply until sync() persisted the batch
             self.journal.begin()
-            return self.inner.handle(op, entries, opts)
+            return fn()
         try:
             with self.journal.batch():         # persisted before the reply is sent
-                return self.inner.handle(op, entries, opts)
+                return fn()
         except StoreError as e:          # the journal could not persist: the op is not acknowledged
             raise ValueError(str(e)) from e
 

@@ -4,26 +4,57 @@ the batch ops).
 
 Mooncake semantics: without ``{"force": true}`` in opts these removes skip objects whose read lease is still
 running (a plain ``remove`` op does not: it removes at once and frees the space when the lease ends; both keep
-a reader's leased bytes valid). ``remove_by_regex`` and ``remove_all`` scan every object in the master's single
-thread: O(objects), so they are for operators and tests, never for the per-request path. Removal goes through
+a reader's leased bytes valid). ``remove_by_regex`` and ``remove_all`` scan every object: they run as a ``Scan`` the RPC server advances
+SCAN_SLICE objects at a time between its other events (issue #11), so other clients' ops wait at most one slice;
+the patterns run on RE2 (``google-re2``: linear time in the key length, no backtracking), never on Python's ``re``. Removal goes through
 ``MasterService.op_remove``. Follows Mooncake 0.3.13's Remove/RemoveByRegex/RemoveAll/GetSize master operations
 (semantics, observed against a real mooncake_master; not code).
 """
 from __future__ import annotations
 
-import re
+import re2
 
 from kvplugins.store.protocol import INVALID, NOT_FOUND, OK
 
+SCAN_SLICE = 4096          # objects one step of a Scan examines (a few ms of the master's thread)
+
+
+class Scan:
+    """An admin op over every object, advanced in slices by whoever serves it: ``step(now)`` examines up to
+    SCAN_SLICE objects of the snapshot taken at the start and returns True once done; ``result`` is then the op's
+    payload ``[OK, removed count]``. Objects removed or replaced since the snapshot are skipped."""
+
+    def __init__(self, service, force: bool, match):
+        self.service, self.force, self.match = service, force, match
+        self._objs = service.table.lru()
+        self._at, self.removed, self.result = 0, 0, None
+
+    def step(self, now: float) -> bool:
+        chunk = self._objs[self._at:self._at + SCAN_SLICE]
+        self._at += len(chunk)
+        table, force, match = self.service.table, self.force, self.match
+        keys = [o.key for o in chunk if table.get(o.key) is o and o.complete and (force or not o.leased(now))
+                and match(o.key)]
+        self.removed += _remove(self.service, keys, now)
+        if self._at < len(self._objs):
+            return False
+        self._objs, self.result = [], [OK, self.removed]
+        return True
+
+    def run(self, now: float):
+        """Run to the end at once (in-process callers); returns the payload."""
+        while not self.step(now):
+            pass
+        return self.result
+
 
 def ops(service) -> dict:
-    """name -> fn(entries, opts, now) for MasterService's dispatcher."""
+    """name -> fn(entries, opts, now) for MasterService's dispatcher (entries/opts as kvplugins.store.schema)."""
     return {
         "get_size": lambda entries, opts, now: get_size(service, entries),
-        "remove_checked": lambda entries, opts, now: remove_checked(service, entries, bool(opts.get("force")), now),
-        "remove_by_regex": lambda entries, opts, now: remove_by_regex(service, entries, bool(opts.get("force")),
-                                                                      now),
-        "remove_all": lambda entries, opts, now: remove_all(service, bool(opts.get("force")), now),
+        "remove_checked": lambda entries, opts, now: remove_checked(service, entries, opts.force, now),
+        "remove_by_regex": lambda entries, opts, now: remove_by_regex(service, entries[0], opts.force),
+        "remove_all": lambda entries, opts, now: Scan(service, opts.force, lambda key: True),
     }
 
 
@@ -31,7 +62,7 @@ def get_size(service, keys: list) -> list:
     """Per key ``[OK, size in bytes]`` for a complete object, else ``[NOT_FOUND, None]``."""
     out = []
     for key in keys:
-        obj = service.table.get(key) if isinstance(key, str) else None
+        obj = service.table.get(key)
         out.append([OK, obj.size] if obj is not None and obj.complete else [NOT_FOUND, None])
     return out
 
@@ -40,7 +71,7 @@ def remove_checked(service, keys: list, force: bool, now: float) -> list:
     """Per key "removed", "missing" (no complete object) or "leased" (a read lease runs and not ``force``)."""
     out = []
     for key in keys:
-        obj = service.table.get(key) if isinstance(key, str) else None
+        obj = service.table.get(key)
         if obj is None or not obj.complete:
             out.append("missing")
         elif obj.leased(now) and not force:
@@ -50,27 +81,19 @@ def remove_checked(service, keys: list, force: bool, now: float) -> list:
     return out
 
 
-def remove_by_regex(service, entries: list, force: bool, now: float) -> list:
-    """entries: ``[pattern]`` (Python ``re`` syntax, matched with ``re.search``). Answers ``[OK, removed count]``
-    or ``[INVALID, reason]`` for a pattern that does not compile."""
-    if len(entries) != 1 or not isinstance(entries[0], str):
-        return [INVALID, f"remove_by_regex takes exactly one pattern string, got {entries!r:.80}"]
+def remove_by_regex(service, pattern: str, force: bool):
+    """A Scan removing the objects whose key matches ``pattern`` (RE2 syntax, searched anywhere in the key, as
+    ``re.search``; RE2 has no backreferences or lookaround), or ``[INVALID, reason]`` for a pattern RE2
+    refuses."""
+    options = re2.Options()
+    options.log_errors = False               # the reason goes back to the caller, not to the master's stderr
     try:
-        pattern = re.compile(entries[0])
-    except re.error as e:
-        return [INVALID, f"regex {entries[0]!r} does not compile: {e}"]
-    return [OK, _remove(service, _removable(service, force, now, pattern.search), now)]
-
-
-def remove_all(service, force: bool, now: float) -> list:
-    """Remove every complete object (not leased ones unless ``force``); answers ``[OK, removed count]``."""
-    return [OK, _remove(service, _removable(service, force, now, lambda key: True), now)]
-
-
-def _removable(service, force: bool, now: float, match) -> list[str]:
-    """Keys of every complete object (unpinned, pinned and disk-only alike) that ``match`` and may go now."""
-    return [o.key for o in service.table.lru() if o.complete and (force or not o.leased(now)) and match(o.key)]
+        regex = re2.compile(pattern, options)
+    except re2.error as e:
+        why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+        return [INVALID, f"regex {pattern!r} does not compile under RE2 (no backreferences or lookaround): {why}"]
+    return Scan(service, force, regex.search)
 
 
 def _remove(service, keys: list[str], now: float) -> int:
-    return sum(1 for code, _ in service.op_remove(keys, {}, now) if code == OK)
+    return sum(1 for code, _ in service.op_remove(keys, None, now) if code == OK)

@@ -4,30 +4,52 @@
   the per-operation path (~20 µs round trip here).
 * zmq ROUTER endpoint (reported by the ``info`` op): the control plane — node registration, heartbeats,
   ``kvplugins status`` (~115 µs round trip; fine off the hot path).
-Both run the same dispatcher (kvplugins/store/protocol.py). A bad raw frame (wrong version, too large, not
-msgpack) closes that connection with a logged reason; a bad zmq message is logged and dropped.
+Both run the same dispatcher: every request is decoded into typed, range-checked values (kvplugins/store/schema.py)
+before the service sees it. A request the schema refuses is answered with the reason (connection kept); a frame
+that is no request (wrong version, too large, not msgpack of the envelope's shape) closes that connection with a
+logged reason; a bad zmq message is logged and dropped.
 The periodic sweep (service.tick) runs every ``tick_ms`` in the same loop, so the logic needs no locks.
 The zmq socket joins the selector through its edge-triggered ZMQ_FD: when it fires (and on every tick) the
 ROUTER is drained while zmq.EVENTS reports input; plain sockets are level-triggered.
+
+What a client cannot do to the loop (issue #11; limits in MasterConfig, docs/operations.md Security):
+* kill it: an exception while serving one request answers that request; one in a connection's handling drops
+  that connection; one in a periodic subsystem (tick, sweep, metrics, group commit) is logged (rate-limited)
+  and counted in ``internal_errors`` (kvplugins_master_internal_errors_total), and the loop goes on.
+* exhaust descriptors: accept() failing with EMFILE/ENFILE/ENOBUFS/ENOMEM pauses accepting (security/limits.py)
+  while established connections are served; ``max_connections``/``max_connections_per_peer`` refuse the rest
+  with a reply frame (request id 0) that names the limit.
+* hold memory: a frame is at most ``max_frame``; partly received frames of all connections share
+  ``partial_frames_budget`` (past it the connection holding the most is dropped); a connection whose unsent
+  replies exceed ``reply_buffer`` is not read until they drain, and one that reads none for ``frame_timeout_ms``
+  is dropped; a batch is at most ``max_batch`` entries.
+* hold the thread: idle connections close after ``idle_timeout_ms``, a frame started must arrive within
+  ``frame_timeout_ms``; remove_by_regex/remove_all run as slices (admin_ops.Scan) between other events, at most
+  MAX_SCANS at once, on RE2.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import selectors
 import socket
 import time
 
+import msgspec
 import zmq
 
 from kvplugins import security
 from kvplugins.errors import ProtocolError
 from kvplugins.security.curve import CurveServer
+from kvplugins.security.limits import AcceptBackoff, ConnGate
 from kvplugins.store import protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.ha import group_commit
+from kvplugins.store.master.admin_ops import Scan
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.metrics import MasterMetrics
+from kvplugins.store.schema import RefusedRequest, Schemas
 
 log = logging.getLogger(__name__)
 RECV_CHUNK = 1 << 16          # below malloc's mmap threshold: a 1 MiB recv buffer costs ~20 µs per call
@@ -35,15 +57,22 @@ RECV_CHUNK = 1 << 16          # below malloc's mmap threshold: a 1 MiB recv buff
 # walks them so often that put_start costs 2x (12 vs 5-6 µs per key measured). The master's objects form no
 # cycles on the hot path, so collections may be rare. Applied by serve_forever (the master's process).
 GC_THRESHOLDS = (50_000, 20, 20)
+ACCEPTS_PER_TURN = 64         # connections accepted per readiness event (the rest wait for the next turn)
+MAX_SCANS = 4                 # admin scans running at once; more are refused (retry later)
+ERROR_LOG_INTERVAL_S = 10.0   # an internal error of one subsystem is logged at most this often
 
 
 class _Conn:
-    def __init__(self, sock: socket.socket, peer):
+    def __init__(self, sock: socket.socket, peer, now: float):
         self.sock, self.peer = sock, peer
         self.inbuf = bytearray()
         self.outbuf = bytearray()
-        self.writing = False          # registered for EVENT_WRITE
+        self.events = selectors.EVENT_READ
         self.guard = None             # security.ServerHandshake until the peer has authenticated
+        self.last_request = now       # when its last request was served (idle timeout)
+        self.frame_since = 0.0        # when the partial frame in inbuf began (slowloris)
+        self.progress = now           # when its unsent replies last moved (a peer that does not read)
+        self.scan = False             # an admin scan of this connection runs: its later frames wait
 
 
 class RpcServer:
@@ -54,11 +83,12 @@ class RpcServer:
         self._secret = security.resolve()   # shared secret: both endpoints authenticate (kvplugins/security)
         security.require_for_bind(config.host, self._secret, "master --host")
         self._refusals = security.RefusalLog()
-        self._listener = socket.create_server((config.host, config.port), reuse_port=False)
+        self._listener = socket.create_server((config.host, config.port), reuse_port=False, backlog=1024)
         self._listener.setblocking(False)
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, int(config.max_frame))
         self._curve = CurveServer(self._router, self._secret) if self._secret else None
         if config.zmq_port:
             self._router.bind(f"tcp://{config.host}:{config.zmq_port}")
@@ -67,6 +97,16 @@ class RpcServer:
         self.zmq_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.service = service or MasterService(config, zmq_endpoint=self.zmq_endpoint)
         self.service.zmq_endpoint = self.zmq_endpoint
+        self._schemas = Schemas.of(config)
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._limits = config.conn_limits()
+        self._gate = ConnGate(self._limits, "the master's RPC endpoint", "master.")
+        self._backoff = AcceptBackoff("master RPC endpoint")
+        self._accept_resume = 0.0     # while > 0 the listener is out of the selector until then (monotonic s)
+        self._partial = 0             # bytes in every connection's inbuf
+        self._scans: list[tuple] = []     # (owner: _Conn or zmq envelope, rid, op, Scan)
+        self.internal_errors: dict[str, int] = {}
+        self._error_logged: dict[str, float] = {}
         self.metrics = MasterMetrics(self, config)      # op latency timer; /metrics if metrics_port >= 0
         self._group = group_commit.for_server(self)     # HA master: replies wait for their etcd writes
         self._sel = selectors.DefaultSelector()
@@ -90,16 +130,18 @@ class RpcServer:
         next_tick = time.monotonic() + tick_s
         try:
             while not self._stopped:
-                for key, ev in self._sel.select(max(0.0, next_tick - time.monotonic())):
+                wait = 0.0 if self._scans else max(0.0, next_tick - time.monotonic())
+                for key, ev in self._sel.select(wait):
                     self._on_event(key, ev)
+                if self._scans:
+                    self._guarded("scan", self._step_scans)
                 if time.monotonic() >= next_tick:
-                    self._on_zmq()                   # safety net for the edge-triggered ZMQ_FD
-                    self.service.tick()
-                    self._drop_unauthenticated()
-                    self.metrics.publish()           # snapshot for the metrics thread
+                    self._guarded("zmq", self._on_zmq)       # safety net for the edge-triggered ZMQ_FD
+                    self._guarded("tick", self.service.tick)
+                    self._guarded("sweep", self._sweep)
+                    self._guarded("metrics", self.metrics.publish)   # snapshot for the metrics thread
                     next_tick = time.monotonic() + tick_s
-                if self._group is not None:
-                    self._group.sync()               # persist this turn's metadata, then send its replies
+                self._guarded("group_commit", self._group.sync)   # HA: persist this turn, then send its replies
         finally:
             self.close()
 
@@ -114,34 +156,96 @@ class RpcServer:
         self._router.close(0)
         self._ctx.term()
 
+    def _guarded(self, subsystem: str, fn, *args) -> None:
+        """Run one periodic subsystem; an exception is counted and logged (rate-limited), never fatal."""
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - crash containment: the loop serves every other client on
+            self.internal_errors[subsystem] = self.internal_errors.get(subsystem, 0) + 1
+            now = time.monotonic()
+            if now - self._error_logged.get(subsystem, -1e18) >= ERROR_LOG_INTERVAL_S:
+                self._error_logged[subsystem] = now
+                log.exception("master %s failed (%d times so far); the master goes on", subsystem,
+                              self.internal_errors[subsystem])
+
     # ---- dispatch ------------------------------------------------------------------------------------
-    def _answer(self, body: bytes) -> bytes:
-        """Response body for one request body. Raises ProtocolError for a malformed request."""
-        rid, op, entries, opts = protocol.parse_request(protocol.unpack(body))
+    def _answer(self, body: bytes):
+        """Reply body for one request body, or (rid, op, Scan) for an admin scan to run in slices. Raises
+        ProtocolError for a frame that is not a request."""
+        try:
+            rid, op, entries, opts = self._schemas.decode(body)
+        except RefusedRequest as e:
+            return self._reply(e.rid, False, str(e), "?")
         t0 = time.perf_counter()
         try:
-            payload, ok = self.service.handle(op, entries, opts), True
+            payload, ok = self.service.handle(op, entries, opts, defer=True), True
         except (ValueError, TypeError, KeyError) as e:
             payload, ok = f"{op}: {e}", False
         except Exception as e:  # noqa: BLE001 - a logic bug answers this request; the master keeps serving
             log.exception("op %s failed", op)
-            payload, ok = f"{op}: internal error {e!r}", False
+            self.internal_errors["op"] = self.internal_errors.get("op", 0) + 1
+            payload, ok = f"{op}: internal error {e!r:.200}", False
+        if type(payload) is Scan:
+            return rid, op, payload
         if ok:
             self.metrics.timer.record(op, time.perf_counter() - t0)
-        return protocol.pack([protocol.VERSION, rid, ok, payload])
+        return self._reply(rid, ok, payload, op)
+
+    def _reply(self, rid: int, ok: bool, payload, op: str) -> bytes:
+        try:
+            return self._encode((protocol.VERSION, rid, ok, payload))
+        except Exception as e:  # noqa: BLE001 - a reply that cannot be encoded fails its request, not the master
+            log.exception("reply to %s could not be encoded", op)
+            self.internal_errors["encode"] = self.internal_errors.get("encode", 0) + 1
+            return self._encode((protocol.VERSION, rid, False, f"{op}: internal error: reply not encodable: {e!r:.200}"))
+
+    def _start_scan(self, owner, answer) -> bytes | None:
+        """Queue an admin scan for ``owner``; returns a refusal reply instead when MAX_SCANS already run."""
+        rid, op, scan = answer
+        if len(self._scans) >= MAX_SCANS:
+            return self._reply(rid, False, f"{op}: {MAX_SCANS} admin scans are running; retry later", op)
+        self._scans.append((owner, rid, op, scan))
+        return None
+
+    def _step_scans(self) -> None:
+        for item in list(self._scans):
+            owner, rid, op, scan = item
+            try:
+                done, ok, payload = self.service.step(scan), True, scan.result
+            except ValueError as e:       # an HA master lost its lead mid-scan
+                done, ok, payload = True, False, f"{op}: {e}"
+            if not done:
+                continue
+            self._scans.remove(item)
+            reply = self._reply(rid, ok, payload, op)
+            if isinstance(owner, _Conn):
+                if self._conns.get(owner.sock.fileno()) is owner:
+                    owner.scan = False
+                    self._queue_reply(owner, reply)
+                    self._serve_conn(owner)
+            else:
+                self._group.send_zmq(owner + [reply])
 
     def _on_event(self, key, ev: int) -> None:
         conn = key.data
         if conn == "zmq":
-            self._on_zmq()
-        elif conn is None:
-            self._accept()
-        elif conn.sock.fileno() in self._conns:
+            return self._guarded("zmq", self._on_zmq)
+        if conn is None:
+            return self._guarded("accept", self._accept)
+        if self._conns.get(conn.sock.fileno()) is not conn:
+            return
+        try:
             if ev & selectors.EVENT_READ:
                 self._on_readable(conn)
-            if ev & selectors.EVENT_WRITE and conn.sock.fileno() in self._conns and not (
-                    self._group is not None and self._group.holds(conn)):
+            if ev & selectors.EVENT_WRITE and self._conns.get(conn.sock.fileno()) is conn \
+                    and not self._group.holds(conn):
                 self._flush(conn)
+                if conn.inbuf and not conn.scan and len(conn.outbuf) <= self.cfg.reply_buffer:
+                    self._serve_conn(conn)          # frames held back while its replies were unread
+        except Exception as e:  # noqa: BLE001 - crash containment: only this connection goes
+            self.internal_errors["connection"] = self.internal_errors.get("connection", 0) + 1
+            log.exception("serving %s failed; its connection is closed", conn.peer)
+            self._drop(conn, f"internal error {e!r:.200}")
 
     def _on_zmq(self) -> None:
         """Drain the ROUTER; reading zmq.EVENTS each turn also re-arms its edge-triggered FD."""
@@ -155,23 +259,54 @@ class RpcServer:
             except ProtocolError as e:
                 log.warning("dropped zmq message from %r: %s", parts[0], e)
                 continue
-            if self._group is not None:
+            if type(reply) is tuple:
+                reply = self._start_scan(parts[:-1], reply)
+            if reply is not None:
                 self._group.send_zmq(parts[:-1] + [reply])
-            else:
-                self._router.send_multipart(parts[:-1] + [reply])
 
     # ---- raw endpoint --------------------------------------------------------------------------------
     def _accept(self) -> None:
+        for _ in range(ACCEPTS_PER_TURN):
+            try:
+                sock, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if not AcceptBackoff.retryable(e):
+                    log.warning("master RPC endpoint: accept failed: %s", e)    # e.g. ECONNABORTED: next one
+                    continue
+                self._pause_accept(self._backoff.failed(e))
+                return
+            self._backoff.ok()
+            refusal = self._gate.admit(peer)
+            if refusal is not None:
+                self._refuse(sock, peer, refusal)
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, peer, time.monotonic())
+            conn.guard = security.ServerHandshake(self._secret) if self._secret else None
+            self._conns[sock.fileno()] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _pause_accept(self, seconds: float) -> None:
+        """Stop accepting for ``seconds`` (the sweep resumes it): the backlog keeps the listener readable."""
+        if not self._accept_resume:
+            self._sel.unregister(self._listener)
+        self._accept_resume = time.monotonic() + seconds
+
+    def _refuse(self, sock: socket.socket, peer, reason: str) -> None:
+        """Tell an over-limit peer why (a reply to request id 0, which no client uses), then close."""
+        self._refusals.refused("master RPC connection", peer, reason)
         try:
-            sock, peer = self._listener.accept()
-        except BlockingIOError:
-            return
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Conn(sock, peer)
-        conn.guard = security.ServerHandshake(self._secret) if self._secret else None
-        self._conns[sock.fileno()] = conn
-        self._sel.register(sock, selectors.EVENT_READ, conn)
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.recv(RECV_CHUNK)     # a request already sent would make close() reset, losing the reason
+            sock.send(protocol.frame([protocol.VERSION, 0, False, f"connection refused: {reason}"]))
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        sock.close()
 
     def _on_readable(self, conn: _Conn) -> None:
         try:
@@ -182,16 +317,33 @@ class RpcServer:
             return self._drop(conn, f"recv failed: {e}")
         if not data:
             return self._drop(conn, None)
+        if not conn.inbuf:
+            conn.frame_since = time.monotonic()
         conn.inbuf += data
-        if conn.guard is not None and not self._authenticate(conn):
-            return
+        self._partial += len(data)
+        if conn.guard is not None:
+            before = len(conn.inbuf)
+            passed = self._authenticate(conn)
+            self._partial -= before - len(conn.inbuf)
+            if not passed:
+                return
+        if not conn.scan and len(conn.outbuf) <= self.cfg.reply_buffer:
+            self._serve_conn(conn)
+        if self._partial > self.cfg.partial_frames_budget:
+            self._shed()
+
+    def _serve_conn(self, conn: _Conn) -> None:
+        """Serve the complete frames in ``conn.inbuf`` and queue (or flush) their replies."""
+        before = len(conn.inbuf)
         try:
             self._serve_frames(conn)
         except ProtocolError as e:
             return self._drop(conn, str(e))
-        if self._group is not None:
-            return self._group.hold(conn)
-        self._flush(conn)
+        finally:
+            self._partial -= before - len(conn.inbuf)
+        if conn.inbuf and len(conn.inbuf) != before:
+            conn.frame_since = time.monotonic()      # the rest is the start of the next frame
+        self._group.hold(conn)
 
     def _authenticate(self, conn: _Conn) -> bool:
         """Feed a not yet authenticated connection's bytes to its handshake; True once it has passed."""
@@ -207,18 +359,9 @@ class RpcServer:
             conn.guard = None
         return outcome is True
 
-    def _drop_unauthenticated(self) -> None:
-        """Close connections still not authenticated after handshake.DEADLINE_S (they hold a descriptor)."""
-        if self._secret is None:
-            return
-        now = time.monotonic()
-        for conn in [c for c in self._conns.values() if c.guard is not None and c.guard.overdue(now)]:
-            self._refusals.refused("master RPC connection", conn.peer, conn.guard.reason)
-            self._drop(conn, None)
-
     def _serve_frames(self, conn: _Conn) -> None:
-        hdr = protocol.HEADER.size
-        while len(conn.inbuf) >= hdr:
+        hdr, now = protocol.HEADER.size, time.monotonic()
+        while len(conn.inbuf) >= hdr and not conn.scan and len(conn.outbuf) <= self.cfg.reply_buffer:
             (n,) = protocol.HEADER.unpack_from(conn.inbuf)
             if n > self.cfg.max_frame:
                 raise ProtocolError(f"frame of {n} bytes exceeds max_frame {self.cfg.max_frame}")
@@ -226,27 +369,80 @@ class RpcServer:
                 return
             body = bytes(conn.inbuf[hdr:hdr + n])
             del conn.inbuf[:hdr + n]
+            conn.last_request = now
             reply = self._answer(body)
-            conn.outbuf += protocol.HEADER.pack(len(reply)) + reply
+            if type(reply) is tuple:
+                reply = self._start_scan(conn, reply)
+                conn.scan = reply is None
+            if reply is not None:
+                self._queue_reply(conn, reply)
+
+    def _queue_reply(self, conn: _Conn, reply: bytes) -> None:
+        if not conn.outbuf:
+            conn.progress = time.monotonic()
+        conn.outbuf += protocol.HEADER.pack(len(reply)) + reply
 
     def _flush(self, conn: _Conn) -> None:
         if conn.outbuf:
             try:
                 sent = conn.sock.send(conn.outbuf)
                 del conn.outbuf[:sent]
+                conn.progress = time.monotonic()
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError as e:
                 return self._drop(conn, f"send failed: {e}")
-        if bool(conn.outbuf) != conn.writing:      # watch for writability only while bytes wait
-            conn.writing = bool(conn.outbuf)
-            self._sel.modify(conn.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.writing else 0),
-                             conn)
+        # read while its replies drain (unread replies past reply_buffer pause it); write while bytes wait
+        events = (selectors.EVENT_READ if len(conn.outbuf) <= self.cfg.reply_buffer else 0) | \
+            (selectors.EVENT_WRITE if conn.outbuf else 0)
+        if events != conn.events:
+            conn.events = events
+            self._sel.modify(conn.sock, events, conn)
+
+    # ---- limits --------------------------------------------------------------------------------------
+    def _sweep(self) -> None:
+        """Once per tick: resume accepting, close idle, slow, unauthenticated and non-reading connections."""
+        now = time.monotonic()
+        if self._accept_resume and now >= self._accept_resume:
+            self._accept_resume = 0.0
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
+        lim = self._limits
+        for conn in list(self._conns.values()):
+            why = None
+            if conn.guard is not None and conn.guard.overdue(now):
+                self._refusals.refused("master RPC connection", conn.peer, conn.guard.reason)
+                why = ""
+            elif conn.outbuf and now - conn.progress > lim.frame_timeout_s:
+                why = f"it read none of its {len(conn.outbuf)} reply bytes in {lim.frame_timeout_s:g} s"
+            elif conn.inbuf and not conn.scan and now - conn.frame_since > lim.frame_timeout_s \
+                    and not self._complete_frame(conn.inbuf):
+                why = (f"a frame started {now - conn.frame_since:.1f} s ago is still incomplete "
+                       f"(master.frame_timeout_ms={self.cfg.frame_timeout_ms})")
+            elif lim.idle_timeout_s and not conn.inbuf and not conn.outbuf and not conn.scan \
+                    and now - conn.last_request > lim.idle_timeout_s:
+                log.debug("closing idle connection from %s", conn.peer)
+                why = ""
+            if why is not None:
+                self._drop(conn, why or None)
+
+    @staticmethod
+    def _complete_frame(buf: bytearray) -> bool:
+        return len(buf) >= protocol.HEADER.size and len(buf) >= protocol.HEADER.size + \
+            protocol.HEADER.unpack_from(buf)[0]
+
+    def _shed(self) -> None:
+        """Partly received frames exceed the budget: drop the connection holding the most."""
+        conn = max(self._conns.values(), key=lambda c: len(c.inbuf))
+        self._drop(conn, f"partly received frames of all connections hold {self._partial} bytes, over "
+                         f"master.partial_frames_budget={self.cfg.partial_frames_budget}; this one held "
+                         f"{len(conn.inbuf)}")
 
     def _drop(self, conn: _Conn, reason: str | None) -> None:
         if reason:
             log.warning("closed connection from %s: %s", conn.peer, reason)
-        self._conns.pop(conn.sock.fileno(), None)
+        if self._conns.pop(conn.sock.fileno(), None) is conn:
+            self._gate.release(conn.peer)
+            self._partial -= len(conn.inbuf)      # (callers account for what they consumed themselves)
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):

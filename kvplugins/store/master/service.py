@@ -11,6 +11,8 @@ import heapq
 import logging
 import time
 
+import msgspec
+
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master import admin_ops
 from kvplugins.store.master import placement
@@ -19,8 +21,8 @@ from kvplugins.store.master.journal import Journal
 from kvplugins.store.master.metadata import Object, ObjectTable
 from kvplugins.store.master.segments import Segment, SegmentRegistry
 from kvplugins.store.master.tiering import Tiering
-from kvplugins.store.placement import parse_opts
 from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, ON_DISK, STORE_FULL, VERSION
+from kvplugins.store.schema import Schemas
 
 log = logging.getLogger(__name__)
 COUNTERS = ("hits", "misses", "puts", "put_skipped", "put_full", "commits", "aborts", "removes", "evictions",
@@ -39,24 +41,37 @@ class MasterService:
         self.table = ObjectTable()
         self.segments = SegmentRegistry(config.alloc_align)
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.schemas = Schemas.of(config)
         self._zombies: list[tuple[float, int, list[tuple[str, int]]]] = []   # heap of (free_at, seq, replicas)
         self._seq = 0
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
         self._ops.update(self.tiering.ops())
         self._ops.update(admin_ops.ops(self))      # get_size, remove_by_regex, remove_all (compat)
 
-    def handle(self, op: str, entries: list, opts: dict):
-        """Run one batch op; returns its payload. Raises ValueError for an unknown op or bad batch options."""
-        fn = self._ops.get(op)
-        if fn is None:
-            raise ValueError(f"unknown op {op!r}; valid: {', '.join(sorted(self._ops))}")
-        return fn(entries, opts, self.clock())
+    def handle(self, op: str, entries, opts, defer: bool = False):
+        """Run one batch op; returns its payload. ``entries``/``opts``: as ``self.schemas`` decoded them (the RPC
+        server), or plain Python values (a dict ``opts``), which are validated here first. Raises ValueError
+        for an unknown op or an invalid request (naming the field); nothing is applied then. An admin scan
+        (remove_by_regex, remove_all) runs to its end, or with ``defer`` is returned as an admin_ops.Scan for
+        the caller to advance with ``step`` between other work."""
+        if type(opts) is dict:
+            entries, opts = self.schemas.convert(op, entries, opts)
+        out = self._ops[op](entries, opts, self.clock())
+        if type(out) is admin_ops.Scan and not defer:
+            return out.run(self.clock())
+        return out
+
+    def step(self, scan: admin_ops.Scan) -> bool:
+        """Advance a deferred admin scan by one slice; True once ``scan.result`` is its payload."""
+        return scan.step(self.clock())
 
     # ---- objects -------------------------------------------------------------------------------------
     def op_put_start(self, entries, opts, now):
-        """opts (store/placement.py PutConfig.wire): replicas, segment (preferred), pin, pin_ttl_ms."""
-        replicas, preferred, pin, pin_ttl_s = parse_opts(opts)
-        pin = (pin, now + pin_ttl_s if pin else 0.0)
+        """entries [(key, size)]; opts schema.PutStartOpts (store/placement.py PutConfig.wire)."""
+        if opts.pin == 1 and opts.pin_ttl_ms <= 0:
+            raise ValueError(f"a soft pin (pin=1) needs pin_ttl_ms > 0, got {opts.pin_ttl_ms}")
+        replicas, preferred = opts.replicas, opts.segment
+        pin = (opts.pin, now + opts.pin_ttl_ms / 1000 if opts.pin else 0.0)
         order = self.segments.by_free_space()   # once per batch, most free bytes first; key j starts at j-th
         biggest = max((s.size for s in order), default=0)
         fast = [s for s in order if s.name == preferred] or order    # a preferred segment takes the batch
@@ -76,9 +91,8 @@ class MasterService:
         existing, duplicate in the batch, or no block holds their chunk) stay None for the per-key path."""
         out: list = [None] * len(entries)
         fresh, seen = [], set()
-        for j, e in enumerate(entries):
-            key, size = _key_size(e)
-            if key is not None and key not in seen and key not in self.table:
+        for j, (key, size) in enumerate(entries):
+            if key not in seen and key not in self.table:
                 seen.add(key)
                 fresh.append((j, key, size))
         step = -(-len(fresh) // len(order)) if fresh else 1
@@ -99,9 +113,7 @@ class MasterService:
         return out
 
     def _put_one(self, entry, replicas: int, now: float, order: list[Segment], biggest: int, pin: tuple):
-        key, size = _key_size(entry)
-        if key is None:
-            return [INVALID, f"entry {entry!r:.80} must be [str key, int size > 0]"]
+        key, size = entry
         obj = self.table.get(key)
         if obj is not None:
             self.counters["put_skipped"] += 1
@@ -143,13 +155,13 @@ class MasterService:
             self._evict(victim, now, urgent=True)
 
     def op_put_commit(self, entries, opts, now):
-        """opts: {"xxh3": [xxh3_64 of each entry's bytes]} (optional; stored and returned by get)."""
+        """opts.xxh3: [xxh3_64 of each entry's bytes] (optional; stored and returned by get)."""
         out, done = [], []
-        sums = opts.get("xxh3")
-        if sums is not None and (not isinstance(sums, list) or len(sums) != len(entries)):
-            raise ValueError(f"xxh3 must be a list of one checksum per entry ({len(entries)})")
+        sums = opts.xxh3
+        if sums is not None and len(sums) != len(entries):
+            raise ValueError(f"put_commit: opts: xxh3 has {len(sums)} checksums for {len(entries)} keys")
         for j, key in enumerate(entries):
-            obj = self.table.get(key) if isinstance(key, str) else None
+            obj = self.table.get(key)
             if obj is None or obj.complete:
                 out.append([EXPIRED, "no pending put (reclaimed after put_timeout_ms, removed, or never started)"])
                 continue
@@ -165,7 +177,7 @@ class MasterService:
     def op_put_abort(self, entries, opts, now):
         out = []
         for key in entries:
-            obj = self.table.get(key) if isinstance(key, str) else None
+            obj = self.table.get(key)
             if obj is None or obj.complete:
                 out.append([NOT_FOUND, "no pending put"])
                 continue
@@ -175,12 +187,12 @@ class MasterService:
         return out
 
     def op_get(self, entries, opts, now):
-        if opts.get("cols"):
+        if opts.cols:
             return self._get_cols(entries, now)
         out, ttl = [], self.cfg.lease_ttl_ms
         lease, get, touch, hits = now + ttl / 1000, self.table.get, self.table.touch, 0
         for key in entries:
-            obj = get(key) if isinstance(key, str) else None
+            obj = get(key)
             if obj is None or not obj.complete:
                 out.append([NOT_FOUND, None])
                 continue
@@ -207,7 +219,7 @@ class MasterService:
         sizes, seg_idx, offs, more, names, regions, index = [], [], [], {}, [], [], {}
         sums, disk = [], {}
         for j, key in enumerate(entries):
-            obj = get(key) if isinstance(key, str) else None
+            obj = get(key)
             if obj is None or not obj.complete or not obj.replicas:
                 if obj is not None and obj.complete:             # disk-resident only: the tier answers
                     answer = self.tiering.get(obj, now)
@@ -244,7 +256,7 @@ class MasterService:
     def op_remove(self, entries, opts, now):
         out = []
         for key in entries:
-            obj = self.table.get(key) if isinstance(key, str) else None
+            obj = self.table.get(key)
             if obj is None:
                 out.append([NOT_FOUND, None])
                 continue
@@ -258,9 +270,8 @@ class MasterService:
         That replica is dropped (its space freed once the object's lease ends); an object left without a
         replica is removed. Stale reports (the key was re-put, the replica moved) are ignored: NOT_FOUND."""
         out = []
-        for e in entries:
-            key, name, off, checksum = e if isinstance(e, list) and len(e) == 4 else (None, None, None, None)
-            obj = self.table.get(key) if isinstance(key, str) else None
+        for key, name, off, checksum in entries:
+            obj = self.table.get(key)
             if obj is None or not obj.complete or obj.checksum != checksum or (name, off) not in obj.replicas:
                 out.append([NOT_FOUND, None])
                 continue
@@ -284,7 +295,7 @@ class MasterService:
         self.journal.replicas_changed([obj])
 
     def _complete(self, key) -> bool:
-        obj = self.table.get(key) if isinstance(key, str) else None
+        obj = self.table.get(key)
         return obj is not None and obj.complete
 
     def _locations(self, obj: Object):
@@ -320,9 +331,9 @@ class MasterService:
     # ---- segments ------------------------------------------------------------------------------------
     def op_register_segment(self, entries, opts, now):
         out = []
-        for e in entries:
+        for desc, region_id, size in entries:
+            wire = msgspec.to_builtins(desc)
             try:
-                wire, region_id, size = e
                 seg = self.segments.add(wire, region_id, size, now)
             except Exception as err:  # noqa: BLE001 - any bad entry is answered, never crashes the master
                 out.append([INVALID, f"bad segment entry: {err}"])
@@ -340,7 +351,7 @@ class MasterService:
     def op_unregister(self, entries, opts, now):
         out = []
         for name in entries:
-            seg = self.segments.get(name) if isinstance(name, str) else None
+            seg = self.segments.get(name)
             out.append([NOT_FOUND, None] if seg is None else [OK, None])
             if seg is not None:
                 self._remove_segment(seg, "unregistered")
@@ -349,7 +360,7 @@ class MasterService:
     def op_describe(self, entries, opts, now):
         out = []
         for name in entries:
-            seg = self.segments.get(name) if isinstance(name, str) else None
+            seg = self.segments.get(name)
             out.append([NOT_FOUND, None] if seg is None else [OK, seg.descriptor])
         return out
 
@@ -428,9 +439,3 @@ def _free(held) -> None:
         if seg is not None:      # a lost segment took its space with it
             seg.allocator.free(off)
 
-
-def _key_size(entry):
-    if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], int) \
-            and entry[1] > 0:
-        return entry[0], entry[1]
-    return None, None

@@ -23,7 +23,7 @@ from itertools import islice
 from kvplugins.store.master import drain
 from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, POLL_BATCH, Copy, DiskNode, Flight, \
     raw_allocator
-from kvplugins.store.protocol import EXISTS, INVALID, NOT_FOUND, OK, ON_DISK, STORE_FULL
+from kvplugins.store.protocol import EXISTS, NOT_FOUND, OK, ON_DISK, STORE_FULL
 
 COUNTERS = ("offloads", "offload_failures", "offload_deferred", "promotions", "promote_failures", "disk_hits",
             "disk_corrupt", "disk_evicted", "disk_lost", "migrations", "migrate_failures", "drains")
@@ -203,7 +203,7 @@ class Tiering:
 
     def _current(self, key, kind: str, segment: str):
         """The flight of ``kind`` for ``key`` by node ``segment`` if its object is still the table's."""
-        f = self.flights.get(key) if isinstance(key, str) else None
+        f = self.flights.get(key)
         if f is None or f.kind != kind or f.segment != segment:
             return None
         return f if self.service.table.get(key) is f.obj else None
@@ -215,17 +215,17 @@ class Tiering:
         record with the same disk id (a restarted process whose old segment has not timed out yet) is replaced.
         opts {"more": 1}: further files of a node that registered already (a big disk announces in chunks)."""
         out = []
-        for segment, endpoint, capacity, files, *disk_id in entries:
+        for node in entries:                        # schema.TierNode
+            segment, disk_id = node.segment, node.disk_id
             if self.service.segments.get(segment) is None:
                 out.append([NOT_FOUND, f"segment {segment} is not registered"])
                 continue
-            if not (opts.get("more") and segment in self.nodes):
-                disk_id = str(disk_id[0]) if disk_id else ""
+            if not (opts.more and segment in self.nodes):
                 for old in [n.segment for n in self.nodes.values() if n.segment == segment or
                             (disk_id and n.disk_id == disk_id)]:
                     self.lose_node(old, now)      # the same node again, or its disk under a restarted process
-                self.nodes[segment] = DiskNode(segment, str(endpoint), int(capacity), disk_id)
-            out.append([OK, self._adopt(segment, files, now)])
+                self.nodes[segment] = DiskNode(segment, node.endpoint, node.capacity, disk_id)
+            out.append([OK, self._adopt(segment, node.files, now)])
         return out
 
     def _adopt(self, segment: str, files, now: float) -> list[str]:
@@ -251,7 +251,7 @@ class Tiering:
         """[segment] -> [[OK, [commands, {segment: descriptor}]]] or [[NOT_FOUND, None]] (register again)."""
         out = []
         for segment in entries:
-            node = self.nodes.get(segment) if isinstance(segment, str) else None
+            node = self.nodes.get(segment)
             if node is None:
                 out.append([NOT_FOUND, None])
                 continue
@@ -266,7 +266,7 @@ class Tiering:
     def op_tier_done(self, entries, opts, now):
         """[[kind, key, ok, detail], ...] with opts {segment}: results of polled commands, and ``evicted`` /
         ``corrupt`` reports of files the node lost."""
-        segment = opts.get("segment")
+        segment = opts.segment
         if segment not in self.nodes:
             return [[NOT_FOUND, None] for _ in entries]
         for kind, key, ok, detail in entries:
@@ -309,13 +309,13 @@ class Tiering:
     def op_promote_start(self, entries, opts, now):
         """[key, ...] with opts {segment}: a DRAM offset in that node's segment for each disk-only key it holds
         -> [[OK, [offset, size]] | [EXISTS, "in DRAM"/"busy"] | [NOT_FOUND, None] | [STORE_FULL, reason]]."""
-        segment = opts.get("segment")
+        segment = opts.segment
         seg = self.service.segments.get(segment)
         if seg is None or segment not in self.nodes:
             return [[NOT_FOUND, f"segment {segment} is not a registered disk node"] for _ in entries]
         out = []
         for key in entries:
-            obj = self.service.table.get(key) if isinstance(key, str) else None
+            obj = self.service.table.get(key)
             c = self.copy(obj) if obj is not None else None
             if obj is not None and (obj.replicas or key in self.flights):
                 out.append([EXISTS, "in DRAM" if obj.replicas else "busy"])
@@ -341,7 +341,7 @@ class Tiering:
 
     def op_promote_commit(self, entries, opts, now):
         """[[key, ok, detail], ...] with opts {segment}: the node loaded (or failed to load) each started key."""
-        segment, out = opts.get("segment"), []
+        segment, out = opts.segment, []
         for key, ok, detail in entries:
             f = self._current(key, "promote", segment)
             if f is None:
@@ -368,8 +368,7 @@ class Tiering:
     # ---- ops: drain ----------------------------------------------------------------------------------
     def op_drain(self, entries, opts, now):
         """[segment, ...] -> [[OK, None] | [NOT_FOUND, reason]]: start draining those nodes."""
-        return [drain.start(self, name, now) if isinstance(name, str) else [INVALID, "segment name expected"]
-                for name in entries]
+        return [drain.start(self, name, now) for name in entries]
 
 
 def _checksum(obj) -> int:

@@ -1,0 +1,85 @@
+"""The master's cost per key of each hot op, decode + validation + logic + reply encoding, with no socket:
+``python benchmarks/master_ops_bench.py [--batch 128] [--rounds 5] [--vs-tree DIR]``.
+
+One request body per op (put_start, put_commit with checksums, get in the column form, remove) goes through
+``RpcServer._answer``, the function the master runs per received frame. ``--vs-tree DIR`` runs the same
+measurement on another checkout (e.g. a ``git worktree`` of the commit before a change) in alternating
+subprocesses, so both trees see the same machine state; it prints per-op medians (ns per key) and the ratio
+new/old (< 1: the change made the master cheaper). Issue #11 asked this of the typed schemas.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def measure(batch: int, iters: int) -> dict:
+    """ns per key per op, best of ``iters`` passes through a fresh master (this interpreter's kvplugins)."""
+    import msgpack
+
+    from kvplugins.store.config import MasterConfig
+    from kvplugins.store.master.rpc_server import RpcServer
+    size = 1 << 30
+    server = RpcServer(MasterConfig(metrics_port=-1))
+    wire = {"v": 1, "segment_id": "bench", "host_id": "h", "transports": {"tcp": {"host": "127.0.0.1", "port": 1}},
+            "regions": [[0, size, None]]}
+    rid = iter(range(1, 1 << 62))
+
+    def answer(op, entries, opts=None) -> None:
+        server._answer(msgpack.packb([1, next(rid), op, entries, opts or {}], use_bin_type=True))
+
+    answer("register_segment", [[wire, 0, size]])
+    best: dict[str, float] = {}
+    for it in range(iters):
+        keys = [f"bench/{it}/{i:08d}" for i in range(batch)]
+        steps = [("put_start", [[k, 4096] for k in keys], {}),
+                 ("put_commit", keys, {"xxh3": [(i * 0x9E3779B97F4A7C15) % (1 << 64) for i in range(batch)]}),
+                 ("get", keys, {"cols": 1}), ("remove", keys, {})]
+        for op, entries, opts in steps:
+            body = msgpack.packb([1, next(rid), op, entries, opts], use_bin_type=True)
+            t0 = time.perf_counter_ns()
+            server._answer(body)
+            ns = (time.perf_counter_ns() - t0) / batch
+            best[op] = min(best.get(op, ns), ns)
+        server.service.tick()
+    server.close()
+    return best
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=128, help="keys per op")
+    ap.add_argument("--iters", type=int, default=400, help="batches per round (best per op is kept)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per tree")
+    ap.add_argument("--vs-tree", default="", help="another checkout to compare against (old)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:          # import kvplugins from PYTHONPATH, not the editable install's redirect
+        sys.meta_path[:] = [f for f in sys.meta_path if "Redirecting" not in type(f).__name__]
+        print(json.dumps(measure(args.batch, args.iters)))
+        return
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"new": here} | ({"old": os.path.abspath(args.vs_tree)} if args.vs_tree else {})
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for _ in range(args.rounds):
+        for name, tree in trees.items():
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--batch", str(args.batch),
+                                  "--iters", str(args.iters)], env={**os.environ, "PYTHONPATH": tree},
+                                 capture_output=True, text=True, check=True, cwd=tree)
+            runs[name].append(json.loads(out.stdout))
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"CPU: {cpu}; batch {args.batch} keys; median of {args.rounds} rounds of best-of-{args.iters} (ns/key)")
+    print(f"{'op':12} " + " ".join(f"{n:>10}" for n in trees) + ("   new/old" if "old" in trees else ""))
+    for op in runs["new"][0]:
+        med = {n: statistics.median(r[op] for r in runs[n]) for n in trees}
+        ratio = f"   {med['new'] / med['old']:.2f}" if "old" in med else ""
+        print(f"{op:12} " + " ".join(f"{med[n]:10.0f}" for n in trees) + ratio)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Typed schemas of the master's ops (issue #11): every request is decoded straight from msgpack into typed,
+range-checked values (msgspec) before anything is applied or stored, so a hostile or buggy client cannot store a
+value the master later fails on (a nested checksum, a string size) or make it walk unbounded input.
+
+Request body ``[VERSION, request id, op, entries, opts]`` (protocol.py). Per op:
+  entries  a list of at most ``max_batch`` items of the op's entry type below;
+  opts     a map of the op's options; an unknown option is an error (a typo is never silently ignored).
+Keys are non-empty strings of at most ``max_key_bytes`` UTF-8 bytes; sizes are ints in (0, MAX_SIZE]; offsets
+in [0, MAX_SIZE); checksums are xxh3_64 digests (ints in [0, 2**64)); segment names and endpoints are strings
+of at most MAX_NAME characters. A request that breaks any of it fails whole, before anything is applied, with
+an error naming the op and the path of the field (``put_start: entries: Expected `int`, got `str` - at
+`$[3][1]```); the connection stays open. A body that is not a 5-array of this shape raises ProtocolError
+(the server closes that connection).
+
+Two ways in, one set of types: ``Schemas.decode`` (the RPC server: bytes -> typed, one pass) and
+``Schemas.convert`` (in-process callers of MasterService.handle: Python objects -> the same typed values).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta, Raw, Struct
+
+from kvplugins.errors import ProtocolError
+from kvplugins.store.protocol import VERSION
+
+MAX_SIZE = 1 << 48            # 256 TiB: no object, segment or offset is larger
+MAX_NAME = 256                # segment names, host ids, endpoints, error details (characters)
+MAX_DETAIL = 4096             # error text a node reports (characters)
+MAX_PATTERN = 4096            # remove_by_regex pattern (characters)
+MAX_FILE_KEY = 1 << 16        # keys of files a node announces (its disk tier checks them on write)
+MAX_FILES = 1 << 20           # files in one tier_register entry
+MAX_DESC_REGIONS = 1024       # regions in one segment descriptor
+MAX_TRANSPORT_FIELDS = 16     # fields of one transport's endpoint info in a descriptor
+
+U64 = Annotated[int, Meta(ge=0)]          # msgpack carries at most 2**64 - 1
+Size = Annotated[int, Meta(gt=0, le=MAX_SIZE)]
+Offset = Annotated[int, Meta(ge=0, lt=MAX_SIZE)]
+Capacity = Annotated[int, Meta(ge=0, le=MAX_SIZE)]
+RegionId = Annotated[int, Meta(ge=0, lt=1 << 32)]
+Name = Annotated[str, Meta(max_length=MAX_NAME)]
+SegName = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
+Detail = Union[U64, Annotated[str, Meta(max_length=MAX_DETAIL)], None]
+Scalar = Union[Name, int, float, bool, None]
+
+
+class Envelope(Struct, array_like=True):
+    """The request body; entries and opts stay raw until the op is known."""
+    version: int
+    rid: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+    op: Annotated[str, Meta(max_length=64)]
+    entries: Raw
+    opts: Raw
+
+
+class NoOpts(Struct, forbid_unknown_fields=True):
+    pass
+
+
+class PutStartOpts(Struct, forbid_unknown_fields=True):
+    """store/placement.py PutConfig.wire: replicas, preferred segment, pin code (0 none, 1 soft, 2 hard)."""
+    replicas: Annotated[int, Meta(ge=1, le=64)] = 1
+    segment: Name = ""
+    pin: Literal[0, 1, 2] = 0
+    pin_ttl_ms: Annotated[int, Meta(ge=0, le=1 << 40)] = 0
+
+
+class CommitOpts(Struct, forbid_unknown_fields=True):
+    xxh3: Union[list[Union[U64, None]], None] = None      # one per entry
+
+
+class GetOpts(Struct, forbid_unknown_fields=True):
+    cols: Union[bool, Literal[0, 1]] = False
+
+
+class ForceOpts(Struct, forbid_unknown_fields=True):
+    force: bool = False
+
+
+class MoreOpts(Struct, forbid_unknown_fields=True):
+    more: Union[bool, Literal[0, 1]] = False
+
+
+class SegmentOpts(Struct, forbid_unknown_fields=True):
+    segment: SegName
+
+
+class Descriptor(Struct, forbid_unknown_fields=True):
+    """kvplugins.transfer.api.SegmentDescriptor.to_wire()."""
+    v: Literal[1]
+    segment_id: SegName
+    host_id: Name
+    transports: Annotated[dict[Annotated[str, Meta(max_length=32)],
+                               Annotated[dict[Annotated[str, Meta(max_length=64)], Scalar],
+                                         Meta(max_length=MAX_TRANSPORT_FIELDS)]], Meta(max_length=8)]
+    regions: Annotated[list[tuple[RegionId, Size, Union[Annotated[str, Meta(max_length=4096)], None]]],
+                       Meta(max_length=MAX_DESC_REGIONS)]
+
+
+class TierNode(Struct, array_like=True):
+    """tier_register entry: a node's disk tier and (a chunk of) the files on it."""
+    segment: SegName
+    endpoint: Name
+    capacity: Capacity
+    files: Annotated[list[tuple[Annotated[str, Meta(min_length=1, max_length=MAX_FILE_KEY)], Size, U64]],
+                     Meta(max_length=MAX_FILES)]        # [key, size, checksum] of each file
+    disk_id: Name = ""
+
+
+def _op_types(key, batch) -> dict:
+    """op -> (entries type, opts type); ``key`` and ``batch(T)`` carry the configured limits."""
+    keys, names = batch(key), batch(SegName)
+    none = Annotated[list[None], Meta(max_length=0)]
+    return {
+        "info": (none, NoOpts), "status": (none, NoOpts),
+        "put_start": (batch(tuple[key, Size]), PutStartOpts),
+        "put_commit": (keys, CommitOpts), "put_abort": (keys, NoOpts),
+        "get": (keys, GetOpts), "exists": (keys, NoOpts), "exists_prefix": (keys, NoOpts),
+        "remove": (keys, NoOpts), "get_size": (keys, NoOpts), "remove_checked": (keys, ForceOpts),
+        "remove_by_regex": (Annotated[list[Annotated[str, Meta(max_length=MAX_PATTERN)]],
+                                      Meta(min_length=1, max_length=1)], ForceOpts),
+        "remove_all": (none, ForceOpts),
+        "report_corrupt": (batch(tuple[key, SegName, Offset, U64]), NoOpts),
+        "register_segment": (batch(tuple[Descriptor, RegionId, Size]), NoOpts),
+        "heartbeat": (names, NoOpts), "unregister": (names, NoOpts), "describe": (names, NoOpts),
+        "drain": (names, NoOpts), "tier_poll": (names, NoOpts),
+        "tier_register": (batch(TierNode), MoreOpts),
+        "tier_done": (batch(tuple[Literal["offload", "migrate", "evicted", "corrupt", "missing"], key, bool,
+                                  Detail]), SegmentOpts),
+        "promote_start": (keys, SegmentOpts),
+        "promote_commit": (batch(tuple[key, bool, Union[Annotated[str, Meta(max_length=MAX_DETAIL)], None]]),
+                           SegmentOpts),
+    }
+
+
+# Where each op's keys are, for the UTF-8 byte-length check msgspec cannot express (it counts characters):
+# None = the entries are the keys, an int = that item of each entry; ops absent here carry no keys.
+_KEY_AT = {"put_start": 0, "put_commit": None, "put_abort": None, "get": None, "exists": None,
+           "exists_prefix": None, "remove": None, "get_size": None, "remove_checked": None, "report_corrupt": 0,
+           "tier_done": 1, "promote_start": None, "promote_commit": 0}
+
+
+class Schemas:
+    """The decoders of one master's ops under its MasterConfig limits (max_batch, max_key_bytes)."""
+
+    def __init__(self, max_batch: int, max_key_bytes: int):
+        self.max_batch, self.max_key_bytes = max_batch, max_key_bytes
+        key = Annotated[str, Meta(min_length=1, max_length=max_key_bytes)]
+        self.types = _op_types(key, lambda t: Annotated[list[t], Meta(max_length=max_batch)])
+        self._envelope = msgspec.msgpack.Decoder(Envelope)
+        self._decoders = {op: (msgspec.msgpack.Decoder(e), msgspec.msgpack.Decoder(o))
+                          for op, (e, o) in self.types.items()}
+
+    @classmethod
+    def of(cls, cfg) -> "Schemas":
+        return cls(cfg.max_batch, cfg.max_key_bytes)
+
+    def decode(self, body: bytes) -> tuple[int, str, object, object]:
+        """(request id, op, entries, opts) of a request body. Raises ProtocolError for a body that is not a
+        request (the connection closes), ValueError naming the field for a request this master refuses."""
+        try:
+            env = self._envelope.decode(body)
+        except msgspec.DecodeError as e:
+            raise ProtocolError(f"not a request [version, id, op, entries, opts]: {e}") from e
+        if env.version != VERSION:
+            raise ProtocolError(f"request version {env.version!r} unsupported (this master speaks {VERSION})")
+        decoders = self._decoders.get(env.op)
+        if decoders is None:
+            raise RefusedRequest(env.rid, f"unknown op {env.op!r}; valid: {', '.join(sorted(self._decoders))}")
+        try:
+            entries = decoders[0].decode(env.entries)
+        except msgspec.DecodeError as e:
+            raise RefusedRequest(env.rid, f"{env.op}: entries: {self._explain(e)}") from e
+        try:
+            opts = decoders[1].decode(env.opts)
+        except msgspec.DecodeError as e:
+            raise RefusedRequest(env.rid, f"{env.op}: opts: {e}") from e
+        self._check_keys(env.rid, env.op, entries)
+        return env.rid, env.op, entries, opts
+
+    def convert(self, op: str, entries, opts: dict) -> tuple[object, object]:
+        """The typed (entries, opts) of Python values (in-process callers). Raises ValueError naming the field."""
+        types = self.types.get(op)
+        if types is None:
+            raise ValueError(f"unknown op {op!r}; valid: {', '.join(sorted(self.types))}")
+        try:
+            entries = msgspec.convert(list(entries), types[0])
+        except msgspec.ValidationError as e:
+            raise ValueError(f"{op}: entries: {self._explain(e)}") from e
+        try:
+            opts = msgspec.convert(opts, types[1])
+        except msgspec.ValidationError as e:
+            raise ValueError(f"{op}: opts: {e}") from e
+        self._check_keys(0, op, entries)
+        return entries, opts
+
+    def _explain(self, err: Exception) -> str:
+        text = str(err)
+        if "length <=" in text and f"<= {self.max_batch}" in text:
+            text += f" (the master's max_batch is {self.max_batch}: split the batch or raise master.max_batch)"
+        elif f"length <= {self.max_key_bytes}" in text:
+            text += f" (keys are at most master.max_key_bytes={self.max_key_bytes} bytes)"
+        return text
+
+    def _check_keys(self, rid: int, op: str, entries) -> None:
+        """Keys within max_key_bytes UTF-8 bytes (msgspec bounded their characters already)."""
+        if op not in _KEY_AT or not entries:
+            return
+        at, quarter = _KEY_AT[op], self.max_key_bytes // 4
+        keys = entries if at is None else [e[at] for e in entries]
+        for j, k in enumerate(keys):
+            if len(k) > quarter and len(k.encode()) > self.max_key_bytes:
+                raise RefusedRequest(rid, f"{op}: entries: key of {len(k.encode())} UTF-8 bytes is longer than "
+                                          f"master.max_key_bytes={self.max_key_bytes} - at `$[{j}]`")
+
+
+class RefusedRequest(ValueError):
+    """A well-formed request this master refuses (unknown op, an invalid field): answered, connection kept."""
+
+    def __init__(self, rid: int, reason: str):
+        super().__init__(reason)
+        self.rid = rid

@@ -1,0 +1,253 @@
+"""Issue #11's seven reproductions against a real ``kvplugins master`` on loopback, as regression tests: no
+message or burst of connections kills the master, stalls it, or grows its memory without bound; an established
+client keeps being served (bounded p99) and gets the right bytes afterwards.
+"""
+from __future__ import annotations
+
+import contextlib
+import resource
+import socket
+import statistics
+import threading
+import time
+
+import msgpack
+import pytest
+from helpers.cluster import master_process, store_cluster
+
+from kvplugins.errors import MasterUnreachable, StoreError
+from kvplugins.store import ClientConfig, StoreClient
+from kvplugins.store.protocol import HEADER, INVALID, VERSION
+from kvplugins.store.rpc_client import RawRpcClient, control_client
+
+P99_BOUND_S = 0.5          # another client's op latency while an attack runs (normally ~0.1 ms here)
+
+
+def rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    return s
+
+
+def roundtrip_ok(client: StoreClient, tag: str) -> None:
+    """A normal client's put and get of fresh bytes."""
+    data = (tag.encode() * 700)[:4096]
+    client.put(f"fresh/{tag}", data)
+    assert client.get(f"fresh/{tag}") == data
+
+
+class Prober:
+    """Times ``exists`` from a normal client in a thread while an attack runs (the other clients' view)."""
+
+    def __init__(self, address: str):
+        self.rpc = RawRpcClient(address, 5000)
+        self.lat: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                self.rpc.call("exists", ["probe"])
+                self.lat.append(time.perf_counter() - t0)
+            except StoreError as e:
+                self.errors.append(str(e))
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)
+        self.rpc.close()
+
+    def check(self) -> None:
+        assert not self.errors, self.errors[:3]
+        assert len(self.lat) >= 20, f"only {len(self.lat)} probes ran"
+        p99 = statistics.quantiles(self.lat, n=100)[98]
+        assert p99 < P99_BOUND_S, f"p99 {p99 * 1000:.0f} ms of another client during the attack"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    flags = {"frame_timeout_ms": 1000, "partial_frames_budget": "96MiB", "reply_buffer": "1MiB"}
+    with store_cluster(nodes=1, segment_size="16MiB", master_flags=flags) as c, \
+            StoreClient(ClientConfig(master=c.master)) as client:
+        c.client = client
+        yield c
+        assert c.master_proc.alive(), c.master_proc.log_tail()
+
+
+@pytest.mark.parametrize("plane", ["raw", "zmq"])
+def test_crafted_checksum_is_refused_and_never_stored(cluster, plane):
+    rpc = RawRpcClient(cluster.master, 3000) if plane == "raw" else control_client(cluster.master, 3000)
+    key = f"crafted/{plane}"
+    try:
+        [(code, _)] = rpc.call("put_start", [[key, 64]])
+        assert code == 0
+        nested: list = []
+        for _ in range(600):
+            nested = [nested]
+        with pytest.raises(StoreError, match=r"put_commit: opts: .* at `\$.xxh3\[0\]"):
+            rpc.call("put_commit", [key], {"xxh3": [nested]})
+        rpc.call("put_commit", [key], {"xxh3": [12345]})
+        [(code, value)] = rpc.call("get", [key])
+        assert code == 0 and value[3] == 12345          # the valid checksum, not the crafted one
+    finally:
+        rpc.close()
+    assert cluster.master_proc.alive()
+    roundtrip_ok(cluster.client, f"checksum-{plane}")
+
+
+def test_string_size_in_tier_register_is_refused_whole(cluster):
+    rpc = control_client(cluster.master, 3000)
+    seg = cluster.nodes[0].address
+    try:
+        with pytest.raises(StoreError, match=r"tier_register: entries: Expected `int`, got `str` - at `\$\[0\]"):
+            rpc.call("tier_register", [[seg, "127.0.0.1:1", 1 << 20, [["k", "12", 7]], "d"]])
+        time.sleep(0.3)                                  # several ticks: tiering.lose_node used to crash here
+        assert rpc.call("status")["disk_objects"] == 0
+    finally:
+        rpc.close()
+    assert cluster.master_proc.alive()
+    roundtrip_ok(cluster.client, "tier")
+
+
+def test_catastrophic_regex_runs_in_linear_time(cluster):
+    cluster.client.put("a" * 30, b"x" * 64)
+    rpc = RawRpcClient(cluster.master, 5000)
+    try:
+        t0 = time.monotonic()
+        assert rpc.call("remove_by_regex", ["^(a+)+$"], {"force": True}) == [0, 1]
+        assert time.monotonic() - t0 < 2.0               # backtracking re took ~71 s on this key
+        code, reason = rpc.call("remove_by_regex", [r"(a)\1"])
+        assert code == INVALID and "does not compile under RE2" in reason
+    finally:
+        rpc.close()
+
+
+def test_huge_batch_is_refused_naming_the_limit(cluster):
+    rpc = RawRpcClient(cluster.master, 10000)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreError, match=r"max_batch is 65536"):
+            rpc.call("get", [f"k{i}" for i in range(1_000_000)])
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        rpc.close()
+    roundtrip_ok(cluster.client, "batch")
+
+
+def test_unread_replies_are_bounded_and_the_peer_dropped(cluster):
+    pid = cluster.master_proc.popen.pid
+    base = rss_mb(pid)
+    body = msgpack.packb([VERSION, 1, "exists", [f"k{i}" for i in range(2000)], {}])
+    req = HEADER.pack(len(body)) + body
+    with Prober(cluster.master) as probe, contextlib.closing(connect(cluster.master)) as s:
+        s.setblocking(False)
+        stream = memoryview(req * ((24 << 20) // len(req)))
+        sent, peak, blocked = 0, base, None
+        while sent < len(stream) and (blocked is None or time.monotonic() - blocked < 1.5):
+            try:
+                sent += s.send(stream[sent:sent + (1 << 20)])
+                blocked = None
+            except BlockingIOError:                   # the master stopped reading us: backpressure
+                blocked = blocked or time.monotonic()
+                time.sleep(0.01)
+            peak = max(peak, rss_mb(pid))
+        assert sent < len(stream)                     # the master stopped reading a peer that reads nothing
+        time.sleep(2.0)                               # frame_timeout 1 s with no reply read: dropped
+        peak = max(peak, rss_mb(pid))
+        s.settimeout(5)
+        with contextlib.suppress(ConnectionResetError):
+            while s.recv(1 << 20):                    # what was sent before the drop, then EOF (or reset)
+                pass
+    probe.check()
+    assert peak - base < 64, f"RSS grew {peak - base:.0f} MB (was +215 MB before the limit)"
+    roundtrip_ok(cluster.client, "unread")
+
+
+def test_partial_frames_share_a_budget(cluster):
+    pid = cluster.master_proc.popen.pid
+    base = rss_mb(pid)
+    chunk = b"\0" * (1 << 20)
+    socks, peak = [], base
+    with Prober(cluster.master) as probe:
+        for _ in range(6):
+            s = connect(cluster.master)
+            socks.append(s)
+            s.sendall(HEADER.pack(60 << 20))
+            with contextlib.suppress(OSError):
+                for _ in range(40):
+                    s.sendall(chunk)
+            peak = max(peak, rss_mb(pid))
+        time.sleep(1.5)                               # slowloris: each partial frame times out after 1 s
+        peak = max(peak, rss_mb(pid))
+        for s in socks:
+            s.close()
+    probe.check()
+    assert peak - base < 200, f"RSS grew {peak - base:.0f} MB (budget 96 MiB; was +373 MB before)"
+    time.sleep(0.5)
+    assert rss_mb(pid) - base < 120
+    roundtrip_ok(cluster.client, "partial")
+
+
+def test_idle_and_slow_connections_are_closed(cluster):
+    with contextlib.closing(connect(cluster.master)) as slow:
+        slow.sendall(HEADER.pack(100) + b"\x95")      # half a frame, then nothing
+        slow.settimeout(5)
+        t0 = time.monotonic()
+        assert slow.recv(10) == b""                   # closed by the master
+        assert time.monotonic() - t0 < 3
+
+
+def test_fd_exhaustion_keeps_serving_established_clients():
+    with master_process() as m:
+        pid = m.popen.pid
+        est = RawRpcClient(m.address, 3000)
+        assert est.call("exists", ["x"]) == [False]
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (128, 128))
+        flood = []
+        try:
+            for _ in range(300):
+                with contextlib.suppress(OSError):
+                    flood.append(connect(m.address))
+            time.sleep(0.3)
+            for _ in range(20):                       # the established client is served throughout
+                assert est.call("exists", ["x"]) == [False]
+        finally:
+            for s in flood:
+                s.close()
+        time.sleep(1.0)
+        fresh = RawRpcClient(m.address, 3000)          # recovered: new connections are accepted again
+        assert fresh.call("exists", ["x"]) == [False]
+        fresh.close()
+        est.close()
+        assert m.alive(), m.log_tail()
+        assert "accept failed" in m.log_tail(20000)
+
+
+def test_connection_caps_refuse_with_the_reason():
+    with master_process(max_connections_per_peer=3) as m:
+        held = [RawRpcClient(m.address, 3000) for _ in range(3)]
+        for c in held:
+            c.call("exists", ["x"])
+        extra = RawRpcClient(m.address, 3000)
+        with pytest.raises(MasterUnreachable, match=r"per-peer limit \(master.max_connections_per_peer=3\)"):
+            extra.call("exists", ["x"])
+        held[0].close()
+        time.sleep(0.3)
+        assert extra.call("exists", ["x"]) == [False]          # room again
+        for c in held[1:] + [extra]:
+            c.close()
