@@ -59,6 +59,7 @@ class MasterSnapshot:
     ops: dict             # op -> (count per bucket..., count beyond the last bound, sum of seconds)
     bounds: tuple
     tier_counters: tuple = ()    # names of the disk tier's counters (Tiering.counters), if it has any
+    server: dict | None = None   # RpcServer.guard_stats(): connections, refusals, accept failures, internal errors
 
 
 class MasterMetrics:
@@ -88,7 +89,7 @@ class MasterMetrics:
             log.exception("metrics snapshot failed; serving the previous one")
             return
         self.snapshot = MasterSnapshot(status, tuple(service.counters), self.timer.snapshot(), self.timer.bounds,
-                                       tuple(getattr(service.tiering, "counters", ())))
+                                       tuple(getattr(service.tiering, "counters", ())), self._server.guard_stats())
 
     def close(self) -> None:
         if self.endpoint is not None:
@@ -183,7 +184,7 @@ def master_families(snap: MasterSnapshot) -> list:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     st = snap.status
     out = [GaugeMetricFamily("kvplugins_master_leader", "1 if this master serves (always 1 without HA), 0 on an "
-                             "HA standby", value=0 if st is None else 1)]
+                             "HA standby", value=0 if st is None else 1)] + _guard_families(snap.server)
     if st is None:
         return out + [_latency_family(snap)]
     for name, key, doc in (("capacity_bytes", "bytes_total", "DRAM of all registered segments"),
@@ -199,6 +200,23 @@ def master_families(snap: MasterSnapshot) -> list:
     out += _tier_families(st, set(snap.counters) | MASTER_KEYS, set(snap.tier_counters))
     out.append(_latency_family(snap))
     return out
+
+
+def _guard_families(server: dict | None) -> list:
+    """The raw endpoint's limits at work (master/rpc_server.py, issue #11)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    if not server:
+        return []
+    errors = CounterMetricFamily("kvplugins_master_internal_errors", "unexpected exceptions contained by the "
+                                 "master's loop, by subsystem (op, connection, tick, sweep, ...)", labels=["subsystem"])
+    for name, n in sorted(server["internal_errors"].items()):
+        errors.add_metric([name], n)
+    return [errors,
+            GaugeMetricFamily("kvplugins_master_connections", "raw RPC connections open", value=server["connections"]),
+            CounterMetricFamily("kvplugins_master_connections_refused", "raw RPC connections refused over "
+                                "max_connections / max_connections_per_peer", value=server["refused"]),
+            CounterMetricFamily("kvplugins_master_accept_failures", "accept() failures (EMFILE, ENFILE, ...) "
+                                "survived by pausing", value=server["accept_failures"])]
 
 
 MASTER_KEYS = {"segments", "objects", "pending", "zombies", "bytes_used", "bytes_total"}

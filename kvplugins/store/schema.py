@@ -45,7 +45,7 @@ Detail = Union[U64, Annotated[str, Meta(max_length=MAX_DETAIL)], None]
 Scalar = Union[Name, int, float, bool, None]
 
 
-class Envelope(Struct, array_like=True):
+class Envelope(Struct, array_like=True, forbid_unknown_fields=True):
     """The request body; entries and opts stay raw until the op is known."""
     version: int
     rid: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
@@ -98,7 +98,7 @@ class Descriptor(Struct, forbid_unknown_fields=True):
                        Meta(max_length=MAX_DESC_REGIONS)]
 
 
-class TierNode(Struct, array_like=True):
+class TierNode(Struct, array_like=True, forbid_unknown_fields=True):
     """tier_register entry: a node's disk tier and (a chunk of) the files on it."""
     segment: SegName
     endpoint: Name

@@ -152,7 +152,8 @@ def test_huge_batch_is_refused_naming_the_limit(cluster):
 def test_unread_replies_are_bounded_and_the_peer_dropped(cluster):
     pid = cluster.master_proc.popen.pid
     base = rss_mb(pid)
-    body = msgpack.packb([VERSION, 1, "exists", [f"k{i}" for i in range(2000)], {}])
+    seg = cluster.nodes[0].address             # describe: each ~30-byte entry answers a ~200-byte descriptor
+    body = msgpack.packb([VERSION, 1, "describe", [seg] * 2000, {}])
     req = HEADER.pack(len(body)) + body
     with Prober(cluster.master) as probe, contextlib.closing(connect(cluster.master)) as s:
         s.setblocking(False)
@@ -165,6 +166,8 @@ def test_unread_replies_are_bounded_and_the_peer_dropped(cluster):
             except BlockingIOError:                   # the master stopped reading us: backpressure
                 blocked = blocked or time.monotonic()
                 time.sleep(0.01)
+            except (ConnectionResetError, BrokenPipeError):
+                break                                 # already dropped for not reading its replies
             peak = max(peak, rss_mb(pid))
         assert sent < len(stream)                     # the master stopped reading a peer that reads nothing
         time.sleep(2.0)                               # frame_timeout 1 s with no reply read: dropped
@@ -239,7 +242,8 @@ def test_fd_exhaustion_keeps_serving_established_clients():
 
 
 def test_connection_caps_refuse_with_the_reason():
-    with master_process(max_connections_per_peer=3) as m:
+    from test_metrics import endpoint_url, value, wait_for
+    with master_process(max_connections_per_peer=3, metrics_port=0) as m:
         held = [RawRpcClient(m.address, 3000) for _ in range(3)]
         for c in held:
             c.call("exists", ["x"])
@@ -249,5 +253,36 @@ def test_connection_caps_refuse_with_the_reason():
         held[0].close()
         time.sleep(0.3)
         assert extra.call("exists", ["x"]) == [False]          # room again
+        seen = wait_for(endpoint_url(m), lambda s: value(s, "kvplugins_master_connections") == 3)
+        assert value(seen, "kvplugins_master_connections_refused_total") == 1
+        assert value(seen, "kvplugins_master_accept_failures_total") == 0
         for c in held[1:] + [extra]:
             c.close()
+
+
+def test_a_bug_in_one_subsystem_is_contained():
+    """The schemas leave no known input that crashes a subsystem, so a bug is injected (the only mock here):
+    the tick and one op raise; the loop counts them and goes on serving."""
+    from kvplugins.store.config import MasterConfig
+    from kvplugins.store.master.rpc_server import RpcServer
+    server = RpcServer(MasterConfig(tick_ms=20))
+
+    def broken(*args):
+        raise RuntimeError("injected bug")
+    server.service.tick = broken
+    server.service._ops["exists_prefix"] = broken
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    rpc = RawRpcClient(server.address, 3000)
+    try:
+        time.sleep(0.2)
+        with pytest.raises(StoreError, match="exists_prefix: internal error RuntimeError"):
+            rpc.call("exists_prefix", ["a"])
+        assert rpc.call("exists", ["a"]) == [False]          # same connection, still served
+        stats = server.guard_stats()
+        assert stats["internal_errors"]["tick"] >= 3 and stats["internal_errors"]["op"] == 1
+    finally:
+        rpc.close()
+        server.stop()
+        thread.join(5)
+    assert not thread.is_alive()

@@ -130,8 +130,13 @@ def test_metrics_off_by_default():
 
 
 class _Server:
+    """RpcServer's part that MasterMetrics reads (no sockets)."""
+
     def __init__(self, service):
         self.service = service
+
+    def guard_stats(self) -> dict:
+        return {"connections": 2, "refused": 1, "accept_failures": 0, "internal_errors": {"tick": 3}}
 
 
 def test_snapshot_is_a_private_copy_and_counts_ops():
@@ -148,7 +153,10 @@ def test_snapshot_is_a_private_copy_and_counts_ops():
     assert snap.status["hits"] == 0 and snap.status["misses"] == 0   # the live counters moved, the copy not
     metrics.timer.record("get", 1e-3)
     assert sum(snap.ops["get"][:-1]) == 2                              # count frozen at publish
-    fam = {f.name: f for f in master_families(snap)}["kvplugins_master_op_latency_seconds"]
+    fams = {f.name: f for f in master_families(snap)}
+    [tick_errors] = fams["kvplugins_master_internal_errors"].samples
+    assert tick_errors.labels == {"subsystem": "tick"} and tick_errors.value == 3
+    fam = fams["kvplugins_master_op_latency_seconds"]
     buckets = {s.labels["le"]: s.value for s in fam.samples if s.name.endswith("_bucket")}
     assert buckets["1e-05"] == 1 and buckets["0.1"] == 1 and buckets["+Inf"] == 2
 

@@ -156,6 +156,11 @@ class RpcServer:
         self._router.close(0)
         self._ctx.term()
 
+    def guard_stats(self) -> dict:
+        """Connections open and refused, accept() failures survived, internal errors per subsystem (metrics)."""
+        return {"connections": self._gate.total, "refused": self._gate.refused,
+                "accept_failures": self._backoff.failures, "internal_errors": dict(self.internal_errors)}
+
     def _guarded(self, subsystem: str, fn, *args) -> None:
         """Run one periodic subsystem; an exception is counted and logged (rate-limited), never fatal."""
         try:
