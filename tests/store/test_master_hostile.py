@@ -49,6 +49,7 @@ class Prober:
     def __init__(self, address: str):
         self.rpc = RawRpcClient(address, 5000)
         self.lat: list[float] = []
+        self.spans: list[tuple[float, float]] = []       # (start, end) of each probe, perf_counter s
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -58,7 +59,9 @@ class Prober:
             t0 = time.perf_counter()
             try:
                 self.rpc.call("exists", ["probe"])
-                self.lat.append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                self.lat.append(t1 - t0)
+                self.spans.append((t0, t1))
             except StoreError as e:
                 self.errors.append(str(e))
             time.sleep(0.002)
@@ -286,3 +289,31 @@ def test_a_bug_in_one_subsystem_is_contained():
         server.stop()
         thread.join(5)
     assert not thread.is_alive()
+
+
+def test_admin_scan_yields_to_other_clients():
+    """remove_all over 200k objects runs in slices: another client's ops complete while it runs."""
+    with store_cluster(nodes=1, segment_size="32MiB") as c:
+        rpc = RawRpcClient(c.master, 30000)
+        n = 200_000
+        for i in range(0, n, 50_000):                  # metadata only: no bytes are needed to be scanned
+            keys = [f"scan/{j}" for j in range(i, i + 50_000)]
+            assert all(code == 0 for code, _ in rpc.call("put_start", [[k, 1] for k in keys]))
+            rpc.call("put_commit", keys)
+        done = []
+
+        def scan():
+            result = rpc.call("remove_all", [], {"force": True})
+            done.append((time.perf_counter(), result))
+        scanner = threading.Thread(target=scan)
+        with Prober(c.master) as probe:
+            time.sleep(0.2)
+            t0 = time.perf_counter()
+            scanner.start()
+            scanner.join(60)
+        t1, result = done[0]
+        assert result == [0, n]
+        inside = [x for x in probe.spans if x[0] >= t0 and x[1] <= t1]     # probes entirely inside the scan
+        assert inside, f"no other op completed during the {(t1 - t0) * 1000:.0f} ms scan"
+        probe.check()
+        rpc.close()
