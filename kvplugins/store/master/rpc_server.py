@@ -59,6 +59,8 @@ RECV_CHUNK = 1 << 16          # below malloc's mmap threshold: a 1 MiB recv buff
 GC_THRESHOLDS = (50_000, 20, 20)
 ACCEPTS_PER_TURN = 64         # connections accepted per readiness event (the rest wait for the next turn)
 MAX_SCANS = 4                 # admin scans running at once; more are refused (retry later)
+ZMQ_MAX_MSG = 16 << 20       # control-plane messages are small (a tier_register chunk ~1.5 MB); zmq drops larger
+ZMQ_RCVHWM = 64               # messages queued per control-plane peer: with ZMQ_MAX_MSG, at most 1 GiB per peer
 ERROR_LOG_INTERVAL_S = 10.0   # an internal error of one subsystem is logged at most this often
 
 
@@ -88,7 +90,8 @@ class RpcServer:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, int(config.max_frame))
+        self._router.setsockopt(zmq.MAXMSGSIZE, min(int(config.max_frame), ZMQ_MAX_MSG))
+        self._router.setsockopt(zmq.RCVHWM, ZMQ_RCVHWM)
         self._curve = CurveServer(self._router, self._secret) if self._secret else None
         if config.zmq_port:
             self._router.bind(f"tcp://{config.host}:{config.zmq_port}")
