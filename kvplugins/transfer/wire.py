@@ -7,15 +7,19 @@ Request header:  {"v": 1, "op": 1 (write) | 2 (read), "id": u63, "e": [[region u
 Response header: {"v": 1, "op": 3, "id": same id, "st": [None | "error text", ...]} one status per entry;
                  a read response's payload is the bytes of the entries whose status is None, in order.
 Limits: header_len <= MAX_HEADER, header_len + payload_len <= max_frame (config), at most MAX_ENTRIES
-entries, and a read's total length <= max_frame - MAX_HEADER. Every field is type- and range-checked;
-anything else raises ProtocolError (the server then closes that connection).
+entries, and a read's total length <= max_frame - MAX_HEADER. Headers are decoded straight into typed,
+range-checked structures (msgspec; an unknown or missing field is an error); anything else raises
+ProtocolError naming the field (the server then closes that connection).
 """
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Annotated, Union
 
 import msgpack
+import msgspec
+from msgspec import Meta
 
 from kvplugins.errors import ProtocolError
 
@@ -24,6 +28,7 @@ MAGIC = b"KVPT"
 PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 256 << 10
 MAX_ENTRIES = 4096
+MAX_STATUS = 4096             # characters of one entry's error text in a response
 OP_WRITE, OP_READ, OP_RESP = 1, 2, 3
 _U32, _U63 = (1 << 32) - 1, (1 << 63) - 1
 
@@ -71,63 +76,56 @@ def parse_prefix(prefix: bytes | memoryview, max_frame: int) -> tuple[int, int]:
     return hlen, plen
 
 
-def _unpack(header: bytes | memoryview) -> dict:
+class _RequestHeader(msgspec.Struct, forbid_unknown_fields=True):
+    v: int
+    op: Annotated[int, Meta(ge=OP_WRITE, le=OP_READ)]
+    id: Annotated[int, Meta(ge=0, le=_U63)]
+    e: Annotated[list[tuple[Annotated[int, Meta(ge=0, le=_U32)], Annotated[int, Meta(ge=0, le=_U63)],
+                            Annotated[int, Meta(ge=0, le=_U63)]]], Meta(min_length=1, max_length=MAX_ENTRIES)]
+
+
+class _ResponseHeader(msgspec.Struct, forbid_unknown_fields=True):
+    v: int
+    op: int
+    id: int
+    st: list[Union[Annotated[str, Meta(max_length=MAX_STATUS)], None]]
+
+
+_REQUEST = msgspec.msgpack.Decoder(_RequestHeader)
+_RESPONSE = msgspec.msgpack.Decoder(_ResponseHeader)
+
+
+def _decode(decoder, header: bytes | memoryview, what: str):
+    """Typed decode of a header (msgspec: one pass, every field type- and range-checked). Raises ProtocolError
+    naming the field."""
     try:
-        obj = msgpack.unpackb(header, raw=False, strict_map_key=True)
-    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:  # the ways garbage fails
-        raise ProtocolError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"header is a {type(obj).__name__}, expected a map")
-    if obj.get("v") != VERSION or type(obj.get("v")) is not int:
-        raise ProtocolError(f"unknown wire version {obj.get('v')!r} (this build speaks {VERSION})")
+        obj = decoder.decode(header)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:     # (invalid UTF-8 in a map key: the latter)
+        raise ProtocolError(f"malformed {what} header: {e}") from None
+    if obj.v != VERSION:
+        raise ProtocolError(f"unknown wire version {obj.v!r} (this build speaks {VERSION})")
     return obj
-
-
-def _int(value, low: int, high: int, name: str) -> int:
-    if type(value) is not int or not low <= value <= high:
-        raise ProtocolError(f"field {name}={value!r} is not an integer in {low}..{high}")
-    return value
-
-
-def _keys(obj: dict, keys: set[str]) -> None:
-    if set(obj) != keys:
-        raise ProtocolError(f"header keys {sorted(map(str, obj))} != expected {sorted(keys)}")
 
 
 def decode_request(header: bytes | memoryview, payload_len: int, max_frame: int) -> Request:
     """Validate and decode a request header. Raises ProtocolError."""
-    obj = _unpack(header)
-    _keys(obj, {"v", "op", "id", "e"})
-    op = _int(obj["op"], OP_WRITE, OP_READ, "op")
-    req_id = _int(obj["id"], 0, _U63, "id")
-    raw = obj["e"]
-    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_ENTRIES:
-        raise ProtocolError(f"entries must be a list of 1..{MAX_ENTRIES} items")
-    entries = tuple(_entry(e, i) for i, e in enumerate(raw))
+    obj = _decode(_REQUEST, header, "request")
+    entries = tuple(obj.e)
     total = sum(e[2] for e in entries)
-    want = total if op == OP_WRITE else 0
+    want = total if obj.op == OP_WRITE else 0
     if payload_len != want:
         raise ProtocolError(f"payload of {payload_len} bytes, entries need {want}")
-    if op == OP_READ and total > payload_limit(max_frame):
+    if obj.op == OP_READ and total > payload_limit(max_frame):
         raise ProtocolError(f"read of {total} bytes exceeds the frame limit {payload_limit(max_frame)}")
-    return Request(op, req_id, entries)
-
-
-def _entry(e, i: int) -> tuple[int, int, int]:
-    if not isinstance(e, list) or len(e) != 3:
-        raise ProtocolError(f"entry {i} must be [region, offset, length]")
-    return (_int(e[0], 0, _U32, f"e[{i}].region"), _int(e[1], 0, _U63, f"e[{i}].offset"),
-            _int(e[2], 0, _U63, f"e[{i}].length"))
+    return Request(obj.op, obj.id, entries)
 
 
 def decode_response(header: bytes | memoryview, req_id: int, n_entries: int) -> list[str | None]:
     """Validate a response header for request ``req_id`` of ``n_entries``; returns per-entry status
     (None = ok, else the server's error text). Raises ProtocolError."""
-    obj = _unpack(header)
-    _keys(obj, {"v", "op", "id", "st"})
-    if obj["op"] != OP_RESP or obj["id"] != req_id:
-        raise ProtocolError(f"expected response to request {req_id}, got op={obj['op']!r} id={obj['id']!r}")
-    st = obj["st"]
-    if not isinstance(st, list) or len(st) != n_entries or not all(s is None or isinstance(s, str) for s in st):
-        raise ProtocolError(f"status must be a list of {n_entries} None/str items")
-    return st
+    obj = _decode(_RESPONSE, header, "response")
+    if obj.op != OP_RESP or obj.id != req_id:
+        raise ProtocolError(f"expected response to request {req_id}, got op={obj.op!r} id={obj.id!r}")
+    if len(obj.st) != n_entries:
+        raise ProtocolError(f"status has {len(obj.st)} items for {n_entries} entries")
+    return obj.st
