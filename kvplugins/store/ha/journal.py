@@ -7,20 +7,30 @@ the master acknowledges it.
 Fencing: every transaction compares ``{prefix}/leader`` with this master's leader value; if another master
 leads now, nothing is written, ``on_fenced`` steps this one down and the op answers an error (the client
 retries on the new leader). A transient etcd failure is retried for up to RETRY_S, then raises StoreError.
+
+Read back (``load``, on election) every value is decoded into the same typed, range-checked shapes as the
+master's wire (store/schema.py, issue #11); one that does not fit is skipped with a warning naming its key.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+from typing import Annotated, Literal, Union
 
 import msgpack
+import msgspec
+from msgspec import Meta
 
-from kvplugins.errors import StoreError
+from kvplugins.errors import ProtocolError, StoreError
+from kvplugins.store import schema
 from kvplugins.store.ha.etcd import MAX_TXN_OPS, delete_op, put_op
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.placement import PIN_CODES
 
+log = logging.getLogger(__name__)
 RETRY_S = 1.0
+MAX_JOURNAL_KEY = 1 << 16     # characters of an object key or segment name read back from etcd
 
 
 class EtcdJournal(Journal):
@@ -65,8 +75,8 @@ class EtcdJournal(Journal):
         """([(name, wire, region id, size)], [(key, size, [(segment, offset)], checksum, pin)]), objects oldest
         first. Raises StoreError."""
         cut = len(self.prefix) + len("/seg/")         # == len("/obj/")
-        segs = [(k[cut:], *msgpack.unpackb(v)) for k, v in self.etcd.range_prefix(self.prefix + "/seg/")]
-        objs = [(k[cut:], *decode_object(v)) for k, v in self.etcd.range_prefix(self.prefix + "/obj/")]
+        segs = _decoded(self.etcd.range_prefix(self.prefix + "/seg/"), cut, decode_segment)
+        objs = _decoded(self.etcd.range_prefix(self.prefix + "/obj/"), cut, decode_object)
         return segs, objs
 
     def begin(self) -> None:
@@ -128,7 +138,47 @@ def encode_object(obj) -> bytes:
     return msgpack.packb([obj.size, [list(r) for r in obj.replicas], obj.checksum, hard])
 
 
+class _ObjectValue(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    size: schema.Size
+    replicas: Annotated[list[tuple[schema.SegName, schema.Offset]], Meta(min_length=1, max_length=64)]
+    checksum: Union[schema.U64, None] = None
+    pin: Literal[0, 2] = 0
+
+
+_OBJECT = msgspec.msgpack.Decoder(_ObjectValue)
+_SEGMENT = msgspec.msgpack.Decoder(tuple[schema.Descriptor, schema.RegionId, schema.Size])
+
+
 def decode_object(value: bytes) -> tuple:
-    """(size, [(segment, offset)], checksum, pin) from encode_object's bytes."""
-    size, replicas, checksum, *rest = msgpack.unpackb(value)
-    return size, [(name, off) for name, off in replicas], checksum, (rest[0] if rest else 0)
+    """(size, [(segment, offset)], checksum, pin) from encode_object's bytes. Raises ProtocolError naming the
+    field for a value that is not one (typed: msgspec, as the master's wire)."""
+    try:
+        o = _OBJECT.decode(value)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"journal object value: {e}") from None
+    return o.size, o.replicas, o.checksum, o.pin
+
+
+def decode_segment(value: bytes) -> tuple:
+    """(descriptor wire dict, region id, size) from segment_added's bytes. Raises ProtocolError."""
+    try:
+        desc, region_id, size = _SEGMENT.decode(value)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"journal segment value: {e}") from None
+    return msgspec.to_builtins(desc), region_id, size
+
+
+def _decoded(items, cut: int, decode) -> list[tuple]:
+    """[(name, *decode(value))] of etcd (key, value) items; a value that does not decode (written by another
+    version, or by someone else with write access to the prefix) is skipped with a warning naming its etcd
+    key: recovery never applies part of one, and never stops on one."""
+    out = []
+    for k, v in items:
+        name = k[cut:]
+        try:
+            if not 0 < len(name) <= MAX_JOURNAL_KEY:
+                raise ProtocolError(f"key of {len(name)} characters")
+            out.append((name, *decode(v)))
+        except ProtocolError as e:
+            log.warning("journal entry %s skipped: %s", k[:200], e)
+    return out

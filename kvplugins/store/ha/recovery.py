@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from kvplugins.errors import KVPluginsError
 from kvplugins.store.master.metadata import Object
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,11 @@ def restore(service, segs: list, objs: list, now: float) -> dict:
     """Load ``segs`` [(name, wire, region id, size)] and ``objs`` [(key, size, replicas, checksum, pin)] (oldest
     first) into ``service`` (an empty MasterService). Returns {"segments", "objects", "dropped"}."""
     for name, wire, region_id, size in segs:
-        seg = service.segments.add(wire, region_id, size, now)
+        try:
+            seg = service.segments.add(wire, region_id, size, now)
+        except (KVPluginsError, ValueError) as e:       # a descriptor that decodes but does not hold together
+            log.warning("journal segment %s skipped: %s", name, e)
+            continue
         if seg.name != name:
             log.warning("journal segment %s re-added as %s", name, seg.name)
     placed: dict[str, list] = {}                       # segment name -> [(offset, size, key)]
