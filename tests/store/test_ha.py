@@ -288,3 +288,31 @@ def test_journal_batches_are_fenced_and_recovery_rebuilds_placement():
         for seg, _, off in fresh:                    # the recovered allocators never hand out a used byte
             assert all(seg != s or off >= o + n or o >= off + (1 << 19)
                        for i, (_, v) in enumerate(placed[10:], 10) for s, _, o in v for n in [100 + i])
+
+
+def test_hostile_journal_values_are_skipped_on_recovery(caplog):
+    """Real etcd: values under the cluster's prefix that are not the journal's (a nested checksum, a string
+    size, a truncated value, a descriptor of the wrong shape) are skipped with a warning naming their key; the
+    valid objects recover and serve, and nothing invalid reaches the object table (issue #11)."""
+    import msgpack
+    with etcd_server() as server:
+        etcd = Etcd(server.url)
+        a, b = EtcdJournal(etcd, "/kvp/hostile"), EtcdJournal(etcd, "/kvp/hostile")
+        assert etcd.create(a.leader_key, b"A", etcd.lease(10))
+        first = LeaderGuard(MasterConfig(), a, _Lease(etcd, a.leader_key, b"A"))
+        [(code, seg)] = first.handle("register_segment", [[_wire("s1", 1 << 20), 1, 1 << 20]], {})
+        assert first.handle("put_start", [["good", 100]], {})[0][0] == OK
+        first.handle("put_commit", ["good"], {"xxh3": [42]})
+        hostile = {"/obj/nested": msgpack.packb([64, [[seg, 0]], [[[[1]]]], 0]),
+                   "/obj/strsize": msgpack.packb(["64", [[seg, 128]], None, 0]),
+                   "/obj/truncated": msgpack.packb([64, [[seg, 256]], 7, 0])[:-3],
+                   "/seg/bad": msgpack.packb([{"v": 1, "segment_id": [1]}, 1, 4096])}
+        etcd.txn([], [put_op("/kvp/hostile" + k, v) for k, v in hostile.items()])
+        etcd.txn([], [put_op(a.leader_key, b"B")])
+        second = LeaderGuard(MasterConfig(), b, _Lease(etcd, b.leader_key, b"B"))
+        [(code, value)] = second.handle("get", ["good"], {})
+        assert code == OK and value[3] == 42
+        assert second.handle("exists", ["nested", "strsize", "truncated"], {}) == [False] * 3
+        assert sorted(second.recovered.items()) == [("dropped", 0), ("objects", 1), ("segments", 1)]
+        skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+        assert len(skipped) == 4 and all(any(k in m for m in skipped) for k in hostile)
