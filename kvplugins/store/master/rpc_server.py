@@ -422,8 +422,8 @@ class RpcServer:
                 why = ""
             elif conn.outbuf and now - conn.progress > lim.frame_timeout_s:
                 why = f"it read none of its {len(conn.outbuf)} reply bytes in {lim.frame_timeout_s:g} s"
-            elif conn.inbuf and not conn.scan and now - conn.frame_since > lim.frame_timeout_s \
-                    and not self._complete_frame(conn.inbuf):
+            elif conn.inbuf and not conn.scan and conn.events & selectors.EVENT_READ \
+                    and now - conn.frame_since > lim.frame_timeout_s and not self._complete_frame(conn.inbuf):
                 why = (f"a frame started {now - conn.frame_since:.1f} s ago is still incomplete "
                        f"(master.frame_timeout_ms={self.cfg.frame_timeout_ms})")
             elif lim.idle_timeout_s and not conn.inbuf and not conn.outbuf and not conn.scan \
