@@ -108,9 +108,35 @@ class StoreNodeConfig:
         "help": "do not start a node: drain the node of --segment (migrate its objects) and wait until it left"})
     segment: str = field(default="", metadata={"help": "with --drain: the segment name to drain (`kvplugins status`)"})
     drain_timeout_ms: int = field(default=600000, metadata={"help": "with --drain: give up after this long"})
+    promote_max_connections: int = field(default=1024, metadata={
+        "help": "disk-tier promote endpoint: connections open at once; more are refused with the reason "
+                "(0 = unlimited)"})
+    promote_max_connections_per_peer: int = field(default=256, metadata={
+        "help": "promote endpoint: connections open at once from one peer host (0 = unlimited)"})
+    promote_idle_timeout_ms: int = field(default=600000, metadata={
+        "help": "promote endpoint: a connection with no request this long is closed (0 = never)"})
+    promote_frame_timeout_ms: int = field(default=10000, metadata={
+        "help": "promote endpoint: a request frame (or handshake) started, and its reply, must complete "
+                "within this"})
+    promote_max_batch: int = field(default=65536, metadata={
+        "help": "promote endpoint: most keys one promote request may carry"})
+    metrics_max_connections: int = field(default=64, metadata={
+        "help": "metrics endpoint: connections open at once; more get 503 with the reason (0 = unlimited)"})
+    metrics_max_connections_per_peer: int = field(default=16, metadata={
+        "help": "metrics endpoint: connections open at once from one peer host (0 = unlimited)"})
+    metrics_timeout_ms: int = field(default=10000, metadata={
+        "help": "metrics endpoint: a scrape request must arrive in full, and each reply write complete, "
+                "within this"})
 
     def __post_init__(self):
         _sizes(self)
+        for name in ("promote_frame_timeout_ms", "promote_max_batch", "metrics_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"store {name}={getattr(self, name)} must be > 0")
+        for name in ("promote_max_connections", "promote_max_connections_per_peer", "promote_idle_timeout_ms",
+                     "metrics_max_connections", "metrics_max_connections_per_peer"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"store {name}={getattr(self, name)} must be >= 0 (0 = unlimited)")
         if self.segment_size <= 0:
             raise ConfigError(f"segment_size={self.segment_size} must be > 0, e.g. 4GiB")
         if self.disk_dir and self.disk_capacity <= 0:
@@ -121,6 +147,18 @@ class StoreNodeConfig:
             raise ConfigError(f"disk_poll_ms={self.disk_poll_ms} must be > 0 ms")
         if self.disk_threads < 1:
             raise ConfigError(f"disk_threads={self.disk_threads} must be >= 1")
+
+    def promote_limits(self):
+        """The disk-tier promote endpoint's kvplugins.security.limits.ConnLimits."""
+        from kvplugins.security.limits import ConnLimits
+        return ConnLimits(self.promote_max_connections, self.promote_max_connections_per_peer,
+                          self.promote_idle_timeout_ms / 1000, self.promote_frame_timeout_ms / 1000)
+
+    def metrics_limits(self):
+        """The metrics endpoint's ConnLimits (one request per connection: no idle time between requests)."""
+        from kvplugins.security.limits import ConnLimits
+        return ConnLimits(self.metrics_max_connections, self.metrics_max_connections_per_peer, 0.0,
+                          self.metrics_timeout_ms / 1000)
 
 
 @component("client")

@@ -2,7 +2,9 @@
 
 Enabled by ``--metrics-port`` (MasterConfig / StoreNodeConfig; -1 = off, the default; 0 = any free port, logged
 as ``metrics on http://HOST:PORT/metrics``), bound to ``--metrics-host`` (127.0.0.1 by default). Every series
-is named ``kvplugins_*``; the list is in docs/operations.md (Monitoring).
+is named ``kvplugins_*``; the list is in docs/operations.md (Monitoring). Each endpoint caps its connections
+(in all and per host: 503 naming the limit), drops scrapers that do not send their request in time and survives
+accept() failures (EMFILE...): ``Endpoint``; a node's limits are StoreNodeConfig ``metrics_*``.
 
 Thread safety: the master is one single-threaded selector loop (master/rpc_server.py) and its tables are never
 read from another thread. The loop times each dispatched op into an ``OpTimer`` (two perf_counter calls and
@@ -15,16 +17,23 @@ HTTP thread's collector only reads the latest snapshot reference. A node's colle
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+from kvplugins.security.limits import ConnLimits, GuardedServerMixIn
 
 log = logging.getLogger(__name__)
 
 # Upper bounds (seconds) of the op-latency histogram buckets: the master's dispatch takes ~1-20 µs per key.
 LATENCY_BOUNDS = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3)
 NODE_CACHE_S = 1.0
+# The endpoints' default limits: 64 scrapes at once, 16 from one host, a request in full within 10 s.
+METRICS_LIMITS = ConnLimits(max_connections=64, max_per_peer=16, idle_timeout_s=0.0, frame_timeout_s=10.0)
 # Disk-tier numbers whose key holds one of these words are counters (*_total), other numbers gauges (the
 # master's Tiering names its counters exactly, through ``Tiering.counters``; node stats go by these words).
 TIER_COUNTER_WORDS = ("offload", "promot", "error", "evict", "hit", "miss", "corrupt", "lost", "migrat", "drain",
@@ -110,8 +119,9 @@ class NodeMetrics:
         self._lock = threading.Lock()      # scrapes may run concurrently (one HTTP thread each)
         self.endpoint = None
 
-    def serve(self, host: str, port: int) -> "NodeMetrics":
-        self.endpoint = Endpoint(host, port, f"store node {self.node.segment.name}")
+    def serve(self, host: str, port: int, limits: ConnLimits | None = None) -> "NodeMetrics":
+        """Start this node's own endpoint on ``host:port`` under ``limits`` (StoreNodeConfig.metrics_limits())."""
+        self.endpoint = Endpoint(host, port, f"store node {self.node.segment.name}", limits, "store.metrics_")
         self.endpoint.registry.register(_Collector(self._families))
         return self
 
@@ -151,24 +161,78 @@ class NodeMetrics:
 
 
 class Endpoint:
-    """A prometheus_client HTTP server on ``host:port`` (0 = any) with its own registry (process series under
-    ``kvplugins_process_*``). Raises OSError if the port is taken."""
+    """A Prometheus HTTP endpoint on ``host:port`` (0 = any) with its own registry (process series under
+    ``kvplugins_process_*``): prometheus_client's WSGI app on a thread-per-connection server that degrades
+    instead of dying (issue #11, kvplugins/security/limits.py). ``limits``: ``max_connections`` in all and
+    ``max_per_peer`` per host (over them a scraper gets ``503`` naming the limit), ``frame_timeout_s``: a request
+    must arrive in full within it and each reply write complete within it (slowloris; idle_timeout_s is unused:
+    one request per connection); accept() failing with EMFILE & co pauses accepting while accepted scrapes are
+    served. ``config_prefix`` names the limits' config keys in refusals ("store.metrics_"). Raises OSError if
+    the port is taken."""
 
-    def __init__(self, host: str, port: int, what: str):
-        from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+    def __init__(self, host: str, port: int, what: str, limits: ConnLimits | None = None,
+                 config_prefix: str = "metrics_"):
+        from prometheus_client import CollectorRegistry, ProcessCollector
+        from prometheus_client.exposition import make_wsgi_app
         self.registry = CollectorRegistry(auto_describe=False)
         ProcessCollector(namespace="kvplugins", registry=self.registry)
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        limits = limits or METRICS_LIMITS
+        self._httpd = _HttpServer(host, port, limits, f"the metrics endpoint of {what}", config_prefix)
+        self._httpd.set_app(make_wsgi_app(self.registry))
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvp-metrics", daemon=True,
+                                        kwargs={"poll_interval": min(0.5, max(0.01, limits.frame_timeout_s / 4))})
+        self._thread.start()
         self.url = f"http://{host}:{self._httpd.server_port}/metrics"
         log.info("%s: metrics on %s", what, self.url)
 
+    def stats(self) -> dict[str, int]:
+        """Connections open; refused over a cap; accept() failures survived; closed idle; closed slow."""
+        httpd = self._httpd
+        return httpd.guard_stats() if httpd is not None else {}
+
     def close(self) -> None:
-        """Stop serving. Idempotent."""
+        """Stop serving and end open connections. Idempotent."""
         httpd, self._httpd = self._httpd, None
         if httpd is not None:
             httpd.shutdown()
+            httpd.close_connections()
             httpd.server_close()
             self._thread.join(timeout=5)
+
+
+class _Handler(WSGIRequestHandler):
+    """One scrape per connection, timed by the server's limits; logs nothing per request."""
+    server: "_HttpServer"
+
+    def setup(self) -> None:
+        self.timeout = self.server.limits.frame_timeout_s        # each receive and write (sendall: in total)
+        super().setup()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.server.request_read(self.request)                  # headers read: no longer a slowloris suspect
+        return ok
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the stdlib's signature
+        pass
+
+
+class _HttpServer(GuardedServerMixIn, ThreadingMixIn, WSGIServer):
+    """wsgiref's server with connection limits (GuardedServerMixIn) and the address family ``host`` needs."""
+    request_queue_size = 128      # socketserver's 5 would drop scrapes under a burst before they are counted
+
+    def __init__(self, host: str, port: int, limits: ConnLimits, what: str, config_prefix: str):
+        self.address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                 flags=socket.AI_PASSIVE)[0][0]
+        self.guard(limits, what, config_prefix, _refusal, timed_reads=True)
+        super().__init__((host, port), _Handler)
+
+
+def _refusal(reason: str) -> bytes:
+    """The HTTP answer of an over-limit scraper: 503 with the reason as text."""
+    body = f"connection refused: {reason}\n".encode()
+    return (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
 
 
 class _Collector:
@@ -315,5 +379,6 @@ def serve_node(node, config) -> NodeMetrics | None:
     port = getattr(config, "metrics_port", -1)
     if port < 0:
         return None
+    limits = config.metrics_limits() if hasattr(config, "metrics_limits") else None
     return NodeMetrics(node, node.master, config.rpc_timeout_ms).serve(
-        getattr(config, "metrics_host", "127.0.0.1"), port)
+        getattr(config, "metrics_host", "127.0.0.1"), port, limits)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from kvplugins.config import Bytes, component, parse_bytes
 from kvplugins.errors import ConfigError
+from kvplugins.security.limits import ConnLimits
 
 KNOWN_TRANSPORTS = ("shm", "tcp")
 MIN_FRAME = 1 << 20
@@ -23,6 +24,15 @@ class TransferConfig:
     workers: int = field(default=2, metadata={"help": "engine threads running submit_* batches"})
     copy_threads: int = field(default=1, metadata={"help": "threads of one shared-memory batch copy"})
     shm_backend: str = field(default="memfd", metadata={"help": "alloc_shared backing: memfd or posix"})
+    max_connections: int = field(default=4096, metadata={
+        "help": "TCP server connections open at once; more are refused with the reason (0 = unlimited)"})
+    max_connections_per_peer: int = field(default=1024, metadata={
+        "help": "TCP server connections open at once from one peer host (0 = unlimited)"})
+    idle_timeout_ms: float = field(default=600000.0, metadata={
+        "help": "a TCP server connection with no request this long is closed (clients reconnect; 0 = never)"})
+    frame_timeout_ms: float = field(default=0.0, metadata={
+        "help": "a TCP frame (or handshake) started, and its reply, must complete within this; 0 = twice "
+                "timeout_ms, at least 1 s"})
 
     def __post_init__(self) -> None:
         if isinstance(self.max_frame, str):  # direct construction may say "16MiB" (load() parses already)
@@ -42,6 +52,19 @@ class TransferConfig:
             raise ConfigError(f"transfer timeout_ms={self.timeout_ms}: use a positive number of milliseconds")
         if self.shm_backend not in ("memfd", "posix"):
             raise ConfigError(f"transfer shm_backend={self.shm_backend!r}: use 'memfd' or 'posix'")
+        _at_least("max_connections", self.max_connections, 0)
+        _at_least("max_connections_per_peer", self.max_connections_per_peer, 0)
+        for name in ("idle_timeout_ms", "frame_timeout_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"transfer {name}={value!r}: use a number of milliseconds >= 0 (0 = "
+                                  f"{'never' if name == 'idle_timeout_ms' else 'twice timeout_ms'})")
+
+    def server_limits(self) -> ConnLimits:
+        """The TCP server's connection caps and timeouts (seconds), kvplugins/security/limits.py."""
+        frame_ms = self.frame_timeout_ms or max(1000.0, 2 * self.timeout_ms)
+        return ConnLimits(self.max_connections, self.max_connections_per_peer, self.idle_timeout_ms / 1000,
+                          frame_ms / 1000)
 
     def transport_list(self) -> list[str]:
         """The transport names in preference order (fastest first)."""

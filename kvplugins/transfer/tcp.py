@@ -3,10 +3,13 @@
 A batch is cut into frames (big entries split, small ones packed), the frames are spread over up to
 ``tcp_connections`` connections running in parallel, writes are sent with sendmsg straight from
 registered memory and reads land with recv_into straight in it (no copy through Python bytes).
+A pooled connection is checked for a close by the server (its idle timeout) before reuse and replaced
+transparently; a server over its connection caps refuses with a reason, raised as TransferFailed.
 """
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -85,8 +88,8 @@ class TcpTransport(Transport):
     def __init__(self, config: TransferConfig, regions: RegionTable):
         self._cfg = config
         self._secret = security.resolve()     # the cluster's shared secret (None: loopback-only, no handshake)
-        self._server = TcpServer(config.host, config.tcp_port, regions, config.max_frame,
-                                 frame_timeout_s=max(1.0, 2 * config.timeout_ms / 1000.0), secret=self._secret)
+        self._server = TcpServer(config.host, config.tcp_port, regions, config.max_frame, config.server_limits(),
+                                 secret=self._secret)
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._io = ThreadPoolExecutor(config.tcp_connections * config.workers, thread_name_prefix="kvp-tcp-io")
@@ -150,7 +153,7 @@ class TcpTransport(Transport):
                     conn.sock.close()  # a pooled connection the peer had closed: retry once on a new one
                     conn, fresh = None, True
             self._release(peer, conn)
-        except (OSError, ProtocolError, AuthError) as e:
+        except (OSError, ProtocolError, AuthError, TransferFailed) as e:
             if conn is not None:
                 conn.sock.close()
             self._drop_idle(peer)
@@ -175,7 +178,12 @@ class TcpTransport(Transport):
             handshake.check_refused(prefix, "the peer")     # a server with a secret refused us: AuthError
             raise
         reader.fill(sock, hlen, deadline.at)
-        st = wire.decode_response(reader.take(hlen), req_id, len(frame))
+        header = reader.take(hlen)
+        try:
+            st = wire.decode_response(header, req_id, len(frame))
+        except ProtocolError:
+            _check_refused(header)          # the server is over a connection cap: TransferFailed with its reason
+            raise
         ok = [p for p, s in zip(frame, st) if s is None] if op is Op.READ else []
         if plen != sum(p.length for p in ok):
             raise ProtocolError(f"response payload {plen} bytes, expected {sum(p.length for p in ok)}")
@@ -192,9 +200,7 @@ class TcpTransport(Transport):
         left = deadline.remaining()
         if left <= 0:
             raise TimeoutError("deadline passed before connecting")
-        with self._lock:
-            idle = self._idle.get(peer)
-            conn = idle.pop() if idle and not fresh else None
+        conn = None if fresh else self._pooled(peer)
         if conn is not None:
             conn.sock.settimeout(left)
             return conn, True
@@ -204,6 +210,17 @@ class TcpTransport(Transport):
             handshake.client(sock, self._secret, deadline.at, "the peer")
             sock.settimeout(max(1e-3, deadline.remaining()))
         return _Conn(sock, FrameReader()), False
+
+    def _pooled(self, peer: tuple[str, int]) -> "_Conn | None":
+        """An idle pooled connection to ``peer`` still open, or None; those the server closed meanwhile
+        (transfer.idle_timeout_ms, a restart) are dropped here instead of failing a frame."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(peer)
+                conn = idle.pop() if idle else None
+            if conn is None or _open(conn.sock):
+                return conn
+            conn.sock.close()
 
     def _release(self, peer: tuple[str, int], conn: "_Conn | None") -> None:
         if conn is None:
@@ -246,6 +263,28 @@ def _by_peer(entries: list[Entry]) -> dict[tuple[str, int], list[int]]:
     return peers
 
 
+def _open(sock: socket.socket) -> bool:
+    """False if the peer closed ``sock`` or sent something unasked (a zero-timeout poll: one syscall; an idle
+    connection in good health has nothing to read)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    try:
+        return not poller.poll(0)
+    except OSError:
+        return False
+
+
+def _check_refused(header) -> None:
+    """Raise TransferFailed naming the reason if ``header`` is a refusal (a response to request id 0 with one
+    status, tcp_server.py) instead of the response expected; return otherwise."""
+    try:
+        [reason] = wire.decode_response(header, 0, 1)
+    except (ProtocolError, ValueError):
+        return
+    if reason is not None:
+        raise TransferFailed(f"refused the connection: {reason}")
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -257,6 +296,10 @@ def _advertised(host: str) -> str:
 
 def _failure(peer: tuple[str, int], e: BaseException, deadline: Deadline) -> TransferFailed:
     where = f"tcp peer {peer[0]}:{peer[1]}"
+    if isinstance(e, TransferFailed):
+        failed = TransferFailed(f"{where} {e}")
+        failed.__cause__ = e
+        return failed
     if isinstance(e, AuthError):
         failed = TransferFailed(f"{where}: authentication failed: {e}")
         failed.__cause__ = e

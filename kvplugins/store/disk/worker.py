@@ -37,7 +37,8 @@ class NodeTier:
         self._staging = Staging(engine, 1 << 20)
         self._lock = threading.Lock()        # guards _lost (the disk store has its own lock)
         self._lost: list = []                # evicted/corrupt files to report
-        self.server = OpServer(config.host, {"promote": self.op_promote}) if self.disk else None
+        self.server = OpServer(config.host, {"promote": self.op_promote}, config.promote_limits(),
+                               config.promote_max_batch) if self.disk else None
         self._pool = ThreadPoolExecutor(config.disk_threads, thread_name_prefix="kvp-offload") \
             if self.disk and config.disk_threads > 1 else None
         self._registered = False
