@@ -10,7 +10,8 @@ import dataclasses
 
 from kvplugins.config import add_arguments, from_args
 
-NODE_SKIP = ("master", "host", "ready_file", "metrics_port", "metrics_host")   # one endpoint: the master's
+NODE_SKIP = ("master", "host", "ready_file", "metrics_port", "metrics_host", "metrics_max_connections",
+             "metrics_max_connections_per_peer", "metrics_timeout_ms")   # one endpoint: the master's
 
 
 def _classes():

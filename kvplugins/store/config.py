@@ -19,6 +19,13 @@ def _sizes(cfg) -> None:
             object.__setattr__(cfg, f.name, Bytes(parse_bytes(getattr(cfg, f.name))))
 
 
+def _metrics_limits(cfg):
+    """A config's metrics endpoint ConnLimits (one request per connection: no idle time between requests)."""
+    from kvplugins.security.limits import ConnLimits
+    return ConnLimits(cfg.metrics_max_connections, cfg.metrics_max_connections_per_peer, 0.0,
+                      cfg.metrics_timeout_ms / 1000)
+
+
 @component("master")
 @dataclass(frozen=True)
 class MasterConfig:
@@ -54,6 +61,13 @@ class MasterConfig:
     metrics_port: int = field(default=-1, metadata={
         "help": "Prometheus /metrics port (kvplugins/store/metrics.py); -1 = off, 0 = any free port (logged)"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "address the metrics endpoint binds"})
+    metrics_max_connections: int = field(default=64, metadata={
+        "help": "metrics endpoint: connections open at once; more get 503 with the reason (0 = unlimited)"})
+    metrics_max_connections_per_peer: int = field(default=16, metadata={
+        "help": "metrics endpoint: connections open at once from one peer host (0 = unlimited)"})
+    metrics_timeout_ms: int = field(default=10000, metadata={
+        "help": "metrics endpoint: a scrape request must arrive in full, and each reply write complete, "
+                "within this"})
     etcd: str = field(default="", metadata={
         "help": "etcd client URL(s) (http://127.0.0.1:2379, comma-separated for several members): run as one of "
                 "several HA masters (election, metadata persisted in etcd); '' = a single master, no persistence"})
@@ -69,12 +83,17 @@ class MasterConfig:
         if self.alloc_align <= 0 or self.alloc_align & (self.alloc_align - 1):
             raise ConfigError(f"alloc_align={self.alloc_align} must be a power of two, e.g. 64")
         for name in ("heartbeat_timeout_ms", "lease_ttl_ms", "put_timeout_ms", "tick_ms", "etcd_lease_ttl_ms",
-                     "frame_timeout_ms", "max_batch", "max_key_bytes", "partial_frames_budget", "reply_buffer"):
+                     "frame_timeout_ms", "max_batch", "max_key_bytes", "partial_frames_budget", "reply_buffer",
+                     "metrics_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"master {name}={getattr(self, name)} must be > 0")
-        for name in ("max_connections", "max_connections_per_peer", "idle_timeout_ms"):
+        for name in ("max_connections", "max_connections_per_peer", "idle_timeout_ms", "metrics_max_connections",
+                     "metrics_max_connections_per_peer"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"master {name}={getattr(self, name)} must be >= 0 (0 = unlimited)")
+
+    def metrics_limits(self):
+        return _metrics_limits(self)
 
     def conn_limits(self):
         """The raw RPC endpoint's kvplugins.security.limits.ConnLimits."""
@@ -155,10 +174,7 @@ class StoreNodeConfig:
                           self.promote_idle_timeout_ms / 1000, self.promote_frame_timeout_ms / 1000)
 
     def metrics_limits(self):
-        """The metrics endpoint's ConnLimits (one request per connection: no idle time between requests)."""
-        from kvplugins.security.limits import ConnLimits
-        return ConnLimits(self.metrics_max_connections, self.metrics_max_connections_per_peer, 0.0,
-                          self.metrics_timeout_ms / 1000)
+        return _metrics_limits(self)
 
 
 @component("client")

@@ -80,7 +80,9 @@ class MasterMetrics:
         self.endpoint = None
         port = getattr(config, "metrics_port", -1)
         if port >= 0:
-            self.endpoint = Endpoint(getattr(config, "metrics_host", "127.0.0.1"), port, "master")
+            limits = config.metrics_limits() if hasattr(config, "metrics_limits") else None
+            self.endpoint = Endpoint(getattr(config, "metrics_host", "127.0.0.1"), port, "master", limits,
+                                     "master.metrics_")
             self.endpoint.registry.register(_Collector(self._families))
             self.publish()
 

@@ -74,7 +74,7 @@ def parse_response(msg, rid: int):
     if not isinstance(msg, list) or len(msg) != 4 or msg[0] != VERSION:
         raise ProtocolError(f"malformed response from master: {msg!r:.200}")
     if msg[1] == 0 and msg[2] is False:     # id 0 is no request's: the server refused the connection
-        raise ProtocolError(f"the server {msg[3]}"[:1000])
+        raise ProtocolError(str(msg[3])[:1000])          # "connection refused: <reason, naming the limit>"
     if msg[1] != rid:
         raise ProtocolError(f"response id {msg[1]} does not match request {rid}")
     return bool(msg[2]), msg[3]

@@ -204,8 +204,10 @@ class ZmqRpcClient(_Base):
 
 def _open(sock: socket.socket) -> bool:
     """False if the peer has closed ``sock`` (EOF or an error pending); a zero-timeout peek, no bytes consumed."""
+    poller = select.poll()             # (select.select fails for descriptors >= 1024)
+    poller.register(sock, select.POLLIN)
     try:
-        if not select.select([sock], [], [], 0)[0]:
+        if not poller.poll(0):
             return True
         return sock.recv(1, socket.MSG_PEEK) != b""      # readable: returns at once (bytes or EOF)
     except OSError:
