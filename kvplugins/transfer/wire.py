@@ -6,6 +6,8 @@ Request header:  {"v": 1, "op": 1 (write) | 2 (read), "id": u63, "e": [[region u
                  a write's payload is the entries' bytes concatenated; a read's payload is empty.
 Response header: {"v": 1, "op": 3, "id": same id, "st": [None | "error text", ...]} one status per entry;
                  a read response's payload is the bytes of the entries whose status is None, in order.
+Refusal:         a response with id 0 (no request uses it) and one status, the reason, sent by a server over a
+                 connection limit before it closes the connection (tcp_server.py, security/limits.py).
 Limits: header_len <= MAX_HEADER, header_len + payload_len <= max_frame (config), at most MAX_ENTRIES
 entries, and a read's total length <= max_frame - MAX_HEADER. Headers are decoded straight into typed,
 range-checked structures (msgspec; an unknown or missing field is an error); anything else raises
