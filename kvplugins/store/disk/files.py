@@ -4,8 +4,10 @@ Layout (little-endian): MAGIC ``b"KVPD"``, u16 version, u16 key length, u64 obje
 of the object bytes, u64 xxh3_64 of the header fields before it plus the key, then the UTF-8 key, then the
 object bytes. A write goes to ``tmp/`` first, is fsynced, renamed into ``objects/<aa>/<xxh3_128(key)>.kvd``, and
 the directory is fsynced, so after ``write`` returns the file survives a crash; a crash before the rename leaves
-only a temp file (removed at the next start). ``read_header`` checks magic, version, header checksum and file
-length; ``read_into`` also checks the object checksum. Either raises CorruptFile.
+only a temp file (removed at the next start). ``read_header`` checks every field before using it (magic,
+version, key length, size against the file's length, header checksum, the key's UTF-8 and file name); a hostile
+header can neither make it read or allocate beyond the file nor return another file's key; ``read_into`` also
+checks the object checksum. Either raises CorruptFile (callers delete and count such a file, never serve it).
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ VERSION = 1
 HEAD = struct.Struct("<4sHHQQ")       # magic, version, key length, size, object checksum
 CHECK = struct.Struct("<Q")           # header checksum (over HEAD + key)
 SUFFIX = ".kvd"
+MAX_KEY = 0xFFFF                      # key length in UTF-8 bytes (the u16 field)
+MAX_OBJECT = 1 << 48                  # object size in bytes (as the master's largest; store/schema.py MAX_SIZE)
 
 
 class CorruptFile(StoreError):
@@ -41,9 +45,13 @@ def file_name(key: str) -> str:
 
 
 def header(key: str, size: int, digest: int) -> bytes:
+    """Header bytes of ``key``'s file for an object of ``size`` bytes with checksum ``digest``. Raises StoreError
+    for an empty key, a key over MAX_KEY UTF-8 bytes or a size over MAX_OBJECT (``read_header`` would refuse it)."""
     kb = key.encode()
-    if len(kb) > 0xFFFF:
-        raise StoreError(f"key of {len(kb)} bytes is too long for the disk tier (max 65535)")
+    if not 0 < len(kb) <= MAX_KEY:
+        raise StoreError(f"key of {len(kb)} bytes does not fit the disk tier (1..{MAX_KEY})")
+    if not 0 <= size <= MAX_OBJECT:
+        raise StoreError(f"object of {size} bytes does not fit the disk tier (at most {MAX_OBJECT})")
     head = HEAD.pack(MAGIC, VERSION, len(kb), size, digest) + kb
     return head + CHECK.pack(checksum(head))
 
@@ -80,35 +88,22 @@ class Writer:
 
 
 def read_header(path: Path) -> tuple[str, int, int]:
-    """(key, size, object checksum) of a file. Raises CorruptFile (torn/garbled header, wrong length), OSError."""
-    with open(path, "rb") as f:
-        head = f.read(HEAD.size)
-        if len(head) < HEAD.size:
-            raise CorruptFile(f"{path}: truncated header")
-        magic, version, klen, size, digest = HEAD.unpack(head)
-        if magic != MAGIC or version != VERSION:
-            raise CorruptFile(f"{path}: not a kvplugins disk-tier file (magic {magic!r}, version {version})")
-        kb = f.read(klen)
-        (check,) = CHECK.unpack(f.read(CHECK.size).ljust(CHECK.size, b"\0"))
-    if len(kb) != klen or check != checksum(head + kb):
-        raise CorruptFile(f"{path}: header checksum mismatch")
-    if os.path.getsize(path) != data_offset(klen) + size:
-        raise CorruptFile(f"{path}: length {os.path.getsize(path)} != header + {size} object bytes (torn write)")
-    return kb.decode(), size, digest
-
-
-def data_offset(key_len: int) -> int:
-    return HEAD.size + key_len + CHECK.size
+    """(key, size in bytes, object checksum) of a file. Raises CorruptFile (torn, garbled or hostile header: see
+    ``_parse``), OSError."""
+    with open(path, "rb", buffering=0) as f:
+        return _parse(path, f)[:3]
 
 
 def read_into(path: Path, key: str, dest: memoryview) -> int:
     """Read ``key``'s object from ``path`` into ``dest`` (exactly its size) and verify it; returns the checksum.
-    Raises CorruptFile (bad header, other key, size mismatch, checksum mismatch), OSError."""
-    got_key, size, digest = read_header(path)
-    if got_key != key or size != dest.nbytes:
-        raise CorruptFile(f"{path}: holds {got_key!r} ({size} bytes), expected {key!r} ({dest.nbytes} bytes)")
+    Header and bytes come from one open file (a rename in between cannot mix two files). Raises CorruptFile (bad
+    header, other key, size mismatch, short file, checksum mismatch), OSError."""
     with open(path, "rb", buffering=0) as f:
-        f.seek(data_offset(len(key.encode())))
+        got_key, size, digest, offset = _parse(path, f)
+        if got_key != key or size != dest.nbytes:
+            raise CorruptFile(f"{path}: holds {got_key[:200]!r} ({size} bytes), expected {key[:200]!r} "
+                              f"({dest.nbytes} bytes)")
+        f.seek(offset)
         n = 0
         while n < size:
             got = f.readinto(dest[n:])
@@ -118,6 +113,48 @@ def read_into(path: Path, key: str, dest: memoryview) -> int:
     if checksum(dest) != digest:
         raise CorruptFile(f"{path}: object checksum mismatch (the file is corrupt)")
     return digest
+
+
+def data_offset(key_len: int) -> int:
+    """Byte offset of the object bytes in a file whose key is ``key_len`` UTF-8 bytes."""
+    return HEAD.size + key_len + CHECK.size
+
+
+def _parse(path: Path, f) -> tuple[str, int, int, int]:
+    """(key, size, object checksum, data offset) of open file ``f`` at ``path``, each field range-checked before
+    it is used: magic and version exact; key length in 1..MAX_KEY; size in 0..MAX_OBJECT and header + key +
+    size == the file's length (nothing is read or allocated beyond the file); header checksum over the fields
+    and the key; the key valid UTF-8 and the one the file is named after. Raises CorruptFile naming the field."""
+    length = os.fstat(f.fileno()).st_size
+    head = f.read(HEAD.size)
+    if len(head) < HEAD.size:
+        raise CorruptFile(f"{path}: truncated header ({length} bytes)")
+    magic, version, klen, size, digest = HEAD.unpack(head)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptFile(f"{path}: not a kvplugins disk-tier file (magic {magic!r}, version {version}; "
+                          f"expected {MAGIC!r}, {VERSION})")
+    if not 0 < klen <= MAX_KEY:
+        raise CorruptFile(f"{path}: key length {klen} outside 1..{MAX_KEY}")
+    if size > MAX_OBJECT or data_offset(klen) + size != length:
+        raise CorruptFile(f"{path}: length {length} != header + {klen}-byte key + {size} object bytes "
+                          f"(torn write or garbled size; objects are at most {MAX_OBJECT} bytes)")
+    kb, check = f.read(klen), f.read(CHECK.size)
+    if len(kb) != klen or len(check) != CHECK.size or CHECK.unpack(check)[0] != checksum(head + kb):
+        raise CorruptFile(f"{path}: header checksum mismatch")
+    return _key_of(path, kb), size, digest, data_offset(klen)
+
+
+def _key_of(path: Path, kb: bytes) -> str:
+    """The key of header key bytes ``kb``, checked against the file's name (``file_name``: a file copied or
+    renamed under another key's name would shadow it). Raises CorruptFile."""
+    try:
+        key = kb.decode()
+    except UnicodeDecodeError as e:
+        raise CorruptFile(f"{path}: key is not UTF-8 ({e})") from None
+    want = Path(file_name(key))
+    if (path.parent.name, path.name) != (want.parent.name, want.name):
+        raise CorruptFile(f"{path}: holds key {key[:200]!r}, whose file is {want}")
+    return key
 
 
 def _write_all(fd: int, data) -> None:

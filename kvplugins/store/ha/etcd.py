@@ -105,7 +105,7 @@ class Etcd:
             res = self._do("range", self._post, "/kv/range", req)
             rev = rev or int(res["header"]["revision"])
             kvs = res.get("kvs", [])
-            rows += [(int(kv.get("mod_revision", 0)), base64.b64decode(kv["key"]).decode(),
+            rows += [(int(kv.get("mod_revision", 0)), base64.b64decode(kv["key"]).decode("utf-8", "surrogateescape"),
                       base64.b64decode(kv.get("value", ""))) for kv in kvs]
             if not res.get("more") or not kvs:
                 break

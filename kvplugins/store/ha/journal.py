@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from typing import Annotated, Literal, Union
 
@@ -149,36 +150,60 @@ _OBJECT = msgspec.msgpack.Decoder(_ObjectValue)
 _SEGMENT = msgspec.msgpack.Decoder(tuple[schema.Descriptor, schema.RegionId, schema.Size])
 
 
+_OBJECT_FIELDS = ("size", "replicas", "checksum", "pin")
+_SEGMENT_FIELDS = ("descriptor", "region id", "size")
+
+
 def decode_object(value: bytes) -> tuple:
-    """(size, [(segment, offset)], checksum, pin) from encode_object's bytes. Raises ProtocolError naming the
-    field for a value that is not one (typed: msgspec, as the master's wire)."""
+    """(size in bytes, [(segment, offset)], checksum or None, pin) from encode_object's bytes. Raises
+    ProtocolError naming the field (``replicas: Expected `int` >= 0 - at `$[1][0][1]```) for a value that is
+    not one (typed: msgspec, as the master's wire)."""
     try:
         o = _OBJECT.decode(value)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"journal object value: {e}") from None
+        raise ProtocolError(f"journal object value: {_named(e, _OBJECT_FIELDS)}") from None
     return o.size, o.replicas, o.checksum, o.pin
 
 
 def decode_segment(value: bytes) -> tuple:
-    """(descriptor wire dict, region id, size) from segment_added's bytes. Raises ProtocolError."""
+    """(descriptor wire dict, region id, size in bytes) from segment_added's bytes. Raises ProtocolError naming
+    the field."""
     try:
         desc, region_id, size = _SEGMENT.decode(value)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"journal segment value: {e}") from None
+        raise ProtocolError(f"journal segment value: {_named(e, _SEGMENT_FIELDS)}") from None
     return msgspec.to_builtins(desc), region_id, size
+
+
+def _named(err: Exception, fields: tuple[str, ...]) -> str:
+    """msgspec's error text prefixed with the name of the top-level array item its path starts at."""
+    text = str(err)
+    at = re.search(r"at `\$\[(\d+)\]", text)
+    return f"{fields[int(at.group(1))]}: {text}" if at and int(at.group(1)) < len(fields) else text
 
 
 def _decoded(items, cut: int, decode) -> list[tuple]:
     """[(name, *decode(value))] of etcd (key, value) items; a value that does not decode (written by another
     version, or by someone else with write access to the prefix) is skipped with a warning naming its etcd
-    key: recovery never applies part of one, and never stops on one."""
+    key: recovery never applies part of one, and never stops on one. So is a name that is empty, longer than
+    MAX_JOURNAL_KEY characters, or not UTF-8 (an etcd key read with errors="surrogateescape")."""
     out = []
     for k, v in items:
         name = k[cut:]
         try:
-            if not 0 < len(name) <= MAX_JOURNAL_KEY:
-                raise ProtocolError(f"key of {len(name)} characters")
+            _check_name(name)
             out.append((name, *decode(v)))
         except ProtocolError as e:
-            log.warning("journal entry %s skipped: %s", k[:200], e)
+            log.warning("journal entry %r skipped: %s", k[:200], e)
     return out
+
+
+def _check_name(name: str) -> None:
+    """Raise ProtocolError unless ``name`` (an object key or segment name from an etcd key) is 1..MAX_JOURNAL_KEY
+    characters of valid UTF-8."""
+    if not 0 < len(name) <= MAX_JOURNAL_KEY:
+        raise ProtocolError(f"name of {len(name)} characters (1..{MAX_JOURNAL_KEY})")
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        raise ProtocolError("name is not UTF-8") from None

@@ -3,9 +3,12 @@
 Segments are re-added from their stored descriptors (same names) with a heartbeat of ``now``: a node that is
 still alive keeps heart-beating the new leader (its bytes never moved), one that died times out after
 heartbeat_timeout_ms like any silent segment and its objects are lost then. Every recovered object is complete,
-unleased, and re-marks its bytes allocated in its segment's allocator; objects naming an unknown segment or an
-offset that does not fit are dropped (logged, counted in ``dropped``). Pending puts of the old leader are not
-recovered: their writers' put_commit answers "expired" and the put is not acknowledged.
+unleased, and re-marks its bytes allocated in its segment's allocator; objects naming an unknown segment, an
+offset that does not fit, or bytes another object holds are dropped (logged by key, counted in ``dropped``),
+and a dropped replica leaves no space allocated. The values were type- and range-checked by journal.py already;
+a segment whose descriptor does not hold together, or is not its etcd key's segment, is skipped (logged).
+Pending puts of the old leader are not recovered: their writers' put_commit answers "expired" and the put is not
+acknowledged.
 """
 from __future__ import annotations
 
@@ -21,19 +24,13 @@ def restore(service, segs: list, objs: list, now: float) -> dict:
     """Load ``segs`` [(name, wire, region id, size)] and ``objs`` [(key, size, replicas, checksum, pin)] (oldest
     first) into ``service`` (an empty MasterService). Returns {"segments", "objects", "dropped"}."""
     for name, wire, region_id, size in segs:
-        try:
-            seg = service.segments.add(wire, region_id, size, now)
-        except (KVPluginsError, ValueError) as e:       # a descriptor that decodes but does not hold together
-            log.warning("journal segment %s skipped: %s", name, e)
-            continue
-        if seg.name != name:
-            log.warning("journal segment %s re-added as %s", name, seg.name)
+        _add_segment(service, name, wire, region_id, size, now)
     placed: dict[str, list] = {}                       # segment name -> [(offset, size, key)]
-    kept, dropped = [], 0
+    kept, dropped = [], []
     for key, size, replicas, *extra in objs:
-        good = [(n, off) for n, off in replicas if service.segments.get(n) is not None]
+        good = [(n, off) for n, off in dict.fromkeys(map(tuple, replicas)) if service.segments.get(n) is not None]
         if not good:
-            dropped += 1
+            dropped.append(key)
             continue
         kept.append((key, size, good, *extra))
         for n, off in good:
@@ -42,14 +39,28 @@ def restore(service, segs: list, objs: list, now: float) -> dict:
     for name, blocks in placed.items():
         bad |= _reserve(service.segments.get(name), blocks)
     for key, size, replicas, *extra in kept:
-        replicas = [(n, off) for n, off in replicas if (n, off) not in bad]
+        replicas = [(n, off) for n, off in replicas if (n, off, key) not in bad]
         if not replicas:
-            dropped += 1
+            dropped.append(key)
             continue
         _add(service, Object(key, size, replicas, complete=True, last_access=now), *extra)
     if dropped:
-        log.warning("recovery dropped %d objects (segment unknown or offsets overlapping)", dropped)
-    return {"segments": len(segs), "objects": len(service.table), "dropped": dropped}
+        log.warning("recovery dropped %d objects (segment unknown, offset outside it or overlapping another "
+                    "object), e.g. %s", len(dropped), ", ".join(repr(k[:100]) for k in dropped[:10]))
+    return {"segments": len(service.segments), "objects": len(service.table), "dropped": len(dropped)}
+
+def _add_segment(service, name: str, wire: dict, region_id: int, size: int, now: float) -> None:
+    """Re-add journal segment ``name``, or skip it with a warning naming it: a descriptor that decodes but does
+    not hold together (no such region, size beyond it), or one that is not this key's segment (the journal
+    stores each segment under its own name; another one would replace that segment)."""
+    own = f"{wire.get('segment_id')}:{region_id}"
+    if own != name:
+        log.warning("journal segment %r skipped: its descriptor is segment %r", name[:200], own[:200])
+        return
+    try:
+        service.segments.add(wire, region_id, size, now)
+    except (KVPluginsError, ValueError) as e:       # a descriptor that decodes but does not hold together
+        log.warning("journal segment %r skipped: %s", name[:200], e)
 
 
 def _add(service, obj: Object, checksum=None, pin: int = 0) -> None:
@@ -63,11 +74,13 @@ def _add(service, obj: Object, checksum=None, pin: int = 0) -> None:
 def _reserve(seg, blocks: list) -> set:
     """Mark ``blocks`` [(offset, size, key)] allocated in ``seg``'s fresh allocator, using only its public
     first-fit ``alloc``: gaps are filled with filler allocations (freed at the end), so each block lands at
-    its own offset. Returns {(segment name, offset)} of blocks that could not be placed (overlap, out of range)."""
+    its own offset. Returns {(segment name, offset, key)} of the blocks that could not be placed (out of range,
+    misaligned, or overlapping a block placed before it: of two that overlap, the one at the lower offset, then
+    the smaller, then the lower key, keeps its bytes), so a dropped replica never leaves space allocated."""
     alloc, bad, fillers, pos = seg.allocator, set(), [], 0
-    for off, size, _ in sorted(blocks):
+    for off, size, key in sorted(blocks):
         if off < pos or off % alloc.align or off + alloc.rounded(size) > alloc.capacity:
-            bad.add((seg.name, off))
+            bad.add((seg.name, off, key))
             continue
         if off > pos:
             fillers.append(alloc.alloc(off - pos))
@@ -75,7 +88,7 @@ def _reserve(seg, blocks: list) -> set:
         if got != off:                       # not with first-fit from a fresh allocator; never overlap
             if got is not None:
                 fillers.append(got)
-            bad.add((seg.name, off))
+            bad.add((seg.name, off, key))
             continue
         pos = off + alloc.rounded(size)
     for f in fillers:
