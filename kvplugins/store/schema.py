@@ -161,7 +161,7 @@ class Schemas:
         request (the connection closes), ValueError naming the field for a request this master refuses."""
         try:
             env = self._envelope.decode(body)
-        except (msgspec.DecodeError, UnicodeDecodeError) as e:      # (invalid UTF-8 in a string: the latter)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:   # (bad UTF-8; ~1000-deep nesting)
             raise ProtocolError(f"not a request [version, id, op, entries, opts]: {e}") from e
         if env.version != VERSION:
             raise ProtocolError(f"request version {env.version!r} unsupported (this master speaks {VERSION})")
@@ -170,11 +170,11 @@ class Schemas:
             raise RefusedRequest(env.rid, f"unknown op {env.op!r}; valid: {', '.join(sorted(self._decoders))}")
         try:
             entries = decoders[0].decode(env.entries)
-        except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
             raise RefusedRequest(env.rid, f"{env.op}: entries: {self._explain(e)}") from e
         try:
             opts = decoders[1].decode(env.opts)
-        except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
             raise RefusedRequest(env.rid, f"{env.op}: opts: {e}") from e
         self._check_keys(env.rid, env.op, entries)
         return env.rid, env.op, entries, opts

@@ -131,11 +131,11 @@ class _Server(GuardedServerMixIn, socketserver.ThreadingTCPServer):
             return [protocol.VERSION, rid, False, f"unknown op {op!r}; valid: {', '.join(sorted(self.ops))}"]
         try:
             typed_entries = schema.entries.decode(entries)
-        except msgspec.DecodeError as e:          # ValidationError included: the message names the path
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:          # ValidationError included: the message names the path
             return [protocol.VERSION, rid, False, self._explain(op, "entries", e)]
         try:
             typed_opts = schema.opts.decode(opts)
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
             return [protocol.VERSION, rid, False, self._explain(op, "opts", e)]
         try:
             return [protocol.VERSION, rid, True, fn(typed_entries, typed_opts)]
@@ -186,7 +186,7 @@ def _envelope(body: bytes) -> tuple[int, str, msgspec.Raw, msgspec.Raw]:
     """(request id, op, raw entries, raw opts) of a request body. Raises ProtocolError naming what is wrong."""
     try:
         env = _ENVELOPE.decode(body)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:   # (deep nesting: the last)
         raise ProtocolError(f"request must be [int version, int id, str op, list entries, map opts]: {e}") from None
     if env.version != protocol.VERSION:
         raise ProtocolError(f"request version {env.version!r} unsupported (this endpoint speaks {protocol.VERSION})")
