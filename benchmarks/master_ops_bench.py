@@ -1,4 +1,5 @@
-"""The master's cost per key of each hot op, decode + validation + logic + reply encoding, with no socket:
+"""The master's cost per key of each hot op, decode + validation + logic + reply encoding, with no socket, and
+the transfer server's header decode per entry (``wire_req_N``: N entries):
 ``python benchmarks/master_ops_bench.py [--batch 128] [--rounds 5] [--vs-tree DIR]``.
 
 One request body per op (put_start, put_commit with checksums, get in the column form, remove) goes through
@@ -48,7 +49,22 @@ def measure(batch: int, iters: int) -> dict:
             best[op] = min(best.get(op, ns), ns)
         server.service.tick()
     server.close()
-    return best
+    return best | wire_decode()
+
+
+def wire_decode() -> dict:
+    """ns per entry of the transfer TCP server's request header decode (wire.decode_request), 1/32/1024 entries."""
+    import timeit
+
+    from kvplugins.transfer import wire
+    out = {}
+    for n in (1, 32, 1024):
+        frame = wire.encode_request(wire.OP_READ, 7, [(1, i * 4096, 4096) for i in range(n)])
+        header = frame[wire.PREFIX.size:]
+        reps = max(10, 20_000 // n)
+        t = min(timeit.repeat(lambda: wire.decode_request(header, 0, 1 << 40), number=reps, repeat=5))
+        out[f"wire_req_{n}"] = t / reps / n * 1e9
+    return out
 
 
 def main(argv=None) -> None:
@@ -73,7 +89,8 @@ def main(argv=None) -> None:
                                  capture_output=True, text=True, check=True, cwd=tree)
             runs[name].append(json.loads(out.stdout))
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"CPU: {cpu}; batch {args.batch} keys; median of {args.rounds} rounds of best-of-{args.iters} (ns/key)")
+    print(f"CPU: {cpu}; batch {args.batch} keys; median of {args.rounds} rounds of best-of-{args.iters} "
+          "(ns per key or entry)")
     print(f"{'op':12} " + " ".join(f"{n:>10}" for n in trees) + ("   new/old" if "old" in trees else ""))
     for op in runs["new"][0]:
         med = {n: statistics.median(r[op] for r in runs[n]) for n in trees}
