@@ -19,16 +19,27 @@ def _sizes(cfg) -> None:
             object.__setattr__(cfg, f.name, Bytes(parse_bytes(getattr(cfg, f.name))))
 
 
-def _metrics_limits(cfg):
-    """A config's metrics endpoint ConnLimits (one request per connection: no idle time between requests)."""
-    from kvplugins.security.limits import ConnLimits
-    return ConnLimits(cfg.metrics_max_connections, cfg.metrics_max_connections_per_peer, 0.0,
-                      cfg.metrics_timeout_ms / 1000)
+@dataclass(frozen=True)
+class _MetricsLimits:
+    """The Prometheus endpoint's connection limits, shared by the master's and a node's config."""
+    metrics_max_connections: int = field(default=64, metadata={
+        "help": "metrics endpoint: connections open at once; more get 503 with the reason (0 = unlimited)"})
+    metrics_max_connections_per_peer: int = field(default=16, metadata={
+        "help": "metrics endpoint: connections open at once from one peer host (0 = unlimited)"})
+    metrics_timeout_ms: int = field(default=10000, metadata={
+        "help": "metrics endpoint: a scrape request must arrive in full, and each reply write complete, "
+                "within this"})
+
+    def metrics_limits(self):
+        """The metrics endpoint's ConnLimits (one request per connection: no idle time between requests)."""
+        from kvplugins.security.limits import ConnLimits
+        return ConnLimits(self.metrics_max_connections, self.metrics_max_connections_per_peer, 0.0,
+                          self.metrics_timeout_ms / 1000)
 
 
 @component("master")
 @dataclass(frozen=True)
-class MasterConfig:
+class MasterConfig(_MetricsLimits):
     """The metadata master: object table, segment registry, allocator, eviction (kvplugins/store/master)."""
     host: str = field(default="127.0.0.1", metadata={"help": "address both RPC endpoints bind"})
     port: int = field(default=0, metadata={"help": "raw framed-socket RPC port (the master address); 0 = any"})
@@ -61,13 +72,6 @@ class MasterConfig:
     metrics_port: int = field(default=-1, metadata={
         "help": "Prometheus /metrics port (kvplugins/store/metrics.py); -1 = off, 0 = any free port (logged)"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "address the metrics endpoint binds"})
-    metrics_max_connections: int = field(default=64, metadata={
-        "help": "metrics endpoint: connections open at once; more get 503 with the reason (0 = unlimited)"})
-    metrics_max_connections_per_peer: int = field(default=16, metadata={
-        "help": "metrics endpoint: connections open at once from one peer host (0 = unlimited)"})
-    metrics_timeout_ms: int = field(default=10000, metadata={
-        "help": "metrics endpoint: a scrape request must arrive in full, and each reply write complete, "
-                "within this"})
     etcd: str = field(default="", metadata={
         "help": "etcd client URL(s) (http://127.0.0.1:2379, comma-separated for several members): run as one of "
                 "several HA masters (election, metadata persisted in etcd); '' = a single master, no persistence"})
@@ -92,9 +96,6 @@ class MasterConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"master {name}={getattr(self, name)} must be >= 0 (0 = unlimited)")
 
-    def metrics_limits(self):
-        return _metrics_limits(self)
-
     def conn_limits(self):
         """The raw RPC endpoint's kvplugins.security.limits.ConnLimits."""
         from kvplugins.security.limits import ConnLimits
@@ -104,7 +105,7 @@ class MasterConfig:
 
 @component("store")
 @dataclass(frozen=True)
-class StoreNodeConfig:
+class StoreNodeConfig(_MetricsLimits):
     """A store node: contributes one DRAM segment to the pool (kvplugins/store/node.py)."""
     master: str = field(default="", metadata={
         "help": "master address host:port (HA: etcd://host:port/prefix or host:port,host:port); '' = the embedded "
@@ -139,13 +140,6 @@ class StoreNodeConfig:
                 "within this"})
     promote_max_batch: int = field(default=65536, metadata={
         "help": "promote endpoint: most keys one promote request may carry"})
-    metrics_max_connections: int = field(default=64, metadata={
-        "help": "metrics endpoint: connections open at once; more get 503 with the reason (0 = unlimited)"})
-    metrics_max_connections_per_peer: int = field(default=16, metadata={
-        "help": "metrics endpoint: connections open at once from one peer host (0 = unlimited)"})
-    metrics_timeout_ms: int = field(default=10000, metadata={
-        "help": "metrics endpoint: a scrape request must arrive in full, and each reply write complete, "
-                "within this"})
 
     def __post_init__(self):
         _sizes(self)
@@ -172,9 +166,6 @@ class StoreNodeConfig:
         from kvplugins.security.limits import ConnLimits
         return ConnLimits(self.promote_max_connections, self.promote_max_connections_per_peer,
                           self.promote_idle_timeout_ms / 1000, self.promote_frame_timeout_ms / 1000)
-
-    def metrics_limits(self):
-        return _metrics_limits(self)
 
 
 @component("client")
