@@ -7,7 +7,6 @@ RawRpcClient: the per-operation path (length-prefixed msgpack over TCP). ZmqRpcC
 from __future__ import annotations
 
 import itertools
-import select
 import socket
 import threading
 import time
@@ -16,6 +15,7 @@ from kvplugins import security
 from kvplugins.errors import ConfigError, MasterUnreachable, ProtocolError, StoreError
 from kvplugins.security import handshake
 from kvplugins.store import protocol
+from kvplugins.transfer.sockio import reusable
 
 RECV_CHUNK = 1 << 16
 IDLE_CHECK_S = 1.0     # a connection unused this long is checked for a close by the master before reuse
@@ -119,7 +119,7 @@ class RawRpcClient(_Base):
 
     def _connect(self, deadline: float) -> socket.socket:
         if self._sock is not None and not self._deferred and time.monotonic() - self._used > IDLE_CHECK_S \
-                and not _open(self._sock):
+                and not reusable(self._sock):
             self._reset()            # the master closed it while idle (master.idle_timeout_ms): reconnect
         self._used = time.monotonic()
         if self._sock is None:
@@ -200,18 +200,6 @@ class ZmqRpcClient(_Base):
                 raise self._curve.refused_error(self.address)
             raise TimeoutError("no reply")
         return self._sock.recv()
-
-
-def _open(sock: socket.socket) -> bool:
-    """False if the peer has closed ``sock`` (EOF or an error pending); a zero-timeout peek, no bytes consumed."""
-    poller = select.poll()             # (select.select fails for descriptors >= 1024)
-    poller.register(sock, select.POLLIN)
-    try:
-        if not poller.poll(0):
-            return True
-        return sock.recv(1, socket.MSG_PEEK) != b""      # readable: returns at once (bytes or EOF)
-    except OSError:
-        return False
 
 
 def _left(deadline: float) -> float:

@@ -8,6 +8,7 @@ a peer closing mid-message raises ConnectionError.
 """
 from __future__ import annotations
 
+import select
 import socket
 import time
 
@@ -139,3 +140,15 @@ class FrameReader:
             self._start = self._end = 0
         if rest:
             recv_views(sock, rest, deadline)
+
+
+def reusable(sock: socket.socket) -> bool:
+    """True if an idle pooled connection may carry the next request: the peer has not closed it (an idle
+    timeout) and sent nothing unasked (a refusal). A zero-timeout poll, one syscall; ``select.poll`` has no
+    descriptor-number limit."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    try:
+        return not poller.poll(0)
+    except OSError:
+        return False

@@ -9,7 +9,6 @@ transparently; a server over its connection caps refuses with a reason, raised a
 from __future__ import annotations
 
 import itertools
-import select
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ from kvplugins.transfer.api import RegionInfo, SegmentDescriptor
 from kvplugins.transfer.config import MIN_FRAME, TransferConfig
 from kvplugins.transfer.memory import RegionTable, view_of
 from kvplugins.transfer.spans import as_list
-from kvplugins.transfer.sockio import FrameReader, send_all
+from kvplugins.transfer.sockio import FrameReader, reusable, send_all
 from kvplugins.transfer.tcp_server import TcpServer
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
@@ -218,7 +217,7 @@ class TcpTransport(Transport):
             with self._lock:
                 idle = self._idle.get(peer)
                 conn = idle.pop() if idle else None
-            if conn is None or _open(conn.sock):
+            if conn is None or reusable(conn.sock):
                 return conn
             conn.sock.close()
 
@@ -261,17 +260,6 @@ def _by_peer(entries: list[Entry]) -> dict[tuple[str, int], list[int]]:
         ep = e.remote.transports["tcp"]
         peers.setdefault((ep["host"], ep["port"]), []).append(i)
     return peers
-
-
-def _open(sock: socket.socket) -> bool:
-    """False if the peer closed ``sock`` or sent something unasked (a zero-timeout poll: one syscall; an idle
-    connection in good health has nothing to read)."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    try:
-        return not poller.poll(0)
-    except OSError:
-        return False
 
 
 def _check_refused(header) -> None:
