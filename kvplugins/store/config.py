@@ -112,7 +112,7 @@ class StoreNodeConfig(_MetricsLimits):
                 "`kvplugins up`"})
     segment_size: Bytes = field(default=Bytes(1 << 30), metadata={"help": "DRAM this node contributes"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the transfer engine binds"})
-    transports: str = field(default="shm,tcp", metadata={"help": "transports offered, fastest first"})
+    transports: str = field(default="shm,rdma,tcp", metadata={"help": "transports offered, fastest first"})
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period"})
     rpc_timeout_ms: int = field(default=3000, metadata={"help": "timeout of each master RPC"})
     ready_file: str = field(default="", metadata={"help": "write the segment id here once registered"})
@@ -188,7 +188,7 @@ class ClientConfig:
     verify_checksums: bool = field(default=True, metadata={
         "help": "check each object read against its xxh3_64 checksum (a mismatch reads as a miss)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address this client's transfer engine binds"})
-    transports: str = field(default="shm,tcp", metadata={"help": "transports offered, fastest first"})
+    transports: str = field(default="shm,rdma,tcp", metadata={"help": "transports offered, fastest first"})
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period of the own segment"})
     embedded_start_timeout_ms: int = field(default=30000, metadata={"help": "wait for an auto-started `up`"})
     wait_commit: bool = field(default=True, metadata={

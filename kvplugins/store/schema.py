@@ -33,6 +33,7 @@ MAX_FILE_KEY = 1 << 16        # keys of files a node announces (its disk tier ch
 MAX_FILES = 1 << 20           # files in one tier_register entry
 MAX_DESC_REGIONS = 1024       # regions in one segment descriptor
 MAX_TRANSPORT_FIELDS = 16     # fields of one transport's endpoint info in a descriptor
+MAX_NICS = 16                 # RDMA NICs one descriptor lists (endpoint lists, rkeys per region)
 
 U64 = Annotated[int, Meta(ge=0)]          # msgpack carries at most 2**64 - 1
 Size = Annotated[int, Meta(gt=0, le=MAX_SIZE)]
@@ -86,16 +87,31 @@ class SegmentOpts(Struct, forbid_unknown_fields=True):
     segment: SegName
 
 
+class DescRegion(Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One row of a descriptor's region table: [id, length, shm_path] or [..., [addr, [rkey per RDMA NIC]]]."""
+    region_id: RegionId
+    length: Size
+    shm_path: Union[Annotated[str, Meta(max_length=4096)], None]
+    rdma: Union[tuple[U64, Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 32)]], Meta(max_length=MAX_NICS)]],
+                None] = None
+
+
 class Descriptor(Struct, forbid_unknown_fields=True):
-    """kvplugins.transfer.api.SegmentDescriptor.to_wire()."""
+    """kvplugins.transfer.api.SegmentDescriptor.to_wire(); ``wire()`` gives that dict back."""
     v: Literal[1]
     segment_id: SegName
     host_id: Name
     transports: Annotated[dict[Annotated[str, Meta(max_length=32)],
-                               Annotated[dict[Annotated[str, Meta(max_length=64)], Scalar],
+                               Annotated[dict[Annotated[str, Meta(max_length=64)],
+                                              Union[Scalar, Annotated[list[Scalar], Meta(max_length=MAX_NICS)]]],
                                          Meta(max_length=MAX_TRANSPORT_FIELDS)]], Meta(max_length=8)]
-    regions: Annotated[list[tuple[RegionId, Size, Union[Annotated[str, Meta(max_length=4096)], None]]],
-                       Meta(max_length=MAX_DESC_REGIONS)]
+    regions: Annotated[list[DescRegion], Meta(max_length=MAX_DESC_REGIONS)]
+
+    def wire(self) -> dict:
+        """The descriptor as SegmentDescriptor.to_wire() writes it (a region row without RDMA keys has 3 items)."""
+        out = msgspec.to_builtins(self)
+        out["regions"] = [r[:3] if r[3] is None else r for r in out["regions"]]
+        return out
 
 
 class TierNode(Struct, array_like=True, forbid_unknown_fields=True):

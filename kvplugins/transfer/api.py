@@ -38,10 +38,12 @@ class Region:
 
 @dataclass(frozen=True)
 class RegionInfo:
-    """A region as peers see it in a SegmentDescriptor (no local address)."""
+    """A region as peers see it in a SegmentDescriptor. ``rdma``: where an RDMA transport registered it,
+    (address, (rkey per NIC of the endpoint's "nics" list)), for one-sided READ/WRITE; else None."""
     region_id: int
     length: int
     shm_path: str | None = None
+    rdma: tuple[int, tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class SegmentDescriptor:
 
     def to_wire(self) -> dict[str, Any]:
         return {"v": 1, "segment_id": self.segment_id, "host_id": self.host_id, "transports": self.transports,
-                "regions": [[r.region_id, r.length, r.shm_path] for r in self.regions]}
+                "regions": [_region_row(r) for r in self.regions]}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "SegmentDescriptor":
@@ -63,7 +65,7 @@ class SegmentDescriptor:
         try:
             if d["v"] != 1:
                 raise ProtocolError(f"segment descriptor version {d['v']!r} unsupported (this build speaks 1)")
-            regions = tuple(RegionInfo(int(r[0]), int(r[1]), r[2]) for r in d["regions"])
+            regions = tuple(_region_info(r) for r in d["regions"])
             if any(r.shm_path is not None and not isinstance(r.shm_path, str) for r in regions):
                 raise ValueError("a region's shm_path must be a string or None")
             return cls(str(d["segment_id"]), str(d["host_id"]), dict(d["transports"]), regions)
@@ -76,6 +78,22 @@ class SegmentDescriptor:
                 return r
         from kvplugins.errors import OutOfRange
         raise OutOfRange(f"segment {self.segment_id} exports no region {region_id}")
+
+
+def _region_row(r: RegionInfo) -> list:
+    row = [r.region_id, r.length, r.shm_path]
+    return row if r.rdma is None else [*row, [r.rdma[0], list(r.rdma[1])]]
+
+
+def _region_info(row) -> RegionInfo:
+    """A RegionInfo from a wire row [id, length, shm_path] or [id, length, shm_path, [addr, [rkey, ...]]]."""
+    if len(row) not in (3, 4):
+        raise ValueError(f"a region row has 3 or 4 items, got {len(row)}")
+    rdma = None
+    if len(row) == 4 and row[3] is not None:
+        addr, rkeys = row[3]
+        rdma = (int(addr), tuple(int(k) for k in rkeys))
+    return RegionInfo(int(row[0]), int(row[1]), row[2], rdma)
 
 
 @dataclass(frozen=True)

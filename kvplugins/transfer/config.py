@@ -7,7 +7,7 @@ from kvplugins.config import Bytes, component, parse_bytes
 from kvplugins.errors import ConfigError
 from kvplugins.security.limits import ConnLimits
 
-KNOWN_TRANSPORTS = ("shm", "tcp")
+KNOWN_TRANSPORTS = ("shm", "rdma", "tcp")
 MIN_FRAME = 1 << 20
 
 
@@ -17,7 +17,9 @@ class TransferConfig:
     """Settings of one TransferEngine. Sizes in bytes, times in ms. Invalid values raise ConfigError."""
     host: str = field(default="127.0.0.1", metadata={"help": "address the TCP server binds and advertises"})
     tcp_port: int = field(default=0, metadata={"help": "TCP server port; 0 picks a free port"})
-    transports: str = field(default="shm,tcp", metadata={"help": "transports offered, fastest first (shm, tcp)"})
+    transports: str = field(default="shm,rdma,tcp", metadata={
+        "help": "transports offered, fastest first (shm, rdma, tcp); rdma is dropped at start, with one log line "
+                "saying why, where this host has no usable RDMA NIC or no pyverbs"})
     tcp_connections: int = field(default=4, metadata={"help": "TCP connections per peer; a batch spreads over them"})
     max_frame: Bytes = field(default=Bytes(16 << 20), metadata={"help": "largest TCP frame (header + payload)"})
     timeout_ms: float = field(default=5000.0, metadata={"help": "default deadline of one batch"})
@@ -34,18 +36,46 @@ class TransferConfig:
         "help": "a TCP frame (or handshake) started, and its reply, must complete within this; 0 = twice "
                 "timeout_ms, at least 1 s"})
 
+    rdma_devices: str = field(default="", metadata={
+        "help": "RDMA devices to use, comma list (e.g. mlx5_0,mlx5_1); empty = every usable one"})
+    rdma_qps_per_peer: int = field(default=2, metadata={
+        "help": "RC queue pairs per peer and NIC path; a large batch spreads over them"})
+    rdma_max_wr: Bytes = field(default=Bytes(1 << 20), metadata={
+        "help": "largest RDMA work request; longer spans are split (bytes)"})
+    rdma_queue_depth: int = field(default=128, metadata={"help": "RDMA work requests outstanding per QP"})
+    rdma_signal_every: int = field(default=16, metadata={
+        "help": "selective signalling: one completion per this many work requests (and the last)"})
+    rdma_probe_ms: float = field(default=1000.0, metadata={
+        "help": "how often a failed RDMA NIC or queue pair is probed and rebuilt in the background"})
+
     def __post_init__(self) -> None:
-        if isinstance(self.max_frame, str):  # direct construction may say "16MiB" (load() parses already)
-            object.__setattr__(self, "max_frame", Bytes(parse_bytes(self.max_frame)))
+        for name in ("max_frame", "rdma_max_wr"):
+            if isinstance(getattr(self, name), str):  # direct construction may say "16MiB" (load() parses already)
+                object.__setattr__(self, name, Bytes(parse_bytes(getattr(self, name))))
         names = self.transport_list()
         bad = [n for n in names if n not in KNOWN_TRANSPORTS]
         if not names or bad or len(set(names)) != len(names):
             raise ConfigError(f"transfer transports={self.transports!r}: give a comma list of distinct names "
-                              f"from {', '.join(KNOWN_TRANSPORTS)}, e.g. 'shm,tcp'")
+                              f"from {', '.join(KNOWN_TRANSPORTS)}, e.g. 'shm,rdma,tcp'")
+        if "rdma" in names and "tcp" not in names:
+            raise ConfigError(f"transfer transports={self.transports!r}: rdma sets up its queue pairs over the "
+                              "tcp transport's server and falls back to it; add tcp, e.g. 'rdma,tcp'")
         _at_least("tcp_connections", self.tcp_connections, 1)
         _at_least("workers", self.workers, 1)
         _at_least("copy_threads", self.copy_threads, 1)
         _at_least("max_frame", self.max_frame, MIN_FRAME)
+        _at_least("rdma_qps_per_peer", self.rdma_qps_per_peer, 1)
+        _at_least("rdma_max_wr", self.rdma_max_wr, 4096)
+        _at_least("rdma_queue_depth", self.rdma_queue_depth, 2)
+        _at_least("rdma_signal_every", self.rdma_signal_every, 1)
+        if self.rdma_max_wr > 1 << 30:
+            raise ConfigError(f"transfer rdma_max_wr={self.rdma_max_wr}: at most 1 GiB (one work request's length "
+                              "is a u32 and NICs cap a message at 2 GiB)")
+        if self.rdma_signal_every > self.rdma_queue_depth // 2:
+            raise ConfigError(f"transfer rdma_signal_every={self.rdma_signal_every}: at most half of "
+                              f"rdma_queue_depth ({self.rdma_queue_depth}) so the send queue never fills unsignalled")
+        if not self.rdma_probe_ms > 0:
+            raise ConfigError(f"transfer rdma_probe_ms={self.rdma_probe_ms}: use a positive number of milliseconds")
         if not 0 <= self.tcp_port <= 65535:
             raise ConfigError(f"transfer tcp_port={self.tcp_port}: use 0 (any free port) .. 65535")
         if not self.timeout_ms > 0:

@@ -4,6 +4,7 @@ See kvplugins/transfer/api.py for the lifecycle. Routing and fallback between tr
 """
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -19,6 +20,8 @@ from kvplugins.transfer.config import TransferConfig
 from kvplugins.transfer.memory import RegionTable, buffer_span, view_of
 from kvplugins.transfer.routing import Router
 from kvplugins.transfer.transport import Op, Transport
+
+log = logging.getLogger("kvplugins.transfer")
 
 
 class TransferEngine:
@@ -38,15 +41,24 @@ class TransferEngine:
         self._closed = False
 
     def _start_transports(self) -> list[Transport]:
-        out: list[Transport] = []
-        for name in self.config.transport_list():
-            if name == "shm":
-                from kvplugins.transfer.shm import ShmTransport
-                out.append(ShmTransport(self.host_id, self.config.copy_threads))
-            elif name == "tcp":
-                from kvplugins.transfer.tcp import TcpTransport
-                out.append(TcpTransport(self.config, self._regions))
-        return out
+        """The configured transports in preference order; rdma only where probing finds a usable NIC (else
+        one log line says why and routing is unchanged). TCP starts first: rdma sets up over its server."""
+        names = self.config.transport_list()
+        started: dict[str, Transport] = {}
+        if "tcp" in names:
+            from kvplugins.transfer.tcp import TcpTransport
+            started["tcp"] = TcpTransport(self.config, self._regions)
+        if "shm" in names:
+            from kvplugins.transfer.shm import ShmTransport
+            started["shm"] = ShmTransport(self.host_id, self.config.copy_threads)
+        if "rdma" in names:
+            from kvplugins.transfer.rdma import RdmaTransport
+            rdma, why = RdmaTransport.probe(self.config, started["tcp"])
+            if rdma is None:
+                log.info("rdma transport absent: %s", why)
+            else:
+                started["rdma"] = rdma
+        return [started[n] for n in names if n in started]
 
     # -- memory -------------------------------------------------------------------------------------
     def register(self, mem: Any, length: int | None = None, export: bool = False) -> Region:
@@ -98,9 +110,14 @@ class TransferEngine:
     # -- descriptor ---------------------------------------------------------------------------------
     def descriptor(self) -> SegmentDescriptor:
         """This process's exported regions and transports (fastest first), to send to peers."""
-        regions = tuple(RegionInfo(r.region_id, r.length, r.shm_path) for r in self._regions.exported())
+        regions = []
+        for r in self._regions.exported():
+            info = RegionInfo(r.region_id, r.length, r.shm_path)
+            for t in self._transports:
+                info = t.region_info(r, info)
+            regions.append(info)
         transports = {t.name: t.endpoint() for t in self._transports}
-        return SegmentDescriptor(self.segment_id, self.host_id, transports, regions)
+        return SegmentDescriptor(self.segment_id, self.host_id, transports, tuple(regions))
 
     # -- batches ------------------------------------------------------------------------------------
     def batch_write(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> list[TransferError | None]:

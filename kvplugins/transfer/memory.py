@@ -42,9 +42,11 @@ def _is_torch(mem: Any) -> bool:
 
 
 def _torch_span(t: Any) -> tuple[int, int, bool]:
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise TypeError(f"register(tensor on {t.device}, contiguous={t.is_contiguous()}): "
-                        "pass a contiguous CPU tensor (use .contiguous().cpu())")
+    if t.device.type != "cpu":
+        raise TypeError(f"register(tensor on {t.device}): device memory is not registered by this build (a dmabuf "
+                        "MR for GPUDirect RDMA is not implemented); stage it through a registered host buffer")
+    if not t.is_contiguous():
+        raise TypeError("register(tensor, contiguous=False): pass a contiguous CPU tensor (use .contiguous())")
     return int(t.data_ptr()), int(t.numel() * t.element_size()), False
 
 

@@ -193,7 +193,7 @@ class Router:
         failed}}; every transport in use appears with zeros before its first entry."""
         out: dict[str, Any] = {"batches": {}, "errors": {}, "fallbacks": {}}
         for t in self._transports:
-            out[t.name] = {"entries": 0, "bytes": 0, "failed": 0}
+            out[t.name] = {"entries": 0, "bytes": 0, "failed": 0, **t.stats()}
         with self._lock:
             for (group, key), n in self._counts.items():
                 out.setdefault(group, {})[key] = n

@@ -136,6 +136,44 @@ class TcpTransport(Transport):
             fut.result()
         return status
 
+    @property
+    def server(self) -> TcpServer:
+        """This process's transfer server (another transport registers its control handler on it)."""
+        return self._server
+
+    def control(self, ep: dict[str, Any], body: dict, deadline: Deadline) -> dict:
+        """Send control request ``body`` (with "kind") to the peer at tcp endpoint ``ep`` over a pooled,
+        authenticated connection; returns the peer handler's reply. Raises TransferFailed (peer gone, refused,
+        timeout, or the handler's error text)."""
+        peer = (ep["host"], ep["port"])
+        conn = None
+        try:
+            conn, _ = self._acquire(peer, deadline, fresh=False)
+            req_id = next(self._ids)
+            send_all(conn.sock, [wire.encode_control(req_id, body)], deadline.at)
+            conn.reader.fill(conn.sock, wire.PREFIX.size, deadline.at)
+            prefix = conn.reader.take(wire.PREFIX.size)
+            try:
+                hlen, _plen = wire.parse_prefix(prefix, self._cfg.max_frame)
+            except ProtocolError:
+                handshake.check_refused(prefix, "the peer")
+                raise
+            conn.reader.fill(conn.sock, hlen, deadline.at)
+            header = conn.reader.take(hlen)
+            try:
+                err, reply = wire.decode_control_response(header, req_id)
+            except ProtocolError:
+                _check_refused(header)
+                raise
+        except (OSError, ProtocolError, AuthError, TransferFailed) as e:
+            if conn is not None:
+                conn.sock.close()
+            raise _failure(peer, e, deadline) from e
+        self._release(peer, conn)
+        if err is not None:
+            raise TransferFailed(f"tcp peer {peer[0]}:{peer[1]} refused {body.get('kind')!r}: {err}")
+        return reply
+
     def _run_group(self, op: Op, peer: tuple[str, int], frames: list[list[Piece]], status: list,
                    deadline: Deadline) -> None:
         conn, done, fresh = None, 0, False

@@ -20,8 +20,9 @@ import select
 import socket
 import threading
 import time
+from typing import Any, Callable
 
-from kvplugins.errors import OutOfRange, ProtocolError
+from kvplugins.errors import KVPluginsError, OutOfRange, ProtocolError
 from kvplugins.security import RefusalLog, Secret, require_for_bind
 from kvplugins.security.handshake import serve_blocking
 from kvplugins.security.limits import AcceptBackoff, ConnGate, ConnLimits, Refuser
@@ -55,7 +56,15 @@ class TcpServer:
         self._conns: set[socket.socket] = set()
         self._closed_idle = self._closed_slow = 0
         self._closed = False
+        self._controls: dict[str, Callable[[dict, Any], dict]] = {}
         threading.Thread(target=self._accept_loop, name=f"kvp-tcp-accept-{self.port}", daemon=True).start()
+
+    def set_control(self, kind: str, handler: "Callable[[dict, Any], dict]") -> None:
+        """Serve control requests (wire.OP_CONTROL) of ``kind`` with ``handler(body, peer address) -> reply``,
+        on the connection's thread after its handshake: another transport's connection set-up rides this
+        authenticated server instead of a second one (the RDMA transport's QP exchange). A handler raising
+        KVPluginsError or ValueError answers its message as the request's error status."""
+        self._controls[kind] = handler
 
     def stats(self) -> dict[str, int]:
         """Connections open now; refused (over a cap); accept() failures survived; closed idle; closed slow."""
@@ -167,6 +176,9 @@ class TcpServer:
         hlen, plen = wire.parse_prefix(reader.take(wire.PREFIX.size), self._max_frame)
         reader.fill(conn, hlen, deadline)
         req = wire.decode_request(reader.take(hlen), plen, self._max_frame)
+        if req.op == wire.OP_CONTROL:
+            send_all(conn, [self._control(req, addr)], deadline)
+            return True
         status, addrs, _pins = self._resolve(req)  # _pins keeps the memory mapped until we return
         if req.op == wire.OP_WRITE:  # a rejected entry's bytes land in scratch (bounded by max_frame)
             reader.read_into(conn, [view_of(a, e[2]) if a is not None else bytearray(e[2])
@@ -177,6 +189,18 @@ class TcpServer:
             head = wire.encode_response(req.req_id, status, sum(len(v) for v in views))
             send_all(conn, [head, *views], deadline)
         return True
+
+    def _control(self, req: wire.Request, addr) -> bytes:
+        """The response frame to control request ``req``: the handler's reply, or its error as the status."""
+        kind = req.control["kind"]
+        handler = self._controls.get(kind)
+        if handler is None:
+            return wire.encode_response(req.req_id, [f"no {kind!r} control here (that transport is not "
+                                                     f"offered by this process)"], 0)
+        try:
+            return wire.encode_response(req.req_id, [None], 0, handler(req.control, addr))
+        except (KVPluginsError, ValueError) as e:
+            return wire.encode_response(req.req_id, [f"{kind}: {e}"], 0)
 
     def _request_within(self, poller, addr) -> bool:
         """Wait for the next request's first byte (or EOF, or close()); False after idle_timeout_s without

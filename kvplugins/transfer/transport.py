@@ -1,4 +1,4 @@
-"""The small interface every transport implements (shm, tcp; later RDMA).
+"""The small interface every transport implements (shm, rdma, tcp).
 
 A transport moves entries between a local registered region and a peer's exported region, one-sided:
 the peer's CPU does no per-entry work for shm (and would do none for RDMA READ/WRITE); TCP's peer runs a
@@ -85,8 +85,17 @@ class Transport(ABC):
         """A local region was registered (an RDMA transport registers it with the NIC here and lists
         its key in endpoint()). Default: nothing to do."""
 
+    def region_info(self, region: Region, info: RegionInfo) -> RegionInfo:
+        """What peers need about exported ``region`` for this transport, added to ``info`` (the RDMA
+        transport adds its address and rkeys). Default: ``info`` unchanged."""
+        return info
+
     def remove_region(self, region: Region) -> None:
         """A local region is being unregistered; stop using its memory. Default: nothing to do."""
+
+    def stats(self) -> dict[str, Any]:
+        """This transport's own counters, merged into TransferEngine.stats()[name]. Default: none."""
+        return {}
 
     def close(self) -> None:
         """Release sockets, mappings and threads. Idempotent."""

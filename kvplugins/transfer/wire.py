@@ -6,6 +6,9 @@ Request header:  {"v": 1, "op": 1 (write) | 2 (read), "id": u63, "e": [[region u
                  a write's payload is the entries' bytes concatenated; a read's payload is empty.
 Response header: {"v": 1, "op": 3, "id": same id, "st": [None | "error text", ...]} one status per entry;
                  a read response's payload is the bytes of the entries whose status is None, in order.
+Control request: {"v": 1, "op": 4, "id": u63, "c": {"kind": str, ...}} with an empty payload: connection set-up of
+                 another transport over this authenticated connection (the RDMA transport's QP exchange); the
+                 response carries one status and "c": the handler's reply (a flat map of scalars and lists).
 Refusal:         a response with id 0 (no request uses it) and one status, the reason, sent by a server over a
                  connection limit before it closes the connection (tcp_server.py, security/limits.py).
 Limits: header_len <= MAX_HEADER, header_len + payload_len <= max_frame (config), at most MAX_ENTRIES
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Annotated, Union
+from typing import Annotated, Literal, Union
 
 import msgpack
 import msgspec
@@ -31,16 +34,19 @@ PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 256 << 10
 MAX_ENTRIES = 4096
 MAX_STATUS = 4096             # characters of one entry's error text in a response
-OP_WRITE, OP_READ, OP_RESP = 1, 2, 3
+OP_WRITE, OP_READ, OP_RESP, OP_CONTROL = 1, 2, 3, 4
+MAX_CONTROL_FIELDS, MAX_CONTROL_LIST = 32, 64
 _U32, _U63 = (1 << 32) - 1, (1 << 63) - 1
 
 
 @dataclass(frozen=True)
 class Request:
-    """A decoded request: ``entries`` is a tuple of (region_id, offset, length)."""
+    """A decoded request: ``entries`` is a tuple of (region_id, offset, length); ``control`` the body of an
+    OP_CONTROL request (then entries is empty)."""
     op: int
     req_id: int
     entries: tuple[tuple[int, int, int], ...]
+    control: dict | None = None
 
 
 def payload_limit(max_frame: int) -> int:
@@ -54,9 +60,18 @@ def encode_request(op: int, req_id: int, entries: list[tuple[int, int, int]]) ->
     return _frame({"v": VERSION, "op": op, "id": req_id, "e": [list(e) for e in entries]}, payload)
 
 
-def encode_response(req_id: int, status: list[str | None], payload_len: int) -> bytes:
-    """Prefix + header of a response frame (the caller sends the read payload after it)."""
-    return _frame({"v": VERSION, "op": OP_RESP, "id": req_id, "st": status}, payload_len)
+def encode_control(req_id: int, body: dict) -> bytes:
+    """A whole control request frame (``body`` holds "kind" and the handler's fields)."""
+    return _frame({"v": VERSION, "op": OP_CONTROL, "id": req_id, "c": body}, 0)
+
+
+def encode_response(req_id: int, status: list[str | None], payload_len: int, control: dict | None = None) -> bytes:
+    """Prefix + header of a response frame (the caller sends the read payload after it); ``control``: the
+    reply body of a control request."""
+    head = {"v": VERSION, "op": OP_RESP, "id": req_id, "st": status}
+    if control is not None:
+        head["c"] = control
+    return _frame(head, payload_len)
 
 
 def _frame(header: dict, payload_len: int) -> bytes:
@@ -78,12 +93,26 @@ def parse_prefix(prefix: bytes | memoryview, max_frame: int) -> tuple[int, int]:
     return hlen, plen
 
 
+_Entries = Annotated[list[tuple[Annotated[int, Meta(ge=0, le=_U32)], Annotated[int, Meta(ge=0, le=_U63)],
+                                 Annotated[int, Meta(ge=0, le=_U63)]]], Meta(min_length=1, max_length=MAX_ENTRIES)]
+_Scalar = Union[Annotated[str, Meta(max_length=256)], int, float, bool, None]
+_Control = Annotated[dict[Annotated[str, Meta(max_length=32)],
+                          Union[_Scalar, Annotated[list[_Scalar], Meta(max_length=MAX_CONTROL_LIST)]]],
+                     Meta(max_length=MAX_CONTROL_FIELDS)]
+
+
 class _RequestHeader(msgspec.Struct, forbid_unknown_fields=True):
     v: int
     op: Annotated[int, Meta(ge=OP_WRITE, le=OP_READ)]
     id: Annotated[int, Meta(ge=0, le=_U63)]
-    e: Annotated[list[tuple[Annotated[int, Meta(ge=0, le=_U32)], Annotated[int, Meta(ge=0, le=_U63)],
-                            Annotated[int, Meta(ge=0, le=_U63)]]], Meta(min_length=1, max_length=MAX_ENTRIES)]
+    e: _Entries
+
+
+class _ControlHeader(msgspec.Struct, forbid_unknown_fields=True):
+    v: int
+    op: Literal[4]
+    id: Annotated[int, Meta(ge=0, le=_U63)]
+    c: _Control
 
 
 class _ResponseHeader(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,9 +120,11 @@ class _ResponseHeader(msgspec.Struct, forbid_unknown_fields=True):
     op: int
     id: int
     st: list[Union[Annotated[str, Meta(max_length=MAX_STATUS)], None]]
+    c: Union[_Control, None] = None
 
 
 _REQUEST = msgspec.msgpack.Decoder(_RequestHeader)
+_CONTROL = msgspec.msgpack.Decoder(_ControlHeader)
 _RESPONSE = msgspec.msgpack.Decoder(_ResponseHeader)
 
 
@@ -102,7 +133,7 @@ def _decode(decoder, header: bytes | memoryview, what: str):
     naming the field."""
     try:
         obj = decoder.decode(header)
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:     # (invalid UTF-8 in a map key: the latter)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:   # (bad UTF-8 key; ~1000-deep nesting)
         raise ProtocolError(f"malformed {what} header: {e}") from None
     if obj.v != VERSION:
         raise ProtocolError(f"unknown wire version {obj.v!r} (this build speaks {VERSION})")
@@ -111,23 +142,48 @@ def _decode(decoder, header: bytes | memoryview, what: str):
 
 def decode_request(header: bytes | memoryview, payload_len: int, max_frame: int) -> Request:
     """Validate and decode a request header. Raises ProtocolError."""
-    obj = _decode(_REQUEST, header, "request")
+    try:
+        obj = _decode(_REQUEST, header, "request")
+    except ProtocolError as e:          # op 4 fails the data request's `op` range: a control request, or bad
+        if "at `$.op`" not in str(e):
+            raise
+        try:
+            obj = _decode(_CONTROL, header, "control request")
+        except ProtocolError:
+            raise e from None
+    if isinstance(obj, _ControlHeader):
+        if payload_len:
+            raise ProtocolError(f"a control request carries no payload, got {payload_len} bytes")
+        if not isinstance(obj.c.get("kind"), str):
+            raise ProtocolError("a control request needs a string 'kind'")
+        return Request(OP_CONTROL, obj.id, (), obj.c)
+    op = obj.op
     entries = tuple(obj.e)
     total = sum(e[2] for e in entries)
-    want = total if obj.op == OP_WRITE else 0
+    want = total if op == OP_WRITE else 0
     if payload_len != want:
         raise ProtocolError(f"payload of {payload_len} bytes, entries need {want}")
-    if obj.op == OP_READ and total > payload_limit(max_frame):
+    if op == OP_READ and total > payload_limit(max_frame):
         raise ProtocolError(f"read of {total} bytes exceeds the frame limit {payload_limit(max_frame)}")
-    return Request(obj.op, obj.id, entries)
+    return Request(op, obj.id, entries)
 
 
 def decode_response(header: bytes | memoryview, req_id: int, n_entries: int) -> list[str | None]:
     """Validate a response header for request ``req_id`` of ``n_entries``; returns per-entry status
     (None = ok, else the server's error text). Raises ProtocolError."""
+    return _response(header, req_id, n_entries).st
+
+
+def decode_control_response(header: bytes | memoryview, req_id: int) -> tuple[str | None, dict]:
+    """(error text or None, reply body) of the response to control request ``req_id``. Raises ProtocolError."""
+    obj = _response(header, req_id, 1)
+    return obj.st[0], obj.c or {}
+
+
+def _response(header, req_id: int, n_entries: int) -> _ResponseHeader:
     obj = _decode(_RESPONSE, header, "response")
     if obj.op != OP_RESP or obj.id != req_id:
         raise ProtocolError(f"expected response to request {req_id}, got op={obj.op!r} id={obj.id!r}")
     if len(obj.st) != n_entries:
         raise ProtocolError(f"status has {len(obj.st)} items for {n_entries} entries")
-    return obj.st
+    return obj

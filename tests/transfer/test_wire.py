@@ -114,3 +114,30 @@ def test_fuzz_decode_random_headers(obj, plen):
             assert _valid(out)
         else:
             assert len(out) == 1 and (out[0] is None or isinstance(out[0], str))
+
+
+def test_control_request_and_reply_round_trip():
+    """A control request (the RDMA transport's QP exchange) decodes to its body; its reply carries one status."""
+    body = {"kind": "rdma", "qpn": 17, "gid": "0000:0000:0000:0000:0000:ffff:0a4d:000f", "nics": [1, "x"]}
+    frame = wire.encode_control(9, body)
+    hlen, plen = wire.parse_prefix(frame[:wire.PREFIX.size], MAX_FRAME)
+    req = wire.decode_request(frame[wire.PREFIX.size:], plen, MAX_FRAME)
+    assert (req.op, req.req_id, req.entries, req.control) == (wire.OP_CONTROL, 9, (), body)
+    reply = wire.encode_response(9, [None], 0, {"qpn": 18})
+    assert wire.decode_control_response(reply[wire.PREFIX.size:], 9) == (None, {"qpn": 18})
+    refused = wire.encode_response(9, ["no 'rdma' control here"], 0)
+    assert wire.decode_control_response(refused[wire.PREFIX.size:], 9) == ("no 'rdma' control here", {})
+
+
+@pytest.mark.parametrize("header, plen, match", [
+    (msgpack.packb({"v": 1, "op": 4, "id": 1, "c": {"kind": "rdma"}}), 3, "control request carries no payload"),
+    (msgpack.packb({"v": 1, "op": 4, "id": 1, "c": {"qpn": 1}}), 0, "needs a string 'kind'"),
+    (msgpack.packb({"v": 1, "op": 4, "id": 1, "c": {"kind": "rdma", "x": {"nested": 1}}}), 0, r"at `\$.op`"),
+    (msgpack.packb({"v": 1, "op": 4, "id": 1, "c": {f"k{i}": 1 for i in range(40)}}), 0, r"at `\$.op`"),
+    (msgpack.packb({"v": 1, "op": 5, "id": 1, "c": {"kind": "rdma"}}), 0, r"<= 2 - at `\$.op`"),
+])
+def test_control_request_rejections(header, plen, match):
+    """A malformed control request is refused whole (the data request's error names `op`, the field that
+    neither form accepts)."""
+    with pytest.raises(ProtocolError, match=match):
+        wire.decode_request(header, plen, MAX_FRAME)

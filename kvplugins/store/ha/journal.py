@@ -172,7 +172,7 @@ def decode_segment(value: bytes) -> tuple:
         desc, region_id, size = _SEGMENT.decode(value)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(f"journal segment value: {_named(e, _SEGMENT_FIELDS)}") from None
-    return msgspec.to_builtins(desc), region_id, size
+    return desc.wire(), region_id, size
 
 
 def _named(err: Exception, fields: tuple[str, ...]) -> str:

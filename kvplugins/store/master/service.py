@@ -11,7 +11,6 @@ import heapq
 import logging
 import time
 
-import msgspec
 
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master import admin_ops
@@ -332,7 +331,7 @@ class MasterService:
     def op_register_segment(self, entries, opts, now):
         out = []
         for desc, region_id, size in entries:
-            wire = msgspec.to_builtins(desc)
+            wire = desc.wire()
             try:
                 seg = self.segments.add(wire, region_id, size, now)
             except Exception as err:  # noqa: BLE001 - any bad entry is answered, never crashes the master

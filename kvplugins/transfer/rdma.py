@@ -1,0 +1,402 @@
+"""RDMA transport: one-sided RDMA READ/WRITE over RC queue pairs (pyverbs), several NICs, failover to TCP.
+
+Lifecycle (within a TransferEngine, kvplugins/transfer/api.py):
+  1. ``RdmaTransport.probe(config, tcp)``  opens every usable NIC (kvplugins/transfer/nics.py), or returns
+                                 (None, reason) when there is none or no pyverbs: the engine logs the reason once
+                                 and runs without RDMA. It registers the "rdma" control handler on the TCP
+                                 transport's server: queue pairs are set up over that authenticated connection
+                                 (no second server).
+  2. ``add_region``              registers the region as an MR on every NIC (local write; remote read/write when
+                                 exported); ``region_info`` publishes its address and one rkey per NIC in the
+                                 descriptor's region table; ``endpoint`` publishes the NICs (name, GID, LID, MTU,
+                                 subnet, NUMA node).
+  3. ``transfer``                per peer: entries coalesced, cut at ``rdma_max_wr``, striped over the healthy NIC
+                                 paths by measured throughput, spread over ``rdma_qps_per_peer`` QPs per path,
+                                 posted as chains of one-sided work requests with selective signalling and
+                                 polled (rdma_verbs.run). Chunks of a failed path are retried once on another
+                                 path; what still fails is TransferFailed, which the router retries on TCP.
+                                 A dead QP is rebuilt, and a down path probed back, by a background thread
+                                 every ``rdma_probe_ms``.
+  4. ``remove_region``, ``close``.
+A batch mutates only its entries' destination bytes. ``endpoint``, ``reaches`` and ``stats`` are always safe.
+Device memory (a CUDA tensor) cannot be registered yet: TransferEngine.register refuses it (memory.py).
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvplugins.errors import TransferError, TransferFailed
+from kvplugins.transfer import rdma_verbs as verbs
+from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
+from kvplugins.transfer.config import TransferConfig
+from kvplugins.transfer.rdma_paths import Path, PathStats, numa_of, pair, stripe
+from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
+
+log = logging.getLogger("kvplugins.transfer.rdma")
+MAX_SERVED_QPS = 4096     # queue pairs this process keeps for its peers; the oldest is closed past it
+_CONNECT_MS = 5000.0
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Coalesced entries ``first..last`` (inclusive): ``length`` bytes at local addr <-> remote addr."""
+    first: int
+    last: int
+    laddr: int
+    region_id: int
+    raddr: int
+    rkeys: tuple[int, ...]
+    length: int
+
+
+class RdmaTransport(Transport):
+    """One-sided READ/WRITE to peers that offer "rdma" and export the region with rkeys (module doc)."""
+    name = "rdma"
+
+    @classmethod
+    def probe(cls, config: TransferConfig, tcp) -> tuple["RdmaTransport | None", str | None]:
+        """(transport, None), or (None, why RDMA is absent here: no pyverbs, no device, no active port)."""
+        _, why = verbs.import_pyverbs()
+        if why:
+            return None, why
+        from kvplugins.transfer.nics import discover
+        wanted = [d.strip() for d in config.rdma_devices.split(",") if d.strip()] or None
+        found = discover(wanted)
+        usable = [n for n in found.nics if n.usable]
+        if not usable:
+            return None, found.reason or "no usable RDMA port"
+        return cls(config, tcp, usable), None
+
+    def __init__(self, config: TransferConfig, tcp, nics: list):
+        self._cfg, self._tcp = config, tcp
+        self._nics = [verbs.Nic(n) for n in nics]
+        self._token = secrets.token_hex(8)
+        self._stats = PathStats(config.rdma_probe_ms / 1000)
+        self._lock = threading.Condition()
+        self._keys: dict[int, tuple[int, list]] = {}        # region id -> (access, MR per NIC or None)
+        self._numa: dict[int, int] = {}
+        self._pools: dict[tuple, list[verbs.QueuePair]] = {}  # (segment, path) -> idle QPs
+        self._counts: dict[tuple, int] = {}                   # (segment, path) -> QPs existing
+        self._peers: dict[str, tuple[dict, dict]] = {}        # segment -> (tcp endpoint, rdma endpoint)
+        self._rebuild: set[tuple] = set()
+        self._served: OrderedDict[tuple, verbs.QueuePair] = OrderedDict()
+        self._closed = threading.Event()
+        self._up = [True] * len(self._nics)                  # port ACTIVE, per NIC (refreshed by the prober)
+        tcp.server.set_control("rdma", self._serve_connect)
+        threading.Thread(target=self._prober, name="kvp-rdma-probe", daemon=True).start()
+        log.info("rdma transport on %s", ", ".join(f"{n.info.name} (GID {n.info.gid})" for n in self._nics))
+
+    # -- endpoint and regions ----------------------------------------------------------------------
+    def endpoint(self) -> dict[str, Any]:
+        """The NICs peers connect to, as parallel lists: names, GIDs, LIDs, MTUs (bytes), subnets, NUMA nodes."""
+        infos = [n.info for n in self._nics]
+        return {"nics": [i.name for i in infos], "gids": [i.gid for i in infos], "lids": [i.lid for i in infos],
+                "mtus": [i.active_mtu for i in infos], "nets": [i.ipv4 or "" for i in infos],
+                "numa": [i.numa_node for i in infos]}
+
+    def add_region(self, region: Region) -> None:
+        access = self._access(region)
+        mrs = []
+        for nic in self._nics:
+            try:
+                mrs.append(nic.register(region.addr, region.length, access))
+            except Exception as e:  # noqa: BLE001 - e.g. ENOMEM over RLIMIT_MEMLOCK: TCP serves this region
+                log.warning("rdma: could not register region %d (%d bytes) on %s: %s; run `kvplugins doctor` "
+                            "(RLIMIT_MEMLOCK); TCP serves it", region.region_id, region.length, nic.info.name, e)
+                mrs.append(None)
+        with self._lock:
+            self._keys[region.region_id] = (access, mrs)
+            self._numa[region.region_id] = numa_of(region.addr)
+
+    def region_info(self, region: Region, info: RegionInfo) -> RegionInfo:
+        with self._lock:
+            entry = self._keys.get(region.region_id)
+        if entry is None or any(mr is None for mr in entry[1]):
+            return info
+        return replace(info, rdma=(region.addr, tuple(mr.rkey for mr in entry[1])))
+
+    def remove_region(self, region: Region) -> None:
+        with self._lock:
+            entry = self._keys.pop(region.region_id, None)
+            self._numa.pop(region.region_id, None)
+        if entry is not None:
+            for nic, mr in zip(self._nics, entry[1]):
+                if mr is not None:
+                    nic.deregister(region.addr, region.length, entry[0])
+
+    @staticmethod
+    def _access(region: Region) -> int:
+        import pyverbs.enums as e
+        if region.readonly:
+            return e.IBV_ACCESS_REMOTE_READ if region.exported else 0
+        remote = e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE if region.exported else 0
+        return e.IBV_ACCESS_LOCAL_WRITE | remote
+
+    def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
+        ep = remote.transports.get("rdma")
+        if not isinstance(ep, dict) or region.rdma is None or "tcp" not in remote.transports:
+            return False
+        nics = ep.get("nics")
+        if not isinstance(nics, list) or not nics or len(region.rdma[1]) != len(nics):
+            return False
+        lists = [ep.get(k) for k in ("gids", "lids", "mtus", "nets")]
+        return all(isinstance(v, list) and len(v) == len(nics) for v in lists) and bool(self._paths(ep))
+
+    def _paths(self, ep: dict) -> list[Path]:
+        return pair([n.info.ipv4 for n in self._nics], [net or None for net in ep["nets"]])
+
+    # -- batches -----------------------------------------------------------------------------------
+    def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
+        status: list[TransferError | None] = [None] * len(entries)
+        by_peer: dict[str, list[int]] = {}
+        for i, e in enumerate(entries):
+            by_peer.setdefault(e.remote.segment_id, []).append(i)
+        for seg, idxs in by_peer.items():
+            remote = entries[idxs[0]].remote
+            self._peers[seg] = (remote.transports["tcp"], remote.transports["rdma"])
+            pieces = self._pieces(entries, idxs, status)
+            failed, why = self._run(op, seg, pieces, deadline)
+            if failed:
+                err = TransferFailed(f"rdma to {seg}: {why}")
+                for p in failed:
+                    for i in range(p.first, p.last + 1):
+                        status[idxs[i]] = status[idxs[i]] or err
+        return status
+
+    def _pieces(self, entries: list[Entry], idxs: list[int], status: list) -> list[_Piece]:
+        """Coalesced pieces of one peer's entries, cut at rdma_max_wr (first/last index into ``idxs``)."""
+        out: list[_Piece] = []
+        for k, i in enumerate(idxs):
+            e = entries[i]
+            if e.local.region_id not in self._keys:
+                status[i] = TransferFailed(f"local region {e.local.region_id} has no RDMA registration")
+                continue
+            raddr = e.remote_region.rdma[0] + e.remote_offset
+            last = out[-1] if out else None
+            if last and last.last == k - 1 and last.region_id == e.local.region_id and \
+                    last.laddr + last.length == e.local_addr and last.raddr + last.length == raddr and \
+                    last.rkeys == e.remote_region.rdma[1]:
+                out[-1] = replace(last, last=k, length=last.length + e.length)
+            else:
+                out.append(_Piece(k, k, e.local_addr, e.local.region_id, raddr, e.remote_region.rdma[1], e.length))
+        cut, limit = [], int(self._cfg.rdma_max_wr)
+        for p in out:
+            for off in range(0, p.length, limit):
+                cut.append(replace(p, laddr=p.laddr + off, raddr=p.raddr + off, length=min(limit, p.length - off)))
+        return cut
+
+    def _run(self, op: Op, seg: str, pieces: list[_Piece], deadline: Deadline) -> tuple[list[_Piece], str]:
+        """Run ``pieces`` to peer ``seg`` over its healthy paths; a failed path's pieces get one more round on
+        the others. Returns (pieces that failed, why)."""
+        todo, why, tried = pieces, "no healthy RDMA path", set()
+        while todo:
+            paths = [p for p in self._live_paths(seg, pieces) if p not in tried]
+            if not paths:
+                return todo, why
+            todo, why, bad = self._round(op, seg, todo, paths, deadline)
+            tried |= bad
+            if not bad:
+                return todo, why
+        return [], ""
+
+    def _live_paths(self, seg: str, pieces: list[_Piece]) -> list[Path]:
+        paths = [p for p in self._paths(self._peers[seg][1]) if self._stats.up((seg, p.local, p.remote))
+                 and self._up[p.local]]
+        regions = {p.region_id for p in pieces}
+        near = [p for p in paths if all(self._numa.get(r, -1) in (-1, self._nics[p.local].info.numa_node)
+                                        for r in regions)]
+        return near or paths
+
+    def _round(self, op: Op, seg: str, pieces: list[_Piece], paths: list[Path], deadline: Deadline):
+        """One striped attempt; returns (failed pieces, why, failed paths)."""
+        speeds = [self._nics[p.local].info.speed_gbps or 1.0 for p in paths]
+        weights = [self._stats.weight((seg, p.local, p.remote), s * 125e6) for p, s in zip(paths, speeds)]
+        if sum(p.length for p in pieces) <= self._cfg.rdma_max_wr:
+            weights = [w if w == max(weights) else 0.0 for w in weights]      # a small batch: the best path
+        owner = stripe([p.length for p in pieces], weights)
+        works, failed, why, bad = [], [], "", set()
+        held: list[tuple[tuple, verbs.QueuePair]] = []
+        for k, path in enumerate(paths):
+            mine = [p for p, o in zip(pieces, owner) if o == k]
+            if not mine:
+                continue
+            qps, err = self._acquire(seg, path, len(mine), deadline)
+            if not qps:
+                failed += mine
+                why = err
+                bad.add(path)
+                continue
+            held += [((seg, path), q) for q in qps]
+            for j, q in enumerate(qps):
+                works.append((path, verbs.Work(q, [self._chunk(p, path) for p in mine[j::len(qps)]]),
+                              mine[j::len(qps)]))
+        start = time.monotonic()
+        posted = verbs.run(op is Op.READ, [w for _, w, _ in works], deadline.at, self._cfg.rdma_signal_every)
+        self._stats.add("wrs", posted)
+        self._stats.add("striped_batches", int(len({id(p) for p, _, _ in works}) > 1))
+        failed, why, bad = self._settle(seg, works, start, failed, why, bad)
+        self._release(held)
+        return failed, why, bad
+
+    def _settle(self, seg, works, start, failed, why, bad):
+        """Telemetry and failures of a round's works (failed chunks map back to their pieces)."""
+        moved: dict[Path, list] = {}
+        for path, w, mine in works:
+            acc = moved.setdefault(path, [0, start])
+            acc[0] += sum(c.length for c in w.chunks[:w.done])
+            acc[1] = max(acc[1], w.finished_at or time.monotonic())
+            if w.error:
+                done = {id(c) for c in w.chunks[:w.done]}
+                failed += [p for p, c in zip(mine, w.chunks) if id(c) not in done]
+                why = f"{self._nics[path.local].info.name}: {w.error}"
+                if path not in bad:
+                    bad.add(path)
+                    self._stats.failed((seg, path.local, path.remote))
+                    log.warning("rdma path %s -> %s of %s failed (%s); retrying its work on another path",
+                                self._nics[path.local].info.name, path.remote, seg, w.error)
+        for path, (nbytes, end) in moved.items():
+            self._stats.sample((seg, path.local, path.remote), nbytes, end - start)
+        return failed, why, bad
+
+    def _chunk(self, p: _Piece, path: Path) -> verbs.Chunk:
+        mr = self._keys[p.region_id][1][path.local]
+        return verbs.Chunk(p.laddr, mr.lkey if mr is not None else 0, p.raddr, p.rkeys[path.remote],
+                           p.length)
+
+    # -- queue pairs -------------------------------------------------------------------------------
+    def _acquire(self, seg: str, path: Path, pieces: int, deadline: Deadline) -> tuple[list, str]:
+        """Up to rdma_qps_per_peer idle QPs of (seg, path), connecting new ones as needed; ([], why) if none."""
+        key, want = (seg, path), min(pieces, self._cfg.rdma_qps_per_peer)
+        with self._lock:
+            idle = self._pools.setdefault(key, [])
+            got = [idle.pop() for _ in range(min(want, len(idle)))]
+            new = min(want - len(got), self._cfg.rdma_qps_per_peer - self._counts.get(key, 0))
+            self._counts[key] = self._counts.get(key, 0) + max(new, 0)
+        why = ""
+        for _ in range(max(new, 0)):
+            try:
+                got.append(self._connect(seg, path, deadline))
+            except (TransferFailed, OSError, ValueError, KeyError) as e:
+                why = f"connecting a queue pair failed: {e}"
+                with self._lock:
+                    self._counts[key] -= 1
+                break
+        if not got and not why:
+            with self._lock:   # every QP of the path is busy in another batch: wait for one
+                self._lock.wait_for(lambda: self._pools.get(key) or self._closed.is_set(),
+                                    timeout=max(0.0, deadline.remaining()))
+                got = [self._pools[key].pop()] if self._pools.get(key) else []
+            why = "" if got else "every queue pair of the path stayed busy until the deadline"
+        return got, why
+
+    def _release(self, held: list[tuple[tuple, verbs.QueuePair]]) -> None:
+        dead = []
+        with self._lock:
+            for key, qp in held:
+                if qp.dead:
+                    self._counts[key] -= 1
+                    self._rebuild.add(key)
+                    dead.append(qp)
+                else:
+                    self._pools.setdefault(key, []).append(qp)
+            self._lock.notify_all()
+        for qp in dead:
+            qp.close()
+
+    def _connect(self, seg: str, path: Path, deadline: Deadline) -> verbs.QueuePair:
+        """A new QP on local NIC path.local connected to a new QP the peer creates on its NIC path.remote."""
+        tcp_ep, ep = self._peers[seg]
+        qp = verbs.QueuePair(self._nics[path.local], self._cfg.rdma_queue_depth)
+        try:
+            body = {"kind": "rdma", "client": self._token, "nic": path.remote, **qp.local()}
+            sub = Deadline(min(_CONNECT_MS, max(1.0, deadline.remaining() * 1000)))
+            reply = self._tcp.control(tcp_ep, body, sub)
+            qp.connect(reply)
+        except Exception:
+            qp.close()
+            raise
+        return qp
+
+    def _serve_connect(self, body: dict, addr) -> dict:
+        """The peer's side of _connect (a TCP control request, after the handshake): a QP on our NIC
+        body["nic"] connected to the peer's. Raises ValueError for a malformed request."""
+        nic = body.get("nic")
+        if not isinstance(nic, int) or not 0 <= nic < len(self._nics):
+            raise ValueError(f"nic={nic!r}: this process has RDMA NICs 0..{len(self._nics) - 1}")
+        for k, kind in (("qpn", int), ("psn", int), ("lid", int), ("mtu", int), ("gid", str), ("client", str)):
+            if not isinstance(body.get(k), kind) or isinstance(body.get(k), bool):
+                raise ValueError(f"{k}={body.get(k)!r}: expected {kind.__name__}")
+        if body["mtu"] not in verbs.MTU_ENUM:
+            raise ValueError(f"mtu={body['mtu']}: one of {sorted(verbs.MTU_ENUM)}")
+        qp = verbs.QueuePair(self._nics[nic], self._cfg.rdma_queue_depth)
+        try:
+            qp.connect(body)
+        except Exception as e:
+            qp.close()
+            raise ValueError(f"connecting to QP {body['qpn']} failed: {e}") from None
+        with self._lock:
+            self._served[(body["client"], body["qpn"], nic)] = qp
+            old = self._served.popitem(last=False)[1] if len(self._served) > MAX_SERVED_QPS else None
+        if old is not None:
+            old.close()
+        return qp.local()
+
+    # -- background: port states, rebuilds ---------------------------------------------------------
+    def _prober(self) -> None:
+        while not self._closed.wait(self._cfg.rdma_probe_ms / 1000):
+            self.probe_once()
+
+    def probe_once(self) -> None:
+        """Refresh the NICs' port states and rebuild dead QPs into their pools (background thread)."""
+        ups = [nic.port_active() for nic in self._nics]
+        for nic, was, now in zip(self._nics, self._up, ups):
+            if was != now:
+                log.warning("rdma NIC %s port is %s", nic.info.name, "ACTIVE again" if now else "down")
+        self._up = ups
+        with self._lock:
+            keys, self._rebuild = list(self._rebuild), set()
+        for seg, path in keys:
+            if not ups[path.local] or seg not in self._peers:
+                with self._lock:
+                    self._rebuild.add((seg, path))
+                continue
+            try:
+                qp = self._connect(seg, path, Deadline(_CONNECT_MS))
+            except (TransferFailed, OSError, ValueError, KeyError) as e:
+                log.debug("rdma: rebuilding a QP to %s failed: %s", seg, e)
+                with self._lock:
+                    self._rebuild.add((seg, path))
+                continue
+            self._stats.add("qp_rebuilds")
+            self._stats.restore((seg, path.local, path.remote))
+            with self._lock:
+                self._counts[(seg, path)] = self._counts.get((seg, path), 0) + 1
+                self._pools.setdefault((seg, path), []).append(qp)
+                self._lock.notify_all()
+
+    def stats(self) -> dict[str, Any]:
+        """wrs posted, path failures, QP rebuilds, striped batches, MB/s per path, paths down, QPs served."""
+        out = self._stats.snapshot()
+        with self._lock:
+            out["qps_served"] = len(self._served)
+            out["qps"] = sum(self._counts.values())
+        out["nics_up"] = sum(self._up)
+        return out
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            qps = [q for pool in self._pools.values() for q in pool] + list(self._served.values())
+            self._pools.clear()
+            self._served.clear()
+            self._lock.notify_all()
+        for qp in qps:
+            qp.close()
+        for nic in self._nics:
+            nic.close()
