@@ -178,6 +178,11 @@ class StoreClient:
         return {**self._stats.snapshot(), "master": self.master,
                 "segment": self._segment.name if self._segment else None}
 
+    def transfer_stats(self) -> dict:
+        """The transfer engine's counters: entries and bytes per transport (shm, rdma, tcp), fallbacks between
+        them, errors by type, and the RDMA transport's own (work requests, path failures, QP rebuilds)."""
+        return self._engine.stats()
+
     def close(self) -> None:
         """Unregister the own segment (if any), free the staging buffer, stop the engine. Idempotent."""
         if self._closed:

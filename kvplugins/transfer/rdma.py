@@ -261,7 +261,8 @@ class RdmaTransport(Transport):
                     log.warning("rdma path %s -> %s of %s failed (%s); retrying its work on another path",
                                 self._nics[path.local].info.name, path.remote, seg, w.error)
         for path, (nbytes, end) in moved.items():
-            self._stats.sample((seg, path.local, path.remote), nbytes, end - start)
+            self._stats.sample((seg, path.local, path.remote), f"{self._nics[path.local].info.name}->{path.remote}",
+                               nbytes, end - start)
         return failed, why, bad
 
     def _chunk(self, p: _Piece, path: Path) -> verbs.Chunk:
@@ -381,7 +382,8 @@ class RdmaTransport(Transport):
                 self._lock.notify_all()
 
     def stats(self) -> dict[str, Any]:
-        """wrs posted, path failures, QP rebuilds, striped batches, MB/s per path, paths down, QPs served."""
+        """wrs posted, path_failures, qp_rebuilds, striped_batches, path_mbps (measured MB/s per peer and path),
+        path_bytes (per local NIC -> peer NIC index), paths_down, qps (ours), qps_served (for peers), nics_up."""
         out = self._stats.snapshot()
         with self._lock:
             out["qps_served"] = len(self._served)

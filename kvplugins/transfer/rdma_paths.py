@@ -55,15 +55,18 @@ class PathStats:
         self._rate: dict[tuple, float] = {}
         self._down: dict[tuple, float] = {}
         self.counts: dict[str, int] = {"wrs": 0, "path_failures": 0, "qp_rebuilds": 0, "striped_batches": 0}
+        self._bytes: dict[str, int] = {}
 
     def weight(self, key: tuple, seed: float) -> float:
         with self._lock:
             return self._rate.get(key, seed)
 
-    def sample(self, key: tuple, nbytes: int, seconds: float) -> None:
-        if nbytes < _MIN_SAMPLE or seconds <= 0:
-            return
+    def sample(self, key: tuple, name: str, nbytes: int, seconds: float) -> None:
+        """``nbytes`` moved on path ``key`` (shown as ``name``, "<local NIC>-><peer NIC index>") in ``seconds``."""
         with self._lock:
+            self._bytes[name] = self._bytes.get(name, 0) + nbytes
+            if nbytes < _MIN_SAMPLE or seconds <= 0:
+                return
             old = self._rate.get(key)
             new = nbytes / seconds
             self._rate[key] = new if old is None else (1 - _EWMA) * old + _EWMA * new
@@ -94,7 +97,8 @@ class PathStats:
     def snapshot(self) -> dict:
         with self._lock:
             out = dict(self.counts)
-            out["paths"] = {f"{k[-2]}->{k[-1]}": round(v / 1e6, 1) for k, v in self._rate.items()}  # MB/s
+            out["path_mbps"] = {f"{k[0]}:{k[-2]}->{k[-1]}": round(v / 1e6, 1) for k, v in self._rate.items()}
+            out["path_bytes"] = dict(self._bytes)
             out["paths_down"] = len(self._down)
             return out
 

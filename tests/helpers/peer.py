@@ -3,7 +3,7 @@ seeded random bytes, sends its SegmentDescriptor back, and answers digest/read/f
 
     with Peer(transports="tcp", size=1 << 20, seed=7) as p:
         p.descriptor, p.region_id (alloc_shared, exported), p.plain_id (plain numpy, exported),
-        p.hidden_id (registered, not exported), p.digest(off, n), p.read(off, n), p.kill(), p.stop()
+        p.hidden_id (registered, not exported), p.digest(off, n), p.read(off, n), p.stats(), p.kill(), p.stop()
 """
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ def _main(conn, config_kwargs: dict, size: int, seed: int) -> None:
         cmd, *args = conn.recv()
         if cmd == "exit":
             break
+        if cmd == "stats":
+            conn.send(eng.stats())
+            continue
         view = eng.memoryview(regions[args[0]])[args[1]:args[1] + args[2]]
         if cmd == "digest":
             conn.send(hashlib.blake2b(view).hexdigest())
@@ -70,6 +73,11 @@ class Peer:
 
     def read(self, offset: int, length: int, region: int | None = None) -> bytes:
         self._conn.send(("read", region or self.region_id, offset, length))
+        return self._conn.recv()
+
+    def stats(self) -> dict:
+        """The peer engine's TransferEngine.stats()."""
+        self._conn.send(("stats",))
         return self._conn.recv()
 
     def kill(self) -> None:
