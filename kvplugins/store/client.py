@@ -37,7 +37,8 @@ class StoreClient:
 
     def __init__(self, config: ClientConfig | None = None):
         from kvplugins.config import load
-        from kvplugins.transfer import TransferConfig, TransferEngine
+        from kvplugins.transfer import TransferEngine
+        from kvplugins.transfer.config import transfer_config
         self.cfg = cfg = config or load(ClientConfig)
         self._put_cfg = from_client(cfg)
         if cfg.master:
@@ -47,8 +48,8 @@ class StoreClient:
             self.master = embedded.ensure_running(cfg.embedded_start_timeout_ms / 1000)
         self._rpc = master_client(self.master, cfg.rpc_timeout_ms)
         self._rpc.call("info")
-        self._engine = TransferEngine(TransferConfig(host=cfg.host, transports=cfg.transports,
-                                                     timeout_ms=float(cfg.transfer_timeout_ms)))
+        self._engine = TransferEngine(transfer_config(host=cfg.host, transports=cfg.transports,
+                                                      timeout_ms=float(cfg.transfer_timeout_ms)))
         self._descs: dict = {}
         self._buffers: dict[int, object] = {}
         self._staging = Staging(self._engine, cfg.staging_size)

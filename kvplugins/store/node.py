@@ -25,9 +25,10 @@ class StoreNode:
 
     def __init__(self, config: StoreNodeConfig, master: str, on_drained=lambda: None):
         from kvplugins.store.disk.worker import NodeTier
-        from kvplugins.transfer import TransferConfig, TransferEngine
+        from kvplugins.transfer import TransferEngine
+        from kvplugins.transfer.config import transfer_config
         self.cfg, self.master = config, master
-        self.engine = TransferEngine(TransferConfig(host=config.host, transports=config.transports))
+        self.engine = TransferEngine(transfer_config(host=config.host, transports=config.transports))
         self.segment = self.tier = self._rpc = None
         try:
             self._rpc = control_client(master, config.rpc_timeout_ms)

@@ -101,6 +101,14 @@ class TransferConfig:
         return [t.strip() for t in self.transports.split(",") if t.strip()]
 
 
+def transfer_config(**given) -> TransferConfig:
+    """The TransferConfig of a component's engine: ``given`` (its own host, transports, timeout) over
+    KVPLUGINS_TRANSFER_* env over the config file's [transfer] table over defaults (kvplugins.config.load), so
+    an operator sets e.g. rdma_devices once for nodes, clients and adapters. Raises ConfigError."""
+    from kvplugins.config import load
+    return load(TransferConfig, given)
+
+
 def _at_least(name: str, value: int, low: int) -> None:
     if not isinstance(value, int) or value < low:
         raise ConfigError(f"transfer {name}={value!r}: use an integer >= {low}")

@@ -40,6 +40,8 @@ from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
 log = logging.getLogger("kvplugins.transfer.rdma")
 MAX_SERVED_QPS = 4096     # queue pairs this process keeps for its peers; the oldest is closed past it
+MAX_PEERS = 1024          # peers whose queue pairs are pooled; the least recently used is forgotten past it
+REBUILD_TRIES = 5         # background rebuilds of a peer's path before giving up (a batch reconnects on demand)
 _CONNECT_MS = 5000.0
 
 
@@ -83,11 +85,12 @@ class RdmaTransport(Transport):
         self._numa: dict[int, int] = {}
         self._pools: dict[tuple, list[verbs.QueuePair]] = {}  # (segment, path) -> idle QPs
         self._counts: dict[tuple, int] = {}                   # (segment, path) -> QPs existing
-        self._peers: dict[str, tuple[dict, dict]] = {}        # segment -> (tcp endpoint, rdma endpoint)
-        self._rebuild: set[tuple] = set()
+        self._peers: OrderedDict[str, tuple[dict, dict]] = OrderedDict()  # segment -> (tcp, rdma endpoints)
+        self._rebuild: dict[tuple, int] = {}                  # (segment, path) -> failed rebuild attempts
         self._served: OrderedDict[tuple, verbs.QueuePair] = OrderedDict()
         self._closed = threading.Event()
         self._up = [True] * len(self._nics)                  # port ACTIVE, per NIC (refreshed by the prober)
+        self._pairs: dict[tuple, list[Path]] = {}             # a peer's subnets -> paths (a few peers' worth)
         tcp.server.set_control("rdma", self._serve_connect)
         threading.Thread(target=self._prober, name="kvp-rdma-probe", daemon=True).start()
         log.info("rdma transport on %s", ", ".join(f"{n.info.name} (GID {n.info.gid})" for n in self._nics))
@@ -149,7 +152,12 @@ class RdmaTransport(Transport):
         return all(isinstance(v, list) and len(v) == len(nics) for v in lists) and bool(self._paths(ep))
 
     def _paths(self, ep: dict) -> list[Path]:
-        return pair([n.info.ipv4 for n in self._nics], [net or None for net in ep["nets"]])
+        """The paths to a peer's NICs (rdma_paths.pair), cached per its list of subnets."""
+        nets = tuple(ep["nets"])
+        paths = self._pairs.get(nets)
+        if paths is None:
+            paths = self._pairs[nets] = pair([n.info.ipv4 for n in self._nics], [net or None for net in nets])
+        return paths
 
     # -- batches -----------------------------------------------------------------------------------
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
@@ -158,8 +166,7 @@ class RdmaTransport(Transport):
         for i, e in enumerate(entries):
             by_peer.setdefault(e.remote.segment_id, []).append(i)
         for seg, idxs in by_peer.items():
-            remote = entries[idxs[0]].remote
-            self._peers[seg] = (remote.transports["tcp"], remote.transports["rdma"])
+            self._remember(entries[idxs[0]].remote)
             pieces = self._pieces(entries, idxs, status)
             failed, why = self._run(op, seg, pieces, deadline)
             if failed:
@@ -168,6 +175,22 @@ class RdmaTransport(Transport):
                     for i in range(p.first, p.last + 1):
                         status[idxs[i]] = status[idxs[i]] or err
         return status
+
+    def _remember(self, remote: SegmentDescriptor) -> None:
+        """Note the peer's endpoints (most recently used last); past MAX_PEERS the oldest peer's QPs are closed."""
+        with self._lock:
+            self._peers[remote.segment_id] = (remote.transports["tcp"], remote.transports["rdma"])
+            self._peers.move_to_end(remote.segment_id)
+            if len(self._peers) <= MAX_PEERS:
+                return
+            old, _ = self._peers.popitem(last=False)
+            keys = [k for k in self._pools if k[0] == old]
+            idle = [q for k in keys for q in self._pools.pop(k)]
+            for k in keys:
+                self._counts.pop(k, None)
+                self._rebuild.pop(k, None)
+        for qp in idle:
+            qp.close()
 
     def _pieces(self, entries: list[Entry], idxs: list[int], status: list) -> list[_Piece]:
         """Coalesced pieces of one peer's entries, cut at rdma_max_wr (first/last index into ``idxs``)."""
@@ -206,8 +229,9 @@ class RdmaTransport(Transport):
         return [], ""
 
     def _live_paths(self, seg: str, pieces: list[_Piece]) -> list[Path]:
-        paths = [p for p in self._paths(self._peers[seg][1]) if self._stats.up((seg, p.local, p.remote))
-                 and self._up[p.local]]
+        peer = self._peers.get(seg)
+        paths = [p for p in (self._paths(peer[1]) if peer else [])
+                 if self._up[p.local] and self._stats.up((seg, p.local, p.remote))]
         regions = {p.region_id for p in pieces}
         near = [p for p in paths if all(self._numa.get(r, -1) in (-1, self._nics[p.local].info.numa_node)
                                         for r in regions)]
@@ -302,7 +326,7 @@ class RdmaTransport(Transport):
             for key, qp in held:
                 if qp.dead:
                     self._counts[key] -= 1
-                    self._rebuild.add(key)
+                    self._rebuild.setdefault(key, 0)
                     dead.append(qp)
                 else:
                     self._pools.setdefault(key, []).append(qp)
@@ -361,18 +385,21 @@ class RdmaTransport(Transport):
                 log.warning("rdma NIC %s port is %s", nic.info.name, "ACTIVE again" if now else "down")
         self._up = ups
         with self._lock:
-            keys, self._rebuild = list(self._rebuild), set()
-        for seg, path in keys:
-            if not ups[path.local] or seg not in self._peers:
+            keys, self._rebuild = dict(self._rebuild), {}
+        for (seg, path), tries in keys.items():
+            if seg not in self._peers:
+                continue
+            if not ups[path.local]:
                 with self._lock:
-                    self._rebuild.add((seg, path))
+                    self._rebuild[(seg, path)] = tries
                 continue
             try:
                 qp = self._connect(seg, path, Deadline(_CONNECT_MS))
             except (TransferFailed, OSError, ValueError, KeyError) as e:
-                log.debug("rdma: rebuilding a QP to %s failed: %s", seg, e)
-                with self._lock:
-                    self._rebuild.add((seg, path))
+                log.debug("rdma: rebuilding a QP to %s failed (%d of %d): %s", seg, tries + 1, REBUILD_TRIES, e)
+                if tries + 1 < REBUILD_TRIES:
+                    with self._lock:
+                        self._rebuild[(seg, path)] = tries + 1
                 continue
             self._stats.add("qp_rebuilds")
             self._stats.restore((seg, path.local, path.remote))

@@ -60,9 +60,10 @@ def params_of(request) -> dict | None:
 
 
 def _engine(cfg):
-    from kvplugins.transfer import TransferConfig, TransferEngine
-    return TransferEngine(TransferConfig(host=cfg.pd_host, transports=cfg.transports,
-                                         timeout_ms=float(cfg.transfer_timeout_ms)))
+    from kvplugins.transfer import TransferEngine
+    from kvplugins.transfer.config import transfer_config
+    return TransferEngine(transfer_config(host=cfg.pd_host, transports=cfg.transports,
+                                          timeout_ms=float(cfg.transfer_timeout_ms)))
 
 
 class Export:
