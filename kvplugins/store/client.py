@@ -49,7 +49,8 @@ class StoreClient:
         self._rpc = master_client(self.master, cfg.rpc_timeout_ms)
         self._rpc.call("info")
         self._engine = TransferEngine(transfer_config(host=cfg.host, transports=cfg.transports,
-                                                      timeout_ms=float(cfg.transfer_timeout_ms)))
+                                                      timeout_ms=float(cfg.transfer_timeout_ms),
+                                                      rdma_devices=cfg.rdma_devices or None))
         self._descs: dict = {}
         self._buffers: dict[int, object] = {}
         self._staging = Staging(self._engine, cfg.staging_size)

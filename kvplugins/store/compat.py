@@ -16,10 +16,11 @@ anything else -> INTERNAL_ERROR (-1). As Mooncake over TCP, ``put_from``/``get_i
 never registered (it is copied through the staging buffer instead of zero-copy). The codes of a test script
 were checked against a real mooncake_master 0.3.13 (tests/store/test_compat.py).
 
-Differences (docs/store.md, "Mooncake-compatible API"): ``metadata_server``, ``rdma_devices``, ``engine``,
+Differences (docs/store.md, "Mooncake-compatible API"): ``metadata_server``, ``engine``,
 ``tenant_id`` and the client HTTP server are accepted and ignored (our master is the metadata server; metrics
-live on the master and nodes); ``protocol`` "rdma" falls back to our default transports (shm, tcp); the SSD
-offload is the store nodes' disk tier, not the client's.
+live on the master and nodes); ``protocol`` "rdma" offers shm, rdma and tcp (``rdma_devices`` picks the NICs;
+without a usable NIC RDMA is absent and tcp carries the bytes), "tcp" offers shm and tcp; the SSD offload is the
+store nodes' disk tier, not the client's.
 """
 from __future__ import annotations
 
@@ -144,12 +145,14 @@ class MooncakeDistributedStore:
         from kvplugins.store.client import StoreClient
         from kvplugins.store.config import ClientConfig
         if protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"protocol={protocol!r}: use 'tcp' (or 'rdma', served by our transports here)")
-        _warn_ignored(protocol, engine, enable_ssd_offload, tenant_id, enable_client_http_server)
+            raise ConfigError(f"protocol={protocol!r}: use 'tcp' or 'rdma'")
+        _warn_ignored(engine, enable_ssd_offload, tenant_id, enable_client_http_server)
         host = str(local_hostname).rsplit(":", 1)[0] if str(local_hostname).count(":") == 1 else local_hostname
         cfg = dataclasses.replace(load(ClientConfig), master=master_server_addr,
                                   host="127.0.0.1" if host in ("", "localhost") else host,
                                   segment_size=int(global_segment_size),
+                                  transports="shm,rdma,tcp" if protocol == "rdma" else "shm,tcp",
+                                  rdma_devices=str(rdma_devices or ""),
                                   staging_size=max(int(local_buffer_size), 1 << 20))
         if self._client is not None:
             self.close()
@@ -354,9 +357,8 @@ def _setup_kwargs(config: dict) -> dict:
     return {k: v for k, v in config.items() if k in SETUP_KEYS}
 
 
-def _warn_ignored(protocol, engine, ssd, tenant, http) -> None:
-    for cond, what in ((protocol == "rdma", "protocol 'rdma': no RDMA here; using the shm/tcp transports"),
-                       (engine is not None, "engine: our client runs its own transfer engine"),
+def _warn_ignored(engine, ssd, tenant, http) -> None:
+    for cond, what in ((engine is not None, "engine: our client runs its own transfer engine"),
                        (ssd, "enable_ssd_offload: the disk tier lives on store nodes (--disk-dir)"),
                        (tenant != "default", f"tenant_id {tenant!r}: one namespace per master"),
                        (http, "enable_client_http_server: metrics are on the master and nodes (--metrics-port)")):

@@ -189,6 +189,8 @@ class ClientConfig:
         "help": "check each object read against its xxh3_64 checksum (a mismatch reads as a miss)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address this client's transfer engine binds"})
     transports: str = field(default="shm,rdma,tcp", metadata={"help": "transports offered, fastest first"})
+    rdma_devices: str = field(default="", metadata={
+        "help": "RDMA devices of this client's engine, comma list; '' = transfer.rdma_devices (every usable one)"})
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period of the own segment"})
     embedded_start_timeout_ms: int = field(default=30000, metadata={"help": "wait for an auto-started `up`"})
     wait_commit: bool = field(default=True, metadata={

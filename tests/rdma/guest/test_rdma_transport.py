@@ -175,6 +175,7 @@ def test_peer_without_the_secret_is_refused_before_any_qp(monkeypatch):
 
 def test_store_put_get_over_rdma_between_processes():
     from kvplugins.store import ClientConfig, StoreClient
+    from kvplugins.store.compat import MooncakeDistributedStore
     with store_cluster(nodes=1, segment_size="32MiB", node_flags={"transports": "rdma,tcp"}) as cluster:
         client = StoreClient(ClientConfig(master=cluster.master, transports="rdma,tcp", rpc_timeout_ms=30000))
         try:
@@ -186,3 +187,11 @@ def test_store_put_get_over_rdma_between_processes():
             assert t["rdma"]["bytes"] >= 2 * 8 * (256 << 10) and t["tcp"]["bytes"] == 0, t
         finally:
             client.close()
+        mooncake = MooncakeDistributedStore()        # Mooncake's setup(protocol="rdma") takes our RDMA transport
+        assert mooncake.setup("127.0.0.1", "", 0, 16 << 20, "rdma", "rxe0", cluster.master) == 0
+        try:
+            assert mooncake.put("rdma/mooncake", pages[0]) == 0 and mooncake.get("rdma/mooncake") == pages[0]
+            t = mooncake._client.transfer_stats()      # noqa: SLF001 - which transport carried the bytes
+            assert t["rdma"]["bytes"] >= 2 * len(pages[0]) and set(t["rdma"]["path_bytes"]) == {"rxe0->0"}, t
+        finally:
+            mooncake.close()
