@@ -210,6 +210,9 @@ class RdmaTransport(Transport):
                 out.append(_Piece(k, k, e.local_addr, e.local.region_id, raddr, e.remote_region.rdma[1], e.length))
         cut, limit = [], int(self._cfg.rdma_max_wr)
         for p in out:
+            if p.length <= limit:
+                cut.append(p)
+                continue
             for off in range(0, p.length, limit):
                 cut.append(replace(p, laddr=p.laddr + off, raddr=p.raddr + off, length=min(limit, p.length - off)))
         return cut
@@ -239,11 +242,7 @@ class RdmaTransport(Transport):
 
     def _round(self, op: Op, seg: str, pieces: list[_Piece], paths: list[Path], deadline: Deadline):
         """One striped attempt; returns (failed pieces, why, failed paths)."""
-        speeds = [self._nics[p.local].info.speed_gbps or 1.0 for p in paths]
-        weights = [self._stats.weight((seg, p.local, p.remote), s * 125e6) for p, s in zip(paths, speeds)]
-        if sum(p.length for p in pieces) <= self._cfg.rdma_max_wr:
-            weights = [w if w == max(weights) else 0.0 for w in weights]      # a small batch: the best path
-        owner = stripe([p.length for p in pieces], weights)
+        owner = self._stripe(seg, pieces, paths)
         works, failed, why, bad = [], [], "", set()
         held: list[tuple[tuple, verbs.QueuePair]] = []
         for k, path in enumerate(paths):
@@ -267,6 +266,16 @@ class RdmaTransport(Transport):
         failed, why, bad = self._settle(seg, works, start, failed, why, bad)
         self._release(held)
         return failed, why, bad
+
+    def _stripe(self, seg: str, pieces: list[_Piece], paths: list[Path]) -> list[int]:
+        """Path index per piece: by measured throughput (rdma_paths.stripe); a small batch takes the best path."""
+        if len(paths) == 1:
+            return [0] * len(pieces)
+        speeds = [self._nics[p.local].info.speed_gbps or 1.0 for p in paths]
+        weights = [self._stats.weight((seg, p.local, p.remote), s * 125e6) for p, s in zip(paths, speeds)]
+        if sum(p.length for p in pieces) <= self._cfg.rdma_max_wr:
+            weights = [w if w == max(weights) else 0.0 for w in weights]
+        return stripe([p.length for p in pieces], weights)
 
     def _settle(self, seg, works, start, failed, why, bad):
         """Telemetry and failures of a round's works (failed chunks map back to their pieces)."""
