@@ -7,8 +7,9 @@
 # writes stay there, so CMD runs with the project's venv and checkout as they are. Each NIC i (QEMU user
 # networking) is eth<i> with 10.77.<i>.15/24 and an rxe device rxe<i>. CMD runs in the caller's working directory
 # with KVPLUGINS_* and PYTHON* variables (and those named in GUEST_ENV, space separated) passed through, plus
-# KVPLUGINS_IN_GUEST=1 and RXE_GUEST_OUT, a directory shared read-write with the host (--out, default a temporary
-# one, printed at the end when CMD left files there). RLIMIT_MEMLOCK is unlimited in the guest.
+# KVPLUGINS_IN_GUEST=1, RXE_HOST_CPU (the host's CPU model, for benchmark records) and RXE_GUEST_OUT, a directory
+# shared read-write with the host (--out, default a temporary one, printed at the end when CMD left files there).
+# RLIMIT_MEMLOCK is unlimited in the guest.
 # Everything in the guest runs 10-50x slower than on the host: test correctness there, and compare speed only
 # against perftest run in the same guest. Boot takes ~10-15 s.
 # Exit: CMD's status; 124 past --timeout (default 1500 s); 125 when the guest never reported one (boot failure);
@@ -81,6 +82,7 @@ chmod +x "$INIT/init"
   done
   for v in ${GUEST_ENV:-}; do [ -n "${!v+x}" ] && printf 'export %s=%q\n' "$v" "${!v}"; done
   printf 'export KVPLUGINS_IN_GUEST=1 RXE_GUEST_OUT=%q TERM=dumb PY_COLORS=0 NO_COLOR=1\n' "$OUT"
+  printf 'export RXE_HOST_CPU=%q\n' "$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)"
   printf 'export PATH=%q HOME=/root\n' "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
   printf 'cd %q\n' "$PWD"
   printf 'CMD=(%s)\n' "$(printf '%q ' "$@")"
