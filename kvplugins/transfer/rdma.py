@@ -104,15 +104,18 @@ class RdmaTransport(Transport):
                 "numa": [i.numa_node for i in infos]}
 
     def add_region(self, region: Region) -> None:
-        access = self._access(region)
-        mrs = []
+        """Register ``region`` as an MR on every NIC. Where one NIC refuses it (e.g. ENOMEM over RLIMIT_MEMLOCK),
+        the region is not RDMA-registered at all (the others are undone): TCP serves it, with a warning."""
+        access, mrs = self._access(region), []
         for nic in self._nics:
             try:
                 mrs.append(nic.register(region.addr, region.length, access))
-            except Exception as e:  # noqa: BLE001 - e.g. ENOMEM over RLIMIT_MEMLOCK: TCP serves this region
+            except Exception as e:  # noqa: BLE001 - PyverbsRDMAError and kin: TCP serves this region
                 log.warning("rdma: could not register region %d (%d bytes) on %s: %s; run `kvplugins doctor` "
                             "(RLIMIT_MEMLOCK); TCP serves it", region.region_id, region.length, nic.info.name, e)
-                mrs.append(None)
+                for done in self._nics[:len(mrs)]:
+                    done.deregister(region.addr, region.length, access)
+                return
         with self._lock:
             self._keys[region.region_id] = (access, mrs)
             self._numa[region.region_id] = numa_of(region.addr)
@@ -120,7 +123,7 @@ class RdmaTransport(Transport):
     def region_info(self, region: Region, info: RegionInfo) -> RegionInfo:
         with self._lock:
             entry = self._keys.get(region.region_id)
-        if entry is None or any(mr is None for mr in entry[1]):
+        if entry is None:
             return info
         return replace(info, rdma=(region.addr, tuple(mr.rkey for mr in entry[1])))
 
@@ -129,9 +132,8 @@ class RdmaTransport(Transport):
             entry = self._keys.pop(region.region_id, None)
             self._numa.pop(region.region_id, None)
         if entry is not None:
-            for nic, mr in zip(self._nics, entry[1]):
-                if mr is not None:
-                    nic.deregister(region.addr, region.length, entry[0])
+            for nic in self._nics:
+                nic.deregister(region.addr, region.length, entry[0])
 
     @staticmethod
     def _access(region: Region) -> int:
@@ -300,7 +302,7 @@ class RdmaTransport(Transport):
 
     def _chunk(self, p: _Piece, path: Path) -> verbs.Chunk:
         mr = self._keys[p.region_id][1][path.local]
-        return verbs.Chunk(p.laddr, mr.lkey if mr is not None else 0, p.raddr, p.rkeys[path.remote],
+        return verbs.Chunk(p.laddr, mr.lkey, p.raddr, p.rkeys[path.remote],
                            p.length)
 
     # -- queue pairs -------------------------------------------------------------------------------
