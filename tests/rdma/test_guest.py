@@ -31,7 +31,7 @@ def test_rdma_suite_in_soft_roce_guest():
         pytest.skip(f"no soft-RoCE guest: {why}; fix: bash ci/install.sh")
     env = {**os.environ, "KVPLUGINS_TEST_TRANSPORTS": "rdma,tcp,shm"}
     cmd = ["bash", str(RUNNER), "--nics", "2", "--timeout", "1500", "--",
-           sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", *GUEST_TESTS]
+           sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", "--durations=8", *GUEST_TESTS]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700)
     out = res.stdout + res.stderr
     print(out)
