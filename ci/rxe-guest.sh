@@ -9,7 +9,8 @@
 # with KVPLUGINS_* and PYTHON* variables (and those named in GUEST_ENV, space separated) passed through, plus
 # KVPLUGINS_IN_GUEST=1, RXE_HOST_CPU (the host's CPU model, for benchmark records) and RXE_GUEST_OUT, a directory
 # shared read-write with the host (--out, default a temporary one, printed at the end when CMD left files there).
-# RLIMIT_MEMLOCK is unlimited in the guest.
+# RLIMIT_MEMLOCK is unlimited in the guest. The guest kernel's messages stay off the output (only EMERG/ALERT,
+# e.g. a panic, reach it); when CMD fails, the warnings it logged while CMD ran follow CMD's output.
 # Everything in the guest runs 10-50x slower than on the host: test correctness there, and compare speed only
 # against perftest run in the same guest. Boot takes ~10-15 s.
 # Exit: CMD's status; 124 past --timeout (default 1500 s); 125 when the guest never reported one (boot failure);
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-die() { echo "rxe-guest: $*" >&2; exit "${2:-2}"; }
+die() { echo "rxe-guest: $1" >&2; exit "${2:-2}"; }
 [ $# -gt 0 ] || die "usage: $0 [--nics N] [--mem MiB] [--timeout S] [--out DIR] -- CMD [ARGS...]"
 [[ "$NICS" =~ ^[1-8]$ ]] || die "--nics $NICS: use 1..8"
 command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found: apt-get install qemu-system-x86"
@@ -98,11 +99,20 @@ for n in \$(ls /sys/class/net | grep -v '^lo\$' | sort); do
   ip link set "\$n" up; ip addr add 10.77.\$i.15/24 dev "\$n"; rdma link add rxe\$i type rxe netdev "\$n"; i=\$((i+1))
 done
 ulimit -l unlimited
+dmesg -n 2; dmesg -C   # the console shows only EMERG/ALERT (panic, oops): no kernel line splits CMD's lines
 . $CTL/env
+# The newline ends the firmware's last line ("Booting from ROM..."), which the output filter drops whole.
+printf '\nrxe-guest: up after %s s with %s rxe device(s); running CMD\n' "\$(cut -d' ' -f1 /proc/uptime)" \$i
 "\${CMD[@]}"
-echo \$? > $CTL/rc
+rc=\$?
+if [ \$rc != 0 ]; then
+  echo "rxe-guest: CMD exited \$rc; the guest kernel's warnings while it ran (last 20):"
+  dmesg -t --level=emerg,alert,crit,err,warn | grep -v 'speed is unknown' | tail -n 20 | sed 's/^/  kernel: /'
+fi
+echo \$rc > $CTL/rc
 sync
-echo o > /proc/sysrq-trigger
+exec >/dev/null 2>&1    # quiet: the 9p share vanishes under this script as the guest powers off
+echo o > /proc/sysrq-trigger; sleep 60
 EOF
 
 NETS=()

@@ -16,7 +16,7 @@ Lifecycle (within a TransferEngine, kvplugins/transfer/api.py):
                                  polled (rdma_verbs.run). Chunks of a failed path are retried once on another
                                  path; what still fails is TransferFailed, which the router retries on TCP.
                                  A dead QP is rebuilt, and a down path probed back, by a background thread
-                                 every ``rdma_probe_ms``.
+                                 every ``rdma_probe_ms`` (the queue pairs and their set-up: rdma_qps.py).
   4. ``remove_region``, ``close``.
 A batch mutates only its entries' destination bytes. ``endpoint``, ``reaches`` and ``stats`` are always safe.
 Device memory (a CUDA tensor) cannot be registered yet: TransferEngine.register refuses it (memory.py).
@@ -24,10 +24,8 @@ Device memory (a CUDA tensor) cannot be registered yet: TransferEngine.register 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,13 +34,10 @@ from kvplugins.transfer import rdma_verbs as verbs
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
 from kvplugins.transfer.config import TransferConfig
 from kvplugins.transfer.rdma_paths import Path, PathStats, numa_of, pair, stripe
+from kvplugins.transfer.rdma_qps import QpPool
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
 log = logging.getLogger("kvplugins.transfer.rdma")
-MAX_SERVED_QPS = 4096     # queue pairs this process keeps for its peers; the oldest is closed past it
-MAX_PEERS = 1024          # peers whose queue pairs are pooled; the least recently used is forgotten past it
-REBUILD_TRIES = 5         # background rebuilds of a peer's path before giving up (a batch reconnects on demand)
-_CONNECT_MS = 5000.0
 
 
 @dataclass(frozen=True)
@@ -76,23 +71,14 @@ class RdmaTransport(Transport):
         return cls(config, tcp, usable), None
 
     def __init__(self, config: TransferConfig, tcp, nics: list):
-        self._cfg, self._tcp = config, tcp
+        self._cfg = config
         self._nics = [verbs.Nic(n) for n in nics]
-        self._token = secrets.token_hex(8)
         self._stats = PathStats(config.rdma_probe_ms / 1000)
-        self._lock = threading.Condition()
-        self._keys: dict[int, tuple[int, list]] = {}        # region id -> (access, MR per NIC or None)
+        self._lock = threading.Lock()
+        self._keys: dict[int, tuple[int, list]] = {}        # region id -> (access, MR per NIC)
         self._numa: dict[int, int] = {}
-        self._pools: dict[tuple, list[verbs.QueuePair]] = {}  # (segment, path) -> idle QPs
-        self._counts: dict[tuple, int] = {}                   # (segment, path) -> QPs existing
-        self._peers: OrderedDict[str, tuple[dict, dict]] = OrderedDict()  # segment -> (tcp, rdma endpoints)
-        self._rebuild: dict[tuple, int] = {}                  # (segment, path) -> failed rebuild attempts
-        self._served: OrderedDict[tuple, verbs.QueuePair] = OrderedDict()
-        self._closed = threading.Event()
-        self._up = [True] * len(self._nics)                  # port ACTIVE, per NIC (refreshed by the prober)
         self._pairs: dict[tuple, list[Path]] = {}             # a peer's subnets -> paths (a few peers' worth)
-        tcp.server.set_control("rdma", self._serve_connect)
-        threading.Thread(target=self._prober, name="kvp-rdma-probe", daemon=True).start()
+        self._qps = QpPool(config, tcp, self._nics, self._stats)
         log.info("rdma transport on %s", ", ".join(f"{n.info.name} (GID {n.info.gid})" for n in self._nics))
 
     # -- endpoint and regions ----------------------------------------------------------------------
@@ -168,7 +154,7 @@ class RdmaTransport(Transport):
         for i, e in enumerate(entries):
             by_peer.setdefault(e.remote.segment_id, []).append(i)
         for seg, idxs in by_peer.items():
-            self._remember(entries[idxs[0]].remote)
+            self._qps.remember(entries[idxs[0]].remote)
             pieces = self._pieces(entries, idxs, status)
             failed, why = self._run(op, seg, pieces, deadline)
             if failed:
@@ -177,22 +163,6 @@ class RdmaTransport(Transport):
                     for i in range(p.first, p.last + 1):
                         status[idxs[i]] = status[idxs[i]] or err
         return status
-
-    def _remember(self, remote: SegmentDescriptor) -> None:
-        """Note the peer's endpoints (most recently used last); past MAX_PEERS the oldest peer's QPs are closed."""
-        with self._lock:
-            self._peers[remote.segment_id] = (remote.transports["tcp"], remote.transports["rdma"])
-            self._peers.move_to_end(remote.segment_id)
-            if len(self._peers) <= MAX_PEERS:
-                return
-            old, _ = self._peers.popitem(last=False)
-            keys = [k for k in self._pools if k[0] == old]
-            idle = [q for k in keys for q in self._pools.pop(k)]
-            for k in keys:
-                self._counts.pop(k, None)
-                self._rebuild.pop(k, None)
-        for qp in idle:
-            qp.close()
 
     def _pieces(self, entries: list[Entry], idxs: list[int], status: list) -> list[_Piece]:
         """Coalesced pieces of one peer's entries, cut at rdma_max_wr (first/last index into ``idxs``)."""
@@ -234,9 +204,8 @@ class RdmaTransport(Transport):
         return [], ""
 
     def _live_paths(self, seg: str, pieces: list[_Piece]) -> list[Path]:
-        peer = self._peers.get(seg)
-        paths = [p for p in (self._paths(peer[1]) if peer else [])
-                 if self._up[p.local] and self._stats.up((seg, p.local, p.remote))]
+        ep, up = self._qps.endpoint(seg), self._qps.nics_up
+        paths = [p for p in (self._paths(ep) if ep else []) if up[p.local] and self._stats.up((seg, p.local, p.remote))]
         regions = {p.region_id for p in pieces}
         near = [p for p in paths if all(self._numa.get(r, -1) in (-1, self._nics[p.local].info.numa_node)
                                         for r in regions)]
@@ -251,7 +220,7 @@ class RdmaTransport(Transport):
             mine = [p for p, o in zip(pieces, owner) if o == k]
             if not mine:
                 continue
-            qps, err = self._acquire(seg, path, len(mine), deadline)
+            qps, err = self._qps.acquire(seg, path, len(mine), deadline)
             if not qps:
                 failed += mine
                 why = err
@@ -266,7 +235,7 @@ class RdmaTransport(Transport):
         self._stats.add("wrs", posted)
         self._stats.add("striped_batches", int(len({id(p) for p, _, _ in works}) > 1))
         failed, why, bad = self._settle(seg, works, start, failed, why, bad)
-        self._release(held)
+        self._qps.release(held)
         return failed, why, bad
 
     def _stripe(self, seg: str, pieces: list[_Piece], paths: list[Path]) -> list[int]:
@@ -305,138 +274,12 @@ class RdmaTransport(Transport):
         return verbs.Chunk(p.laddr, mr.lkey, p.raddr, p.rkeys[path.remote],
                            p.length)
 
-    # -- queue pairs -------------------------------------------------------------------------------
-    def _acquire(self, seg: str, path: Path, pieces: int, deadline: Deadline) -> tuple[list, str]:
-        """Up to rdma_qps_per_peer idle QPs of (seg, path), connecting new ones as needed; ([], why) if none."""
-        key, want = (seg, path), min(pieces, self._cfg.rdma_qps_per_peer)
-        with self._lock:
-            idle = self._pools.setdefault(key, [])
-            got = [idle.pop() for _ in range(min(want, len(idle)))]
-            new = min(want - len(got), self._cfg.rdma_qps_per_peer - self._counts.get(key, 0))
-            self._counts[key] = self._counts.get(key, 0) + max(new, 0)
-        why = ""
-        for _ in range(max(new, 0)):
-            try:
-                got.append(self._connect(seg, path, deadline))
-            except (TransferFailed, OSError, ValueError, KeyError) as e:
-                why = f"connecting a queue pair failed: {e}"
-                with self._lock:
-                    self._counts[key] -= 1
-                break
-        if not got and not why:
-            with self._lock:   # every QP of the path is busy in another batch: wait for one
-                self._lock.wait_for(lambda: self._pools.get(key) or self._closed.is_set(),
-                                    timeout=max(0.0, deadline.remaining()))
-                got = [self._pools[key].pop()] if self._pools.get(key) else []
-            why = "" if got else "every queue pair of the path stayed busy until the deadline"
-        return got, why
-
-    def _release(self, held: list[tuple[tuple, verbs.QueuePair]]) -> None:
-        dead = []
-        with self._lock:
-            for key, qp in held:
-                if qp.dead:
-                    self._counts[key] -= 1
-                    self._rebuild.setdefault(key, 0)
-                    dead.append(qp)
-                else:
-                    self._pools.setdefault(key, []).append(qp)
-            self._lock.notify_all()
-        for qp in dead:
-            qp.close()
-
-    def _connect(self, seg: str, path: Path, deadline: Deadline) -> verbs.QueuePair:
-        """A new QP on local NIC path.local connected to a new QP the peer creates on its NIC path.remote."""
-        tcp_ep, ep = self._peers[seg]
-        qp = verbs.QueuePair(self._nics[path.local], self._cfg.rdma_queue_depth)
-        try:
-            body = {"kind": "rdma", "client": self._token, "nic": path.remote, **qp.local()}
-            sub = Deadline(min(_CONNECT_MS, max(1.0, deadline.remaining() * 1000)))
-            reply = self._tcp.control(tcp_ep, body, sub)
-            qp.connect(reply)
-        except Exception:
-            qp.close()
-            raise
-        return qp
-
-    def _serve_connect(self, body: dict, addr) -> dict:
-        """The peer's side of _connect (a TCP control request, after the handshake): a QP on our NIC
-        body["nic"] connected to the peer's. Raises ValueError for a malformed request."""
-        nic = body.get("nic")
-        if not isinstance(nic, int) or not 0 <= nic < len(self._nics):
-            raise ValueError(f"nic={nic!r}: this process has RDMA NICs 0..{len(self._nics) - 1}")
-        for k, kind in (("qpn", int), ("psn", int), ("lid", int), ("mtu", int), ("gid", str), ("client", str)):
-            if not isinstance(body.get(k), kind) or isinstance(body.get(k), bool):
-                raise ValueError(f"{k}={body.get(k)!r}: expected {kind.__name__}")
-        if body["mtu"] not in verbs.MTU_ENUM:
-            raise ValueError(f"mtu={body['mtu']}: one of {sorted(verbs.MTU_ENUM)}")
-        qp = verbs.QueuePair(self._nics[nic], self._cfg.rdma_queue_depth)
-        try:
-            qp.connect(body)
-        except Exception as e:
-            qp.close()
-            raise ValueError(f"connecting to QP {body['qpn']} failed: {e}") from None
-        with self._lock:
-            self._served[(body["client"], body["qpn"], nic)] = qp
-            old = self._served.popitem(last=False)[1] if len(self._served) > MAX_SERVED_QPS else None
-        if old is not None:
-            old.close()
-        return qp.local()
-
-    # -- background: port states, rebuilds ---------------------------------------------------------
-    def _prober(self) -> None:
-        while not self._closed.wait(self._cfg.rdma_probe_ms / 1000):
-            self.probe_once()
-
-    def probe_once(self) -> None:
-        """Refresh the NICs' port states and rebuild dead QPs into their pools (background thread)."""
-        ups = [nic.port_active() for nic in self._nics]
-        for nic, was, now in zip(self._nics, self._up, ups):
-            if was != now:
-                log.warning("rdma NIC %s port is %s", nic.info.name, "ACTIVE again" if now else "down")
-        self._up = ups
-        with self._lock:
-            keys, self._rebuild = dict(self._rebuild), {}
-        for (seg, path), tries in keys.items():
-            if seg not in self._peers:
-                continue
-            if not ups[path.local]:
-                with self._lock:
-                    self._rebuild[(seg, path)] = tries
-                continue
-            try:
-                qp = self._connect(seg, path, Deadline(_CONNECT_MS))
-            except (TransferFailed, OSError, ValueError, KeyError) as e:
-                log.debug("rdma: rebuilding a QP to %s failed (%d of %d): %s", seg, tries + 1, REBUILD_TRIES, e)
-                if tries + 1 < REBUILD_TRIES:
-                    with self._lock:
-                        self._rebuild[(seg, path)] = tries + 1
-                continue
-            self._stats.add("qp_rebuilds")
-            self._stats.restore((seg, path.local, path.remote))
-            with self._lock:
-                self._counts[(seg, path)] = self._counts.get((seg, path), 0) + 1
-                self._pools.setdefault((seg, path), []).append(qp)
-                self._lock.notify_all()
-
     def stats(self) -> dict[str, Any]:
         """wrs posted, path_failures, qp_rebuilds, striped_batches, path_mbps (measured MB/s per peer and path),
         path_bytes (per local NIC -> peer NIC index), paths_down, qps (ours), qps_served (for peers), nics_up."""
-        out = self._stats.snapshot()
-        with self._lock:
-            out["qps_served"] = len(self._served)
-            out["qps"] = sum(self._counts.values())
-        out["nics_up"] = sum(self._up)
-        return out
+        return {**self._stats.snapshot(), **self._qps.stats()}
 
     def close(self) -> None:
-        self._closed.set()
-        with self._lock:
-            qps = [q for pool in self._pools.values() for q in pool] + list(self._served.values())
-            self._pools.clear()
-            self._served.clear()
-            self._lock.notify_all()
-        for qp in qps:
-            qp.close()
+        self._qps.close()
         for nic in self._nics:
             nic.close()

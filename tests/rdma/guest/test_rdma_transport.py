@@ -130,7 +130,7 @@ def test_qp_in_error_state_is_rebuilt(peer):
         dst, reqs = reads(eng, peer, 4)
         assert eng.batch_read(reqs) == [None] * 4
         rdma = next(t for t in eng._transports if t.name == "rdma")   # noqa: SLF001 - the test's fault injection
-        qps = [q for pool in rdma._pools.values() for q in pool]      # noqa: SLF001
+        qps = rdma._qps.idle()                                        # noqa: SLF001
         assert qps
         for q in qps:
             q.qp.modify(QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
