@@ -22,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-MTU_ENUM = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}      # enum ibv_mtu
+from kvplugins.transfer.nics import MTU_BYTES
+
+MTU_ENUM = {b: e for e, b in MTU_BYTES.items()}              # bytes -> enum ibv_mtu
 _QP_TIMEOUT, _RETRY, _RNR_RETRY, _RD_ATOMIC = 14, 7, 7, 16     # 4.096 us * 2^14 = 67 ms per try, 7 tries
 
 

@@ -151,20 +151,7 @@ class TcpTransport(Transport):
             conn, _ = self._acquire(peer, deadline, fresh=False)
             req_id = next(self._ids)
             send_all(conn.sock, [wire.encode_control(req_id, body)], deadline.at)
-            conn.reader.fill(conn.sock, wire.PREFIX.size, deadline.at)
-            prefix = conn.reader.take(wire.PREFIX.size)
-            try:
-                hlen, _plen = wire.parse_prefix(prefix, self._cfg.max_frame)
-            except ProtocolError:
-                handshake.check_refused(prefix, "the peer")
-                raise
-            conn.reader.fill(conn.sock, hlen, deadline.at)
-            header = conn.reader.take(hlen)
-            try:
-                err, reply = wire.decode_control_response(header, req_id)
-            except ProtocolError:
-                _check_refused(header)
-                raise
+            _, (err, reply) = self._response(conn, deadline, lambda h: wire.decode_control_response(h, req_id))
         except (OSError, ProtocolError, AuthError, TransferFailed) as e:
             if conn is not None:
                 conn.sock.close()
@@ -207,20 +194,7 @@ class TcpTransport(Transport):
         head = wire.encode_request(op, req_id, [(p.region, p.offset, p.length) for p in frame])
         body = [view_of(p.local_addr, p.length) for p in frame] if op is Op.WRITE else []
         send_all(sock, [head, *body], deadline.at)
-        reader.fill(sock, wire.PREFIX.size, deadline.at)
-        prefix = reader.take(wire.PREFIX.size)
-        try:
-            hlen, plen = wire.parse_prefix(prefix, self._cfg.max_frame)
-        except ProtocolError:
-            handshake.check_refused(prefix, "the peer")     # a server with a secret refused us: AuthError
-            raise
-        reader.fill(sock, hlen, deadline.at)
-        header = reader.take(hlen)
-        try:
-            st = wire.decode_response(header, req_id, len(frame))
-        except ProtocolError:
-            _check_refused(header)          # the server is over a connection cap: TransferFailed with its reason
-            raise
+        plen, st = self._response(conn, deadline, lambda h: wire.decode_response(h, req_id, len(frame)))
         ok = [p for p, s in zip(frame, st) if s is None] if op is Op.READ else []
         if plen != sum(p.length for p in ok):
             raise ProtocolError(f"response payload {plen} bytes, expected {sum(p.length for p in ok)}")
@@ -230,6 +204,24 @@ class TcpTransport(Transport):
         for p, s in zip(frame, st):
             if s is not None:
                 status[p.index] = OutOfRange(f"tcp peer answered: {s}")
+
+    def _response(self, conn: "_Conn", deadline: Deadline, decode):
+        """(payload length, ``decode(header)``) of the next response frame on ``conn``. A refusal instead raises
+        AuthError (a server with a secret refused us) or TransferFailed (over a connection cap, with its reason)."""
+        conn.reader.fill(conn.sock, wire.PREFIX.size, deadline.at)
+        prefix = conn.reader.take(wire.PREFIX.size)
+        try:
+            hlen, plen = wire.parse_prefix(prefix, self._cfg.max_frame)
+        except ProtocolError:
+            handshake.check_refused(prefix, "the peer")
+            raise
+        conn.reader.fill(conn.sock, hlen, deadline.at)
+        header = conn.reader.take(hlen)
+        try:
+            return plen, decode(header)
+        except ProtocolError:
+            _check_refused(header)
+            raise
 
     def _acquire(self, peer: tuple[str, int], deadline: Deadline, fresh: bool) -> tuple["_Conn", bool]:
         """A connection to ``peer`` whose socket timeout is the batch's time left (each call is bounded by it;
