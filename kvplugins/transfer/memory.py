@@ -119,7 +119,25 @@ class RegionTable:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._regions: dict[int, tuple[Region, Any]] = {}
+        self._watchers: list[tuple[Any, Any]] = []
         self.index = _Index([])
+
+    def watch(self, added, removed):
+        """Call ``added(region, pin)`` for every exported region registered now and later, and ``removed(region)``
+        when one goes (under the table's lock, so none is missed or reported twice). Returns the function that
+        stops watching. The TCP server mirrors exported regions into its native table this way."""
+        entry = (added, removed)
+        with self._lock:
+            self._watchers.append(entry)
+            for region, owner in self._regions.values():
+                if region.exported:
+                    added(region, _pin(owner))
+
+        def unwatch() -> None:
+            with self._lock:
+                if entry in self._watchers:
+                    self._watchers.remove(entry)
+        return unwatch
 
     def _reindex(self) -> None:
         self.index = _Index([r for r, _ in self._regions.values()])
@@ -130,6 +148,9 @@ class RegionTable:
             region = Region(next(self._ids), addr, length, shm_path, bool(export), bool(readonly))
             self._regions[region.region_id] = (region, owner)
             self._reindex()
+            if region.exported:
+                for added, _ in self._watchers:
+                    added(region, _pin(owner))
             return region
 
     def remove(self, region: Region) -> Any:
@@ -140,6 +161,9 @@ class RegionTable:
                 raise BufferNotRegistered(f"region {region.region_id} is not registered with this engine")
             del self._regions[region.region_id]
             self._reindex()
+            if region.exported:
+                for _, removed in self._watchers:
+                    removed(region)
             return entry[1]
 
     def pin(self, region: Region) -> Any:
@@ -177,6 +201,10 @@ class RegionTable:
     def pop_all(self) -> list[Any]:
         with self._lock:
             owners = [o for _, o in self._regions.values()]
+            for region, _ in self._regions.values():
+                if region.exported:
+                    for _, removed in self._watchers:
+                        removed(region)
             self._regions.clear()
             self._reindex()
             return owners

@@ -82,66 +82,6 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> me
     return buf
 
 
-class FrameReader:
-    """A receive buffer for one connection: one ``recv_into`` usually brings a whole small frame (prefix,
-    header and a small payload) instead of one call per part. ``fill`` buffers at least n bytes, ``take``
-    hands out buffered bytes (a view valid until the next ``fill``), ``read_into`` copies buffered payload
-    bytes into their destinations and receives the rest straight into them (large payloads are never
-    staged). Bytes of a following frame stay buffered for the next one."""
-
-    def __init__(self, size: int = 64 << 10):
-        self._buf = bytearray(size)
-        self._view = memoryview(self._buf)
-        self._start = self._end = 0
-
-    def buffered(self) -> int:
-        return self._end - self._start
-
-    def fill(self, sock: socket.socket, need: int, deadline: float | None = None, idle_ok: bool = False) -> bool:
-        """Buffer at least ``need`` bytes. With ``idle_ok``, returns False when the peer closed cleanly
-        before sending anything. Raises ConnectionError (closed mid-frame), TimeoutError, OSError."""
-        if self._end - self._start >= need:
-            return True
-        if self._start + need > len(self._buf):
-            kept = bytes(self._view[self._start:self._end])
-            if need > len(self._buf):
-                self._buf = bytearray(max(need, 2 * len(self._buf)))
-                self._view = memoryview(self._buf)
-            self._view[:len(kept)] = kept
-            self._start, self._end = 0, len(kept)
-        while self._end - self._start < need:
-            got = sock.recv_into(self._view[self._end:])
-            if got == 0:
-                if idle_ok and self._end == self._start:
-                    return False
-                raise ConnectionError(f"peer closed the connection with {need - self.buffered()} bytes still expected")
-            self._end += got
-            if self._end - self._start < need:
-                _check(deadline)
-        return True
-
-    def take(self, n: int) -> memoryview:
-        """The next ``n`` buffered bytes (call fill(n) first)."""
-        view = self._view[self._start:self._start + n]
-        self._start += n
-        return view
-
-    def read_into(self, sock: socket.socket, buffers: list, deadline: float | None = None) -> None:
-        """Fill every buffer in order: from buffered bytes first, the rest with recvmsg_into."""
-        rest = []
-        for v in _views(buffers):
-            k = min(len(v), self._end - self._start)
-            if k:
-                v[:k] = self._view[self._start:self._start + k]
-                self._start += k
-            if k < len(v):
-                rest.append(v[k:])
-        if self._start == self._end:
-            self._start = self._end = 0
-        if rest:
-            recv_views(sock, rest, deadline)
-
-
 def reusable(sock: socket.socket) -> bool:
     """True if an idle pooled connection may carry the next request: the peer has not closed it (an idle
     timeout) and sent nothing unasked (a refusal). A zero-timeout poll, one syscall; ``select.poll`` has no

@@ -1,10 +1,12 @@
 """TCP transport (any host): frames per wire.py over pooled connections, several per peer.
 
-A batch is cut into frames (big entries split, small ones packed), the frames are spread over up to
-``tcp_connections`` connections running in parallel, writes are sent with sendmsg straight from
-registered memory and reads land with recv_into straight in it (no copy through Python bytes).
-A pooled connection is checked for a close by the server (its idle timeout) before reuse and replaced
-transparently; a server over its connection caps refuses with a reason, raised as TransferFailed.
+Python keeps the set-up: connecting, the shared-secret handshake, the connection pool and control requests.
+The data path is native (kvplugins._tcp, native/src/tcp/client.cpp, GIL released): a batch is cut into
+frames (big spans split, small ones packed), the frames are spread over up to ``tcp_connections``
+connections driven by one poll loop, writes are sent with sendmsg straight from registered memory and reads
+land with readv straight in it. A pooled connection is checked for a close by the server (its idle timeout)
+before reuse, and one the server had closed anyway is replaced transparently (its spans retried once on a new
+connection); a server over its connection caps refuses with a reason, raised as TransferFailed.
 """
 from __future__ import annotations
 
@@ -12,72 +14,22 @@ import itertools
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from kvplugins import security
 from kvplugins.errors import AuthError, OutOfRange, ProtocolError, TransferError, TransferFailed
 from kvplugins.security import handshake
-from kvplugins.transfer import wire
+from kvplugins.transfer import native_tcp, wire
 from kvplugins.transfer.api import RegionInfo, SegmentDescriptor
 from kvplugins.transfer.config import MIN_FRAME, TransferConfig
-from kvplugins.transfer.memory import RegionTable, view_of
-from kvplugins.transfer.spans import as_list
-from kvplugins.transfer.sockio import FrameReader, reusable, send_all
+from kvplugins.transfer.memory import RegionTable
+from kvplugins.transfer.sockio import recv_exact, reusable, send_all
 from kvplugins.transfer.tcp_server import TcpServer
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
-MIN_PIECE = 1 << 20  # smallest frame worth another connection: a thread handoff costs ~50-100 us
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A contiguous part of entry ``index``: ``length`` bytes at local_addr <-> (region, offset)."""
-    index: int
-    local_addr: int
-    region: int
-    offset: int
-    length: int
-
-
-def plan_frames(entries: list[Entry], indexes: list[int], limit: int, conns: int) -> list[list[Piece]]:
-    """Cut entries into frames of at most ``limit`` payload bytes and MAX_ENTRIES pieces; a batch big
-    enough is cut into at least ``conns`` frames so every connection gets a share."""
-    total = sum(entries[i].length for i in indexes)
-    target = min(limit, max(MIN_PIECE, -(-total // conns)))
-    frames: list[list[Piece]] = [[]]
-    room = target
-    for i in indexes:
-        e, off = entries[i], 0
-        while off < e.length:
-            if room == 0 or len(frames[-1]) == wire.MAX_ENTRIES:
-                frames.append([])
-                room = target
-            n = min(room, e.length - off)
-            frames[-1].append(Piece(i, e.local_addr + off, e.remote_region.region_id, e.remote_offset + off, n))
-            off, room = off + n, room - n
-    return [f for f in frames if f]
-
-
-def plan_span_frames(addrs: list[int], offs: list[int], lens: list[int], region: int, limit: int,
-                     conns: int) -> list[list[Piece]]:
-    """plan_frames for the array form: spans j (to one remote ``region``) cut into frames the same way."""
-    total = sum(lens)
-    target = min(limit, max(MIN_PIECE, -(-total // conns)))
-    if total <= target and len(lens) <= wire.MAX_ENTRIES:       # the common small batch: one frame
-        return [[Piece(j, a, region, o, n) for j, (a, o, n) in enumerate(zip(addrs, offs, lens))]]
-    frames: list[list[Piece]] = [[]]
-    room = target
-    for j, (a, o, length) in enumerate(zip(addrs, offs, lens)):
-        off = 0
-        while off < length:
-            if room == 0 or len(frames[-1]) == wire.MAX_ENTRIES:
-                frames.append([])
-                room = target
-            n = min(room, length - off)
-            frames[-1].append(Piece(j, a + off, region, o + off, n))
-            off, room = off + n, room - n
-    return [f for f in frames if f]
+MIN_PIECE = 1 << 20  # smallest frame worth another connection (native/src/tcp/client.cpp cuts frames the same way)
 
 
 class TcpTransport(Transport):
@@ -90,8 +42,9 @@ class TcpTransport(Transport):
         self._server = TcpServer(config.host, config.tcp_port, regions, config.max_frame, config.server_limits(),
                                  secret=self._secret)
         self._lock = threading.Lock()
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
-        self._io = ThreadPoolExecutor(config.tcp_connections * config.workers, thread_name_prefix="kvp-tcp-io")
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._native = native_tcp.Client()
+        self._peers_io = ThreadPoolExecutor(config.workers, thread_name_prefix="kvp-tcp-peer")
         self._ids = itertools.count(1)
 
     def endpoint(self) -> dict[str, Any]:
@@ -105,191 +58,196 @@ class TcpTransport(Transport):
 
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
         status: list[TransferError | None] = [None] * len(entries)
-        jobs = []
-        for peer, indexes in _by_peer(entries).items():
-            peer_frame = entries[indexes[0]].remote.transports["tcp"].get("max_frame", self._cfg.max_frame)
-            limit = wire.payload_limit(max(MIN_FRAME, min(self._cfg.max_frame, peer_frame)))
-            frames = plan_frames(entries, indexes, limit, self._cfg.tcp_connections)
-            groups = min(self._cfg.tcp_connections, len(frames))
-            jobs += [(peer, frames[g::groups]) for g in range(groups)]
-        futures = [self._io.submit(self._run_group, op, p, f, status, deadline) for p, f in jobs[1:]]
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, e in enumerate(entries):
+            ep = e.remote.transports["tcp"]
+            groups.setdefault((ep["host"], ep["port"]), []).append(i)
+
+        def run(indexes: list[int]) -> None:
+            ep = entries[indexes[0]].remote.transports["tcp"]
+            cols = [[entries[i].local_addr for i in indexes], [entries[i].remote_region.region_id for i in indexes],
+                    [entries[i].remote_offset for i in indexes], [entries[i].length for i in indexes]]
+            got = self._batch(op, ep, *cols, deadline)
+            if got is not None:
+                for i, s in zip(indexes, got):
+                    status[i] = s
+        jobs = list(groups.values())
+        futures = [self._peers_io.submit(run, ix) for ix in jobs[1:]]
         if jobs:
-            self._run_group(op, *jobs[0], status, deadline)
+            run(jobs[0])
         for fut in futures:
             fut.result()
         return status
 
     def transfer_spans(self, op: Op, batch, deadline: Deadline) -> list[TransferError | None] | None:
-        """The array form: frames planned straight from the span arrays (no Entry objects)."""
-        ep = batch.remote.transports["tcp"]
-        peer = (ep["host"], ep["port"])
-        limit = wire.payload_limit(max(MIN_FRAME, min(self._cfg.max_frame, ep.get("max_frame", self._cfg.max_frame))))
-        frames = plan_span_frames(as_list(batch.addrs), as_list(batch.roffs), as_list(batch.lens),
-                                  batch.info.region_id, limit, self._cfg.tcp_connections)
-        status: list[TransferError | None] = [None] * len(batch)
-        groups = min(self._cfg.tcp_connections, len(frames))
-        jobs = [frames[g::groups] for g in range(groups)]
-        futures = [self._io.submit(self._run_group, op, peer, f, status, deadline) for f in jobs[1:]]
-        if jobs:
-            self._run_group(op, peer, jobs[0], status, deadline)
-        for fut in futures:
-            fut.result()
-        return status
+        """The array form: one native call with the span arrays (no Entry objects, no per-span Python)."""
+        regions = np.full(len(batch), batch.info.region_id, dtype=np.uint64)
+        return self._batch(op, batch.remote.transports["tcp"], batch.addrs, regions, batch.roffs, batch.lens, deadline)
 
     @property
     def server(self) -> TcpServer:
         """This process's transfer server (another transport registers its control handler on it)."""
         return self._server
 
+    def _batch(self, op: Op, ep: dict, addrs, regions, offs, lens, deadline: Deadline) -> list | None:
+        """Spans to one peer; None when all succeeded, else one status per span. Spans of a pooled connection
+        the server had closed are retried once on fresh connections."""
+        peer = (ep["host"], ep["port"])
+        limit = wire.payload_limit(max(MIN_FRAME, min(self._cfg.max_frame, ep.get("max_frame", self._cfg.max_frame))))
+        cols = [np.ascontiguousarray(a, dtype=np.uint64) for a in (addrs, regions, offs, lens)]
+        status, retry = self._attempt(op, peer, cols, limit, deadline, fresh=False)
+        if retry:
+            idx = np.array(retry, dtype=np.int64)
+            again, _ = self._attempt(op, peer, [c[idx] for c in cols], limit, deadline, fresh=True)
+            for k, j in enumerate(retry):
+                status[j] = None if again is None else again[k]
+            if not any(s is not None for s in status):
+                return None
+        return status
+
+    def _attempt(self, op: Op, peer: tuple[str, int], cols: list, limit: int, deadline: Deadline,
+                 fresh: bool) -> tuple[list | None, list[int]]:
+        """One native call over ``want`` connections: (statuses or None, spans worth a retry on fresh ones)."""
+        n = len(cols[3])
+        conns: list[tuple[socket.socket, bool]] = []
+        try:
+            for _ in range(_connections(int(cols[3].sum()), n, limit, self._cfg.tcp_connections)):
+                conns.append(self._acquire(peer, deadline, fresh))
+        except (OSError, AuthError, TransferFailed) as e:
+            for sock, _ in conns:
+                self._release(peer, sock)
+            return [_failure(peer, e, deadline)] * n, []
+        codes, bad, broken = self._native.transfer(int(op), [s.fileno() for s, _ in conns], [r for _, r in conns],
+                                                   *cols, limit, self._cfg.max_frame, max(0.0, deadline.remaining()))
+        for (sock, _), b in zip(conns, broken):
+            if b:
+                sock.close()
+            else:
+                self._release(peer, sock)
+        if not bad:
+            return None, []
+        if any(broken):
+            self._drop_idle(peer)
+        status: list = [None] * n
+        retry = []
+        for j, text in bad:
+            if codes[j] == native_tcp.SERVER:
+                status[j] = OutOfRange(text)
+            elif codes[j] == native_tcp.RETRY and not fresh:
+                retry.append(j)
+            elif codes[j] == native_tcp.TIMEOUT:
+                status[j] = _failure(peer, TimeoutError(), deadline)
+            elif codes[j] == native_tcp.AUTH:
+                status[j] = _auth_refused(peer, text, deadline)
+            else:
+                status[j] = TransferFailed(f"tcp peer {peer[0]}:{peer[1]} {text}")
+        return status, retry
+
     def control(self, ep: dict[str, Any], body: dict, deadline: Deadline) -> dict:
         """Send control request ``body`` (with "kind") to the peer at tcp endpoint ``ep`` over a pooled,
         authenticated connection; returns the peer handler's reply. Raises TransferFailed (peer gone, refused,
         timeout, or the handler's error text)."""
         peer = (ep["host"], ep["port"])
-        conn = None
+        sock = None
         try:
-            conn, _ = self._acquire(peer, deadline, fresh=False)
+            sock, _ = self._acquire(peer, deadline, fresh=False)
+            sock.settimeout(max(1e-3, deadline.remaining()))
             req_id = next(self._ids)
-            send_all(conn.sock, [wire.encode_control(req_id, body)], deadline.at)
-            _, (err, reply) = self._response(conn, deadline, lambda h: wire.decode_control_response(h, req_id))
+            send_all(sock, [wire.encode_control(req_id, body)], deadline.at)
+            err, reply = self._control_response(sock, req_id, deadline)
         except (OSError, ProtocolError, AuthError, TransferFailed) as e:
-            if conn is not None:
-                conn.sock.close()
+            if sock is not None:
+                sock.close()
             raise _failure(peer, e, deadline) from e
-        self._release(peer, conn)
+        self._release(peer, sock)
         if err is not None:
             raise TransferFailed(f"tcp peer {peer[0]}:{peer[1]} refused {body.get('kind')!r}: {err}")
         return reply
 
-    def _run_group(self, op: Op, peer: tuple[str, int], frames: list[list[Piece]], status: list,
-                   deadline: Deadline) -> None:
-        conn, done, fresh = None, 0, False
-        try:
-            while done < len(frames):
-                if conn is None:
-                    conn, reused = self._acquire(peer, deadline, fresh)
-                try:
-                    self._exchange(conn, op, frames[done], status, deadline)
-                    done += 1
-                except ConnectionError:
-                    if not reused:
-                        raise
-                    conn.sock.close()  # a pooled connection the peer had closed: retry once on a new one
-                    conn, fresh = None, True
-            self._release(peer, conn)
-        except (OSError, ProtocolError, AuthError, TransferFailed) as e:
-            if conn is not None:
-                conn.sock.close()
-            self._drop_idle(peer)
-            err = _failure(peer, e, deadline)
-            for frame in frames[done:]:
-                for p in frame:
-                    status[p.index] = status[p.index] or err
-
-    def _exchange(self, conn: "_Conn", op: Op, frame: list[Piece], status: list, deadline: Deadline) -> None:
-        if deadline.remaining() <= 0:
-            raise TimeoutError("deadline passed")
-        sock, reader = conn.sock, conn.reader
-        req_id = next(self._ids)
-        head = wire.encode_request(op, req_id, [(p.region, p.offset, p.length) for p in frame])
-        body = [view_of(p.local_addr, p.length) for p in frame] if op is Op.WRITE else []
-        send_all(sock, [head, *body], deadline.at)
-        plen, st = self._response(conn, deadline, lambda h: wire.decode_response(h, req_id, len(frame)))
-        ok = [p for p, s in zip(frame, st) if s is None] if op is Op.READ else []
-        if plen != sum(p.length for p in ok):
-            raise ProtocolError(f"response payload {plen} bytes, expected {sum(p.length for p in ok)}")
-        reader.read_into(sock, [view_of(p.local_addr, p.length) for p in ok], deadline.at)
-        if reader.buffered():
-            raise ProtocolError(f"{reader.buffered()} unexpected bytes after a response")
-        for p, s in zip(frame, st):
-            if s is not None:
-                status[p.index] = OutOfRange(f"tcp peer answered: {s}")
-
-    def _response(self, conn: "_Conn", deadline: Deadline, decode):
-        """(payload length, ``decode(header)``) of the next response frame on ``conn``. A refusal instead raises
+    def _control_response(self, sock: socket.socket, req_id: int, deadline: Deadline) -> tuple[str | None, dict]:
+        """(error text or None, reply) of the response to control request ``req_id``. A refusal instead raises
         AuthError (a server with a secret refused us) or TransferFailed (over a connection cap, with its reason)."""
-        conn.reader.fill(conn.sock, wire.PREFIX.size, deadline.at)
-        prefix = conn.reader.take(wire.PREFIX.size)
+        prefix = recv_exact(sock, wire.PREFIX.size, deadline.at)
         try:
             hlen, plen = wire.parse_prefix(prefix, self._cfg.max_frame)
         except ProtocolError:
             handshake.check_refused(prefix, "the peer")
             raise
-        conn.reader.fill(conn.sock, hlen, deadline.at)
-        header = conn.reader.take(hlen)
+        header = recv_exact(sock, hlen, deadline.at)
+        if plen:
+            raise ProtocolError(f"a control response carries no payload, got {plen} bytes")
         try:
-            return plen, decode(header)
+            return wire.decode_control_response(header, req_id)
         except ProtocolError:
             _check_refused(header)
             raise
 
-    def _acquire(self, peer: tuple[str, int], deadline: Deadline, fresh: bool) -> tuple["_Conn", bool]:
-        """A connection to ``peer`` whose socket timeout is the batch's time left (each call is bounded by it;
-        the loops also check the deadline between calls)."""
+    def _acquire(self, peer: tuple[str, int], deadline: Deadline, fresh: bool) -> tuple[socket.socket, bool]:
+        """(a connected, authenticated socket to ``peer``, whether it came from the pool)."""
         left = deadline.remaining()
         if left <= 0:
             raise TimeoutError("deadline passed before connecting")
-        conn = None if fresh else self._pooled(peer)
-        if conn is not None:
-            conn.sock.settimeout(left)
-            return conn, True
+        sock = None if fresh else self._pooled(peer)
+        if sock is not None:
+            return sock, True
         sock = socket.create_connection(peer, timeout=left)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._secret is not None:
             handshake.client(sock, self._secret, deadline.at, "the peer")
-            sock.settimeout(max(1e-3, deadline.remaining()))
-        return _Conn(sock, FrameReader()), False
+        return sock, False
 
-    def _pooled(self, peer: tuple[str, int]) -> "_Conn | None":
+    def _pooled(self, peer: tuple[str, int]) -> socket.socket | None:
         """An idle pooled connection to ``peer`` still open, or None; those the server closed meanwhile
         (transfer.idle_timeout_ms, a restart) are dropped here instead of failing a frame."""
         while True:
             with self._lock:
                 idle = self._idle.get(peer)
-                conn = idle.pop() if idle else None
-            if conn is None or reusable(conn.sock):
-                return conn
-            conn.sock.close()
+                sock = idle.pop() if idle else None
+            if sock is None or reusable(sock):
+                return sock
+            sock.close()
 
-    def _release(self, peer: tuple[str, int], conn: "_Conn | None") -> None:
-        if conn is None:
-            return
+    def _release(self, peer: tuple[str, int], sock: socket.socket) -> None:
         with self._lock:
             idle = self._idle.setdefault(peer, [])
             if len(idle) < self._cfg.tcp_connections:
-                idle.append(conn)
+                idle.append(sock)
                 return
-        conn.sock.close()
+        sock.close()
 
     def _drop_idle(self, peer: tuple[str, int]) -> None:
         with self._lock:
-            conns = self._idle.pop(peer, [])
-        for c in conns:
-            c.sock.close()
+            socks = self._idle.pop(peer, [])
+        for s in socks:
+            s.close()
 
     def close(self) -> None:
         self._server.close()
         with self._lock:
-            conns = [c for idle in self._idle.values() for c in idle]
+            socks = [s for idle in self._idle.values() for s in idle]
             self._idle.clear()
-        for c in conns:
-            c.sock.close()
-        self._io.shutdown(wait=False)
+        for s in socks:
+            s.close()
+        self._peers_io.shutdown(wait=False)
 
 
-@dataclass
-class _Conn:
-    """A pooled connection and its receive buffer."""
-    sock: socket.socket
-    reader: FrameReader
+def _connections(total: int, n: int, limit: int, conns: int) -> int:
+    """How many connections a batch of ``n`` spans and ``total`` bytes uses: one per frame the native planner
+    cuts, at most ``conns``."""
+    target = min(limit, max(MIN_PIECE, -(-total // conns)))
+    frames = max(-(-total // target), -(-n // wire.MAX_ENTRIES), 1)
+    return max(1, min(conns, frames))
 
 
-def _by_peer(entries: list[Entry]) -> dict[tuple[str, int], list[int]]:
-    peers: dict[tuple[str, int], list[int]] = {}
-    for i, e in enumerate(entries):
-        ep = e.remote.transports["tcp"]
-        peers.setdefault((ep["host"], ep["port"]), []).append(i)
-    return peers
+def _auth_refused(peer: tuple[str, int], prefix_hex: str, deadline: Deadline) -> TransferFailed:
+    """The failure for a peer that answered a frame with a handshake message (it has a shared secret and we
+    have none): TransferFailed caused by the handshake's AuthError."""
+    try:
+        handshake.check_refused(bytes.fromhex(prefix_hex), "the peer")
+    except AuthError as e:
+        return _failure(peer, e, deadline)
+    return TransferFailed(f"tcp peer {peer[0]}:{peer[1]} failed: ProtocolError: bad frame magic (an authentication "
+                          f"handshake: the peer has a shared secret, this process has none)")
 
 
 def _check_refused(header) -> None:

@@ -15,6 +15,10 @@ Limits: header_len <= MAX_HEADER, header_len + payload_len <= max_frame (config)
 entries, and a read's total length <= max_frame - MAX_HEADER. Headers are decoded straight into typed,
 range-checked structures (msgspec; an unknown or missing field is an error); anything else raises
 ProtocolError naming the field (the server then closes that connection).
+
+The data path encodes and decodes these frames natively (native/src/tcp/wire.cpp, the same checks; fuzzed
+against this module in tests/transfer/test_native_tcp.py). Python uses this module for control requests and
+their responses, refusals, and as the specification.
 """
 from __future__ import annotations
 

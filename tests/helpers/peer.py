@@ -42,12 +42,30 @@ def _main(conn, config_kwargs: dict, size: int, seed: int) -> None:
         if cmd == "stats":
             conn.send(eng.stats())
             continue
+        if cmd == "spin":                       # hold the GIL in the main thread for args[0] seconds
+            _spin(args[0])
+            conn.send("spun")
+            continue
         view = eng.memoryview(regions[args[0]])[args[1]:args[1] + args[2]]
         if cmd == "digest":
             conn.send(hashlib.blake2b(view).hexdigest())
         elif cmd == "read":
             conn.send(bytes(view))
     eng.close()
+
+
+def _spin(seconds: float) -> None:
+    """Busy-loop in Python holding the GIL: the switch interval is raised past the spin, so no other Python
+    thread of this process runs until it ends (native threads keep running)."""
+    import sys
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 30)
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(before)
 
 
 class Peer:
@@ -80,6 +98,14 @@ class Peer:
         """The peer engine's TransferEngine.stats()."""
         self._conn.send(("stats",))
         return self._conn.recv()
+
+    def spin(self, seconds: float) -> None:
+        """Make the peer's main thread hold its GIL for ``seconds``; ``wait_spun()`` waits for the end."""
+        self._conn.send(("spin", seconds))
+
+    def wait_spun(self, timeout: float) -> bool:
+        """True once the spin started by ``spin()`` has ended (within ``timeout`` seconds)."""
+        return self._conn.poll(timeout) and self._conn.recv() == "spun"
 
     def kill(self) -> None:
         if self.proc.is_alive():
