@@ -80,8 +80,11 @@ class Run {
  public:
   Run(const Batch& b, Result& r, const Plan& p, std::atomic<uint64_t>& ids) : b_(b), r_(r), p_(p), ids_(ids) {}
 
-  void go(std::vector<C>& cs) {
+  // A small batch re-polls its sockets for up to `spin_s` before sleeping in poll(): a sleeping thread's
+  // wake-up costs tens of µs per round trip on a VM, more than the whole exchange (docs/transfer.md).
+  void go(std::vector<C>& cs, double spin_s) {
     const double deadline = now_s() + b_.timeout_s;
+    spin_until_ = spin_s > 0 ? now_s() + spin_s : 0;
     for (auto& c : cs) if (!c.frames.empty()) start(c); else c.st = St::kDone;
     std::vector<pollfd> pfd;
     std::vector<C*> who;
@@ -96,6 +99,7 @@ class Run {
         who.push_back(&c);
       }
       if (pfd.empty()) return;
+      if (spin_until_ > 0 && now_s() < spin_until_) continue;    // a small batch: poll the sockets a while
       double left = deadline - now_s();
       int rc = left > 0 ? ::poll(pfd.data(), pfd.size(), int(std::ceil(left * 1000))) : 0;
       if (rc < 0 && errno == EINTR) continue;
@@ -235,12 +239,15 @@ class Run {
   Result& r_;
   const Plan& p_;
   std::atomic<uint64_t>& ids_;
+  double spin_until_ = 0;
   static inline std::mutex mark_m_;
 };
 
 // Connections per poll-loop thread: a big batch spreads its connections over threads, so the copies into
 // and out of the socket (and, on loopback, the kernel's receive path run by the sender) use several cores.
 constexpr uint64_t kThreadMin = 4ull << 20;
+constexpr uint64_t kSpinMax = 256 << 10;     // batches up to this many bytes spin before sleeping
+constexpr double kSpinS = 100e-6;
 
 size_t loop_threads(uint64_t total, size_t conns) {
   if (total < kThreadMin || conns < 2) return 1;
@@ -270,13 +277,13 @@ Result transfer(const Batch& b, const std::vector<int>& fds, const std::vector<u
   for (size_t j = 0; j < b.n; ++j) total += b.lens[j];
   const size_t nt = loop_threads(total, cs.size());
   if (nt == 1) {
-    Run(b, r, p, ids).go(cs);
+    Run(b, r, p, ids).go(cs, total <= kSpinMax ? kSpinS : 0);
   } else {                        // thread t drives connections t, t+nt, ...
     std::vector<std::vector<C>> parts(nt);
     for (size_t i = 0; i < cs.size(); ++i) parts[i % nt].push_back(std::move(cs[i]));
     std::vector<std::thread> pool;
-    for (size_t t = 1; t < nt; ++t) pool.emplace_back([&, t] { Run(b, r, p, ids).go(parts[t]); });
-    Run(b, r, p, ids).go(parts[0]);
+    for (size_t t = 1; t < nt; ++t) pool.emplace_back([&, t] { Run(b, r, p, ids).go(parts[t], 0); });
+    Run(b, r, p, ids).go(parts[0], 0);
     for (auto& th : pool) th.join();
     for (size_t i = 0; i < cs.size(); ++i) cs[i] = std::move(parts[i % nt][i / nt]);
   }
