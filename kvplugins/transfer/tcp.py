@@ -151,6 +151,9 @@ class TcpTransport(Transport):
         sock = None
         try:
             sock, _ = self._acquire(peer, deadline, fresh=False)
+            if not reusable(sock):
+                sock.close()
+                sock, _ = self._acquire(peer, deadline, fresh=True)
             sock.settimeout(max(1e-3, deadline.remaining()))
             req_id = next(self._ids)
             send_all(sock, [wire.encode_control(req_id, body)], deadline.at)
@@ -197,15 +200,12 @@ class TcpTransport(Transport):
         return sock, False
 
     def _pooled(self, peer: tuple[str, int]) -> socket.socket | None:
-        """An idle pooled connection to ``peer`` still open, or None; those the server closed meanwhile
-        (transfer.idle_timeout_ms, a restart) are dropped here instead of failing a frame."""
-        while True:
-            with self._lock:
-                idle = self._idle.get(peer)
-                sock = idle.pop() if idle else None
-            if sock is None or reusable(sock):
-                return sock
-            sock.close()
+        """An idle pooled connection to ``peer``, or None. One the server closed meanwhile
+        (transfer.idle_timeout_ms, a restart) fails before any reply byte, and its spans are retried on a fresh
+        connection (native RETRY); a control request checks first (``reusable``), it has no retry."""
+        with self._lock:
+            idle = self._idle.get(peer)
+            return idle.pop() if idle else None
 
     def _release(self, peer: tuple[str, int], sock: socket.socket) -> None:
         with self._lock:
