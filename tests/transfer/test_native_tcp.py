@@ -1,6 +1,8 @@
 """The native TCP data path (native/src/tcp/, issue #13): serving without the GIL, the native request decoder
 under fuzzing (never a crash; it agrees with the wire specification's decoder, kvplugins/transfer/wire.py),
 and the client's multi-connection batches against a real peer process."""
+import socket
+import struct
 import time
 
 import msgpack
@@ -106,3 +108,29 @@ def test_native_decoder_names_the_field():
 def test_loopback_baseline_moves_bytes():
     [t] = native_tcp.loopback_baseline(1 << 20, 1)
     assert 0 < t < 10
+
+
+def test_server_survives_a_client_dying_mid_frame():
+    """A client dies halfway through a write frame's header, and another halfway through its payload (closed
+    with RST, as the kernel does for a killed process): the native server drops both connections, releases
+    their admission, and keeps serving: a new client reads the region, byte for byte what it holds."""
+    with TransferEngine(TransferConfig(transports="tcp")) as server:
+        region = server.alloc_shared(1 << 20)
+        server.memoryview(region)[:] = seeded(1 << 20, 9)
+        tcp = next(t for t in server._transports if t.name == "tcp").server
+        port = server.descriptor().transports["tcp"]["port"]
+        frame = wire.encode_request(wire.OP_WRITE, 1, [(region.region_id, 0, 1 << 20)])
+        for cut in (len(frame) // 2, len(frame) + (300 << 10)):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall((frame + bytes(1 << 20))[:cut])
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        deadline = time.monotonic() + 5
+        while tcp.stats()["connections"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert tcp.stats()["connections"] == 0, tcp.stats()
+        with TransferEngine(TransferConfig(transports="tcp")) as reader:
+            buf = np.zeros(1 << 20, dtype=np.uint8)
+            a = reader.register(buf).addr
+            assert reader.read_spans(server.descriptor(), region.region_id, [a], [0], [1 << 20]) == [None]
+        assert digest(buf) == digest(server.memoryview(region))
