@@ -16,7 +16,8 @@ if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null && sudo -n true 2>/dev/null
 if command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }; then
   need=()
   for p in iproute2 libibverbs1 etcd-server qemu-system-x86 linux-image-amd64 busybox-static cpio rdma-core \
-           ibverbs-providers ibverbs-utils python3-pyverbs perftest; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
+           ibverbs-providers ibverbs-utils python3-pyverbs perftest \
+           libxxhash-dev; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
   if [ ${#need[@]} -gt 0 ]; then
     log "apt-get install ${need[*]}"
     $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

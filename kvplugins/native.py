@@ -23,16 +23,42 @@ def copy(dst_addr: int, src_addr: int, nbytes: int) -> None:
         _mod().copy(dst_addr, src_addr, nbytes)
 
 
-def copy_batch(dst_addrs, src_addrs, lengths, threads: int = 1) -> None:
+def copy_batch(dst_addrs, src_addrs, lengths, threads: int = 1, digests: np.ndarray | None = None,
+               isa: str = "auto") -> None:
     """Copy span i: ``lengths[i]`` bytes from ``src_addrs[i]`` to ``dst_addrs[i]`` (uint64 sequences).
 
     Spans must not overlap. With threads > 1 and >= 4 MiB in all, the copy is split across threads.
-    Raises NativeError if the three sequences differ in length.
+    ``digests`` (uint64 array, one per span): also set ``digests[i]`` to the xxh3_64 of span i's bytes
+    (``xxhash.xxh3_64_intdigest``), hashed in the same pass as the copy (64 KiB chunks, each hashed from the
+    destination right after it is copied); threads then take whole spans. ``isa``: the xxh3 tier, ``auto``
+    or one of hash_tiers(). Raises NativeError if the sequences differ in length or ``isa`` is not supported.
     """
     d = np.ascontiguousarray(dst_addrs, dtype=np.uint64)
     s = np.ascontiguousarray(src_addrs, dtype=np.uint64)
     n = np.ascontiguousarray(lengths, dtype=np.uint64)
     try:
-        _mod().copy_batch(d, s, n, int(threads))
+        _mod().copy_batch(d, s, n, int(threads), digests, isa)
     except ValueError as e:
         raise NativeError(str(e)) from e
+
+
+def hash_keys(addrs, lengths, owner, nkeys: int, threads: int = 1, isa: str = "auto") -> np.ndarray:
+    """xxh3_64 per key (uint64 array of ``nkeys``): key k's digest covers the concatenation of the spans i
+    (addresses, byte lengths) with ``owner[i] == k``, in order; a key with no spans gets the digest of no
+    bytes. A key's spans must be consecutive. Every span must be readable memory (the caller checked its
+    registration). GIL released; keys are split across ``threads`` from 4 MiB. Raises NativeError for
+    sequences of different lengths, an owner >= nkeys, a key's spans not consecutive, or an unsupported isa."""
+    out = np.empty(int(nkeys), dtype=np.uint64)
+    a = np.ascontiguousarray(addrs, dtype=np.uint64)
+    n = np.ascontiguousarray(lengths, dtype=np.uint64)
+    o = np.ascontiguousarray(owner, dtype=np.uint64)
+    try:
+        _mod().hash_keys(a, n, o, out, int(threads), isa)
+    except ValueError as e:
+        raise NativeError(str(e)) from e
+    return out
+
+
+def hash_tiers() -> list[str]:
+    """The xxh3 tiers this CPU and OS support, best first (``avx512``, ``avx2``, ``sse2``)."""
+    return _mod().hash_tiers().split(",")

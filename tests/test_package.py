@@ -1,9 +1,10 @@
-"""Package-level promises: cheap import, the error hierarchy, the native copy path."""
+"""Package-level promises: cheap import, the error hierarchy, the native copy path and xxh3 checksums."""
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvplugins import errors, native
 
@@ -40,3 +41,38 @@ def test_native_copy_batch_is_exact(threads, n, size):
 def test_native_copy_batch_rejects_ragged_input():
     with pytest.raises(errors.NativeError, match="differ in length"):
         native.copy_batch([1, 2], [1], [1, 1])
+
+
+@pytest.mark.parametrize("isa", native.hash_tiers())
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("sizes", [[0], [1, 65535, 65536, 65537], [300_000] * 20, [4096] * 128])
+def test_fused_copy_digests_equal_xxhash_on_every_tier(isa, threads, sizes):
+    rng = np.random.default_rng(sum(sizes))
+    src = [rng.integers(0, 256, n + 3, dtype=np.uint8)[3:] for n in sizes]      # misaligned starts
+    dst = [np.zeros(n + 5, np.uint8)[5:] for n in sizes]
+    got = np.zeros(len(sizes), dtype=np.uint64)
+    native.copy_batch([d.ctypes.data for d in dst], [s.ctypes.data for s in src], sizes, threads, got, isa)
+    assert all(np.array_equal(d, s) for d, s in zip(dst, src))
+    assert got.tolist() == [xxhash.xxh3_64_intdigest(s) for s in src]
+
+
+@pytest.mark.parametrize("isa", native.hash_tiers())
+def test_hash_keys_streams_a_key_over_its_spans(isa):
+    data = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8)
+    a = data.ctypes.data
+    spans = [(a + 7, 100_000), (a + 200_000, 3), (a + 300_000, 70_000), (a + 500_000, 1)]  # key 0: 3, key 2: 1
+    got = native.hash_keys([s[0] for s in spans], [s[1] for s in spans], [0, 0, 0, 2], 3, threads=2, isa=isa)
+    want0 = xxhash.xxh3_64_intdigest(data[7:100_007].tobytes() + data[200_000:200_003].tobytes()
+                                     + data[300_000:370_000].tobytes())
+    assert got.tolist() == [want0, xxhash.xxh3_64_intdigest(b""), xxhash.xxh3_64_intdigest(data[500_000:500_001])]
+
+
+def test_hash_keys_rejects_bad_owners_and_tiers():
+    with pytest.raises(errors.NativeError, match="not consecutive"):
+        native.hash_keys([1, 2, 3], [0, 0, 0], [0, 1, 0], 2)
+    with pytest.raises(errors.NativeError, match="owner is >="):
+        native.hash_keys([1], [0], [5], 2)
+    with pytest.raises(errors.NativeError, match="'neon' is not supported here; use auto or one of"):
+        native.copy_batch([1], [1], [0], 1, np.zeros(1, dtype=np.uint64), "neon")
+    with pytest.raises(errors.NativeError, match="one per span"):
+        native.copy_batch([1], [1], [0], 1, np.zeros(2, dtype=np.uint64))

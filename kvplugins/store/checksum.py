@@ -1,76 +1,46 @@
-"""Object checksums: xxh3_64 (the ``xxhash`` package) of an object's bytes, hashed in place over its spans
-(client_io.Flat) — no copy, one streaming hash per object when it has several spans.
+"""Object checksums: xxh3_64 of an object's bytes (the digest of ``xxhash.xxh3_64_intdigest``), one digest per
+object over the concatenation of its spans (client_io.Flat), computed natively without copies.
 
-The writer hashes its source spans and sends the digests with put_commit; the master stores them
-(metadata.Object.checksum) and returns them with every get; the reader hashes the spans it read into and
-compares (client.py). A checksum of None means "not known" (never verified).
+The writer's digests come with the transfer itself where it can (``write_spans(..., digests=)``: the shm
+transport hashes each span in its copy pass; other transports hash the local spans natively after the move),
+and go to the master with put_commit; the master stores them (metadata.Object.checksum) and returns them with
+every get; the reader gets the digests of the spans it read into the same way and compares (client.py). An
+object of several spans is hashed natively over its spans (``native.hash_keys``). A checksum of None means
+"not known" (never verified).
 """
 from __future__ import annotations
 
-import xxhash
+import numpy as np
 
-from kvplugins.transfer.memory import view_of
-
-
-class _Views:
-    """Zero-copy views of registered memory: one memoryview per registered region, sliced per span."""
-
-    def __init__(self, engine):
-        self.engine, self.start, self.end, self.view = engine, 1, 0, None
-
-    def get(self, addr: int, n: int) -> memoryview:
-        if not (self.start <= addr and addr + n <= self.end):
-            region = self.engine.region_for(addr, n)
-            self.start, self.end = region.addr, region.addr + region.length
-            self.view = view_of(region.addr, region.length)
-        return self.view[addr - self.start:addr - self.start + n]
+from kvplugins import native
 
 
-def _lists(flat):
-    if type(flat.lens) is list:
-        return flat.addrs, flat.lens, flat.owner
-    return flat.addrs.tolist(), flat.lens.tolist(), flat.owner.tolist()
+def span_sums(flat) -> np.ndarray:
+    """An empty per-span digest array for ``flat`` (uint64, one per span), for client._run_groups to fill."""
+    return np.zeros(len(flat.lens), dtype=np.uint64)
 
 
-def digests(engine, flat, wanted) -> dict[int, int]:
+def digests(flat, wanted, sums: np.ndarray | None = None) -> dict[int, int]:
     """key index -> xxh3_64 of the concatenation of its spans, for the key indices in ``wanted`` (a set or
-    dict). Every span must lie in registered memory (client_io.flatten checked it)."""
-    addrs, lens, owner = _lists(flat)
-    views, out = _Views(engine), dict.fromkeys(wanted, EMPTY)
-    if owner == list(range(flat.nkeys)):  # exactly one span per key (the common page batch): one-shot digests
-        for a, n, i in zip(addrs, lens, owner):
-            if n and i in out:
-                out[i] = xxhash.xxh3_64_intdigest(views.get(a, n))
-        return out
-    parts = {}
-    for a, n, i in zip(addrs, lens, owner):
-        if n and i in wanted:
-            got = parts.get(i)
-            if got is None:
-                parts[i] = views.get(a, n)
-            elif type(got) is list:
-                got.append(views.get(a, n))
-            else:
-                parts[i] = [got, views.get(a, n)]
-    for i, got in parts.items():
-        out[i] = _digest(got) if type(got) is list else xxhash.xxh3_64_intdigest(got)
-    return out
+    dict). ``sums``: per-span digests the transfer computed (span_sums); used as they are where every key has
+    exactly one span, otherwise the wanted keys' spans (which must lie in registered memory: client_io.flatten
+    checked it) are hashed here."""
+    owner = flat.owner if type(flat.owner) is not list else np.array(flat.owner, dtype=np.int64)
+    if not len(wanted):
+        return {}
+    if sums is not None and len(owner) == flat.nkeys and np.array_equal(owner, np.arange(flat.nkeys)):
+        return {i: int(sums[i]) for i in wanted}
+    sel = np.flatnonzero(np.isin(owner, np.fromiter(wanted, dtype=np.int64, count=len(wanted))))
+    got = native.hash_keys(np.asarray(flat.addrs, dtype=np.uint64)[sel], np.asarray(flat.lens, dtype=np.uint64)[sel],
+                           owner[sel], flat.nkeys)
+    return {i: int(got[i]) for i in wanted}
 
 
-def _digest(views: list) -> int:
-    h = xxhash.xxh3_64()
-    for v in views:
-        h.update(v)
-    return h.intdigest()
-
-
-def mismatched(engine, flat, expected: dict[int, int | None]) -> list[int]:
-    """Key indices whose spans do not hash to ``expected[i]`` (entries with None are not checked)."""
+def mismatched(flat, expected: dict[int, int | None], sums: np.ndarray | None = None) -> list[int]:
+    """Key indices whose spans do not hash to ``expected[i]`` (entries with None are not checked); ``sums`` as
+    in digests()."""
     want = {i: s for i, s in expected.items() if s is not None}
     if not want:
         return []
-    got = digests(engine, flat, want)
-    return [i for i, s in want.items() if got.get(i, EMPTY) != s]
-
-
-EMPTY = xxhash.xxh3_64_intdigest(b"")
+    got = digests(flat, want, sums)
+    return [i for i, s in want.items() if got[i] != s]

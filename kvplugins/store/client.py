@@ -227,8 +227,9 @@ class StoreClient:
                 out[i] = protocol.entry_error(code, keys[i], value)
         if not writes:
             return out, flat.sizes
-        failed = self._transfer("write", flat, writes)
-        self._finish_puts(keys, writes, failed, out, checksum.digests(self._engine, flat, writes))
+        sums = checksum.span_sums(flat)
+        failed = self._transfer("write", flat, writes, sums)
+        self._finish_puts(keys, writes, failed, out, checksum.digests(flat, writes, sums))
         return out, flat.sizes
 
     def _finish_puts(self, keys, writes, failed: dict, out, sums: dict) -> None:
@@ -313,12 +314,13 @@ class StoreClient:
         failed: dict[int, StoreError] = {}
         groups = client_io.col_groups(flat, ok, (names, regions, np.array(seg_idx), np.array(offs)),
                                       self._descriptors(set(names)), failed)
-        for i, err in self._run_groups("read", flat, groups, failed).items():
+        span_sums = checksum.span_sums(flat) if self.cfg.verify_checksums else None
+        for i, err in self._run_groups("read", flat, groups, failed, span_sums).items():
             out[i] = err
         corrupt, idx = [], np.flatnonzero(ok).tolist()
         if self.cfg.verify_checksums:
             read = {i: sums[i] for i in idx if out[i] is None}
-            bad = checksum.mismatched(self._engine, flat, read)
+            bad = checksum.mismatched(flat, read, span_sums)
             for i in bad:
                 out[i] = ChecksumMismatch(f"{keys[i]}: bytes read do not match the object's checksum")
             corrupt = [[keys[i], names[seg_idx[i]], offs[i], sums[i]] for i in bad]
@@ -335,10 +337,11 @@ class StoreClient:
             attempt = {i: v[1][r:r + 1] for i, v in pending.items() if r < len(v[1])}
             if not attempt:
                 break
-            errors = self._transfer("read", flat, attempt)
+            sums = checksum.span_sums(flat) if self.cfg.verify_checksums else None
+            errors = self._transfer("read", flat, attempt, sums)
             if self.cfg.verify_checksums:
                 done = {i: _sum(reads[i]) for i in attempt if i not in errors}
-                for i in checksum.mismatched(self._engine, flat, done):
+                for i in checksum.mismatched(flat, done, sums):
                     errors[i] = ChecksumMismatch(f"{keys[i]}: bytes read do not match the object's checksum")
                     seg, _, off = attempt[i][0]
                     corrupt.append([keys[i], seg, off, _sum(reads[i])])
@@ -375,20 +378,25 @@ class StoreClient:
             return [[protocol.NOT_FOUND, None] if c == protocol.ON_DISK else [c, v] for c, v in found]
         return resolve(self, keys, found)
 
-    def _transfer(self, kind: str, flat, todo: dict) -> dict[int, StoreError]:
-        """One array-form transfer per (segment, region) for keys ``todo`` (index -> locations to use).
-        Returns index -> error."""
+    def _transfer(self, kind: str, flat, todo: dict, sums) -> dict[int, StoreError]:
+        """One array-form transfer per (segment, region) for keys ``todo`` (index -> locations to use); each
+        moved span's xxh3_64 goes to ``sums`` (checksum.span_sums). Returns index -> error."""
         failed: dict[int, StoreError] = {}
         descs = self._descriptors({loc[0] for locs in todo.values() for loc in locs})
-        return self._run_groups(kind, flat, client_io.groups(flat, todo, descs, failed), failed)
+        return self._run_groups(kind, flat, client_io.groups(flat, todo, descs, failed), failed, sums)
 
-    def _run_groups(self, kind: str, flat, groups: list, failed: dict) -> dict[int, StoreError]:
-        """Run each (descriptor, region id, span indices, remote offsets) group; adds index -> error to ``failed``."""
+    def _run_groups(self, kind: str, flat, groups: list, failed: dict, sums) -> dict[int, StoreError]:
+        """Run each (descriptor, region id, span indices, remote offsets) group, the xxh3_64 of each span it
+        moves into ``sums[span index]`` (unless ``sums`` is None); adds index -> error to ``failed``."""
         fn = self._engine.write_spans if kind == "write" else self._engine.read_spans
         for desc, region_id, sel, roffs in groups:
             addrs, lens = client_io.pick(flat.addrs, sel), client_io.pick(flat.lens, sel)
+            got = None if sums is None else np.zeros(len(sel), dtype=np.uint64)
             try:
-                statuses = fn(desc, region_id, addrs, roffs, lens, timeout_ms=self.cfg.transfer_timeout_ms)
+                statuses = fn(desc, region_id, addrs, roffs, lens, timeout_ms=self.cfg.transfer_timeout_ms,
+                              digests=got)
+                if sums is not None:
+                    sums[sel] = got
             except (TransferError, NativeError) as e:      # the whole batch failed
                 statuses = [e] * len(sel)
             for j, err in enumerate(statuses):

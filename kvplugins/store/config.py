@@ -116,7 +116,8 @@ class StoreNodeConfig(_MetricsLimits):
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period"})
     rpc_timeout_ms: int = field(default=3000, metadata={"help": "timeout of each master RPC"})
     ready_file: str = field(default="", metadata={"help": "write the segment id here once registered"})
-    prefault: bool = field(default=True, metadata={"help": "touch every segment page at start (steady put latency)"})
+    prefault: bool = field(default=True, metadata={
+        "help": "commit every segment page at start (no page faults in puts)"})
     metrics_port: int = field(default=-1, metadata={
         "help": "Prometheus /metrics port of this node; -1 = off, 0 = any free port (logged)"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "address the metrics endpoint binds"})

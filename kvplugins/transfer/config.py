@@ -24,7 +24,9 @@ class TransferConfig:
     max_frame: Bytes = field(default=Bytes(16 << 20), metadata={"help": "largest TCP frame (header + payload)"})
     timeout_ms: float = field(default=5000.0, metadata={"help": "default deadline of one batch"})
     workers: int = field(default=2, metadata={"help": "engine threads running submit_* batches"})
-    copy_threads: int = field(default=1, metadata={"help": "threads of one shared-memory batch copy"})
+    copy_threads: int = field(default=0, metadata={
+        "help": "threads of one shared-memory batch copy of >= 4 MiB (smaller ones use one); 0 = the usable "
+                "cores, at most 4 (two threads reached memcpy speed with the fused checksum: docs/benchmarks.md)"})
     shm_backend: str = field(default="memfd", metadata={"help": "alloc_shared backing: memfd or posix"})
     max_connections: int = field(default=4096, metadata={
         "help": "TCP server connections open at once; more are refused with the reason (0 = unlimited)"})
@@ -62,7 +64,7 @@ class TransferConfig:
                               "tcp transport's server and falls back to it; add tcp, e.g. 'rdma,tcp'")
         _at_least("tcp_connections", self.tcp_connections, 1)
         _at_least("workers", self.workers, 1)
-        _at_least("copy_threads", self.copy_threads, 1)
+        _at_least("copy_threads", self.copy_threads, 0)
         _at_least("max_frame", self.max_frame, MIN_FRAME)
         _at_least("rdma_qps_per_peer", self.rdma_qps_per_peer, 1)
         _at_least("rdma_max_wr", self.rdma_max_wr, 4096)

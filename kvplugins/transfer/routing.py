@@ -13,6 +13,9 @@ import threading
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
+from kvplugins import native
 from kvplugins.errors import OutOfRange, TransferError, TransferFailed
 from kvplugins.transfer.api import RegionInfo, SegmentDescriptor, TransferRequest
 from kvplugins.transfer.memory import RegionTable, span_addr
@@ -53,8 +56,12 @@ class Router:
         return status
 
     def run_spans(self, op: Op, remote: SegmentDescriptor, region_id: int, addrs, roffs, lens,
-                  timeout_ms: float) -> list[TransferError | None]:
-        """The array form (spans.py): every span between local memory and region ``region_id`` of ``remote``."""
+                  timeout_ms: float, digests: np.ndarray | None = None) -> list[TransferError | None]:
+        """The array form (spans.py): every span between local memory and region ``region_id`` of ``remote``.
+        ``digests``: filled with each moved span's xxh3_64 (TransferEngine.write_spans): by the transport in its
+        copy pass where the first candidate can (``hashes_in_copy``; spans then stay uncoalesced), else natively
+        here over the caller's spans in local memory after the move (the source of a write, the destination of
+        a read)."""
         deadline = Deadline(timeout_ms)
         small = is_small(addrs, roffs, lens)
         if not small:
@@ -68,11 +75,23 @@ class Router:
         except TransferError as e:
             status = [e] * len(lens)
             cands = []
+        if digests is not None and (not isinstance(digests, np.ndarray) or digests.dtype != np.uint64
+                                    or digests.shape != (len(lens),) or not digests.flags.writeable):
+            raise ValueError(f"digests must be a writable uint64 array of {len(lens)} (one per span), got "
+                             f"{type(digests).__name__} {getattr(digests, 'dtype', '')} {getattr(digests, 'shape', '')}")
         if cands:
+            fused = digests is not None and cands[0].hashes_in_copy     # hash per span: do not coalesce
             batch, valid, group = (prepare_small if small else prepare)(
-                self._regions, remote, info, addrs, roffs, lens, op is Op.WRITE, status)
+                self._regions, remote, info, addrs, roffs, lens, op is Op.WRITE, status, not fused)
             if batch is not None:
+                if fused:
+                    batch.digests = np.zeros(len(batch), dtype=np.uint64)
                 merged = self._spans_rounds(op, batch, cands, deadline)
+                if digests is not None:
+                    vi = np.asarray(valid, dtype=np.int64)
+                    digests[vi] = batch.digests if batch.hashed else native.hash_keys(
+                        np.asarray(addrs, dtype=np.uint64)[vi], np.asarray(lens, dtype=np.uint64)[vi],
+                        np.arange(len(vi)), len(vi))
                 if merged.count(None) != len(merged):
                     for j, g in zip(valid, group):
                         status[j] = merged[g]
@@ -97,6 +116,7 @@ class Router:
                 break
             self._fallback(transport.name, cands[k + 1].name, res[retry[0]])
             todo, part = [todo[j] for j in retry], part.subset(retry)
+            batch.hashed = False            # a retried part moved on another transport: hash locally
             for i in todo:
                 out[i] = None
         return out

@@ -24,9 +24,12 @@ from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 class ShmTransport(Transport):
     """Offers {"pid": ...}; reaches a region when the peer has our host_id and the region has shm_path."""
     name = "shm"
+    hashes_in_copy = True
 
-    def __init__(self, host_id: str, copy_threads: int = 1):
-        self._host_id, self._threads = host_id, copy_threads
+    def __init__(self, host_id: str, copy_threads: int = 0):
+        """``copy_threads``: threads per batch copy of >= 4 MiB; 0 = the usable cores, at most 4."""
+        self._host_id = host_id
+        self._threads = copy_threads or min(4, len(os.sched_getaffinity(0)))
         self._lock = threading.Lock()
         self._maps: dict[tuple[str, int], Mapping] = {}
         self._pidfds: dict[str, int] = {}
@@ -63,7 +66,8 @@ class ShmTransport(Transport):
         return status
 
     def transfer_spans(self, op: Op, batch, deadline: Deadline) -> list[TransferError | None] | None:
-        """The whole span batch in one native copy_batch call (one remote region, so one mapping)."""
+        """The whole span batch in one native copy_batch call (one remote region, so one mapping); with
+        ``batch.digests`` the copy also hashes each span (one pass over the bytes)."""
         try:
             pin, base = self._mapping(batch.remote, batch.info)
         except TransferFailed as err:
@@ -73,7 +77,8 @@ class ShmTransport(Transport):
         else:
             remote = batch.roffs + np.uint64(base)
         dst, src = (remote, batch.addrs) if op is Op.WRITE else (batch.addrs, remote)
-        native.copy_batch(dst, src, batch.lens, self._threads)
+        native.copy_batch(dst, src, batch.lens, self._threads, batch.digests)
+        batch.hashed = batch.digests is not None
         del pin
         return None
 

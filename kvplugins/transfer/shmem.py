@@ -1,14 +1,48 @@
-"""Shared memory that same-host peers can map: allocation (memfd or POSIX shm), mapping, host identity."""
+"""Shared memory that same-host peers can map: allocation (memfd or POSIX shm), mapping, host identity.
+
+Page faults: the first write to a fresh 4 KiB page of a mapping costs a fault (and, for the owner, a page
+allocation), which made the first copy into a new segment run at a fifth of memcpy speed. So the owner
+populates its allocation up front (MADV_POPULATE_WRITE, Linux >= 5.14: the memory is committed when the segment
+starts, or allocate raises), and a peer's mapping is populated by a background thread after it is opened.
+"""
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
+import logging
 import mmap
 import os
 import secrets
 import socket
+import threading
 
 import numpy as np
 
 from kvplugins.errors import TransferFailed
+
+log = logging.getLogger("kvplugins.transfer")
+MADV_POPULATE_WRITE = 23      # linux/mman.h (5.14); not exported by Python 3.11's mmap module
+_POPULATE_CHUNK = 64 << 20    # a background populate takes the region in steps this big
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    return fn
+
+
+def populate_pages(addr: int, length: int) -> bool:
+    """Fault in (and for holes, allocate) every page of [addr, addr+length) of a writable shared mapping, with
+    the GIL released (ctypes). Returns False where the kernel has no MADV_POPULATE_WRITE (nothing done).
+    Raises OSError (ENOMEM: no memory for the pages, EFAULT: not mapped)."""
+    if _madvise()(addr, length, MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:
+        return False
+    raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {length} bytes: {os.strerror(err)}")
 
 
 def host_id() -> str:
@@ -33,6 +67,15 @@ class Mapping:
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.addr = int(self.array.ctypes.data)
 
+    def populate_in_background(self) -> None:
+        """Populate this mapping's pages from a daemon thread (a peer's region: its owner already allocated
+        them, so this only maps them here), one chunk at a time; it holds a pin, so close() waits for it to
+        let go of the memory. Failures only log: a page not populated faults on first use as before."""
+        pin = self.array
+        if pin is not None:
+            threading.Thread(target=_populate_chunks, args=(pin, self.path), daemon=True,
+                             name="kvp-shm-populate").start()
+
     def close(self) -> None:
         """Unmap now, or, while a pin (``array``) or view is still held, once the last one goes."""
         self.array = None
@@ -51,36 +94,56 @@ class Mapping:
             self._unlink = None
 
 
-def allocate(nbytes: int, backend: str = "memfd") -> Mapping:
-    """New zero-filled shared memory of ``nbytes``. memfd: peers open /proc/<pid>/fd/<n>; posix: a
-    /dev/shm file named from pid + random, unlinked on close (memfd falls back to posix where memfd_create
-    is refused). Raises OSError if the kernel refuses the memory."""
+def allocate(nbytes: int, backend: str = "memfd", populate: bool = True) -> Mapping:
+    """New zero-filled shared memory of ``nbytes``, its pages populated (committed) now unless ``populate`` is
+    False. memfd: peers open
+    /proc/<pid>/fd/<n>; posix: a /dev/shm file named from pid + random, unlinked on close (memfd falls back to
+    posix where memfd_create is refused). Raises OSError if the kernel refuses the memory."""
     if backend == "memfd" and hasattr(os, "memfd_create"):
         try:
             fd = os.memfd_create(f"kvp-{os.getpid()}", 0)
         except OSError:  # e.g. a seccomp filter: POSIX shm below still works
             pass
         else:
-            return _mapped(fd, nbytes, f"/proc/{os.getpid()}/fd/{fd}", None)
+            return _mapped(fd, nbytes, f"/proc/{os.getpid()}/fd/{fd}", None, populate)
     path = f"/dev/shm/kvp-{os.getpid()}-{secrets.token_hex(8)}"
-    return _mapped(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), nbytes, path, path)
+    return _mapped(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), nbytes, path, path, populate)
 
 
-def _mapped(fd: int, nbytes: int, path: str, unlink: str | None) -> Mapping:
+def _populate_chunks(pin: np.ndarray, path: str) -> None:
+    addr, n = int(pin.ctypes.data), len(pin)
+    try:
+        for off in range(0, n, _POPULATE_CHUNK):
+            if not populate_pages(addr + off, min(_POPULATE_CHUNK, n - off)):
+                return
+    except OSError as e:
+        log.debug("populating the mapping of %s stopped: %s", path, e)
+
+
+def _mapped(fd: int, nbytes: int, path: str, unlink: str | None, populate: bool) -> Mapping:
     try:
         os.fchmod(fd, 0o600)     # owner only (a memfd starts 0777): other users can neither read nor write it
         os.ftruncate(fd, nbytes)
-        return Mapping(fd, nbytes, path, unlink=unlink)
+        m = Mapping(fd, nbytes, path, unlink=unlink)
     except BaseException:
         os.close(fd)
         if unlink:
             os.unlink(unlink)
         raise
+    try:
+        if populate:
+            populate_pages(m.addr, nbytes)
+    except OSError as e:
+        m.close()
+        raise OSError(e.errno, f"cannot commit {nbytes} bytes of shared memory ({e.strerror}); "
+                               "lower the segment or buffer size, or free memory") from e
+    return m
 
 
 def open_remote(path: str, length: int) -> Mapping:
-    """Map a peer's shared region. Raises TransferFailed if it cannot be opened or is shorter than
-    ``length`` (mapping past the end of a file would fault on access)."""
+    """Map a peer's shared region; its pages are mapped in by a background thread (populate_in_background).
+    Raises TransferFailed if it cannot be opened or is shorter than ``length`` (mapping past the end of a file
+    would fault on access)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as e:
@@ -89,7 +152,9 @@ def open_remote(path: str, length: int) -> Mapping:
         size = os.fstat(fd).st_size
         if size < length:
             raise TransferFailed(f"peer shared memory {path} has {size} bytes, descriptor says {length}")
-        return Mapping(fd, length, path, keep_fd=False)
+        m = Mapping(fd, length, path, keep_fd=False)
     except BaseException:
         os.close(fd)
         raise
+    m.populate_in_background()
+    return m

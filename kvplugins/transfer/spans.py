@@ -26,7 +26,9 @@ class SpanBatch:
     """Validated, coalesced spans to one remote region. ``addrs`` (local addresses), ``roffs`` (offsets in
     the remote region) and ``lens`` (bytes) are uint64 arrays of equal length, or Python int lists for a
     small batch (``as_list`` reads either); span j lies inside local region ``regions[j]``; ``pins`` keep
-    the local memory mapped while the batch runs."""
+    the local memory mapped while the batch runs. ``digests``: set (uint64 array, one per span, spans not
+    coalesced) when the caller wants each span's xxh3_64 and the transport hashes while it copies
+    (``Transport.hashes_in_copy``); it fills them and sets ``hashed`` (the router hashes otherwise)."""
     remote: SegmentDescriptor
     info: RegionInfo
     addrs: np.ndarray
@@ -34,6 +36,8 @@ class SpanBatch:
     lens: np.ndarray
     regions: list[Region]
     pins: list[Any]
+    digests: np.ndarray | None = None
+    hashed: bool = False
 
     def __len__(self) -> int:
         return len(self.lens)
@@ -41,7 +45,8 @@ class SpanBatch:
     def subset(self, idx: list[int]) -> "SpanBatch":
         a, r, n = as_list(self.addrs), as_list(self.roffs), as_list(self.lens)
         return SpanBatch(self.remote, self.info, [a[i] for i in idx], [r[i] for i in idx], [n[i] for i in idx],
-                         [self.regions[i] for i in idx], self.pins)
+                         [self.regions[i] for i in idx], self.pins,
+                         None if self.digests is None else np.zeros(len(idx), dtype=np.uint64))
 
     def nbytes(self) -> int:
         return sum(self.lens) if isinstance(self.lens, list) else int(self.lens.sum())
@@ -58,7 +63,7 @@ def is_small(*seqs) -> bool:
 
 
 def prepare_small(regions: RegionTable, remote: SegmentDescriptor, info: RegionInfo, addrs: list, roffs: list,
-                  lens: list, readonly_ok: bool, status: list) -> tuple[SpanBatch | None, list, list]:
+                  lens: list, readonly_ok: bool, status: list, coalesce: bool = True) -> tuple[SpanBatch | None, list, list]:
     """prepare() for a few spans given as int lists, without numpy; same results."""
     index = regions.index
     a_out, r_out, n_out, regs, valid, group = [], [], [], [], [], []
@@ -74,7 +79,7 @@ def prepare_small(regions: RegionTable, remote: SegmentDescriptor, info: RegionI
         if not readonly_ok and reg.readonly:
             status[j] = OutOfRange(f"local region {reg.region_id} is read-only; read into writable memory")
             continue
-        if n_out and regs[-1] is reg and a_out[-1] + n_out[-1] == a and r_out[-1] + n_out[-1] == r:
+        if coalesce and n_out and regs[-1] is reg and a_out[-1] + n_out[-1] == a and r_out[-1] + n_out[-1] == r:
             n_out[-1] += n
         else:
             a_out.append(a), r_out.append(r), n_out.append(n), regs.append(reg)
@@ -97,9 +102,9 @@ def as_u64(values, name: str) -> np.ndarray:
 
 
 def prepare(regions: RegionTable, remote: SegmentDescriptor, info: RegionInfo, addrs, roffs, lens,
-            readonly_ok: bool, status: list) -> tuple[SpanBatch | None, np.ndarray, np.ndarray]:
-    """Validate spans; set ``status[j]`` (OutOfRange) for bad ones. Returns (coalesced batch of the valid
-    non-empty spans or None, their original indices, the coalesced span of each of them)."""
+            readonly_ok: bool, status: list, coalesce: bool = True) -> tuple[SpanBatch | None, np.ndarray, np.ndarray]:
+    """Validate spans; set ``status[j]`` (OutOfRange) for bad ones. Returns (batch of the valid non-empty spans,
+    coalesced unless ``coalesce`` is False, or None; their original indices; the batch span of each of them)."""
     index = regions.index                      # one snapshot for the whole batch
     local_idx, table = index.locate(addrs, lens), index.regions
     for j in np.flatnonzero((local_idx < 0) & (lens > 0)).tolist():   # overlapping registrations, or none
@@ -122,7 +127,8 @@ def prepare(regions: RegionTable, remote: SegmentDescriptor, info: RegionInfo, a
         return None, [], []
     a, r, n, li = addrs[valid], roffs[valid], lens[valid], local_idx[valid]
     starts = np.ones(len(valid), dtype=bool)
-    starts[1:] = (a[1:] != a[:-1] + n[:-1]) | (r[1:] != r[:-1] + n[:-1]) | (li[1:] != li[:-1])
+    if coalesce:
+        starts[1:] = (a[1:] != a[:-1] + n[:-1]) | (r[1:] != r[:-1] + n[:-1]) | (li[1:] != li[:-1])
     group = np.cumsum(starts) - 1
     first = np.flatnonzero(starts)
     merged = np.add.reduceat(n, first) if len(first) < len(n) else n

@@ -59,6 +59,7 @@ class Deadline:
 class Transport(ABC):
     """One way to move bytes. Implementations are thread-safe: batches may run concurrently."""
     name: str = ""
+    hashes_in_copy: bool = False     # transfer_spans fills batch.digests (and sets batch.hashed) when asked
 
     @abstractmethod
     def endpoint(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import pytest
 
 from kvplugins.config import load
 from kvplugins.errors import BufferNotRegistered, ConfigError, OutOfRange, TransferFailed
-from kvplugins.transfer import SegmentDescriptor, TransferConfig, TransferEngine, TransferRequest
+from kvplugins.transfer import SegmentDescriptor, TransferConfig, TransferEngine, TransferRequest, shmem
 
 
 @pytest.fixture
@@ -105,6 +105,19 @@ def test_alloc_shared_backends_move_bytes_between_engines(backend):
         b.unregister(region)
     if backend == "posix":
         assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("backend", ["memfd", "posix"])
+def test_alloc_shared_commits_its_pages_up_front(backend):
+    """The owner's shared memory is populated at allocation (no page fault on the first copy into it): the
+    file's blocks are all allocated before anything is written."""
+    m = shmem.allocate(8 << 20, backend)
+    try:
+        if shmem.populate_pages(m.addr, 4096):              # the kernel has MADV_POPULATE_WRITE (Linux >= 5.14)
+            assert os.stat(m.path).st_blocks * 512 >= 8 << 20
+        assert not m.array.any()
+    finally:
+        m.close()
 
 
 def test_no_common_transport_fails_with_reason():

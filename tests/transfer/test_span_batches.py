@@ -3,6 +3,7 @@ the small (int list) and the numpy path, coalescing of contiguous spans (also ac
 which must not merge), spans bigger than a TCP frame, and per-span errors next to successful spans."""
 import numpy as np
 import pytest
+import xxhash
 
 from helpers.peer import digest
 from kvplugins.errors import OutOfRange
@@ -95,3 +96,36 @@ def test_bad_arguments_raise(engine, peer):
         engine.write_spans(peer.descriptor, peer.region_id, [buf.ctypes.data], [-1], [1])
     assert engine.write_spans(peer.descriptor, peer.region_id, [], [], []) == []
     assert engine.spans_registered(np.array([buf.ctypes.data, 8]), np.array([64, 1])).tolist() == [True, False]
+
+
+@pytest.mark.parametrize("count", [3, 40])
+def test_spans_report_the_xxh3_of_every_span_moved(engine, peer, count):
+    """digests=: each span's xxh3_64 (shm hashes in its copy pass, the others from local memory), spans that
+    are contiguous on both sides still get one digest each, and a bad span's neighbours are still hashed."""
+    rng = np.random.default_rng(count)
+    lens = rng.integers(1, 200_000, size=count)
+    src = np.frombuffer(rng.bytes(int(lens.sum())), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    engine.register(src), engine.register(dst)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    roffs = BASE + starts                                                # contiguous on both sides
+    want = [xxhash.xxh3_64_intdigest(src[s:s + n]) for s, n in zip(starts, lens)]
+    got = np.zeros(count, dtype=np.uint64)
+    assert engine.write_spans(peer.descriptor, peer.region_id, src.ctypes.data + starts, roffs, lens,
+                              digests=got) == [None] * count
+    assert got.tolist() == want
+    got[:] = 0
+    bad_roffs = roffs.copy()
+    bad_roffs[1] = peer.descriptor.region(peer.region_id).length         # outside the region
+    status = engine.read_spans(peer.descriptor, peer.region_id, dst.ctypes.data + starts, bad_roffs, lens,
+                               digests=got)
+    assert isinstance(status[1], OutOfRange) and status.count(None) == count - 1
+    assert [g for j, g in enumerate(got.tolist()) if j != 1] == [w for j, w in enumerate(want) if j != 1]
+
+
+def test_spans_refuse_a_digest_array_of_the_wrong_shape(engine, peer):
+    src = np.zeros(64, dtype=np.uint8)
+    engine.register(src)
+    with pytest.raises(ValueError, match="digests must be a writable uint64 array of 2"):
+        engine.write_spans(peer.descriptor, peer.region_id, [src.ctypes.data] * 2, [BASE, BASE + 8], [8, 8],
+                           digests=np.zeros(3, dtype=np.uint64))
