@@ -108,6 +108,17 @@ def test_removed_leased_object_space_freed_after_lease(m):
     assert put(m, "b", 128) == OK
 
 
+def test_space_whose_lease_ended_is_reused_before_the_next_sweep(m):
+    reg(m, size=128)
+    put(m, "a", 128)
+    m.handle("get", ["a"], {})
+    m.handle("remove", ["a"], {})
+    m.clock_.t += 0.9
+    assert m.handle("put_start", [["b", 128]], {})[0][0] == STORE_FULL   # lease still running
+    m.clock_.t += 0.2                                                    # lease over, no tick() yet
+    assert put(m, "b", 128) == OK
+
+
 def test_segment_timeout_loses_objects(m):
     s1, s2 = reg(m, "s1"), reg(m, "s2")
     put(m, "a")

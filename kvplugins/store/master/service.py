@@ -145,6 +145,8 @@ class MasterService:
             placed = placement.try_place(size, want, order)
             if placed:
                 return placed
+            if self._free_due_zombies(now):     # space whose lease ended since the last sweep (tick_ms)
+                continue
             victim = next(victims(self.table, now), None)
             if victim is None:
                 n, held = hard_pinned_bytes(self.table)
@@ -399,11 +401,17 @@ class MasterService:
             if obj.deadline <= now:
                 self._drop(obj, now, free_at=now)
                 self.counters["reclaimed"] += 1
-        while self._zombies and self._zombies[0][0] <= now:
-            _free(heapq.heappop(self._zombies)[2])
+        self._free_due_zombies(now)
         expire_soft_pins(self.table, now)
         self.tiering.tick(now)
         self.evict_watermarks(now)
+
+    def _free_due_zombies(self, now: float) -> bool:
+        """Free the removed objects whose lease (or put deadline) has run out; whether any were."""
+        freed = bool(self._zombies) and self._zombies[0][0] <= now
+        while self._zombies and self._zombies[0][0] <= now:
+            _free(heapq.heappop(self._zombies)[2])
+        return freed
 
     def evict_watermarks(self, now: float) -> None:
         for seg in self.segments:
