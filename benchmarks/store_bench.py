@@ -2,7 +2,8 @@
 """Store benchmark (issue #2): put and get across processes (a writer and a different reader process), zero-copy
 on registered buffers, for object sizes 4 KiB .. 16 MiB in batches of 1, 32 and 128. Our store runs with the shm
 transport and with TCP forced; ``--vs mooncake`` adds Mooncake's store over TCP in the same run, everything inside
-a private network namespace. Every get is checked byte for byte (xxh3-64 per object) against the writer.
+a private network namespace. Every get is checked byte for byte (xxh3-64 per object) against the writer. Each
+case also measures two floors in the same run: memcpy and a plain C loopback TCP connection (storebench/baselines.py).
 
   .venv/bin/python benchmarks/store_bench.py                       # our store, shm and tcp
   .venv/bin/python benchmarks/store_bench.py --vs mooncake --json .bench/store.json
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from storebench import clusters, netns, workload  # noqa: E402
+from storebench import baselines, clusters, netns, workload  # noqa: E402
 from storebench.driver import BytesMismatch, Session  # noqa: E402
 from storebench.procs import WorkerFailed  # noqa: E402
 from storebench.report import ratios, tables, targets  # noqa: E402
@@ -111,6 +112,7 @@ def run_group(starters, cases, log_dir: Path, timeout_s: float, errors: list[str
             for session in list(sessions):
                 if not _recorded_call(errors, lambda: rows.extend(session.run_case(case))):
                     sessions.remove(session)
+            rows.extend(baselines.rows(case))
         for session in sessions:
             _recorded_call(errors, lambda: stats.update({session.target.label: session.stats()}))
     return rows, stats

@@ -1,6 +1,9 @@
-"""Percentiles, ratios ours/Mooncake, the issue #2 targets, and the markdown tables printed and written to docs.
+"""Percentiles, ratios ours/Mooncake, the issue #2 and #13 targets, and the markdown tables printed and written to
+docs.
 
 Ratio = ours / Mooncake throughput of the same case and op = Mooncake's p50 batch time / ours (> 1: ours faster).
+A "floor" target compares ours with a baseline row of the same run (storebench/baselines.py): ours throughput /
+the baseline's, e.g. 0.7 = 70% of memcpy.
 """
 from __future__ import annotations
 
@@ -8,9 +11,13 @@ import numpy as np
 
 MC = "mooncake-tcp"
 OURS = ("kvp-shm", "kvp-tcp")
+BASELINES = ("memcpy", "c-tcp-loopback")
 # (name, our target, case, kind, threshold): kind "speedup" needs ratio >= threshold; "latency" needs
-# ours p50 / Mooncake p50 <= threshold. Each is checked for put and get.
+# ours p50 / Mooncake p50 <= threshold; "floor:<baseline>" needs ours / the baseline's throughput >= threshold.
+# Each is checked for put and get.
 TARGETS = (
+    ("TCP >= 80% of a C loopback TCP connection, 1MiB x 32", "kvp-tcp", "1MiBx32", "floor:c-tcp-loopback", 0.8),
+    ("shm >= 70% of memcpy, 1MiB x 32", "kvp-shm", "1MiBx32", "floor:memcpy", 0.7),
     ("TCP >= 2x Mooncake TCP, 1MiB x 32", "kvp-tcp", "1MiBx32", "speedup", 2.0),
     ("shm >= 5x Mooncake TCP, 1MiB x 32", "kvp-shm", "1MiBx32", "speedup", 5.0),
     ("single 4KiB op p50 <= 0.5x Mooncake (shm)", "kvp-shm", "4KiBx1", "latency", 0.5),
@@ -49,7 +56,8 @@ def targets(rows: list[dict]) -> list[dict]:
     idx, out = _index(rows), []
     for name, label, case, kind, thr in TARGETS:
         for op in ("put", "get"):
-            ours, mc = idx.get((label, case, op)), idx.get((MC, case, op))
+            anchor = kind.split(":")[1] if kind.startswith("floor:") else MC
+            ours, mc = idx.get((label, case, op)), idx.get((anchor, case, op))
             item = {"target": name, "op": op, "kind": kind, "threshold": thr, "value": None, "met": None}
             if ours and mc:
                 lat = ours["batch_us"]["p50"] / mc["batch_us"]["p50"]
@@ -63,6 +71,10 @@ def _verdict(t: dict) -> str:
     if t["value"] is None:
         return "n/a (this case or Mooncake not in the run)"
     v, thr = t["value"], t["threshold"]
+    if t["kind"].startswith("floor:"):
+        base = t["kind"].split(":")[1]
+        word, margin = ("met", v / thr) if t["met"] else ("MISSED", thr / v)
+        return f"{word}: {v:.0%} of {base} (needs >= {thr:.0%}; {margin:.2f}x {'above' if t['met'] else 'short'})"
     if t["kind"] == "latency":
         word, margin = ("met", thr / v) if t["met"] else ("MISSED", v / thr)
         how = "better" if t["met"] else "too slow"
@@ -77,7 +89,7 @@ def _fmt_us(x: float) -> str:
 
 def tables(rows: list[dict]) -> str:
     """Markdown: latency table, throughput + ratio table, targets table."""
-    labels = [l for l in (*OURS, MC) if any(r["target"] == l for r in rows)]
+    labels = [l for l in (*OURS, MC, *BASELINES) if any(r["target"] == l for r in rows)]
     idx = _index(rows)
     keys = list(dict.fromkeys((r["case"], r["op"]) for r in rows))
     skipped = {(r["case"], r["op"]): r["skipped"] for r in rows if r["skipped"]}
@@ -100,7 +112,7 @@ def tables(rows: list[dict]) -> str:
     tgt += [f"| {t['target']} | {t['op']} | {_verdict(t)} |" for t in targets(rows)]
     notes = [f"- {c} {o}: {why}" for (c, o), why in skipped.items() if o == "put"]
     return "\n".join(["### Latency", *lat, "", "### Throughput (GB/s at p50) and ratio ours/Mooncake "
-                      "(>1: ours faster)", *thr, "", "### Targets (issue #2)", *tgt,
+                      "(>1: ours faster)", *thr, "", "### Targets (issues #2, #13)", *tgt,
                       *(["", "Skipped:", *notes] if notes else [])])
 
 
