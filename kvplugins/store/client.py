@@ -2,8 +2,11 @@
 batch); bytes go through the transfer core (kvplugins/transfer) directly between this process's registered
 memory and the segments, never through the master.
 
-Put: ``put_start`` (master allocates, object pending) -> one transfer batch writes every span to every replica
--> ``put_commit`` with each object's xxh3_64 (complete; ``put_abort`` for entries whose transfer failed).
+Put (one replica, no pin or preferred segment: the default): one transfer batch writes the spans into space this
+client reserved earlier (a slab) -> ``put`` with each object's xxh3_64 (complete): ONE master round trip
+(client_slab.py, master/slabs.py). Otherwise, or when no slab space is to be had: ``put_start`` (master
+allocates, object pending) -> one transfer batch writes every span to every replica -> ``put_commit`` with each
+object's xxh3_64 (complete; ``put_abort`` for entries whose transfer failed).
 Get: ``get`` (lookup + lease) -> one transfer batch reads the spans -> the bytes are checked against the
 checksum (a mismatch tries the next replica, is reported to the master with ``report_corrupt``, and with no good
 replica left is a ChecksumMismatch miss) -> if the read outlived the lease, TransferFailed (never stale bytes).
@@ -21,6 +24,7 @@ import numpy as np
 from kvplugins.errors import (BufferNotRegistered, ChecksumMismatch, KeyNotFound, MasterUnreachable, NativeError,
                               SizeMismatch, StoreError, TransferError, TransferFailed)
 from kvplugins.store import checksum, client_io, protocol
+from kvplugins.store.client_slab import SlabSpace
 from kvplugins.store.client_stats import ClientStats
 from kvplugins.store.config import ClientConfig
 from kvplugins.store.placement import PutConfig, from_client
@@ -54,6 +58,8 @@ class StoreClient:
         self._descs: dict = {}
         self._buffers: dict[int, object] = {}
         self._staging = Staging(self._engine, cfg.staging_size)
+        self._slabs = SlabSpace(self._rpc, cfg.slab_bytes, (cfg.transfer_timeout_ms + cfg.rpc_timeout_ms) / 1000) \
+            if cfg.slab_bytes and cfg.wait_commit else None
         self._stats = ClientStats()
         self._segment = None
         self._closed = False
@@ -194,6 +200,8 @@ class StoreClient:
             self._rpc.flush()
         except MasterUnreachable as e:
             log.warning("close: pipelined commits not confirmed: %s", e)
+        if self._slabs is not None:
+            self._slabs.close()
         if self._segment is not None:
             self._segment.close()
             self._segment_rpc.close()
@@ -218,6 +226,14 @@ class StoreClient:
         flat = client_io.flatten(self._engine, keys, spans_per_key, out)
         client_io.reject_empty(keys, flat, out)
         todo = [i for i, e in enumerate(out) if e is None]
+        slabs = self._slabs
+        if todo and slabs is not None and _slab_placed(config) and slabs.lock.acquire(blocking=False):
+            try:
+                todo = self._write_slab(keys, flat, todo, out)
+            finally:
+                slabs.lock.release()
+        if not todo:
+            return out, flat.sizes
         started = self._rpc_entries("put_start", [[keys[i], flat.sizes[i]] for i in todo], config.wire)
         writes = {}
         for i, (code, value) in zip(todo, started):
@@ -231,6 +247,38 @@ class StoreClient:
         failed = self._transfer("write", flat, writes, sums)
         self._finish_puts(keys, writes, failed, out, checksum.digests(flat, writes, sums))
         return out, flat.sizes
+
+    def _write_slab(self, keys, flat, todo: list[int], out) -> list[int]:
+        """One round trip: write keys ``todo`` into this client's reserved slab, then one ``put`` RPC
+        (client_slab.py). Sets ``out[i]`` for refused keys; returns the keys to put with put_start instead (no
+        slab space for the batch, the write into the slab failed, or the master no longer knew the slab)."""
+        placed = self._slabs.place([flat.sizes[i] for i in todo])
+        if placed is None:
+            return todo
+        slab, offsets = placed
+        writes = {i: [[slab.segment, slab.region_id, off]] for i, off in zip(todo, offsets)}
+        sums = checksum.span_sums(flat)
+        failed = self._transfer("write", flat, writes, sums)
+        if failed:
+            self._slabs.forget()            # e.g. the segment is gone: do not write there again
+        ok = [i for i in todo if i not in failed]
+        if not ok:
+            return list(failed)
+        digests, sent = checksum.digests(flat, ok, sums), time.monotonic()
+        try:
+            answers = self._rpc.call("put", [[keys[i], flat.sizes[i], slab.id, writes[i][0][2]] for i in ok],
+                                     {"xxh3": [digests[i] for i in ok]})
+        except StoreError:
+            self._slabs.forget()
+            raise
+        self._slabs.renewed(slab, sent)
+        again = [*failed, *(i for i, (code, _) in zip(ok, answers) if code == protocol.EXPIRED)]
+        for i, (code, value) in zip(ok, answers):
+            if code not in (protocol.OK, protocol.EXISTS, protocol.EXPIRED):
+                out[i] = protocol.entry_error(code, keys[i], value)
+        if again:
+            self._slabs.forget()
+        return again
 
     def _finish_puts(self, keys, writes, failed: dict, out, sums: dict) -> None:
         ok = [i for i in writes if i not in failed]
@@ -412,6 +460,11 @@ class StoreClient:
             if code == protocol.OK:
                 self._descs[name] = SegmentDescriptor.from_wire(wire)
         return self._descs
+
+
+def _slab_placed(config: PutConfig) -> bool:
+    """Whether a put with ``config`` may go to the client's slab: one replica, no preferred segment, no pin."""
+    return config.replicas == 1 and not config.preferred_segment and config.pin == "none"
 
 
 def _sum(value):

@@ -197,6 +197,9 @@ class ClientConfig:
     wait_commit: bool = field(default=True, metadata={
         "help": "put waits for put_commit's reply; false pipelines the commit (one round trip less per put, but "
                 "other clients may miss the key for a moment after put returns; docs/store.md, visibility)"})
+    slab_bytes: Bytes = field(default=Bytes(16 << 20), metadata={
+        "help": "space this client reserves from the master at a time for one-round-trip puts of batches up to "
+                "this size (at most 1/8 of the largest segment is granted); 0 = put_start + put_commit always"})
 
     def __post_init__(self):
         _sizes(self)

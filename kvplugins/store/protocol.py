@@ -33,9 +33,10 @@ INVALID = 4       # bad entry (e.g. size <= 0); value names the problem
 EXPIRED = 5       # put_commit: the pending object was reclaimed (writer too slow)
 ON_DISK = 6       # get: the object is only on a node's disk tier; value tells the client how to promote it
 
-OPS = ("info", "put_start", "put_commit", "put_abort", "get", "exists", "exists_prefix", "remove",
+OPS = ("info", "put_start", "put_commit", "put_abort", "reserve", "put", "get", "exists", "exists_prefix", "remove",
        "status", "register_segment", "heartbeat", "unregister", "describe", "report_corrupt")
 # put_start opts: store/placement.py PutConfig.wire. put_commit opts: {"xxh3": [checksum per entry]}.
+# reserve / put: client-reserved slabs, one round trip per put (store/master/slabs.py); put opts as put_commit.
 # get value: [size, [[segment, region id, offset], ...], lease ttl ms, xxh3_64 checksum or None]
 # (the {"cols": 1} form: MasterService._get_cols). report_corrupt entries: [key, segment, offset, checksum].
 

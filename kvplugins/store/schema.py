@@ -71,6 +71,10 @@ class CommitOpts(Struct, forbid_unknown_fields=True):
     xxh3: Union[list[Union[U64, None]], None] = None      # one per entry
 
 
+class ReserveOpts(Struct, forbid_unknown_fields=True):
+    release: Annotated[list[U64], Meta(max_length=64)] = []     # slab ids whose remainder goes back
+
+
 class GetOpts(Struct, forbid_unknown_fields=True):
     cols: Union[bool, Literal[0, 1]] = False
 
@@ -132,6 +136,8 @@ def _op_types(key, batch) -> dict:
         "info": (none, NoOpts), "status": (none, NoOpts),
         "put_start": (batch(tuple[key, Size]), PutStartOpts),
         "put_commit": (keys, CommitOpts), "put_abort": (keys, NoOpts),
+        "reserve": (Annotated[list[Size], Meta(max_length=64)], ReserveOpts),
+        "put": (batch(tuple[key, Size, U64, Offset]), CommitOpts),
         "get": (keys, GetOpts), "exists": (keys, NoOpts), "exists_prefix": (keys, NoOpts),
         "remove": (keys, NoOpts), "get_size": (keys, NoOpts), "remove_checked": (keys, ForceOpts),
         "remove_by_regex": (Annotated[list[Annotated[str, Meta(max_length=MAX_PATTERN)]],
@@ -152,7 +158,7 @@ def _op_types(key, batch) -> dict:
 
 # Where each op's keys are, for the UTF-8 byte-length check msgspec cannot express (it counts characters):
 # None = the entries are the keys, an int = that item of each entry; ops absent here carry no keys.
-_KEY_AT = {"put_start": 0, "put_commit": None, "put_abort": None, "get": None, "exists": None,
+_KEY_AT = {"put_start": 0, "put": 0, "put_commit": None, "put_abort": None, "get": None, "exists": None,
            "exists_prefix": None, "remove": None, "get_size": None, "remove_checked": None, "report_corrupt": 0,
            "tier_done": 1, "promote_start": None, "promote_commit": 0}
 

@@ -34,6 +34,7 @@ TEMPLATES = {
     "info": ([], {}), "status": ([], {}),
     "put_start": ([["fz/a", 64]], {"replicas": 1, "segment": "", "pin": 0, "pin_ttl_ms": 0}),
     "put_commit": (["fz/a"], {"xxh3": [7]}), "put_abort": (["fz/b"], {}),
+    "reserve": ([4096], {"release": [1]}), "put": ([["fz/c", 64, 1, 0]], {"xxh3": [7]}),
     "get": (["fz/a"], {"cols": 1}), "exists": (["fz/a"], {}), "exists_prefix": (["fz/a"], {}),
     "remove": (["fz/zz"], {}), "get_size": (["fz/a"], {}), "remove_checked": (["fz/zz"], {"force": False}),
     "remove_by_regex": (["^fz/none$"], {"force": False}), "remove_all": ([], {"force": False}),

@@ -21,8 +21,9 @@ from kvplugins.store.rpc_client import RawRpcClient, ZmqRpcClient
 BACKOFF_S = 0.05
 DEFAULT_PREFIX = "/kvplugins/default"
 # Ops not re-sent to a leader that may have applied them before the connection failed (a second put_start of a
-# key would answer "exists (pending)" and the put would look done); on a new leader they are safe to re-send.
-ONCE_PER_LEADER = frozenset({"put_start"})
+# key would answer "exists (pending)" and the put would look done; a second reserve would hold a slab nobody
+# fills until it expires); on a new leader they are safe to re-send.
+ONCE_PER_LEADER = frozenset({"put_start", "reserve"})
 
 
 class _EtcdFinder:

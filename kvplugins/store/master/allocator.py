@@ -63,6 +63,14 @@ class Allocator:
                 return start
         return None
 
+    def split(self, offset: int, at: int) -> None:
+        """Cut the allocation at ``offset`` in two at ``at`` (offset < at < its end, ``align``-aligned): each
+        part is then freed on its own. Used bytes do not change. Raises KeyError / ValueError otherwise."""
+        size = self._used[offset]
+        if not offset < at < offset + size or at & (self.align - 1):
+            raise ValueError(f"split at {at}: not an aligned point strictly inside [{offset}, {offset + size})")
+        self._used[offset], self._used[at] = at - offset, offset + size - at
+
     def free(self, offset: int) -> None:
         """Return the allocation at ``offset``; merges with free neighbours. Raises KeyError if not allocated."""
         size = self._used.pop(offset)

@@ -1,7 +1,8 @@
 """The master's logic: one batch operation per RPC op, no I/O, single-threaded (rpc_server.py calls it).
 
 Put = ``put_start`` (allocate; object pending) -> the client writes through the transfer core ->
-``put_commit`` (complete). Get = ``get`` (lookup + lease) -> the client reads. Memory of a removed object that
+``put_commit`` (complete); or, in one round trip, the client writes into space it reserved earlier and sends
+``put`` (slabs.py). Get = ``get`` (lookup + lease) -> the client reads. Memory of a removed object that
 is leased (or pending) is freed only when the lease (or the put deadline) runs out ("zombies"), so a reader
 or late writer never lands in reallocated space. Follows the Mooncake master_service design (FAST'25 §4).
 """
@@ -19,6 +20,7 @@ from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes,
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.master.metadata import Object, ObjectTable
 from kvplugins.store.master.segments import Segment, SegmentRegistry
+from kvplugins.store.master.slabs import Slabs
 from kvplugins.store.master.tiering import Tiering
 from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, ON_DISK, STORE_FULL, VERSION
 from kvplugins.store.schema import Schemas
@@ -46,6 +48,8 @@ class MasterService:
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
         self._ops.update(self.tiering.ops())
         self._ops.update(admin_ops.ops(self))      # get_size, remove_by_regex, remove_all (compat)
+        self.slabs = Slabs(self)
+        self._ops.update(self.slabs.ops())         # reserve, put: one round trip per put
 
     def handle(self, op: str, entries, opts, defer: bool = False):
         """Run one batch op; returns its payload. ``entries``/``opts``: as ``self.schemas`` decoded them (the RPC
@@ -402,6 +406,7 @@ class MasterService:
                 self._drop(obj, now, free_at=now)
                 self.counters["reclaimed"] += 1
         self._free_due_zombies(now)
+        self.slabs.tick(now)
         expire_soft_pins(self.table, now)
         self.tiering.tick(now)
         self.evict_watermarks(now)
@@ -437,7 +442,8 @@ class MasterService:
                  "largest_free": s.allocator.largest_free(),
                  "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000)} for s in self.segments]
         return {"segments": segs, "objects": len(self.table), "pending": self.table.pending_count(),
-                "pinned": self.table.pinned_count(), "zombies": len(self._zombies), "bytes_used": sum(s["used"] for s in segs),
+                "pinned": self.table.pinned_count(), "zombies": len(self._zombies), "slabs": len(self.slabs),
+                "bytes_used": sum(s["used"] for s in segs),
                 "bytes_total": sum(s["size"] for s in segs), **self.counters, **self.tiering.status()}
 
 

@@ -1,0 +1,152 @@
+"""Client-reserved space ("slabs"): one master round trip per put.
+
+A client ``reserve``s a slab (1/64 of the largest segment at most, 1 MiB at least: small pools offer none): one
+allocation on a segment (evicting like a put would), which it fills front to
+back on its own — it writes an object's bytes at its next free offset, then sends ``put`` [key, size, slab id,
+offset] with the object's xxh3_64. ``put`` cuts the object's range off the front of the slab's remainder
+(``Allocator.split``; a skipped gap before it is freed at once) and records the object complete, as put_commit
+does: the put is visible to every client when its reply is sent (read-after-put holds across clients), after
+ONE waited round trip instead of put_start + put_commit.
+
+Lifetime: a slab lives ``put_timeout_ms`` after its reservation or its last ``put`` (the client writes into it
+only while more than its transfer and RPC timeouts are left, so no write lands after expiry). An expired slab,
+or one released by the next ``reserve`` (opts.release), frees its remainder. A slab dies with its segment;
+a draining segment's slabs are released (their puts answer EXPIRED too); a ``put`` into an unknown or expired
+slab answers EXPIRED and the client redoes that key with put_start (as it does when its write into a slab fails).
+Slabs are not journaled: a new HA leader does not know them, so such puts also answer EXPIRED.
+Source followed: Mooncake's put_start/put_end (FAST'25 §4.2) keeps two round trips; the slab is ours (issue #13).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+from kvplugins.store.master.disk_state import Frozen
+from kvplugins.store.master.metadata import Object
+from kvplugins.store.master.segments import Segment
+from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, OK, STORE_FULL
+
+log = logging.getLogger(__name__)
+SLAB_SHARE = 64       # a slab is at most 1/64 of the largest segment ...
+MIN_SLAB = 1 << 20    # ... and at least 1 MiB: a pool with no segment of 64 MiB offers no slabs (put_start)
+
+
+@dataclass
+class Slab:
+    id: int
+    seg: Segment
+    front: int          # start of the unused remainder: an allocation of its own while front < end
+    end: int
+    expires: float
+
+
+class Slabs:
+    """The live slabs of one MasterService."""
+
+    def __init__(self, service):
+        self.svc = service
+        self._slabs: dict[int, Slab] = {}
+        self._ids = itertools.count(1)
+
+    def ops(self) -> dict:
+        return {"reserve": self.op_reserve, "put": self.op_put}
+
+    def op_reserve(self, entries, opts, now):
+        """entries [bytes wanted]; opts.release: slab ids whose remainder the client gives back. Per entry
+        [OK, [slab id, segment, region id, offset, length, ttl ms, align]] (length may be less than asked: at
+        most 1/64 of the largest segment), [INVALID, reason] (no segment is big enough to offer slabs: under
+        64 MiB) or [STORE_FULL, reason]."""
+        for sid in opts.release:
+            slab = self._slabs.pop(sid, None)
+            if slab is not None:
+                self._free_rest(slab)
+        svc, out = self.svc, []
+        order = svc.segments.by_free_space()
+        biggest = max((s.size for s in order), default=0)
+        align = svc.cfg.alloc_align
+        for want in entries:
+            size = min(want, biggest // SLAB_SHARE) // align * align
+            if size < min(want, MIN_SLAB):
+                out.append([INVALID, f"no slabs in a pool whose largest segment has {biggest} bytes (they need "
+                                     f"{SLAB_SHARE * MIN_SLAB}); use put_start"])
+                continue
+            placed = svc._place(size, 1, now, order, biggest)
+            if isinstance(placed, str):
+                out.append([STORE_FULL, placed])
+                continue
+            [(seg, off)] = placed
+            slab = Slab(next(self._ids), seg, off, off + size, now + svc.cfg.put_timeout_ms / 1000)
+            self._slabs[slab.id] = slab
+            out.append([OK, [slab.id, seg.name, seg.region_id, off, size, svc.cfg.put_timeout_ms, align]])
+        return out
+
+    def op_put(self, entries, opts, now):
+        """entries [key, size, slab id, offset]; opts.xxh3 one checksum per entry (or None). Per entry
+        [OK, None], [EXISTS, state] (nothing recorded), [EXPIRED, why] (slab unknown or expired: put again
+        with put_start) or [INVALID, why] (the range is not at or after the slab's front, or overruns it)."""
+        svc, out, done = self.svc, [], []
+        sums = opts.xxh3
+        if sums is not None and len(sums) != len(entries):
+            raise ValueError(f"put: opts: xxh3 has {len(sums)} checksums for {len(entries)} keys")
+        for j, (key, size, sid, off) in enumerate(entries):
+            slab = self._slabs.get(sid)
+            if slab is None or slab.expires <= now or not self._usable(slab):
+                out.append([EXPIRED, f"slab {sid} is unknown, expired or on a leaving segment; put {key} with "
+                                     "put_start"])
+                continue
+            slab.expires = now + svc.cfg.put_timeout_ms / 1000
+            obj = svc.table.get(key)
+            if obj is not None:
+                svc.counters["put_skipped"] += 1
+                out.append([EXISTS, "complete" if obj.complete else "pending"])
+                continue
+            end = off + slab.seg.allocator.rounded(size)
+            if off < slab.front or end > slab.end or off & (slab.seg.allocator.align - 1):
+                out.append([INVALID, f"{key}: [{off}, {end}) is not an aligned range at or after slab {sid}'s "
+                                     f"front {slab.front} and inside it (end {slab.end})"])
+                continue
+            self._carve(slab, off, end)
+            obj = Object(key, size, [(slab.seg.name, off)], last_access=now,
+                         locations=[[slab.seg.name, slab.seg.region_id, off]],
+                         checksum=None if sums is None else sums[j])
+            svc.table.add(obj)
+            svc.table.commit(obj, now)
+            slab.seg.keys.add(key)
+            done.append(obj)
+            out.append([OK, None])
+        svc.counters["puts"] += len(done)
+        svc.counters["commits"] += len(done)
+        svc.journal.committed(done)
+        svc.evict_watermarks(now)
+        return out
+
+    def _carve(self, slab: Slab, off: int, end: int) -> None:
+        """Make [off, end) an allocation of its own, cut from the front of ``slab``'s remainder."""
+        alloc = slab.seg.allocator
+        if off > slab.front:                 # a key the client skipped (its transfer failed): free the gap
+            alloc.split(slab.front, off)
+            alloc.free(slab.front)
+        if end < slab.end:
+            alloc.split(off, end)
+        slab.front = end
+
+    def _usable(self, slab: Slab) -> bool:
+        """The slab's segment is still registered (the same one) and not draining (its allocator frozen)."""
+        return self.svc.segments.get(slab.seg.name) is slab.seg and not isinstance(slab.seg.allocator, Frozen)
+
+    def _free_rest(self, slab: Slab) -> None:
+        if slab.front < slab.end and self.svc.segments.get(slab.seg.name) is slab.seg:
+            slab.seg.allocator.free(slab.front)
+        slab.front = slab.end
+
+    def tick(self, now: float) -> None:
+        """Free the remainder of expired slabs and of slabs on draining segments; forget those of segments gone."""
+        for sid in [s.id for s in self._slabs.values() if s.expires <= now or not self._usable(s)]:
+            self._free_rest(self._slabs.pop(sid))
+
+    def held_bytes(self) -> int:
+        return sum(s.end - s.front for s in self._slabs.values())
+
+    def __len__(self) -> int:
+        return len(self._slabs)
