@@ -116,7 +116,8 @@ NB_MODULE(_tcp, m) {
   nb::class_<PyServer>(m, "Server")
       .def(nb::init<uint64_t, double, double, int, nb::object>(), nb::arg("max_frame"), nb::arg("frame_timeout_s"),
            nb::arg("idle_timeout_s"), nb::arg("threads"), nb::arg("control"))
-      .def("add_region", &PyServer::add_region)
+      .def("add_region", &PyServer::add_region, nb::arg("id"), nb::arg("addr"), nb::arg("length"),
+           nb::arg("readonly"), nb::arg("pin").none())   // pin None: memory registered by address
       .def("remove_region", &PyServer::remove_region)
       .def("adopt", &PyServer::adopt)
       .def("wait_events", &PyServer::wait_events)
