@@ -80,12 +80,14 @@ def test_expired_unknown_and_draining_slabs_answer_expired():
     assert len(m.slabs) == 0
 
 
-def test_a_full_pool_refuses_a_slab_with_store_full():
+def test_a_slab_never_evicts_a_live_object():
     m = service()
     seg = reg(m, size=64 * MiB)
-    m.handle("put_start", [["held", 64 * MiB - 64]], {})                      # pending: not evictable
-    [(code, _)] = m.handle("reserve", [MiB], {})
-    assert code == STORE_FULL and seg.allocator.used_bytes == 64 * MiB - 64
+    assert m.handle("put_start", [["old", 64 * MiB - 64]], {})[0][0] == OK
+    m.handle("put_commit", ["old"], {})                                       # evictable, but a slab may not
+    [(code, why)] = m.handle("reserve", [MiB], {})
+    assert code == STORE_FULL and "put_start" in why
+    assert m.handle("exists", ["old"], {}) == [True] and seg.allocator.used_bytes == 64 * MiB - 64
 
 
 def advance(m, seg, seconds):

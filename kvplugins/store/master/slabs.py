@@ -1,7 +1,8 @@
 """Client-reserved space ("slabs"): one master round trip per put.
 
 A client ``reserve``s a slab (1/64 of the largest segment at most, 1 MiB at least: small pools offer none): one
-allocation on a segment (evicting like a put would), which it fills front to
+free block of a segment, taken without evicting anything (a pool that is full or too fragmented for it answers
+STORE_FULL and the client puts with put_start, which evicts), which it fills front to
 back on its own — it writes an object's bytes at its next free offset, then sends ``put`` [key, size, slab id,
 offset] with the object's xxh3_64. ``put`` cuts the object's range off the front of the slab's remainder
 (``Allocator.split``; a skipped gap before it is freed at once) and records the object complete, as put_commit
@@ -22,6 +23,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 
+from kvplugins.store.master import placement
 from kvplugins.store.master.disk_state import Frozen
 from kvplugins.store.master.metadata import Object
 from kvplugins.store.master.segments import Segment
@@ -71,9 +73,10 @@ class Slabs:
                 out.append([INVALID, f"no slabs in a pool whose largest segment has {biggest} bytes (they need "
                                      f"{SLAB_SHARE * MIN_SLAB}); use put_start"])
                 continue
-            placed = svc._place(size, 1, now, order, biggest)
-            if isinstance(placed, str):
-                out.append([STORE_FULL, placed])
+            placed = placement.try_place(size, 1, order)      # never evicts: a slab is not worth live objects
+            if placed is None:
+                out.append([STORE_FULL, f"no free block of {size} bytes for a slab (the pool is full or "
+                                        "fragmented); use put_start, which evicts"])
                 continue
             [(seg, off)] = placed
             slab = Slab(next(self._ids), seg, off, off + size, now + svc.cfg.put_timeout_ms / 1000)
