@@ -1,6 +1,6 @@
 """Smoke test of benchmarks/store_bench.py --quick against our store only (no Mooncake): a real master, store
-node, writer and reader process per transport mode (shm, tcp forced). Asserts every expected row ran and that
-the reader's bytes were checked against the writer's. Speed itself is not asserted (benchmarks prove speed)."""
+node, writer and reader process per transport mode (shm, tcp forced). Asserts every expected row ran (with the
+memcpy and C loopback floor rows beside them) and that the reader's bytes were checked against the writer's. Speed itself is not asserted (benchmarks prove speed)."""
 from __future__ import annotations
 
 import json
@@ -26,8 +26,13 @@ def test_quick_run_reports_every_row_and_verifies_bytes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["verified"]["mismatches"] == 0
-    rows = {(r["target"], r["case"], r["op"]): r for r in res["rows"]}
+    every = {(r["target"], r["case"], r["op"]): r for r in res["rows"]}
+    rows = {k: r for k, r in every.items() if r["store"] == "kvp"}
     assert set(rows) == {(t, c, op) for t in ("kvp-shm", "kvp-tcp") for c in QUICK_CASES for op in ("put", "get")}
+    floors = {k: r for k, r in every.items() if r["store"] == "baseline"}     # memcpy and C loopback, same run
+    assert set(floors) == {(t, c, op) for t in ("memcpy", "c-tcp-loopback") for c in QUICK_CASES
+                           for op in ("put", "get")}
+    assert all(r["gbps"] > 0 for r in floors.values())
     for r in rows.values():
         assert r["iters"] >= 3 and 0 < r["batch_us"]["p50"] <= r["batch_us"]["p99"]
         assert r["verified_objects"] == (r["iters"] + r["warmup"]) * r["batch"]
