@@ -1,4 +1,5 @@
 // Raw nanobind module. Python code never imports this directly: kvplugins/native.py wraps it.
+#include "kvp_gil.h"
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -28,7 +29,7 @@ static void copy_batch(U64Vec dst, U64Vec src, U64Vec len, int threads, std::opt
   const uint64_t *d = dst.data(), *s = src.data(), *l = len.data();
   uint64_t* out = digests ? digests->data() : nullptr;
   const kvp::HashOps* ops = tier(isa);
-  nb::gil_scoped_release release;
+  kvp::GilRelease release;
   kvp::copy_batch(d, s, l, n, threads, out, ops);
 }
 
@@ -38,18 +39,19 @@ static void hash_keys(U64Vec addr, U64Vec len, U64Vec owner, U64Out digests, int
   const kvp::HashOps* ops = tier(isa);
   bool ok;
   {
-    nb::gil_scoped_release release;
+    kvp::GilRelease release;
     ok = kvp::hash_keys(addr.data(), len.data(), owner.data(), n, digests.data(), digests.shape(0), threads, ops);
   }
   if (!ok) throw std::invalid_argument("hash_keys: an owner is >= the number of digests, or a key's spans are not consecutive");
 }
 
 static void copy(uint64_t dst, uint64_t src, uint64_t len) {
-  nb::gil_scoped_release release;
+  kvp::GilRelease release;
   kvp::copy_batch(&dst, &src, &len, 1, 1);
 }
 
 NB_MODULE(_native, m) {
+  kvp::gil_init();
   m.doc() = "kvplugins native core (hot copy paths, xxh3 checksums); see kvplugins/native.py";
   m.def("copy_batch", &copy_batch, nb::arg("dst"), nb::arg("src"), nb::arg("len"), nb::arg("threads") = 1,
         nb::arg("digests").none() = nb::none(), nb::arg("isa") = "auto");

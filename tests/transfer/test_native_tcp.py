@@ -2,6 +2,8 @@
 under fuzzing (never a crash; it agrees with the wire specification's decoder, kvplugins/transfer/wire.py),
 and the client's multi-connection batches against a real peer process."""
 import socket
+import subprocess
+import sys
 import struct
 import time
 
@@ -134,3 +136,15 @@ def test_server_survives_a_client_dying_mid_frame():
             a = reader.register(buf).addr
             assert reader.read_spans(server.descriptor(), region.region_id, [a], [0], [1 << 20]) == [None]
         assert digest(buf) == digest(server.memoryview(region))
+
+
+def test_process_exits_cleanly_while_native_calls_are_in_flight():
+    """Daemon threads blocked in a GIL-released native call (the TCP server's event wait) when the interpreter
+    finalizes must not abort the process ("terminate called without an active exception", exit 134 after
+    pytest had passed every test): a slow finalizer keeps finalization open while their waits return."""
+    code = ("import time\nfrom kvplugins.transfer import TransferConfig, TransferEngine\n"
+            "engines = [TransferEngine(TransferConfig(transports='tcp')) for _ in range(8)]\n"
+            "class Slow:\n    def __del__(self):\n        time.sleep(1.2)\n"
+            "slow = Slow()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr[-2000:]

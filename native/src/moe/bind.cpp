@@ -1,5 +1,6 @@
 // nanobind module kvplugins._moe: the CPU MoE kernels, layer and pool. Python wraps it in
 // kvplugins/kt_expert_backend/native.py; arrays (numpy or torch via DLPack) are read in place, never copied.
+#include "kvp_gil.h"
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -49,7 +50,7 @@ void set_float(Layer& l, Pool& pool, int e, int p, AnyArr src) {
   const Proj pr = Proj(p);
   check_2d(src, "weight", proj_rows(l, pr), proj_cols(l, pr));
   const bool bf16 = is_bf16(src, "weight");
-  nb::gil_scoped_release rel;  // through the job queue: Pool::run must never run on two threads at once
+  kvp::GilRelease rel;  // through the job queue: Pool::run must never run on two threads at once
   pool.wait(pool.submit([&] { l.set_float(pool, e, pr, src.data(), bf16); }));
 }
 
@@ -63,7 +64,7 @@ void set_quantized(Layer& l, Pool& pool, int e, int p, AnyArr q, AnyArr scale) {
     check_2d(scale, "scale", rows, l.format() == Format::INT8 ? 1 : cols / l.group());
     sp = static_cast<const float*>(scale.data());
   }
-  nb::gil_scoped_release rel;
+  kvp::GilRelease rel;
   pool.wait(pool.submit([&] { l.set_quantized(pool, e, pr, static_cast<const uint8_t*>(q.data()), sp); }));
 }
 
@@ -93,7 +94,7 @@ ForwardArgs make_args(const Layer& l, AnyArr x, AnyArr ids, AnyArr w, nb::object
 
 void forward(Layer& l, Pool& pool, AnyArr x, AnyArr ids, AnyArr w, nb::object skip, AnyArr out, bool acc) {
   ForwardArgs a = make_args(l, x, ids, w, skip, out, acc);
-  nb::gil_scoped_release rel;
+  kvp::GilRelease rel;
   pool.wait(pool.submit([&] { l.forward(pool, a); }));
 }
 
@@ -118,7 +119,7 @@ nb::tuple quantize(int fmt, AnyArr src, int group) {
   uint8_t* q = new uint8_t[size_t(N) * rb];
   float* s = new float[size_t(N) * spr]();
   {
-    nb::gil_scoped_release rel;
+    kvp::GilRelease rel;
     const size_t esz = bf16 ? 2 : 4;
     for (int r = 0; r < N; ++r)
       quantize_row(f, static_cast<const uint8_t*>(src.data()) + size_t(r) * K * esz, bf16, K, group, q + r * rb,
@@ -140,6 +141,7 @@ nb::tuple quantize(int fmt, AnyArr src, int group) {
 }  // namespace
 
 NB_MODULE(_moe, m) {
+  kvp::gil_init();
   m.doc() = "kvplugins CPU MoE kernels (see kvplugins/kt_expert_backend/native.py)";
   m.def("best_isa", [] { return std::string(isa_name(best_isa())); });
   m.def("isa_supported", [](int i) { return isa_supported(Isa(i)); });
@@ -148,7 +150,7 @@ NB_MODULE(_moe, m) {
       .def(nb::init<int, int, std::vector<int>, int, int, const std::string&>(), nb::arg("threads"),
            nb::arg("subpools"), nb::arg("nodes"), nb::arg("spin_us"), nb::arg("wait_spin_us"),
            nb::arg("node_root") = "/sys/devices/system/node")
-      .def("wait", [](Pool& p, uint64_t t) { nb::gil_scoped_release rel; p.wait(t); })
+      .def("wait", [](Pool& p, uint64_t t) { kvp::GilRelease rel; p.wait(t); })
       .def_prop_ro("threads", &Pool::threads)
       .def_prop_ro("subpools", &Pool::subpools)
       .def("describe", &Pool::describe);

@@ -1,5 +1,6 @@
 // Raw nanobind module kvplugins._tcp. Python code never imports it directly: kvplugins/transfer/native_tcp.py
 // wraps it (errors become kvplugins exceptions there).
+#include "kvp_gil.h"
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -39,7 +40,7 @@ class PyServer {
   }
   ~PyServer() {
     if (!srv_) return;
-    { nb::gil_scoped_release r; srv_->close(); }
+    { kvp::GilRelease r; srv_->close(); }
     drain();
     srv_.reset();
   }
@@ -50,14 +51,14 @@ class PyServer {
   uint64_t adopt(int fd) { return srv_->adopt(fd); }
   std::vector<std::tuple<uint64_t, int, std::string>> wait_events(double timeout_s) {
     std::vector<Event> evs;
-    { nb::gil_scoped_release r; evs = srv_->wait_events(timeout_s); }
+    { kvp::GilRelease r; evs = srv_->wait_events(timeout_s); }
     drain();
     std::vector<std::tuple<uint64_t, int, std::string>> out;
     for (auto& e : evs) out.emplace_back(e.conn, int(e.kind), std::move(e.reason));
     return out;
   }
   void close() {
-    { nb::gil_scoped_release r; srv_->close(); }
+    { kvp::GilRelease r; srv_->close(); }
     drain();
   }
   std::tuple<uint64_t, uint64_t> stats() { return {srv_->closed_idle(), srv_->closed_slow()}; }
@@ -79,7 +80,7 @@ class PyClient {
     if (op != kWrite && op != kRead) throw std::invalid_argument("tcp transfer: op must be 1 (write) or 2 (read)");
     Batch b{op, addrs.data(), regions.data(), offs.data(), lens.data(), n, limit, max_frame, timeout_s};
     Result r;
-    { nb::gil_scoped_release rel; r = kvp::tcp::transfer(b, fds, reused, ids_); }
+    { kvp::GilRelease rel; r = kvp::tcp::transfer(b, fds, reused, ids_); }
     std::vector<std::tuple<size_t, std::string>> bad;
     for (size_t j = 0; j < n; ++j) if (r.code[j]) bad.emplace_back(j, std::move(r.text[j]));
     return {nb::bytes(reinterpret_cast<const char*>(r.code.data()), n), std::move(bad), std::move(r.broken)};
@@ -105,13 +106,14 @@ std::tuple<std::string, int, uint64_t, std::vector<std::tuple<uint64_t, uint64_t
 }
 
 std::vector<double> py_loopback(uint64_t nbytes, int rounds) {
-  nb::gil_scoped_release r;
+  kvp::GilRelease r;
   return loopback_baseline(nbytes, rounds);
 }
 
 }  // namespace
 
 NB_MODULE(_tcp, m) {
+  kvp::gil_init();
   m.doc() = "kvplugins native TCP transport (frame loops, GIL released); see kvplugins/transfer/native_tcp.py";
   nb::class_<PyServer>(m, "Server")
       .def(nb::init<uint64_t, double, double, int, nb::object>(), nb::arg("max_frame"), nb::arg("frame_timeout_s"),
