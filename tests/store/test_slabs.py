@@ -95,6 +95,21 @@ def advance(m, seg, seconds):
     m.handle("heartbeat", [seg.name], {})                                    # the segment stays registered
 
 
+def test_a_put_over_the_watermark_frees_due_space_before_evicting():
+    """Removed objects whose lease ended still count as used until the sweep frees them; a put that crosses
+    the high watermark must free them, not evict the object it just stored (store_bench lost a fresh key)."""
+    m = service(high=0.5, low=0.4)
+    seg = reg(m, size=64 * MiB)
+    sid, _, _, off, *_ = reserve(m, MiB)                                      # the writer's slab, held
+    assert m.handle("put_start", [["old", 40 * MiB]], {})[0][0] == OK
+    m.handle("put_commit", ["old"], {})
+    m.handle("get", ["old"], {})                                              # leased for 1 s
+    m.handle("remove", ["old"], {})                                           # a zombie until then
+    advance(m, seg, 1.1)                                                      # due, no sweep yet
+    assert m.handle("put", [["new", 4096, sid, off]], {}) == [[OK, None]]
+    assert m.handle("exists", ["new"], {}) == [True] and m.counters["evictions"] == 0
+
+
 def _counting(client):
     ops, real = [], client._rpc.call
     client._rpc.call = lambda op, *a, **k: (ops.append(op), real(op, *a, **k))[1]

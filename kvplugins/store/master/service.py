@@ -419,6 +419,10 @@ class MasterService:
         return freed
 
     def evict_watermarks(self, now: float) -> None:
+        """Evict LRU objects of every segment above the high watermark down to the low one, after freeing the
+        removed objects whose lease has ended (their space counts as used until then: evicting live objects
+        for it would lose acknowledged puts)."""
+        self._free_due_zombies(now)
         for seg in self.segments:
             if not over_high(seg.used, seg.size, self.cfg.high_watermark):
                 continue

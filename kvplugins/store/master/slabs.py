@@ -64,6 +64,7 @@ class Slabs:
             if slab is not None:
                 self._free_rest(slab)
         svc, out = self.svc, []
+        svc._free_due_zombies(now)                      # space whose lease ended since the last sweep
         order = svc.segments.by_free_space()
         biggest = max((s.size for s in order), default=0)
         align = svc.cfg.alloc_align
