@@ -89,34 +89,33 @@ class Slabs:
         """entries [key, size, slab id, offset]; opts.xxh3 one checksum per entry (or None). Per entry
         [OK, None], [EXISTS, state] (nothing recorded), [EXPIRED, why] (slab unknown or expired: put again
         with put_start) or [INVALID, why] (the range is not at or after the slab's front, or overruns it)."""
-        svc, out, done = self.svc, [], []
+        svc, out, done, live = self.svc, [], [], {}
         sums = opts.xxh3
         if sums is not None and len(sums) != len(entries):
             raise ValueError(f"put: opts: xxh3 has {len(sums)} checksums for {len(entries)} keys")
+        get, add, expires = svc.table.get, svc.table.add, now + svc.cfg.put_timeout_ms / 1000
         for j, (key, size, sid, off) in enumerate(entries):
-            slab = self._slabs.get(sid)
-            if slab is None or slab.expires <= now or not self._usable(slab):
+            slab = live[sid] if sid in live else live.setdefault(sid, self._live(sid, now, expires))
+            if slab is None:
                 out.append([EXPIRED, f"slab {sid} is unknown, expired or on a leaving segment; put {key} with "
                                      "put_start"])
                 continue
-            slab.expires = now + svc.cfg.put_timeout_ms / 1000
-            obj = svc.table.get(key)
+            obj = get(key)
             if obj is not None:
                 svc.counters["put_skipped"] += 1
                 out.append([EXISTS, "complete" if obj.complete else "pending"])
                 continue
-            end = off + slab.seg.allocator.rounded(size)
-            if off < slab.front or end > slab.end or off & (slab.seg.allocator.align - 1):
+            seg = slab.seg
+            end = off + seg.allocator.rounded(size)
+            if off < slab.front or end > slab.end or off & (seg.allocator.align - 1):
                 out.append([INVALID, f"{key}: [{off}, {end}) is not an aligned range at or after slab {sid}'s "
                                      f"front {slab.front} and inside it (end {slab.end})"])
                 continue
             self._carve(slab, off, end)
-            obj = Object(key, size, [(slab.seg.name, off)], last_access=now,
-                         locations=[[slab.seg.name, slab.seg.region_id, off]],
-                         checksum=None if sums is None else sums[j])
-            svc.table.add(obj)
-            svc.table.commit(obj, now)
-            slab.seg.keys.add(key)
+            obj = Object(key, size, [(seg.name, off)], complete=True, last_access=now,
+                         locations=[[seg.name, seg.region_id, off]], checksum=None if sums is None else sums[j])
+            add(obj)                             # complete: most recently used, as put_commit leaves it
+            seg.keys.add(key)
             done.append(obj)
             out.append([OK, None])
         svc.counters["puts"] += len(done)
@@ -124,6 +123,14 @@ class Slabs:
         svc.journal.committed(done)
         svc.evict_watermarks(now)
         return out
+
+    def _live(self, sid: int, now: float, expires: float) -> Slab | None:
+        """Slab ``sid`` if it can take puts (renewed until ``expires``), else None."""
+        slab = self._slabs.get(sid)
+        if slab is None or slab.expires <= now or not self._usable(slab):
+            return None
+        slab.expires = expires
+        return slab
 
     def _carve(self, slab: Slab, off: int, end: int) -> None:
         """Make [off, end) an allocation of its own, cut from the front of ``slab``'s remainder."""
