@@ -15,6 +15,7 @@ A frame of another version, over max_frame, or not msgpack of this shape closes 
 """
 from __future__ import annotations
 
+import reprlib
 import struct
 
 import msgpack
@@ -63,7 +64,7 @@ def parse_request(msg) -> tuple[int, str, list, dict]:
         raise ProtocolError(f"request must be a 5-element array, got {type(msg).__name__}")
     version, rid, op, entries, opts = msg
     if version != VERSION:
-        raise ProtocolError(f"request version {version!r} unsupported (this master speaks {VERSION})")
+        raise ProtocolError(f"request version {reprlib.repr(version)} unsupported (this master speaks {VERSION})")
     if not isinstance(rid, int) or not isinstance(op, str) or not isinstance(entries, list) \
             or not isinstance(opts, dict):
         raise ProtocolError("request fields must be [int version, int id, str op, list entries, dict opts]")
@@ -73,9 +74,10 @@ def parse_request(msg) -> tuple[int, str, list, dict]:
 def parse_response(msg, rid: int):
     """Validate a decoded response to request ``rid``; returns (ok, payload). Raises ProtocolError."""
     if not isinstance(msg, list) or len(msg) != 4 or msg[0] != VERSION:
-        raise ProtocolError(f"malformed response from master: {msg!r:.200}")
+        raise ProtocolError(f"malformed response from master: {reprlib.repr(msg)}")
     if msg[1] == 0 and msg[2] is False:     # id 0 is no request's: the server refused the connection
-        raise ProtocolError(str(msg[3])[:1000])          # "connection refused: <reason, naming the limit>"
+        reason = msg[3] if isinstance(msg[3], str) else reprlib.repr(msg[3])
+        raise ProtocolError(reason[:1000])               # "connection refused: <reason, naming the limit>"
     if msg[1] != rid:
         raise ProtocolError(f"response id {msg[1]} does not match request {rid}")
     return bool(msg[2]), msg[3]

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from helpers.cluster import store_cluster
 
+from kvplugins.errors import ProtocolError
 from kvplugins.store import ClientConfig, StoreClient, protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
@@ -179,3 +180,18 @@ def test_fuzz_op(live, op):
         conn[0].close()
     assert client.batch_get(list(sentinels)) == list(sentinels.values())
     assert cluster.master_proc.alive(), cluster.master_proc.log_tail()
+
+
+def test_deeply_nested_values_are_refused_with_a_bounded_message():
+    """The atheris fuzz found a request whose version field nested lists ~500 deep: naming it in the error took
+    repr() past the recursion limit (RecursionError instead of ProtocolError). Messages now use a bounded repr."""
+    nested = 0
+    for _ in range(5000):
+        nested = [nested]
+    with pytest.raises(ProtocolError, match=r"request version \[\[.*unsupported") as err:
+        protocol.parse_request([nested, 1, "put_commit", [], {}])
+    assert len(str(err.value)) < 200
+    with pytest.raises(ProtocolError, match="malformed response from master"):
+        protocol.parse_response([nested], 1)
+    with pytest.raises(ProtocolError):
+        protocol.parse_response([protocol.VERSION, 0, False, nested], 1)
