@@ -143,7 +143,8 @@ def test_idle_and_slow_connections_are_closed_within_their_timeouts(engines):
         t_trickle = closed_within(trickle, 5, frame, every_s=0.1)   # a byte every 100 ms: never a whole frame
         for t in (t_idle, t_half, t_trickle):
             assert t is not None and 0.3 < t < 2.5, (t_idle, t_half, t_trickle)
-        st = srv.stats()
+        # a close reaches the counters through the server's event queue, a moment after the socket sees it
+        st = srv.wait_stats(lambda s: s["closed_idle"] >= 1 and s["closed_slow"] >= 2, timeout_s=5)
         assert st["closed_idle"] >= 1 and st["closed_slow"] >= 2, st
         assert "transfer.frame_timeout_ms" in srv.log()
         eng = engines()
