@@ -50,11 +50,11 @@ class SlabSpace:
         slab to be had, or the batch does not fit in one). Call with ``lock`` held. Raises MasterUnreachable."""
         now = time.monotonic()
         slab = self._slab
-        if slab is None or slab.expires - now < self.margin_s or not self._fits(sizes, slab):
+        if slab is None or slab.expires - now < self.margin_s or slab.end - slab.front < self._need(sizes, slab):
             if self._disabled or now < self._retry_at or sum(sizes) > self.slab_bytes:
                 return None
             slab = self._reserve(now)
-            if slab is None or not self._fits(sizes, slab):
+            if slab is None or slab.end - slab.front < self._need(sizes, slab):
                 return None
         offsets, off = [], slab.front
         for n in sizes:
@@ -84,10 +84,8 @@ class SlabSpace:
                 log.debug("releasing slab %d: %s", slab.id, e)
 
     @staticmethod
-    def _fits(sizes: list[int], slab: Slab) -> bool:
-        """Whether objects of ``sizes`` bytes, each rounded to the slab's alignment, fit in its remainder."""
-        a = slab.align
-        return sum(-(-n // a) * a for n in sizes) <= slab.end - slab.front
+    def _need(sizes: list[int], slab: Slab) -> int:
+        return sum(-(-n // slab.align) * slab.align for n in sizes)
 
     def _reserve(self, now: float) -> Slab | None:
         self.forget()
