@@ -33,9 +33,13 @@ def copy_batch(dst_addrs, src_addrs, lengths, threads: int = 1, digests: np.ndar
     destination right after it is copied); threads then take whole spans. ``isa``: the xxh3 tier, ``auto``
     or one of hash_tiers(). Raises NativeError if the sequences differ in length or ``isa`` is not supported.
     """
-    d = np.ascontiguousarray(dst_addrs, dtype=np.uint64)
-    s = np.ascontiguousarray(src_addrs, dtype=np.uint64)
-    n = np.ascontiguousarray(lengths, dtype=np.uint64)
+    if type(dst_addrs) is list and type(src_addrs) is list and type(lengths) is list \
+            and len(dst_addrs) == len(src_addrs) == len(lengths):
+        d, s, n = np.array((dst_addrs, src_addrs, lengths), dtype=np.uint64)    # a small batch: one conversion
+    else:
+        d = np.ascontiguousarray(dst_addrs, dtype=np.uint64)
+        s = np.ascontiguousarray(src_addrs, dtype=np.uint64)
+        n = np.ascontiguousarray(lengths, dtype=np.uint64)
     try:
         _mod().copy_batch(d, s, n, int(threads), digests, isa)
     except ValueError as e:

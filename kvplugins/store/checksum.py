@@ -25,15 +25,23 @@ def digests(flat, wanted, sums: np.ndarray | None = None) -> dict[int, int]:
     dict). ``sums``: per-span digests the transfer computed (span_sums); used as they are where every key has
     exactly one span, otherwise the wanted keys' spans (which must lie in registered memory: client_io.flatten
     checked it) are hashed here."""
-    owner = flat.owner if type(flat.owner) is not list else np.array(flat.owner, dtype=np.int64)
     if not len(wanted):
         return {}
-    if sums is not None and len(owner) == flat.nkeys and np.array_equal(owner, np.arange(flat.nkeys)):
+    if sums is not None and _one_span_per_key(flat):
         return {i: int(sums[i]) for i in wanted}
+    owner = np.asarray(flat.owner, dtype=np.int64)
     sel = np.flatnonzero(np.isin(owner, np.fromiter(wanted, dtype=np.int64, count=len(wanted))))
     got = native.hash_keys(np.asarray(flat.addrs, dtype=np.uint64)[sel], np.asarray(flat.lens, dtype=np.uint64)[sel],
                            owner[sel], flat.nkeys)
     return {i: int(got[i]) for i in wanted}
+
+
+def _one_span_per_key(flat) -> bool:
+    """Span i belongs to key i for every i (the page batch): then span digests are key digests."""
+    owner = flat.owner
+    if type(owner) is list:                        # a small batch: no numpy round trip
+        return owner == list(range(flat.nkeys))
+    return len(owner) == flat.nkeys and bool((owner == np.arange(flat.nkeys)).all())
 
 
 def mismatched(flat, expected: dict[int, int | None], sums: np.ndarray | None = None) -> list[int]:

@@ -5,6 +5,8 @@ import threading
 import time
 from collections import deque
 
+from kvplugins.errors import KeyNotFound
+
 WINDOW = 4096      # latency samples kept per kind
 
 
@@ -17,7 +19,6 @@ class ClientStats:
 
     def record(self, kind: str, sizes: list[int], out, t0: float) -> None:
         """Count one batch of ``kind`` ('put'/'get') started at perf_counter ``t0``; ``sizes``: bytes per key."""
-        from kvplugins.errors import KeyNotFound
         us = (time.perf_counter() - t0) * 1e6
         done = misses = errors = 0
         nbytes = 0

@@ -84,10 +84,10 @@ class Router:
             batch, valid, group = (prepare_small if small else prepare)(
                 self._regions, remote, info, addrs, roffs, lens, op is Op.WRITE, status, not fused)
             if batch is not None:
-                if fused:
-                    batch.digests = np.zeros(len(batch), dtype=np.uint64)
+                if fused:       # every span valid: the transport hashes straight into the caller's array
+                    batch.digests = digests if len(valid) == len(lens) else np.zeros(len(batch), dtype=np.uint64)
                 merged = self._spans_rounds(op, batch, cands, deadline)
-                if digests is not None:
+                if digests is not None and not (batch.hashed and batch.digests is digests):
                     vi = np.asarray(valid, dtype=np.int64)
                     digests[vi] = batch.digests if batch.hashed else native.hash_keys(
                         np.asarray(addrs, dtype=np.uint64)[vi], np.asarray(lens, dtype=np.uint64)[vi],

@@ -32,7 +32,7 @@ class ShmTransport(Transport):
         self._threads = copy_threads or min(4, len(os.sched_getaffinity(0)))
         self._lock = threading.Lock()
         self._maps: dict[tuple[str, int], Mapping] = {}
-        self._pidfds: dict[str, int] = {}
+        self._pidfds: dict[str, tuple[int, Any]] = {}     # segment -> (pidfd or -1, its poll object)
 
     def endpoint(self) -> dict[str, Any]:
         return {"pid": os.getpid()}
@@ -101,29 +101,33 @@ class ShmTransport(Transport):
 
     def _check_alive(self, remote: SegmentDescriptor) -> None:
         pid = remote.transports["shm"]["pid"]
-        fd = self._pidfd(remote.segment_id, pid)
-        alive = os.path.exists(f"/proc/{pid}") if fd < 0 else not _readable(fd)
+        poller = self._pidfd(remote.segment_id, pid)
+        alive = os.path.exists(f"/proc/{pid}") if poller is None else not poller.poll(0)
         if not alive:
             self._forget(remote.segment_id)
             raise TransferFailed(f"shm peer {remote.segment_id} (pid {pid}) has exited")
 
-    def _pidfd(self, segment_id: str, pid: int) -> int:
-        """A pidfd of the peer (readable once it exits), opened once; -1 where the kernel has none."""
+    def _pidfd(self, segment_id: str, pid: int):
+        """A poll object on a pidfd of the peer (readable once it exits), opened once; None where the kernel
+        has no pidfd. poll, not select: fds above FD_SETSIZE are fine."""
         with self._lock:
-            fd = self._pidfds.get(segment_id)
-        if fd is not None:
-            return fd
+            got = self._pidfds.get(segment_id)
+        if got is not None:
+            return got[1]
         try:
             fd = os.pidfd_open(pid)
         except OSError as e:
             if e.errno != errno.ENOSYS:
                 raise TransferFailed(f"shm peer {segment_id} (pid {pid}) is gone: {e.strerror}") from e
-            fd = -1
+            fd, poller = -1, None
+        else:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
         with self._lock:
-            mine, fd = fd, self._pidfds.setdefault(segment_id, fd)
-        if fd != mine and mine >= 0:
-            os.close(mine)
-        return fd
+            got = self._pidfds.setdefault(segment_id, (fd, poller))
+        if got[0] != fd and fd >= 0:
+            os.close(fd)
+        return got[1]
 
     def _forget(self, segment_id: str) -> None:
         """Unmap a dead peer's regions (its memory is freed once nobody maps it)."""
@@ -139,12 +143,7 @@ class ShmTransport(Transport):
             self._pidfds.clear()
         for m in maps:
             m.close()
-        for fd in fds:
+        for fd, _ in fds:
             if fd >= 0:
                 os.close(fd)
 
-
-def _readable(fd: int) -> bool:
-    poller = select.poll()  # poll, not select: fds above FD_SETSIZE are fine
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
