@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 from kvplugins.errors import KVPluginsError
 from kvplugins.layout.keys import KeySpace
 from kvplugins.layout.spans import PageLayout
+from kvplugins.layout.staged import StagedPages
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,15 @@ class PageStore:
     only looks up, e.g. a scheduler). ranks: TP ranks whose pages must all be stored for a hit.
     retry_on_load: a load reconnects at once even inside the back-off window (for engines whose loads follow
     a lookup that just found the pages, so a failed load would cost a request or a recompute).
+    staged: move the pages through host bounce slots (layout/staged.py) instead of straight from ``layout``'s
+    memory: required for KV in device memory; the slots are what is registered with the client. Its ``mark()``
+    (on the engine thread) gives the ``after`` of load/save.
     """
 
     def __init__(self, client_factory: Callable[[], Any], keyspace: KeySpace, layout: PageLayout | None = None,
-                 ranks: Sequence[int] = (0,), retry_ms: float = 5000, retry_on_load: bool = False):
-        self._factory, self.keyspace, self.layout = client_factory, keyspace, layout
+                 ranks: Sequence[int] = (0,), retry_ms: float = 5000, retry_on_load: bool = False,
+                 staged: StagedPages | None = None):
+        self._factory, self.keyspace, self.layout, self.staged = client_factory, keyspace, layout, staged
         self._retry_on_load = retry_on_load
         self._spaces = [keyspace.for_rank(r) for r in ranks]
         self._retry_s = retry_ms / 1000
@@ -63,7 +68,7 @@ class PageStore:
         try:
             client = self._factory()
             if self.layout is not None:
-                for addr, nbytes in self.layout.regions():
+                for addr, nbytes in (self.staged or self.layout).regions():
                     client.register_buffer(addr, length=nbytes)
         except KVPluginsError as e:
             self._failed(e)
@@ -111,20 +116,23 @@ class PageStore:
         self.stats["hit_pages"] += n
         return n
 
-    def load(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> list[int]:
+    def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> list[int]:
         """Scatter page ``hashes[i]`` into block ``block_ids[i]``; returns the block ids that did not load
-        (store down, evicted, size mismatch). Their bytes must be treated as garbage by the caller."""
+        (store down, evicted, size mismatch). Their bytes must be treated as garbage by the caller.
+        ``after``: staged only, the engine's mark (see StagedPages)."""
         if not block_ids:
             return []
-        spans = self._layout().spans_for(block_ids)
+        spans = self._layout().spans_for(block_ids) if self.staged is None else None
         if self._client is None and self._retry_on_load:
             self._down_until = 0.0
         client = self._connected()
         if client is None:
             self.stats["failed_pages"] += len(block_ids)
             return list(block_ids)
+        keys = self.keyspace.keys(hashes)
         try:
-            errors = client.batch_get_into(self.keyspace.keys(hashes), spans)
+            errors = client.batch_get_into(keys, spans) if spans is not None else \
+                self.staged.load(client, keys, block_ids, after)
         except KVPluginsError as e:
             self._failed(e)
             errors = [e] * len(block_ids)
@@ -136,8 +144,9 @@ class PageStore:
         self.stats["failed_pages"] += len(failed)
         return failed
 
-    def save(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> int:
-        """Store the pages not stored yet (one exists RPC, then one batch put); returns pages written."""
+    def save(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> int:
+        """Store the pages not stored yet (one exists RPC, then one batch put); returns pages written.
+        ``after``: staged only, the engine's mark taken after the forward that wrote the blocks."""
         if not block_ids:
             return 0
         layout = self._layout()
@@ -151,7 +160,9 @@ class PageStore:
             self.stats["skipped_pages"] += len(keys) - len(todo)
             if not todo:
                 return 0
-            errors = client.batch_put_from([k for k, _ in todo], layout.spans_for([b for _, b in todo]))
+            ids = [b for _, b in todo]
+            errors = client.batch_put_from([k for k, _ in todo], layout.spans_for(ids)) if self.staged is None \
+                else self.staged.save(client, [k for k, _ in todo], ids, after)
         except KVPluginsError as e:
             self._failed(e)
             return 0
@@ -170,6 +181,8 @@ class PageStore:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self.staged is not None:
+            self.staged.close()
 
 
 def _all_ranks_prefix(present: Sequence[bool], n: int) -> int:

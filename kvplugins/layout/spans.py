@@ -15,7 +15,7 @@ so a page object in the store is ``sum(plane.block_bytes)`` bytes. Adjacent runs
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from kvplugins.errors import ConfigError
@@ -28,11 +28,16 @@ class Plane:
     """One contiguous run per block: block ``b`` is ``block_bytes`` bytes at ``base + b * block_stride``.
 
     base, block_stride, block_bytes: bytes. num_blocks: blocks the plane holds (ids 0..num_blocks-1).
+    device: where the bytes live ('cpu', 'cuda:0', ...): only CPU planes are addressed by the transfer core
+    directly; device planes are staged through host memory (layout/staged.py). source: the tensor or array
+    the plane was cut from (kept for staging; not part of equality).
     """
     base: int
     block_stride: int
     block_bytes: int
     num_blocks: int
+    device: str = "cpu"
+    source: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.block_bytes <= 0 or self.num_blocks <= 0:
@@ -42,16 +47,15 @@ class Plane:
                               f"{self.block_bytes} B, so blocks overlap; describe the tensor with its block dim")
 
 
-def _geometry(t: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
-    """(data address, shape, strides in bytes, itemsize) of a torch tensor or a numpy array."""
+def _geometry(t: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int, str]:
+    """(data address, shape, strides in bytes, itemsize, device) of a torch tensor or a numpy array."""
     if hasattr(t, "data_ptr") and hasattr(t, "element_size"):  # torch.Tensor, without importing torch
-        if getattr(t, "device", None) is not None and str(t.device) != "cpu":
-            raise ConfigError(f"KV tensor on {t.device}: only CPU memory can be mapped here")
         item = t.element_size()
-        return t.data_ptr(), tuple(t.shape), tuple(s * item for s in t.stride()), item
+        device = str(getattr(t, "device", "cpu"))
+        return t.data_ptr(), tuple(t.shape), tuple(s * item for s in t.stride()), item, device
     if hasattr(t, "__array_interface__"):  # numpy.ndarray
-        return t.ctypes.data, tuple(t.shape), tuple(t.strides), t.itemsize
-    raise ConfigError(f"cannot map a {type(t).__name__}; pass a torch CPU tensor or a numpy array")
+        return t.ctypes.data, tuple(t.shape), tuple(t.strides), t.itemsize, "cpu"
+    raise ConfigError(f"cannot map a {type(t).__name__}; pass a torch tensor or a numpy array")
 
 
 def planes_of(tensor: Any, block_dim: int = 0) -> list[Plane]:
@@ -61,10 +65,11 @@ def planes_of(tensor: Any, block_dim: int = 0) -> list[Plane]:
     dimensions after it must tile one dense run of bytes in some order (a permuted view such as vLLM's HND
     over a logical NHD shape is fine: the page holds the block's bytes in memory order), since one block
     must be one run of bytes.
-    tensor: torch CPU tensor or numpy array, any dtype. Raises ConfigError for other memory or a layout
-    whose block is not contiguous (the message names the shape and strides).
+    tensor: torch tensor (any device: device planes are staged, layout/staged.py) or numpy array, any dtype.
+    Raises ConfigError for other objects or a layout whose block is not contiguous (the message names the shape
+    and strides).
     """
-    addr, shape, strides, item = _geometry(tensor)
+    addr, shape, strides, item, device = _geometry(tensor)
     if not 0 <= block_dim < len(shape):
         raise ConfigError(f"block_dim {block_dim} out of range for a tensor of shape {shape}")
     inner = shape[block_dim + 1:]
@@ -80,7 +85,7 @@ def planes_of(tensor: Any, block_dim: int = 0) -> list[Plane]:
     planes = []
     for idx in _indices(outer):
         base = addr + sum(i * s for i, s in zip(idx, strides))
-        planes.append(Plane(base, strides[block_dim], block_bytes, shape[block_dim]))
+        planes.append(Plane(base, strides[block_dim], block_bytes, shape[block_dim], device, tensor))
     return planes
 
 
@@ -116,7 +121,11 @@ class PageLayout:
     def __init__(self, planes: Sequence[Plane]):
         if not planes:
             raise ConfigError("a page layout needs at least one plane (no KV tensors were given)")
+        devices = sorted({p.device for p in planes})
+        if len(devices) > 1:
+            raise ConfigError(f"KV tensors on several devices {devices}: one page layout covers one device")
         self.planes = tuple(planes)
+        self.device = devices[0]
         self.page_bytes = sum(p.block_bytes for p in self.planes)
         self.num_blocks = min(p.num_blocks for p in self.planes)
 
@@ -145,7 +154,11 @@ class PageLayout:
 
     def regions(self) -> list[Span]:
         """The disjoint (address, nbytes) ranges covering every page, overlapping/adjacent ranges merged:
-        the memory to register with a transfer engine (one registration per range)."""
+        the memory to register with a transfer engine (one registration per range). Raises ConfigError for
+        device memory (staged instead: layout/staged.py)."""
+        if self.device != "cpu":
+            raise ConfigError(f"KV memory on {self.device} cannot be registered with the transfer core; "
+                              "stage it through host memory (PageStore(staging=...))")
         ranges = sorted((p.base + min(0, (p.num_blocks - 1) * p.block_stride),
                          abs((p.num_blocks - 1) * p.block_stride) + p.block_bytes) for p in self.planes)
         out: list[list[int]] = []

@@ -37,6 +37,12 @@ class VllmConnectorConfig:
         "help": "P/D store path (consumer): wait this long for the producer's pages to land before computing them"})
     pd_hold_ms: int = field(default=30000, metadata={
         "help": "P/D direct path (producer): free a request's blocks after this long even without the decode ack"})
+    staging: str = field(default="auto", metadata={
+        "help": "how pages move between the KV cache and the store: 'auto' (straight from CPU KV memory, through "
+                "pinned host bounce slots when the KV cache is on a GPU), 'always' (bounce even CPU KV: exercises "
+                "the GPU path on a CPU engine), 'never' (refuse a GPU KV cache)"})
+    bounce_bytes: int = field(default=256 << 20, metadata={
+        "help": "host bounce memory for staged pages, in bytes (pinned for a GPU; 4 slots of whole pages)"})
     namespace_file: str = field(default="", metadata={
         "help": "write this engine's page-key namespaces here (JSON: rank -> namespace) for tooling; '' = none"})
 
@@ -49,6 +55,11 @@ class VllmConnectorConfig:
         if self.pd_wait_ms < 0 or self.pd_hold_ms <= 0:
             raise ConfigError(f"kv_connector_extra_config pd_wait_ms={self.pd_wait_ms} must be >= 0 and "
                               f"pd_hold_ms={self.pd_hold_ms} > 0 ms")
+        if self.staging not in ("auto", "always", "never"):
+            raise ConfigError(f"kv_connector_extra_config staging={self.staging!r}: use 'auto', 'always' or 'never'")
+        if self.bounce_bytes <= 0:
+            raise ConfigError(f"kv_connector_extra_config bounce_bytes={self.bounce_bytes} must be > 0 "
+                              "(default 268435456 = 256 MiB)")
         if self.async_load_tokens < 0:
             raise ConfigError(f"kv_connector_extra_config async_load_tokens={self.async_load_tokens} must be >= 0 "
                               "(0 = always load before the forward)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 
 from kvplugins.errors import ConfigError
 from kvplugins.layout import PageLayout, PageStore, Plane, block_dim_of, planes_of
@@ -44,7 +45,10 @@ class WorkerSide:
 
     def register(self, kv_caches: dict) -> None:
         """kv_caches: layer name -> KV tensor (CPU: [num_blocks, kv_heads, block_size, head_size*2]; GPU backends'
-        NHD/HND/cross-layer/MLA layouts map the same way, see kvplugins.layout.spans). Raises ConfigError if the pages it describes differ from the key space's page bytes."""
+        NHD/HND/cross-layer/MLA layouts map the same way, see kvplugins.layout.spans). KV on a GPU (or any KV
+        with staging='always') moves through pinned host bounce slots (kvplugins.layout.staged). Raises
+        ConfigError if the pages it describes differ from the key space's page bytes, or the device cannot be
+        staged."""
         names = engine.attention_group(self.kv_cache_config).layer_names
         missing = [n for n in names if n not in kv_caches]
         if missing:
@@ -55,19 +59,25 @@ class WorkerSide:
             raise ConfigError(f"KVPluginsConnector: KV tensors give {layout.page_bytes} B pages, the KV cache spec "
                               f"{self.keyspace.page_bytes} B; unsupported KV layout")
         self.pages = PageStore(self.cfg.client_factory(), self.keyspace, layout, retry_ms=self.cfg.retry_ms,
-                               retry_on_load=True)  # the scheduler found these pages just now
+                               retry_on_load=True,  # the scheduler found these pages just now
+                               staged=_staged(layout, self.cfg))
         threads.run_unpinned(self.pages.connect)  # its transfer engine's server threads inherit the wide mask
-        if self.role == "kv_producer":  # any request may ask for the direct path (kvplugins_mode)
+        if self.role == "kv_producer" and layout.device == "cpu":  # any request may ask for direct (kvplugins_mode)
             from kvplugins.vllm_kv_connector.pd import Export
             self._export = threads.run_unpinned(Export, layout, self.cfg)
-        log.info("kvplugins: %d layers, %d blocks, %d B pages, namespace %s", len(names), layout.num_blocks,
-                 layout.page_bytes, self.keyspace.namespace)
+        elif self.role == "kv_producer" and self.cfg.pd_mode == "direct":
+            log.warning("kvplugins: pd_mode=direct reads KV blocks in host memory; this KV cache is on %s, so "
+                        "decode gets its KV through the store", layout.device)
+        log.info("kvplugins: %d layers, %d blocks, %d B pages on %s%s, namespace %s", len(names), layout.num_blocks,
+                 layout.page_bytes, layout.device, ", staged" if self.pages.staged else "", self.keyspace.namespace)
 
     # -- loads ------------------------------------------------------------------------------------------------
     def load(self, meta: KVPluginsConnectorMetadata) -> None:
-        """Synchronous loads now; asynchronous ones submitted to the load thread."""
+        """Synchronous loads now; asynchronous ones submitted to the load thread. Staged loads copy into the
+        blocks after what the engine already enqueued (the mark taken here, on the engine thread)."""
+        after = self._mark()
         if meta.loads.block_ids:
-            self.load_errors.update(self._load_batch(meta.loads))
+            self.load_errors.update(self._load_batch(meta.loads, after))
         for remote in meta.acks:
             self._load_pool.submit(self._direct_ack, remote)
         direct = {r: b for r, b in meta.async_loads.items() if r in meta.remote}
@@ -81,9 +91,14 @@ class WorkerSide:
         self.stats.add(async_blocks=sum(len(b) for b in meta.async_loads.values()))
         stored = [r for r in meta.async_loads if r not in direct]
         if stored:
-            self._loading[self._load_pool.submit(self._load_batch, batch)] = stored
+            self._loading[self._load_pool.submit(self._load_batch, batch, after)] = stored
 
-    def _load_batch(self, batch: PageBatch) -> list[int]:
+    def _mark(self):
+        """Staged KV: an event after the work the engine has enqueued so far (on the engine thread), else None."""
+        staged = self.pages.staged if self.pages is not None else None
+        return staged.mark() if staged is not None else None
+
+    def _load_batch(self, batch: PageBatch, after=None) -> list[int]:
         """Load a batch; returns the block ids that did not land (every id when anything unexpected raised)."""
         if not batch.block_ids:
             return []
@@ -91,7 +106,7 @@ class WorkerSide:
             return list(batch.block_ids)
         t0 = time.perf_counter()
         try:
-            failed = self.pages.load(batch.block_ids, batch.hashes)
+            failed = self.pages.load(batch.block_ids, batch.hashes, after)
         except Exception as e:  # noqa: BLE001 - a load must end in "loaded" or "failed", never in a lost thread
             log.warning("kvplugins: load of %d pages failed: %r", len(batch), e)
             failed = list(batch.block_ids)
@@ -157,20 +172,21 @@ class WorkerSide:
                 fut.result()
 
     def save(self, meta: KVPluginsConnectorMetadata) -> None:
-        """After the forward: submit this step's full pages to the save thread (returns at once)."""
+        """After the forward: submit this step's full pages to the save thread (returns at once). A staged save
+        gathers the blocks after the forward's work (the mark taken here)."""
         if not meta.saves or self.pages is None:
             return
         batch = PageBatch()
         for pages in meta.saves.values():
             batch.add(pages.block_ids, pages.hashes)
-        fut = self._save_pool.submit(self._save_batch, batch)
+        fut = self._save_pool.submit(self._save_batch, batch, self._mark())
         for req_id in meta.saves:
             self._saving[req_id] = fut
 
-    def _save_batch(self, batch: PageBatch) -> None:
+    def _save_batch(self, batch: PageBatch, after=None) -> None:
         t0 = time.perf_counter()
         try:
-            n = self.pages.save(batch.block_ids, batch.hashes)
+            n = self.pages.save(batch.block_ids, batch.hashes, after)
         except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
             log.warning("kvplugins: save of %d pages failed: %r", len(batch), e)
             return
@@ -235,6 +251,18 @@ class WorkerSide:
             self.pages.close()
 
 
+def _staged(layout: PageLayout, cfg: VllmConnectorConfig):
+    """The bounce path for ``layout`` (layout/staged.py) when its KV is on a device, or staging='always'; else
+    None. Raises ConfigError for device KV with staging='never', or a device that cannot be staged."""
+    if cfg.staging == "never" and layout.device != "cpu":
+        raise ConfigError(f"KVPluginsConnector: the KV cache is on {layout.device} and staging='never'; set "
+                          "staging='auto' to move its pages through pinned host memory")
+    if cfg.staging == "always" or layout.device != "cpu":
+        from kvplugins.layout.staged import StagedPages
+        return StagedPages(layout, cfg.bounce_bytes, slot_timeout_s=2 * cfg.transfer_timeout_ms / 1000)
+    return None
+
+
 def _planes(tensor, num_blocks: int) -> list[Plane]:
     """A layer's planes: CPU ``[num_blocks, ...]``, FlashAttention ``[2, num_blocks, ...]`` (K/V planes), HND or
     cross-layer views (see kvplugins.layout.spans)."""
@@ -248,5 +276,6 @@ def _engine_blocks(planes: list[Plane], num_blocks: int) -> list[Plane]:
         k, rem = divmod(p.num_blocks, num_blocks)
         if rem or k < 1 or (k > 1 and p.block_stride != p.block_bytes):
             raise ConfigError(f"KV tensor with {p.num_blocks} blocks does not map onto {num_blocks} engine blocks")
-        out.append(Plane(p.base, p.block_stride * k, p.block_bytes * k, num_blocks) if k > 1 else p)
+        out.append(replace(p, block_stride=p.block_stride * k, block_bytes=p.block_bytes * k, num_blocks=num_blocks)
+                   if k > 1 else p)
     return out

@@ -1,5 +1,8 @@
-"""Page keys of a prompt as the engine names them: vLLM's own chained sha256 block hashes in our key space."""
+"""Page keys of a prompt as the engine names them (vLLM's own chained sha256 block hashes in our key space), the
+stored pages of a run and their corruption, and a vLLM OpenAI server process."""
 from __future__ import annotations
+
+import os
 
 from kvplugins.layout import KeySpace
 
@@ -16,6 +19,20 @@ def page_keys(keyspace: dict, token_ids: list[int]) -> list[str]:
         parent = u.hash_block_tokens(sha256, parent, token_ids[i * BLOCK:(i + 1) * BLOCK], None)
         hashes.append(bytes(parent))
     return KeySpace(**keyspace).keys(hashes)
+
+
+def stored_page_keys(client, b, info) -> list[str]:
+    """The keys of run ``b``'s prompt pages that the store holds (``info``: the engine's namespace file)."""
+    keys = [k for ids in b["prompt_token_ids"] for k in page_keys(info["keyspace"], ids)]
+    stored = [k for k, ok in zip(keys, client.batch_exists(keys)) if ok]
+    assert len(stored) >= b["external_hit_tokens"] // BLOCK  # the keys we compute are the engine's
+    return stored
+
+
+def replace_pages(client, keys, nbytes: int) -> None:
+    """Overwrite stored pages with random bytes (a put of an existing key is a no-op, so remove first)."""
+    client.batch_remove(keys)
+    assert not any(client.batch_put(keys, [os.urandom(nbytes) for _ in keys]))
 
 
 def free_port() -> int:

@@ -13,7 +13,6 @@ no hang). Independently: with the store down the engine still serves, with ident
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import threading
@@ -21,7 +20,7 @@ import time
 
 import pytest
 from helpers.cluster import store_cluster
-from kvp_vllm_helpers import BLOCK, page_keys
+from kvp_vllm_helpers import BLOCK, replace_pages, stored_page_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
@@ -79,19 +78,6 @@ def test_preempted_batch_reloads_from_the_store(shared, baseline, model, turn_pr
     assert r["preemptions"] > 0
     assert [t[:16] for t in r["tokens"]] == baseline["tokens"]
     assert r["kvplugins"]["loaded_blocks"] > 0  # stats flowed through MultiConnector to /metrics
-
-
-def stored_page_keys(client, b, info) -> list[str]:
-    keys = [k for ids in b["prompt_token_ids"] for k in page_keys(info["keyspace"], ids)]
-    stored = [k for k, ok in zip(keys, client.batch_exists(keys)) if ok]
-    assert len(stored) >= b["external_hit_tokens"] // BLOCK  # the keys we compute are the engine's
-    return stored
-
-
-def replace_pages(client, keys, nbytes: int) -> None:
-    """Overwrite stored pages with random bytes (a put of an existing key is a no-op, so remove first)."""
-    client.batch_remove(keys)
-    assert not any(client.batch_put(keys, [os.urandom(nbytes) for _ in keys]))
 
 
 def test_page_that_fails_to_load_is_recomputed(shared, baseline, model, turn_prompts, cluster, tmp_path):
