@@ -17,8 +17,12 @@ Engines, in order:
   what the connector costs even when the run is descheduled on a busy machine; wall time is what a user sees.
   Compared: medians per side and the median of the per-round ratios (each round's two engines run back to back).
 Goals: warm <= 0.15 x cold TTFT at 4K; connector throughput >= 0.97 x no-connector at 0% hits.
+``--staging always`` (issue #14): the connector engines stage every page through host bounce slots (the path of a
+GPU KV cache, run on the CPU), and one more fresh engine loads the same pages without staging (``warm_direct``):
+goals warm <= 1.2 x warm_direct TTFT at 4K, and the same <= 3% overhead at 0% hits.
 
-    .venv/bin/python benchmarks/vllm_ttft.py [--sizes 1024,4096,8192] [--batch 4] [--out 32] [--json F]
+    .venv/bin/python benchmarks/vllm_ttft.py [--sizes 1024,4096,8192] [--batch 4] [--out 32] [--staging always]
+                                             [--json F]
 """
 from __future__ import annotations
 
@@ -78,6 +82,10 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved throughput rounds (one engine per side each)")
     ap.add_argument("--batches", type=int, default=3, help="throughput batches per engine (new prompts each)")
     ap.add_argument("--skip-ttft", action="store_true", help="only the 0%%-hit throughput comparison")
+    ap.add_argument("--staging", default="auto", choices=("auto", "always"),
+                    help="the connector's staging (always: bounce CPU KV too, and add a warm run without it)")
+    ap.add_argument("--warm-repeat", type=int, default=1,
+                    help="warm engines per side (fresh processes, alternating with warm_direct); medians reported")
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -95,18 +103,27 @@ def main() -> int:
     os.environ["KVPLUGINS_STORE_SEGMENT_SIZE"] = "1GiB"  # the segment of the `kvplugins up` started below
     res = {}
     try:
-        conn = {"master": embedded.ensure_running(60, config=up)}
+        master = embedded.ensure_running(60, config=up)
+        conn = {"master": master, "staging": args.staging}
+        runs = [("nc", None), ("cold", conn)]
+        warm = [("warm", conn)]          # fresh processes, pages stored; with --staging always, the same pages
+        if args.staging == "always":     # loaded without staging, alternating with the staged runs
+            warm.append(("warm_direct", {"master": master, "staging": "never"}))
+        for i in range(args.warm_repeat):
+            runs += warm if i % 2 == 0 else warm[::-1]
         if not args.skip_ttft:
-            for name, c in (("nc", None), ("cold", conn), ("warm", conn)):  # warm: a fresh process, pages stored
+            for name, c in runs:
                 t = run_fresh(EngineSpec(prompts=ttft_prompts, max_tokens=1, connector=c, **base), timeout_s=1800)
-                res[name] = {"ttft_ms": t["ttft_ms"], "hits": t["external_hit_tokens"]}
-                print(name, json.dumps(res[name]), flush=True)
+                res.setdefault(f"{name}_runs", []).append(t["ttft_ms"])
+                res[name] = {"ttft_ms": [median(x) for x in zip(*res[f"{name}_runs"])],
+                             "hits": t["external_hit_tokens"]}
+                print(name, json.dumps({"ttft_ms": t["ttft_ms"], "hits": t["external_hit_tokens"]}), flush=True)
         store_pid = int(embedded.read_discovery(embedded.discovery_path(up))["pid"])
         for i in range(args.repeat):  # interleaved, alternating order, so load drift hits both sides alike
             sides = (("nc", None), ("conn", conn)) if i % 2 == 0 else (("conn", conn), ("nc", None))
             for name, c in sides:
-                batches = [prompts([1024] * args.batch, vocab, seed=1000 * i + 10 * j + (name == "conn"))
-                           for j in range(args.batches)]  # new prompts everywhere: 0% hits
+                batches = [prompts([1024] * args.batch, vocab, seed=10_000 + 1000 * i + 10 * j + (name == "conn"))
+                           for j in range(args.batches)]  # new prompts everywhere (not seed 1: TTFT's): 0% hits
                 r = overhead_run(dict(base, kv_cache_gib=1, connector=c, batches=batches, out=args.out,
                                           store_pid=store_pid))
                 res.setdefault(f"rounds_{name}", []).append(r)
@@ -129,6 +146,13 @@ def report(res: dict, sizes: list[int], args) -> None:
         for i, n in enumerate(sizes):
             nc, cold, warm = res["nc"]["ttft_ms"][i], res["cold"]["ttft_ms"][i], res["warm"]["ttft_ms"][i]
             print(f"| {n} | {nc:.0f} | {cold:.0f} | {warm:.0f} | {warm / cold:.3f} |")
+    if "warm_direct" in res:
+        print(f"TTFT medians of {args.warm_repeat} fresh engines per side, alternating")
+        print("| prompt tokens | TTFT warm staged ms | TTFT warm direct ms | staged / direct |")
+        print("|---|---|---|---|")
+        for i, n in enumerate(sizes):
+            st, di = res["warm"]["ttft_ms"][i], res["warm_direct"]["ttft_ms"][i]
+            print(f"| {n} | {st:.0f} | {di:.0f} | {st / di:.3f} |")
     if "rounds_nc" in res:
         print(overhead_summary(res, args))
 

@@ -18,6 +18,10 @@ class KTConfig:
                 "measured in a VM)"})
     int4_group: int = dataclasses.field(default=128, metadata={
         "help": "inputs per int4 scale when quantizing online (load_weights_from_tensors); multiple of 64"})
+    staging: str = dataclasses.field(default="auto", metadata={
+        "help": "auto: GPU callers take the stream-ordered path (pinned buffers, host functions on their CUDA "
+                "stream, CUDA-graph safe), CPU callers the direct one; always: CPU callers take the stream path "
+                "too, through its CPU ordering shim (tests the GPU path on a CPU)"})
     numa_sysfs: str = dataclasses.field(default="/sys/devices/system/node", metadata={
         "help": "directory with node<N>/cpulist, where subpools find their NUMA node's CPUs (sysfs)"})
 
@@ -25,5 +29,7 @@ class KTConfig:
         for name in ("spin_us", "sync_spin_us"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
+        if self.staging not in ("auto", "always"):
+            raise ValueError(f"staging must be 'auto' or 'always' (got {self.staging!r})")
         if self.int4_group < 64 or self.int4_group % 64:
             raise ValueError(f"int4_group must be a positive multiple of 64 (got {self.int4_group})")

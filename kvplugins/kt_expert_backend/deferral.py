@@ -9,7 +9,8 @@ from __future__ import annotations
 
 
 def split(ids, weights, num_experts: int, deferred: int):
-    """ids [T, K] int64, weights [T, K] -> (immediate_ids, deferred_ids), each [T, K] with -1 where not run."""
+    """ids [T, K] int64, weights [T, K] (any one device) -> (immediate_ids, deferred_ids), each [T, K] with -1
+    where not run, on that device; no host synchronization (CUDA-graph capturable)."""
     import torch
     K = ids.shape[1]
     protected_k = max(0, min(K - int(deferred), K))
@@ -18,7 +19,7 @@ def split(ids, weights, num_experts: int, deferred: int):
     if protected_k == 0:
         return torch.full_like(ids, -1), ids.clone()
     top = torch.topk(weights, k=protected_k, dim=-1, largest=True, sorted=False).indices
-    flag = torch.zeros(num_experts, dtype=torch.bool)
+    flag = torch.zeros(num_experts, dtype=torch.bool, device=ids.device)
     flag[torch.gather(ids, -1, top).reshape(-1).clamp(min=0)] = True
     protected = flag[ids.clamp(min=0)] & (ids >= 0)
     return ids.masked_fill(~protected, -1), ids.masked_fill(protected, -1)

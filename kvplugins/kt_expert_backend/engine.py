@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from kvplugins.kt_expert_backend import native
+from kvplugins.kt_expert_backend.stream import StreamState
 
 log = logging.getLogger("kvplugins.kt")
 
@@ -36,6 +37,7 @@ class Pending:
 class Engine:
     pool: native.Pool
     pending: dict = field(default_factory=dict)  # target layer index -> Pending
+    stream: StreamState = field(default_factory=StreamState)  # GPU callers' fixed buffers (stream.py)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 

@@ -159,3 +159,25 @@ def dequantize(fmt: str, q, scale, group: int = 128):
     blocks = q.reshape(n, half // 32, 32)
     vals = np.concatenate([blocks & 15, blocks >> 4], axis=2).reshape(n, half * 2).astype(np.float32) - 8
     return vals * np.repeat(np.asarray(scale, np.float32), group, axis=1)
+
+
+def host_functions() -> tuple[int, int]:
+    """Addresses of the native ``void fn(void*)`` host functions (submit, wait) a CUDA stream calls on a HostJob's
+    ``handle`` (cudaLaunchHostFunc; also what kvplugins.kt_expert_backend.stream.HostOrder calls on the CPU)."""
+    m = _mod()
+    return int(m.host_submit_fn), int(m.host_wait_fn)
+
+
+class HostJob:
+    """A forward of ``layer`` on ``pool`` bound to fixed arrays (as Layer.submit's), started and awaited by the host
+    functions of host_functions() on ``handle``; ``keep``: objects kept alive with the job. The arrays' contents
+    may change between runs, never their addresses. Raises ConfigError for bad shapes or dtypes."""
+
+    def __init__(self, layer: Layer, pool: Pool, x, ids, weights, skip, out, accumulate: bool, keep):
+        self._j = _call_arrays(_mod().HostJob, "HostJob", layer._l, pool._p, x, ids, weights, skip, out,
+                               bool(accumulate), keep)
+        self.handle = int(self._j.handle)
+
+    def take_error(self) -> str:
+        """What a host function of this job caught since the last call ('' if nothing), cleared."""
+        return self._j.take_error()

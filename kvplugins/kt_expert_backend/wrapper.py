@@ -1,9 +1,11 @@
 """``KTMoEWrapper``: kt-kernel 0.7.2's inference wrapper API on kvplugins' native kernels.
 
 Constructor: kt-kernel 0.7.2's arguments (``gpu_experts_mask``) and upstream SGLang 0.5.23's call
-(``num_gpu_experts=N``: experts 0..N-1 run on the GPU). Per call: ``submit_forward`` copies the inputs (SGLang
-edits ``topk_ids`` in place right after submitting) and queues the layer on the shared CPU engine;
-``sync_forward`` waits and returns [T, H] in ``hidden_states``' dtype on its device, as kt-kernel does.
+(``num_gpu_experts=N``: experts 0..N-1 run on the GPU). Per call from a CPU caller: ``submit_forward`` copies
+the inputs (SGLang edits ``topk_ids`` in place right after submitting) and queues the layer on the shared CPU
+engine; ``sync_forward`` waits and returns [T, H] in ``hidden_states``' dtype. A CUDA caller takes the
+stream-ordered path instead (stream.py: pinned per-batch-size buffers and host functions on its stream, nothing
+blocking the host, safe under CUDA graph capture); ``KTConfig.staging='always'`` sends CPU callers there too.
 Source followed: kt_kernel/experts_base.py (BaseMoEWrapper) of kt-kernel 0.7.2.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from kvplugins.errors import ConfigError
 from kvplugins.kt_expert_backend import deferral, methods, native, weights
 from kvplugins.kt_expert_backend.config import KTConfig
 from kvplugins.kt_expert_backend.engine import Engines, Pending
+from kvplugins.kt_expert_backend.stream import StreamPath, numpy_view as _np
 
 log = logging.getLogger("kvplugins.kt")
 _UNSUPPORTED_NONZERO = ("swiglu_limit", "swiglu_alpha")
@@ -61,6 +64,7 @@ class KTMoEWrapper:
         self.layer = native.Layer(self.method.format, self.num_experts, self.hidden_size,
                                   self.moe_intermediate_size, group=group, isa=self.cfg.isa)
         self._inflight = None
+        self._stream = StreamPath(self, lambda: set(_CaptureSizes.sizes))
 
     # ---- weights ----
     def load_weights_from_tensors(self, gate_proj, up_proj, down_proj, physical_to_logical_map_cpu=None):
@@ -109,12 +113,14 @@ class KTMoEWrapper:
         """Queue this layer for hidden_states [.., H] with topk_ids/topk_weights [T, K]; returns at once.
         Inputs are copied, so the caller may change them afterwards. Raises ConfigError on bad shapes/ids."""
         import torch
-        if self._inflight is not None:
+        if self._inflight is not None or self._stream.inflight:
             raise ConfigError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
         x = hidden_states.reshape(-1, self.hidden_size)
         if x.shape[0] > self.chunked_prefill_size:
             raise ConfigError(f"{x.shape[0]} tokens exceed chunked_prefill_size={self.chunked_prefill_size}; "
                               "raise --chunked-prefill-size or send smaller chunks")
+        if x.device.type != "cpu" or self.cfg.staging == "always":
+            return self._stream.submit(hidden_states, topk_ids, topk_weights, cuda_stream)
         x = _cpu_copy(torch, x, torch.bfloat16 if x.dtype != torch.float32 else torch.float32)
         ids = _cpu_copy(torch, topk_ids, torch.int64).reshape(x.shape[0], -1)
         w = _cpu_copy(torch, topk_weights, torch.float32).reshape(x.shape[0], -1)
@@ -141,6 +147,8 @@ class KTMoEWrapper:
     def sync_forward(self, hidden_states, cuda_stream=None):
         """Wait for this layer's submitted work; returns [T, H] in hidden_states' dtype and device. Deferred
         experts of this layer keep running; the next layer's output includes them."""
+        if self._stream.inflight:
+            return self._stream.sync(hidden_states)
         if self._inflight is None:
             raise ConfigError(f"layer {self.layer_idx}: sync_forward without submit_forward")
         ticket, out, keep = self._inflight
@@ -186,14 +194,6 @@ def _cpu_copy(torch, t, dtype):
     import numpy as np
     c = torch.from_numpy(np.array(_np(t)))
     return c.view(torch.bfloat16) if dtype == torch.bfloat16 else c
-
-
-def _np(t):
-    """A numpy view of CPU tensor ``t`` (bf16 as uint16 bits; no copy). The native layer reads numpy through the
-    buffer protocol, several µs per array cheaper than torch's Python-level ``__dlpack__``: a decode forward
-    passes five arrays."""
-    import torch
-    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def _gpu_mask(torch, num_experts: int, mask, num_gpu_experts):

@@ -58,6 +58,8 @@ class DeviceCopier:
         if pinned and not buf.is_pinned():
             raise ConfigError(f"could not page-lock {nbytes} B of bounce memory; raise the memlock limit "
                               "(ulimit -l) or lower bounce_bytes")
+        if not pinned:
+            buf.zero_()     # commit the pages now, not during the first load (page-locked memory already is)
         return buf
 
     def mark(self) -> Any:

@@ -7,7 +7,11 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <cstdint>
+#include <mutex>
 #include <stdexcept>
+#include <string>
 
 #include "kvp_moe_layer.h"
 #include "moe_internal.h"
@@ -107,6 +111,54 @@ uint64_t submit(Layer& l, Pool& pool, AnyArr x, AnyArr ids, AnyArr w, nb::object
   return pool.submit([lp, pp, a] { lp->forward(*pp, a); });
 }
 
+// A forward bound to fixed (pinned) arrays, started and awaited by host functions that a CUDA stream or a
+// replayed CUDA graph calls (cudaLaunchHostFunc: kvp_moe_host_submit, then kvp_moe_host_wait), or that the CPU
+// ordering shim calls in program order. They run on the driver's callback thread without the GIL and must not
+// throw: a failure is kept in `error` and raised by the next HostJob.check() (kvplugins/kt_expert_backend/
+// stream.py). The arrays' contents may change between calls (the stream copies new inputs in first); their
+// addresses may not, which is what a captured graph needs.
+struct HostJob {
+  Layer* layer;
+  Pool* pool;
+  ForwardArgs args;
+  std::atomic<uint64_t> ticket{0};
+  std::mutex mu;
+  std::string error;
+  nb::object keep;  // the arrays, alive as long as the job
+
+  void fail(const char* stage, const std::exception* e) noexcept {
+    try {
+      std::lock_guard<std::mutex> lk(mu);
+      if (error.empty()) error = std::string(stage) + ": " + (e ? e->what() : "unknown error");
+    } catch (...) {
+    }
+  }
+};
+
+extern "C" void kvp_moe_host_submit(void* p) noexcept {
+  auto* j = static_cast<HostJob*>(p);
+  try {
+    j->ticket.store(j->pool->submit([j] { j->layer->forward(*j->pool, j->args); }), std::memory_order_release);
+  } catch (const std::exception& e) {
+    j->fail("submit", &e);
+  } catch (...) {
+    j->fail("submit", nullptr);
+  }
+}
+
+extern "C" void kvp_moe_host_wait(void* p) noexcept {
+  auto* j = static_cast<HostJob*>(p);
+  try {
+    const uint64_t t = j->ticket.exchange(0, std::memory_order_acq_rel);
+    if (t == 0) throw std::logic_error("wait without a submitted job");
+    j->pool->wait(t);
+  } catch (const std::exception& e) {
+    j->fail("forward", &e);
+  } catch (...) {
+    j->fail("forward", nullptr);
+  }
+}
+
 nb::tuple quantize(int fmt, AnyArr src, int group) {
   need(src.ndim() == 2, "quantize: src must be 2-D [N, K]");
   const Format f = Format(fmt);
@@ -167,6 +219,26 @@ NB_MODULE(_moe, m) {
            nb::arg("weights").noconvert(), nb::arg("skip").none(), nb::arg("out").noconvert(), nb::arg("accumulate"))
       .def("loaded", [](const Layer& l, int e) { return e >= 0 && e < l.experts() && l.loaded(e); })
       .def_prop_ro("isa", [](const Layer& l) { return std::string(isa_name(l.isa())); });
+  nb::class_<HostJob>(m, "HostJob")
+      .def("__init__",
+           [](HostJob* self, Layer& l, Pool& pool, AnyArr x, AnyArr ids, AnyArr w, nb::object skip, AnyArr out,
+              bool acc, nb::object keep) {
+             const ForwardArgs a = make_args(l, x, ids, w, skip, out, acc);  // raises before anything is built
+             HostJob* j = new (self) HostJob();
+             j->layer = &l, j->pool = &pool, j->args = a, j->keep = keep;
+           },
+           nb::arg("layer"), nb::arg("pool"), nb::arg("x").noconvert(), nb::arg("ids").noconvert(),
+           nb::arg("weights").noconvert(), nb::arg("skip").none(), nb::arg("out").noconvert(), nb::arg("accumulate"),
+           nb::arg("keep").none(), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+      .def_prop_ro("handle", [](HostJob& j) { return reinterpret_cast<uintptr_t>(&j); })
+      .def("take_error", [](HostJob& j) {
+        std::lock_guard<std::mutex> lk(j.mu);
+        std::string e;
+        e.swap(j.error);
+        return e;
+      });
+  m.attr("host_submit_fn") = reinterpret_cast<uintptr_t>(&kvp_moe_host_submit);
+  m.attr("host_wait_fn") = reinterpret_cast<uintptr_t>(&kvp_moe_host_wait);
   nb::enum_<Format>(m, "Format").value("BF16", Format::BF16).value("INT8", Format::INT8).value("INT4", Format::INT4);
   nb::enum_<Isa>(m, "Isa").value("SCALAR", Isa::Scalar).value("AVX2", Isa::Avx2).value("AVX512", Isa::Avx512);
 }
