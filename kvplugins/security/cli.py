@@ -11,7 +11,7 @@ import os
 from kvplugins.config import add_arguments, env_name, from_args
 from kvplugins.security.secret import AuthConfig, load_secret
 
-AUTH_COMMANDS = ("master", "store", "up", "status")
+AUTH_COMMANDS = ("master", "store", "up", "status", "events")
 
 
 def add_flags(sub) -> None:

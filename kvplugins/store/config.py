@@ -72,6 +72,13 @@ class MasterConfig(_MetricsLimits):
     metrics_port: int = field(default=-1, metadata={
         "help": "Prometheus /metrics port (kvplugins/store/metrics.py); -1 = off, 0 = any free port (logged)"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "address the metrics endpoint binds"})
+    events_port: int = field(default=-1, metadata={
+        "help": "KV events zmq PUB port on --host (objects stored/evicted/removed/offloaded, vLLM's framing; "
+                "master/events.py); -1 = off, 0 = any free port (the `info` op reports it)"})
+    events_replay_port: int = field(default=0, metadata={
+        "help": "KV events replay ROUTER port on --host (a late subscriber asks for the recent window); 0 = any"})
+    events_buffer: int = field(default=10000, metadata={"help": "KV event batches kept for replay"})
+    events_topic: str = field(default="kvplugins", metadata={"help": "topic frame of every KV event message"})
     etcd: str = field(default="", metadata={
         "help": "etcd client URL(s) (http://127.0.0.1:2379, comma-separated for several members): run as one of "
                 "several HA masters (election, metadata persisted in etcd); '' = a single master, no persistence"})
@@ -91,6 +98,9 @@ class MasterConfig(_MetricsLimits):
                      "metrics_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"master {name}={getattr(self, name)} must be > 0")
+        if self.events_port < -1 or self.events_replay_port < 0 or self.events_buffer <= 0:
+            raise ConfigError(f"master events_port={self.events_port} (-1 = off, 0 = any), events_replay_port="
+                              f"{self.events_replay_port} (0 = any) and events_buffer={self.events_buffer} (> 0)")
         for name in ("max_connections", "max_connections_per_peer", "idle_timeout_ms", "metrics_max_connections",
                      "metrics_max_connections_per_peer"):
             if getattr(self, name) < 0:

@@ -115,8 +115,23 @@ class RpcServer:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._router.getsockopt(zmq.FD), selectors.EVENT_READ, "zmq")
+        self._events = self._start_events(config)
         self._conns: dict[int, _Conn] = {}
         self._stopped = False
+
+    def _start_events(self, config: MasterConfig):
+        """The KV event publisher (master/events.py) when events_port >= 0, installed in the service; else None."""
+        if config.events_port < 0:
+            return None
+        from kvplugins.store.master.events import EventPublisher
+        ep = EventPublisher(self._ctx, _zmq_bind(config.host, config.events_port),
+                            _zmq_bind(config.host, config.events_replay_port), config.events_topic,
+                            config.events_buffer)
+        self.service.events = ep
+        self.service.events_endpoints = ep.endpoints
+        self._sel.register(ep.replay.getsockopt(zmq.FD), selectors.EVENT_READ, "events")
+        log.info("KV events on %s (replay %s)", *ep.endpoints)
+        return ep
 
     @property
     def address(self) -> str:
@@ -140,11 +155,15 @@ class RpcServer:
                     self._guarded("scan", self._step_scans)
                 if time.monotonic() >= next_tick:
                     self._guarded("zmq", self._on_zmq)       # safety net for the edge-triggered ZMQ_FD
+                    if self._events is not None:
+                        self._guarded("events", self._events.serve_replay)
                     self._guarded("tick", self.service.tick)
                     self._guarded("sweep", self._sweep)
                     self._guarded("metrics", self.metrics.publish)   # snapshot for the metrics thread
                     next_tick = time.monotonic() + tick_s
                 self._guarded("group_commit", self._group.sync)   # HA: persist this turn, then send its replies
+                if self._events is not None:
+                    self._guarded("events", self._events.flush)   # this turn's KV events: one batch
         finally:
             self.close()
 
@@ -157,6 +176,7 @@ class RpcServer:
         if self._curve is not None:
             self._curve.close()
         self._router.close(0)
+        self.service.events.close()
         self._ctx.term()
 
     def guard_stats(self) -> dict:
@@ -238,6 +258,8 @@ class RpcServer:
         conn = key.data
         if conn == "zmq":
             return self._guarded("zmq", self._on_zmq)
+        if conn == "events":
+            return self._guarded("events", self._events.serve_replay)
         if conn is None:
             return self._guarded("accept", self._accept)
         if self._conns.get(conn.sock.fileno()) is not conn:
@@ -456,3 +478,8 @@ class RpcServer:
         except (KeyError, ValueError):
             pass
         conn.sock.close()
+
+
+def _zmq_bind(host: str, port: int) -> str:
+    """A zmq bind address for ``host``:``port`` (port 0: any free port)."""
+    return f"tcp://{host}:{port}" if port else f"tcp://{host}:*"

@@ -16,6 +16,7 @@ import time
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master import admin_ops
 from kvplugins.store.master import placement
+from kvplugins.store.master.events import NoEvents
 from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes, over_high, victims
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.master.metadata import Object, ObjectTable
@@ -39,6 +40,8 @@ class MasterService:
         self.journal = journal or Journal()
         self.tiering = tiering or Tiering()
         self.tiering.service = self
+        self.events = NoEvents()      # KV events (master/events.py): the RPC server installs a publisher
+        self.events_endpoints = ("", "")    # (PUB, replay) where events are published; empty when off
         self.table = ObjectTable()
         self.segments = SegmentRegistry(config.alloc_align)
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -177,6 +180,7 @@ class MasterService:
             out.append([OK, None])
             done.append(obj)
         self.journal.committed(done)
+        self.events.stored(done)
         return out
 
     def op_put_abort(self, entries, opts, now):
@@ -288,7 +292,7 @@ class MasterService:
 
     def _drop_replica(self, obj: Object, name: str, off: int, now: float) -> None:
         if len(obj.replicas) == 1:
-            self._drop(obj, now)
+            self._drop(obj, now, reason="corrupt")
             return
         obj.replicas = [r for r in obj.replicas if r != (name, off)]
         obj.locations = None
@@ -312,14 +316,16 @@ class MasterService:
         """Eviction chose ``obj``: the disk tier takes it over (offload) or it is dropped."""
         self.counters["evictions"] += 1
         if not self.tiering.evict(obj, now, urgent):
-            self._drop(obj, now)
+            self._drop(obj, now, reason="evicted")
 
-    def _drop(self, obj: Object, now: float, free_at: float | None = None) -> None:
-        """Remove ``obj`` from the table; its space is freed now, or when its lease/put deadline ends."""
+    def _drop(self, obj: Object, now: float, free_at: float | None = None, reason: str = "removed") -> None:
+        """Remove ``obj`` from the table; its space is freed now, or when its lease/put deadline ends.
+        ``reason``: why, for the removal event of a committed object (evicted, removed, corrupt)."""
         self.tiering.dropped(obj, now)      # disk copy deleted, a tier flight cancelled, the tier's lease ended
         self.table.pop(obj.key)
         if obj.complete:
             self.journal.removed([obj])
+            self.events.removed([obj], reason)
         for name, _ in obj.replicas:
             seg = self.segments.get(name)
             if seg is not None:
@@ -394,6 +400,7 @@ class MasterService:
         done = [o for o in gone if o.complete]
         if done:
             self.journal.removed(done)
+            self.events.removed(done, "lost")
 
     # ---- sweep ---------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -437,7 +444,8 @@ class MasterService:
 
     # ---- introspection -------------------------------------------------------------------------------
     def op_info(self, entries, opts, now):
-        return {"version": VERSION, "zmq": self.zmq_endpoint, "lease_ttl_ms": self.cfg.lease_ttl_ms,
+        return {"version": VERSION, "zmq": self.zmq_endpoint, "events": self.events_endpoints[0],
+                "events_replay": self.events_endpoints[1], "lease_ttl_ms": self.cfg.lease_ttl_ms,
                 "put_timeout_ms": self.cfg.put_timeout_ms, "heartbeat_timeout_ms": self.cfg.heartbeat_timeout_ms}
 
     def op_status(self, entries, opts, now):

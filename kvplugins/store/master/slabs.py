@@ -121,6 +121,7 @@ class Slabs:
         svc.counters["puts"] += len(done)
         svc.counters["commits"] += len(done)
         svc.journal.committed(done)
+        svc.events.stored(done)
         svc.evict_watermarks(now)
         return out
 

@@ -153,6 +153,7 @@ class Tiering:
         svc.table.park(obj)                 # out of the LRU: eviction scans never walk disk-only objects
         self.free_at(held, free_at, now)
         svc.journal.replicas_changed([obj])
+        svc.events.offloaded([obj])
 
     def free_at(self, held: list, at: float, now: float) -> None:
         """Free [(Segment, offset)] now or, through the service's zombie heap, at ``at``."""
@@ -245,6 +246,7 @@ class Tiering:
             self.add_copy(obj, segment, digest)
         if new:
             self.service.journal.committed(new)
+            self.service.events.stored(new)
         return stale
 
     def op_tier_poll(self, entries, opts, now):
@@ -361,6 +363,7 @@ class Tiering:
             seg.keys.add(key)
             self.service.table.unpark(obj, now)
             self.service.journal.replicas_changed([obj])
+            self.service.events.promoted([obj])
             self.counters["promotions"] += 1
             out.append([OK, None])
         return out
