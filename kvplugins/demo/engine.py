@@ -45,6 +45,7 @@ class EngineSpec:
     max_num_seqs: int = 4
     num_blocks: int = 0           # KV blocks (vLLM num_gpu_blocks_override); 0 = from kv_cache_gib
     transfer: dict = field(default_factory=dict)  # more kv_transfer_config fields (e.g. kv_connector, kv_role)
+    kv_events: dict = field(default_factory=dict)  # vLLM's kv_events_config (e.g. a zmq publisher); {} = none
     dtype: str = "float32"
     max_num_batched_tokens: int = 0  # vLLM's per-step token budget; 0 = vLLM's default
 
@@ -94,6 +95,8 @@ def _child(spec: EngineSpec) -> dict:
     kwargs = {"num_gpu_blocks_override": spec.num_blocks} if spec.num_blocks else {}
     if spec.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
+    if spec.kv_events:
+        kwargs["kv_events_config"] = spec.kv_events
     if spec.connector is not None:
         kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": spec.connector,
                                         "kv_load_failure_policy": spec.load_failure, **spec.transfer}

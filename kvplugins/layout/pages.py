@@ -116,6 +116,17 @@ class PageStore:
         self.stats["hit_pages"] += n
         return n
 
+    def present(self, hashes: Sequence[bytes]) -> list[bool]:
+        """Whether this process's page of each hash is stored (one RPC); all False if the store is down."""
+        client = self._connected() if hashes else None
+        if client is None:
+            return [False] * len(hashes)
+        try:
+            return list(client.batch_exists(self.keyspace.keys(hashes)))
+        except KVPluginsError as e:
+            self._failed(e)
+            return [False] * len(hashes)
+
     def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> list[int]:
         """Scatter page ``hashes[i]`` into block ``block_ids[i]``; returns the block ids that did not load
         (store down, evicted, size mismatch). Their bytes must be treated as garbage by the caller.

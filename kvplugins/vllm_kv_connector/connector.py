@@ -5,13 +5,14 @@ Large hits load asynchronously (``get_num_new_matched_tokens`` -> ``(n, True)``;
 ``get_finished``), small ones before the step's forward; saves are submitted in ``wait_for_save`` and run in
 the background, ``handle_preemptions`` (called before every forward) fences the saves of requests whose
 blocks were freed. Telemetry: ``get_kv_connector_stats`` / ``build_kv_connector_stats`` /
-``build_prom_metrics`` (stats.py). Source followed: vLLM 0.32 KVConnectorBase_V1
+``build_prom_metrics`` (stats.py). KV events (events.py): ``get_kv_connector_kv_cache_events`` (worker) ->
+``update_connector_output`` -> ``take_events`` (scheduler). Source followed: vLLM 0.32 KVConnectorBase_V1
 (vllm/distributed/kv_transfer/kv_connector/v1/base.py) and the model runner's connector mixin.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -26,11 +27,13 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
+from kvplugins.vllm_kv_connector.events import KVPluginsKVEvents
 from kvplugins.vllm_kv_connector.metadata import KVPluginsConnectorMetadata
 from kvplugins.vllm_kv_connector.stats import KVPluginsPromMetrics, KVPluginsStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -76,6 +79,11 @@ class KVPluginsConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         if connector_output.invalid_block_ids:
             self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+        if isinstance(connector_output.kv_cache_events, KVPluginsKVEvents):
+            self._scheduler.add_events(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.finished(request, block_ids)
@@ -104,6 +112,9 @@ class KVPluginsConnector(KVConnectorBase_V1):
 
     def wait_for_save(self):
         self._worker.save(self._get_connector_metadata())
+
+    def get_kv_connector_kv_cache_events(self) -> "KVPluginsKVEvents | None":
+        return self._worker.events.take() if self._worker.events is not None else None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker.handshake()

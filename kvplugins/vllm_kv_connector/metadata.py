@@ -8,13 +8,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class PageBatch:
-    """Pages to move: page ``hashes[i]`` (vLLM block hash bytes) <-> engine block ``block_ids[i]``."""
+    """Pages to move: page ``hashes[i]`` (vLLM block hash bytes) <-> engine block ``block_ids[i]``. Saves
+    carry, when vLLM publishes KV events, each page's ``token_ids`` and ``parents`` (the previous page's hash,
+    None for a prompt's first page), for the BlockStored events of the pages that land."""
     block_ids: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    parents: list[bytes | None] = field(default_factory=list)
 
-    def add(self, block_ids, hashes) -> None:
+    def add(self, block_ids, hashes, token_ids=(), parents=()) -> None:
         self.block_ids.extend(block_ids)
         self.hashes.extend(hashes)
+        self.token_ids.extend(token_ids)
+        self.parents.extend(parents)
 
     def __len__(self) -> int:
         return len(self.block_ids)

@@ -59,6 +59,9 @@ class SchedulerSide:
         self.tracked: dict[str, _Tracked] = {}
         self.pending = KVPluginsConnectorMetadata()
         self.stats = StatsRecorder()
+        ev = getattr(vllm_config, "kv_events_config", None)
+        self.events_on = bool(ev is not None and ev.enable_kv_cache_events)   # saves carry tokens for events
+        self._events = None     # workers' BlockStored events not yet complete (events.KVPluginsKVEvents)
 
     def _hashes(self, request: "Request") -> list[bytes]:
         return page_hashes(request.block_hashes, self.hash_block_size, self.block_size)
@@ -131,6 +134,17 @@ class SchedulerSide:
             if t.loading & block_ids:
                 t.failed, t.loading = True, frozenset()
 
+    def add_events(self, events) -> None:
+        """The workers' events of one step (vLLM merged every TP worker's)."""
+        if self._events is None:
+            self._events = events
+        else:
+            self._events.add_events(events.get_all_events())
+
+    def take_events(self) -> list:
+        """Events every worker reported (the rest wait for the missing workers)."""
+        return self._events.take_complete() if self._events is not None else []
+
     def build_meta(self, out: "SchedulerOutput") -> KVPluginsConnectorMetadata:
         meta, self.pending = self.pending, KVPluginsConnectorMetadata()
         meta.fence = (set(out.finished_req_ids) | set(out.preempted_req_ids or ())) - set(meta.held)
@@ -150,7 +164,12 @@ class SchedulerSide:
         block_ids = _block_ids(out, req_id)
         if block_ids is None or len(block_ids) < full:
             return
-        meta.saves.setdefault(req_id, PageBatch()).add(block_ids[t.saved:full], hashes[t.saved:full])
+        tokens, parents = (), ()
+        if self.events_on:
+            ids, b = t.request.all_token_ids, self.block_size
+            tokens = [list(ids[i * b:(i + 1) * b]) for i in range(t.saved, full)]
+            parents = [hashes[i - 1] if i else None for i in range(t.saved, full)]
+        meta.saves.setdefault(req_id, PageBatch()).add(block_ids[t.saved:full], hashes[t.saved:full], tokens, parents)
         t.saved = full
 
     def finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:

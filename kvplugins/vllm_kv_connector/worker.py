@@ -19,6 +19,7 @@ from kvplugins.errors import ConfigError
 from kvplugins.layout import PageLayout, PageStore, Plane, block_dim_of, planes_of
 from kvplugins.vllm_kv_connector import engine, threads
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
+from kvplugins.vllm_kv_connector.events import EventLog
 from kvplugins.vllm_kv_connector.metadata import Held, KVPluginsConnectorMetadata, PageBatch, RemoteLoad
 from kvplugins.vllm_kv_connector.stats import StatsRecorder
 
@@ -42,6 +43,8 @@ class WorkerSide:
         self._held: dict[str, tuple[Held, float]] = {}  # P/D producer: request -> (hold, first seen, monotonic s)
         self._finished: set[str] = set()                # finished request ids vLLM told us about
         self._export = self._reader = None              # P/D direct: producer export / consumer reader
+        ev = getattr(vllm_config, "kv_events_config", None)
+        self.events = EventLog(self.keyspace.block_size) if ev is not None and ev.enable_kv_cache_events else None
 
     def register(self, kv_caches: dict) -> None:
         """kv_caches: layer name -> KV tensor (CPU: [num_blocks, kv_heads, block_size, head_size*2]; GPU backends'
@@ -178,7 +181,7 @@ class WorkerSide:
             return
         batch = PageBatch()
         for pages in meta.saves.values():
-            batch.add(pages.block_ids, pages.hashes)
+            batch.add(pages.block_ids, pages.hashes, pages.token_ids, pages.parents)
         fut = self._save_pool.submit(self._save_batch, batch, self._mark())
         for req_id in meta.saves:
             self._saving[req_id] = fut
@@ -192,6 +195,16 @@ class WorkerSide:
             return
         self.stats.add(saved_blocks=n, saved_bytes=n * self.keyspace.page_bytes)
         self.stats.observe("save_seconds", time.perf_counter() - t0)
+        if self.events is not None and batch.token_ids:
+            self._record_stored(batch)
+
+    def _record_stored(self, batch: PageBatch) -> None:
+        """BlockStored events for the pages of ``batch`` the store holds now (one exists RPC; events.py)."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        held = [i for i, ok in enumerate(self.pages.present(batch.hashes)) if ok]
+        self.events.stored([maybe_convert_block_hash(batch.hashes[i]) for i in held],
+                           [None if batch.parents[i] is None else maybe_convert_block_hash(batch.parents[i])
+                            for i in held], [batch.token_ids[i] for i in held])
 
     # -- completion -------------------------------------------------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
