@@ -54,7 +54,7 @@ def test_pd_tokens_equal_single_instance(pd, baseline, model, turn_prompts, mode
     def delta(name):
         return after.get(f"vllm:kvplugins_{name}_total", 0) - before.get(f"vllm:kvplugins_{name}_total", 0)
     pages = (baseline["prompt_tokens"][index] - 1) // BLOCK
-    assert delta("loaded_blocks") == pages and delta("failed_blocks") == 0
+    assert delta("loaded_blocks") == pages and delta("failed_blocks") == 0, connector_lines(decode, prefill)
     assert delta("direct_blocks") == (pages if mode == "direct" else 0), connector_lines(decode, prefill)
     assert delta("saved_blocks") == 0  # a consumer does not save
     assert after["vllm:kvplugins_load_seconds_count"] > before.get("vllm:kvplugins_load_seconds_count", 0)
