@@ -6,7 +6,9 @@ One request body per op (put_start, put_commit with checksums, get in the column
 ``RpcServer._answer``, the function the master runs per received frame. ``--vs-tree DIR`` runs the same
 measurement on another checkout (e.g. a ``git worktree`` of the commit before a change) in alternating
 subprocesses, so both trees see the same machine state; it prints per-op medians (ns per key) and the ratio
-new/old (< 1: the change made the master cheaper). Issue #11 asked this of the typed schemas.
+new/old (< 1: the change made the master cheaper). Issue #11 asked this of the typed schemas. ``--vs-events``
+runs this tree with the KV event publisher on (master/events.py, each op's events encoded and published) and off,
+the same way (on/off > 1: what events cost per key).
 """
 from __future__ import annotations
 
@@ -19,14 +21,17 @@ import sys
 import time
 
 
-def measure(batch: int, iters: int) -> dict:
-    """ns per key per op, best of ``iters`` passes through a fresh master (this interpreter's kvplugins)."""
+def measure(batch: int, iters: int, events: bool = False) -> dict:
+    """ns per key per op, best of ``iters`` passes through a fresh master (this interpreter's kvplugins); with
+    ``events`` the master publishes KV events (no subscriber: the PUB socket drops them) and each op's batch is
+    encoded and sent in the timed part, as the serving loop does after every request."""
     import msgpack
 
     from kvplugins.store.config import MasterConfig
     from kvplugins.store.master.rpc_server import RpcServer
     size = 1 << 30
-    server = RpcServer(MasterConfig(metrics_port=-1))
+    server = RpcServer(MasterConfig(metrics_port=-1, events_port=0 if events else -1))
+    publish = server.service.events.flush
     wire = {"v": 1, "segment_id": "bench", "host_id": "h", "transports": {"tcp": {"host": "127.0.0.1", "port": 1}},
             "regions": [[0, size, None]]}
     rid = iter(range(1, 1 << 62))
@@ -45,6 +50,7 @@ def measure(batch: int, iters: int) -> dict:
             body = msgpack.packb([1, next(rid), op, entries, opts], use_bin_type=True)
             t0 = time.perf_counter_ns()
             server._answer(body)
+            publish()
             ns = (time.perf_counter_ns() - t0) / batch
             best[op] = min(best.get(op, ns), ns)
         server.service.tick()
@@ -73,24 +79,30 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=400, help="batches per round (best per op is kept)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per tree")
     ap.add_argument("--vs-tree", default="", help="another checkout to compare against (old)")
+    ap.add_argument("--vs-events", action="store_true", help="this tree with KV events on vs off")
+    ap.add_argument("--events", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:          # import kvplugins from PYTHONPATH, not the editable install's redirect
         sys.meta_path[:] = [f for f in sys.meta_path if "Redirecting" not in type(f).__name__]
-        print(json.dumps(measure(args.batch, args.iters)))
+        print(json.dumps(measure(args.batch, args.iters, args.events)))
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    trees = {"new": here} | ({"old": os.path.abspath(args.vs_tree)} if args.vs_tree else {})
+    if args.vs_events:          # (tree, events) per column; "new"/"old" keep the ratio's meaning: on / off
+        trees = {"new": (here, True), "old": (here, False)}
+    else:
+        trees = {"new": (here, False)} | ({"old": (os.path.abspath(args.vs_tree), False)} if args.vs_tree else {})
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(args.rounds):
-        for name, tree in trees.items():
+        for name, (tree, events) in trees.items():
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--batch", str(args.batch),
-                                  "--iters", str(args.iters)], env={**os.environ, "PYTHONPATH": tree},
-                                 capture_output=True, text=True, check=True, cwd=tree)
+                                  "--iters", str(args.iters)] + (["--events"] if events else []),
+                                 env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, check=True,
+                                 cwd=tree)
             runs[name].append(json.loads(out.stdout))
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"CPU: {cpu}; batch {args.batch} keys; median of {args.rounds} rounds of best-of-{args.iters} "
-          "(ns per key or entry)")
+          "(ns per key or entry)" + ("; new = KV events on, old = off" if args.vs_events else ""))
     print(f"{'op':12} " + " ".join(f"{n:>10}" for n in trees) + ("   new/old" if "old" in trees else ""))
     for op in runs["new"][0]:
         med = {n: statistics.median(r[op] for r in runs[n]) for n in trees}
