@@ -1,13 +1,14 @@
 """The disk tier with real master and node processes: offload on evict (watermark sweep), promote on hit with
 checksums verified, a torn or corrupt file never reads back, a remove deletes the file, and the disk round trip
-across a node restart (SIGKILL, then a new process on the same --disk-dir)."""
+across a node restart (SIGKILL, then a new process on the same --disk-dir), and the KV events of offloads and
+promotions."""
 import time
 
 import pytest
 
 from helpers.cluster import store_cluster
 from kvplugins.errors import KeyNotFound, StoreError
-from kvplugins.store import ClientConfig, StoreClient
+from kvplugins.store import ClientConfig, StoreClient, protocol
 from kvplugins.store.disk import files
 from kvplugins.store.disk.files import CorruptFile
 from kvplugins.store.disk.store import DiskStore
@@ -211,3 +212,44 @@ def test_fast_restart_before_the_old_segment_times_out(tmp_path):
         assert on_disk and {k for k, ok in zip(keys, client.batch_exists(keys)) if ok} == on_disk
         assert {k for k in keys if (c.disk / "objects" / files.file_name(k)).exists()} == on_disk   # none deleted
         assert [client.get(k) for k in sorted(on_disk)] == [_data(keys.index(k)) for k in sorted(on_disk)]
+
+
+def test_offload_and_promote_are_published_as_kv_events(tmp_path):
+    """KV events (master/events.py) over the disk tier: an offload is a removal from CPU plus a store on STORAGE,
+    a promotion a store on CPU again; a remove of a disk-only object is a removal from STORAGE."""
+    import msgspec
+    import zmq
+
+    from kvplugins.store.master.events import EventBatch
+    flags = {"disk_dir": str(tmp_path / "disk"), "disk_capacity": "64MiB"}
+    with store_cluster(nodes=1, segment_size="4MiB", master_flags={**MASTER, "events_port": 0}, node_flags=flags,
+                       tmp=tmp_path / "cluster") as c, StoreClient(ClientConfig(master=c.master)) as client:
+        keys = _put_and_offload(client, "e", 24)
+        ctx = zmq.Context()
+        replay = ctx.socket(zmq.DEALER)
+        replay.connect(client._rpc.call("info")["events_replay"])
+        decode = msgspec.msgpack.Decoder(EventBatch).decode
+
+        def events() -> list[tuple]:
+            replay.send_multipart((b"", (0).to_bytes(8, "big", signed=True)))
+            out = []
+            while replay.poll(10000):
+                _, _, seq, payload = replay.recv_multipart()
+                if int.from_bytes(seq, "big", signed=True) < 0:
+                    return out
+                out += [(type(e).__name__, e.block_hashes[0].decode(), e.medium, e.reason)
+                        for e in decode(payload).events]
+            raise AssertionError("no end of replay")
+
+        offloaded = {k for t, k, m, r in events() if (t, m, r) == ("BlockStored", "STORAGE", "offloaded")}
+        assert len(offloaded) >= 10 and offloaded <= set(keys)
+        assert {k for t, k, m, r in events() if (t, m, r) == ("BlockRemoved", "CPU", "offloaded")} == offloaded
+        one = sorted(offloaded)[0]
+        assert client.get(one) == _data(keys.index(one))          # promoted back to DRAM
+        assert ("BlockStored", one, "CPU", "promoted") in events()
+        disk_only = sorted(offloaded)[-1]
+        if client._rpc.call("get", [disk_only])[0][0] == protocol.ON_DISK:    # still on disk only
+            client.remove(disk_only)
+            assert ("BlockRemoved", disk_only, "STORAGE", "removed") in events()
+        replay.close(0)
+        ctx.term()
