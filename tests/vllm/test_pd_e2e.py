@@ -20,7 +20,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 def pd(model, cluster, tmp_path_factory):
     from kvplugins.cli.pd_proxy import PDProxyConfig, serve
     d = tmp_path_factory.mktemp("pd")
-    extra = {"master": cluster.master}
+    # decode waits up to pd_wait_ms for the producer's saves: a loaded 2-vCPU CI host once needed more than the
+    # 5 s default for the first request of both servers ("0 of the producer's 53 pages in the store after 5000 ms")
+    extra = {"master": cluster.master, "pd_wait_ms": 30000}
     prefill = Server(model, {"kv_connector": "KVPluginsConnector", "kv_role": "kv_producer",
                              "kv_connector_extra_config": extra}, d / "prefill.log")
     decode = Server(model, {"kv_connector": "KVPluginsConnector", "kv_role": "kv_consumer",
