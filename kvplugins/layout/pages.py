@@ -116,17 +116,6 @@ class PageStore:
         self.stats["hit_pages"] += n
         return n
 
-    def present(self, hashes: Sequence[bytes]) -> list[bool]:
-        """Whether this process's page of each hash is stored (one RPC); all False if the store is down."""
-        client = self._connected() if hashes else None
-        if client is None:
-            return [False] * len(hashes)
-        try:
-            return list(client.batch_exists(self.keyspace.keys(hashes)))
-        except KVPluginsError as e:
-            self._failed(e)
-            return [False] * len(hashes)
-
     def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> list[int]:
         """Scatter page ``hashes[i]`` into block ``block_ids[i]``; returns the block ids that did not load
         (store down, evicted, size mismatch). Their bytes must be treated as garbage by the caller.
@@ -158,30 +147,39 @@ class PageStore:
     def save(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> int:
         """Store the pages not stored yet (one exists RPC, then one batch put); returns pages written.
         ``after``: staged only, the engine's mark taken after the forward that wrote the blocks."""
+        return self.save_held(block_ids, hashes, after)[0]
+
+    def save_held(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> tuple[int, list]:
+        """save(), also returning per page whether the store holds it afterwards (already there, or written
+        now): (pages written, [bool per page]); all False if the store is down."""
+        held = [False] * len(block_ids)
         if not block_ids:
-            return 0
+            return 0, held
         layout = self._layout()
         client = self._connected()
         if client is None:
-            return 0
+            return 0, held
         keys = self.keyspace.keys(hashes)
         try:
-            present = client.batch_exists(keys)
-            todo = [(k, b) for k, b, p in zip(keys, block_ids, present) if not p]
+            held = list(client.batch_exists(keys))
+            todo = [i for i, p in enumerate(held) if not p]
             self.stats["skipped_pages"] += len(keys) - len(todo)
             if not todo:
-                return 0
-            ids = [b for _, b in todo]
-            errors = client.batch_put_from([k for k, _ in todo], layout.spans_for(ids)) if self.staged is None \
-                else self.staged.save(client, [k for k, _ in todo], ids, after)
+                return 0, held
+            ids = [block_ids[i] for i in todo]
+            todo_keys = [keys[i] for i in todo]
+            errors = client.batch_put_from(todo_keys, layout.spans_for(ids)) if self.staged is None \
+                else self.staged.save(client, todo_keys, ids, after)
         except KVPluginsError as e:
             self._failed(e)
-            return 0
+            return 0, [False] * len(block_ids)
         bad = [e for e in errors if e is not None]
         if bad:
             log.warning("kvplugins: %d of %d page saves failed: %s", len(bad), len(todo), bad[0])
+        for i, err in zip(todo, errors):
+            held[i] = err is None
         self.stats["saved_pages"] += len(todo) - len(bad)
-        return len(todo) - len(bad)
+        return len(todo) - len(bad), held
 
     def _layout(self) -> PageLayout:
         if self.layout is None:

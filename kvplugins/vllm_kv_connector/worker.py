@@ -189,19 +189,19 @@ class WorkerSide:
     def _save_batch(self, batch: PageBatch, after=None) -> None:
         t0 = time.perf_counter()
         try:
-            n = self.pages.save(batch.block_ids, batch.hashes, after)
+            n, held = self.pages.save_held(batch.block_ids, batch.hashes, after)
         except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
             log.warning("kvplugins: save of %d pages failed: %r", len(batch), e)
             return
         self.stats.add(saved_blocks=n, saved_bytes=n * self.keyspace.page_bytes)
         self.stats.observe("save_seconds", time.perf_counter() - t0)
         if self.events is not None and batch.token_ids:
-            self._record_stored(batch)
+            self._record_stored(batch, held)
 
-    def _record_stored(self, batch: PageBatch) -> None:
-        """BlockStored events for the pages of ``batch`` the store holds now (one exists RPC; events.py)."""
+    def _record_stored(self, batch: PageBatch, held_mask: list) -> None:
+        """BlockStored events for the pages of ``batch`` the store holds now (``held_mask``: per page; events.py)."""
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-        held = [i for i, ok in enumerate(self.pages.present(batch.hashes)) if ok]
+        held = [i for i, ok in enumerate(held_mask) if ok]
         self.events.stored([maybe_convert_block_hash(batch.hashes[i]) for i in held],
                            [None if batch.parents[i] is None else maybe_convert_block_hash(batch.parents[i])
                             for i in held], [batch.token_ids[i] for i in held])
