@@ -113,10 +113,11 @@ class Reader:
         try:
             from kvplugins.transfer import SegmentDescriptor
             desc = SegmentDescriptor.from_wire(src["descriptor"])  # once: the lease poll reads it every 5 ms
-            if not self._wait_lease(src, desc, slot, token):
+            seen = self._wait_lease(src, desc, slot, token)
+            if seen is not None:
                 log.warning("kvplugins: the producer did not hold the blocks of token %d within pd_wait_ms=%d "
-                            "(released after pd_hold_ms, or a restarted producer): not reading them", token,
-                            self._wait_s * 1000)
+                            "(released after pd_hold_ms, or a restarted producer; %s): not reading them", token,
+                            self._wait_s * 1000, seen)
                 return list(local_ids)
             t0 = time.monotonic()
             failed = self._read(src, desc, local_ids, remote_ids)
@@ -132,15 +133,21 @@ class Reader:
             log.warning("kvplugins: direct read of %d pages failed: %r", len(local_ids), e)
             return list(local_ids)
 
-    def _wait_lease(self, src: dict, desc, slot: int, token: int) -> bool:
-        """Whether the producer holds (slot, token), waiting up to pd_wait_ms: it marks the lease one engine step
-        after the request finished, which may be after decode got the params."""
-        deadline = time.monotonic() + self._wait_s
-        while not self._leased(src, desc, slot, token):
+    def _wait_lease(self, src: dict, desc, slot: int, token: int) -> str | None:
+        """None once the producer holds (slot, token), waiting up to pd_wait_ms (it marks the lease one engine
+        step after the request finished, which may be after decode got the params); else what the polls saw:
+        their count, the last lease word (0: not held yet or released; another token: the slot was reused) or
+        the last read error."""
+        deadline, polls, last = time.monotonic() + self._wait_s, 0, "no poll"
+        while True:
+            word, err = self._lease_word(src, desc, slot)
+            polls += 1
+            if err is None and word == token:
+                return None
+            last = f"last read failed: {err}" if err is not None else f"lease word {word}"
             if time.monotonic() >= deadline:
-                return False
+                return f"{polls} polls, {last}"
             time.sleep(0.005)
-        return True
 
     def _read(self, src: dict, desc, local_ids: list[int], remote_ids: list[int]) -> list[int]:
         planes = src["planes"]
@@ -188,10 +195,15 @@ class Reader:
         return why is None
 
     def _leased(self, src: dict, desc, slot: int, token: int) -> bool:
+        word, err = self._lease_word(src, desc, slot)
+        return err is None and word == token
+
+    def _lease_word(self, src: dict, desc, slot: int) -> tuple[int, object]:
+        """(lease word of ``slot`` in the producer's mailbox, read error or None)."""
         self._ack[1] = 0
         err = self.engine.read_spans(desc, src["mailbox"][0], np.array([self._ack.ctypes.data + 8], np.uint64),
                                      np.array([(MAILBOX_SLOTS + slot) * 8], np.uint64), np.array([8], np.uint64))[0]
-        return err is None and int(self._ack[1]) == token
+        return int(self._ack[1]), err
 
     def ack(self, src: dict, slot: int, token: int) -> None:
         """Tell the producer its blocks are free (best effort: it frees them after pd_hold_ms anyway)."""

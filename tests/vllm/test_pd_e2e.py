@@ -34,7 +34,9 @@ def pd(model, cluster, tmp_path_factory):
         decode.wait_ready()
         proxy = serve(PDProxyConfig(prefill=prefill.url, decode=decode.url))
         threading.Thread(target=proxy.serve_forever, daemon=True).start()
-        yield prefill, decode, f"http://127.0.0.1:{proxy.server_address[1]}"
+        url = f"http://127.0.0.1:{proxy.server_address[1]}"
+        _warm_up(url, model)
+        yield prefill, decode, url
     finally:
         if proxy is not None:
             proxy.shutdown()
@@ -42,13 +44,19 @@ def pd(model, cluster, tmp_path_factory):
         decode.stop()
 
 
-STORE_FLAKE = ("known bug, under investigation: on a loaded 2-vCPU CI host the producer's first save of a fresh "
-               "server sometimes outlives put_timeout_ms (prefill.log: '53 of 53 page saves failed: put not "
-               "committed'), so decode computes the prompt (tokens still right); failed 3 of 5 recent full runs")
+def _warm_up(proxy: str, model: str) -> None:
+    """One P/D round per path on a prompt no test uses, before the measured requests: on a loaded 2-vCPU CI
+    host the first handoff of a fresh server pair has outlived the 30 s waits (the producer's first put not
+    committed within put_timeout_ms; once its lease not seen within pd_wait_ms), and decode computed the prompt
+    (tokens right). That first-handoff delay is an open bug (docs/vllm.md); the measured requests below then
+    assert every page moves."""
+    prompt = " ".join(["warm"] * 200)
+    for mode in ("store", "direct"):
+        http_json(proxy + "/v1/completions", {"model": model, "prompt": prompt + " " + mode, "max_tokens": 2,
+                                              "temperature": 0, "kv_transfer_params": {"kvplugins_mode": mode}})
 
 
-@pytest.mark.parametrize("mode,index", [pytest.param("store", 0, marks=pytest.mark.skip(reason=STORE_FLAKE)),
-                                        ("direct", 1)])
+@pytest.mark.parametrize("mode,index", [("store", 0), ("direct", 1)])
 def test_pd_tokens_equal_single_instance(pd, baseline, model, turn_prompts, mode, index):
     prefill, decode, proxy = pd
     before = decode.metrics()
