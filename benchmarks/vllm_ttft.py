@@ -17,6 +17,10 @@ Engines, in order:
   what the connector costs even when the run is descheduled on a busy machine; wall time is what a user sees.
   Compared: medians per side and the median of the per-round ratios (each round's two engines run back to back).
 Goals: warm <= 0.15 x cold TTFT at 4K; connector throughput >= 0.97 x no-connector at 0% hits.
+``--family gemma3`` (issue #15): a hybrid model instead, random weights shaped like Gemma-3 270M
+(Gemma3ForCausalLM: 18 layers, 5 sliding-window (512 tokens) : 1 full attention, hidden 640, 4 query / 1 KV heads,
+head 256), cached under ~/.cache/kvplugins/bench-gemma3-270m-shape; vLLM's hybrid memory allocator gives it one
+full-attention and five sliding-window KV cache groups. Same goal: warm <= 0.15 x cold at 4K.
 ``--staging always`` (issue #14): the connector engines stage every page through host bounce slots (the path of a
 GPU KV cache, run on the CPU), and one more fresh engine loads the same pages without staging (``warm_direct``):
 goals warm <= 1.2 x warm_direct TTFT at 4K, and the same <= 3% overhead at 0% hits.
@@ -50,19 +54,31 @@ SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_
 SAME_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def build_model(path: Path) -> Path:
-    """Random-weight Qwen2 of the 0.5B shape with the demo tokenizer (its vocabulary size)."""
+GEMMA3_SHAPE = dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3, max_position_embeddings=32768,
+                    tie_word_embeddings=True)
+MODEL_DIRS = {"qwen2": "bench-qwen2.5-0.5b-shape", "gemma3": "bench-gemma3-270m-shape"}
+
+
+def build_model(path: Path, family: str = "qwen2") -> Path:
+    """Random-weight Qwen2 of the 0.5B shape (or Gemma-3 of the 270M shape) with the demo tokenizer (its
+    vocabulary size)."""
     if (path / "config.json").exists():
         return path
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    import transformers as tf
 
     from kvplugins.demo.model import ensure_model
-    tok = AutoTokenizer.from_pretrained(ensure_model())
+    tok = tf.AutoTokenizer.from_pretrained(ensure_model())
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=path.parent))
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", **SHAPE)
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    common = dict(vocab_size=len(tok), bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+    if family == "gemma3":
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, pad_token_id=3, **GEMMA3_SHAPE))
+    else:
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, **SHAPE))
+    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     os.rename(tmp, path)
     return path
@@ -79,6 +95,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4, help="prompts in the throughput batch (1K tokens each)")
     ap.add_argument("--out", type=int, default=32, help="output tokens of each throughput prompt")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--family", default="qwen2", choices=sorted(MODEL_DIRS),
+                    help="model shape: qwen2 (full attention) or gemma3 (hybrid: sliding window + full)")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved throughput rounds (one engine per side each)")
     ap.add_argument("--batches", type=int, default=3, help="throughput batches per engine (new prompts each)")
     ap.add_argument("--skip-ttft", action="store_true", help="only the 0%%-hit throughput comparison")
@@ -91,7 +109,7 @@ def main() -> int:
     sizes = [int(x) for x in args.sizes.split(",")]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvplugins"
     cache.mkdir(parents=True, exist_ok=True)
-    model = str(build_model(cache / "bench-qwen2.5-0.5b-shape"))
+    model = str(build_model(cache / MODEL_DIRS[args.family], args.family))
     from transformers import AutoTokenizer
     vocab = len(AutoTokenizer.from_pretrained(model))
     ttft_prompts = prompts(sizes, vocab, seed=1)

@@ -1,4 +1,6 @@
-"""A tiny random-weight Llama (real LlamaForCausalLM architecture) and its tokenizer, built locally once.
+"""Tiny random-weight models of real architectures and their tokenizer, built locally once: a Llama
+(LlamaForCausalLM, the demo's) and a Gemma-3 (Gemma3ForCausalLM: sliding-window and full-attention layers, a
+hybrid KV cache in vLLM: two KV cache groups).
 
 No hub access: the tokenizer is a word-level tokenizer trained on the demo's conversation text and the
 weights are random with a fixed seed, so every build is identical. float32 keeps greedy decoding stable
@@ -13,13 +15,18 @@ import tempfile
 from pathlib import Path
 
 MODEL_DIR_NAME = "demo-model-v1"
+FAMILY_DIRS = {"llama": MODEL_DIR_NAME, "gemma3": "demo-gemma3-v1"}
+GEMMA3_WINDOW = 128  # tokens: the sliding window of the tiny Gemma-3's sliding layers (4 blocks of 32)
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
 
-def default_dir() -> Path:
-    """``$XDG_CACHE_HOME/kvplugins/demo-model-v1`` (``~/.cache`` when XDG_CACHE_HOME is unset)."""
+def default_dir(family: str = "llama") -> Path:
+    """``$XDG_CACHE_HOME/kvplugins/demo-model-v1`` (``~/.cache`` when XDG_CACHE_HOME is unset); the Gemma-3's
+    is ``demo-gemma3-v1`` beside it. Raises ValueError for another family."""
+    if family not in FAMILY_DIRS:
+        raise ValueError(f"model family {family!r}: use one of {sorted(FAMILY_DIRS)}")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvplugins" / MODEL_DIR_NAME
+    return Path(base) / "kvplugins" / FAMILY_DIRS[family]
 
 
 def _tokenizer(path: Path) -> None:
@@ -37,23 +44,32 @@ def _tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def _weights(path: Path, vocab_size: int, seed: int) -> None:
+def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers as tf
 
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                      initializer_range=0.08, bos_token_id=1, eos_token_id=2, pad_token_id=3,
-                      tie_word_embeddings=False, torch_dtype="float32")
+    common = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                  initializer_range=0.08, bos_token_id=1, eos_token_id=2, pad_token_id=3, torch_dtype="float32")
+    if family == "gemma3":  # layers alternate sliding / full: vLLM makes one KV cache group of each
+        # untied, wider weights: with Gemma's tied, scaled embeddings a random model repeats the last token
+        common["initializer_range"] = 0.2
+        cfg = tf.Gemma3TextConfig(**common, head_dim=64, query_pre_attn_scalar=64, sliding_window=GEMMA3_WINDOW,
+                                  layer_types=["sliding_attention", "full_attention"] * 2,
+                                  tie_word_embeddings=False)
+        cls = tf.Gemma3ForCausalLM
+    else:
+        cfg, cls = tf.LlamaConfig(**common, tie_word_embeddings=False), tf.LlamaForCausalLM
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model = cls(cfg).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
 
 
-def ensure_model(path: str | os.PathLike | None = None, seed: int = 0) -> Path:
-    """Return the model directory, building it first if absent (a few seconds). Safe to race: the loser's
-    build is discarded. Needs torch, transformers and tokenizers (installed with vLLM)."""
-    final = Path(path) if path else default_dir()
+def ensure_model(path: str | os.PathLike | None = None, seed: int = 0, family: str = "llama") -> Path:
+    """Return the model directory, building it first if absent (a few seconds). ``family``: "llama" or
+    "gemma3". Safe to race: the loser's build is discarded. Needs torch, transformers and tokenizers
+    (installed with vLLM). Raises ValueError for another family."""
+    final = Path(path) if path else default_dir(family)
     if (final / "config.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +78,7 @@ def ensure_model(path: str | os.PathLike | None = None, seed: int = 0) -> Path:
         _tokenizer(tmp)
         from transformers import PreTrainedTokenizerFast
         vocab = len(PreTrainedTokenizerFast.from_pretrained(tmp))
-        _weights(tmp, vocab, seed)
+        _weights(tmp, vocab, seed, family)
         try:
             os.rename(tmp, final)
         except OSError:

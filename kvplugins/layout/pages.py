@@ -116,6 +116,21 @@ class PageStore:
         self.stats["hit_pages"] += n
         return n
 
+    def stored_mask(self, hashes: Sequence[bytes]) -> list[bool]:
+        """Whether each page of ``hashes`` is stored for every rank, in one RPC; all False if the store is
+        down (a sliding-window group's hit needs only the pages of its window, not a prefix)."""
+        n = len(hashes)
+        client = self._connected() if n else None
+        if client is None:
+            return [False] * n
+        self.stats["lookups"] += 1
+        try:
+            present = client.batch_exists([k for s in self._spaces for k in s.keys(hashes)])
+        except KVPluginsError as e:
+            self._failed(e)
+            return [False] * n
+        return [all(present[r * n + i] for r in range(len(self._spaces))) for i in range(n)]
+
     def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> list[int]:
         """Scatter page ``hashes[i]`` into block ``block_ids[i]``; returns the block ids that did not load
         (store down, evicted, size mismatch). Their bytes must be treated as garbage by the caller.

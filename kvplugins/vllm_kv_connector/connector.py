@@ -20,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.attention.backend import AttentionMetadata
@@ -46,8 +48,10 @@ log = logging.getLogger(__name__)
 __all__ = ["KVPluginsConnector", "KVPluginsConnectorMetadata"]
 
 
-class KVPluginsConnector(KVConnectorBase_V1):
-    """Shares full KV pages between vLLM instances through the kvplugins store (see package docstring)."""
+class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
+    """Shares full KV pages between vLLM instances through the kvplugins store (see package docstring).
+    Hybrid models (vLLM's hybrid memory allocator): every full-attention and sliding-window KV cache group is
+    keyed apart and saved and loaded; a hit counts only where every group holds what it needs (engine.Group)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -71,7 +75,7 @@ class KVPluginsConnector(KVConnectorBase_V1):
         return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self._scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_meta(scheduler_output)
@@ -79,6 +83,8 @@ class KVPluginsConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         if connector_output.invalid_block_ids:
             self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+        if connector_output.failed_recving:
+            self._scheduler.loads_failed(set(connector_output.failed_recving))
         if isinstance(connector_output.kv_cache_events, KVPluginsKVEvents):
             self._scheduler.add_events(connector_output.kv_cache_events)
 
@@ -87,6 +93,10 @@ class KVPluginsConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.finished(request, block_ids[0])
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self._scheduler.handshakes = dict(metadata)
@@ -121,6 +131,10 @@ class KVPluginsConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self._worker.finished(finished_req_ids)
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), self._worker.take_failed_recving())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()

@@ -1,7 +1,8 @@
 """vLLM config -> the engine-independent description kvplugins.layout needs (KeySpace, layer order)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvplugins.errors import ConfigError
 from kvplugins.layout import KeySpace
@@ -12,25 +13,57 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def attention_group(kv_cache_config: "KVCacheConfig"):
-    """The one full-attention KV cache group this connector serves. Raises ConfigError otherwise."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise ConfigError(f"KVPluginsConnector supports one full-attention KV cache group; this model has {kinds}")
-    return groups[0]
+@dataclass(frozen=True)
+class Group:
+    """One KV cache group this connector serves (vLLM's ``kv_cache_config.kv_cache_groups[index]``).
+
+    ``window_blocks``: 0 for full attention (a hit needs every page of the prefix); for sliding window the
+    pages a hit needs before its end, as vLLM's own prefix cache counts them (SlidingWindowManager:
+    ``cdiv(sliding_window - 1, block_size)``, vLLM 0.32 v1/core/single_type_kv_cache_manager.py)."""
+    index: int
+    layer_names: tuple[str, ...]
+    spec: Any
+    window_blocks: int = 0
+
+    def needed(self, first: int, end: int) -> range:
+        """The pages in [first, end) a hit ending at page ``end`` needs from this group."""
+        return range(max(first, end - self.window_blocks) if self.window_blocks else first, end)
+
+
+def groups(kv_cache_config: "KVCacheConfig") -> list[Group]:
+    """The KV cache groups, in vLLM's order: full-attention (MLA included) and sliding-window ones, all with
+    one block size. Raises ConfigError naming any other kind (Mamba, linear attention, chunked local: their
+    state is not saved yet) or differing block sizes."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    out, other = [], []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        spec = g.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            out.append(Group(i, tuple(g.layer_names), spec, -(-(spec.sliding_window - 1) // spec.block_size)))
+        elif isinstance(spec, FullAttentionSpec):
+            out.append(Group(i, tuple(g.layer_names), spec))
+        else:
+            other.append(f"group {i}: {type(spec).__name__}")
+    if other or not out:
+        raise ConfigError(f"KVPluginsConnector serves full-attention and sliding-window KV cache groups; this model "
+                          f"has {other or 'none'}: run it without the connector")
+    sizes = sorted({g.spec.block_size for g in out})
+    if len(sizes) > 1:
+        raise ConfigError(f"KVPluginsConnector: KV cache groups with block sizes {sizes} tokens; it needs one")
+    return out
 
 
 def keyspace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: VllmConnectorConfig,
-             tp_rank: int = 0) -> KeySpace:
-    """The KeySpace of TP rank ``tp_rank``: model, KV dtype, block size, layer names, TP, page bytes."""
+             tp_rank: int = 0, group: Group | None = None) -> KeySpace:
+    """The KeySpace of ``group`` (default: the first) on TP rank ``tp_rank``: model, KV dtype, block size, the
+    group's layer names (so two groups never share a key), TP, page bytes. A model with one full-attention
+    group keeps the keys it had before hybrid models were served."""
     par = vllm_config.parallel_config
     if par.pipeline_parallel_size != 1:
         raise ConfigError(f"KVPluginsConnector: pipeline_parallel_size={par.pipeline_parallel_size} is not "
                           "supported yet; use 1")
-    group = attention_group(kv_cache_config)
-    spec = group.kv_cache_spec
+    group = group or groups(kv_cache_config)[0]
+    spec = group.spec
     cache = vllm_config.cache_config
     return KeySpace(model=cfg.model_id or vllm_config.model_config.model,
                     kv_dtype=str(spec.dtype).removeprefix("torch."),
@@ -39,10 +72,10 @@ def keyspace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: V
                     tp_rank=tp_rank, tp_size=par.tensor_parallel_size,
                     page_bytes=spec.page_size_bytes * len(group.layer_names),
                     extra=f"hash={cache.prefix_caching_hash_algo};kv_quant={spec.kv_quant_mode};"
-                          f"layout={physical_layout(vllm_config, kv_cache_config)}")
+                          f"layout={physical_layout(vllm_config, kv_cache_config, group.layer_names)}")
 
 
-def physical_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
+def physical_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", layer_names=None) -> str:
     """How a page's bytes are arranged in memory: ``<attention backend>:<KV cache layout>``, e.g.
     ``CPU_ATTN:LBHNC`` or ``FLASH_ATTN:LBNHC`` (vLLM's KVCacheLayout names; the legacy NHD/HND aliases map to
     LBNHC/LBHNC). It is part of the key namespace, so two engines whose backends or layouts differ never read
@@ -51,7 +84,8 @@ def physical_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     backend's preferred layout. Source followed: vLLM 0.32 vllm/v1/kv_cache_layout.py and
     kv_connector/utils.get_current_attn_backend."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backend
-    backend = get_current_attn_backend(vllm_config, attention_group(kv_cache_config).layer_names)
+    names = list(layer_names or groups(kv_cache_config)[0].layer_names)
+    backend = get_current_attn_backend(vllm_config, names)
     name = getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout
     if name is None:
         supported = backend.supported_kv_cache_layouts() or ()

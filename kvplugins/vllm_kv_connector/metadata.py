@@ -8,19 +8,37 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class PageBatch:
-    """Pages to move: page ``hashes[i]`` (vLLM block hash bytes) <-> engine block ``block_ids[i]``. Saves
+    """Pages to move: page ``hashes[i]`` (vLLM block hash bytes) <-> engine block ``block_ids[i]`` of KV cache
+    group ``groups[i]`` (a hybrid model's groups are keyed apart; a block id is one group's at a time). Saves
     carry, when vLLM publishes KV events, each page's ``token_ids`` and ``parents`` (the previous page's hash,
     None for a prompt's first page), for the BlockStored events of the pages that land."""
     block_ids: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     parents: list[bytes | None] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)     # KV cache group of each page (0 for one-group models)
 
-    def add(self, block_ids, hashes, token_ids=(), parents=()) -> None:
+    def add(self, block_ids, hashes, token_ids=(), parents=(), group: int = 0) -> None:
         self.block_ids.extend(block_ids)
         self.hashes.extend(hashes)
         self.token_ids.extend(token_ids)
         self.parents.extend(parents)
+        self.groups.extend([group] * len(block_ids))
+
+    def extend(self, other: "PageBatch") -> None:
+        """Append ``other``'s pages (with their groups, tokens and parents)."""
+        for mine, theirs in ((self.block_ids, other.block_ids), (self.hashes, other.hashes),
+                             (self.token_ids, other.token_ids), (self.parents, other.parents),
+                             (self.groups, other.groups)):
+            mine.extend(theirs)
+
+    def by_group(self) -> dict[int, "PageBatch"]:
+        """This batch split per KV cache group (token ids and parents stay with the pages that carry them)."""
+        out: dict[int, PageBatch] = {}
+        for i, g in enumerate(self.groups):
+            part = out.setdefault(g, PageBatch())
+            part.add([self.block_ids[i]], [self.hashes[i]], self.token_ids[i:i + 1], self.parents[i:i + 1], g)
+        return out
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -37,12 +55,14 @@ class KVPluginsConnectorMetadata(KVConnectorMetadata):
     held: P/D producer requests whose blocks vLLM holds for this connector (see ``Held``).
     saves: request id -> full pages to store after the forward, in the background.
     fence: requests whose blocks may be freed and rewritten from this step on (finished or preempted
-    before it): their in-flight saves must land before this step's forward.
+    before it): their in-flight saves must land before this step's forward. fence_all: every in-flight save
+    must (a sliding-window group frees a running request's blocks that left its window).
     """
     loads: PageBatch = field(default_factory=PageBatch)
     async_loads: dict[str, PageBatch] = field(default_factory=dict)
     saves: dict[str, PageBatch] = field(default_factory=dict)
     fence: set[str] = field(default_factory=set)
+    fence_all: bool = False
     held: dict[str, "Held"] = field(default_factory=dict)
     remote: dict[str, "RemoteLoad"] = field(default_factory=dict)
     acks: list["RemoteLoad"] = field(default_factory=list)
@@ -57,6 +77,7 @@ class Held:
     slot: int = 0
     token: int = 0
     hold_s: float = 30.0
+    finished_at: float = 0.0    # time.monotonic() when vLLM finished the request (system-wide clock)
 
 
 @dataclass

@@ -40,22 +40,29 @@ class _Tracked:
 
 
 log = logging.getLogger(__name__)
+NULL_BLOCK = 0  # vLLM's null block id (v1/core/block_pool.py): a table slot with no KV (outside a window)
 
 
 class SchedulerSide:
     def __init__(self, vllm_config, kv_cache_config, cfg: VllmConnectorConfig):
         self.cfg = cfg
         self.role = vllm_config.kv_transfer_config.kv_role
-        ks = engine.keyspace(vllm_config, kv_cache_config, cfg)
+        self.groups = engine.groups(kv_cache_config)
+        spaces = [engine.keyspace(vllm_config, kv_cache_config, cfg, group=g) for g in self.groups]
+        ks = spaces[0]
         self.namespace = ks.namespace
         self.handshakes: dict = {}           # P/D direct (producer): TP rank -> PDHandshake of its worker
         self._token = secrets.randbits(62)   # P/D direct: ack tokens, unique per producer lifetime
         self.block_size = ks.block_size
         self.hash_block_size = engine.hash_block_size(kv_cache_config, ks.block_size)
-        self.pages = PageStore(cfg.client_factory(), ks, ranks=range(ks.tp_size), retry_ms=cfg.retry_ms)
-        self.pages.connect()
+        self.group_pages = [PageStore(cfg.client_factory(), k, ranks=range(ks.tp_size), retry_ms=cfg.retry_ms)
+                            for k in spaces]  # one per KV cache group; [0] also answers P/D and events
+        self.pages = self.group_pages[0]
+        for pages in self.group_pages:
+            pages.connect()
+        self.hybrid = len(self.groups) > 1
         if cfg.namespace_file:
-            _write_namespaces(cfg.namespace_file, ks)
+            _write_namespaces(cfg.namespace_file, spaces)
         self.tracked: dict[str, _Tracked] = {}
         self.pending = KVPluginsConnectorMetadata()
         self.stats = StatsRecorder()
@@ -80,10 +87,10 @@ class SchedulerSide:
                         pd.get("namespace"), self.namespace)
             pd = None
         want = max(0, min(int(pd["pages"]), loadable) - first) if pd else 0
-        if pd and pd.get("mode") == "direct":
+        if pd and pd.get("mode") == "direct" and not self.hybrid:
             return self._direct_match(t, pd, want)
         candidates = self._hashes(request)[first:loadable]
-        t.hit, t.looked = self.pages.stored_prefix(candidates), len(candidates)
+        t.hit, t.looked = self._stored(candidates, first), len(candidates)
         if t.hit < want:  # P/D store path: the producer's saves may still be landing
             now = time.monotonic()
             t.wait_until = t.wait_until or now + self.cfg.pd_wait_ms / 1000
@@ -92,8 +99,27 @@ class SchedulerSide:
             log.warning("kvplugins: request %s: %d of the producer's %d pages in the store after %d ms; "
                         "computing the rest", request.request_id, t.hit, want, self.cfg.pd_wait_ms)
         tokens = t.hit * self.block_size
-        t.load_async = 0 < self.cfg.async_load_tokens <= tokens
+        # a hybrid model's loads are asynchronous: vLLM takes a failed load back per request (failed_recving)
+        # there, and a synchronous load's failed block ids are refused with several KV cache groups
+        t.load_async = tokens > 0 and (self.hybrid or 0 < self.cfg.async_load_tokens <= tokens)
         return tokens, t.load_async
+
+    def _stored(self, hashes: list[bytes], first: int) -> int:
+        """Pages from ``first`` on that a hit may take: the longest run [first, first + n) for which every
+        group holds the pages it needs (full attention: all of them; sliding window: those of the window before
+        first + n, as vLLM's own prefix cache requires). One exists RPC per group."""
+        if not self.hybrid:
+            return self.pages.stored_prefix(hashes)
+        n, windows = len(hashes), []
+        for g, pages in zip(self.groups, self.group_pages):
+            if not g.window_blocks:
+                n = min(n, pages.stored_prefix(hashes[:n]))
+        for g, pages in zip(self.groups, self.group_pages):
+            if g.window_blocks and n:
+                windows.append((g, pages.stored_mask(hashes[:n])))
+        while n and not all(all(mask[p - first] for p in g.needed(first, first + n)) for g, mask in windows):
+            n -= 1
+        return n
 
     def _direct_match(self, t: _Tracked, pd: dict, want: int) -> tuple[int, bool]:
         """P/D direct path: the producer's blocks are there to read; load them in the background."""
@@ -102,9 +128,11 @@ class SchedulerSide:
             self.pending.acks.append(RemoteLoad(pd["ranks"], [], pd["slot"], pd["token"]))
         return want * self.block_size, want > 0
 
-    def after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
-        """Plan the load of the pages vLLM allocated blocks for; an async load is always planned (even empty)
-        because vLLM waits for its completion."""
+    def after_alloc(self, request: "Request", group_block_ids: tuple[list[int], ...] | list[list[int]],
+                    num_external_tokens: int) -> None:
+        """Plan the load of the pages vLLM allocated blocks for (``group_block_ids``: the request's block table per
+        KV cache group); an async load is always planned (even empty) because vLLM waits for its completion."""
+        block_ids = group_block_ids[0]
         t = self.tracked.setdefault(request.request_id, _Tracked(request))
         n = min(max(num_external_tokens, 0) // self.block_size, t.hit)
         if t.looked:
@@ -118,7 +146,7 @@ class SchedulerSide:
                 self.pending.acks.append(remote)
         if num_external_tokens <= 0:
             return
-        batch = PageBatch(block_ids[t.first:t.first + n], self._hashes(request)[t.first:t.first + n])
+        batch = self._load_batch(group_block_ids, self._hashes(request), t.first, t.first + n)
         t.loading = frozenset(batch.block_ids)
         if remote is not None:
             self.pending.remote[request.request_id] = remote
@@ -126,6 +154,23 @@ class SchedulerSide:
             self.pending.async_loads[request.request_id] = batch
         else:
             self.pending.loads.add(batch.block_ids, batch.hashes)
+
+    def _load_batch(self, group_block_ids, hashes: list[bytes], first: int, end: int) -> PageBatch:
+        """Pages [first, end) each group needs, into the blocks vLLM allocated for them (a block id 0 is
+        vLLM's null block: a page outside a sliding window, never loaded)."""
+        batch = PageBatch()
+        for g in self.groups:
+            ids = group_block_ids[g.index]
+            pages = [p for p in g.needed(first, end) if p < len(ids) and ids[p] != NULL_BLOCK]
+            batch.add([ids[p] for p in pages], [hashes[p] for p in pages], group=g.index)
+        return batch
+
+    def loads_failed(self, req_ids: set[str]) -> None:
+        """Requests whose async load failed (vLLM's failed_recving, hybrid models): they compute from now on."""
+        for req_id in req_ids:
+            t = self.tracked.get(req_id)
+            if t is not None:
+                t.failed, t.loading = True, frozenset()
 
     def load_failed(self, block_ids: set[int]) -> None:
         """Blocks that failed to load (vLLM's invalid_block_ids): their requests compute from now on, so a
@@ -148,6 +193,7 @@ class SchedulerSide:
     def build_meta(self, out: "SchedulerOutput") -> KVPluginsConnectorMetadata:
         meta, self.pending = self.pending, KVPluginsConnectorMetadata()
         meta.fence = (set(out.finished_req_ids) | set(out.preempted_req_ids or ())) - set(meta.held)
+        meta.fence_all = any(g.window_blocks for g in self.groups)
         if self.cfg.save and self.role != "kv_consumer":
             for req_id, computed in _computed_after_step(out).items():
                 self._plan_save(meta, req_id, computed, out)
@@ -161,15 +207,21 @@ class SchedulerSide:
         full = min(computed // self.block_size, len(hashes))
         if full <= t.saved:
             return
-        block_ids = _block_ids(out, req_id)
-        if block_ids is None or len(block_ids) < full:
+        group_ids = _block_ids(out, req_id)
+        if group_ids is None or len(group_ids[0]) < full:
             return
-        tokens, parents = (), ()
+        tokens = parents = None
         if self.events_on:
             ids, b = t.request.all_token_ids, self.block_size
-            tokens = [list(ids[i * b:(i + 1) * b]) for i in range(t.saved, full)]
-            parents = [hashes[i - 1] if i else None for i in range(t.saved, full)]
-        meta.saves.setdefault(req_id, PageBatch()).add(block_ids[t.saved:full], hashes[t.saved:full], tokens, parents)
+            tokens = {i: list(ids[i * b:(i + 1) * b]) for i in range(t.saved, full)}
+            parents = {i: hashes[i - 1] if i else None for i in range(t.saved, full)}
+        batch = meta.saves.setdefault(req_id, PageBatch())
+        for g in self.groups:  # a sliding-window group's pages that already left the window are null blocks
+            ids = group_ids[g.index]
+            pages = [p for p in range(t.saved, min(full, len(ids))) if ids[p] != NULL_BLOCK]
+            batch.add([ids[p] for p in pages], [hashes[p] for p in pages],
+                      [tokens[p] for p in pages] if tokens else (), [parents[p] for p in pages] if parents else (),
+                      group=g.index)
         t.saved = full
 
     def finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -186,7 +238,9 @@ class SchedulerSide:
         mode = asked if asked in ("store", "direct") else self.cfg.pd_mode  # per request, else pd_mode
         params = {"v": 1, "mode": mode, "pages": pages, "namespace": self.namespace}
         held = Held("store")
-        if mode == "direct" and self.handshakes:
+        if mode == "direct" and self.hybrid:
+            params["mode"] = "store"  # the direct path reads one group's blocks; a hybrid model hands over in the store
+        elif mode == "direct" and self.handshakes:
             self._token += 1
             slot = self._token % MAILBOX_SLOTS
             params.update(block_ids=list(block_ids[:pages]), slot=slot, token=self._token,
@@ -195,13 +249,17 @@ class SchedulerSide:
         elif mode == "direct":
             log.warning("kvplugins: pd_mode=direct but no worker exported its KV; handing over through the store")
             params["mode"] = "store"
+        held.finished_at = time.monotonic()
         self.pending.held[request.request_id] = held
         return True, {PARAMS_KEY: params}
 
 
-def _write_namespaces(path: str, ks) -> None:
-    """JSON {"namespaces": {tp_rank: namespace}, "keyspace": fields}: a key is ``namespace/<block hash hex>``."""
-    info = {"namespaces": {r: ks.for_rank(r).namespace for r in range(ks.tp_size)}, "keyspace": asdict(ks)}
+def _write_namespaces(path: str, spaces: list) -> None:
+    """JSON {"namespaces": {tp_rank: namespace}, "keyspace": fields, "groups": [fields per KV cache group]} of
+    the first group (and every group): a key is ``namespace/<block hash hex>``."""
+    ks = spaces[0]
+    info = {"namespaces": {r: ks.for_rank(r).namespace for r in range(ks.tp_size)}, "keyspace": asdict(ks),
+            "groups": [asdict(k) for k in spaces]}
     Path(path).write_text(json.dumps(info, indent=1))
 
 
@@ -213,7 +271,7 @@ def _computed_after_step(out: "SchedulerOutput") -> dict[str, int]:
     return {rid: before[rid] + n for rid, n in out.num_scheduled_tokens.items() if rid in before}
 
 
-def _block_ids(out: "SchedulerOutput", req_id: str) -> list[int] | None:
+def _block_ids(out: "SchedulerOutput", req_id: str) -> tuple[list[int], ...] | None:
+    """The request's current block table per KV cache group (vLLM's kv_connector_block_state), or None."""
     state = out.kv_connector_block_state
-    ids = state.get_block_ids(req_id) if state is not None else None
-    return None if ids is None else ids[0]
+    return state.get_block_ids(req_id) if state is not None else None

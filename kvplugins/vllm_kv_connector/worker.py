@@ -24,6 +24,7 @@ from kvplugins.vllm_kv_connector.metadata import Held, KVPluginsConnectorMetadat
 from kvplugins.vllm_kv_connector.stats import StatsRecorder
 
 log = logging.getLogger(__name__)
+SLOW_S = 2.0  # a save, or a P/D hold mark, later than this is logged (why decode may have computed a prefix)
 
 
 class WorkerSide:
@@ -32,13 +33,19 @@ class WorkerSide:
         self.cfg, self.kv_cache_config = cfg, kv_cache_config
         self.role = vllm_config.kv_transfer_config.kv_role
         self.tp_rank = get_tensor_model_parallel_rank()
-        self.keyspace = engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank)
-        self.pages: PageStore | None = None
+        self.groups = engine.groups(kv_cache_config)
+        self.hybrid = len(self.groups) > 1
+        self.keyspace = engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, self.groups[0])
+        self._spaces = {g.index: engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, g)
+                        for g in self.groups}
+        self.pages: PageStore | None = None             # the first group's (P/D, events)
+        self.group_pages: dict[int, PageStore] = {}     # KV cache group index -> its pages
+        self.failed_recving: set[str] = set()           # hybrid: requests whose async load failed
         self.load_errors: set[int] = set()
         self.stats = StatsRecorder()
         self._load_pool = threads.pool("kvp-load")  # unpinned: see threads.py
         self._save_pool = threads.pool("kvp-save")
-        self._loading: dict[Future, list[str]] = {}     # async load batch -> its request ids
+        self._loading: dict[Future, dict[str, frozenset]] = {}  # async load batch -> request id -> its block ids
         self._saving: dict[str, Future] = {}            # request id -> its latest save batch
         self._held: dict[str, tuple[Held, float]] = {}  # P/D producer: request -> (hold, first seen, monotonic s)
         self._finished: set[str] = set()                # finished request ids vLLM told us about
@@ -52,26 +59,32 @@ class WorkerSide:
         with staging='always') moves through pinned host bounce slots (kvplugins.layout.staged). Raises
         ConfigError if the pages it describes differ from the key space's page bytes, or the device cannot be
         staged."""
-        names = engine.attention_group(self.kv_cache_config).layer_names
-        missing = [n for n in names if n not in kv_caches]
-        if missing:
-            raise ConfigError(f"KVPluginsConnector: no KV tensor for layers {missing}")
         num_blocks = self.kv_cache_config.num_blocks
-        layout = PageLayout([p for n in names for p in _engine_blocks(_planes(kv_caches[n], num_blocks), num_blocks)])
-        if layout.page_bytes != self.keyspace.page_bytes:
-            raise ConfigError(f"KVPluginsConnector: KV tensors give {layout.page_bytes} B pages, the KV cache spec "
-                              f"{self.keyspace.page_bytes} B; unsupported KV layout")
-        self.pages = PageStore(self.cfg.client_factory(), self.keyspace, layout, retry_ms=self.cfg.retry_ms,
-                               retry_on_load=True,  # the scheduler found these pages just now
-                               staged=_staged(layout, self.cfg))
-        threads.run_unpinned(self.pages.connect)  # its transfer engine's server threads inherit the wide mask
-        if self.role == "kv_producer" and layout.device == "cpu":  # any request may ask for direct (kvplugins_mode)
+        for g in self.groups:
+            missing = [n for n in g.layer_names if n not in kv_caches]
+            if missing:
+                raise ConfigError(f"KVPluginsConnector: no KV tensor for layers {missing}")
+            layout = PageLayout([p for n in g.layer_names
+                                 for p in _engine_blocks(_planes(kv_caches[n], num_blocks), num_blocks)])
+            if layout.page_bytes != self._spaces[g.index].page_bytes:
+                raise ConfigError(f"KVPluginsConnector: KV tensors of group {g.index} give {layout.page_bytes} B "
+                                  f"pages, the KV cache spec {self._spaces[g.index].page_bytes} B; unsupported KV "
+                                  "layout")
+            pages = PageStore(self.cfg.client_factory(), self._spaces[g.index], layout, retry_ms=self.cfg.retry_ms,
+                              retry_on_load=True,  # the scheduler found these pages just now
+                              staged=_staged(layout, self.cfg))
+            self.group_pages[g.index] = pages
+            threads.run_unpinned(pages.connect)  # its transfer engine's server threads inherit the wide mask
+        self.pages = self.group_pages[self.groups[0].index]
+        layout = self.pages.layout
+        if self.role == "kv_producer" and layout.device == "cpu" and not self.hybrid:  # any request may ask for direct (kvplugins_mode)
             from kvplugins.vllm_kv_connector.pd import Export
             self._export = threads.run_unpinned(Export, layout, self.cfg)
         elif self.role == "kv_producer" and self.cfg.pd_mode == "direct":
             log.warning("kvplugins: pd_mode=direct reads KV blocks in host memory; this KV cache is on %s, so "
                         "decode gets its KV through the store", layout.device)
-        log.info("kvplugins: %d layers, %d blocks, %d B pages on %s%s, namespace %s", len(names), layout.num_blocks,
+        log.info("kvplugins: %d KV cache group(s) of %s layers, %d blocks, %d B pages on %s%s, namespace %s",
+                 len(self.groups), "/".join(str(len(g.layer_names)) for g in self.groups), layout.num_blocks,
                  layout.page_bytes, layout.device, ", staged" if self.pages.staged else "", self.keyspace.namespace)
 
     # -- loads ------------------------------------------------------------------------------------------------
@@ -86,13 +99,13 @@ class WorkerSide:
         direct = {r: b for r, b in meta.async_loads.items() if r in meta.remote}
         for req_id, pages in direct.items():
             fut = self._load_pool.submit(self._direct_batch, pages, meta.remote[req_id])
-            self._loading[fut] = [req_id]
-        batch = PageBatch()
+            self._loading[fut] = {req_id: frozenset(pages.block_ids)}
+        batch, stored = PageBatch(), {}
         for req_id, pages in meta.async_loads.items():
             if req_id not in direct:
-                batch.add(pages.block_ids, pages.hashes)
+                batch.extend(pages)
+                stored[req_id] = frozenset(pages.block_ids)
         self.stats.add(async_blocks=sum(len(b) for b in meta.async_loads.values()))
-        stored = [r for r in meta.async_loads if r not in direct]
         if stored:
             self._loading[self._load_pool.submit(self._load_batch, batch, after)] = stored
 
@@ -108,13 +121,17 @@ class WorkerSide:
         if self.pages is None:
             return list(batch.block_ids)
         t0 = time.perf_counter()
-        try:
-            failed = self.pages.load(batch.block_ids, batch.hashes, after)
-        except Exception as e:  # noqa: BLE001 - a load must end in "loaded" or "failed", never in a lost thread
-            log.warning("kvplugins: load of %d pages failed: %r", len(batch), e)
-            failed = list(batch.block_ids)
+        failed, nbytes = [], 0
+        for group, part in batch.by_group().items():
+            try:
+                bad = self.group_pages[group].load(part.block_ids, part.hashes, after)
+            except Exception as e:  # noqa: BLE001 - a load must end in "loaded" or "failed", never in a lost thread
+                log.warning("kvplugins: load of %d pages failed: %r", len(part), e)
+                bad = list(part.block_ids)
+            failed += bad
+            nbytes += (len(part) - len(bad)) * self._spaces[group].page_bytes
         done = len(batch) - len(failed)
-        self.stats.add(loaded_blocks=done, loaded_bytes=done * self.keyspace.page_bytes, failed_blocks=len(failed))
+        self.stats.add(loaded_blocks=done, loaded_bytes=nbytes, failed_blocks=len(failed))
         self.stats.observe("load_seconds", time.perf_counter() - t0)
         return failed
 
@@ -169,7 +186,7 @@ class WorkerSide:
     # -- saves ------------------------------------------------------------------------------------------------
     def fence(self, meta: KVPluginsConnectorMetadata) -> None:
         """Before the forward: wait for in-flight saves of requests whose blocks may be rewritten now."""
-        for req_id in meta.fence:
+        for req_id in (list(self._saving) if meta.fence_all else meta.fence):
             fut = self._saving.pop(req_id, None)
             if fut is not None:
                 fut.result()
@@ -181,22 +198,27 @@ class WorkerSide:
             return
         batch = PageBatch()
         for pages in meta.saves.values():
-            batch.add(pages.block_ids, pages.hashes, pages.token_ids, pages.parents)
+            batch.extend(pages)
         fut = self._save_pool.submit(self._save_batch, batch, self._mark())
         for req_id in meta.saves:
             self._saving[req_id] = fut
 
     def _save_batch(self, batch: PageBatch, after=None) -> None:
-        t0 = time.perf_counter()
-        try:
-            n, held = self.pages.save_held(batch.block_ids, batch.hashes, after)
-        except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
-            log.warning("kvplugins: save of %d pages failed: %r", len(batch), e)
-            return
-        self.stats.add(saved_blocks=n, saved_bytes=n * self.keyspace.page_bytes)
-        self.stats.observe("save_seconds", time.perf_counter() - t0)
-        if self.events is not None and batch.token_ids:
-            self._record_stored(batch, held)
+        t0, n, nbytes = time.perf_counter(), 0, 0
+        for group, part in batch.by_group().items():
+            try:
+                written, held = self.group_pages[group].save_held(part.block_ids, part.hashes, after)
+            except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
+                log.warning("kvplugins: save of %d pages failed: %r", len(part), e)
+                continue
+            n, nbytes = n + written, nbytes + written * self._spaces[group].page_bytes
+            if self.events is not None and part.token_ids and group == self.groups[0].index:
+                self._record_stored(part, held)  # a router's prefix events: the first group's pages
+        took = time.perf_counter() - t0
+        self.stats.add(saved_blocks=n, saved_bytes=nbytes)
+        self.stats.observe("save_seconds", took)
+        if took > SLOW_S:
+            log.warning("kvplugins: a save of %d pages took %.1f s (%d written)", len(batch), took, n)
 
     def _record_stored(self, batch: PageBatch, held_mask: list) -> None:
         """BlockStored events for the pages of ``batch`` the store holds now (``held_mask``: per page; events.py)."""
@@ -212,8 +234,12 @@ class WorkerSide:
         are in ``load_errors`` by now, as vLLM requires)."""
         recving: set[str] = set()
         for fut in [f for f in self._loading if f.done()]:
-            recving.update(self._loading.pop(fut))
-            self.load_errors.update(fut.result())
+            reqs, failed = self._loading.pop(fut), set(fut.result())
+            recving.update(reqs)
+            if self.hybrid:  # vLLM takes failed block ids back only with one KV cache group: fail the requests
+                self.failed_recving.update(r for r, ids in reqs.items() if ids & failed)
+            else:
+                self.load_errors.update(failed)
         sending = self._sent(finished_req_ids)
         for req_id in [r for r, f in self._saving.items() if f.done()]:
             del self._saving[req_id]
@@ -226,6 +252,9 @@ class WorkerSide:
             self._held[req_id] = (held, now)
             if held.mode == "direct" and self._export is not None:
                 self._export.lease(held.slot, held.token)
+            if held.finished_at and now - held.finished_at > SLOW_S:
+                log.warning("kvplugins: request %s: its blocks were marked held %.1f s after it finished (engine "
+                            "steps late); decode waits up to pd_wait_ms for that", req_id, now - held.finished_at)
 
     def _sent(self, finished_req_ids: set[str]) -> set[str]:
         """Held requests that vLLM reported finished and whose blocks we no longer need."""
@@ -243,11 +272,18 @@ class WorkerSide:
             if done:
                 if held.mode == "direct" and self._export is not None:
                     self._export.lease(held.slot, 0)  # released: decode reads from now on fail
+                    if not self._export.acked(held.slot, held.token):
+                        log.warning("kvplugins: request %s: decode did not ack its read within pd_hold_ms=%.0f; "
+                                    "its blocks are released", req_id, held.hold_s * 1000)
                 out.add(req_id)
                 del self._held[req_id]
                 self._finished.discard(req_id)
         self._finished.intersection_update(self._held)
         return out
+
+    def take_failed_recving(self) -> set[str]:
+        failed, self.failed_recving = self.failed_recving, set()
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
@@ -260,8 +296,8 @@ class WorkerSide:
         for side in (self._export, self._reader):
             if side is not None:
                 side.close()
-        if self.pages is not None:
-            self.pages.close()
+        for pages in self.group_pages.values():
+            pages.close()
 
 
 def _staged(layout: PageLayout, cfg: VllmConnectorConfig):

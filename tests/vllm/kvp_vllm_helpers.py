@@ -40,6 +40,18 @@ def replace_pages(client, keys, nbytes: int) -> None:
     assert not any(client.batch_put(keys, [os.urandom(nbytes) for _ in keys]))
 
 
+def engine_pair(model: str, turn_prompts, master: str, ns_path) -> tuple[dict, dict, dict]:
+    """Engine A (first turns) then a fresh engine B (next turns), both with the connector on ``master``;
+    returns (A's result, B's result, the namespace file B wrote)."""
+    import json
+
+    from kvplugins.demo.engine import EngineSpec, run_fresh
+    conn = {"master": master, "namespace_file": str(ns_path)}
+    a = run_fresh(EngineSpec(model, turn_prompts[0], connector=conn))
+    b = run_fresh(EngineSpec(model, turn_prompts[1], connector=conn))
+    return a, b, json.loads(ns_path.read_text())
+
+
 def free_port() -> int:
     """A port free right now (vllm's OpenAI server takes a fixed --port; this is the closest to port 0)."""
     import socket

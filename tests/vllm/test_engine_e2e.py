@@ -12,7 +12,6 @@ no hang). Independently: with the store down the engine still serves, with ident
 """
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import threading
@@ -20,7 +19,7 @@ import time
 
 import pytest
 from helpers.cluster import store_cluster
-from kvp_vllm_helpers import BLOCK, replace_pages, stored_page_keys
+from kvp_vllm_helpers import BLOCK, engine_pair, replace_pages, stored_page_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
@@ -39,11 +38,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def shared(model, turn_prompts, cluster, tmp_path_factory):
     """Engine A then a fresh engine B, both with the connector; returns (A, B, namespace file content)."""
-    ns = tmp_path_factory.mktemp("ns") / "namespace.json"
-    conn = {"master": cluster.master, "namespace_file": str(ns)}
-    a = run_fresh(EngineSpec(model, turn_prompts[0], connector=conn))
-    b = run_fresh(EngineSpec(model, turn_prompts[1], connector=conn))
-    return a, b, json.loads(ns.read_text())
+    return engine_pair(model, turn_prompts, cluster.master, tmp_path_factory.mktemp("ns") / "namespace.json")
 
 
 def test_fresh_instance_gets_external_hits_and_identical_tokens(shared, baseline):
