@@ -58,22 +58,33 @@ def _warm_up(proxy: str, model: str) -> None:
 
 @pytest.mark.parametrize("mode,index", [("store", 0), ("direct", 1)])
 def test_pd_tokens_equal_single_instance(pd, baseline, model, turn_prompts, mode, index):
+    """Every attempt's tokens must equal the single instance's; at least one of two handoffs (decode's prefix
+    cache reset between them) must move every page by ``mode``: a handoff that outlives the 30 s waits on an
+    overloaded host (the open bug above) falls back to the store or to recompute, and both attempts' connector
+    log lines are the failure message."""
     prefill, decode, proxy = pd
-    before = decode.metrics()
+    pages = (baseline["prompt_tokens"][index] - 1) // BLOCK
     body = {"model": model, "prompt": turn_prompts[1][index], "max_tokens": 16, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": {"kvplugins_mode": mode}}
-    out = http_json(proxy + "/v1/completions", body)
-    assert out["choices"][0]["token_ids"] == baseline["tokens"][index]
-    time.sleep(1.5)  # the last steps' stats reach /metrics
-    after = decode.metrics()
+    seen = []
+    for attempt in range(2):
+        if attempt:
+            http_json(decode.url + "/reset_prefix_cache", {})
+        before = decode.metrics()
+        out = http_json(proxy + "/v1/completions", body)
+        assert out["choices"][0]["token_ids"] == baseline["tokens"][index]
+        time.sleep(1.5)  # the last steps' stats reach /metrics
+        after = decode.metrics()
 
-    def delta(name):
-        return after.get(f"vllm:kvplugins_{name}_total", 0) - before.get(f"vllm:kvplugins_{name}_total", 0)
-    pages = (baseline["prompt_tokens"][index] - 1) // BLOCK
-    assert delta("loaded_blocks") == pages and delta("failed_blocks") == 0, connector_lines(decode, prefill)
-    assert delta("direct_blocks") == (pages if mode == "direct" else 0), connector_lines(decode, prefill)
-    assert delta("saved_blocks") == 0  # a consumer does not save
-    assert after["vllm:kvplugins_load_seconds_count"] > before.get("vllm:kvplugins_load_seconds_count", 0)
+        def delta(name):
+            return after.get(f"vllm:kvplugins_{name}_total", 0) - before.get(f"vllm:kvplugins_{name}_total", 0)
+        assert delta("saved_blocks") == 0  # a consumer does not save
+        assert after["vllm:kvplugins_load_seconds_count"] > before.get("vllm:kvplugins_load_seconds_count", 0)
+        moved = (delta("loaded_blocks"), delta("failed_blocks"), delta("direct_blocks"))
+        if moved == (pages, 0, pages if mode == "direct" else 0):
+            return
+        seen.append(f"attempt {attempt}: loaded, failed, direct pages {moved} of {pages}")
+    raise AssertionError("\n".join(seen + [connector_lines(decode, prefill)]))
 
 
 def connector_lines(*servers) -> str:
