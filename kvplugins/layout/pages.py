@@ -35,11 +35,13 @@ class PageStore:
     staged: move the pages through host bounce slots (layout/staged.py) instead of straight from ``layout``'s
     memory: required for KV in device memory; the slots are what is registered with the client. Its ``mark()``
     (on the engine thread) gives the ``after`` of load/save.
+    share: another PageStore whose client and connection state this one uses (one client for a hybrid model's
+    KV cache groups); its memory is registered with that client too. Only the first PageStore closes the client.
     """
 
     def __init__(self, client_factory: Callable[[], Any], keyspace: KeySpace, layout: PageLayout | None = None,
                  ranks: Sequence[int] = (0,), retry_ms: float = 5000, retry_on_load: bool = False,
-                 staged: StagedPages | None = None):
+                 staged: StagedPages | None = None, share: "PageStore | None" = None):
         self._factory, self.keyspace, self.layout, self.staged = client_factory, keyspace, layout, staged
         self._retry_on_load = retry_on_load
         self._spaces = [keyspace.for_rank(r) for r in ranks]
@@ -48,6 +50,13 @@ class PageStore:
         self._down_until = 0.0
         self._logged_down = False
         self._state_lock = threading.RLock()  # (re)connect and fail-over may race between engine threads
+        self._owner: PageStore = share._owner if share is not None else self  # whose client this one uses
+        self._views: list[PageStore] = []     # owner only: the PageStores sharing its client
+        if share is not None:
+            with self._owner._state_lock:
+                self._owner._views.append(self)
+                if self._owner._client is not None:
+                    self._register(self._owner._client)
         self.stats = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "failed_pages": 0, "saved_pages": 0,
                       "skipped_pages": 0, "store_errors": 0}
 
@@ -57,8 +66,9 @@ class PageStore:
         return self._connected() is not None
 
     def _connected(self) -> Any:
-        with self._state_lock:
-            return self._connect_locked()
+        owner = self._owner
+        with owner._state_lock:
+            return owner._connect_locked()
 
     def _connect_locked(self) -> Any:
         if self._client is not None:
@@ -67,9 +77,8 @@ class PageStore:
             return None
         try:
             client = self._factory()
-            if self.layout is not None:
-                for addr, nbytes in (self.staged or self.layout).regions():
-                    client.register_buffer(addr, length=nbytes)
+            for pages in (self, *self._views):
+                pages._register(client)
         except KVPluginsError as e:
             self._failed(e)
             return None
@@ -78,9 +87,16 @@ class PageStore:
         self._client, self._logged_down = client, False
         return client
 
+    def _register(self, client) -> None:
+        """Register this PageStore's KV memory (or its bounce slots) with ``client``."""
+        if self.layout is not None:
+            for addr, nbytes in (self.staged or self.layout).regions():
+                client.register_buffer(addr, length=nbytes)
+
     def _failed(self, err: Exception) -> None:
-        with self._state_lock:
-            self._fail_locked(err)
+        owner = self._owner
+        with owner._state_lock:
+            owner._fail_locked(err)
 
     def _fail_locked(self, err: Exception) -> None:
         self.stats["store_errors"] += 1
@@ -138,8 +154,8 @@ class PageStore:
         if not block_ids:
             return []
         spans = self._layout().spans_for(block_ids) if self.staged is None else None
-        if self._client is None and self._retry_on_load:
-            self._down_until = 0.0
+        if self._owner._client is None and self._retry_on_load:
+            self._owner._down_until = 0.0
         client = self._connected()
         if client is None:
             self.stats["failed_pages"] += len(block_ids)
@@ -202,7 +218,7 @@ class PageStore:
         return self.layout
 
     def close(self) -> None:
-        if self._client is not None:
+        if self._owner is self and self._client is not None:
             self._client.close()
             self._client = None
         if self.staged is not None:

@@ -55,11 +55,11 @@ class SchedulerSide:
         self._token = secrets.randbits(62)   # P/D direct: ack tokens, unique per producer lifetime
         self.block_size = ks.block_size
         self.hash_block_size = engine.hash_block_size(kv_cache_config, ks.block_size)
-        self.group_pages = [PageStore(cfg.client_factory(), k, ranks=range(ks.tp_size), retry_ms=cfg.retry_ms)
-                            for k in spaces]  # one per KV cache group; [0] also answers P/D and events
-        self.pages = self.group_pages[0]
-        for pages in self.group_pages:
-            pages.connect()
+        self.pages = PageStore(cfg.client_factory(), ks, ranks=range(ks.tp_size), retry_ms=cfg.retry_ms)
+        self.group_pages = [self.pages] + [  # one per KV cache group, one client; [0] also answers P/D, events
+            PageStore(cfg.client_factory(), k, ranks=range(ks.tp_size), retry_ms=cfg.retry_ms, share=self.pages)
+            for k in spaces[1:]]
+        self.pages.connect()
         self.hybrid = len(self.groups) > 1
         if cfg.namespace_file:
             _write_namespaces(cfg.namespace_file, spaces)

@@ -70,12 +70,12 @@ class WorkerSide:
                 raise ConfigError(f"KVPluginsConnector: KV tensors of group {g.index} give {layout.page_bytes} B "
                                   f"pages, the KV cache spec {self._spaces[g.index].page_bytes} B; unsupported KV "
                                   "layout")
-            pages = PageStore(self.cfg.client_factory(), self._spaces[g.index], layout, retry_ms=self.cfg.retry_ms,
-                              retry_on_load=True,  # the scheduler found these pages just now
-                              staged=_staged(layout, self.cfg))
-            self.group_pages[g.index] = pages
-            threads.run_unpinned(pages.connect)  # its transfer engine's server threads inherit the wide mask
-        self.pages = self.group_pages[self.groups[0].index]
+            self.group_pages[g.index] = PageStore(self.cfg.client_factory(), self._spaces[g.index], layout,
+                                                  retry_ms=self.cfg.retry_ms,
+                                                  retry_on_load=True,  # the scheduler found these pages just now
+                                                  staged=_staged(layout, self.cfg), share=self.pages)
+            self.pages = self.pages or self.group_pages[g.index]  # the first group's client serves every group
+        threads.run_unpinned(self.pages.connect)  # its transfer engine's server threads inherit the wide mask
         layout = self.pages.layout
         if self.role == "kv_producer" and layout.device == "cpu" and not self.hybrid:  # any request may ask for direct (kvplugins_mode)
             from kvplugins.vllm_kv_connector.pd import Export

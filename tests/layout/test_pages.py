@@ -121,3 +121,34 @@ def test_lookup_only_store_refuses_load_clearly(master):
     with pytest.raises(KVPluginsError, match="no KV memory layout"):
         p.load([0], hashes(1))
     p.close()
+
+
+def test_groups_share_one_client_and_its_outage(master):
+    """A hybrid model's groups: two PageStores (own key spaces and KV memory) on one client: one connection,
+    both memories registered, pages of one group never found in the other, one outage is both groups'."""
+    from dataclasses import replace
+    made = []
+
+    def factory():
+        made.append(client_factory(master)())
+        return made[-1]
+    full_kv, window_kv, dst_full, dst_window = kv(2), kv(3), kv(), kv()
+    full = PageStore(factory, KS, PageLayout.from_tensors(full_kv))
+    window = PageStore(factory, replace(KS, layer_group="l2,l3"), PageLayout.from_tensors(window_kv), share=full)
+    h = hashes(2, salt=7)
+    assert full.save([1, 2], h) == 2 and window.save([3, 4], h) == 2
+    assert len(made) == 1
+    reader = PageStore(factory, KS, PageLayout.from_tensors(dst_full))
+    reader_w = PageStore(factory, replace(KS, layer_group="l2,l3"), PageLayout.from_tensors(dst_window), share=reader)
+    assert reader_w.load([0, 1], h) == [] and reader.load([0, 1], h) == []
+    assert len(made) == 2
+    for got, want in zip(dst_full, full_kv):
+        assert np.array_equal(got[0:2], want[1:3])
+    for got, want in zip(dst_window, window_kv):
+        assert np.array_equal(got[0:2], want[3:5])
+    assert window.stored_mask(h + hashes(1, salt=8)) == [True, True, False]
+    assert window.save([5], hashes(1, salt=9)) == 1 and full.stored_mask(hashes(1, salt=9)) == [False]
+    window._failed(RuntimeError("test: the store went away"))  # one group's failure
+    assert full._connected() is None and window._connected() is None  # both serve without the store now
+    assert made[0]._closed  # the failure closed the one client
+    full.close(), window.close(), reader_w.close(), reader.close()
