@@ -19,7 +19,8 @@ def pool_kind(pool: Any) -> str:
 
 def host_buffers(pool: Any) -> list[Span]:
     """(address, nbytes) of every host tensor the pool's buffer metadata can point into."""
-    tensors = [getattr(pool, "kv_buffer", None)]
+    kv = getattr(pool, "kv_buffer", None)
+    tensors = [] if isinstance(kv, (list, tuple)) else [kv]  # a Mamba pool's is a list: its hybrid buffers
     get_hybrid = getattr(pool, "get_hybrid_pool_buffer", None)
     if callable(get_hybrid):
         tensors += list(get_hybrid())

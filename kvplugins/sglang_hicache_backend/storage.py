@@ -10,8 +10,13 @@ KV dtype, page size, pool kind, layout, I/O format, PP rank and, for MHA, TP ran
 only ``is_storage_writer`` ranks write). Page I/O, outage handling (reads miss, writes report False, reconnect
 after ``retry_ms``) and per-page results live in ``kvplugins.layout.hicache.KeyedPageStore``.
 
-Source followed: SGLang 0.5.23 ``mem_cache/hicache_storage.py`` (HiCacheStorage, v1 interface) and
-``managers/cache_controller.py`` (how the prefetch/backup threads call it).
+Interface v2 (hybrid models): every other host pool SGLang registers by name (swa, mamba, indexer, ...) gets a
+key space of its own and shares the KV pool's store client; ``batch_exists_v2`` applies SGLang's ALL_PAGES /
+TRAILING_PAGES hit policies (pools_v2.py).
+
+Source followed: SGLang 0.5.23 ``mem_cache/hicache_storage.py`` (HiCacheStorage v1 and v2 interfaces, PoolTransfer,
+PoolTransferResult), ``managers/cache_controller.py`` and ``mem_cache/hybrid_cache/hybrid_cache_controller.py``
+(how the prefetch/backup threads call it).
 """
 from __future__ import annotations
 
@@ -20,10 +25,16 @@ import time
 from typing import Any, List, Optional
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
-from kvplugins.layout.hicache import KeyedPageStore, hicache_keyspace
-from kvplugins.sglang_hicache_backend import legacy
+from kvplugins.layout.hicache import KeyedPageStore, hicache_keyspace, key_bytes
+from kvplugins.sglang_hicache_backend import legacy, pools_v2
 from kvplugins.sglang_hicache_backend.config import from_extra_config
 from kvplugins.sglang_hicache_backend.metrics import Metrics
 from kvplugins.sglang_hicache_backend.pool import meta_layout, page_bytes, page_starts, page_tokens, pool_kind
@@ -45,6 +56,7 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         self.mem_pool_host = None
         self._pages: KeyedPageStore | None = None      # v1 namespace, zero-copy
         self._flat = None                               # legacy namespace (flat page tensors)
+        self._side: dict[str, tuple[Any, KeyedPageStore]] = {}  # v2: pool name -> (host pool, its pages)
         self._metrics = Metrics(storage_config.enable_storage_metrics)
 
     # ---- host pools ------------------------------------------------------------------------------------
@@ -53,7 +65,18 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         v1, flat = (self._keyspace(mem_pool_host, fmt) for fmt in ("v1", "flat"))
         self.close()                                    # a re-attach replaces the previous pool's connection
         self._pages = KeyedPageStore(self._client, v1, meta_layout(mem_pool_host), retry_ms=self.config.retry_ms)
-        self._flat = flat
+        self._flat, self._side = flat, {}
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+        """A hybrid model's host pool by name (SGLang PoolName: kv, swa, mamba, indexer, draft...). The KV anchor
+        keeps its v1 pages; any other pool gets its own key space (the name in it) on the KV pool's client.
+        Raises ConfigError for a pool without host memory, RuntimeError before register_mem_pool_host."""
+        name = _name(host_pool_name)
+        if host_pool is self.mem_pool_host:
+            return
+        space = self._keyspace(host_pool, "v1", name)
+        self._side[name] = (host_pool, KeyedPageStore(self._client, space, meta_layout(host_pool),
+                                                      retry_ms=self.config.retry_ms, share=self._store()))
 
     def on_host_pools_registered(self) -> None:
         """Connect now and register the host KV memory (a store that is down is retried on use)."""
@@ -64,12 +87,13 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         from kvplugins.store import StoreClient
         return StoreClient(self.config.client_config())
 
-    def _keyspace(self, pool, io_format: str):
+    def _keyspace(self, pool, io_format: str, name: str = ""):
         sc, kind = self.storage_config, pool_kind(pool)
         extra = f"ns={self.config.namespace};cp{sc.attn_cp_rank}/{sc.attn_cp_size};dcp{sc.dcp_rank}/{sc.dcp_size}"
         size = page_bytes(pool) if io_format == "v1" else pool.get_size_per_token() * page_tokens(pool)
-        return hicache_keyspace(model=sc.model_name or "", kv_dtype=str(pool.dtype), page_size=page_tokens(pool),
-                                page_bytes=size, pool=kind, layout=pool.layout, tp_rank=sc.tp_rank,
+        return hicache_keyspace(model=sc.model_name or "", kv_dtype=str(getattr(pool, "dtype", "state")),
+                                page_size=page_tokens(pool), page_bytes=size, pool=f"{kind}:{name}" if name else kind,
+                                layout=pool.layout, tp_rank=sc.tp_rank,
                                 tp_size=sc.tp_size, pp_rank=sc.pp_rank, pp_size=sc.pp_size,
                                 shared_across_tp=kind == "mla", io_format=io_format, extra=extra)
 
@@ -116,6 +140,53 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         self._metrics.backup(sum(ok), store.keyspace.page_bytes, time.perf_counter() - t0)
         return ok
+
+    # ---- interface v2 (hybrid models: side pools) -----------------------------------------------------------
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        """The longest KV prefix of ``keys`` (page hashes) every transfer's pool can restore under its hit policy,
+        each pool's own boundary (and "kv"), and every restorable length. One exists RPC per pool; a store that
+        is down is a miss (0). Raises ValueError for a BLOCK_GROUPS pool (not supported)."""
+        store = self._store()
+        kv = store.stored_prefix_in(store.keyspace, keys)
+        lengths = {}
+        for t in pool_transfers or []:
+            name = _name(t.name)
+            side = self._side.get(name)
+            stored = side[1].stored_mask(key_bytes(keys[:kv])) if side is not None else []
+            lengths[name] = pools_v2.allowed_lengths(_name(t.hit_policy), len(t.keys or ()), stored)
+        hit, per_pool, restorable = pools_v2.combine(kv, lengths)
+        return PoolTransferResult(hit, {"kv": kv, **per_pool}, restorable)
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        """Scatter each transfer's pages (``keys[i]`` -> the page at ``host_indices``) into its pool; True per page
+        that landed. A pool never registered, or inconsistent indices, read as all False (logged)."""
+        return {_name(t.name): self._side_io(t, "load") for t in transfers}
+
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        """Store each transfer's pages from its pool (stored ones skipped); True per page stored. Never raises:
+        SGLang skips the KV backup after a raising batch_set_v2. Non-writer ranks skip pools shared across TP
+        (MLA), and write per-rank ones (Mamba state is TP-sharded)."""
+        return {_name(t.name): self._side_io(t, "save") for t in transfers}
+
+    def _side_io(self, t: PoolTransfer, op: str) -> List[bool]:
+        keys = list(t.keys or ())
+        side = self._side.get(_name(t.name))
+        if side is None:
+            log.warning("kvplugins: %s of %d pages of pool %s, which was never registered: refused", op, len(keys),
+                        _name(t.name))
+            return [False] * len(keys)
+        pool, pages = side
+        if op == "save" and not self.is_writer and pool_kind(pool) == "mla":
+            return [True] * len(keys)
+        try:
+            starts = page_starts(pool, t.host_indices, len(keys))
+            return (pages.load_each if op == "load" else pages.save_each)(starts, keys) if keys else []
+        except Exception as e:  # noqa: BLE001 - a side pool's I/O ends in per-page results, never in SGLang's thread
+            log.warning("kvplugins: %s of %d pages of pool %s failed: %r", op, len(keys), _name(t.name), e)
+            return [False] * len(keys)
 
     # ---- legacy (flat page tensors; SGLang's generic page IO when interface_v1 is off) -------------------
     def get(
@@ -184,5 +255,12 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         """Disconnect from the store (idempotent)."""
+        for _, pages in self._side.values():
+            pages.close()
         if self._pages is not None:
             self._pages.close()
+
+
+def _name(value) -> str:
+    """An SGLang str enum (PoolName, PoolHitPolicy) or plain string, as its string value."""
+    return str(getattr(value, "value", value))

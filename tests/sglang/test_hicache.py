@@ -115,7 +115,8 @@ def test_construction_needs_no_store():
 
 def test_method_signatures_match_installed_hicache_storage():
     names = ["batch_get_v1", "batch_set_v1", "get", "set", "batch_get", "batch_set", "exists", "batch_exists",
-             "clear", "get_stats", "register_mem_pool_host", "on_host_pools_registered"]
+             "clear", "get_stats", "register_mem_pool_host", "on_host_pools_registered", "register_mem_host_pool_v2",
+             "batch_exists_v2", "batch_get_v2", "batch_set_v2"]
     for name in names:
         ours = inspect.signature(getattr(KVPluginsHiCacheStorage, name))
         theirs = inspect.signature(getattr(HiCacheStorage, name))
