@@ -114,21 +114,19 @@ class PageStore:
     # -- operations -------------------------------------------------------------------------------------------
     def stored_prefix(self, hashes: Sequence[bytes]) -> int:
         """Number of leading pages of ``hashes`` stored for every rank, in one RPC; 0 if the store is down."""
-        if not hashes:
-            return 0
-        client = self._connected()
-        if client is None:
-            return 0
-        self.stats["lookups"] += 1
-        try:
-            if len(self._spaces) == 1:
+        if len(self._spaces) > 1:
+            mask = self.stored_mask(hashes)
+            n = mask.index(False) if False in mask else len(mask)
+        else:
+            client = self._connected() if hashes else None
+            if client is None:
+                return 0
+            self.stats["lookups"] += 1
+            try:
                 n = client.batch_exists_prefix(self._spaces[0].keys(hashes))
-            else:
-                present = client.batch_exists([k for s in self._spaces for k in s.keys(hashes)])
-                n = _all_ranks_prefix(present, len(hashes))
-        except KVPluginsError as e:
-            self._failed(e)
-            return 0
+            except KVPluginsError as e:
+                self._failed(e)
+                return 0
         self.stats["hit_pages"] += n
         return n
 
@@ -223,11 +221,3 @@ class PageStore:
             self._client = None
         if self.staged is not None:
             self.staged.close()
-
-
-def _all_ranks_prefix(present: Sequence[bool], n: int) -> int:
-    """Leading pages present for every rank; ``present`` is rank-major (rank 0's n flags, then rank 1's...)."""
-    for i in range(n):
-        if not all(present[r * n + i] for r in range(len(present) // n)):
-            return i
-    return n

@@ -33,11 +33,16 @@ class PageBatch:
             mine.extend(theirs)
 
     def by_group(self) -> dict[int, "PageBatch"]:
-        """This batch split per KV cache group (token ids and parents stay with the pages that carry them)."""
+        """This batch split per KV cache group (token ids and parents stay with the pages that carry them); a
+        one-group batch is returned as it is."""
+        if len(set(self.groups)) <= 1:
+            return {self.groups[0]: self} if self.groups else {}
         out: dict[int, PageBatch] = {}
-        for i, g in enumerate(self.groups):
-            part = out.setdefault(g, PageBatch())
-            part.add([self.block_ids[i]], [self.hashes[i]], self.token_ids[i:i + 1], self.parents[i:i + 1], g)
+        for g in dict.fromkeys(self.groups):
+            idx = [i for i, x in enumerate(self.groups) if x == g]
+            out[g] = PageBatch([self.block_ids[i] for i in idx], [self.hashes[i] for i in idx],
+                               [self.token_ids[i] for i in idx] if self.token_ids else [],
+                               [self.parents[i] for i in idx] if self.parents else [], [g] * len(idx))
         return out
 
     def __len__(self) -> int:

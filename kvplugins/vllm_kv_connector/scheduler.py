@@ -61,6 +61,7 @@ class SchedulerSide:
             for k in spaces[1:]]
         self.pages.connect()
         self.hybrid = len(self.groups) > 1
+        self._fence_all = any(g.window_blocks for g in self.groups)  # blocks leave a window mid-request
         if cfg.namespace_file:
             _write_namespaces(cfg.namespace_file, spaces)
         self.tracked: dict[str, _Tracked] = {}
@@ -193,7 +194,7 @@ class SchedulerSide:
     def build_meta(self, out: "SchedulerOutput") -> KVPluginsConnectorMetadata:
         meta, self.pending = self.pending, KVPluginsConnectorMetadata()
         meta.fence = (set(out.finished_req_ids) | set(out.preempted_req_ids or ())) - set(meta.held)
-        meta.fence_all = any(g.window_blocks for g in self.groups)
+        meta.fence_all = self._fence_all
         if self.cfg.save and self.role != "kv_consumer":
             for req_id, computed in _computed_after_step(out).items():
                 self._plan_save(meta, req_id, computed, out)

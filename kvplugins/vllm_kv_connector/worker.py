@@ -74,7 +74,8 @@ class WorkerSide:
                                                   retry_ms=self.cfg.retry_ms,
                                                   retry_on_load=True,  # the scheduler found these pages just now
                                                   staged=_staged(layout, self.cfg), share=self.pages)
-            self.pages = self.pages or self.group_pages[g.index]  # the first group's client serves every group
+            if self.pages is None:  # the first group's PageStore: its client serves every group
+                self.pages = self.group_pages[g.index]
         threads.run_unpinned(self.pages.connect)  # its transfer engine's server threads inherit the wide mask
         layout = self.pages.layout
         if self.role == "kv_producer" and layout.device == "cpu" and not self.hybrid:  # any request may ask for direct (kvplugins_mode)
