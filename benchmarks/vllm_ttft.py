@@ -24,6 +24,10 @@ full-attention and five sliding-window KV cache groups. Same goal: warm <= 0.15 
 ``--staging always`` (issue #14): the connector engines stage every page through host bounce slots (the path of a
 GPU KV cache, run on the CPU), and one more fresh engine loads the same pages without staging (``warm_direct``):
 goals warm <= 1.2 x warm_direct TTFT at 4K, and the same <= 3% overhead at 0% hits.
+``--layer-chunks N`` (issue #14, layer-wise loads): one more cold engine saves every page as N objects of
+consecutive layers, then fresh engines load before the forward (async_load_tokens=0), alternating: whole pages
+(``warm_sync``) and layer-wise (``warm_layered``: attention layer l waits only for its chunk). Reported: their
+TTFT and the connector's own load time (load_ms: the sum of its load batches, warm-up included).
 
     .venv/bin/python benchmarks/vllm_ttft.py [--sizes 1024,4096,8192] [--batch 4] [--out 32] [--staging always]
                                              [--json F]
@@ -102,6 +106,8 @@ def main() -> int:
     ap.add_argument("--skip-ttft", action="store_true", help="only the 0%%-hit throughput comparison")
     ap.add_argument("--staging", default="auto", choices=("auto", "always"),
                     help="the connector's staging (always: bounce CPU KV too, and add a warm run without it)")
+    ap.add_argument("--layer-chunks", type=int, default=1,
+                    help="also compare synchronous whole-page loads with layer-wise ones of this many chunks")
     ap.add_argument("--warm-repeat", type=int, default=1,
                     help="warm engines per side (fresh processes, alternating with warm_direct); medians reported")
     ap.add_argument("--json", default="", help="write the results here")
@@ -127,15 +133,23 @@ def main() -> int:
         warm = [("warm", conn)]          # fresh processes, pages stored; with --staging always, the same pages
         if args.staging == "always":     # loaded without staging, alternating with the staged runs
             warm.append(("warm_direct", {"master": master, "staging": "never"}))
+        if args.layer_chunks > 1:        # the same prompts' pages as layer chunks, then sync vs layer-wise loads
+            layered = dict(conn, layer_chunks=args.layer_chunks, async_load_tokens=0)
+            runs.append(("cold_layered", layered))
+            warm = [("warm_sync", dict(conn, async_load_tokens=0)), ("warm_layered", layered)]
         for i in range(args.warm_repeat):
             runs += warm if i % 2 == 0 else warm[::-1]
         if not args.skip_ttft:
             for name, c in runs:
                 t = run_fresh(EngineSpec(prompts=ttft_prompts, max_tokens=1, connector=c, **base), timeout_s=1800)
                 res.setdefault(f"{name}_runs", []).append(t["ttft_ms"])
+                kvp = t.get("kvplugins", {})  # the connector's own load time, summed over the run (warm-up included)
+                res.setdefault(f"{name}_load_ms", []).append(1000 * kvp.get("load_seconds_sum", 0.0))
                 res[name] = {"ttft_ms": [median(x) for x in zip(*res[f"{name}_runs"])],
-                             "hits": t["external_hit_tokens"]}
-                print(name, json.dumps({"ttft_ms": t["ttft_ms"], "hits": t["external_hit_tokens"]}), flush=True)
+                             "hits": t["external_hit_tokens"], "load_ms": median(res[f"{name}_load_ms"])}
+                print(name, json.dumps({"ttft_ms": t["ttft_ms"], "hits": t["external_hit_tokens"],
+                                        "load_ms": res[f"{name}_load_ms"][-1], "loads": kvp.get("load_seconds", 0)}),
+                      flush=True)
         store_pid = int(embedded.read_discovery(embedded.discovery_path(up))["pid"])
         for i in range(args.repeat):  # interleaved, alternating order, so load drift hits both sides alike
             sides = (("nc", None), ("conn", conn)) if i % 2 == 0 else (("conn", conn), ("nc", None))
@@ -171,6 +185,16 @@ def report(res: dict, sizes: list[int], args) -> None:
         for i, n in enumerate(sizes):
             st, di = res["warm"]["ttft_ms"][i], res["warm_direct"]["ttft_ms"][i]
             print(f"| {n} | {st:.0f} | {di:.0f} | {st / di:.3f} |")
+    if "warm_layered" in res:
+        print(f"TTFT medians of {args.warm_repeat} fresh engines per side, alternating; load_ms: the connector's "
+              "load batches (sum, median over engines)")
+        print(f"| prompt tokens | warm sync TTFT ms | warm layer-wise ({args.layer_chunks} chunks) TTFT ms | "
+              "layer-wise / sync | load ms sync | load ms layer-wise |")
+        print("|---|---|---|---|---|---|")
+        for i, n in enumerate(sizes):
+            sy, la = res["warm_sync"], res["warm_layered"]
+            print(f"| {n} | {sy['ttft_ms'][i]:.0f} | {la['ttft_ms'][i]:.0f} | {la['ttft_ms'][i] / sy['ttft_ms'][i]:.3f}"
+                  f" | {sy['load_ms']:.0f} | {la['load_ms']:.0f} |")
     if "rounds_nc" in res:
         print(overhead_summary(res, args))
 

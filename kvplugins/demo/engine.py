@@ -123,8 +123,13 @@ def _child(spec: EngineSpec) -> dict:
     result["external_hit_tokens"] = _counter(llm, "vllm:external_prefix_cache_hits")
     result["local_hit_tokens"] = _counter(llm, "vllm:prefix_cache_hits")
     result["preemptions"] = _counter(llm, "vllm:num_preemptions")
-    result["kvplugins"] = {m.name.removeprefix("vllm:kvplugins_"): getattr(m, "value", getattr(m, "count", 0))
-                           for m in llm.get_metrics() if m.name.startswith("vllm:kvplugins_")}
+    result["kvplugins"] = {}
+    for m in llm.get_metrics():  # counters: their value; latency histograms: count and sum (seconds)
+        name = m.name.removeprefix("vllm:kvplugins_")
+        if m.name.startswith("vllm:kvplugins_"):
+            result["kvplugins"][name] = getattr(m, "value", getattr(m, "count", 0))
+            if hasattr(m, "sum"):
+                result["kvplugins"][f"{name}_sum"] = m.sum
     return result
 
 

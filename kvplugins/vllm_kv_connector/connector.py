@@ -114,7 +114,7 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # synchronous loads are complete when start_load_kv returns; async ones are not read yet
+        self._worker.wait_layer(layer_name)  # layer_chunks > 1: this layer's chunk; else a no-op (loads are whole)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:

@@ -1,7 +1,7 @@
 """vLLM config -> the engine-independent description kvplugins.layout needs (KeySpace, layer order)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvplugins.errors import ConfigError
@@ -19,21 +19,25 @@ class Group:
 
     ``window_blocks``: 0 for full attention (a hit needs every page of the prefix); for sliding window the
     pages a hit needs before its end, as vLLM's own prefix cache counts them (SlidingWindowManager:
-    ``cdiv(sliding_window - 1, block_size)``, vLLM 0.32 v1/core/single_type_kv_cache_manager.py)."""
+    ``cdiv(sliding_window - 1, block_size)``, vLLM 0.32 v1/core/single_type_kv_cache_manager.py).
+    With ``layer_chunks`` > 1 a Group is one chunk of consecutive layers of KV cache group ``index``: its own
+    page objects (keys), the same block ids and hit rule as its KV cache group."""
     index: int
     layer_names: tuple[str, ...]
     spec: Any
     window_blocks: int = 0
+    uid: int = 0        # position in the connector's list (keys its PageStore and PageBatch.groups)
 
     def needed(self, first: int, end: int) -> range:
         """The pages in [first, end) a hit ending at page ``end`` needs from this group."""
         return range(max(first, end - self.window_blocks) if self.window_blocks else first, end)
 
 
-def groups(kv_cache_config: "KVCacheConfig") -> list[Group]:
+def groups(kv_cache_config: "KVCacheConfig", layer_chunks: int = 1) -> list[Group]:
     """The KV cache groups, in vLLM's order: full-attention (MLA included) and sliding-window ones, all with
-    one block size. Raises ConfigError naming any other kind (Mamba, linear attention, chunked local: their
-    state is not saved yet) or differing block sizes."""
+    one block size; each cut into ``min(layer_chunks, its layers)`` chunks of consecutive layers (see Group).
+    Raises ConfigError naming any other kind (Mamba, linear attention, chunked local: their state is not saved
+    yet) or differing block sizes."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
     out, other = [], []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
@@ -50,7 +54,16 @@ def groups(kv_cache_config: "KVCacheConfig") -> list[Group]:
     sizes = sorted({g.spec.block_size for g in out})
     if len(sizes) > 1:
         raise ConfigError(f"KVPluginsConnector: KV cache groups with block sizes {sizes} tokens; it needs one")
-    return out
+    chunks = [replace(g, layer_names=names) for g in out for names in _chunks(g.layer_names, layer_chunks)]
+    return [replace(g, uid=i) for i, g in enumerate(chunks)]
+
+
+def _chunks(names: tuple[str, ...], n: int) -> list[tuple[str, ...]]:
+    """``names`` cut into min(n, len(names)) runs of consecutive layers, sizes differing by at most one."""
+    n = min(n, len(names))
+    q, r = divmod(len(names), n)
+    bounds = [i * q + min(i, r) for i in range(n + 1)]
+    return [names[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def keyspace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: VllmConnectorConfig,

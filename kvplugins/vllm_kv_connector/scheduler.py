@@ -47,7 +47,7 @@ class SchedulerSide:
     def __init__(self, vllm_config, kv_cache_config, cfg: VllmConnectorConfig):
         self.cfg = cfg
         self.role = vllm_config.kv_transfer_config.kv_role
-        self.groups = engine.groups(kv_cache_config)
+        self.groups = engine.groups(kv_cache_config, cfg.layer_chunks)  # KV cache groups, or their layer chunks
         spaces = [engine.keyspace(vllm_config, kv_cache_config, cfg, group=g) for g in self.groups]
         ks = spaces[0]
         self.namespace = ks.namespace
@@ -56,11 +56,12 @@ class SchedulerSide:
         self.block_size = ks.block_size
         self.hash_block_size = engine.hash_block_size(kv_cache_config, ks.block_size)
         self.pages = PageStore(cfg.client_factory(), ks, ranks=range(ks.tp_size), retry_ms=cfg.retry_ms)
-        self.group_pages = [self.pages] + [  # one per KV cache group, one client; [0] also answers P/D, events
+        self.group_pages = [self.pages] + [  # one per Group (uid order), one client; [0] also answers P/D, events
             PageStore(cfg.client_factory(), k, ranks=range(ks.tp_size), retry_ms=cfg.retry_ms, share=self.pages)
             for k in spaces[1:]]
         self.pages.connect()
-        self.hybrid = len(self.groups) > 1
+        self.hybrid = len({g.index for g in self.groups}) > 1  # several KV cache groups (vLLM's HMA)
+        self.multi = len(self.groups) > 1       # several page objects per page: the direct P/D path reads one
         self._fence_all = any(g.window_blocks for g in self.groups)  # blocks leave a window mid-request
         if cfg.namespace_file:
             _write_namespaces(cfg.namespace_file, spaces)
@@ -88,7 +89,7 @@ class SchedulerSide:
                         pd.get("namespace"), self.namespace)
             pd = None
         want = max(0, min(int(pd["pages"]), loadable) - first) if pd else 0
-        if pd and pd.get("mode") == "direct" and not self.hybrid:
+        if pd and pd.get("mode") == "direct" and not self.multi:
             return self._direct_match(t, pd, want)
         candidates = self._hashes(request)[first:loadable]
         t.hit, t.looked = self._stored(candidates, first), len(candidates)
@@ -109,7 +110,7 @@ class SchedulerSide:
         """Pages from ``first`` on that a hit may take: the longest run [first, first + n) for which every
         group holds the pages it needs (full attention: all of them; sliding window: those of the window before
         first + n, as vLLM's own prefix cache requires). One exists RPC per group."""
-        if not self.hybrid:
+        if not self.multi:
             return self.pages.stored_prefix(hashes)
         n, windows = len(hashes), []
         for g, pages in zip(self.groups, self.group_pages):
@@ -154,7 +155,7 @@ class SchedulerSide:
         if t.load_async:
             self.pending.async_loads[request.request_id] = batch
         else:
-            self.pending.loads.add(batch.block_ids, batch.hashes)
+            self.pending.loads.extend(batch)
 
     def _load_batch(self, group_block_ids, hashes: list[bytes], first: int, end: int) -> PageBatch:
         """Pages [first, end) each group needs, into the blocks vLLM allocated for them (a block id 0 is
@@ -163,7 +164,7 @@ class SchedulerSide:
         for g in self.groups:
             ids = group_block_ids[g.index]
             pages = [p for p in g.needed(first, end) if p < len(ids) and ids[p] != NULL_BLOCK]
-            batch.add([ids[p] for p in pages], [hashes[p] for p in pages], group=g.index)
+            batch.add([ids[p] for p in pages], [hashes[p] for p in pages], group=g.uid)
         return batch
 
     def loads_failed(self, req_ids: set[str]) -> None:
@@ -222,7 +223,7 @@ class SchedulerSide:
             pages = [p for p in range(t.saved, min(full, len(ids))) if ids[p] != NULL_BLOCK]
             batch.add([ids[p] for p in pages], [hashes[p] for p in pages],
                       [tokens[p] for p in pages] if tokens else (), [parents[p] for p in pages] if parents else (),
-                      group=g.index)
+                      group=g.uid)
         t.saved = full
 
     def finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -239,8 +240,8 @@ class SchedulerSide:
         mode = asked if asked in ("store", "direct") else self.cfg.pd_mode  # per request, else pd_mode
         params = {"v": 1, "mode": mode, "pages": pages, "namespace": self.namespace}
         held = Held("store")
-        if mode == "direct" and self.hybrid:
-            params["mode"] = "store"  # the direct path reads one group's blocks; a hybrid model hands over in the store
+        if mode == "direct" and self.multi:
+            params["mode"] = "store"  # the direct path reads one object per page; several go through the store
         elif mode == "direct" and self.handshakes:
             self._token += 1
             slot = self._token % MAILBOX_SLOTS

@@ -22,6 +22,7 @@ COUNTERS = {  # data key -> Prometheus help
     "async_blocks": "pages whose load ran in the background (asynchronous hits)",
     "direct_blocks": "pages read straight from a prefill instance's KV memory (P/D direct path)",
     "failed_blocks": "pages that failed to load (reported to vLLM for recompute or failure)",
+    "layer_waits": "layer chunks an attention layer waited for (layer-wise loads, layer_chunks > 1)",
     "saved_blocks": "pages saved to the kvplugins store",
     "saved_bytes": "bytes saved to the kvplugins store",
 }

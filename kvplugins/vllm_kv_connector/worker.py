@@ -33,18 +33,21 @@ class WorkerSide:
         self.cfg, self.kv_cache_config = cfg, kv_cache_config
         self.role = vllm_config.kv_transfer_config.kv_role
         self.tp_rank = get_tensor_model_parallel_rank()
-        self.groups = engine.groups(kv_cache_config)
-        self.hybrid = len(self.groups) > 1
+        self.groups = engine.groups(kv_cache_config, cfg.layer_chunks)  # KV cache groups, or their layer chunks
+        self.hybrid = len({g.index for g in self.groups}) > 1  # several KV cache groups (vLLM's HMA)
         self.keyspace = engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, self.groups[0])
-        self._spaces = {g.index: engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, g)
+        self._spaces = {g.uid: engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, g)
                         for g in self.groups}
         self.pages: PageStore | None = None             # the first group's (P/D, events)
-        self.group_pages: dict[int, PageStore] = {}     # KV cache group index -> its pages
+        self.group_pages: dict[int, PageStore] = {}     # Group.uid -> its pages
+        self._chunk_of = {n: g.uid for g in self.groups for n in g.layer_names} if len(self.groups) > 1 else {}
+        self._layer_loads: dict[int, Future] = {}       # layer chunk (uid) -> this step's load of it
         self.failed_recving: set[str] = set()           # hybrid: requests whose async load failed
         self.load_errors: set[int] = set()
         self.stats = StatsRecorder()
         self._load_pool = threads.pool("kvp-load")  # unpinned: see threads.py
         self._save_pool = threads.pool("kvp-save")
+        self._layer_pool = threads.pool("kvp-layer")     # layer-wise synchronous loads (layer_chunks > 1)
         self._loading: dict[Future, dict[str, frozenset]] = {}  # async load batch -> request id -> its block ids
         self._saving: dict[str, Future] = {}            # request id -> its latest save batch
         self._held: dict[str, tuple[Held, float]] = {}  # P/D producer: request -> (hold, first seen, monotonic s)
@@ -66,19 +69,20 @@ class WorkerSide:
                 raise ConfigError(f"KVPluginsConnector: no KV tensor for layers {missing}")
             layout = PageLayout([p for n in g.layer_names
                                  for p in _engine_blocks(_planes(kv_caches[n], num_blocks), num_blocks)])
-            if layout.page_bytes != self._spaces[g.index].page_bytes:
+            if layout.page_bytes != self._spaces[g.uid].page_bytes:
                 raise ConfigError(f"KVPluginsConnector: KV tensors of group {g.index} give {layout.page_bytes} B "
-                                  f"pages, the KV cache spec {self._spaces[g.index].page_bytes} B; unsupported KV "
+                                  f"pages, the KV cache spec {self._spaces[g.uid].page_bytes} B; unsupported KV "
                                   "layout")
-            self.group_pages[g.index] = PageStore(self.cfg.client_factory(), self._spaces[g.index], layout,
-                                                  retry_ms=self.cfg.retry_ms,
-                                                  retry_on_load=True,  # the scheduler found these pages just now
-                                                  staged=_staged(layout, self.cfg), share=self.pages)
+            self.group_pages[g.uid] = PageStore(self.cfg.client_factory(), self._spaces[g.uid], layout,
+                                                retry_ms=self.cfg.retry_ms,
+                                                retry_on_load=True,  # the scheduler found these pages just now
+                                                staged=_staged(layout, self.cfg, len(self.groups)),
+                                                share=self.pages)
             if self.pages is None:  # the first group's PageStore: its client serves every group
-                self.pages = self.group_pages[g.index]
+                self.pages = self.group_pages[g.uid]
         threads.run_unpinned(self.pages.connect)  # its transfer engine's server threads inherit the wide mask
         layout = self.pages.layout
-        if self.role == "kv_producer" and layout.device == "cpu" and not self.hybrid:  # any request may ask for direct (kvplugins_mode)
+        if self.role == "kv_producer" and layout.device == "cpu" and len(self.groups) == 1:  # any request may ask for direct
             from kvplugins.vllm_kv_connector.pd import Export
             self._export = threads.run_unpinned(Export, layout, self.cfg)
         elif self.role == "kv_producer" and self.cfg.pd_mode == "direct":
@@ -93,7 +97,9 @@ class WorkerSide:
         """Synchronous loads now; asynchronous ones submitted to the load thread. Staged loads copy into the
         blocks after what the engine already enqueued (the mark taken here, on the engine thread)."""
         after = self._mark()
-        if meta.loads.block_ids:
+        if meta.loads.block_ids and self._chunk_of:
+            self._load_layers(meta.loads, after)
+        elif meta.loads.block_ids:
             self.load_errors.update(self._load_batch(meta.loads, after))
         for remote in meta.acks:
             self._load_pool.submit(self._direct_ack, remote)
@@ -109,6 +115,25 @@ class WorkerSide:
         self.stats.add(async_blocks=sum(len(b) for b in meta.async_loads.values()))
         if stored:
             self._loading[self._load_pool.submit(self._load_batch, batch, after)] = stored
+
+    def _load_layers(self, batch: PageBatch, after) -> None:
+        """Layer-wise synchronous load: each layer chunk's pages on the ``kvp-layer`` thread, in layer order;
+        the forward waits per chunk (``wait_layer``), and ``drain_layers`` before anything reads the results."""
+        for uid, part in batch.by_group().items():
+            self._layer_loads[uid] = self._layer_pool.submit(self._load_batch, part, after)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """vLLM's wait_for_layer_load: return once the chunk holding ``layer_name`` has loaded (or failed: its
+        blocks are then in ``load_errors`` and vLLM recomputes them). Other layers' loads keep running."""
+        fut = self._layer_loads.pop(self._chunk_of.get(layer_name, -1), None)
+        if fut is not None:
+            self.load_errors.update(fut.result())
+            self.stats.add(layer_waits=1)
+
+    def drain_layers(self) -> None:
+        """Wait for every layer chunk load of this step (a chunk whose layers the forward never waited for)."""
+        for uid in list(self._layer_loads):
+            self.load_errors.update(self._layer_loads.pop(uid).result())
 
     def _mark(self):
         """Staged KV: an event after the work the engine has enqueued so far (on the engine thread), else None."""
@@ -195,6 +220,7 @@ class WorkerSide:
     def save(self, meta: KVPluginsConnectorMetadata) -> None:
         """After the forward: submit this step's full pages to the save thread (returns at once). A staged save
         gathers the blocks after the forward's work (the mark taken here)."""
+        self.drain_layers()
         if not meta.saves or self.pages is None:
             return
         batch = PageBatch()
@@ -213,7 +239,7 @@ class WorkerSide:
                 log.warning("kvplugins: save of %d pages failed: %r", len(part), e)
                 continue
             n, nbytes = n + written, nbytes + written * self._spaces[group].page_bytes
-            if self.events is not None and part.token_ids and group == self.groups[0].index:
+            if self.events is not None and part.token_ids and group == self.groups[0].uid:
                 self._record_stored(part, held)  # a router's prefix events: the first group's pages
         took = time.perf_counter() - t0
         self.stats.add(saved_blocks=n, saved_bytes=nbytes)
@@ -287,13 +313,14 @@ class WorkerSide:
         return failed
 
     def take_load_errors(self) -> set[int]:
+        self.drain_layers()
         errors, self.load_errors = self.load_errors, set()
         return errors
 
     def close(self) -> None:
         """Let in-flight transfers end (each is bounded by the store timeouts), then close the client."""
-        self._load_pool.shutdown(wait=True)
-        self._save_pool.shutdown(wait=True)
+        for pool in (self._layer_pool, self._load_pool, self._save_pool):
+            pool.shutdown(wait=True)
         for side in (self._export, self._reader):
             if side is not None:
                 side.close()
@@ -301,15 +328,16 @@ class WorkerSide:
             pages.close()
 
 
-def _staged(layout: PageLayout, cfg: VllmConnectorConfig):
+def _staged(layout: PageLayout, cfg: VllmConnectorConfig, shares: int = 1):
     """The bounce path for ``layout`` (layout/staged.py) when its KV is on a device, or staging='always'; else
-    None. Raises ConfigError for device KV with staging='never', or a device that cannot be staged."""
+    None: ``bounce_bytes / shares`` of host memory (one share per Group). Raises ConfigError for device KV with
+    staging='never', or a device that cannot be staged."""
     if cfg.staging == "never" and layout.device != "cpu":
         raise ConfigError(f"KVPluginsConnector: the KV cache is on {layout.device} and staging='never'; set "
                           "staging='auto' to move its pages through pinned host memory")
     if cfg.staging == "always" or layout.device != "cpu":
         from kvplugins.layout.staged import StagedPages
-        return StagedPages(layout, cfg.bounce_bytes, slot_timeout_s=2 * cfg.transfer_timeout_ms / 1000)
+        return StagedPages(layout, cfg.bounce_bytes // shares, slot_timeout_s=2 * cfg.transfer_timeout_ms / 1000)
     return None
 
 

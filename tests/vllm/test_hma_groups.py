@@ -71,3 +71,24 @@ def test_mamba_group_is_refused_naming_it():
     mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
     with pytest.raises(ConfigError, match="group 1: MambaSpec"):
         groups(_config(_attn(), mamba))
+
+
+def test_layer_chunks_cut_a_group_into_consecutive_layers_with_their_own_keys(vllm_config):
+    """layer_chunks: one page becomes several objects of consecutive layers (same block ids, own keys); 1 keeps
+    the one-object keys."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
+    from kvplugins.vllm_kv_connector.engine import groups, keyspace
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(5)]
+    kv = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, _attn())])
+    chunks = groups(kv, layer_chunks=2)
+    assert [c.layer_names for c in chunks] == [tuple(names[:3]), tuple(names[3:])]
+    assert [(c.index, c.uid) for c in chunks] == [(0, 0), (0, 1)]
+    assert [c.layer_names for c in groups(kv, layer_chunks=9)] == [(n,) for n in names]  # at most one per layer
+    cfg = VllmConnectorConfig.from_extra_config({"master": "unused:1"})
+    whole, *parts = [keyspace(vllm_config, kv, cfg, group=g) for g in groups(kv) + chunks]
+    assert len({whole.namespace, *(p.namespace for p in parts)}) == 3
+    assert sum(p.page_bytes for p in parts) == whole.page_bytes
+    with pytest.raises(Exception, match="layer_chunks=0"):
+        VllmConnectorConfig.from_extra_config({"layer_chunks": 0})
