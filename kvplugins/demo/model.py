@@ -1,6 +1,7 @@
 """Tiny random-weight models of real architectures and their tokenizer, built locally once: a Llama
-(LlamaForCausalLM, the demo's) and a Gemma-3 (Gemma3ForCausalLM: sliding-window and full-attention layers, a
-hybrid KV cache in vLLM: two KV cache groups).
+(LlamaForCausalLM, the demo's), a Gemma-3 (Gemma3ForCausalLM: sliding-window and full-attention layers, a
+hybrid KV cache in vLLM: two KV cache groups) and an LFM2 (Lfm2ForCausalLM: gated short-convolution and
+full-attention layers; vLLM keeps the convolution state in a Mamba KV cache group).
 
 No hub access: the tokenizer is a word-level tokenizer trained on the demo's conversation text and the
 weights are random with a fixed seed, so every build is identical. float32 keeps greedy decoding stable
@@ -15,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 MODEL_DIR_NAME = "demo-model-v1"
-FAMILY_DIRS = {"llama": MODEL_DIR_NAME, "gemma3": "demo-gemma3-v1"}
+FAMILY_DIRS = {"llama": MODEL_DIR_NAME, "gemma3": "demo-gemma3-v1", "lfm2": "demo-lfm2-v1"}
 GEMMA3_WINDOW = 128  # tokens: the sliding window of the tiny Gemma-3's sliding layers (4 blocks of 32)
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
@@ -58,16 +59,27 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
                                   layer_types=["sliding_attention", "full_attention"] * 2,
                                   tie_word_embeddings=False)
         cls = tf.Gemma3ForCausalLM
+    elif family == "lfm2":  # conv, attention, conv, attention: one Mamba (ShortConv) and one full-attention group
+        common["initializer_range"] = 0.2  # as for Gemma-3: small random weights repeat one token
+        cfg = tf.Lfm2Config(**common, layer_types=["conv", "full_attention"] * 2, conv_L_cache=3,
+                            tie_word_embeddings=False)
+        cls = tf.Lfm2ForCausalLM
     else:
         cfg, cls = tf.LlamaConfig(**common, tie_word_embeddings=False), tf.LlamaForCausalLM
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
+    if family == "lfm2":  # vLLM's Lfm2 reads the conv/block widths that LiquidAI's configs carry and HF's lacks
+        import json
+        conf = json.loads((path / "config.json").read_text())
+        conf.update(conv_dim=conf["hidden_size"], block_dim=conf["hidden_size"],
+                    block_ff_dim=conf["intermediate_size"])
+        (path / "config.json").write_text(json.dumps(conf, indent=2))
 
 
 def ensure_model(path: str | os.PathLike | None = None, seed: int = 0, family: str = "llama") -> Path:
-    """Return the model directory, building it first if absent (a few seconds). ``family``: "llama" or
-    "gemma3". Safe to race: the loser's build is discarded. Needs torch, transformers and tokenizers
+    """Return the model directory, building it first if absent (a few seconds). ``family``: "llama", "gemma3"
+    or "lfm2". Safe to race: the loser's build is discarded. Needs torch, transformers and tokenizers
     (installed with vLLM). Raises ValueError for another family."""
     final = Path(path) if path else default_dir(family)
     if (final / "config.json").exists():

@@ -20,6 +20,10 @@ class Group:
     ``window_blocks``: 0 for full attention (a hit needs every page of the prefix); for sliding window the
     pages a hit needs before its end, as vLLM's own prefix cache counts them (SlidingWindowManager:
     ``cdiv(sliding_window - 1, block_size)``, vLLM 0.32 v1/core/single_type_kv_cache_manager.py).
+    ``state``: a Mamba / linear-attention group in vLLM's "align" prefix-caching mode. Its block at page p holds
+    the recurrent state after tokens [0, (p + 1) * block_size), so a hit ending at page ``end`` needs only page
+    ``end - 1`` (window_blocks = 1), as MambaManager.find_longest_cache_hit counts it; those pages are saved
+    only from the exact blocks vLLM hands over (``boundary_state_offloads``), never read positionally.
     With ``layer_chunks`` > 1 a Group is one chunk of consecutive layers of KV cache group ``index``: its own
     page objects (keys), the same block ids and hit rule as its KV cache group."""
     index: int
@@ -27,6 +31,7 @@ class Group:
     spec: Any
     window_blocks: int = 0
     uid: int = 0        # position in the connector's list (keys its PageStore and PageBatch.groups)
+    state: bool = False
 
     def needed(self, first: int, end: int) -> range:
         """The pages in [first, end) a hit ending at page ``end`` needs from this group."""
@@ -34,11 +39,11 @@ class Group:
 
 
 def groups(kv_cache_config: "KVCacheConfig", layer_chunks: int = 1) -> list[Group]:
-    """The KV cache groups, in vLLM's order: full-attention (MLA included) and sliding-window ones, all with
-    one block size; each cut into ``min(layer_chunks, its layers)`` chunks of consecutive layers (see Group).
-    Raises ConfigError naming any other kind (Mamba, linear attention, chunked local: their state is not saved
-    yet) or differing block sizes."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    """The KV cache groups, in vLLM's order: full-attention (MLA included), sliding-window and Mamba / linear-
+    attention ("align" mode) ones, all with one block size; each cut into ``min(layer_chunks, its layers)``
+    chunks of consecutive layers (see Group). Raises ConfigError naming any other kind (chunked local
+    attention), a Mamba group outside "align" mode (the fix: prefix caching on), or differing block sizes."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
     out, other = [], []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
@@ -46,11 +51,17 @@ def groups(kv_cache_config: "KVCacheConfig", layer_chunks: int = 1) -> list[Grou
             out.append(Group(i, tuple(g.layer_names), spec, -(-(spec.sliding_window - 1) // spec.block_size)))
         elif isinstance(spec, FullAttentionSpec):
             out.append(Group(i, tuple(g.layer_names), spec))
+        elif isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+            out.append(Group(i, tuple(g.layer_names), spec, window_blocks=1, state=True))
+        elif isinstance(spec, MambaSpec):
+            raise ConfigError(f"KVPluginsConnector: KV cache group {i} is {spec.mamba_type} state with "
+                              f"mamba_cache_mode={spec.mamba_cache_mode!r}; its state is saved per block only in "
+                              "'align' mode: start vLLM with --enable-prefix-caching (and --mamba-cache-mode align)")
         else:
             other.append(f"group {i}: {type(spec).__name__}")
     if other or not out:
-        raise ConfigError(f"KVPluginsConnector serves full-attention and sliding-window KV cache groups; this model "
-                          f"has {other or 'none'}: run it without the connector")
+        raise ConfigError(f"KVPluginsConnector serves full-attention, sliding-window and Mamba/linear-attention "
+                          f"KV cache groups; this model has {other or 'none'}: run it without the connector")
     sizes = sorted({g.spec.block_size for g in out})
     if len(sizes) > 1:
         raise ConfigError(f"KVPluginsConnector: KV cache groups with block sizes {sizes} tokens; it needs one")
@@ -78,14 +89,19 @@ def keyspace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: V
     group = group or groups(kv_cache_config)[0]
     spec = group.spec
     cache = vllm_config.cache_config
+    if group.state:  # a state's bytes: its tensors (conv, ssm...) without vLLM's page padding
+        dtype = ",".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+        page, quant = spec.real_page_size_bytes, "none"
+        layout = f"{spec.mamba_type}:{'/'.join('x'.join(map(str, s)) for s in spec.shapes)}"
+    else:
+        dtype, page, quant = str(spec.dtype).removeprefix("torch."), spec.page_size_bytes, spec.kv_quant_mode
+        layout = physical_layout(vllm_config, kv_cache_config, group.layer_names)
     return KeySpace(model=cfg.model_id or vllm_config.model_config.model,
-                    kv_dtype=str(spec.dtype).removeprefix("torch."),
-                    block_size=spec.block_size,
+                    kv_dtype=dtype, block_size=spec.block_size,
                     layer_group=",".join(group.layer_names),
                     tp_rank=tp_rank, tp_size=par.tensor_parallel_size,
-                    page_bytes=spec.page_size_bytes * len(group.layer_names),
-                    extra=f"hash={cache.prefix_caching_hash_algo};kv_quant={spec.kv_quant_mode};"
-                          f"layout={physical_layout(vllm_config, kv_cache_config, group.layer_names)}")
+                    page_bytes=page * len(group.layer_names),
+                    extra=f"hash={cache.prefix_caching_hash_algo};kv_quant={quant};layout={layout}")
 
 
 def physical_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", layer_names=None) -> str:

@@ -199,7 +199,33 @@ class SchedulerSide:
         if self.cfg.save and self.role != "kv_consumer":
             for req_id, computed in _computed_after_step(out).items():
                 self._plan_save(meta, req_id, computed, out)
+            self._plan_state_saves(meta, out)
         return meta
+
+    def _plan_state_saves(self, meta, out: "SchedulerOutput") -> None:
+        """Mamba / linear-attention groups: save the exact blocks vLLM hands over this step
+        (``kv_connector_block_state.boundary_state_offloads``: request -> [(KV cache group, block id, boundary
+        tokens)], states this step's forward writes), each as the page that ends at its boundary. A boundary
+        inside a page (a prompt's tail) has no page key and is skipped. Such blocks can be freed right after the
+        step; ``fence_all`` (on with a state group) keeps them until their save has read them."""
+        state = getattr(out, "kv_connector_block_state", None)
+        offloads = state.boundary_state_offloads if state is not None else None
+        if not offloads or not any(g.state for g in self.groups):
+            return
+        pad = ([[]], [None]) if self.events_on else ((), ())  # keep token ids / parents aligned with the pages
+        for req_id, entries in offloads.items():
+            t = self.tracked.get(req_id)
+            if t is None:
+                continue
+            hashes = self._hashes(t.request)
+            for index, block_id, tokens in entries:
+                page, rem = divmod(tokens, self.block_size)
+                if rem or not 0 < page <= len(hashes) or block_id == NULL_BLOCK:
+                    continue
+                for g in self.groups:
+                    if g.state and g.index == index:
+                        meta.saves.setdefault(req_id, PageBatch()).add([block_id], [hashes[page - 1]], *pad,
+                                                                       group=g.uid)
 
     def _plan_save(self, meta, req_id: str, computed: int, out: "SchedulerOutput") -> None:
         t = self.tracked.get(req_id)
@@ -218,8 +244,8 @@ class SchedulerSide:
             tokens = {i: list(ids[i * b:(i + 1) * b]) for i in range(t.saved, full)}
             parents = {i: hashes[i - 1] if i else None for i in range(t.saved, full)}
         batch = meta.saves.setdefault(req_id, PageBatch())
-        for g in self.groups:  # a sliding-window group's pages that already left the window are null blocks
-            ids = group_ids[g.index]
+        for g in (g for g in self.groups if not g.state):  # state groups: _plan_state_saves
+            ids = group_ids[g.index]  # a sliding-window group's pages that already left the window are null blocks
             pages = [p for p in range(t.saved, min(full, len(ids))) if ids[p] != NULL_BLOCK]
             batch.add([ids[p] for p in pages], [hashes[p] for p in pages],
                       [tokens[p] for p in pages] if tokens else (), [parents[p] for p in pages] if parents else (),

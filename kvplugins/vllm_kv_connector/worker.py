@@ -40,6 +40,7 @@ class WorkerSide:
                         for g in self.groups}
         self.pages: PageStore | None = None             # the first group's (P/D, events)
         self.group_pages: dict[int, PageStore] = {}     # Group.uid -> its pages
+        self._event_uid = next((g.uid for g in self.groups if not g.state), -1)  # KV events: the first KV group
         self._chunk_of = {n: g.uid for g in self.groups for n in g.layer_names} if len(self.groups) > 1 else {}
         self._layer_loads: dict[int, Future] = {}       # layer chunk (uid) -> this step's load of it
         self.failed_recving: set[str] = set()           # hybrid: requests whose async load failed
@@ -239,7 +240,7 @@ class WorkerSide:
                 log.warning("kvplugins: save of %d pages failed: %r", len(part), e)
                 continue
             n, nbytes = n + written, nbytes + written * self._spaces[group].page_bytes
-            if self.events is not None and part.token_ids and group == self.groups[0].uid:
+            if self.events is not None and part.token_ids and group == self._event_uid:
                 self._record_stored(part, held)  # a router's prefix events: the first group's pages
         took = time.perf_counter() - t0
         self.stats.add(saved_blocks=n, saved_bytes=nbytes)
@@ -343,7 +344,10 @@ def _staged(layout: PageLayout, cfg: VllmConnectorConfig, shares: int = 1):
 
 def _planes(tensor, num_blocks: int) -> list[Plane]:
     """A layer's planes: CPU ``[num_blocks, ...]``, FlashAttention ``[2, num_blocks, ...]`` (K/V planes), HND or
-    cross-layer views (see kvplugins.layout.spans)."""
+    cross-layer views (see kvplugins.layout.spans); a Mamba layer's list of state tensors (conv, ssm...), each
+    ``[num_blocks, ...]`` over vLLM's padded pages, gives one plane per tensor."""
+    if isinstance(tensor, (list, tuple)):
+        return [p for t in tensor for p in _planes(t, num_blocks)]
     return planes_of(tensor, block_dim_of(tuple(tensor.shape), num_blocks))
 
 

@@ -1,6 +1,7 @@
 """vLLM's hybrid memory allocator, driven with vLLM's own KV cache specs (no engine): the connector declares
 SupportsHMA (so MultiConnector keeps HMA on with it), reads full-attention and sliding-window groups with the hit
-rule of vLLM's prefix cache, and refuses kinds whose state it does not save (Mamba) with a clear error."""
+rule of vLLM's prefix cache, takes Mamba / linear-attention state groups in "align" mode (one state page at the
+hit's end) and refuses other modes and kinds with a clear error."""
 from __future__ import annotations
 
 import pytest
@@ -62,15 +63,29 @@ def test_keyspaces_of_two_groups_never_share_a_key(vllm_config):
     assert a.namespace != b.namespace and a.keys([b"\x01" * 32]) != b.keys([b"\x01" * 32])
 
 
-def test_mamba_group_is_refused_naming_it():
+def test_mamba_state_group_in_align_mode_needs_only_the_hit_end(vllm_config):
+    """vLLM's MambaManager hits on the state at the hit's last block; the state page is the state's bytes
+    without vLLM's page padding; outside "align" mode (no per-block states) the group is refused with the fix."""
     import torch
-    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
 
     from kvplugins.errors import ConfigError
-    from kvplugins.vllm_kv_connector.engine import groups
-    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
-    with pytest.raises(ConfigError, match="group 1: MambaSpec"):
-        groups(_config(_attn(), mamba))
+    from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
+    from kvplugins.vllm_kv_connector.engine import groups, keyspace
+    shapes, dtypes = ((3, 256), (4, 8, 16)), (torch.float32, torch.bfloat16)
+    mamba = MambaSpec(block_size=32, shapes=shapes, dtypes=dtypes, page_size_padded=1 << 16,
+                      mamba_cache_mode="align")
+    full, state = groups(_config(_attn(), mamba))
+    assert state.state and not full.state and list(state.needed(2, 10)) == [9] and not list(state.needed(2, 2))
+    ks = keyspace(vllm_config, _config(_attn(), mamba), VllmConnectorConfig.from_extra_config({"master": "x:1"}),
+                  group=state)
+    assert ks.page_bytes == 3 * 256 * 4 + 4 * 8 * 16 * 2 and "float32,bfloat16" in ks.kv_dtype
+    with pytest.raises(ConfigError, match="group 1 .*mamba_cache_mode='none'.*enable-prefix-caching"):
+        groups(_config(_attn(), MambaSpec(block_size=32, shapes=shapes, dtypes=dtypes)))
+    local = ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                                      attention_chunk_size=64)
+    with pytest.raises(ConfigError, match="group 1: ChunkedLocalAttentionSpec"):
+        groups(_config(_attn(), local))
 
 
 def test_layer_chunks_cut_a_group_into_consecutive_layers_with_their_own_keys(vllm_config):
