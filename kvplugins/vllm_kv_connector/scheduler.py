@@ -64,7 +64,7 @@ class SchedulerSide:
         self.multi = len(self.groups) > 1       # several page objects per page: the direct P/D path reads one
         self._fence_all = any(g.window_blocks for g in self.groups)  # blocks leave a window mid-request
         if cfg.namespace_file:
-            _write_namespaces(cfg.namespace_file, spaces)
+            _write_namespaces(cfg.namespace_file, spaces, self.hash_block_size)
         self.tracked: dict[str, _Tracked] = {}
         self.pending = KVPluginsConnectorMetadata()
         self.stats = StatsRecorder()
@@ -282,12 +282,13 @@ class SchedulerSide:
         return True, {PARAMS_KEY: params}
 
 
-def _write_namespaces(path: str, spaces: list) -> None:
-    """JSON {"namespaces": {tp_rank: namespace}, "keyspace": fields, "groups": [fields per KV cache group]} of
-    the first group (and every group): a key is ``namespace/<block hash hex>``."""
+def _write_namespaces(path: str, spaces: list, hash_block_size: int) -> None:
+    """JSON {"namespaces": {tp_rank: namespace}, "keyspace": fields, "groups": [fields per KV cache group],
+    "hash_block_size": tokens} of the first group (and every group): a key is ``namespace/<hex>`` where hex is
+    vLLM's chained block hash (hashed every ``hash_block_size`` tokens) at the end of the page."""
     ks = spaces[0]
     info = {"namespaces": {r: ks.for_rank(r).namespace for r in range(ks.tp_size)}, "keyspace": asdict(ks),
-            "groups": [asdict(k) for k in spaces]}
+            "groups": [asdict(k) for k in spaces], "hash_block_size": hash_block_size}
     Path(path).write_text(json.dumps(info, indent=1))
 
 

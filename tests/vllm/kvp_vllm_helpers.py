@@ -9,21 +9,23 @@ from kvplugins.layout import KeySpace
 BLOCK = 32  # tokens per KV block in every engine the tests start
 
 
-def page_hashes(token_ids: list[int]) -> list[bytes]:
-    """vLLM's chained sha256 block hashes of the full pages of ``token_ids``."""
+def page_hashes(token_ids: list[int], block: int = BLOCK) -> list[bytes]:
+    """vLLM's chained sha256 hashes of every full ``block`` tokens of ``token_ids``."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils as u
     u.init_none_hash(sha256)
     parent, hashes = None, []
-    for i in range(len(token_ids) // BLOCK):
-        parent = u.hash_block_tokens(sha256, parent, token_ids[i * BLOCK:(i + 1) * BLOCK], None)
+    for i in range(len(token_ids) // block):
+        parent = u.hash_block_tokens(sha256, parent, token_ids[i * block:(i + 1) * block], None)
         hashes.append(bytes(parent))
     return hashes
 
 
-def page_keys(keyspace: dict, token_ids: list[int]) -> list[str]:
-    """Keys of the full pages of ``token_ids``: vLLM's chained sha256 block hashes in our key space."""
-    return KeySpace(**keyspace).keys(page_hashes(token_ids))
+def page_keys(keyspace: dict, token_ids: list[int], hash_block: int = BLOCK) -> list[str]:
+    """Keys of the full pages of ``token_ids``: vLLM's chained sha256 hashes (every ``hash_block`` tokens: the
+    namespace file's hash_block_size) at each page's end, in our key space."""
+    step = keyspace["block_size"] // hash_block
+    return KeySpace(**keyspace).keys(page_hashes(token_ids, hash_block)[step - 1::step])
 
 
 def stored_page_keys(client, b, info) -> list[str]:
