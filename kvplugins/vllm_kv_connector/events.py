@@ -6,7 +6,10 @@ afterwards (saved now, or already there) -> ``get_kv_connector_kv_cache_events``
 merges every TP worker's (``add_events`` + ``increment_workers``) -> the scheduler half's
 ``update_connector_output`` keeps them -> ``take_events`` yields each event once every worker reported it (a page
 is stored for the engine only when every TP rank's part is). Events carry the page's vLLM block hash, its parent
-hash, its token ids, the block size and medium ``CPU`` (the store's DRAM pool). Loads add no event: the blocks
+hash, its token ids, the block size, medium ``CPU`` (the store's DRAM pool) and, as vLLM's own events do, its
+KV cache group (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``): a hybrid model's
+groups each report their pages (a sliding-window group only the pages it saved; a state group the pages whose
+state it holds). Loads add no event: the blocks
 they fill are the engine's own cache, which vLLM reports itself. Source followed: vLLM 0.32
 ``MooncakeStoreKVEvents`` (kv_connector/v1/mooncake/store/connector.py) and ``kv_events.KVConnectorKVEvents``.
 """
@@ -66,10 +69,16 @@ class EventLog:
         self._lock = threading.Lock()
         self._events: list = []
 
-    def stored(self, hashes, parents, token_ids) -> None:
-        """The pages ``hashes`` (with their parent hashes and token ids) are in the store."""
+    def stored(self, hashes, parents, token_ids, spec=None, group: int | None = None) -> None:
+        """The pages ``hashes`` (with their parent hashes and token ids) of KV cache group ``group`` (its vLLM
+        ``spec``) are in the store."""
+        kind = window = None
+        if spec is not None:
+            from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+            kind, window = get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
         new = [BlockStored(block_hashes=[h], parent_block_hash=p, token_ids=list(t), block_size=self._block_size,
-                           lora_id=None, medium=MEDIUM_CPU, lora_name=None)
+                           lora_id=None, medium=MEDIUM_CPU, lora_name=None, group_idx=group,
+                           kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window)
                for h, p, t in zip(hashes, parents, token_ids)]
         with self._lock:
             self._events += new

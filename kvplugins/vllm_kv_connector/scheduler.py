@@ -212,19 +212,21 @@ class SchedulerSide:
         offloads = state.boundary_state_offloads if state is not None else None
         if not offloads or not any(g.state for g in self.groups):
             return
-        pad = ([[]], [None]) if self.events_on else ((), ())  # keep token ids / parents aligned with the pages
+        b = self.block_size
         for req_id, entries in offloads.items():
             t = self.tracked.get(req_id)
             if t is None:
                 continue
             hashes = self._hashes(t.request)
             for index, block_id, tokens in entries:
-                page, rem = divmod(tokens, self.block_size)
+                page, rem = divmod(tokens, b)
                 if rem or not 0 < page <= len(hashes) or block_id == NULL_BLOCK:
                     continue
+                ev = (([list(t.request.all_token_ids[tokens - b:tokens])], [hashes[page - 2] if page > 1 else None])
+                      if self.events_on else ((), ()))  # token ids / parents for KV events, aligned with the pages
                 for g in self.groups:
                     if g.state and g.index == index:
-                        meta.saves.setdefault(req_id, PageBatch()).add([block_id], [hashes[page - 1]], *pad,
+                        meta.saves.setdefault(req_id, PageBatch()).add([block_id], [hashes[page - 1]], *ev,
                                                                        group=g.uid)
 
     def _plan_save(self, meta, req_id: str, computed: int, out: "SchedulerOutput") -> None:

@@ -40,7 +40,8 @@ class WorkerSide:
                         for g in self.groups}
         self.pages: PageStore | None = None             # the first group's (P/D, events)
         self.group_pages: dict[int, PageStore] = {}     # Group.uid -> its pages
-        self._event_uid = next((g.uid for g in self.groups if not g.state), -1)  # KV events: the first KV group
+        first = {}                                      # KV events: each KV cache group's first layer chunk
+        self._event_groups = {g.uid: g for g in self.groups if first.setdefault(g.index, g.uid) == g.uid}
         self._chunk_of = {n: g.uid for g in self.groups for n in g.layer_names} if len(self.groups) > 1 else {}
         self._layer_loads: dict[int, Future] = {}       # layer chunk (uid) -> this step's load of it
         self.failed_recving: set[str] = set()           # hybrid: requests whose async load failed
@@ -240,21 +241,22 @@ class WorkerSide:
                 log.warning("kvplugins: save of %d pages failed: %r", len(part), e)
                 continue
             n, nbytes = n + written, nbytes + written * self._spaces[group].page_bytes
-            if self.events is not None and part.token_ids and group == self._event_uid:
-                self._record_stored(part, held)  # a router's prefix events: the first group's pages
+            if self.events is not None and part.token_ids and group in self._event_groups:
+                self._record_stored(part, held, self._event_groups[group])  # a router's prefix events
         took = time.perf_counter() - t0
         self.stats.add(saved_blocks=n, saved_bytes=nbytes)
         self.stats.observe("save_seconds", took)
         if took > SLOW_S:
             log.warning("kvplugins: a save of %d pages took %.1f s (%d written)", len(batch), took, n)
 
-    def _record_stored(self, batch: PageBatch, held_mask: list) -> None:
-        """BlockStored events for the pages of ``batch`` the store holds now (``held_mask``: per page; events.py)."""
+    def _record_stored(self, batch: PageBatch, held_mask: list, group: engine.Group) -> None:
+        """BlockStored events for the pages of ``batch`` (of ``group``) the store holds now (``held_mask``: per
+        page; events.py)."""
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
         held = [i for i, ok in enumerate(held_mask) if ok]
         self.events.stored([maybe_convert_block_hash(batch.hashes[i]) for i in held],
                            [None if batch.parents[i] is None else maybe_convert_block_hash(batch.parents[i])
-                            for i in held], [batch.token_ids[i] for i in held])
+                            for i in held], [batch.token_ids[i] for i in held], group.spec, group.index)
 
     # -- completion -------------------------------------------------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
