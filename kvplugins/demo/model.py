@@ -1,8 +1,10 @@
 """Tiny random-weight models of real architectures and their tokenizer, built locally once: a Llama
 (LlamaForCausalLM, the demo's), a Gemma-3 (Gemma3ForCausalLM: sliding-window and full-attention layers, a
 hybrid KV cache in vLLM: two KV cache groups), an LFM2 (Lfm2ForCausalLM: gated short-convolution and
-full-attention layers; vLLM keeps the convolution state in a Mamba KV cache group) and a Qwen3-Next
-(Qwen3NextForCausalLM: gated delta net linear attention, full attention, MoE; vLLM-CPU runs it in bf16 only).
+full-attention layers; vLLM keeps the convolution state in a Mamba KV cache group), a Qwen3-Next
+(Qwen3NextForCausalLM: gated delta net linear attention, full attention, MoE; vLLM-CPU runs it in bf16 only) and
+a Granite-4 hybrid (GraniteMoeHybridForCausalLM: Mamba2 and attention layers; vLLM-CPU cannot run it with
+prefix caching, see tests/vllm/test_mamba_e2e.py).
 
 No hub access: the tokenizer is a word-level tokenizer trained on the demo's conversation text and the
 weights are random with a fixed seed, so every build is identical. float32 keeps greedy decoding stable
@@ -18,7 +20,7 @@ from pathlib import Path
 
 MODEL_DIR_NAME = "demo-model-v1"
 FAMILY_DIRS = {"llama": MODEL_DIR_NAME, "gemma3": "demo-gemma3-v1", "lfm2": "demo-lfm2-v1",
-               "qwen3next": "demo-qwen3next-v1"}
+               "qwen3next": "demo-qwen3next-v1", "granite4": "demo-granite4-v1"}
 GEMMA3_WINDOW = 128  # tokens: the sliding window of the tiny Gemma-3's sliding layers (4 blocks of 32)
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
@@ -74,6 +76,14 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
                                  num_experts_per_tok=2, moe_intermediate_size=128,
                                  shared_expert_intermediate_size=128, tie_word_embeddings=False)
         cls = tf.Qwen3NextForCausalLM
+    elif family == "granite4":  # Mamba2, attention, Mamba2, attention (no MoE experts: a shared MLP)
+        common["initializer_range"] = 0.2
+        cfg = tf.GraniteMoeHybridConfig(**common, layer_types=["mamba", "attention"] * 2, mamba_n_heads=8,
+                                        mamba_d_head=64, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=32,
+                                        mamba_expand=2, mamba_d_conv=4, num_local_experts=0,
+                                        shared_intermediate_size=512, position_embedding_type="rope",
+                                        tie_word_embeddings=False)
+        cls = tf.GraniteMoeHybridForCausalLM
     else:
         cfg, cls = tf.LlamaConfig(**common, tie_word_embeddings=False), tf.LlamaForCausalLM
     torch.manual_seed(seed)
@@ -89,7 +99,7 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
 
 def ensure_model(path: str | os.PathLike | None = None, seed: int = 0, family: str = "llama") -> Path:
     """Return the model directory, building it first if absent (a few seconds). ``family``: "llama", "gemma3",
-    "lfm2" or "qwen3next". Safe to race: the loser's build is discarded. Needs torch, transformers and tokenizers
+    "lfm2", "qwen3next" or "granite4". Safe to race: the loser's build is discarded. Needs torch, transformers and tokenizers
     (installed with vLLM). Raises ValueError for another family."""
     final = Path(path) if path else default_dir(family)
     if (final / "config.json").exists():

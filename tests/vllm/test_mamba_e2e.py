@@ -70,3 +70,28 @@ def test_state_hybrid_corrupted_state_pages_change_tokens(runs, cluster):
     assert bad["external_hit_tokens"] == sum(ends) * bs and bad["kvplugins"]["failed_blocks"] == 0
     assert bad["kvplugins"]["loaded_blocks"] == sum(ends) + len(ends)   # the corrupted states were loaded
     assert bad["tokens"] != runs["baseline"]["tokens"]
+
+
+def test_mamba2_hybrid_maps_vllms_real_state_tensors(turn_prompts, cluster, tmp_path):
+    """Granite-4 hybrid (Mamba2 + attention), which vLLM-CPU cannot run with prefix caching: the connector is
+    driven with vLLM's real KVCacheConfig and KV tensors at start-up. Its state group's key space holds the
+    Mamba2 conv + SSM state bytes of vLLM's spec, the worker maps vLLM's padded state tensors onto those pages
+    (the start-up check that the tensors give the spec's page bytes passes), and the first prefill then fails
+    inside vLLM's Mamba2 layer, with or without the connector (if it ever runs, this test must become the e2e
+    one above)."""
+    import json
+
+    from kvplugins.demo.model import ensure_model
+    from kvplugins.errors import KVPluginsError
+    model, ns, log = str(ensure_model(family="granite4")), tmp_path / "ns.json", tmp_path / "engine.log"
+    with pytest.raises(KVPluginsError, match="engine run failed"):
+        run_fresh(EngineSpec(model, turn_prompts[0][:1], connector={"master": cluster.master,
+                                                                   "namespace_file": str(ns)}), log_path=str(log))
+    text = log.read_text()
+    assert "kvplugins: 2 KV cache group(s) of 2/2 layers" in text and "IndexError" in text
+    assert "mamba_mixer2" in text
+    (state,) = [g for g in json.loads(ns.read_text())["groups"] if "layout=state:MAMBA2:" in g["extra"]]
+    # conv state (d_conv - 1) x (expand * hidden + 2 * groups * d_state) and SSM state heads x d_head x d_state,
+    # fp32 (vLLM's Mamba2 dtypes on the CPU), two Mamba layers
+    conv, ssm = 3 * (2 * 256 + 2 * 16), 8 * 64 * 16
+    assert state["page_bytes"] == 2 * 4 * (conv + ssm)
