@@ -21,6 +21,10 @@ Goals: warm <= 0.15 x cold TTFT at 4K; connector throughput >= 0.97 x no-connect
 (Gemma3ForCausalLM: 18 layers, 5 sliding-window (512 tokens) : 1 full attention, hidden 640, 4 query / 1 KV heads,
 head 256), cached under ~/.cache/kvplugins/bench-gemma3-270m-shape; vLLM's hybrid memory allocator gives it one
 full-attention and five sliding-window KV cache groups. Same goal: warm <= 0.15 x cold at 4K.
+``--family lfm2`` (issue #15): a state hybrid, random weights shaped like LFM2-350M (Lfm2ForCausalLM: 16 layers,
+10 gated short-convolution + 6 full attention, hidden 1024, 16 query / 8 KV heads), cached under
+~/.cache/kvplugins/bench-lfm2-350m-shape: one full-attention and one Mamba-state KV cache group ("align" prefix
+caching), so a warm hit loads every attention page and one convolution state.
 ``--staging always`` (issue #14): the connector engines stage every page through host bounce slots (the path of a
 GPU KV cache, run on the CPU), and one more fresh engine loads the same pages without staging (``warm_direct``):
 goals warm <= 1.2 x warm_direct TTFT at 4K, and the same <= 3% overhead at 0% hits.
@@ -62,11 +66,15 @@ GEMMA3_SHAPE = dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=1
                     num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
                     layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3, max_position_embeddings=32768,
                     tie_word_embeddings=True)
-MODEL_DIRS = {"qwen2": "bench-qwen2.5-0.5b-shape", "gemma3": "bench-gemma3-270m-shape"}
+LFM2_SHAPE = dict(hidden_size=1024, intermediate_size=6656, num_hidden_layers=16, num_attention_heads=16,
+                  num_key_value_heads=8, conv_L_cache=3, max_position_embeddings=32768, tie_word_embeddings=True,
+                  layer_types=[("full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv") for i in range(16)])
+MODEL_DIRS = {"qwen2": "bench-qwen2.5-0.5b-shape", "gemma3": "bench-gemma3-270m-shape",
+              "lfm2": "bench-lfm2-350m-shape"}
 
 
 def build_model(path: Path, family: str = "qwen2") -> Path:
-    """Random-weight Qwen2 of the 0.5B shape (or Gemma-3 of the 270M shape) with the demo tokenizer (its
+    """Random-weight Qwen2 of the 0.5B shape (or Gemma-3 270M, LFM2 350M shapes) with the demo tokenizer (its
     vocabulary size)."""
     if (path / "config.json").exists():
         return path
@@ -80,10 +88,16 @@ def build_model(path: Path, family: str = "qwen2") -> Path:
     common = dict(vocab_size=len(tok), bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
     if family == "gemma3":
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, pad_token_id=3, **GEMMA3_SHAPE))
+    elif family == "lfm2":
+        model = tf.Lfm2ForCausalLM(tf.Lfm2Config(**common, pad_token_id=3, **LFM2_SHAPE))
     else:
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, **SHAPE))
     model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
+    if family == "lfm2":  # vLLM's Lfm2 reads the widths LiquidAI's configs carry (as kvplugins.demo.model does)
+        conf = json.loads((tmp / "config.json").read_text())
+        conf.update(conv_dim=conf["hidden_size"], block_dim=conf["hidden_size"], block_ff_dim=conf["intermediate_size"])
+        (tmp / "config.json").write_text(json.dumps(conf, indent=2))
     os.rename(tmp, path)
     return path
 
@@ -100,7 +114,8 @@ def main() -> int:
     ap.add_argument("--out", type=int, default=32, help="output tokens of each throughput prompt")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--family", default="qwen2", choices=sorted(MODEL_DIRS),
-                    help="model shape: qwen2 (full attention) or gemma3 (hybrid: sliding window + full)")
+                    help="model shape: qwen2 (full attention), gemma3 (hybrid: sliding window + full) or lfm2 "
+                         "(hybrid: convolution state + full)")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved throughput rounds (one engine per side each)")
     ap.add_argument("--batches", type=int, default=3, help="throughput batches per engine (new prompts each)")
     ap.add_argument("--skip-ttft", action="store_true", help="only the 0%%-hit throughput comparison")
