@@ -2,7 +2,11 @@
 
     bash ci/install-kt.sh        # kt-kernel 0.7.2 into .venv/kt-kernel-0.7.2 (benchmark only)
     .venv/bin/python benchmarks/moe_bench.py [--threads N] [--configs bench,dsv2lite,qwen3] [--max-experts E]
-        [--cpu-time] [--rounds R]
+        [--cpu-time] [--rounds R] [--isas auto|avx512_bf16,avx512,avx2]
+
+``--isas``: one kvplugins row per kernel tier named (forced through KVPLUGINS_KT_ISA in that backend's process;
+"auto" = the widest this CPU runs), so every tier this CPU has is measured beside kt-kernel in the same run.
+Each table names the CPU model (/proc/cpuinfo) and the tier auto picks, and why.
 
 Decode (T=1, 4): GB/s of expert weights touched (unique experts routed x their bytes) and the share of this
 machine's read bandwidth, measured in the same run (torch.sum over fp32 with the same thread count and the same
@@ -93,6 +97,8 @@ def touch_all_experts(fn, E, H, K):
 
 def build(label, fmt, w, K, threads):
     if label.startswith("kvplugins"):
+        if "@" in label:  # a forced tier ("kvplugins int8 @avx512"), read by the wrapper's KTConfig
+            os.environ["KVPLUGINS_KT_ISA"] = label.split("@")[1]
         return backends.kvplugins_backend(fmt, w, K, threads)
     if label.startswith("kt-kernel"):
         return backends.kt_backend(fmt, w, K, threads, 0)
@@ -146,6 +152,18 @@ def run_isolated(name, label, fmt, args) -> dict:
     return json.loads(last)
 
 
+def cpu_model() -> str:
+    """The CPU model name (and family/model numbers) from /proc/cpuinfo, for the table's header."""
+    info = {}
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            info.setdefault(k.strip(), v.strip())
+            if not line.strip():
+                break
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
+
+
 def median_row(by_round):
     """The row (one T of one backend) whose ms is the median over the rounds; failed rounds are ignored."""
     ok = sorted((r for r in by_round if r[2] != "-"), key=lambda r: float(r[3]))
@@ -167,6 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="run every backend this many times, interleaved; each "
                    "cell reports the round with the median time")
     p.add_argument("--bw-gib", type=float, default=1.0, help="GiB the read-bandwidth probe sums (workers: half)")
+    p.add_argument("--isas", default="auto", help="kvplugins kernel tiers to run, e.g. avx512_bf16,avx512,avx2")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.formats = args.formats.split(",")
@@ -175,6 +194,9 @@ def main(argv=None) -> int:
         print(json.dumps(worker(*args.worker.split("|"), args)))
         return 0
     bw = read_bandwidth(args.threads, args.bw_gib, _clock(args))
+    from kvplugins.kt_expert_backend import native
+    print(f"CPU: {cpu_model()}; kvplugins tiers here: {', '.join(native.supported_isas())}; auto picks "
+          f"{native.describe_isa()}", flush=True)
     print(f"read bandwidth (torch.sum, {args.threads} threads): {bw / 1e9:.1f} GB/s; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     runs = {}  # (config, backend) -> one result per round
@@ -182,7 +204,8 @@ def main(argv=None) -> int:
         for name in args.configs.split(","):
             cands = []
             for fmt in args.formats:
-                cands.append((f"kvplugins {fmt}", fmt))
+                for isa in args.isas.split(","):
+                    cands.append((f"kvplugins {fmt}" + ("" if isa == "auto" else f" @{isa}"), fmt))
                 if not args.no_kt:
                     cands.append((f"kt-kernel {backends.METHODS[fmt]}", fmt))
             cands.append(("torch bf16", "bf16"))

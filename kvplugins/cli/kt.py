@@ -43,7 +43,9 @@ def run(args) -> int:
         st = shim.disable(args.site_dir)
     else:
         st = shim.status(args.site_dir)
-    from kvplugins.kt_expert_backend.native import best_isa
+    from kvplugins.config import load
+    from kvplugins.kt_expert_backend.config import KTConfig
+    from kvplugins.kt_expert_backend.native import describe_isa
     print(st.describe())
-    print(f"kernels on this CPU: {best_isa()}")
+    print(f"kernels on this CPU: {describe_isa(load(KTConfig).isa)}")
     return 0

@@ -57,5 +57,5 @@ class Engines:
             if eng is None:
                 eng = cls._engines[key] = Engine(native.Pool(threads, subpools, list(nodes), spin_us, node_root,
                                                              wait_spin_us=sync_spin_us))
-                log.info("kt expert backend: %s (kernels: %s)", eng.pool.describe(), native.best_isa())
+                log.info("kt expert backend: %s (kernels: %s)", eng.pool.describe(), native.describe_isa())
             return eng

@@ -2,16 +2,18 @@
 ``ValueError``/``RuntimeError`` turned into kvplugins errors. Arrays (numpy, or torch tensors via DLPack) are read
 in place; nothing here imports torch.
 
-Formats: ``bf16`` (AVX512-BF16 dot products), ``int8`` (per output channel, AVX512-VNNI), ``int4`` (symmetric,
-one scale per ``group`` inputs, AVX512-VNNI on unpacked nibbles). ISAs: ``avx512`` (needs F/BW/VL/DQ/BF16/VNNI),
-``avx2`` (AVX2+FMA), ``scalar``; ``auto`` picks the widest this CPU and OS run (cpuid + XGETBV).
+Formats: ``bf16`` (bf16 dot products), ``int8`` (per output channel, VNNI on AVX-512), ``int4`` (symmetric, one
+scale per ``group`` inputs, VNNI on unpacked nibbles). ISA tiers, narrowest first: ``scalar``; ``avx2`` (AVX2 +
+FMA); ``avx512`` (F/BW/VL/DQ + VNNI: Ice Lake, Cascade Lake; bf16 widened to fp32 + FMA); ``avx512_bf16`` (that +
+AVX512-BF16: Cooper Lake, Sapphire Rapids, Zen 4/5). ``auto`` picks the widest this CPU and OS run (cpuid +
+XGETBV); a named tier the CPU lacks is refused (never SIGILL). No AMX tier (docs/kt.md).
 """
 from __future__ import annotations
 
 from kvplugins.errors import ConfigError, NativeError
 
 FORMATS = ("bf16", "int8", "int4")
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512", "avx512_bf16")
 PROJ = {"gate": 0, "up": 1, "down": 2}
 NODE_ROOT = "/sys/devices/system/node"
 
@@ -25,8 +27,33 @@ def _mod():
 
 
 def best_isa() -> str:
-    """The widest kernel variant this CPU and OS can run: avx512, avx2 or scalar."""
+    """The widest kernel tier this CPU and OS can run: avx512_bf16, avx512, avx2 or scalar."""
     return _mod().best_isa()
+
+
+def best_isa_reason() -> str:
+    """Why best_isa() is that tier, e.g. "AVX512 F/BW/VL/DQ + VNNI, no AVX512-BF16 (bf16 weights widen to fp32)"."""
+    return _mod().best_isa_reason()
+
+
+def kt_cpu_variant() -> str:
+    """best_isa() in kt-kernel's ``__cpu_variant__`` names ('avx512' or 'avx2'; kt-kernel's 'amx' has no kvplugins
+    tier): both AVX-512 tiers report 'avx512'. Source: kt-kernel 0.7.2 kt_kernel/__init__.py."""
+    best = best_isa()
+    return "avx512" if best.startswith("avx512") else best
+
+
+def describe_isa(name: str = "auto") -> str:
+    """The tier ``name`` resolves to here and why, for logs and ``kvplugins kt status``. Raises ConfigError as
+    resolve_isa."""
+    tier = resolve_isa(name)
+    why = best_isa_reason() if name == "auto" else f"forced (isa={name}); widest here {best_isa()}"
+    return f"{tier} ({why})"
+
+
+def supported_isas() -> list[str]:
+    """Every tier this CPU and OS can run, narrowest first."""
+    return [name for i, name in enumerate(ISAS) if _mod().isa_supported(i)]
 
 
 def resolve_isa(name: str) -> str:
@@ -36,7 +63,8 @@ def resolve_isa(name: str) -> str:
     if name not in ISAS:
         raise ConfigError(f"isa {name!r} is not one of auto, {', '.join(ISAS)}")
     if not _mod().isa_supported(ISAS.index(name)):
-        raise ConfigError(f"this CPU cannot run the {name} kernels; use isa=auto (best here: {best_isa()})")
+        raise ConfigError(f"this CPU cannot run the {name} kernels (best here: {best_isa()}: {best_isa_reason()}); "
+                          f"use isa=auto or one of {', '.join(supported_isas())} (KVPLUGINS_KT_ISA)")
     return name
 
 

@@ -22,10 +22,10 @@ MARKER = "# kvplugins kt shim"
 SHIM_SOURCE = f'''{MARKER}: `kvplugins kt disable` removes this package.
 """kt_kernel API served by kvplugins.kt_expert_backend (see docs/kt.md)."""
 from kvplugins.kt_expert_backend import KTMoEWrapper
-from kvplugins.kt_expert_backend.native import best_isa as _best_isa
+from kvplugins.kt_expert_backend.native import kt_cpu_variant as _kt_cpu_variant
 
 __version__ = "0.7.2+kvplugins"
-__cpu_variant__ = _best_isa()
+__cpu_variant__ = _kt_cpu_variant()
 __all__ = ["KTMoEWrapper"]
 '''
 

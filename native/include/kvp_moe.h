@@ -10,12 +10,15 @@
 namespace kvp::moe {
 
 enum class Format : int { BF16 = 0, INT8 = 1, INT4 = 2 };
-enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+// Kernel tiers, narrowest first: Avx512 = F/BW/VL/DQ + VNNI (Ice Lake, Cascade Lake), Avx512Bf16 = that +
+// AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4/5).
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
 
 const char* format_name(Format f);
 const char* isa_name(Isa i);
 Isa best_isa();                 // cpuid + XGETBV: the widest variant this CPU and OS can run
 bool isa_supported(Isa i);
+const char* best_isa_reason();  // why best_isa() is that tier: its features, or the first one missing above it
 
 // A weight matrix W[N, K] (rows are output channels) in one format, rows contiguous:
 //   BF16: N*K uint16;  INT8: N*K int8 + scale[N] (per channel);

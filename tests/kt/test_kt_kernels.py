@@ -52,17 +52,52 @@ def test_real_shapes_match_reference(shape, fmt, pool):
             assert rel_err(out, ref_moe(x, ids, wt, *w)) < TOL[fmt][1]
 
 
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("fmt,group", [("bf16", 0), ("int8", 0), ("int4", 64), ("int4", 128)])
+def test_every_tier_matches_torch_reference(isa, fmt, group, pool):
+    """Each tier this CPU runs, alone, against the torch fp32 reference on the dequantized weights at T = 1, 2,
+    3, 4, 6 (decode tiles) and 128 (prefill); a tier the CPU lacks is skipped, visibly."""
+    if isa not in native.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} tier ({native.best_isa_reason()})")
+    E, H, I, K = 4, 256, 384, 2
+    w = random_experts(E, H, I, seed=5)
+    layer = _layer(fmt, isa, E, H, I, w, pool, group=group or 64)
+    assert layer.isa == isa
+    deq = [dequantized(fmt, m, group or 64) for m in w]
+    for T in (1, 2, 3, 4, 6, 128):
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
+        ids, wt = routing(T, E, K, seed=T)
+        out = torch.empty(T, H)
+        layer.forward(pool, x, ids, wt, None, out)
+        assert rel_err(out, ref_moe(x, ids, wt, *deq)) < 2 * TOL[fmt][0], (T, isa)  # 2x: small H, see below
+
+
+def test_forced_tier_and_refused_tier(monkeypatch):
+    """KVPLUGINS_KT_ISA forces any tier this CPU runs (kvplugins kt status says so); a tier it lacks, or an
+    unknown one, is refused with a ConfigError naming the tiers it can run."""
+    from kvplugins.config import load
+    from kvplugins.kt_expert_backend.config import KTConfig
+    for isa in native.supported_isas():
+        monkeypatch.setenv("KVPLUGINS_KT_ISA", isa)
+        assert native.resolve_isa(load(KTConfig).isa) == isa
+        assert native.describe_isa(load(KTConfig).isa).startswith(f"{isa} (forced")
+    assert native.describe_isa("auto").startswith(f"{native.best_isa()} (")
+    lacking = [i for i in native.ISAS if i not in native.supported_isas()] + ["amx"]
+    for isa in lacking:
+        with pytest.raises(ConfigError, match="scalar"):
+            native.resolve_isa(isa)
+
+
 @pytest.mark.parametrize("fmt,group", [("bf16", 0), ("int8", 0), ("int4", 64), ("int4", 128)])
 def test_every_isa_variant_agrees(fmt, group, pool):
-    """scalar, avx2 and avx512 (where this CPU has them) agree at every decode size (each picks its own tile) and
-    at a prefill size, for both INT4 block orders (group 64: one packed block per step; 128: two per load, with
+    """Every tier this CPU runs (scalar, avx2, avx512, avx512_bf16) agrees with scalar at every decode size (each
+    picks its own tile), for both INT4 block orders (group 64: one packed block per step; 128: two per load, with
     the activations reordered). Not bit for bit: float summation order and the vectorized exp differ in the last
     bits, which can flip the bf16/u8 rounding of a few h values (~1e-4)."""
     E, H, I, K = 4, 256, 384, 2
     group = group or 64  # ignored by bf16 and int8
     w = random_experts(E, H, I, seed=3)
-    isas = [i for i in native.ISAS if native.ISAS.index(i) <= native.ISAS.index(native.best_isa())]
-    layers = {isa: _layer(fmt, isa, E, H, I, w, pool, group=group) for isa in isas}
+    layers = {isa: _layer(fmt, isa, E, H, I, w, pool, group=group) for isa in native.supported_isas()}
     assert "scalar" in layers and len(layers) >= 2 or native.best_isa() == "scalar"
     deq = [dequantized(fmt, m, group) for m in w]
     for T in (1, 2, 3, 4, 6):

@@ -3,6 +3,7 @@
 #include <cpuid.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "moe_internal.h"
 
@@ -10,7 +11,8 @@ namespace kvp::moe {
 namespace {
 
 struct CpuFeatures {
-  bool avx2 = false, avx512 = false;
+  bool avx2 = false, avx512 = false, avx512_bf16 = false;
+  std::string why;  // why the widest tier is what it is (the first missing feature above it)
 };
 
 uint64_t xgetbv0() {
@@ -21,6 +23,7 @@ uint64_t xgetbv0() {
 
 CpuFeatures detect() {
   CpuFeatures f;
+  f.why = "no AVX (cpuid leaf 1) or the OS does not save AVX state (OSXSAVE)";
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
   const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28);
@@ -35,7 +38,17 @@ CpuFeatures detect() {
   __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
   const bool bf16 = a1 & (1u << 5);
   f.avx2 = avx2 && fma && ymm_os;
-  f.avx512 = f.avx2 && zmm_os && f512 && dq && bw && vl && vnni && bf16;
+  f.avx512 = f.avx2 && zmm_os && f512 && dq && bw && vl && vnni;
+  f.avx512_bf16 = f.avx512 && bf16;
+  if (!f.avx2)
+    f.why = !ymm_os ? "the OS does not save YMM state (XCR0)" : "no AVX2 + FMA";
+  else if (!f.avx512)
+    f.why = !zmm_os ? "AVX2 + FMA; the OS does not save ZMM state (XCR0)"
+            : !(f512 && dq && bw && vl) ? "AVX2 + FMA; no AVX512 F/BW/VL/DQ"
+                                        : "AVX2 + FMA; AVX512 without VNNI (Skylake-SP: no VNNI tier yet)";
+  else
+    f.why = f.avx512_bf16 ? "AVX512 F/BW/VL/DQ + VNNI + BF16"
+                          : "AVX512 F/BW/VL/DQ + VNNI, no AVX512-BF16 (bf16 weights widen to fp32)";
   return f;
 }
 
@@ -51,11 +64,13 @@ bool isa_supported(Isa i) {
     case Isa::Scalar: return true;
     case Isa::Avx2: return features().avx2;
     case Isa::Avx512: return features().avx512;
+    case Isa::Avx512Bf16: return features().avx512_bf16;
   }
   return false;
 }
 
 Isa best_isa() {
+  if (features().avx512_bf16) return Isa::Avx512Bf16;
   if (features().avx512) return Isa::Avx512;
   if (features().avx2) return Isa::Avx2;
   return Isa::Scalar;
@@ -66,6 +81,7 @@ const char* isa_name(Isa i) {
     case Isa::Scalar: return "scalar";
     case Isa::Avx2: return "avx2";
     case Isa::Avx512: return "avx512";
+    case Isa::Avx512Bf16: return "avx512_bf16";
   }
   return "?";
 }
@@ -79,7 +95,10 @@ const char* format_name(Format f) {
   return "?";
 }
 
+const char* best_isa_reason() { return features().why.c_str(); }
+
 const Kernels& kernels(Isa isa) {
+  if (isa == Isa::Avx512Bf16 && isa_supported(isa)) return kAvx512Bf16Kernels;
   if (isa == Isa::Avx512 && isa_supported(isa)) return kAvx512Kernels;
   if (isa == Isa::Avx2 && isa_supported(isa)) return kAvx2Kernels;
   return kScalarKernels;

@@ -27,7 +27,8 @@ static inline const uint8_t* row_ptr(const MatView& w, int r) { return w.data + 
 // Per-ISA kernel tables; each lives in its own translation unit compiled with its own target flags.
 extern const Kernels kScalarKernels;
 extern const Kernels kAvx2Kernels;
-extern const Kernels kAvx512Kernels;
+extern const Kernels kAvx512Kernels;      // F/BW/VL/DQ + VNNI (bf16 widened to fp32)
+extern const Kernels kAvx512Bf16Kernels;  // the same + AVX512-BF16
 void silu_mul_scalar(const float* gate, const float* up, float* out, int n);
 void to_bf16_scalar(const float* src, uint16_t* dst, int n);
 void to_u8_scalar(const float* src, uint8_t* dst, float* scale, int n);
