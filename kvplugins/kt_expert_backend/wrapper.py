@@ -112,7 +112,13 @@ class KTMoEWrapper:
     def submit_forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None):
         """Queue this layer for hidden_states [.., H] with topk_ids/topk_weights [T, K]; returns at once.
         Inputs are copied, so the caller may change them afterwards. Raises ConfigError on bad shapes/ids."""
+        return self._submit(hidden_states, topk_ids, topk_weights, cuda_stream, borrow=False)
+
+    def _submit(self, hidden_states, topk_ids, topk_weights, cuda_stream, borrow: bool):
+        """submit_forward; ``borrow``: CPU inputs already in the kernels' dtypes are read in place, not copied
+        (only when nothing reads them after sync_forward returns: forward() without expert deferral)."""
         import torch
+        take = _cpu_view if borrow else _cpu_copy
         if self._inflight is not None or self._stream.inflight:
             raise ConfigError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
         x = hidden_states.reshape(-1, self.hidden_size)
@@ -121,9 +127,9 @@ class KTMoEWrapper:
                               "raise --chunked-prefill-size or send smaller chunks")
         if x.device.type != "cpu" or self.cfg.staging == "always":
             return self._stream.submit(hidden_states, topk_ids, topk_weights, cuda_stream)
-        x = _cpu_copy(torch, x, torch.bfloat16 if x.dtype != torch.float32 else torch.float32)
-        ids = _cpu_copy(torch, topk_ids, torch.int64).reshape(x.shape[0], -1)
-        w = _cpu_copy(torch, topk_weights, torch.float32).reshape(x.shape[0], -1)
+        x = take(torch, x, torch.bfloat16 if x.dtype != torch.float32 else torch.float32)
+        ids = take(torch, topk_ids, torch.int64).reshape(x.shape[0], -1)
+        w = take(torch, topk_weights, torch.float32).reshape(x.shape[0], -1)
         now, later = deferral.split(ids, w, self.num_experts, self.max_deferred_experts_per_token)
         eng, pool = self.engine, self.engine.pool
         with eng.lock:
@@ -159,8 +165,10 @@ class KTMoEWrapper:
         return out.to(device=hidden_states.device, dtype=hidden_states.dtype)
 
     def forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None):
-        """submit_forward + sync_forward."""
-        self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
+        """submit_forward + sync_forward. Without expert deferral nothing reads the inputs after it returns, so
+        CPU inputs already in bf16/fp32, int64 ids and fp32 weights are read in place (no copies)."""
+        self._submit(hidden_states, topk_ids, topk_weights, cuda_stream,
+                     borrow=not self.max_deferred_experts_per_token)
         return self.sync_forward(hidden_states, cuda_stream)
 
     def __del__(self):
@@ -184,6 +192,13 @@ class KTMoEWrapper:
     @staticmethod
     def clear_buffer_cache():
         return None
+
+
+def _cpu_view(torch, t, dtype):
+    """``t`` itself when it is a contiguous CPU tensor in ``dtype`` (read in place), else a private copy."""
+    if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
+        return t
+    return _cpu_copy(torch, t, dtype)
 
 
 def _cpu_copy(torch, t, dtype):
