@@ -37,10 +37,11 @@ def best_isa_reason() -> str:
 
 
 def kt_cpu_variant() -> str:
-    """best_isa() in kt-kernel's ``__cpu_variant__`` names ('avx512' or 'avx2'; kt-kernel's 'amx' has no kvplugins
-    tier): both AVX-512 tiers report 'avx512'. Source: kt-kernel 0.7.2 kt_kernel/__init__.py."""
+    """best_isa() in kt-kernel's ``__cpu_variant__`` names: avx512_bf16, avx512_vnni (our ``avx512`` tier), avx2;
+    scalar has no kt-kernel variant and keeps its name (kt-kernel's amx has no kvplugins tier). Source: kt-kernel
+    0.7.2 kt_kernel/_cpu_detect.py."""
     best = best_isa()
-    return "avx512" if best.startswith("avx512") else best
+    return "avx512_vnni" if best == "avx512" else best
 
 
 def describe_isa(name: str = "auto") -> str:
