@@ -119,7 +119,9 @@ def _child(spec: EngineSpec) -> dict:
             result["prompt_tokens"].append(len(out.prompt_token_ids))
             result["prompt_token_ids"].append(list(out.prompt_token_ids))
             result["ttft_ms"].append(ttft * 1000)
-    time.sleep(0.5)  # let the last step's stats reach the metrics
+    if spec.connector is not None:  # one more step: before its forward the connector waits for the saves of the
+        llm.generate([WARMUP], SamplingParams(max_tokens=1), use_tqdm=False)  # requests that finished, so they
+    time.sleep(0.5)  # land before this process is killed, and its stats count them; let them reach the metrics
     result["external_hit_tokens"] = _counter(llm, "vllm:external_prefix_cache_hits")
     result["local_hit_tokens"] = _counter(llm, "vllm:prefix_cache_hits")
     result["preemptions"] = _counter(llm, "vllm:num_preemptions")
