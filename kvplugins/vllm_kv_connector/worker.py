@@ -38,7 +38,7 @@ class WorkerSide:
         self.keyspace = engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, self.groups[0])
         self._spaces = {g.uid: engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, g)
                         for g in self.groups}
-        self.pages: PageStore | None = None             # the first group's (P/D, events)
+        self.pages: PageStore | None = None             # the first group's (P/D direct, logs); its client serves all
         self.group_pages: dict[int, PageStore] = {}     # Group.uid -> its pages
         first = {}                                      # KV events: each KV cache group's first layer chunk
         self._event_groups = {g.uid: g for g in self.groups if first.setdefault(g.index, g.uid) == g.uid}
