@@ -63,6 +63,10 @@ class SchedulerSide:
         self.hybrid = len({g.index for g in self.groups}) > 1  # several KV cache groups (vLLM's HMA)
         self.multi = len(self.groups) > 1       # several page objects per page: the direct P/D path reads one
         self._fence_all = any(g.window_blocks for g in self.groups)  # blocks leave a window mid-request
+        self._state_uids: dict[int, list[int]] = {}    # KV cache group index -> its state Groups (layer chunks)
+        for g in self.groups:
+            if g.state:
+                self._state_uids.setdefault(g.index, []).append(g.uid)
         if cfg.namespace_file:
             _write_namespaces(cfg.namespace_file, spaces, self.hash_block_size)
         self.tracked: dict[str, _Tracked] = {}
@@ -210,7 +214,7 @@ class SchedulerSide:
         step; ``fence_all`` (on with a state group) keeps them until their save has read them."""
         state = getattr(out, "kv_connector_block_state", None)
         offloads = state.boundary_state_offloads if state is not None else None
-        if not offloads or not any(g.state for g in self.groups):
+        if not offloads or not self._state_uids:
             return
         b = self.block_size
         for req_id, entries in offloads.items():
@@ -220,14 +224,12 @@ class SchedulerSide:
             hashes = self._hashes(t.request)
             for index, block_id, tokens in entries:
                 page, rem = divmod(tokens, b)
-                if rem or not 0 < page <= len(hashes) or block_id == NULL_BLOCK:
+                if rem or not 0 < page <= len(hashes) or block_id == NULL_BLOCK or index not in self._state_uids:
                     continue
                 ev = (([list(t.request.all_token_ids[tokens - b:tokens])], [hashes[page - 2] if page > 1 else None])
                       if self.events_on else ((), ()))  # token ids / parents for KV events, aligned with the pages
-                for g in self.groups:
-                    if g.state and g.index == index:
-                        meta.saves.setdefault(req_id, PageBatch()).add([block_id], [hashes[page - 1]], *ev,
-                                                                       group=g.uid)
+                for uid in self._state_uids[index]:
+                    meta.saves.setdefault(req_id, PageBatch()).add([block_id], [hashes[page - 1]], *ev, group=uid)
 
     def _plan_save(self, meta, req_id: str, computed: int, out: "SchedulerOutput") -> None:
         t = self.tracked.get(req_id)

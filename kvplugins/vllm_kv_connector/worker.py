@@ -42,7 +42,7 @@ class WorkerSide:
         self.group_pages: dict[int, PageStore] = {}     # Group.uid -> its pages
         first = {}                                      # KV events: each KV cache group's first layer chunk
         self._event_groups = {g.uid: g for g in self.groups if first.setdefault(g.index, g.uid) == g.uid}
-        self._chunk_of = {n: g.uid for g in self.groups for n in g.layer_names} if len(self.groups) > 1 else {}
+        self._chunk_of = {n: g.uid for g in self.groups for n in g.layer_names} if cfg.layer_chunks > 1 else {}
         self._layer_loads: dict[int, Future] = {}       # layer chunk (uid) -> this step's load of it
         self.failed_recving: set[str] = set()           # hybrid: requests whose async load failed
         self.load_errors: set[int] = set()
