@@ -20,6 +20,8 @@ def split(ids, weights, num_experts: int, deferred: int):
         return torch.full_like(ids, -1), ids.clone()
     top = torch.topk(weights, k=protected_k, dim=-1, largest=True, sorted=False).indices
     flag = torch.zeros(num_experts, dtype=torch.bool, device=ids.device)
-    flag[torch.gather(ids, -1, top).reshape(-1).clamp(min=0)] = True
+    # index_fill_ takes the value as a kernel argument; ``flag[idx] = True`` copies a pageable CPU scalar to the
+    # device, which blocks the host behind the stream and is refused under CUDA graph capture (seen on an H100).
+    flag.index_fill_(0, torch.gather(ids, -1, top).reshape(-1).clamp(min=0), True)
     protected = flag[ids.clamp(min=0)] & (ids >= 0)
     return ids.masked_fill(~protected, -1), ids.masked_fill(protected, -1)

@@ -38,9 +38,11 @@ def test_cuda_stream_path_matches_cpu_and_does_not_block_the_host():
         want = two_layers(cpu, xs, [r[0] for r in rts], [r[1] for r in rts], None)
         want = [t.clone() for t in want]
         stream = torch.cuda.current_stream().cuda_stream
+        dx, dids, dwts = [x.cuda() for x in xs], [r[0].cuda() for r in rts], [r[1].cuda() for r in rts]
+        two_layers(gpu, dx, dids, dwts, stream)    # first call of this size: makes its pinned buffers and jobs
         torch.cuda._sleep(200_000_000)            # a long kernel ahead on the stream
         t0 = time.perf_counter()
-        got = two_layers(gpu, [x.cuda() for x in xs], [r[0].cuda() for r in rts], [r[1].cuda() for r in rts], stream)
+        got = two_layers(gpu, dx, dids, dwts, stream)
         enqueue_s = time.perf_counter() - t0
         torch.cuda.synchronize()
         assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got)), f"T={T}"
