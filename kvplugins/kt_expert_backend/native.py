@@ -5,15 +5,19 @@ in place; nothing here imports torch.
 Formats: ``bf16`` (bf16 dot products), ``int8`` (per output channel, VNNI on AVX-512), ``int4`` (symmetric, one
 scale per ``group`` inputs, VNNI on unpacked nibbles). ISA tiers, narrowest first: ``scalar``; ``avx2`` (AVX2 +
 FMA); ``avx512`` (F/BW/VL/DQ + VNNI: Ice Lake, Cascade Lake; bf16 widened to fp32 + FMA); ``avx512_bf16`` (that +
-AVX512-BF16: Cooper Lake, Sapphire Rapids, Zen 4/5). ``auto`` picks the widest this CPU and OS run (cpuid +
-XGETBV); a named tier the CPU lacks is refused (never SIGILL). No AMX tier (docs/kt.md).
+AVX512-BF16: Cooper Lake, Sapphire Rapids, Zen 4/5); ``amx`` (that + AMX tiles for bf16/int8 prefill: Sapphire
+Rapids and newer). ``auto`` picks the widest this CPU and OS run (cpuid + XGETBV, and for AMX the kernel's
+permission for tile data); a named tier the CPU lacks is refused (never SIGILL). ``amx_emulated`` (tests only,
+never picked by ``auto``): the amx tier's code with its tile instructions done in scalar C++, so CI checks its
+packing and tiling on CPUs without AMX.
 """
 from __future__ import annotations
 
 from kvplugins.errors import ConfigError, NativeError
 
 FORMATS = ("bf16", "int8", "int4")
-ISAS = ("scalar", "avx2", "avx512", "avx512_bf16")
+ISAS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
+EMULATED = "amx_emulated"  # index len(ISAS) in the native enum
 PROJ = {"gate": 0, "up": 1, "down": 2}
 NODE_ROOT = "/sys/devices/system/node"
 
@@ -27,7 +31,7 @@ def _mod():
 
 
 def best_isa() -> str:
-    """The widest kernel tier this CPU and OS can run: avx512_bf16, avx512, avx2 or scalar."""
+    """The widest kernel tier this CPU and OS can run: amx, avx512_bf16, avx512, avx2 or scalar."""
     return _mod().best_isa()
 
 
@@ -37,9 +41,8 @@ def best_isa_reason() -> str:
 
 
 def kt_cpu_variant() -> str:
-    """best_isa() in kt-kernel's ``__cpu_variant__`` names: avx512_bf16, avx512_vnni (our ``avx512`` tier), avx2;
-    scalar has no kt-kernel variant and keeps its name (kt-kernel's amx has no kvplugins tier). Source: kt-kernel
-    0.7.2 kt_kernel/_cpu_detect.py."""
+    """best_isa() in kt-kernel's ``__cpu_variant__`` names: amx, avx512_bf16, avx512_vnni (our ``avx512`` tier),
+    avx2; scalar has no kt-kernel variant and keeps its name. Source: kt-kernel 0.7.2 kt_kernel/_cpu_detect.py."""
     best = best_isa()
     return "avx512_vnni" if best == "avx512" else best
 
@@ -52,21 +55,28 @@ def describe_isa(name: str = "auto") -> str:
     return f"{tier} ({why})"
 
 
-def supported_isas() -> list[str]:
-    """Every tier this CPU and OS can run, narrowest first."""
-    return [name for i, name in enumerate(ISAS) if _mod().isa_supported(i)]
+def supported_isas(emulated: bool = False) -> list[str]:
+    """Every tier this CPU and OS can run, narrowest first; ``emulated``: with ``amx_emulated`` last where it runs
+    (CPUs with the avx512 tier)."""
+    names = [name for i, name in enumerate(ISAS) if _mod().isa_supported(i)]
+    return names + [EMULATED] if emulated and _mod().isa_supported(len(ISAS)) else names
 
 
 def resolve_isa(name: str) -> str:
-    """``auto`` -> best_isa(); a named ISA is checked. Raises ConfigError naming the choices."""
+    """``auto`` -> best_isa(); a named ISA (or ``amx_emulated``) is checked. Raises ConfigError naming the
+    choices."""
     if name == "auto":
         return best_isa()
-    if name not in ISAS:
+    if name not in ISAS and name != EMULATED:
         raise ConfigError(f"isa {name!r} is not one of auto, {', '.join(ISAS)}")
-    if not _mod().isa_supported(ISAS.index(name)):
+    if not _mod().isa_supported(_index(name)):
         raise ConfigError(f"this CPU cannot run the {name} kernels (best here: {best_isa()}: {best_isa_reason()}); "
                           f"use isa=auto or one of {', '.join(supported_isas())} (KVPLUGINS_KT_ISA)")
     return name
+
+
+def _index(name: str) -> int:
+    return len(ISAS) if name == EMULATED else ISAS.index(name)
 
 
 def _call(fn, *args):
@@ -123,7 +133,7 @@ class Layer:
         self.format, self.isa, self.group = fmt, resolve_isa(isa), int(group)
         self.experts, self.hidden, self.inter = int(experts), int(hidden), int(inter)
         self._l = _call(m.Layer, m.Format(FORMATS.index(fmt)), self.experts, self.hidden, self.inter,
-                        self.group, m.Isa(ISAS.index(self.isa)))
+                        self.group, m.Isa(_index(self.isa)))
         self._last = None  # (pool, ticket) of the newest queued job: the weights must outlive it
 
     def __del__(self):

@@ -11,8 +11,10 @@ namespace kvp::moe {
 
 enum class Format : int { BF16 = 0, INT8 = 1, INT4 = 2 };
 // Kernel tiers, narrowest first: Avx512 = F/BW/VL/DQ + VNNI (Ice Lake, Cascade Lake), Avx512Bf16 = that +
-// AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4/5).
-enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
+// AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4/5), Amx = that + AMX-TILE/BF16/INT8 with the OS's permission
+// for tile data (Sapphire Rapids and newer). AmxEmulated: the Amx tier's code with every tile instruction done
+// in scalar C++ (amx_emulate.h), so CI tests its packing and tiling on CPUs without AMX; never picked by auto.
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3, Amx = 4, AmxEmulated = 5 };
 
 const char* format_name(Format f);
 const char* isa_name(Isa i);
@@ -52,6 +54,7 @@ struct ActRows {
   const void* const* rows;
   const float* scale;   // per token, int formats only
   int n;
+  const uint8_t* packed = nullptr;  // the same rows already in Kernels::pack's layout, or nullptr
 };
 
 // Plain view of a Matrix for the SIMD translation units: they use no std:: templates, so no inline function
@@ -76,7 +79,14 @@ struct Kernels {
   // Reorders a u8 activation row of K values in place into the order this table's INT4 kernel reads (nullptr:
   // natural order). Run on every INT4 activation row after quantizing it.
   void (*int4_act)(uint8_t* row, int K, int group);
+  // By Format, nullptr where the tier's gemm reads rows as they are. Writes the n activation rows of
+  // `row_bytes` bytes each into `out` in the order the tier's prefill gemm reads them (AMX: tiles of 16 tokens
+  // x 64 bytes of K, transposed in 4-byte units), packed_bytes(n, row_bytes) bytes. Layer::forward packs each
+  // expert's rows once per phase and hands them over in ActRows::packed.
+  void (*pack[3])(const ActRows& a, int row_bytes, uint8_t* out);
 };
+// Bytes pack() writes for n rows: n rounded up to 16 tokens, times row_bytes.
+inline size_t packed_bytes(int n, int row_bytes) { return size_t((n + 15) / 16) * 16 * size_t(row_bytes); }
 const Kernels& kernels(Isa isa);
 
 // One row of K values (bf16 bits when `bf16`, else float32) into format f: dst gets row_bytes(f, K) bytes,

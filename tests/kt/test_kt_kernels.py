@@ -52,19 +52,21 @@ def test_real_shapes_match_reference(shape, fmt, pool):
             assert rel_err(out, ref_moe(x, ids, wt, *w)) < TOL[fmt][1]
 
 
-@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("isa", native.ISAS + (native.EMULATED,))
 @pytest.mark.parametrize("fmt,group", [("bf16", 0), ("int8", 0), ("int4", 64), ("int4", 128)])
 def test_every_tier_matches_torch_reference(isa, fmt, group, pool):
     """Each tier this CPU runs, alone, against the torch fp32 reference on the dequantized weights at T = 1, 2,
-    3, 4, 6 (decode tiles) and 128 (prefill); a tier the CPU lacks is skipped, visibly."""
-    if isa not in native.supported_isas():
+    3, 4, 6 (decode tiles), 77 and 128 (prefill: AMX runs 1-4 blocks of 16 tokens per expert, the last one
+    partial); a tier the CPU lacks is skipped, visibly. amx_emulated runs the amx tier's code with the tile
+    instructions emulated (mocked: no CI CPU has AMX); the real amx tier runs only where the CPU has AMX."""
+    if isa not in native.supported_isas(emulated=True):
         pytest.skip(f"this CPU cannot run the {isa} tier ({native.best_isa_reason()})")
     E, H, I, K = 4, 256, 384, 2
     w = random_experts(E, H, I, seed=5)
     layer = _layer(fmt, isa, E, H, I, w, pool, group=group or 64)
     assert layer.isa == isa
     deq = [dequantized(fmt, m, group or 64) for m in w]
-    for T in (1, 2, 3, 4, 6, 128):
+    for T in (1, 2, 3, 4, 6, 77, 128):
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
         ids, wt = routing(T, E, K, seed=T)
         out = torch.empty(T, H)
@@ -82,25 +84,25 @@ def test_forced_tier_and_refused_tier(monkeypatch):
         assert native.resolve_isa(load(KTConfig).isa) == isa
         assert native.describe_isa(load(KTConfig).isa).startswith(f"{isa} (forced")
     assert native.describe_isa("auto").startswith(f"{native.best_isa()} (")
-    lacking = [i for i in native.ISAS if i not in native.supported_isas()] + ["amx"]
-    for isa in lacking:
+    lacking = [i for i in native.ISAS if i not in native.supported_isas()]
+    for isa in lacking + ["avx1024"]:
         with pytest.raises(ConfigError, match="scalar"):
             native.resolve_isa(isa)
 
 
 @pytest.mark.parametrize("fmt,group", [("bf16", 0), ("int8", 0), ("int4", 64), ("int4", 128)])
 def test_every_isa_variant_agrees(fmt, group, pool):
-    """Every tier this CPU runs (scalar, avx2, avx512, avx512_bf16) agrees with scalar at every decode size (each
-    picks its own tile), for both INT4 block orders (group 64: one packed block per step; 128: two per load, with
+    """Every tier this CPU runs (scalar, avx2, avx512, avx512_bf16, amx, amx_emulated) agrees with scalar at every
+    decode size (each picks its own tile) and at two prefill sizes, for both INT4 block orders (group 64: one packed block per step; 128: two per load, with
     the activations reordered). Not bit for bit: float summation order and the vectorized exp differ in the last
     bits, which can flip the bf16/u8 rounding of a few h values (~1e-4)."""
     E, H, I, K = 4, 256, 384, 2
     group = group or 64  # ignored by bf16 and int8
     w = random_experts(E, H, I, seed=3)
-    layers = {isa: _layer(fmt, isa, E, H, I, w, pool, group=group) for isa in native.supported_isas()}
+    layers = {isa: _layer(fmt, isa, E, H, I, w, pool, group=group) for isa in native.supported_isas(emulated=True)}
     assert "scalar" in layers and len(layers) >= 2 or native.best_isa() == "scalar"
     deq = [dequantized(fmt, m, group) for m in w]
-    for T in (1, 2, 3, 4, 6):
+    for T in (1, 2, 3, 4, 6, 40, 77):
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
         ids, wt = routing(T, E, K, seed=T)
         outs = {}

@@ -196,7 +196,7 @@ NB_MODULE(_moe, m) {
   kvp::gil_init();
   m.doc() = "kvplugins CPU MoE kernels (see kvplugins/kt_expert_backend/native.py)";
   m.def("best_isa", [] { return std::string(isa_name(best_isa())); });
-  m.def("isa_supported", [](int i) { return i >= 0 && i <= int(Isa::Avx512Bf16) && isa_supported(Isa(i)); });
+  m.def("isa_supported", [](int i) { return i >= 0 && i <= int(Isa::AmxEmulated) && isa_supported(Isa(i)); });
   m.def("best_isa_reason", [] { return std::string(best_isa_reason()); });
   m.def("quantize", &quantize, nb::arg("format"), nb::arg("src"), nb::arg("group") = 128);
   nb::class_<Pool>(m, "Pool")
@@ -242,5 +242,5 @@ NB_MODULE(_moe, m) {
   m.attr("host_wait_fn") = reinterpret_cast<uintptr_t>(&kvp_moe_host_wait);
   nb::enum_<Format>(m, "Format").value("BF16", Format::BF16).value("INT8", Format::INT8).value("INT4", Format::INT4);
   nb::enum_<Isa>(m, "Isa").value("SCALAR", Isa::Scalar).value("AVX2", Isa::Avx2).value("AVX512", Isa::Avx512)
-      .value("AVX512_BF16", Isa::Avx512Bf16);
+      .value("AVX512_BF16", Isa::Avx512Bf16).value("AMX", Isa::Amx).value("AMX_EMULATED", Isa::AmxEmulated);
 }

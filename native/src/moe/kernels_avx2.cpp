@@ -116,6 +116,6 @@ template <int NT> struct Int4 { static void run(const MatView& w, int r, const A
 }  // namespace
 
 const Kernels kAvx2Kernels = {{gemm<Bf16, 2>, gemm<Int8, 2>, gemm<Int4, 1>}, silu_mul_scalar, to_bf16_scalar,
-                               to_u8_scalar, nullptr};
+                               to_u8_scalar, nullptr, {nullptr, nullptr, nullptr}};
 
 }  // namespace kvp::moe

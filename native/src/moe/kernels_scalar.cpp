@@ -68,6 +68,6 @@ void to_u8_scalar(const float* src, uint8_t* dst, float* scale, int n) {
 }
 
 const Kernels kScalarKernels = {{gemm_bf16, gemm_int8, gemm_int4}, silu_mul_scalar, to_bf16_scalar, to_u8_scalar,
-                                  nullptr};
+                                  nullptr, {nullptr, nullptr, nullptr}};
 
 }  // namespace kvp::moe

@@ -159,8 +159,16 @@ void Layer::forward(Pool& pool, const ForwardArgs& a) {
   // reach it through these references (a thread_local named inside a lambda would be the worker's own).
   thread_local std::vector<uint8_t> tl_xact, tl_hact;
   thread_local std::vector<float> tl_xscale, tl_h, tl_hscale;
-  auto &xact = tl_xact, &hact = tl_hact;
+  thread_local std::vector<uint8_t> tl_xpack, tl_hpack;
+  thread_local std::vector<size_t> tl_slot;
+  auto &xact = tl_xact, &hact = tl_hact, &xpack = tl_xpack, &hpack = tl_hpack;
   auto &xscale = tl_xscale, &h = tl_h, &hscale = tl_hscale;
+  auto& slot = tl_slot;  // packed token slots before active expert ai (16 per started block)
+  const auto pack = a.T > 4 ? kern_->pack[int(f_)] : nullptr;
+  if (pack) {
+    slot.assign(n_act + 1, 0);
+    for (int ai = 0; ai < n_act; ++ai) slot[ai + 1] = slot[ai] + packed_bytes(r.off[ai + 1] - r.off[ai], 1);
+  }
   xact.resize(size_t(a.T) * xb), xscale.resize(a.T);
   h.resize(size_t(rows) * I_), hact.resize(size_t(rows) * hb), hscale.resize(rows);
   const std::vector<int> one(S, 0);
@@ -178,6 +186,18 @@ void Layer::forward(Pool& pool, const ForwardArgs& a) {
       if (f_ == Format::INT4 && kern_->int4_act) kern_->int4_act(&xact[t * xb], H_, G_);
     }
   });
+  // Each active expert's rows packed once for the tier's prefill gemm (Kernels::pack; AMX), used by every task.
+  auto pack_experts = [&](std::vector<uint8_t>& out, size_t rb, auto row_of) {
+    out.resize(slot[n_act] * rb);
+    pool.run(first_sub(n_act), [&](int, int ai) {
+      thread_local std::vector<const void*> prow;
+      const int lo = r.off[ai], n = r.off[ai + 1] - lo;
+      prow.resize(n);
+      for (int j = 0; j < n; ++j) prow[j] = row_of(lo + j);
+      pack(ActRows{prow.data(), nullptr, n}, int(rb), &out[slot[ai] * rb]);
+    });
+  };
+  if (pack) pack_experts(xpack, xb, [&](int j) -> const void* { return &xact[r.tok[j] * xb]; });
   // Phase A: per subpool, its shard of W1 rows for every active expert.
   std::vector<int> ca(S);
   for (int s = 0; s < S; ++s) ca[s] = n_act * ((shard_lo(2 * I_, S, kChunkA, s + 1) - shard_lo(2 * I_, S, kChunkA, s)) / kChunkA);
@@ -188,7 +208,8 @@ void Layer::forward(Pool& pool, const ForwardArgs& a) {
     thread_local std::vector<float> xs, y;
     xrows.resize(n), xs.resize(n), y.resize(size_t(n) * kChunkA);
     for (int j = 0; j < n; ++j) xrows[j] = &xact[r.tok[lo + j] * xb], xs[j] = xscale[r.tok[lo + j]];
-    kern_->gemm[int(f_)](view(experts_[e]->w1), r0, kChunkA, ActRows{xrows.data(), xs.data(), n}, y.data(), kChunkA);
+    const ActRows xa{xrows.data(), xs.data(), n, pack ? &xpack[slot[ai] * xb] : nullptr};
+    kern_->gemm[int(f_)](view(experts_[e]->w1), r0, kChunkA, xa, y.data(), kChunkA);
     for (int j = 0; j < n; ++j)
       for (int b = 0; b < kChunkA; b += 2 * kBlock)
         kern_->silu_mul(&y[j * kChunkA + b], &y[j * kChunkA + b + kBlock], &h[size_t(lo + j) * I_ + (r0 + b) / 2], kBlock);
@@ -203,6 +224,7 @@ void Layer::forward(Pool& pool, const ForwardArgs& a) {
       if (f_ == Format::INT4 && kern_->int4_act) kern_->int4_act(&hact[j * hb], I_, G_);
     }
   });
+  if (pack) pack_experts(hpack, hb, [&](int j) -> const void* { return &hact[size_t(j) * hb]; });
   // Phase C: each task owns H rows [r0, r0 + cc) of every token's output.
   const int cc = down_chunk(H_, pool.threads(), a.T);
   std::vector<int> cnt(S);
@@ -217,7 +239,8 @@ void Layer::forward(Pool& pool, const ForwardArgs& a) {
       const int lo = r.off[ai], n = r.off[ai + 1] - lo;
       hrows.resize(n), y.resize(size_t(n) * cc);
       for (int j = 0; j < n; ++j) hrows[j] = &hact[size_t(lo + j) * hb];
-      kern_->gemm[int(f_)](view(experts_[r.experts[ai]]->w2), r0, cc, ActRows{hrows.data(), &hscale[lo], n}, y.data(), cc);
+      const ActRows ha{hrows.data(), &hscale[lo], n, pack ? &hpack[slot[ai] * hb] : nullptr};
+      kern_->gemm[int(f_)](view(experts_[r.experts[ai]]->w2), r0, cc, ha, y.data(), cc);
       for (int j = 0; j < n; ++j) {
         float* o = a.out + size_t(r.tok[lo + j]) * H_ + r0;
         const float w = r.wt[lo + j];
