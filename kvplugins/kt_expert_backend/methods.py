@@ -2,7 +2,7 @@
 
 Each accepted name maps to the nearest kvplugins weight format, with a note logged once per name; the others are
 refused with an error listing the accepted names. The kernel tier (``isa``, native.py) is chosen separately: on
-an AMX CPU the ``amx`` tier runs bf16 and int8 prefill on AMX tiles, whatever the method's name; elsewhere AMX*
+an AMX CPU the ``amx`` tier runs prefill on AMX tiles, whatever the method's name; elsewhere AMX*
 names run the AVX512-VNNI kernels of the same precision.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Method:
 _ACCEPTED = {
     "BF16": ("bf16", "BF16 -> kvplugins bf16 kernel (AVX512-BF16 dot products; AVX2/scalar fallback)"),
     "AMXINT8": ("int8", "AMXINT8 -> kvplugins int8 per-channel kernel (AMX prefill on the amx tier, else AVX512-VNNI)"),
-    "AMXINT4": ("int4", "AMXINT4 -> kvplugins int4 group-quantized kernel (AVX512-VNNI)"),
+    "AMXINT4": ("int4", "AMXINT4 -> kvplugins int4 group-quantized kernel (AMX prefill on the amx tier, else AVX512-VNNI)"),
     "MOE_INT8": ("int8", "MOE_INT8 -> kvplugins int8 per-channel kernel (AVX512-VNNI)"),
     "MOE_INT4": ("int4", "MOE_INT4 -> kvplugins int4 group-quantized kernel (AVX512-VNNI)"),
     "RAWINT4": ("int4", "RAWINT4 -> kvplugins int4 kernel; weights must be `kvplugins kt convert --method int4` output"),

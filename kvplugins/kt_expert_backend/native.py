@@ -5,7 +5,7 @@ in place; nothing here imports torch.
 Formats: ``bf16`` (bf16 dot products), ``int8`` (per output channel, VNNI on AVX-512), ``int4`` (symmetric, one
 scale per ``group`` inputs, VNNI on unpacked nibbles). ISA tiers, narrowest first: ``scalar``; ``avx2`` (AVX2 +
 FMA); ``avx512`` (F/BW/VL/DQ + VNNI: Ice Lake, Cascade Lake; bf16 widened to fp32 + FMA); ``avx512_bf16`` (that +
-AVX512-BF16: Cooper Lake, Sapphire Rapids, Zen 4/5); ``amx`` (that + AMX tiles for bf16/int8 prefill: Sapphire
+AVX512-BF16: Cooper Lake, Sapphire Rapids, Zen 4/5); ``amx`` (that + AMX tiles for prefill: Sapphire
 Rapids and newer). ``auto`` picks the widest this CPU and OS run (cpuid + XGETBV, and for AMX the kernel's
 permission for tile data); a named tier the CPU lacks is refused (never SIGILL). ``amx_emulated`` (tests only,
 never picked by ``auto``): the amx tier's code with its tile instructions done in scalar C++, so CI checks its

@@ -29,7 +29,7 @@ extern const Kernels kScalarKernels;
 extern const Kernels kAvx2Kernels;
 extern const Kernels kAvx512Kernels;      // F/BW/VL/DQ + VNNI (bf16 widened to fp32)
 extern const Kernels kAvx512Bf16Kernels;  // the same + AVX512-BF16
-extern const Kernels kAmxKernels;         // AMX tiles for bf16/int8 prefill; the rest is kAvx512Bf16Kernels
+extern const Kernels kAmxKernels;         // AMX tiles for prefill; decode is kAvx512Bf16Kernels
 extern const Kernels kAmxEmuKernels;      // the same code, tile instructions emulated (CI); rest kAvx512Kernels
 void silu_mul_scalar(const float* gate, const float* up, float* out, int n);
 void to_bf16_scalar(const float* src, uint16_t* dst, int n);
