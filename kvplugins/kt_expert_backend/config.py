@@ -10,8 +10,8 @@ from kvplugins.config import component
 @dataclasses.dataclass(frozen=True)
 class KTConfig:
     isa: str = dataclasses.field(default="auto", metadata={
-        "help": "kernel tier: auto (the widest this CPU runs), amx, avx512_bf16, avx512, avx2 or scalar; a lower "
-                "tier can be forced, one the CPU lacks is refused"})
+        "help": "kernel tier: auto (the widest this CPU runs), amx, avx512_bf16, avx512, avx512_base, avx2 "
+                "or scalar; a lower tier can be forced, one the CPU lacks is refused"})
     spin_us: int = dataclasses.field(default=200, metadata={
         "help": "µs an idle worker polls for work before it sleeps (0 = sleep at once)"})
     sync_spin_us: int = dataclasses.field(default=5000, metadata={

@@ -4,7 +4,8 @@ in place; nothing here imports torch.
 
 Formats: ``bf16`` (bf16 dot products), ``int8`` (per output channel, VNNI on AVX-512), ``int4`` (symmetric, one
 scale per ``group`` inputs, VNNI on unpacked nibbles). ISA tiers, narrowest first: ``scalar``; ``avx2`` (AVX2 +
-FMA); ``avx512`` (F/BW/VL/DQ + VNNI: Ice Lake, Cascade Lake; bf16 widened to fp32 + FMA); ``avx512_bf16`` (that +
+FMA); ``avx512_base`` (F/BW/VL/DQ: Skylake-SP; int8/int4 on vpmaddubsw with the sign trick, exact); ``avx512``
+(that + VNNI: Ice Lake, Cascade Lake; bf16 widened to fp32 + FMA); ``avx512_bf16`` (that +
 AVX512-BF16: Cooper Lake, Sapphire Rapids, Zen 4/5); ``amx`` (that + AMX tiles for prefill: Sapphire
 Rapids and newer). ``auto`` picks the widest this CPU and OS run (cpuid + XGETBV, and for AMX the kernel's
 permission for tile data); a named tier the CPU lacks is refused (never SIGILL). ``amx_emulated`` (tests only,
@@ -16,7 +17,7 @@ from __future__ import annotations
 from kvplugins.errors import ConfigError, NativeError
 
 FORMATS = ("bf16", "int8", "int4")
-ISAS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
+ISAS = ("scalar", "avx2", "avx512_base", "avx512", "avx512_bf16", "amx")
 EMULATED = "amx_emulated"  # index len(ISAS) in the native enum
 PROJ = {"gate": 0, "up": 1, "down": 2}
 NODE_ROOT = "/sys/devices/system/node"
@@ -31,7 +32,7 @@ def _mod():
 
 
 def best_isa() -> str:
-    """The widest kernel tier this CPU and OS can run: amx, avx512_bf16, avx512, avx2 or scalar."""
+    """The widest kernel tier this CPU and OS can run: amx, avx512_bf16, avx512, avx512_base, avx2 or scalar."""
     return _mod().best_isa()
 
 
@@ -42,7 +43,7 @@ def best_isa_reason() -> str:
 
 def kt_cpu_variant() -> str:
     """best_isa() in kt-kernel's ``__cpu_variant__`` names: amx, avx512_bf16, avx512_vnni (our ``avx512`` tier),
-    avx2; scalar has no kt-kernel variant and keeps its name. Source: kt-kernel 0.7.2 kt_kernel/_cpu_detect.py."""
+    avx512_base, avx2; scalar has no kt-kernel variant and keeps its name. Source: kt-kernel 0.7.2 kt_kernel/_cpu_detect.py."""
     best = best_isa()
     return "avx512_vnni" if best == "avx512" else best
 

@@ -10,11 +10,12 @@
 namespace kvp::moe {
 
 enum class Format : int { BF16 = 0, INT8 = 1, INT4 = 2 };
-// Kernel tiers, narrowest first: Avx512 = F/BW/VL/DQ + VNNI (Ice Lake, Cascade Lake), Avx512Bf16 = that +
+// Kernel tiers, narrowest first: Avx512Base = F/BW/VL/DQ (Skylake-SP: int8/int4 on vpmaddubsw), Avx512 = that
+// + VNNI (Ice Lake, Cascade Lake), Avx512Bf16 = that +
 // AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4/5), Amx = that + AMX-TILE/BF16/INT8 with the OS's permission
 // for tile data (Sapphire Rapids and newer). AmxEmulated: the Amx tier's code with every tile instruction done
 // in scalar C++ (amx_emulate.h), so CI tests its packing and tiling on CPUs without AMX; never picked by auto.
-enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3, Amx = 4, AmxEmulated = 5 };
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512Base = 2, Avx512 = 3, Avx512Bf16 = 4, Amx = 5, AmxEmulated = 6 };
 
 const char* format_name(Format f);
 const char* isa_name(Isa i);

@@ -241,6 +241,7 @@ NB_MODULE(_moe, m) {
   m.attr("host_submit_fn") = reinterpret_cast<uintptr_t>(&kvp_moe_host_submit);
   m.attr("host_wait_fn") = reinterpret_cast<uintptr_t>(&kvp_moe_host_wait);
   nb::enum_<Format>(m, "Format").value("BF16", Format::BF16).value("INT8", Format::INT8).value("INT4", Format::INT4);
-  nb::enum_<Isa>(m, "Isa").value("SCALAR", Isa::Scalar).value("AVX2", Isa::Avx2).value("AVX512", Isa::Avx512)
+  nb::enum_<Isa>(m, "Isa").value("SCALAR", Isa::Scalar).value("AVX2", Isa::Avx2)
+      .value("AVX512_BASE", Isa::Avx512Base).value("AVX512", Isa::Avx512)
       .value("AVX512_BF16", Isa::Avx512Bf16).value("AMX", Isa::Amx).value("AMX_EMULATED", Isa::AmxEmulated);
 }

@@ -14,7 +14,7 @@ namespace kvp::moe {
 namespace {
 
 struct CpuFeatures {
-  bool avx2 = false, avx512 = false, avx512_bf16 = false, amx = false;
+  bool avx2 = false, avx512_base = false, avx512 = false, avx512_bf16 = false, amx = false;
   std::string why;  // why the widest tier is what it is (the first missing feature above it)
 };
 
@@ -49,16 +49,17 @@ CpuFeatures detect() {
   __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
   const bool bf16 = a1 & (1u << 5);
   f.avx2 = avx2 && fma && ymm_os;
-  f.avx512 = f.avx2 && zmm_os && f512 && dq && bw && vl && vnni;
+  f.avx512_base = f.avx2 && zmm_os && f512 && dq && bw && vl;
+  f.avx512 = f.avx512_base && vnni;
   f.avx512_bf16 = f.avx512 && bf16;
   const bool amx_cpu = f.avx512_bf16 && amx_tile && amx_bf16 && amx_int8;
   f.amx = amx_cpu && tile_os && amx_permitted();
   if (!f.avx2)
     f.why = !ymm_os ? "the OS does not save YMM state (XCR0)" : "no AVX2 + FMA";
+  else if (!f.avx512_base)
+    f.why = !zmm_os ? "AVX2 + FMA; the OS does not save ZMM state (XCR0)" : "AVX2 + FMA; no AVX512 F/BW/VL/DQ";
   else if (!f.avx512)
-    f.why = !zmm_os ? "AVX2 + FMA; the OS does not save ZMM state (XCR0)"
-            : !(f512 && dq && bw && vl) ? "AVX2 + FMA; no AVX512 F/BW/VL/DQ"
-                                        : "AVX2 + FMA; AVX512 without VNNI (Skylake-SP: no VNNI tier yet)";
+    f.why = "AVX512 F/BW/VL/DQ, no VNNI (int8/int4 on vpmaddubsw; bf16 widened to fp32)";
   else
     f.why = f.amx           ? "AVX512 F/BW/VL/DQ + VNNI + BF16 + AMX-TILE/BF16/INT8"
             : amx_cpu       ? (!tile_os ? "AVX512 F/BW/VL/DQ + VNNI + BF16; AMX present but the OS does not enable tile "
@@ -81,6 +82,7 @@ bool isa_supported(Isa i) {
   switch (i) {
     case Isa::Scalar: return true;
     case Isa::Avx2: return features().avx2;
+    case Isa::Avx512Base: return features().avx512_base;
     case Isa::Avx512: return features().avx512;
     case Isa::Avx512Bf16: return features().avx512_bf16;
     case Isa::Amx: return features().amx;
@@ -93,6 +95,7 @@ Isa best_isa() {
   if (features().amx) return Isa::Amx;
   if (features().avx512_bf16) return Isa::Avx512Bf16;
   if (features().avx512) return Isa::Avx512;
+  if (features().avx512_base) return Isa::Avx512Base;
   if (features().avx2) return Isa::Avx2;
   return Isa::Scalar;
 }
@@ -101,6 +104,7 @@ const char* isa_name(Isa i) {
   switch (i) {
     case Isa::Scalar: return "scalar";
     case Isa::Avx2: return "avx2";
+    case Isa::Avx512Base: return "avx512_base";
     case Isa::Avx512: return "avx512";
     case Isa::Avx512Bf16: return "avx512_bf16";
     case Isa::Amx: return "amx";
@@ -125,6 +129,7 @@ const Kernels& kernels(Isa isa) {
   if (isa == Isa::AmxEmulated && isa_supported(isa)) return kAmxEmuKernels;
   if (isa == Isa::Avx512Bf16 && isa_supported(isa)) return kAvx512Bf16Kernels;
   if (isa == Isa::Avx512 && isa_supported(isa)) return kAvx512Kernels;
+  if (isa == Isa::Avx512Base && isa_supported(isa)) return kAvx512BaseKernels;
   if (isa == Isa::Avx2 && isa_supported(isa)) return kAvx2Kernels;
   return kScalarKernels;
 }

@@ -27,6 +27,7 @@ static inline const uint8_t* row_ptr(const MatView& w, int r) { return w.data + 
 // Per-ISA kernel tables; each lives in its own translation unit compiled with its own target flags.
 extern const Kernels kScalarKernels;
 extern const Kernels kAvx2Kernels;
+extern const Kernels kAvx512BaseKernels;  // F/BW/VL/DQ, no VNNI (int8/int4 on vpmaddubsw, bf16 widened to fp32)
 extern const Kernels kAvx512Kernels;      // F/BW/VL/DQ + VNNI (bf16 widened to fp32)
 extern const Kernels kAvx512Bf16Kernels;  // the same + AVX512-BF16
 extern const Kernels kAmxKernels;         // AMX tiles for prefill; decode is kAvx512Bf16Kernels
