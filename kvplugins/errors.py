@@ -2,6 +2,7 @@
 
 KVPluginsError
 ├── ConfigError            bad flag / env / file value; the message names the value and the fix
+│   └── TraceError         a malformed request trace (kvplugins/replay): names the file, line and field
 ├── NativeError            a native status code (kvplugins/native.py converts them, in one place)
 ├── AuthError              a peer refused our shared secret, or could not prove it holds it (kvplugins/security)
 ├── TransferError          the transfer core (kvplugins/transfer)
@@ -25,6 +26,10 @@ class KVPluginsError(Exception):
 
 class ConfigError(KVPluginsError, ValueError):
     """A configuration value is invalid. The message names the value and how to fix it."""
+
+
+class TraceError(ConfigError):
+    """A request trace line is malformed: the message names the file, the line number and the field."""
 
 
 class NativeError(KVPluginsError):
