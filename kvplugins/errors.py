@@ -13,6 +13,7 @@ KVPluginsError
     ├── KeyNotFound
     │   └── ChecksumMismatch   every replica read failed its checksum (a miss; never wrong bytes)
     ├── StoreFull          no space even after evicting every evictable object
+    ├── PutPending         another writer's put of the key has not committed (retryable; never "stored")
     ├── BufferNotRegistered
     ├── SizeMismatch
     └── MasterUnreachable  names the address and the timeout
@@ -74,6 +75,12 @@ class ChecksumMismatch(KeyNotFound):
 
 class StoreFull(StoreError):
     """No segment can hold the object even after evicting every evictable object."""
+
+
+class PutPending(StoreError):
+    """Another writer's put of this key started but has not committed within the client's ``pending_wait_ms``:
+    nothing was stored by this put. Retry later; the other put commits, aborts, or is reclaimed after the
+    master's ``put_timeout_ms``."""
 
 
 class BufferNotRegistered(StoreError):

@@ -126,7 +126,7 @@ def _one(cfg: ReplayConfig, p: Plan, reqs: list, sz: Sizes):
             return replay(reqs, p, lambda ns: None, bar[1] if bar else None)
         if cfg.master:
             return run(cfg.master)
-        with private_store(p.pool_blocks * sz.object_bytes) as master:
+        with private_store(p.pool_blocks * sz.object_bytes, grace_ms=-1 if p.speed else 0) as master:
             return run(master)
     finally:
         if bar:

@@ -20,18 +20,22 @@ import xxhash
 from kvplugins.errors import StoreError
 
 LEASE_TTL_MS = 100     # a private store's read lease: replayed reads take well under this
+# An as-fast-as-possible replay compresses the trace's hours into seconds, so a grace measured in wall time would
+# protect thousands of requests' blocks from eviction: it runs with none. Realtime keeps the lease as the grace.
 START_TIMEOUT_S = 30.0
 
 
 @contextlib.contextmanager
-def private_store(segment_bytes: int, lease_ttl_ms: int = LEASE_TTL_MS):
+def private_store(segment_bytes: int, grace_ms: int, lease_ttl_ms: int = LEASE_TTL_MS):
     """Yield the master address of a fresh embedded store with one ``segment_bytes`` segment (default
-    watermarks: eviction from 95% down to 85%, LRU). Raises StoreError if it does not start in 30 s."""
+    watermarks: eviction from 95% down to 85%, LRU) and an eviction grace of ``grace_ms`` (-1 = the lease).
+    Raises StoreError if it does not start in 30 s."""
     from kvplugins.store.embedded import CLI, wait_ready
     with tempfile.TemporaryDirectory(prefix="kvp-replay-") as tmp:
         path = Path(tmp) / "up.json"
         env = {**os.environ, "KVPLUGINS_UP_DISCOVERY_FILE": str(path)}
-        args = ["up", "--port", "0", "--segment-size", str(segment_bytes), "--lease-ttl-ms", str(lease_ttl_ms)]
+        args = ["up", "--port", "0", "--segment-size", str(segment_bytes), "--lease-ttl-ms", str(lease_ttl_ms),
+                "--eviction-grace-ms", str(grace_ms)]
         with open(Path(tmp) / "up.log", "wb") as log:
             proc = subprocess.Popen(CLI + args, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)

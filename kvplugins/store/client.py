@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from kvplugins.errors import (BufferNotRegistered, ChecksumMismatch, KeyNotFound, MasterUnreachable, NativeError,
-                              SizeMismatch, StoreError, TransferError, TransferFailed)
+                              PutPending, SizeMismatch, StoreError, TransferError, TransferFailed)
 from kvplugins.store import checksum, client_io, protocol
 from kvplugins.store.client_slab import SlabSpace
 from kvplugins.store.client_stats import ClientStats
@@ -232,21 +232,46 @@ class StoreClient:
                 todo = self._write_slab(keys, flat, todo, out)
             finally:
                 slabs.lock.release()
+        pending = self._start_and_write(keys, flat, todo, out, config)
+        if pending:
+            self._wait_pending(keys, flat, pending, out, config)
+        return out, flat.sizes
+
+    def _start_and_write(self, keys, flat, todo: list[int], out, config: PutConfig) -> list[int]:
+        """put_start for keys ``todo``, the transfer and the commit; sets ``out[i]`` for failed keys. Returns
+        the keys another writer's uncommitted put holds (PENDING): nothing was written for them."""
         if not todo:
-            return out, flat.sizes
+            return []
         started = self._rpc_entries("put_start", [[keys[i], flat.sizes[i]] for i in todo], config.wire)
-        writes = {}
+        writes, pending = {}, []
         for i, (code, value) in zip(todo, started):
             if code == protocol.OK:
                 writes[i] = value
+            elif code == protocol.PENDING:
+                pending.append(i)
             elif code != protocol.EXISTS:
                 out[i] = protocol.entry_error(code, keys[i], value)
-        if not writes:
-            return out, flat.sizes
-        sums = checksum.span_sums(flat)
-        failed = self._transfer("write", flat, writes, sums)
-        self._finish_puts(keys, writes, failed, out, checksum.digests(flat, writes, sums))
-        return out, flat.sizes
+        if writes:
+            sums = checksum.span_sums(flat)
+            failed = self._transfer("write", flat, writes, sums)
+            self._finish_puts(keys, writes, failed, out, checksum.digests(flat, writes, sums))
+        return pending
+
+    def _wait_pending(self, keys, flat, pending: list[int], out, config: PutConfig) -> None:
+        """Keys another writer is putting: put_start again, backing off from 1 to 50 ms, until that put commits
+        (EXISTS: stored, nothing to do), aborts or is reclaimed (OK: written here). After ``pending_wait_ms``
+        the rest get PutPending: a put never reports "stored" for bytes that did not land (issue #18)."""
+        deadline, delay = time.monotonic() + self.cfg.pending_wait_ms / 1000, 0.001
+        while pending:
+            if time.monotonic() + delay > deadline:
+                for i in pending:
+                    out[i] = PutPending(f"{keys[i]}: another writer's put of this key has not committed within "
+                                        f"pending_wait_ms={self.cfg.pending_wait_ms} ms; this put stored nothing: "
+                                        "retry later")
+                return
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+            pending = self._start_and_write(keys, flat, pending, out, config)
 
     def _write_slab(self, keys, flat, todo: list[int], out) -> list[int]:
         """One round trip: write keys ``todo`` into this client's reserved slab, then one ``put`` RPC
@@ -273,12 +298,13 @@ class StoreClient:
             raise
         self._slabs.renewed(slab, sent)
         again = [*failed, *(i for i, (code, _) in zip(ok, answers) if code == protocol.EXPIRED)]
+        pending = [i for i, (code, _) in zip(ok, answers) if code == protocol.PENDING]   # put_start waits for them
         for i, (code, value) in zip(ok, answers):
-            if code not in (protocol.OK, protocol.EXISTS, protocol.EXPIRED):
+            if code not in (protocol.OK, protocol.EXISTS, protocol.EXPIRED, protocol.PENDING):
                 out[i] = protocol.entry_error(code, keys[i], value)
         if again:
             self._slabs.forget()
-        return again
+        return again + pending
 
     def _finish_puts(self, keys, writes, failed: dict, out, sums: dict) -> None:
         ok = [i for i in writes if i not in failed]

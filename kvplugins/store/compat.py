@@ -10,7 +10,8 @@ Mooncake contract. Codes: 0 ok; put/remove/register: 0 or a negative ErrorCode; 
 ``b""`` for a miss; ``get_into``: bytes read or negative; ``is_exist``: 1 / 0 / -1; ``get_size``: bytes or
 negative; ``remove_by_regex`` / ``remove_all``: number removed or negative. Errors map as: KeyNotFound (and a
 checksum mismatch) -> OBJECT_NOT_FOUND (-704), a remove of a leased object without ``force`` ->
-OBJECT_HAS_LEASE (-706), StoreFull -> NO_AVAILABLE_HANDLE (-200), bad arguments or a too small ``get_into``
+OBJECT_HAS_LEASE (-706), StoreFull -> NO_AVAILABLE_HANDLE (-200), PutPending (another writer's put of the key
+has not committed) -> REPLICA_IS_NOT_READY (-703), bad arguments or a too small ``get_into``
 buffer -> INVALID_PARAMS (-600), TransferFailed -> TRANSFER_FAIL (-800), MasterUnreachable -> RPC_FAIL (-900),
 anything else -> INTERNAL_ERROR (-1). As Mooncake over TCP, ``put_from``/``get_into`` also accept memory that was
 never registered (it is copied through the staging buffer instead of zero-copy). The codes of a test script
@@ -30,7 +31,7 @@ import functools
 import logging
 
 from kvplugins.errors import (BufferNotRegistered, ConfigError, KeyNotFound, KVPluginsError, MasterUnreachable,
-                              SizeMismatch, StoreError, StoreFull, TransferError)
+                              PutPending, SizeMismatch, StoreError, StoreFull, TransferError)
 from kvplugins.transfer.memory import view_of
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ OK = 0
 INTERNAL_ERROR = -1
 NO_AVAILABLE_HANDLE = -200
 INVALID_PARAMS = -600
+REPLICA_IS_NOT_READY = -703
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 TRANSFER_FAIL = -800
@@ -93,7 +95,7 @@ def code_of(err: BaseException | None, *_) -> int:
     if err is None:
         return OK
     for cls, code in ((KeyNotFound, OBJECT_NOT_FOUND), (StoreFull, NO_AVAILABLE_HANDLE),
-                      (MasterUnreachable, RPC_FAIL), (BufferNotRegistered, INVALID_PARAMS),
+                      (PutPending, REPLICA_IS_NOT_READY), (MasterUnreachable, RPC_FAIL), (BufferNotRegistered, INVALID_PARAMS),
                       (SizeMismatch, INVALID_PARAMS), (ConfigError, INVALID_PARAMS), (ValueError, INVALID_PARAMS),
                       (TypeError, INVALID_PARAMS), (TransferError, TRANSFER_FAIL)):
         if isinstance(err, cls):

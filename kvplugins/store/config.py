@@ -51,6 +51,9 @@ class MasterConfig(_MetricsLimits):
     put_timeout_ms: int = field(default=30000, metadata={"help": "a pending put not committed by then is reclaimed"})
     high_watermark: float = field(default=0.95, metadata={"help": "segment usage fraction that starts eviction"})
     low_watermark: float = field(default=0.85, metadata={"help": "eviction stops at this usage fraction"})
+    eviction_grace_ms: int = field(default=-1, metadata={
+        "help": "an object committed less than this long ago is never evicted (watermark sweep or a put's "
+                "on-demand eviction: such a put answers StoreFull instead); -1 = lease_ttl_ms"})
     alloc_align: int = field(default=64, metadata={"help": "allocation granularity inside a segment (bytes)"})
     max_frame: Bytes = field(default=Bytes(64 << 20), metadata={"help": "largest RPC frame accepted"})
     max_batch: int = field(default=65536, metadata={"help": "most entries (keys, segments) one op may carry"})
@@ -91,6 +94,8 @@ class MasterConfig(_MetricsLimits):
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: "
                               "need 0 < low_watermark <= high_watermark <= 1")
+        if self.eviction_grace_ms < -1:
+            raise ConfigError(f"eviction_grace_ms={self.eviction_grace_ms} must be >= 0 ms, or -1 for lease_ttl_ms")
         if self.alloc_align <= 0 or self.alloc_align & (self.alloc_align - 1):
             raise ConfigError(f"alloc_align={self.alloc_align} must be a power of two, e.g. 64")
         for name in ("heartbeat_timeout_ms", "lease_ttl_ms", "put_timeout_ms", "tick_ms", "etcd_lease_ttl_ms",
@@ -207,6 +212,9 @@ class ClientConfig:
     wait_commit: bool = field(default=True, metadata={
         "help": "put waits for put_commit's reply; false pipelines the commit (one round trip less per put, but "
                 "other clients may miss the key for a moment after put returns; docs/store.md, visibility)"})
+    pending_wait_ms: int = field(default=1000, metadata={
+        "help": "a put of a key another writer is still putting waits this long for that put to commit, abort "
+                "or be reclaimed, then fails with PutPending (never reported as stored)"})
     slab_bytes: Bytes = field(default=Bytes(16 << 20), metadata={
         "help": "space this client reserves from the master at a time for one-round-trip puts of batches up to "
                 "this size (at most 1/8 of the largest segment is granted); 0 = put_start + put_commit always"})
@@ -219,6 +227,8 @@ class ClientConfig:
         from_client(self)           # validates pin / pin_ttl_ms (raises ConfigError)
         if self.rpc_timeout_ms <= 0 or self.transfer_timeout_ms <= 0:
             raise ConfigError("rpc_timeout_ms and transfer_timeout_ms must be > 0 ms")
+        if self.pending_wait_ms < 0:
+            raise ConfigError(f"pending_wait_ms={self.pending_wait_ms} must be >= 0 ms")
 
 
 @component("up")

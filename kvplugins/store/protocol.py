@@ -20,7 +20,7 @@ import struct
 
 import msgpack
 
-from kvplugins.errors import (KeyNotFound, ProtocolError, StoreError, StoreFull)
+from kvplugins.errors import KeyNotFound, ProtocolError, PutPending, StoreError, StoreFull
 
 VERSION = 1
 HEADER = struct.Struct(">I")
@@ -29,10 +29,11 @@ HEADER = struct.Struct(">I")
 OK = 0
 NOT_FOUND = 1
 STORE_FULL = 2
-EXISTS = 3        # put_start: the key is already stored or being written; the put is a no-op success
+EXISTS = 3        # put_start/put: the key is already stored (complete); the put is a no-op success
 INVALID = 4       # bad entry (e.g. size <= 0); value names the problem
 EXPIRED = 5       # put_commit: the pending object was reclaimed (writer too slow)
 ON_DISK = 6       # get: the object is only on a node's disk tier; value tells the client how to promote it
+PENDING = 7       # put_start/put: another writer's put of the key has not committed yet; retry (never "stored")
 
 OPS = ("info", "put_start", "put_commit", "put_abort", "reserve", "put", "get", "exists", "exists_prefix", "remove",
        "status", "register_segment", "heartbeat", "unregister", "describe", "report_corrupt")
@@ -89,4 +90,6 @@ def entry_error(code: int, key: str, detail: str) -> StoreError:
         return KeyNotFound(key)
     if code == STORE_FULL:
         return StoreFull(f"{key}: {detail}")
+    if code == PENDING:
+        return PutPending(f"{key}: {detail}")
     return StoreError(f"{key}: {detail}")

@@ -23,7 +23,8 @@ DECODE = msgspec.msgpack.Decoder(EventBatch)
 
 @pytest.fixture(scope="module")
 def cluster():
-    with store_cluster(nodes=1, segment_size="8MiB", master_flags={"events_port": 0, "events_buffer": 1000}) as c:
+    flags = {"events_port": 0, "events_buffer": 1000, "eviction_grace_ms": 0}     # evictions right after puts
+    with store_cluster(nodes=1, segment_size="8MiB", master_flags=flags) as c:
         yield c
 
 

@@ -21,8 +21,10 @@ def wire(seg_id, size):
 
 def service(high=0.9, low=0.5):
     clock = Clock()
+    # grace 0: these tests are about LRU order and leases; the grace has its own (tests/store/test_churn.py)
     svc = MasterService(MasterConfig(lease_ttl_ms=1000, put_timeout_ms=2000, heartbeat_timeout_ms=3000,
-                                     high_watermark=high, low_watermark=low, alloc_align=64), clock=clock)
+                                     eviction_grace_ms=0, high_watermark=high, low_watermark=low, alloc_align=64),
+                        clock=clock)
     svc.clock_ = clock
     return svc
 

@@ -22,8 +22,8 @@ class Clock:
 
 
 def service():
-    svc = MasterService(MasterConfig(lease_ttl_ms=1000, high_watermark=1.0, low_watermark=1.0, alloc_align=64,
-                                     heartbeat_timeout_ms=60_000), clock=Clock())
+    svc = MasterService(MasterConfig(lease_ttl_ms=1000, eviction_grace_ms=0, high_watermark=1.0, low_watermark=1.0,
+                                     alloc_align=64, heartbeat_timeout_ms=60_000), clock=Clock())
     return svc
 
 
@@ -103,13 +103,14 @@ def test_hard_pin_never_evicted_and_named_in_store_full():
     assert m.handle("status", [], {})["pinned"] == 3
     m.handle("get", ["b4"], {})                                   # leased: nothing evictable is left
     [(code, msg)] = m.handle("put_start", [["c", OBJ]], {})
-    assert code == STORE_FULL and "3 hard-pinned objects hold 192 bytes" in msg
+    assert code == STORE_FULL and "3 hard-pinned objects of 192 bytes" in msg
     assert m.handle("remove", ["h0"], {}) == [[OK, None]]         # remove still works on a pinned object
     assert m.handle("put_start", [["c", OBJ]], {})[0][0] == OK
 
 
 def test_watermark_sweep_skips_hard_pins():
-    m = MasterService(MasterConfig(high_watermark=0.5, low_watermark=0.25, alloc_align=64), clock=Clock())
+    m = MasterService(MasterConfig(high_watermark=0.5, low_watermark=0.25, alloc_align=64, eviction_grace_ms=0),
+                      clock=Clock())
     reg(m, "s", OBJ * 8)
     put(m, [f"h{i}" for i in range(4)], pin="hard")
     put(m, ["a", "b"])                                            # 6/8 > 0.5: the sweep sheds only a and b
@@ -132,7 +133,7 @@ def test_bad_put_config_is_a_clear_error():
 
 
 def test_put_config_per_call_on_real_processes():
-    flags = {"high_watermark": 1.0, "low_watermark": 1.0}
+    flags = {"high_watermark": 1.0, "low_watermark": 1.0, "eviction_grace_ms": 0}     # on-demand LRU order
     with store_cluster(nodes=2, segment_size="1MiB", master_flags=flags) as c, \
             StoreClient(ClientConfig(master=c.master, pin="soft")) as client:
         size, target = 128 << 10, c.nodes[1].address

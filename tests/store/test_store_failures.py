@@ -17,7 +17,7 @@ OBJ = 128 << 10           # 8 objects fill a 1 MiB segment
 
 def test_eviction_lru_respects_live_leases():
     # watermarks at 1.0: only on-demand eviction inside put_start, so the order is observable
-    flags = {"lease_ttl_ms": 1500, "high_watermark": 1.0, "low_watermark": 1.0}
+    flags = {"lease_ttl_ms": 1500, "high_watermark": 1.0, "low_watermark": 1.0, "eviction_grace_ms": 0}
     with store_cluster(nodes=1, segment_size="1MiB", master_flags=flags) as c, \
             StoreClient(ClientConfig(master=c.master)) as client:
         keys = [f"e/{i}" for i in range(8)]
@@ -35,7 +35,7 @@ def test_eviction_lru_respects_live_leases():
 
 
 def test_watermark_sweep_keeps_usage_under_high():
-    flags = {"high_watermark": 0.7, "low_watermark": 0.4, "lease_ttl_ms": 50}
+    flags = {"high_watermark": 0.7, "low_watermark": 0.4, "lease_ttl_ms": 50, "eviction_grace_ms": 0}
     with store_cluster(nodes=1, segment_size="1MiB", master_flags=flags) as c, \
             StoreClient(ClientConfig(master=c.master)) as client:
         for i in range(20):                                  # 2.5x the segment: never StoreFull

@@ -16,7 +16,7 @@ class Clock:
 
 def master(high=1.0, low=1.0):
     clock = Clock()
-    svc = MasterService(MasterConfig(lease_ttl_ms=1000, put_timeout_ms=2000, high_watermark=high,
+    svc = MasterService(MasterConfig(lease_ttl_ms=1000, put_timeout_ms=2000, eviction_grace_ms=0, high_watermark=high,
                                      low_watermark=low, alloc_align=64), clock=clock)
     svc.clock_ = clock
     return svc

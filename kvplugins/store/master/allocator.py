@@ -71,6 +71,10 @@ class Allocator:
             raise ValueError(f"split at {at}: not an aligned point strictly inside [{offset}, {offset + size})")
         self._used[offset], self._used[at] = at - offset, offset + size - at
 
+    def size_at(self, offset: int) -> int:
+        """Rounded bytes of the allocation at ``offset``. Raises KeyError if not allocated."""
+        return self._used[offset]
+
     def free(self, offset: int) -> None:
         """Return the allocation at ``offset``; merges with free neighbours. Raises KeyError if not allocated."""
         size = self._used.pop(offset)

@@ -1,5 +1,7 @@
 """Which objects may go, and in what order: least recently used complete objects without a live lease, then
-soft-pinned ones (store/placement.py); hard-pinned objects never.
+soft-pinned ones (store/placement.py); hard-pinned objects never, nor objects committed within the eviction grace
+(``MasterConfig.eviction_grace_ms``, default one lease TTL): under churn the sweep must not take the newest data,
+so a put the client saw succeed is readable right after (issue #18).
 
 Two triggers (both in service.py): on demand inside put_start when nothing fits, and the watermark sweep —
 a segment above ``high_watermark`` sheds objects with a replica on it until it is at or below ``low_watermark``.
@@ -13,18 +15,33 @@ from kvplugins.store.master.metadata import Object, ObjectTable
 SOFT, HARD = 1, 2
 
 
-def evictable(obj: Object, now: float) -> bool:
-    return obj.complete and not obj.leased(now) and obj.pin != HARD
+def evictable(obj: Object, now: float, born_before: float) -> bool:
+    return obj.complete and not obj.leased(now) and obj.pin != HARD and obj.born <= born_before
 
 
-def victims(table: ObjectTable, now: float, segment: str | None = None):
-    """Evictable objects: unpinned ones in LRU order, then soft-pinned ones in LRU order; only those with a
-    replica on ``segment`` if given. Lazy: the caller must stop iterating before it drops any (leased objects
-    were touched recently, so they sit at the MRU end and the scan from the LRU end is short)."""
+def victims(table: ObjectTable, now: float, born_before: float, segment: str | None = None):
+    """Evictable objects: unpinned ones in LRU order, then soft-pinned ones in LRU order; none committed after
+    ``born_before`` (now - the grace); only those with a replica on ``segment`` if given. Lazy: the caller must
+    stop iterating before it drops any (leased and young objects were touched recently, so they sit at the MRU
+    end and the scan from the LRU end is short)."""
     for lru in (table.iter_lru, table.iter_pinned):
         for obj in lru():
-            if evictable(obj, now) and (segment is None or any(s == segment for s, _ in obj.replicas)):
+            if evictable(obj, now, born_before) and (segment is None or any(s == segment for s, _ in obj.replicas)):
                 yield obj
+
+
+def young_bytes(table: ObjectTable, born_before: float) -> int:
+    """Bytes of complete objects committed after ``born_before`` (named in a StoreFull message). Scans from the
+    MRU end (LRU order is last-access order, and a commit is an access) and stops at the first object last used
+    at or before ``born_before``: no object past it can be younger."""
+    total = 0
+    for lru in (table.iter_lru_newest, table.iter_pinned_newest):
+        for obj in lru():
+            if obj.last_access <= born_before:
+                break
+            if obj.complete and obj.born > born_before:
+                total += obj.size
+    return total
 
 
 def expire_soft_pins(table: ObjectTable, now: float) -> int:

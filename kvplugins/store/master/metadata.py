@@ -24,6 +24,7 @@ class Object:
     checksum: int | None = None            # xxh3_64 of the bytes, from put_commit; None = not given
     pin: int = 0                           # 0 none, 1 soft (until pin_until), 2 hard (placement.PIN_CODES)
     pin_until: float = 0.0                 # soft pin: evicted last until this time
+    born: float = 0.0                      # when it was committed: younger than the eviction grace, never evicted
 
     def leased(self, now: float) -> bool:
         return self.lease_until > now
@@ -56,7 +57,7 @@ class ObjectTable:
             self._pending[obj.key] = obj
 
     def commit(self, obj: Object, now: float) -> None:
-        obj.complete = True
+        obj.complete, obj.born = True, now
         self._pending.pop(obj.key, None)
         self.touch(obj, now)
 
@@ -107,6 +108,13 @@ class ObjectTable:
     def iter_lru(self):
         """Unpinned objects, least recently used first, lazily: do not add or pop while iterating."""
         return iter(self._objects.values())
+
+    def iter_lru_newest(self):
+        """Unpinned objects, most recently used first, lazily."""
+        return reversed(self._objects.values())
+
+    def iter_pinned_newest(self):
+        return reversed(self._pinned.values())
 
     def iter_pinned(self):
         """Pinned objects (soft and hard), least recently used first, lazily (as iter_lru)."""

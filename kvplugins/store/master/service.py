@@ -8,7 +8,6 @@ or late writer never lands in reallocated space. Follows the Mooncake master_ser
 """
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 
@@ -17,13 +16,15 @@ from kvplugins.store.config import MasterConfig
 from kvplugins.store.master import admin_ops
 from kvplugins.store.master import placement
 from kvplugins.store.master.events import NoEvents
-from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes, over_high, victims
+from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes, over_high, victims, young_bytes
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.master.metadata import Object, ObjectTable
 from kvplugins.store.master.segments import Segment, SegmentRegistry
 from kvplugins.store.master.slabs import Slabs
 from kvplugins.store.master.tiering import Tiering
-from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, ON_DISK, STORE_FULL, VERSION
+from kvplugins.store.master.zombies import Zombies
+from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, ON_DISK, PENDING, STORE_FULL, \
+    VERSION
 from kvplugins.store.schema import Schemas
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,7 @@ class MasterService:
         self.segments = SegmentRegistry(config.alloc_align)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.schemas = Schemas.of(config)
-        self._zombies: list[tuple[float, int, list[tuple[str, int]]]] = []   # heap of (free_at, seq, replicas)
-        self._seq = 0
+        self._zombies = Zombies()     # space of removed objects, freed when their leases / put deadlines end
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
         self._ops.update(self.tiering.ops())
         self._ops.update(admin_ops.ops(self))      # get_size, remove_by_regex, remove_all (compat)
@@ -73,7 +73,9 @@ class MasterService:
 
     # ---- objects -------------------------------------------------------------------------------------
     def op_put_start(self, entries, opts, now):
-        """entries [(key, size)]; opts schema.PutStartOpts (store/placement.py PutConfig.wire)."""
+        """entries [(key, size)]; opts schema.PutStartOpts (store/placement.py PutConfig.wire). Per entry
+        [OK, locations], [EXISTS, "complete"] (already stored: the put is a no-op), [PENDING, why] (another
+        writer's put of the key has not committed: nothing allocated, retry) or [STORE_FULL, why]."""
         if opts.pin == 1 and opts.pin_ttl_ms <= 0:
             raise ValueError(f"a soft pin (pin=1) needs pin_ttl_ms > 0, got {opts.pin_ttl_ms}")
         replicas, preferred = opts.replicas, opts.segment
@@ -123,7 +125,7 @@ class MasterService:
         obj = self.table.get(key)
         if obj is not None:
             self.counters["put_skipped"] += 1
-            return [EXISTS, "complete" if obj.complete else "pending"]
+            return [EXISTS, "complete"] if obj.complete else [PENDING, _pending_why(obj, now)]
         placed = self._place(size, replicas, now, order, biggest)
         if isinstance(placed, str):
             self.counters["put_full"] += 1
@@ -154,13 +156,28 @@ class MasterService:
                 return placed
             if self._free_due_zombies(now):     # space whose lease ended since the last sweep (tick_ms)
                 continue
-            victim = next(victims(self.table, now), None)
+            victim = next(victims(self.table, now, self.grace_cutoff(now)), None)
             if victim is None:
-                n, held = hard_pinned_bytes(self.table)
-                return (f"no space for {size} bytes and every stored object is leased, pending or hard-pinned "
-                        f"({n} hard-pinned objects hold {held} bytes, {len(self._zombies)} removed objects wait for "
-                        "their readers' leases; remove some or add segments)")
+                return self._full_reason(size, now)
             self._evict(victim, now, urgent=True)
+
+    def grace_cutoff(self, now: float) -> float:
+        """Objects committed after this master-clock time are within the eviction grace: never victims."""
+        grace = self.cfg.eviction_grace_ms if self.cfg.eviction_grace_ms >= 0 else self.cfg.lease_ttl_ms
+        return now - grace / 1000
+
+    def _full_reason(self, size: int, now: float) -> str:
+        """Why nothing can be evicted for a put of ``size`` bytes: a StoreFull message naming what holds the
+        space and when the zombies' part of it returns."""
+        n, held = hard_pinned_bytes(self.table)
+        young = young_bytes(self.table, self.grace_cutoff(now))
+        due = self._zombies.next_due()
+        back = f", the first back in {max(0, (due - now) * 1000):.0f} ms" if due is not None else ""
+        return (f"no space for {size} bytes: every stored object is leased, pending, hard-pinned or within the "
+                f"eviction grace ({young} bytes committed in the last "
+                f"{(now - self.grace_cutoff(now)) * 1000:.0f} ms, {n} hard-pinned objects of {held} bytes; "
+                f"{self._zombies.total()} bytes of {len(self._zombies)} removed objects return when their "
+                f"readers' leases end{back}); retry then, or add segments")
 
     def op_put_commit(self, entries, opts, now):
         """opts.xxh3: [xxh3_64 of each entry's bytes] (optional; stored and returned by get)."""
@@ -299,8 +316,7 @@ class MasterService:
         seg = self.segments.get(name)
         if seg is not None:
             seg.keys.discard(obj.key)
-            self._seq += 1
-            heapq.heappush(self._zombies, (max(obj.lease_until, now), self._seq, [(seg, off)]))
+            self._zombies.add(max(obj.lease_until, now), [(seg, off)])
         self.journal.replicas_changed([obj])
 
     def _complete(self, key) -> bool:
@@ -334,8 +350,7 @@ class MasterService:
             free_at = obj.lease_until if obj.complete else obj.deadline
         held = [(self.segments.get(n), off) for n, off in obj.replicas]
         if free_at > now:     # zombies hold the Segment itself: a re-registered namesake is never touched
-            self._seq += 1
-            heapq.heappush(self._zombies, (free_at, self._seq, held))
+            self._zombies.add(free_at, held)
         else:
             _free(held)
 
@@ -420,21 +435,20 @@ class MasterService:
 
     def _free_due_zombies(self, now: float) -> bool:
         """Free the removed objects whose lease (or put deadline) has run out; whether any were."""
-        freed = bool(self._zombies) and self._zombies[0][0] <= now
-        while self._zombies and self._zombies[0][0] <= now:
-            _free(heapq.heappop(self._zombies)[2])
-        return freed
+        return self._zombies.free_due(now)
 
     def evict_watermarks(self, now: float) -> None:
         """Evict LRU objects of every segment above the high watermark down to the low one, after freeing the
-        removed objects whose lease has ended (their space counts as used until then: evicting live objects
-        for it would lose acknowledged puts)."""
+        removed objects whose lease has ended. Space that removed objects still hold (zombies) is not counted:
+        it returns by itself, and evicting live objects for it took the newest puts under churn (issue #18)."""
         self._free_due_zombies(now)
+        cutoff = self.grace_cutoff(now)
         for seg in self.segments:
-            if not over_high(seg.used, seg.size, self.cfg.high_watermark):
+            live = seg.used - self._zombies.held(seg.name)     # zombie space returns by itself: not a reason
+            if not over_high(live, seg.size, self.cfg.high_watermark):
                 continue
-            excess, chosen = seg.used - self.cfg.low_watermark * seg.size, []
-            for obj in victims(self.table, now, seg.name):      # choose first, drop after the lazy scan
+            excess, chosen = live - self.cfg.low_watermark * seg.size, []
+            for obj in victims(self.table, now, cutoff, seg.name):      # choose first, drop after the lazy scan
                 if excess <= 0:
                     break
                 chosen.append(obj)
@@ -454,9 +468,15 @@ class MasterService:
                  "largest_free": s.allocator.largest_free(),
                  "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000)} for s in self.segments]
         return {"segments": segs, "objects": len(self.table), "pending": self.table.pending_count(),
-                "pinned": self.table.pinned_count(), "zombies": len(self._zombies), "slabs": len(self.slabs),
+                "pinned": self.table.pinned_count(), "zombies": len(self._zombies),
+                "zombie_bytes": self._zombies.total(), "slabs": len(self.slabs),
                 "bytes_used": sum(s["used"] for s in segs),
                 "bytes_total": sum(s["size"] for s in segs), **self.counters, **self.tiering.status()}
+
+
+def _pending_why(obj: Object, now: float) -> str:
+    return (f"another writer's put of this key has not committed yet (reclaimed in "
+            f"{max(0.0, (obj.deadline - now) * 1000):.0f} ms if it never does); retry")
 
 
 def _free(held) -> None:

@@ -27,7 +27,7 @@ from kvplugins.store.master import placement
 from kvplugins.store.master.disk_state import Frozen
 from kvplugins.store.master.metadata import Object
 from kvplugins.store.master.segments import Segment
-from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, OK, STORE_FULL
+from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, OK, PENDING, STORE_FULL
 
 log = logging.getLogger(__name__)
 SLAB_SHARE = 64       # a slab is at most 1/64 of the largest segment ...
@@ -87,7 +87,8 @@ class Slabs:
 
     def op_put(self, entries, opts, now):
         """entries [key, size, slab id, offset]; opts.xxh3 one checksum per entry (or None). Per entry
-        [OK, None], [EXISTS, state] (nothing recorded), [EXPIRED, why] (slab unknown or expired: put again
+        [OK, None], [EXISTS, "complete"] (nothing recorded), [PENDING, why] (another writer's put of the key
+        has not committed: nothing recorded, the client retries), [EXPIRED, why] (slab unknown or expired: put again
         with put_start) or [INVALID, why] (the range is not at or after the slab's front, or overruns it)."""
         svc, out, done, live = self.svc, [], [], {}
         sums = opts.xxh3
@@ -103,7 +104,8 @@ class Slabs:
             obj = get(key)
             if obj is not None:
                 svc.counters["put_skipped"] += 1
-                out.append([EXISTS, "complete" if obj.complete else "pending"])
+                out.append([EXISTS, "complete"] if obj.complete else
+                           [PENDING, "another writer's put of this key has not committed yet; retry"])
                 continue
             seg = slab.seg
             end = off + seg.allocator.rounded(size)
@@ -112,7 +114,7 @@ class Slabs:
                                      f"front {slab.front} and inside it (end {slab.end})"])
                 continue
             self._carve(slab, off, end)
-            obj = Object(key, size, [(seg.name, off)], complete=True, last_access=now,
+            obj = Object(key, size, [(seg.name, off)], complete=True, last_access=now, born=now,
                          locations=[[seg.name, seg.region_id, off]], checksum=None if sums is None else sums[j])
             add(obj)                             # complete: most recently used, as put_commit leaves it
             seg.keys.add(key)

@@ -17,7 +17,6 @@ Disk-only objects hold no DRAM: they are parked outside the table's LRU lists, s
 """
 from __future__ import annotations
 
-import heapq
 from itertools import islice
 
 from kvplugins.store.master import drain
@@ -159,8 +158,7 @@ class Tiering:
         """Free [(Segment, offset)] now or, through the service's zombie heap, at ``at``."""
         svc = self.service
         if at > now:
-            svc._seq += 1
-            heapq.heappush(svc._zombies, (at, svc._seq, held))
+            svc._zombies.add(at, held)
             return
         for seg, off in held:
             if seg is not None:
@@ -331,7 +329,8 @@ class Tiering:
         from kvplugins.store.master.eviction import victims
         alloc = raw_allocator(seg)
         while (off := alloc.alloc(obj.size)) is None:
-            found = list(islice(victims(self.service.table, now, seg.name), CLEAN_SCAN))
+            found = list(islice(victims(self.service.table, now, self.service.grace_cutoff(now), seg.name),
+                                CLEAN_SCAN))
             victim = next((v for v in found if self.copy(v) is not None), found[0] if found else None)
             if victim is None:          # (objects already on disk go first: freeing them loses nothing)
                 self.counters["promote_failures"] += 1
