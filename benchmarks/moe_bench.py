@@ -132,7 +132,7 @@ def worker(name, label, fmt, args) -> dict:
         gbs = backends.weight_bytes(fmt, touched, H, I) / dt / 1e9
         dec = T in DECODE_T
         rows.append([f"{name} E={E}", label, T, f"{dt * 1e3:.2f}", round(gbs, 1) if dec else "",
-                     "", f"{T * K * 6 * H * I / dt / 1e9:.0f}"])
+                     "", _gflops(T * K * 6 * H * I / dt / 1e9)])
     idle = f"{100 * idle_cpu():.0f}%"
     return {"bw": bw, "rows": [r + [idle] for r in rows]}
 
@@ -150,6 +150,11 @@ def run_isolated(name, label, fmt, args) -> dict:
         err = (r.stderr.strip().splitlines() or ["?"])[-1]
         return {"bw": 0.0, "rows": [[name, label, "-", f"unavailable: {err}"[:90], "", "", "", ""]]}
     return json.loads(last)
+
+
+def _gflops(g: float) -> str:
+    """Whole GFLOP/s, with decimals under 10 (a tiny shape on a loaded machine must not print 0)."""
+    return f"{g:.0f}" if g >= 10 else f"{g:.3f}"
 
 
 def cpu_model() -> str:
