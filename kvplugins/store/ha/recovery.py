@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 
 from kvplugins.errors import KVPluginsError
-from kvplugins.store.master.metadata import Object
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ def restore(service, segs: list, objs: list, now: float) -> dict:
         if not replicas:
             dropped.append(key)
             continue
-        _add(service, Object(key, size, replicas, complete=True, last_access=now), *extra)
+        _add(service, key, size, replicas, now, *extra)
     if dropped:
         log.warning("recovery dropped %d objects (segment unknown, offset outside it or overlapping another "
                     "object), e.g. %s", len(dropped), ", ".join(repr(k[:100]) for k in dropped[:10]))
@@ -59,16 +58,14 @@ def _add_segment(service, name: str, wire: dict, region_id: int, size: int, now:
         return
     try:
         service.segments.add(wire, region_id, size, now)
+        service.table.set_region(name, region_id)
     except (KVPluginsError, ValueError) as e:       # a descriptor that decodes but does not hold together
         log.warning("journal segment %r skipped: %s", name[:200], e)
 
 
-def _add(service, obj: Object, checksum=None, pin: int = 0) -> None:
-    """Add recovered ``obj`` with its checksum and hard pin (set before ``add``: the pin picks its LRU list)."""
-    obj.checksum, obj.pin = checksum, pin
-    service.table.add(obj)
-    for name, _ in obj.replicas:
-        service.segments.get(name).keys.add(obj.key)
+def _add(service, key: str, size: int, replicas: list, now: float, checksum=None, pin: int = 0) -> None:
+    """Add a recovered object, complete, with its checksum and pin (the pin picks its LRU list)."""
+    service.table.new(key, size, replicas, complete=True, last_access=now, checksum=checksum, pin=pin)
 
 
 def _reserve(seg, blocks: list) -> set:

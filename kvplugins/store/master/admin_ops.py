@@ -32,8 +32,8 @@ class Scan:
     def step(self, now: float) -> bool:
         chunk = self._objs[self._at:self._at + SCAN_SLICE]
         self._at += len(chunk)
-        table, force, match = self.service.table, self.force, self.match
-        keys = [o.key for o in chunk if table.get(o.key) is o and o.complete and (force or not o.leased(now))
+        force, match = self.force, self.match
+        keys = [o.key for o in chunk if o.alive() and o.complete and (force or not o.leased(now))
                 and match(o.key)]
         self.removed += _remove(self.service, keys, now)
         if self._at < len(self._objs):

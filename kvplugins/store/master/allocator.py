@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import bisect
 
+from kvplugins._meta import SizeMap
+
 
 class Allocator:
     """Allocate [offset, offset+size) ranges inside ``capacity`` bytes. All sizes/offsets in bytes."""
@@ -20,7 +22,7 @@ class Allocator:
         self.capacity, self.align = capacity, align
         self._starts: list[int] = [0]            # sorted starts of free blocks
         self._free: dict[int, int] = {0: capacity}
-        self._used: dict[int, int] = {}          # offset -> rounded size of live allocations
+        self._used = SizeMap(align)              # offset -> rounded size of live allocations (native, 12 B/slot)
         self.used_bytes = 0
 
     def rounded(self, size: int) -> int:

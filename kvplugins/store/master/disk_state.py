@@ -18,17 +18,25 @@ POLL_BATCH = 64               # commands handed to a node per poll
 @dataclass
 class Copy:
     segment: str              # the node (by its segment name) whose disk holds the file
-    obj: object               # metadata.Object
+    obj: object               # metadata.Object: a view, dead once the object leaves the table
     checksum: int
+    size: int = field(init=False)     # obj.size, readable after obj is gone
+
+    def __post_init__(self):
+        self.size = self.obj.size
 
 
 @dataclass
 class Flight:
     kind: str                 # "offload" | "promote" | "migrate"
-    obj: object
+    obj: object               # metadata.Object: a view, dead once the object leaves the table
     segment: str              # the node doing the work
     deadline: float
     dest: tuple | None = None  # (Segment, offset) the node writes into (promote, migrate)
+    size: int = field(init=False)     # obj.size, readable after obj is gone
+
+    def __post_init__(self):
+        self.size = self.obj.size
 
 
 @dataclass

@@ -37,15 +37,16 @@ def plan(tier, node, now: float) -> None:
     busy = sum(1 for f in tier.flights.values() if f.segment == node.segment)
     if busy >= MAX_FLIGHTS:
         return
-    disk_only = (k for k in node.keys if k not in seg.keys)
-    keys = list(islice(chain(seg.keys, disk_only), len(tier.flights) + 4 * MAX_FLIGHTS))
+    want = len(tier.flights) + 4 * MAX_FLIGHTS
+    in_dram = svc.table.on_segment(seg.name, want)      # a native scan of the table, stopping at ``want``
+    disk_only = (k for k in node.keys if (o := svc.table.get(k)) is None or not o.on_segment(seg.name))
+    keys = list(islice(chain((o.key for o in in_dram), disk_only), want))
     if not keys and not busy and not node.queue:
         node.queue.append(["exit"])
         return
     for key in keys:
         obj = svc.table.get(key)
         if obj is None:                               # a stale entry (the object left without telling the tier)
-            seg.keys.discard(key)
             if key in node.keys:
                 tier.forget_copy(key, delete=True)
             continue
@@ -65,8 +66,7 @@ def _drop_extra_replica(tier, obj, seg, now: float) -> bool:
     mine = [(n, o) for n, o in obj.replicas if n == seg.name]
     if not mine or len(obj.replicas) == 1:
         return False
-    obj.replicas, obj.locations = [(n, o) for n, o in obj.replicas if n != seg.name], None
-    seg.keys.discard(obj.key)
+    obj.replicas = [(n, o) for n, o in obj.replicas if n != seg.name]
     tier.free_at([(seg, mine[0][1])], max(now, obj.lease_until), now)
     tier.service.journal.replicas_changed([obj])
     return True
@@ -111,10 +111,6 @@ def migrated(tier, key, segment: str, ok: bool, detail, now: float) -> None:
     if not obj.replicas:                                # it was on disk only: back into the LRU
         svc.table.unpark(obj, now)
     obj.replicas = [(n, o) for n, o in obj.replicas if n != segment] + [(dest.name, off)]
-    obj.locations = None
-    dest.keys.add(key)
-    if seg is not None:
-        seg.keys.discard(key)
     tier.free_at(old, max(now, obj.lease_until), now)  # readers that got the old location keep their lease
     if (c := tier.copies.get(key)) is not None and c.segment == segment:
         tier.forget_copy(key, delete=True)

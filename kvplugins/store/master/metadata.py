@@ -1,136 +1,155 @@
 """The object table: key -> size, replicas, state (pending/complete), lease expiry, last access, checksum, pin.
 
-The table is kept in LRU order (least recently used first): a commit or a get moves the key to the end,
-so eviction (eviction.py) walks it from the front. Pinned objects (store/placement.py) live in a second LRU
-of their own, so the eviction scan never walks past them. Times are master-clock seconds.
+The records live in native code (kvplugins._meta, native/src/meta: issue #18 part 2): one 80-byte record per
+object plus its key bytes and an open-addressing index slot, about 160 bytes an object for 48-byte keys, where
+a Python object per key cost about 600. ``Object`` is a view of one record: reading or writing its fields
+reaches the record; once its key leaves the table (``remove``) every access raises RuntimeError, so a stale view
+never reads another object's fields. Read what you need before removing.
+
+Fields of an Object: key (str), size (bytes), replicas [(segment name, offset)], locations
+[[segment, region id, offset]] (derived), complete (False = pending: allocated, writer not yet committed),
+deadline (pending: reclaimed after), born (complete: when committed; younger than the eviction grace, never
+evicted), lease_until (complete: never evicted/freed before), last_access, checksum (xxh3_64 or None), pin
+(0 none, 1 soft until pin_until, 2 hard; placement.PIN_CODES). Times are master-clock seconds.
+
+The table keeps LRU order (least recently used first): a commit or a get moves the key to the end, so eviction
+(eviction.py) walks it from the front. Pinned objects live in a second LRU of their own, so the eviction scan
+never walks past them; disk-only objects are parked in neither (tiering.py).
 """
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
-from dataclasses import dataclass
 
+from kvplugins import _meta
+from kvplugins._meta import Object
 
-@dataclass(slots=True)
-class Object:
-    key: str
-    size: int                              # bytes, as put
-    replicas: list[tuple[str, int]]        # (segment name, offset)
-    complete: bool = False                 # False = pending: allocated, writer not yet committed
-    deadline: float = 0.0                  # pending: reclaimed after this time
-    lease_until: float = 0.0               # complete: never evicted/freed before this time
-    last_access: float = 0.0
-    locations: list | None = None          # cached [[segment, region id, offset], ...] for replies; None = stale
-    checksum: int | None = None            # xxh3_64 of the bytes, from put_commit; None = not given
-    pin: int = 0                           # 0 none, 1 soft (until pin_until), 2 hard (placement.PIN_CODES)
-    pin_until: float = 0.0                 # soft pin: evicted last until this time
-    born: float = 0.0                      # when it was committed: younger than the eviction grace, never evicted
-
-    def leased(self, now: float) -> bool:
-        return self.lease_until > now
+__all__ = ["Object", "ObjectTable"]
+UNPINNED, PINNED, PARKED = _meta.UNPINNED, _meta.PINNED, _meta.PARKED
 
 
 class ObjectTable:
     def __init__(self):
-        self._objects: OrderedDict[str, Object] = OrderedDict()   # unpinned, LRU first
-        self._pinned: OrderedDict[str, Object] = OrderedDict()    # pin != 0, LRU first
-        self._pending: dict[str, Object] = {}      # the not-yet-committed subset, for the reclaim sweep
+        self._t = _meta.Table()
         self._soft: list[tuple[float, str]] = []   # heap of (pin_until, key) of soft pins, for expiry
-        self._parked: dict[str, Object] = {}       # in no LRU: disk-only objects (no DRAM to evict; tiering.py)
 
     def get(self, key: str) -> Object | None:
-        obj = self._objects.get(key)
-        if obj is None:
-            if self._pinned:
-                obj = self._pinned.get(key)
-            if obj is None and self._parked:
-                return self._parked.get(key)
+        return self._t.get(key)
+
+    def new(self, key: str, size: int, replicas, *, complete: bool = False, deadline: float = 0.0,
+            born: float = 0.0, last_access: float = 0.0, pin: int = 0, pin_until: float = 0.0,
+            checksum: int | None = None, lease_until: float = 0.0) -> Object:
+        """Add an object (most recently used in its LRU). Raises KeyError if ``key`` is present."""
+        obj = self._t.insert(key, size, replicas, complete, born if complete else deadline, last_access, pin,
+                             pin_until if pin == 1 else 0.0, checksum)
+        if lease_until:
+            obj.lease_until = lease_until
+        if pin == 1:
+            heapq.heappush(self._soft, (pin_until, key))
         return obj
 
-    def add(self, obj: Object) -> None:
-        lru = self._pinned if obj.pin else self._objects
-        lru[obj.key] = obj
-        lru.move_to_end(obj.key)
-        if obj.pin == 1:
-            heapq.heappush(self._soft, (obj.pin_until, obj.key))
-        if not obj.complete:
-            self._pending[obj.key] = obj
-
     def commit(self, obj: Object, now: float) -> None:
-        obj.complete, obj.born = True, now
-        self._pending.pop(obj.key, None)
-        self.touch(obj, now)
+        """Pending ``obj`` becomes complete, born ``now``, most recently used."""
+        self._t.commit(obj, now)
 
     def touch(self, obj: Object, now: float) -> None:
-        obj.last_access = now
-        (self._pinned if obj.pin else self._objects).move_to_end(obj.key)
+        self._t.touch(obj, now)
 
     def unpin(self, obj: Object) -> None:
-        """Make pinned ``obj`` a plain object, most recently used."""
-        if self._pinned.pop(obj.key, None) is obj:
-            self._objects[obj.key] = obj
-        obj.pin = 0
+        """Make pinned ``obj`` a plain object, most recently used (a parked one stays parked)."""
+        self._t.set_pin(obj, 0)
+        obj.pin_until = 0.0
+        if obj.list == PINNED:
+            self._t.link(obj, UNPINNED)
 
     def expired_soft_pins(self, now: float) -> list[Object]:
         """Soft-pinned objects whose pin ended by ``now`` (each reported once)."""
         out = []
         while self._soft and self._soft[0][0] <= now:
             _, key = heapq.heappop(self._soft)
-            obj = self._pinned.get(key)
+            obj = self._t.get(key)
             if obj is not None and obj.pin == 1 and obj.pin_until <= now:
                 out.append(obj)
         return out
 
-    def pop(self, key: str) -> Object | None:
-        self._pending.pop(key, None)
-        obj = self._objects.pop(key, None)
-        if obj is None:
-            obj = self._pinned.pop(key, None)
-        return self._parked.pop(key, None) if obj is None else obj
+    def remove(self, obj: Object) -> None:
+        """Take ``obj`` out of the table; the view (and every other view of it) is dead after."""
+        self._t.erase(obj)
 
     def park(self, obj: Object) -> None:
-        """Take complete ``obj`` out of the LRU lists (eviction never scans it; get/pop still find it)."""
-        self._objects.pop(obj.key, None)
-        self._pinned.pop(obj.key, None)
-        self._parked[obj.key] = obj
+        """Take complete ``obj`` out of the LRU lists (eviction never scans it; get/remove still find it)."""
+        self._t.link(obj, PARKED)
 
     def unpark(self, obj: Object, now: float) -> None:
         """Put parked ``obj`` back into its LRU list, most recently used."""
-        if self._parked.pop(obj.key, None) is obj:
-            (self._pinned if obj.pin else self._objects)[obj.key] = obj
+        if obj.list == PARKED:
+            self._t.link(obj, PINNED if obj.pin else UNPINNED)
             obj.last_access = now
 
-    def lru(self):
-        """Every object, unpinned ones least recently used first, then the pinned ones (a snapshot; safe to pop
-        while iterating)."""
-        return list(self._objects.values()) + list(self._pinned.values()) + list(self._parked.values())
+    # ---- batch lookups (native loops) ------------------------------------------------------------------
+    def exists(self, keys: list) -> list[bool]:
+        """Per key: stored and complete."""
+        return self._t.exists(keys)
+
+    def exists_prefix(self, keys: list) -> int:
+        """How many leading ``keys`` are stored and complete."""
+        return self._t.exists_prefix(keys)
+
+    def get_cols(self, keys: list, now: float, lease_until: float):
+        """Look up ``keys``; each complete one with a DRAM replica has its lease raised to ``lease_until`` and is
+        touched. (hits, sizes (-1 = miss), segment names, their region ids, per key its first replica's segment
+        index (-1 = miss), offset, [(j, Object)] with more replicas, per key checksum or None, [(j, Object)]
+        complete but disk-only)."""
+        return self._t.get_cols(keys, now, lease_until)
+
+    def on_segment(self, name: str, limit: int = 0) -> list[Object]:
+        """Objects with a replica on segment ``name``, at most ``limit`` (0: all); a native scan of the table
+        that stops at the limit or once it found every replica counted there (none: no scan)."""
+        return self._t.on_segment(name, limit)
+
+    def count_on(self, name: str) -> int:
+        """Replicas on segment ``name``."""
+        return self._t.count_on(name)
+
+    def set_region(self, name: str, region_id: int) -> None:
+        """Segment ``name``'s region id, named in locations."""
+        self._t.set_region(name, region_id)
+
+    def nbytes(self) -> int:
+        """Bytes the native table holds (records, index, keys, side maps)."""
+        return self._t.nbytes()
+
+    # ---- iteration -------------------------------------------------------------------------------------
+    def lru(self) -> list[Object]:
+        """Every object, unpinned ones least recently used first, then the pinned, then the parked ones (a
+        snapshot; safe to remove while iterating)."""
+        return [*self._t.iter(UNPINNED), *self._t.iter(PINNED), *self._t.iter(PARKED)]
 
     def iter_lru(self):
-        """Unpinned objects, least recently used first, lazily: do not add or pop while iterating."""
-        return iter(self._objects.values())
+        """Unpinned objects, least recently used first, lazily: do not add or remove while iterating."""
+        return self._t.iter(UNPINNED)
 
     def iter_lru_newest(self):
         """Unpinned objects, most recently used first, lazily."""
-        return reversed(self._objects.values())
+        return self._t.iter(UNPINNED, True)
 
     def iter_pinned_newest(self):
-        return reversed(self._pinned.values())
+        return self._t.iter(PINNED, True)
 
     def iter_pinned(self):
         """Pinned objects (soft and hard), least recently used first, lazily (as iter_lru)."""
-        return iter(self._pinned.values())
+        return self._t.iter(PINNED)
 
     def pending(self) -> list[Object]:
-        return list(self._pending.values())
+        return self._t.pending()
 
     def pending_count(self) -> int:
-        return len(self._pending)
+        return self._t.pending_count()
 
     def pinned_count(self) -> int:
-        return len(self._pinned)
+        return self._t.count(PINNED)
 
     def __len__(self) -> int:
-        return len(self._objects) + len(self._pinned) + len(self._parked)
+        return len(self._t)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._objects or key in self._pinned or key in self._parked
+        return key in self._t

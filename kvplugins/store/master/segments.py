@@ -6,7 +6,7 @@ master's sweep (its objects lose that replica; see service.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvplugins.store.master.allocator import Allocator
 from kvplugins.transfer.api import SegmentDescriptor
@@ -18,8 +18,7 @@ class Segment:
     descriptor: dict            # SegmentDescriptor.to_wire() of the owning engine
     region_id: int
     allocator: Allocator
-    last_heartbeat: float       # seconds, master clock
-    keys: set[str] = field(default_factory=set)   # objects with a replica here
+    last_heartbeat: float       # seconds, master clock (the objects with a replica here: ObjectTable.on_segment)
 
     @property
     def size(self) -> int:

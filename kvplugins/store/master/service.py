@@ -110,13 +110,10 @@ class MasterService:
             offsets = seg.allocator.alloc_many([size for _, _, size in chunk]) if chunk else None
             if offsets is None:
                 continue
-            name, region = seg.name, seg.region_id
+            name, region, new = seg.name, seg.region_id, self.table.new
             for (j, key, size), off in zip(chunk, offsets):
-                locations = [[name, region, off]]
-                self.table.add(Object(key, size, [(name, off)], deadline=deadline, last_access=now,
-                                      locations=locations, pin=pin[0], pin_until=pin[1]))
-                seg.keys.add(key)
-                out[j] = [OK, locations]
+                new(key, size, [(name, off)], deadline=deadline, last_access=now, pin=pin[0], pin_until=pin[1])
+                out[j] = [OK, [[name, region, off]]]
             self.counters["puts"] += len(chunk)
         return out
 
@@ -130,17 +127,10 @@ class MasterService:
         if isinstance(placed, str):
             self.counters["put_full"] += 1
             return [STORE_FULL, placed]
-        obj = Object(key, size, placed, deadline=now + self.cfg.put_timeout_ms / 1000, last_access=now,
-                     pin=pin[0], pin_until=pin[1])
-        self.table.add(obj)
-        locations = []
-        for seg, off in placed:
-            seg.keys.add(key)
-            locations.append([seg.name, seg.region_id, off])
-        obj.replicas = [(seg.name, off) for seg, off in placed]
-        obj.locations = locations
+        self.table.new(key, size, [(seg.name, off) for seg, off in placed], last_access=now,
+                       deadline=now + self.cfg.put_timeout_ms / 1000, pin=pin[0], pin_until=pin[1])
         self.counters["puts"] += 1
-        return [OK, locations]
+        return [OK, [[seg.name, seg.region_id, off] for seg, off in placed]]
 
     def _place(self, size: int, replicas: int, now: float, order: list[Segment], biggest: int):
         """Replica list [(Segment, offset)], evicting LRU objects on demand; or a reason string (StoreFull).
@@ -213,71 +203,44 @@ class MasterService:
         return out
 
     def op_get(self, entries, opts, now):
-        if opts.cols:
-            return self._get_cols(entries, now)
-        out, ttl = [], self.cfg.lease_ttl_ms
-        lease, get, touch, hits = now + ttl / 1000, self.table.get, self.table.touch, 0
-        for key in entries:
-            obj = get(key)
-            if obj is None or not obj.complete:
-                out.append([NOT_FOUND, None])
-                continue
-            if not obj.replicas:                 # disk-resident only: the tier answers (promote on hit)
-                out.append(self.tiering.get(obj, now))
-                continue
-            if obj.lease_until < lease:
-                obj.lease_until = lease
-            touch(obj, now)
-            hits += 1
-            out.append([OK, [obj.size, obj.locations or self._locations(obj), ttl, obj.checksum]])
+        """Per key [OK, [size, locations, lease ms, checksum]], [NOT_FOUND, None] or the disk tier's answer. A hit's
+        lease is raised to now + lease_ttl_ms. With opts {"cols": 1}, columns instead (a 128-key reply packs in a
+        fraction of the time): [ttl ms, sizes (-1 = miss), segment names, their region ids, per key the index of
+        its first replica's segment (-1 = miss), its offset, {key index: all locations} for keys with more than
+        one replica, per key its xxh3_64 checksum (None = none), {key index: the tier's [ON_DISK, value]} for
+        disk-resident objects (their size is -1 here; the client resolves them)]. The lookups run natively
+        (metadata.ObjectTable.get_cols)."""
+        ttl = self.cfg.lease_ttl_ms
+        hits, sizes, names, regions, seg_idx, offs, more, sums, disk = self.table.get_cols(
+            entries, now, now + ttl / 1000)
         self.counters["hits"] += hits
         self.counters["misses"] += len(entries) - hits
+        if opts.cols:
+            return [ttl, sizes, names, regions, seg_idx, offs, {j: o.locations for j, o in more}, sums,
+                    self._disk_answers(disk, now, only_on_disk=True)]
+        out = [[NOT_FOUND, None] if k < 0 else [OK, [n, [[names[k], regions[k], off]], ttl, c]]
+               for n, k, off, c in zip(sizes, seg_idx, offs, sums)]
+        for j, obj in more:
+            out[j][1][1] = obj.locations
+        for j, answer in self._disk_answers(disk, now, only_on_disk=False).items():
+            out[j] = answer
         return out
 
-    def _get_cols(self, entries, now):
-        """op_get with opts {"cols": 1}: columns instead of one nested list per key (a 128-key reply packs in
-        a fraction of the time): [ttl ms, sizes (-1 = miss), segment names, their region ids, per key the
-        index of its first replica's segment (-1 = miss), its offset, {key index: all locations} for keys
-        with more than one replica, per key its xxh3_64 checksum (None = none), {key index: the tier's
-        [ON_DISK, value]} for disk-resident objects (their size is -1 here; the client resolves them)]."""
-        ttl = self.cfg.lease_ttl_ms
-        lease, get, touch = now + ttl / 1000, self.table.get, self.table.touch
-        sizes, seg_idx, offs, more, names, regions, index = [], [], [], {}, [], [], {}
-        sums, disk = [], {}
-        for j, key in enumerate(entries):
-            obj = get(key)
-            if obj is None or not obj.complete or not obj.replicas:
-                if obj is not None and obj.complete:             # disk-resident only: the tier answers
-                    answer = self.tiering.get(obj, now)
-                    if answer[0] == ON_DISK:
-                        disk[j] = answer
-                sizes.append(-1), seg_idx.append(-1), offs.append(0), sums.append(None)
-                continue
-            if obj.lease_until < lease:
-                obj.lease_until = lease
-            touch(obj, now)
-            name, off = obj.replicas[0]
-            k = index.get(name)
-            if k is None:
-                k = index[name] = len(names)
-                names.append(name)
-                regions.append(self.segments.get(name).region_id)
-            sizes.append(obj.size), seg_idx.append(k), offs.append(off), sums.append(obj.checksum)
-            if len(obj.replicas) > 1:
-                more[j] = obj.locations or self._locations(obj)
-        hits = len(entries) - sizes.count(-1)
-        self.counters["hits"] += hits
-        self.counters["misses"] += len(entries) - hits
-        return [ttl, sizes, names, regions, seg_idx, offs, more, sums, disk]
+    def _disk_answers(self, disk, now: float, only_on_disk: bool) -> dict:
+        """{key index: the tier's answer} for complete disk-resident objects (promoted on a hit); with
+        ``only_on_disk`` just the [ON_DISK, value] ones (the column reply leaves the rest misses)."""
+        out = {}
+        for j, obj in disk:
+            answer = self.tiering.get(obj, now)
+            if answer[0] == ON_DISK or not only_on_disk:
+                out[j] = answer
+        return out
 
     def op_exists(self, entries, opts, now):
-        return [self._complete(k) for k in entries]
+        return self.table.exists(entries)
 
     def op_exists_prefix(self, entries, opts, now):
-        n = 0
-        while n < len(entries) and self._complete(entries[n]):
-            n += 1
-        return n
+        return self.table.exists_prefix(entries)
 
     def op_remove(self, entries, opts, now):
         out = []
@@ -312,21 +275,10 @@ class MasterService:
             self._drop(obj, now, reason="corrupt")
             return
         obj.replicas = [r for r in obj.replicas if r != (name, off)]
-        obj.locations = None
         seg = self.segments.get(name)
         if seg is not None:
-            seg.keys.discard(obj.key)
             self._zombies.add(max(obj.lease_until, now), [(seg, off)])
         self.journal.replicas_changed([obj])
-
-    def _complete(self, key) -> bool:
-        obj = self.table.get(key)
-        return obj is not None and obj.complete
-
-    def _locations(self, obj: Object):
-        """[[segment, region id, offset], ...] of ``obj``'s replicas, cached on it (reset when they change)."""
-        obj.locations = [[name, self.segments.get(name).region_id, off] for name, off in obj.replicas]
-        return obj.locations
 
     def _evict(self, obj: Object, now: float, urgent: bool) -> None:
         """Eviction chose ``obj``: the disk tier takes it over (offload) or it is dropped."""
@@ -338,17 +290,13 @@ class MasterService:
         """Remove ``obj`` from the table; its space is freed now, or when its lease/put deadline ends.
         ``reason``: why, for the removal event of a committed object (evicted, removed, corrupt)."""
         self.tiering.dropped(obj, now)      # disk copy deleted, a tier flight cancelled, the tier's lease ended
-        self.table.pop(obj.key)
         if obj.complete:
             self.journal.removed([obj])
             self.events.removed([obj], reason)
-        for name, _ in obj.replicas:
-            seg = self.segments.get(name)
-            if seg is not None:
-                seg.keys.discard(obj.key)
         if free_at is None:
             free_at = obj.lease_until if obj.complete else obj.deadline
         held = [(self.segments.get(n), off) for n, off in obj.replicas]
+        self.table.remove(obj)              # the view is dead from here
         if free_at > now:     # zombies hold the Segment itself: a re-registered namesake is never touched
             self._zombies.add(free_at, held)
         else:
@@ -364,8 +312,8 @@ class MasterService:
             except Exception as err:  # noqa: BLE001 - any bad entry is answered, never crashes the master
                 out.append([INVALID, f"bad segment entry: {err}"])
                 continue
-            old = [o for o in self.table.lru() if any(n == seg.name for n, _ in o.replicas)]
-            self._lose_objects(seg.name, old)
+            self.table.set_region(seg.name, seg.region_id)
+            self._lose_objects(seg.name, self.table.on_segment(seg.name))
             self.journal.segment_added(seg)
             log.info("segment %s registered: %d bytes from host %s", seg.name, seg.size, wire.get("host_id"))
             out.append([OK, seg.name])
@@ -393,7 +341,7 @@ class MasterService:
     def _remove_segment(self, seg: Segment, why: str) -> None:
         self.segments.pop(seg.name)
         self.journal.segment_removed(seg.name)
-        lost = [self.table.get(k) for k in seg.keys if self.table.get(k) is not None]
+        lost = self.table.on_segment(seg.name)
         self._lose_objects(seg.name, lost)
         self.counters["segments_lost"] += 1
         log.warning("segment %s removed (%s); %d objects lost a replica", seg.name, why, len(lost))
@@ -402,9 +350,7 @@ class MasterService:
         changed, gone = [], []
         for obj in objs:
             obj.replicas = [(n, o) for n, o in obj.replicas if n != name]
-            obj.locations = None
             if not obj.replicas and not self.tiering.keeps(obj):     # (kept: it lives on in a node's disk)
-                self.table.pop(obj.key)
                 self.counters["objects_lost"] += 1
                 gone.append(obj)
             else:
@@ -416,6 +362,8 @@ class MasterService:
         if done:
             self.journal.removed(done)
             self.events.removed(done, "lost")
+        for obj in gone:
+            self.table.remove(obj)
 
     # ---- sweep ---------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -464,7 +412,7 @@ class MasterService:
 
     def op_status(self, entries, opts, now):
         segs = [{"name": s.name, "host_id": s.descriptor.get("host_id", ""), "size": s.size, "used": s.used,
-                 "objects": len(s.keys), "free_blocks": s.allocator.free_blocks(),
+                 "objects": self.table.count_on(s.name), "free_blocks": s.allocator.free_blocks(),
                  "largest_free": s.allocator.largest_free(),
                  "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000)} for s in self.segments]
         return {"segments": segs, "objects": len(self.table), "pending": self.table.pending_count(),

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from kvplugins.store.master import placement
 from kvplugins.store.master.disk_state import Frozen
-from kvplugins.store.master.metadata import Object
 from kvplugins.store.master.segments import Segment
 from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, OK, PENDING, STORE_FULL
 
@@ -94,7 +93,7 @@ class Slabs:
         sums = opts.xxh3
         if sums is not None and len(sums) != len(entries):
             raise ValueError(f"put: opts: xxh3 has {len(sums)} checksums for {len(entries)} keys")
-        get, add, expires = svc.table.get, svc.table.add, now + svc.cfg.put_timeout_ms / 1000
+        get, new, expires = svc.table.get, svc.table.new, now + svc.cfg.put_timeout_ms / 1000
         for j, (key, size, sid, off) in enumerate(entries):
             slab = live[sid] if sid in live else live.setdefault(sid, self._live(sid, now, expires))
             if slab is None:
@@ -114,10 +113,8 @@ class Slabs:
                                      f"front {slab.front} and inside it (end {slab.end})"])
                 continue
             self._carve(slab, off, end)
-            obj = Object(key, size, [(seg.name, off)], complete=True, last_access=now, born=now,
-                         locations=[[seg.name, seg.region_id, off]], checksum=None if sums is None else sums[j])
-            add(obj)                             # complete: most recently used, as put_commit leaves it
-            seg.keys.add(key)
+            obj = new(key, size, [(seg.name, off)], complete=True, last_access=now, born=now,  # most recently
+                      checksum=None if sums is None else sums[j])                          # used, as put_commit
             done.append(obj)
             out.append([OK, None])
         svc.counters["puts"] += len(done)

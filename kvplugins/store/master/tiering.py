@@ -80,10 +80,10 @@ class Tiering:
         """``obj`` is leaving the table (remove, eviction, loss): delete its disk copy, cancel its flight (a
         destination the node may still write is freed after put_timeout_ms)."""
         c = self.copies.get(obj.key)
-        if c is not None and c.obj is obj:
+        if c is not None and c.obj == obj:
             self.forget_copy(obj.key, delete=True)
         f = self.flights.get(obj.key)
-        if f is not None and f.obj is obj:
+        if f is not None and f.obj == obj:
             self.end_flight(obj.key, now, free_dest_at=now + self.service.cfg.put_timeout_ms / 1000)
 
     def keeps(self, obj) -> bool:
@@ -120,7 +120,7 @@ class Tiering:
     def copy(self, obj) -> Copy | None:
         """``obj``'s disk copy, if it has a valid one."""
         c = self.copies.get(obj.key)
-        return c if c is not None and c.obj is obj and c.segment in self.nodes else None
+        return c if c is not None and c.obj == obj and c.segment in self.nodes else None
 
     def add_copy(self, obj, segment: str, checksum: int) -> None:
         self.forget_copy(obj.key, delete=False)
@@ -132,7 +132,7 @@ class Tiering:
         c = self.copies.pop(key, None)
         if c is None:
             return
-        self.disk_bytes -= c.obj.size
+        self.disk_bytes -= c.size
         node = self.nodes.get(c.segment)
         if node is not None:
             node.keys.discard(key)
@@ -142,13 +142,8 @@ class Tiering:
     def to_disk_only(self, obj, now: float, free_at: float) -> None:
         """Free ``obj``'s DRAM replicas (at ``free_at``) and leave it on disk only."""
         svc = self.service
-        held = []
-        for name, off in obj.replicas:
-            seg = svc.segments.get(name)
-            if seg is not None:
-                seg.keys.discard(obj.key)
-            held.append((seg, off))
-        obj.replicas, obj.locations = [], None
+        held = [(svc.segments.get(name), off) for name, off in obj.replicas]
+        obj.replicas = []
         svc.table.park(obj)                 # out of the LRU: eviction scans never walk disk-only objects
         self.free_at(held, free_at, now)
         svc.journal.replicas_changed([obj])
@@ -170,7 +165,7 @@ class Tiering:
         if f is None:
             return None
         if f.kind == "offload" and f.segment in self.nodes:
-            self.nodes[f.segment].offloading -= f.obj.size
+            self.nodes[f.segment].offloading -= f.size
         if f.dest is not None and free_dest_at is not None:
             self.free_at([f.dest], free_dest_at, now)
         return f
@@ -185,8 +180,8 @@ class Tiering:
         for key in list(node.keys):
             c = self.copies.pop(key, None)
             if c is not None:
-                self.disk_bytes -= c.obj.size
-                if self.service.table.get(key) is c.obj and not c.obj.replicas:
+                self.disk_bytes -= c.size
+                if self.service.table.get(key) == c.obj and not c.obj.replicas:
                     lost.append(c.obj)
         for obj in lost:
             self.service._drop(obj, now)
@@ -205,7 +200,7 @@ class Tiering:
         f = self.flights.get(key)
         if f is None or f.kind != kind or f.segment != segment:
             return None
-        return f if self.service.table.get(key) is f.obj else None
+        return f if self.service.table.get(key) == f.obj else None
 
     # ---- ops: node registration and commands ---------------------------------------------------------
     def op_tier_register(self, entries, opts, now):
@@ -228,13 +223,11 @@ class Tiering:
         return out
 
     def _adopt(self, segment: str, files, now: float) -> list[str]:
-        from kvplugins.store.master.metadata import Object
         table, stale, new = self.service.table, [], []
         for key, size, digest in files:
             obj = table.get(key)
             if obj is None:
-                obj = Object(key, size, [], complete=True, last_access=now, checksum=digest)
-                table.add(obj)
+                obj = table.new(key, size, [], complete=True, last_access=now, checksum=digest)
                 table.park(obj)
                 new.append(obj)
             elif not (obj.complete and obj.size == size and self.copy(obj) is None
@@ -302,7 +295,7 @@ class Tiering:
             return
         self.forget_copy(key, delete=False)
         self.counters[LOST_COUNTER.get(why, "disk_lost")] += 1
-        if self.service.table.get(key) is c.obj and not c.obj.replicas and key not in self.flights:
+        if self.service.table.get(key) == c.obj and not c.obj.replicas and key not in self.flights:
             self.service._drop(c.obj, now)
 
     # ---- ops: promote on hit -------------------------------------------------------------------------
@@ -357,9 +350,8 @@ class Tiering:
             self.flights.pop(key)
             seg, off = f.dest
             obj = f.obj
-            obj.replicas, obj.locations = [(seg.name, off)], None
+            obj.replicas = [(seg.name, off)]
             obj.lease_until = now + self.service.cfg.lease_ttl_ms / 1000   # until the client's get re-asks
-            seg.keys.add(key)
             self.service.table.unpark(obj, now)
             self.service.journal.replicas_changed([obj])
             self.service.events.promoted([obj])
