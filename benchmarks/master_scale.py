@@ -5,7 +5,7 @@
 
 Per N, in a fresh child process: one master service (master/service.py, the code the master process runs per
 request, here called in process: no sockets, so this is the table's cost, not the RPC path's) with one segment
-of N x 64 bytes; N objects of 64 bytes put in batches (put_start + put_commit); then ``exists`` and ``get``
+of 2N x 64 bytes (never above the high watermark: nothing is evicted, checked); N objects of 64 bytes put in batches (put_start + put_commit); then ``exists`` and ``get``
 batches of ``--batch`` random stored keys (get both as nested per-key rows and as the column reply clients
 ask for). Reports the process RSS growth per object (the native table with its index and LRU lists, and the
 allocator's offset map), the table's own byte count, master-side puts/s, and exists / get key-ops/s (best of 5
@@ -42,8 +42,9 @@ def measure(n: int, batch: int, key_bytes: int) -> dict:
     from kvplugins.store.config import MasterConfig
     from kvplugins.store.master.service import MasterService
     m = MasterService(MasterConfig(metrics_port=-1, alloc_align=64, heartbeat_timeout_ms=10**9))
-    wire = {"v": 1, "segment_id": "s", "host_id": "h", "transports": {}, "regions": [[1, n * 64 + (1 << 20), None]]}
-    m.handle("register_segment", [[wire, 1, n * 64 + (1 << 20)]], {})
+    size = 2 * n * 64        # half full at the end: below the high watermark, so nothing is evicted
+    wire = {"v": 1, "segment_id": "s", "host_id": "h", "transports": {}, "regions": [[1, size, None]]}
+    m.handle("register_segment", [[wire, 1, size]], {})
     ks = keys(n, key_bytes)
     base = rss_bytes()
     t0 = time.perf_counter()
@@ -53,6 +54,8 @@ def measure(n: int, batch: int, key_bytes: int) -> dict:
         m.handle("put_commit", chunk, {})
     put_s = time.perf_counter() - t0
     grown = rss_bytes() - base
+    if len(m.table) != n:
+        raise SystemExit(f"the table holds {len(m.table)} of {n} objects (evicted: {m.counters['evictions']})")
     rng = random.Random(1)
     out = {"objects": n, "bytes_per_object": round(grown / n), "rss_mib": round(rss_bytes() / 2**20),
            "puts_per_s": round(n / put_s)}

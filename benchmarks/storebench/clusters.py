@@ -37,6 +37,7 @@ class Target:
     lease_ms: int
     cfg: dict
     env: dict = field(default_factory=dict)
+    master_pid: int = 0         # the metadata server's process (master_memory.py reads its RSS)
 
 
 def _bin(name: str) -> str:
@@ -90,7 +91,7 @@ def kvp(mode: str, max_batch: int, log_dir: Path) -> Iterator[Target]:
                     log_dir / f"kvp-{mode}-store.log", env) as node:
             _wait_file(ready_file, node)
             cfg = {"master": addr, "transports": transports}
-            yield Target(f"kvp-{mode}", "kvp", mode, "kvp", segment_bytes, lease_ms, cfg, env)
+            yield Target(f"kvp-{mode}", "kvp", mode, "kvp", segment_bytes, lease_ms, cfg, env, master.pid)
 
 
 @contextlib.contextmanager
@@ -113,7 +114,7 @@ def mooncake(max_batch: int, log_dir: Path) -> Iterator[Target]:
         seg = Worker("mooncake-segment", ["--backend", "mooncake", "--role", "segment", "--config",
                                           _json(cfg), "--segment-bytes", str(segment_bytes)], env, log_dir)
         try:
-            yield Target("mooncake-tcp", "mooncake", "tcp", "mooncake", segment_bytes, 0, cfg, env)
+            yield Target("mooncake-tcp", "mooncake", "tcp", "mooncake", segment_bytes, 0, cfg, env, master.pid)
         finally:
             seg.close()
 

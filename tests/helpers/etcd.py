@@ -76,13 +76,13 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _start(tmp: Path) -> Etcd:
+def _start(tmp: Path, extra: tuple = ()) -> Etcd:
     client, peer = _free_ports(2)
     url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
     log = tmp / "etcd.log"
     args = [etcd_binary(), "--name", "kvp", "--data-dir", str(tmp / "data"), "--listen-client-urls", url,
             "--advertise-client-urls", url, "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls",
-            peer_url, "--initial-cluster", f"kvp={peer_url}", "--logger", "zap", "--log-level", "warn"]
+            peer_url, "--initial-cluster", f"kvp={peer_url}", "--logger", "zap", "--log-level", "warn", *extra]
     with open(log, "wb") as f:
         popen = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
                                  start_new_session=True)
@@ -110,15 +110,15 @@ def _kill(popen: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def etcd_server(attempts: int = 3):
-    """A single-member etcd on free loopback ports. Yields Etcd; kills it and removes its data on exit.
-    Retries the start (a freed port can be taken by another process before etcd binds it)."""
+def etcd_server(attempts: int = 3, extra: tuple = ()):
+    """A single-member etcd on free loopback ports (``extra``: more etcd flags). Yields Etcd; kills it and removes
+    its data on exit. Retries the start (a freed port can be taken by another process before etcd binds it)."""
     with tempfile.TemporaryDirectory(prefix="kvp-etcd-") as d:
         for i in range(attempts):
             tmp = Path(d) / str(i)
             tmp.mkdir()
             try:
-                etcd = _start(tmp)
+                etcd = _start(tmp, extra)
                 break
             except RuntimeError:
                 if i == attempts - 1:
