@@ -32,6 +32,7 @@ import logging
 
 from kvplugins.errors import (BufferNotRegistered, ConfigError, KeyNotFound, KVPluginsError, MasterUnreachable,
                               PutPending, SizeMismatch, StoreError, StoreFull, TransferError)
+from kvplugins.store import compat_types
 from kvplugins.transfer.memory import view_of
 
 log = logging.getLogger(__name__)
@@ -54,26 +55,47 @@ class SoftPinAction(enum.IntEnum):
     DISABLE = 2
 
 
+class ObjectDataType(enum.IntEnum):
+    """Mooncake's ReplicateConfig.data_type (accepted, not used)."""
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
 class ReplicateConfig:
-    """Mooncake's ReplicateConfig: the attributes of 0.3.13 with their defaults. Used: ``replica_num``,
-    ``with_hard_pin``, ``with_soft_pin`` / ``soft_pin_action`` = ENABLE (+ ``soft_pin_ttl_ms``),
-    ``preferred_segment`` (a segment name as ``kvplugins status`` lists it) or the first ``preferred_segments``.
-    The others are accepted for compatibility and ignored."""
+    """Mooncake's ReplicateConfig: the attributes of 0.3.13 with their defaults, typed as its binding types them
+    (a value Mooncake refuses raises TypeError on assignment; an unknown attribute raises AttributeError;
+    compat_compat_types.py). Used: ``replica_num``, ``with_hard_pin``, ``soft_pin_action`` = ENABLE
+    (+ ``soft_pin_ttl_ms``), ``preferred_segment`` (a segment name as ``kvplugins status`` lists it) or the
+    first ``preferred_segments``. The others are accepted for compatibility and ignored. ``with_soft_pin`` is
+    ours (Mooncake 0.3.13 has no such attribute): the same as soft_pin_action = ENABLE."""
+
+    __slots__ = ("_replica_num", "_with_hard_pin", "_with_soft_pin", "_soft_pin_action", "_soft_pin_ttl_ms",
+                 "_preferred_segment", "_preferred_segments", "_prefer_alloc_in_same_node",
+                 "_preferred_nof_segments", "_nof_replica_num", "_dfs_replica_num", "_group_ids", "_data_type")
+    replica_num = compat_types.Typed(compat_types.u64, 1)
+    with_hard_pin = compat_types.Typed(compat_types.boolean, False)
+    with_soft_pin = compat_types.Typed(compat_types.boolean, False)
+    soft_pin_action = compat_types.Typed(compat_types.member(SoftPinAction), SoftPinAction.PRESERVE)
+    soft_pin_ttl_ms = compat_types.Typed(lambda n, v: compat_types.u64(n, v, optional=True), None)
+    preferred_segment = compat_types.Typed(compat_types.text, "")
+    preferred_segments = compat_types.Typed(compat_types.texts, ())
+    prefer_alloc_in_same_node = compat_types.Typed(compat_types.boolean, False)
+    preferred_nof_segments = compat_types.Typed(compat_types.texts, ())
+    nof_replica_num = compat_types.Typed(compat_types.u64, 0)
+    dfs_replica_num = compat_types.Typed(compat_types.u64, 0)
+    group_ids = compat_types.Typed(lambda n, v: compat_types.texts(n, v, optional=True), None)
+    data_type = compat_types.Typed(compat_types.member(ObjectDataType), ObjectDataType.UNKNOWN)
 
     def __init__(self):
-        self.replica_num = 1
-        self.with_hard_pin = False
-        self.with_soft_pin = False
-        self.soft_pin_action = SoftPinAction.PRESERVE
-        self.soft_pin_ttl_ms = None
-        self.preferred_segment = ""
-        self.preferred_segments: list[str] = []
-        self.prefer_alloc_in_same_node = False
-        self.preferred_nof_segments: list[str] = []
-        self.nof_replica_num = 0
-        self.dfs_replica_num = 0
-        self.group_ids = None
-        self.data_type = 0
+        self.preferred_segments, self.preferred_nof_segments = [], []      # a list of its own per config
 
     def to_put_config(self, defaults):
         """The PutConfig (store/placement.py) of this config; ``defaults``: the client's default PutConfig.

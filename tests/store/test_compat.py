@@ -58,6 +58,39 @@ def test_replicate_config_has_mooncake_attributes_and_defaults():
         assert got == want, (name, got, want)
 
 
+PROBES = [True, 0, 1, -1, 2, 2**63, 2**64, 1.0, "2", None, ["a"], ("a",), "ab", [1], {}]
+
+
+def test_replicate_config_assignment_types_match_mooncake():
+    """Every attribute, assigned each probe value on Mooncake's ReplicateConfig and on ours: the same TypeError,
+    or the same value read back (issue #19: Mooncake's binding refuses what it cannot convert)."""
+    mc = pytest.importorskip("mooncake.store")
+    from kvplugins.store.compat import ObjectDataType, SoftPinAction
+    np = pytest.importorskip("numpy")
+    names = [a for a in dir(mc.ReplicateConfig()) if not a.startswith("_")]
+    pairs = [(v, v) for v in PROBES + [np.int64(3), np.True_]]
+    pairs += [(mc.SoftPinAction.ENABLE, SoftPinAction.ENABLE), (mc.ObjectDataType.TENSOR, ObjectDataType.TENSOR)]
+    for name in names:
+        for theirs_value, ours_value in pairs:
+            theirs, ours = mc.ReplicateConfig(), ReplicateConfig()
+            try:
+                setattr(theirs, name, theirs_value)
+                want = getattr(theirs, name)
+            except TypeError:
+                want = TypeError
+            try:
+                setattr(ours, name, ours_value)
+                got = getattr(ours, name)
+            except TypeError:
+                got = TypeError
+            if want is not TypeError and hasattr(want, "name") and hasattr(want, "value"):     # their enum
+                want = int(want.value)
+            assert (got if got is TypeError or isinstance(got, (list, type(None), str)) else int(got)) == want, \
+                (name, theirs_value, got, want)
+    with pytest.raises(AttributeError):
+        ReplicateConfig().no_such_attribute = 1
+
+
 def mooncake_style_script(store, master: str) -> None:
     """Code written for mooncake.store. Every expected value is what a real mooncake_master 0.3.13 + two
     segment processes answered to this same script (run once by hand inside a private network namespace,
