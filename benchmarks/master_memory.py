@@ -24,19 +24,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from master_scale import keys as make_keys  # noqa: E402
+from master_scale import keys as make_keys, rss_bytes as rss  # noqa: E402
 from storebench import clusters, netns  # noqa: E402
 from storebench.clients import open_client  # noqa: E402
 
 SIZE, BATCH = 64, 1000
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def measure(target, n: int, key_bytes: int) -> dict:

@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 PREFIX, LEADER, BATCH = "/kvp-bench", b"bench-leader", 1000
 
 
-def _service(journal, n: int):
+def _service(journal):
     from kvplugins.store.config import MasterConfig
     from kvplugins.store.master.service import MasterService
     return MasterService(MasterConfig(metrics_port=-1, alloc_align=64, heartbeat_timeout_ms=10**9), journal=journal)
@@ -43,7 +43,7 @@ def fill(url: str, n: int, key_bytes: int) -> float:
     journal = EtcdJournal(etcd, PREFIX)
     etcd.txn([], [put_op(journal.leader_key, LEADER)])
     journal.fence = LEADER
-    m = _service(journal, n)
+    m = _service(journal)
     size = 2 * n * 64            # half full at the end: below the high watermark, so nothing is evicted
     wire = {"v": 1, "segment_id": "s", "host_id": "h", "transports": {}, "regions": [[1, size, None]]}
     m.handle("register_segment", [[wire, 1, size]], {})
@@ -61,6 +61,7 @@ def fill(url: str, n: int, key_bytes: int) -> float:
 
 def recover(url: str) -> dict:
     """What a new leader does: load the journal and restore a fresh service (in this process)."""
+    from master_scale import rss_bytes
     from kvplugins.store.ha import recovery
     from kvplugins.store.ha.etcd import Etcd
     from kvplugins.store.ha.journal import EtcdJournal
@@ -68,10 +69,10 @@ def recover(url: str) -> dict:
     t0 = time.perf_counter()
     segs, objs = journal.load()
     t1 = time.perf_counter()
-    m = _service(journal, len(objs))
+    m = _service(journal)
     got = recovery.restore(m, segs, objs, m.clock())
     t2 = time.perf_counter()
-    peak = next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+    peak = rss_bytes(field="VmHWM")
     return {"objects": got["objects"], "dropped": got["dropped"], "load_s": round(t1 - t0, 2),
             "restore_s": round(t2 - t1, 2), "peak_rss_mib": round(peak / 2**20)}
 

@@ -24,12 +24,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
+def rss_bytes(pid: int | str = "self", field: str = "VmRSS") -> int:
+    """A process's memory from /proc/PID/status in bytes: VmRSS (resident now) or VmHWM (its peak)."""
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    return 0
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
 def keys(n: int, key_bytes: int) -> list[str]:
