@@ -9,7 +9,8 @@ import sys
 
 from kvplugins.errors import KVPluginsError
 
-COMMANDS = ("master", "store", "up", "status", "events", "demo", "kt", "pd-proxy", "doctor", "replay")  # module: name with "-" -> "_"
+COMMANDS = ("master", "store", "up", "status", "shard", "events", "demo", "kt", "pd-proxy", "doctor",
+            "replay")  # module: name with "-" -> "_"
 
 
 def build_parser() -> argparse.ArgumentParser:

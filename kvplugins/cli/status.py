@@ -30,6 +30,9 @@ def run(args) -> int:
     from kvplugins.store.config import ClientConfig
     cfg = from_args(ClientConfig, args)
     master = embedded.resolve_master(cfg.master)
+    if master.startswith("shards://"):
+        from kvplugins.cli.status_shards import run_sharded
+        return run_sharded(master, cfg.rpc_timeout_ms, args.json)
     st = fetch(master, cfg.rpc_timeout_ms)
     if args.json:
         print(json.dumps(st, indent=1))

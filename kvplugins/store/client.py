@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from kvplugins.errors import (BufferNotRegistered, ChecksumMismatch, KeyNotFound, MasterUnreachable, NativeError,
-                              PutPending, SizeMismatch, StoreError, TransferError, TransferFailed)
+from kvplugins.errors import (BufferNotRegistered, ChecksumMismatch, ConfigError, KeyNotFound, MasterUnreachable,
+                              NativeError, PutPending, SizeMismatch, StoreError, TransferError, TransferFailed)
 from kvplugins.store import checksum, client_io, protocol
 from kvplugins.store.client_slab import SlabSpace
 from kvplugins.store.client_stats import ClientStats
@@ -50,6 +50,10 @@ class StoreClient:
         else:
             from kvplugins.store import embedded
             self.master = embedded.ensure_running(cfg.embedded_start_timeout_ms / 1000)
+        self._sharded = self.master.startswith("shards://")     # kvplugins/store/shard: no slabs, no columns
+        if self._sharded and cfg.segment_size:
+            raise ConfigError(f"segment_size={cfg.segment_size}: a client of a sharded store ({self.master}) cannot "
+                              f"contribute a segment; run `kvplugins store --master {self.master}` nodes instead")
         self._rpc = master_client(self.master, cfg.rpc_timeout_ms)
         self._rpc.call("info")
         self._engine = TransferEngine(transfer_config(host=cfg.host, transports=cfg.transports,
@@ -59,7 +63,7 @@ class StoreClient:
         self._buffers: dict[int, object] = {}
         self._staging = Staging(self._engine, cfg.staging_size)
         self._slabs = SlabSpace(self._rpc, cfg.slab_bytes, (cfg.transfer_timeout_ms + cfg.rpc_timeout_ms) / 1000) \
-            if cfg.slab_bytes and cfg.wait_commit else None
+            if cfg.slab_bytes and cfg.wait_commit and not self._sharded else None
         self._stats = ClientStats()
         self._segment = None
         self._closed = False
@@ -109,7 +113,7 @@ class StoreClient:
         bytes matched the checksum), SizeMismatch or TransferFailed."""
         t0 = time.perf_counter()
         keys = list(keys)
-        read = self._read_cols if len(keys) > client_io.SMALL else self._read
+        read = self._read_cols if len(keys) > client_io.SMALL and not self._sharded else self._read
         out, sizes = read(keys, list(spans_per_key))
         self._stats.record("get", sizes, out, t0)
         return out

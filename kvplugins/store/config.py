@@ -8,8 +8,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import re
+
 from kvplugins.config import Bytes, component, parse_bytes
 from kvplugins.errors import ConfigError
+
+
+SHARD_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _sizes(cfg) -> None:
@@ -88,9 +93,24 @@ class MasterConfig(_MetricsLimits):
     etcd_prefix: str = field(default="/kvplugins/default", metadata={"help": "etcd key prefix of this cluster"})
     etcd_lease_ttl_ms: int = field(default=2000, metadata={
         "help": "leader lease: a dead leader is replaced after about this long"})
+    cluster: str = field(default="", metadata={
+        "help": "with --shard: the sharded store this master is one shard of, shards://host:port/prefix (etcd "
+                "and a key prefix; kvplugins/store/shard); '' = not sharded"})
+    shard: str = field(default="", metadata={
+        "help": "this master's shard id in --cluster (letters, digits, - and _); it joins the ring at start. "
+                "With --etcd the shard is an HA pair (default --etcd-prefix: <cluster prefix>/shard/<id>)"})
+    shard_move_window_ms: int = field(default=30000, metadata={
+        "help": "after this master joins, keys it takes over are still read from their previous shard this long"})
 
     def __post_init__(self):
         _sizes(self)
+        if bool(self.cluster) != bool(self.shard):
+            raise ConfigError(f"master cluster={self.cluster!r} shard={self.shard!r}: a shard needs both, e.g. "
+                              "--cluster shards://127.0.0.1:2379/kvplugins/pool --shard a")
+        if self.shard and not SHARD_ID.fullmatch(self.shard):
+            raise ConfigError(f"master shard={self.shard!r}: use 1-64 letters, digits, '-' or '_'")
+        if self.shard_move_window_ms < 0:
+            raise ConfigError(f"master shard_move_window_ms={self.shard_move_window_ms} must be >= 0")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ConfigError(f"watermarks low={self.low_watermark} high={self.high_watermark}: "
                               "need 0 < low_watermark <= high_watermark <= 1")
@@ -136,6 +156,9 @@ class StoreNodeConfig(_MetricsLimits):
     metrics_port: int = field(default=-1, metadata={
         "help": "Prometheus /metrics port of this node; -1 = off, 0 = any free port (logged)"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "address the metrics endpoint binds"})
+    shard_extents: int = field(default=12, metadata={
+        "help": "with a sharded store (--master shards://...): the segment is split in this many equal extents, "
+                "spread evenly over the shards (the largest object must fit in one)"})
     disk_dir: str = field(default="", metadata={"help": "disk tier directory (offload on evict); '' = no disk tier"})
     disk_capacity: Bytes = field(default=Bytes(0), metadata={"help": "object bytes the disk tier may hold, e.g. 64GiB"})
     disk_poll_ms: int = field(default=50, metadata={"help": "period of the node's disk-tier/drain command poll"})
@@ -174,6 +197,11 @@ class StoreNodeConfig(_MetricsLimits):
             raise ConfigError("--drain needs --segment NAME (the segment names are in `kvplugins status`)")
         if self.disk_poll_ms <= 0:
             raise ConfigError(f"disk_poll_ms={self.disk_poll_ms} must be > 0 ms")
+        if self.shard_extents < 1:
+            raise ConfigError(f"shard_extents={self.shard_extents} must be >= 1, e.g. 12")
+        if self.master.startswith("shards://") and (self.disk_dir or self.drain or self.metrics_port >= 0):
+            raise ConfigError(f"master={self.master!r} is a sharded store: a node of it has no disk tier, drain or "
+                              "metrics endpoint yet (docs/operations.md); drop --disk-dir/--drain/--metrics-port")
         if self.disk_threads < 1:
             raise ConfigError(f"disk_threads={self.disk_threads} must be >= 1")
 

@@ -30,6 +30,16 @@ class StoreNode:
         self.cfg, self.master = config, master
         self.engine = TransferEngine(transfer_config(host=config.host, transports=config.transports))
         self.segment = self.tier = self._rpc = None
+        if master.startswith("shards://"):       # extents over the shards' masters (kvplugins/store/shard)
+            from kvplugins.store.shard.extents import ShardedSegments
+            try:
+                self.segment = ShardedSegments(self.engine, master, config.segment_size, config.shard_extents, config)
+            except BaseException:
+                self.engine.close()
+                raise
+            if config.ready_file:
+                write_atomic(config.ready_file, self.segment.name + "\n")
+            return
         try:
             self._rpc = control_client(master, config.rpc_timeout_ms)
             self.segment = OwnedSegment(self.engine, config.segment_size, self._rpc, config.heartbeat_interval_ms,

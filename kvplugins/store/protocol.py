@@ -34,6 +34,8 @@ INVALID = 4       # bad entry (e.g. size <= 0); value names the problem
 EXPIRED = 5       # put_commit: the pending object was reclaimed (writer too slow)
 ON_DISK = 6       # get: the object is only on a node's disk tier; value tells the client how to promote it
 PENDING = 7       # put_start/put: another writer's put of the key has not committed yet; retry (never "stored")
+WRONG_SHARD = 8   # put_start/put on a sharded store: another shard owns the key; re-read the membership, retry
+UNAVAILABLE = 9   # sharded store (client side): the key's shard did not answer; value names it (a miss for reads)
 
 OPS = ("info", "put_start", "put_commit", "put_abort", "reserve", "put", "get", "exists", "exists_prefix", "remove",
        "status", "register_segment", "heartbeat", "unregister", "describe", "report_corrupt")

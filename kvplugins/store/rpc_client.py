@@ -220,7 +220,11 @@ def _leader_client(address: str, timeout_ms: float, plane: str):
 def master_client(address: str, timeout_ms: float) -> RawRpcClient:
     """The per-operation client of the master at ``address`` (what StoreClient uses). The one place that turns a
     configured master address into a client. An HA address (``etcd://host:port[/prefix]`` or a comma list of
-    masters) gives a client following the elected leader (kvplugins/store/ha/follower.py)."""
+    masters) gives a client following the elected leader (kvplugins/store/ha/follower.py); a sharded store's
+    (``shards://host:port/prefix``) one routing each key to its shard (kvplugins/store/shard/router.py)."""
+    if address.startswith("shards://"):
+        from kvplugins.store.shard.router import ShardedRpc
+        return ShardedRpc(address, timeout_ms)
     return _leader_client(address, timeout_ms, "raw") or RawRpcClient(address, timeout_ms)
 
 

@@ -18,11 +18,12 @@ log = logging.getLogger(__name__)
 
 class OwnedSegment:
     """``size`` bytes of exported shared memory registered as a segment. ``rpc``: a Raw/ZmqRpcClient.
-    ``prefault``: commit every page at start (TransferEngine.alloc_shared populate) so puts never fault."""
+    ``prefault``: commit every page at start (TransferEngine.alloc_shared populate) so puts never fault.
+    ``region``: register this already allocated exported region instead (``size`` is then ignored)."""
 
-    def __init__(self, engine, size: int, rpc, heartbeat_interval_ms: int, prefault: bool = False):
+    def __init__(self, engine, size: int, rpc, heartbeat_interval_ms: int, prefault: bool = False, region=None):
         self.engine, self.rpc, self.interval_s = engine, rpc, heartbeat_interval_ms / 1000
-        self.region = engine.alloc_shared(int(size), export=True, populate=prefault)
+        self.region = region or engine.alloc_shared(int(size), export=True, populate=prefault)
         self.name = self._register()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"kvp-heartbeat-{self.name}", daemon=True)

@@ -22,10 +22,11 @@ LOOKUP_CACHE_S = 0.1          # a standby's refusals name the leader it read fro
 
 
 class LeaderGuard:
-    """``cfg``: MasterConfig; ``journal``: EtcdJournal. Set ``elector`` (election.Elector) before serving."""
+    """``cfg``: MasterConfig; ``journal``: EtcdJournal. Set ``elector`` (election.Elector) before serving.
+    ``shard``: the shard role (shard/master.py) the leader's service gets, or None."""
 
-    def __init__(self, cfg, journal, elector=None):
-        self.cfg, self.journal, self.elector = cfg, journal, elector
+    def __init__(self, cfg, journal, elector=None, shard=None):
+        self.cfg, self.journal, self.elector, self.shard = cfg, journal, elector, shard
         self.zmq_endpoint = ""
         self.active = False
         self.grouped = False                     # set by group_commit.GroupCommit: replies wait for sync()
@@ -84,7 +85,7 @@ class LeaderGuard:
         t0 = time.monotonic()
         self.journal.fence = self.elector.value
         self.journal.on_fenced = self.elector.lost
-        service = MasterService(self.cfg, zmq_endpoint=self.zmq_endpoint, journal=self.journal)
+        service = MasterService(self.cfg, zmq_endpoint=self.zmq_endpoint, journal=self.journal, shard=self.shard)
         segs, objs = self.journal.load()
         self.recovered = recovery.restore(service, segs, objs, service.clock())
         self.inner, self.active = service, True

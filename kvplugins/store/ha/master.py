@@ -21,7 +21,8 @@ def serve(cfg) -> int:
     etcd = Etcd(cfg.etcd)
     etcd.get(cfg.etcd_prefix.rstrip("/") + "/leader")          # fail fast with a clear error if etcd is down
     journal = EtcdJournal(etcd, cfg.etcd_prefix)
-    guard = LeaderGuard(cfg, journal)
+    from kvplugins.cli.master import start_shard
+    guard = LeaderGuard(cfg, journal, shard=start_shard(cfg, ha_address(cfg)))
     server = RpcServer(cfg, service=guard)
     value = json.dumps({"raw": server.address, "zmq": server.zmq_endpoint, "id": uuid.uuid4().hex}).encode()
     guard.elector = Elector(Etcd(cfg.etcd), journal.leader_key, value, cfg.etcd_lease_ttl_ms)   # own thread
@@ -35,4 +36,13 @@ def serve(cfg) -> int:
         server.serve_forever()
     finally:
         guard.elector.stop()
+        if guard.shard is not None:
+            guard.shard.stop()
     return 0
+
+
+def ha_address(cfg) -> str:
+    """The address clients dial to follow this cluster's leader: etcd://host:port[,host:port]/prefix."""
+    from kvplugins.store.ha.etcd import parse_endpoint
+    endpoints, _ = parse_endpoint(cfg.etcd)
+    return "etcd://" + ",".join(f"{h}:{p}" for h, p in endpoints) + cfg.etcd_prefix.rstrip("/")

@@ -32,12 +32,16 @@ COUNTERS = ("hits", "misses", "puts", "put_skipped", "put_full", "commits", "abo
             "reclaimed", "segments_lost", "objects_lost", "corrupt_replicas")
 
 
+SHARD_ROUTED = ("put_start", "put")
+
+
 class MasterService:
     """Batch operations on the object table and segment registry. ``clock`` returns seconds (tests inject)."""
 
     def __init__(self, config: MasterConfig, clock=time.monotonic, zmq_endpoint: str = "",
-                 journal: Journal | None = None, tiering: Tiering | None = None):
+                 journal: Journal | None = None, tiering: Tiering | None = None, shard=None):
         self.cfg, self.clock, self.zmq_endpoint = config, clock, zmq_endpoint
+        self.shard = shard            # shard/master.py ShardMember of a sharded store's master, else None
         self.journal = journal or Journal()
         self.tiering = tiering or Tiering()
         self.tiering.service = self
@@ -62,7 +66,10 @@ class MasterService:
         the caller to advance with ``step`` between other work."""
         if type(opts) is dict:
             entries, opts = self.schemas.convert(op, entries, opts)
-        out = self._ops[op](entries, opts, self.clock())
+        now = self.clock()
+        if self.shard is not None and op in SHARD_ROUTED:      # only this shard's keys are put here
+            return self.shard.route(op, entries, opts, lambda e, o: self._ops[op](e, o, now))
+        out = self._ops[op](entries, opts, now)
         if type(out) is admin_ops.Scan and not defer:
             return out.run(self.clock())
         return out
@@ -380,6 +387,8 @@ class MasterService:
         expire_soft_pins(self.table, now)
         self.tiering.tick(now)
         self.evict_watermarks(now)
+        if self.shard is not None:
+            self.shard.tick(self, now)
 
     def _free_due_zombies(self, now: float) -> bool:
         """Free the removed objects whose lease (or put deadline) has run out; whether any were."""

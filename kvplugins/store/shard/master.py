@@ -1,0 +1,138 @@
+"""The shard role of a master (``kvplugins master --shard ID --cluster shards://...``).
+
+A watcher thread re-reads the membership (cluster.py) every POLL_S, joins the ring once at start (when the
+master holds no object: a master never joins with stale keys) and writes this shard's sweep reports. On the
+master's own thread (MasterService.handle / tick):
+- ``route``: a put (``put_start``, ``put``) of a key this shard does not own answers WRONG_SHARD (the client
+  re-reads the membership and retries): a client with a stale view never stores a key where readers will not
+  look.
+- ``tick``: after each change this master drops, in slices of SWEEP_SLICE objects per tick, every key owned by
+  neither the current nor the previous ring (then reports ``moved``); once the move window is over, every key it
+  does not own now (then ``settled``). Until then the keys it lost stay readable by the clients' dual lookup.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import msgspec
+
+from kvplugins.errors import StoreError
+from kvplugins.store.protocol import WRONG_SHARD
+from kvplugins.store.shard.cluster import ClusterState, Membership
+
+log = logging.getLogger(__name__)
+POLL_S = 0.5
+SWEEP_SLICE = 8192
+
+
+class ShardMember:
+    """Shard ``shard`` of the store at ``cluster``, answering at ``address`` (what clients dial: host:port, or
+    the shard's HA address etcd://...). ``window_ms``: the move window of a change this master makes."""
+
+    def __init__(self, cluster: str, shard: str, address: str, window_ms: int):
+        self.cluster, self.id, self.address, self.window_ms = cluster, shard, address, window_ms
+        self.state: ClusterState | None = None      # the latest read (set by the watcher thread)
+        self.objects = -1                           # the serving table's object count (set on each tick)
+        self.joined = False
+        self._scan = None                           # [service, (epoch, phase), object views, next index]
+        self._done = (None, (0, 0))                 # (service, target) of the last finished sweep
+        self._swept = (0, 0)                        # (moved, settled) epochs to report
+        self._reported = (0, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"kvp-shard-{shard}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    # ---- the master's thread ---------------------------------------------------------------------------
+    def route(self, op: str, entries, opts, run):
+        """Run ``run(entries, opts)`` on the entries whose key (entry[0]) this shard owns; the others answer
+        [WRONG_SHARD, why]."""
+        st = self.state
+        if st is None:
+            return [[WRONG_SHARD, f"shard {self.id} has not read the membership yet; retry"]] * len(entries)
+        owners = st.ring.owners([e[0] for e in entries])
+        own = [i for i, o in enumerate(owners) if o == self.id]
+        if len(own) == len(entries):
+            return run(entries, opts)
+        out = [[WRONG_SHARD, f"{e[0]}: owned by shard {o} in epoch {st.epoch}, not by {self.id}"]
+               for e, o in zip(entries, owners)]
+        if own:
+            for i, answer in zip(own, run([entries[i] for i in own], _subset(opts, own))):
+                out[i] = answer
+        return out
+
+    def tick(self, service, now: float) -> None:
+        """One slice of the sweep this master owes the current membership (module doc)."""
+        self.objects = len(service.table)
+        st = self.state
+        if st is None:
+            return
+        target = (st.epoch, 2 if st.window_over() else 1)
+        if self._done[0] is service and self._done[1] >= target:
+            return
+        if self._scan is None or self._scan[0] is not service or self._scan[1] != target:
+            self._scan = [service, target, service.table.lru(), 0]
+        _, _, views, at = self._scan
+        chunk = views[at:at + SWEEP_SLICE]
+        self._scan[3] = at + len(chunk)
+        keys = [o.key for o in chunk if o.alive()]
+        if keys:
+            keep = self._keeps(st, target[1], keys)
+            drop = [k for k, ok in zip(keys, keep) if not ok]
+            if drop:
+                service.op_remove(drop, None, now)
+                log.info("shard %s: dropped %d keys it no longer owns (epoch %d)", self.id, len(drop), st.epoch)
+        if self._scan[3] >= len(views):
+            self._scan, self._done = None, (service, target)
+            self._swept = (st.epoch, st.epoch if target[1] == 2 else self._swept[1])
+
+    def _keeps(self, st: ClusterState, phase: int, keys: list[str]) -> list[bool]:
+        cur = [o == self.id for o in st.ring.owners(keys)]
+        if phase == 2 or st.prev_ring is None:
+            return cur
+        return [c or o == self.id for c, o in zip(cur, st.prev_ring.owners(keys))]
+
+    # ---- the watcher thread ----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        members, complained = Membership(self.cluster), ""
+        while True:
+            try:
+                self.state = st = members.read()
+                if self._swept != self._reported:
+                    swept = self._swept
+                    members.report(self.id, *swept)
+                    self._reported = swept
+                if not self.joined:
+                    self._join(members, st)
+                complained = ""
+            except StoreError as e:
+                if str(e) != complained:
+                    log.warning("shard %s: %s", self.id, e)
+                complained = str(e)
+            if self._stop.wait(POLL_S):
+                return
+
+    def _join(self, members: Membership, st: ClusterState) -> None:
+        if st.members.get(self.id) == self.address:
+            self.joined = True
+            return
+        if self.id not in st.members and self.objects != 0:
+            return                  # first drop what this master holds (the sweep: it owns nothing yet)
+        self.state = members.join(self.id, self.address, self.window_ms)
+        self.joined = True
+        log.warning("shard %s joined %s at %s (epoch %d, members %s)", self.id, self.cluster, self.address,
+                    self.state.epoch, ", ".join(sorted(self.state.members)))
+
+
+def _subset(opts, idx: list[int]):
+    """``opts`` with its per-entry lists (``xxh3``) cut to the entries ``idx``."""
+    sums = getattr(opts, "xxh3", None)
+    if sums is None:
+        return opts
+    return msgspec.structs.replace(opts, xxh3=[sums[i] for i in idx])

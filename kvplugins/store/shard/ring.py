@@ -1,0 +1,71 @@
+"""The key -> shard map of a sharded store: consistent hashing with virtual nodes (Karger et al. 1997; the
+scheme of Dynamo §4.2). Each shard id owns ``VNODES`` points on a 64-bit ring (xxh3_64 of ``"{id}#{i}"``); a key
+(xxh3_64 of its UTF-8 bytes) belongs to the shard of the first point at or after it, wrapping around. Adding or
+removing a shard moves only the arcs that shard gains or loses (about 1/N of the keys).
+
+Every process computes the same map from the same member set: clients route with it, masters check ownership
+of puts with it, nodes do not need it (they spread capacity by shard count, shard/extents.py).
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import xxhash
+
+VNODES = 256        # points per shard: 3 shards, 100 k keys -> the largest share within ~1.1x of 1/3
+
+
+def key_point(key: str) -> int:
+    """The ring position of ``key`` (uint64)."""
+    return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
+
+
+class Ring:
+    """An immutable map of keys to shard ids over ``members`` (ids, any order; may be empty)."""
+
+    def __init__(self, members):
+        self.members = tuple(sorted(members))
+        pts = sorted((xxhash.xxh3_64_intdigest(f"{m}#{i}".encode()), m) for m in self.members for i in range(VNODES))
+        self._points = np.array([p for p, _ in pts], dtype=np.uint64)
+        self._owner = [m for _, m in pts]
+        self._plist = self._points.tolist()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Ring) and other.members == self.members
+
+    def __hash__(self) -> int:
+        return hash(self.members)
+
+    def owner(self, key: str) -> str | None:
+        """The shard id owning ``key``; None for an empty ring."""
+        if not self._owner:
+            return None
+        j = bisect.bisect_left(self._plist, key_point(key))
+        return self._owner[j % len(self._owner)]
+
+    def owners(self, keys) -> list[str | None]:
+        """owner() of each key (one numpy search for the batch)."""
+        if not self._owner:
+            return [None] * len(keys)
+        pts = np.fromiter((key_point(k) for k in keys), dtype=np.uint64, count=len(keys))
+        idx = np.searchsorted(self._points, pts, side="left") % len(self._owner)
+        owner = self._owner
+        return [owner[j] for j in idx.tolist()]
+
+    def split(self, keys) -> dict[str | None, list[int]]:
+        """Shard id -> indices of ``keys`` it owns, in order."""
+        out: dict[str | None, list[int]] = {}
+        for i, m in enumerate(self.owners(keys)):
+            out.setdefault(m, []).append(i)
+        return out
+
+    def shares(self) -> dict[str, float]:
+        """Fraction of the 64-bit key space each member owns."""
+        if not self._owner:
+            return {}
+        span = np.diff(self._points.astype(np.float64), prepend=self._points[-1].astype(np.float64) - 2.0 ** 64)
+        out = dict.fromkeys(self.members, 0.0)
+        for m, s in zip(self._owner, span.tolist()):
+            out[m] += s / 2.0 ** 64
+        return out

@@ -1,0 +1,286 @@
+"""ShardedRpc: the master client of a sharded store (``shards://host:port/prefix``), with the interface of
+RawRpcClient (call / send_deferred / flush / close, ``address``, ``timeout_ms``), so StoreClient and the
+Mooncake layer run on it unchanged.
+
+Each batch op is split by the ring (cluster.py): one request per shard, sent in parallel, answers merged back
+in the caller's order. A shard is dialled at its member address with master_client (a single master, or an HA
+pair it follows across fail-overs). While a move is on (ClusterState.moving):
+- reads (get, exists, get_size) that miss on the new owner ask the previous owner (dual lookup);
+- removes go to both owners;
+- a put first asks the previous owner whether the key is stored (then it is a no-op, as on one master).
+A shard that does not answer costs only its own keys: reads of them are misses, writes fail with UNAVAILABLE
+(MasterUnreachable when no shard answered at all). WRONG_SHARD answers (this client's view was stale) make it
+re-read the membership and resend those entries. A watcher thread re-reads the membership every POLL_S.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from kvplugins.errors import MasterUnreachable, StoreError
+from kvplugins.store.protocol import EXISTS, NOT_FOUND, OK, UNAVAILABLE, WRONG_SHARD
+from kvplugins.store.shard.cluster import ClusterState, Membership
+
+log = logging.getLogger(__name__)
+POLL_S = 0.5
+RESEND_ROUNDS = 5             # WRONG_SHARD resends (each after a fresh membership read)
+KEYED = frozenset({"get", "exists", "put_start", "put_commit", "put_abort", "remove", "report_corrupt", "put",
+                   "get_size", "remove_checked"})
+READS = frozenset({"get", "exists", "get_size"})
+REMOVES = frozenset({"remove", "remove_checked"})
+PUTS = frozenset({"put_start", "put"})
+SUMMED = frozenset({"remove_all", "remove_by_regex"})      # payload [code, count] per shard
+
+
+class ShardedRpc:
+    """Routes master ops over the shards of the store at ``address`` (shards://...). Raises MasterUnreachable
+    if the membership cannot be read within ``timeout_ms``, StoreError if the store has no shard yet."""
+
+    def __init__(self, address: str, timeout_ms: float):
+        self.address, self.timeout_ms = address, timeout_ms
+        self._members = Membership(address, timeout_s=min(2.0, timeout_ms / 1000))
+        self.state = self._first_read()
+        self._clients: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvp-shard-rpc")
+        self._fresh = threading.Event()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kvp-shard-ring", daemon=True)
+        self._thread.start()
+
+    # ---- the RawRpcClient interface ----------------------------------------------------------------------
+    def call(self, op: str, entries=(), opts: dict | None = None, timeout_ms: float | None = None):
+        entries, opts = list(entries), opts or {}
+        if op in KEYED:
+            return self._keyed(op, entries, opts, timeout_ms)
+        if op == "exists_prefix":
+            found = self._keyed("exists", entries, {}, timeout_ms)
+            return next((i for i, ok in enumerate(found) if not ok), len(found))
+        answers = self._fan(op, entries, opts, timeout_ms, self.state.members)
+        good = {sid: a for sid, a in answers.items() if not isinstance(a, StoreError)}
+        if not good:
+            raise next(iter(answers.values()), StoreError(f"{self.address}: the store has no shard"))
+        if op == "describe":
+            return [next((a[j] for a in good.values() if a[j][0] == OK), [NOT_FOUND, None])
+                    for j in range(len(entries))]
+        if op in SUMMED:
+            return [OK, sum(a[1] for a in good.values() if a[0] == OK)]
+        if op == "status":
+            return {"shards": good, "unreachable": {s: str(a) for s, a in answers.items() if s not in good}}
+        return next(iter(good.values()))          # info and the like: any shard's answer
+
+    def send_deferred(self, op: str, entries=(), opts: dict | None = None, on_reply=None) -> None:
+        """A pipelined op (put_commit), sent now per shard; ``on_reply(True, per-entry answers)`` once every
+        shard answered (a failed shard's entries answer UNAVAILABLE)."""
+        entries, opts = list(entries), opts or {}
+        parts = self.state.ring.split([_key(e) for e in entries])
+        out: list = [None] * len(entries)
+        left = [len(parts)]
+        lock = threading.Lock()
+
+        def done(idx, ok, payload, sid):
+            for j, i in enumerate(idx):
+                out[i] = payload[j] if ok and isinstance(payload, list) else [UNAVAILABLE, f"shard {sid}: {payload}"]
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last and on_reply is not None:
+                on_reply(True, out)
+        for sid, idx in parts.items():
+            try:
+                self._client(sid).send_deferred(op, [entries[i] for i in idx], _subset(opts, idx),
+                                                on_reply=lambda ok, p, idx=idx, sid=sid: done(idx, ok, p, sid))
+            except StoreError as e:
+                done(idx, False, str(e), sid)
+
+    def flush(self, timeout_ms: float | None = None) -> None:
+        errors = []
+        for c in list(self._clients.values()):
+            try:
+                c.flush(timeout_ms)
+            except StoreError as e:
+                errors.append(e)
+        if errors and len(errors) == len(self._clients):
+            raise errors[0]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            clients, self._clients = self._clients, {}
+        for c in clients.values():
+            c.close()
+
+    # ---- routing ---------------------------------------------------------------------------------------
+    def _keyed(self, op: str, entries: list, opts: dict, timeout_ms) -> list:
+        out: list = [None] * len(entries)
+        todo = list(range(len(entries)))
+        for _ in range(RESEND_ROUNDS):
+            st = self.state
+            wrong = self._route(op, entries, opts, timeout_ms, st, todo, out)
+            if not wrong:
+                return out
+            todo = wrong
+            self._refresh()
+        for i in todo:
+            out[i] = [WRONG_SHARD, f"{_key(entries[i])}: the shards disagree on its owner; retry later"]
+        return out
+
+    def _route(self, op, entries, opts, timeout_ms, st: ClusterState, todo: list[int], out: list) -> list[int]:
+        """Answer ``out[i]`` for entries ``todo``; returns the ones answered WRONG_SHARD."""
+        keys = [_key(entries[i]) for i in todo]
+        prev = st.prev_ring.owners(keys) if st.moving() else [None] * len(keys)
+        cur = st.ring.owners(keys)
+        if op in PUTS:
+            todo, cur, prev = self._stored_before(entries, todo, cur, prev, st, timeout_ms, out)
+        parts: dict[str, list[int]] = {}
+        for i, sid in zip(todo, cur):
+            parts.setdefault(sid, []).append(i)
+        self._send(op, entries, opts, timeout_ms, st.members, parts, out)
+        moved = [(i, p) for i, c, p in zip(todo, cur, prev) if p is not None and p != c]
+        if moved and op in READS:
+            self._second(op, entries, opts, timeout_ms, st.previous,
+                         [(i, p) for i, p in moved if _missed(op, out[i])], out, keep_hits=True)
+        elif moved and op in REMOVES:
+            self._second(op, entries, opts, timeout_ms, st.previous, moved, out, keep_hits=False)
+        return [i for i in todo if _code(out[i]) == WRONG_SHARD]
+
+    def _stored_before(self, entries, todo, cur, prev, st, timeout_ms, out):
+        """Puts of moved keys already stored on their previous owner answer EXISTS (the no-op of one master);
+        returns the (todo, cur, prev) left to put."""
+        moved = [(i, p) for i, c, p in zip(todo, cur, prev) if p is not None and p != c]
+        if not moved:
+            return todo, cur, prev
+        parts: dict[str, list[int]] = {}
+        for i, p in moved:
+            parts.setdefault(p, []).append(i)
+        found: list = [None] * len(entries)
+        self._send("exists", [_key(e) for e in entries], {}, timeout_ms, st.previous, parts, found)
+        for i, _ in moved:
+            if found[i] is True:
+                out[i] = [EXISTS, "complete (on the key's previous shard)"]
+        keep = [j for j, i in enumerate(todo) if out[i] is None]
+        return [todo[j] for j in keep], [cur[j] for j in keep], [prev[j] for j in keep]
+
+    def _second(self, op, entries, opts, timeout_ms, members, moved, out, keep_hits: bool) -> None:
+        """Send ``moved`` [(index, previous owner)] to their previous owner; a read takes its answer, a remove
+        counts as done if either owner removed the key."""
+        parts: dict[str, list[int]] = {}
+        for i, p in moved:
+            parts.setdefault(p, []).append(i)
+        second: list = [None] * len(entries)
+        self._send(op, entries, opts, timeout_ms, members, parts, second)
+        for i, _ in moved:
+            if keep_hits:                     # a read: the previous owner's answer when it has the key
+                if not _missed(op, second[i]):
+                    out[i] = second[i]
+            elif _removed(second[i]):         # a remove: done if either owner removed the key
+                out[i] = second[i]
+
+    def _send(self, op, entries, opts, timeout_ms, members: dict, parts: dict, out: list) -> None:
+        """One request per shard of ``parts`` (shard id -> entry indices), in parallel; fills ``out``."""
+        if not parts:
+            return
+        answers = self._fan(op, entries, opts, timeout_ms, members, parts)
+        if all(isinstance(a, StoreError) for a in answers.values()) and len(answers) == len(self.state.members):
+            raise next(iter(answers.values()))
+        for sid, idx in parts.items():
+            a = answers[sid]
+            for j, i in enumerate(idx):
+                out[i] = _down(op, sid, a) if isinstance(a, StoreError) else a[j]
+
+    def _fan(self, op, entries, opts, timeout_ms, members: dict, parts: dict | None = None) -> dict:
+        """shard id -> its payload or the StoreError it raised. ``parts``: entry indices per shard (None: every
+        member gets every entry)."""
+        def one(sid):
+            idx = None if parts is None else parts[sid]
+            sub = entries if idx is None else [entries[i] for i in idx]
+            try:
+                if sid not in members:
+                    raise StoreError(f"shard {sid} is not a member of {self.address}")
+                return self._client(sid, members[sid]).call(op, sub, _subset(opts, idx), timeout_ms)
+            except StoreError as e:
+                return e
+        sids = list(members if parts is None else parts)
+        if len(sids) == 1:
+            return {sids[0]: one(sids[0])}
+        return dict(zip(sids, self._pool.map(one, sids)))
+
+    def _client(self, sid: str, address: str | None = None):
+        from kvplugins.store.rpc_client import master_client
+        address = address or self.state.members.get(sid) or (self.state.previous or {}).get(sid)
+        with self._lock:
+            c = self._clients.get(address)
+            if c is None:
+                c = self._clients[address] = master_client(address, self.timeout_ms)
+            return c
+
+    # ---- the membership ----------------------------------------------------------------------------------
+    def _first_read(self) -> ClusterState:
+        try:
+            st = self._members.read()
+        except StoreError as e:
+            raise MasterUnreachable(self.address, self.timeout_ms, f"membership: {e}") from e
+        if not st.members:
+            raise StoreError(f"sharded store {self.address} has no shard yet: start masters with "
+                             f"`kvplugins master --cluster {self.address} --shard ID`")
+        return st
+
+    def _refresh(self) -> None:
+        """Ask the watcher for a fresh read and wait for it (up to 1 s)."""
+        self._fresh.clear()
+        self._wake.set()
+        self._fresh.wait(1.0)
+
+    def _watch(self) -> None:
+        members = Membership(self.address)        # this thread's etcd client
+        while not self._stop.is_set():
+            try:
+                st = members.read()
+                if st.members:
+                    if st.epoch != self.state.epoch:
+                        log.info("sharded store %s: epoch %d, shards %s", self.address, st.epoch,
+                                 ", ".join(sorted(st.members)))
+                    self.state = st
+            except StoreError as e:
+                log.warning("sharded store %s: membership not re-read: %s", self.address, e)
+            self._fresh.set()
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+
+
+def _key(entry) -> str:
+    return entry if isinstance(entry, str) else entry[0]
+
+
+def _code(answer):
+    return answer[0] if isinstance(answer, (list, tuple)) and answer and isinstance(answer[0], int) else None
+
+
+def _missed(op: str, answer) -> bool:
+    return answer is False if op == "exists" else _code(answer) != OK
+
+
+def _removed(answer) -> bool:
+    return answer == "removed" or _code(answer) == OK
+
+
+def _down(op: str, sid: str, err: StoreError):
+    """The per-entry answer for a key whose shard did not answer."""
+    if op == "exists":
+        return False
+    if op == "remove_checked":
+        return "missing"
+    return [NOT_FOUND if op in READS else UNAVAILABLE, f"shard {sid} did not answer: {err}"]
+
+
+def _subset(opts: dict, idx):
+    """``opts`` with its per-entry lists (``xxh3``) cut to the entries ``idx`` (None: all)."""
+    if idx is None or not opts or opts.get("xxh3") is None:
+        return opts
+    return {**opts, "xxh3": [opts["xxh3"][i] for i in idx]}

@@ -1,0 +1,219 @@
+"""Hash-sharded masters (kvplugins/store/shard, issue #18 part 3) against real processes: etcd, `kvplugins master
+--cluster --shard` processes (one shard as an HA pair where asked) and `kvplugins store` nodes on loopback."""
+from __future__ import annotations
+
+import hashlib
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvplugins.errors import StoreError
+from kvplugins.store import protocol
+from kvplugins.store.client import StoreClient
+from kvplugins.store.config import ClientConfig
+from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.shard.cluster import Membership
+from kvplugins.store.shard.extents import assign
+from kvplugins.store.shard.ring import Ring
+from tests.helpers.etcd import etcd_server
+from tests.helpers.shards import WINDOW_MS, sharded_store
+
+
+def value(key: str, n: int = 2048) -> bytes:
+    """The bytes every put of ``key`` stores (so a read can tell right bytes from wrong ones)."""
+    seed = hashlib.sha256(key.encode()).digest()
+    return (seed * (n // len(seed) + 1))[:n]
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with etcd_server() as e:
+        yield e
+
+
+def test_ring_spreads_100k_keys_within_1_2x_and_a_new_shard_moves_only_its_keys():
+    keys = [f"model/tp0/{i:08d}" for i in range(100_000)]
+    three, four = Ring(["a", "b", "c"]), Ring(["a", "b", "c", "d"])
+    owners3 = three.owners(keys)
+    counts = {m: owners3.count(m) for m in "abc"}
+    assert max(counts.values()) <= 1.2 * len(keys) / 3, counts
+    assert abs(sum(three.shares().values()) - 1) < 1e-9
+    owners4 = four.owners(keys)
+    moved = [(o3, o4) for o3, o4 in zip(owners3, owners4) if o3 != o4]
+    assert moved and all(o4 == "d" for _, o4 in moved)               # only the new shard gains keys
+    assert 0.15 < len(moved) / len(keys) < 0.35
+    assert Ring(["c", "b", "a"]).owners(keys[:1000]) == owners3[:1000]   # order of members does not matter
+    assert [three.owner(k) for k in keys[:500]] == owners3[:500]
+
+
+def test_extent_assignment_is_even_and_moves_the_fewest():
+    first = assign([None] * 12, ["a", "b", "c"], "node0")
+    assert sorted(first.count(m) for m in "abc") == [4, 4, 4]
+    grown = assign(first, ["a", "b", "c", "d"], "node0")
+    assert sorted(grown.count(m) for m in "abcd") == [3, 3, 3, 3]
+    assert sum(x != y for x, y in zip(first, grown)) == 3             # exactly the 3 extents d gets moved
+    shrunk = assign(grown, ["a", "b", "c"], "node0")
+    assert sum(x != y for x, y in zip(grown, shrunk)) == 3            # only d's extents move back
+    odd = [assign([None] * 4, ["a", "b", "c"], f"node{i}") for i in range(30)]
+    extra = {m: sum(a.count(m) == 2 for a in odd) for m in "abc"}     # the 4th extent goes to varying shards
+    assert all(v > 0 for v in extra.values()), extra
+    assert assign([None] * 3, [], "n") == [None] * 3
+
+
+def test_membership_changes_wait_for_the_sweep_and_refuse_unknown_shards(etcd):
+    members = Membership(f"shards://{etcd.url.removeprefix('http://')}/kvp-unit-{time.monotonic_ns()}")
+    st = members.join("a", "127.0.0.1:1", window_ms=60_000)
+    assert (st.epoch, st.previous, st.moving()) == (1, None, False)
+    members.report("a", 1, 1)
+    st = members.join("b", "127.0.0.1:2", window_ms=60_000)
+    assert st.epoch == 2 and st.previous == {"a": "127.0.0.1:1"} and st.moving()
+    with pytest.raises(StoreError, match="still being swept by a, b"):
+        members.join("c", "127.0.0.1:3", window_ms=0)
+    assert members.join("b", "127.0.0.1:2", 0).epoch == 2               # same address: nothing changes
+    assert members.join("b", "127.0.0.1:9", 0).members["b"] == "127.0.0.1:9"   # new address, same keys
+    with pytest.raises(StoreError, match="'zz' is not a member"):
+        members.remove("zz", 0)
+    members.report("a", 2, 1)
+    members.report("b", 2, 1)
+    st = members.remove("b", window_ms=0)
+    assert st.epoch == 3 and set(st.members) == {"a"} and st.previous == {"a": "127.0.0.1:1", "b": "127.0.0.1:9"}
+    assert members.read().moving()           # window 0 is over, but a has not reported settled for epoch 3
+    members.report("a", 3, 3)
+    assert not members.read().moving()
+
+
+@pytest.fixture(scope="module")
+def store(etcd):
+    with sharded_store(etcd, shards=("a", "b", "c"), nodes=2, prefix="/kvp-three") as s:
+        s.wait_segments(8)                   # 2 nodes x 12 extents over 3 shards
+        yield s
+
+
+def test_three_shards_spread_keys_and_serve_every_one(store):
+    keys = [f"spread/{i}" for i in range(3000)]
+    with StoreClient(ClientConfig(master=store.address)) as c:
+        for at in range(0, len(keys), 500):
+            errs = c.batch_put(keys[at:at + 500], [value(k, 256) for k in keys[at:at + 500]])
+            assert errs == [None] * 500, [e for e in errs if e][:3]
+        got = c.batch_get(keys)
+        assert got == [value(k, 256) for k in keys]
+        assert c.batch_exists(keys[:10] + ["spread/none"]) == [True] * 10 + [False]
+        assert c.batch_exists_prefix(keys[:5] + ["spread/none"] + keys[5:8]) == 5
+        c.remove(keys[0])
+        assert c.batch_exists(keys[:2]) == [False, True]
+    objects = {sid: st["objects"] for sid, st in store.wait_segments(8).items()}
+    share = (len(keys) - 1) / 3
+    assert sum(objects.values()) >= len(keys) - 1
+    assert max(objects.values()) <= 1.2 * share and min(objects.values()) >= 0.8 * share, objects
+
+
+def test_a_master_refuses_a_put_of_a_key_another_shard_owns(store):
+    st = store.state()
+    key = next(f"wrong/{i}" for i in range(100) if st.ring.owner(f"wrong/{i}") != "a")
+    rpc = RawRpcClient(st.members["a"], 2000)
+    try:
+        [(code, why)] = rpc.call("put_start", [[key, 64]])
+    finally:
+        rpc.close()
+    assert code == protocol.WRONG_SHARD and f"owned by shard {st.ring.owner(key)}" in why
+
+
+def test_status_shows_the_shards(store):
+    out = subprocess.run([sys.executable, "-m", "kvplugins.cli", "status", "--master", store.address],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for sid in "abc":
+        assert f"│ {sid} " in out.stdout
+    assert "epoch" in out.stdout and "3 shards" in out.stdout
+
+
+def _workload(client, stop: threading.Event, acked: dict, wrong: list, counts: dict) -> None:
+    """Put new keys and read back random acknowledged ones until ``stop``; record wrong bytes."""
+    rng, n = random.Random(7), 0
+    while not stop.wait(0.05):
+        keys = [f"churn/{n + i}" for i in range(50)]
+        n += 50
+        for k, err in zip(keys, client.batch_put(keys, [value(k) for k in keys])):
+            if err is None:
+                acked[k] = True
+        sample = rng.sample(sorted(acked), min(200, len(acked)))
+        for k, got in zip(sample, client.batch_get(sample)):
+            if isinstance(got, bytes):
+                counts["hits"] += 1
+                if got != value(k):
+                    wrong.append(k)
+            else:
+                counts["misses"] += 1
+
+
+def test_adding_and_removing_a_master_mid_workload_never_returns_wrong_bytes(store):
+    acked, wrong, counts, stop = {}, [], {"hits": 0, "misses": 0}, threading.Event()
+    with StoreClient(ClientConfig(master=store.address)) as c:
+        worker = threading.Thread(target=_workload, args=(c, stop, acked, wrong, counts))
+        worker.start()
+        try:
+            time.sleep(1.0)
+            before = dict(acked)
+            t0 = time.monotonic()
+            store.add_master("d")
+            print(f"d joined in {time.monotonic() - t0:.1f} s")
+            moved = [k for k in before if store.state().ring.owner(k) == "d"]
+            during = c.batch_get(moved)            # within the window: read from their previous shard
+            dual_hits = sum(isinstance(g, bytes) for g in during)
+            store.wait_segments(6)                 # every node moved 3 of its 12 extents to d
+            store.wait_for(lambda st: not st.moving(), "the move to d to settle")
+            print(f"settled at {time.monotonic() - t0:.1f} s")
+            time.sleep(1.0)
+            out = subprocess.run([sys.executable, "-m", "kvplugins.cli", "shard", "remove", "d", "--master",
+                                  store.address, "--window-ms", str(WINDOW_MS)], capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 0, out.stderr
+            store.wait_for(lambda st: "d" not in st.members and not st.moving(), "the removal of d to settle")
+            print(f"removed at {time.monotonic() - t0:.1f} s, {len(acked)} keys")
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            worker.join(timeout=60)
+        final = c.batch_get(sorted(acked))
+    assert not wrong, f"wrong bytes for {wrong[:5]}"
+    assert all(g == value(k) for k, g in zip(sorted(acked), final) if isinstance(g, bytes))
+    assert dual_hits > 0.5 * len(moved), (dual_hits, len(moved))
+    assert counts["hits"] > counts["misses"] and sum(isinstance(g, bytes) for g in final) > 0.3 * len(acked)
+    store.masters.pop("d")[0].kill()
+
+
+def test_sigkill_of_one_ha_shard_leaves_the_others_serving(etcd):
+    with sharded_store(etcd, shards=("a", "b", "c"), ha=("b",), nodes=2, prefix="/kvp-ha") as s:
+        s.wait_segments(8)
+        st = s.state()
+        keys = [f"ha/{i}" for i in range(600)]
+        by = {sid: [k for k in keys if st.ring.owner(k) == sid] for sid in "abc"}
+        with StoreClient(ClientConfig(master=s.address, rpc_timeout_ms=6000)) as c:
+            assert c.batch_put(keys, [value(k, 512) for k in keys]) == [None] * len(keys)
+            leader = next(p for p in s.masters["b"] if _leads(p))
+            leader.kill()
+            t0, others_ok = time.monotonic(), []
+            while time.monotonic() - t0 < 30:
+                others_ok.append(c.batch_get(by["a"] + by["c"]) == [value(k, 512) for k in by["a"] + by["c"]])
+                if all(isinstance(g, bytes) for g in c.batch_get(by["b"])):
+                    break
+            routed_around = time.monotonic() - t0
+            print(f"b's keys served again {routed_around:.2f} s after its leader's SIGKILL")
+            assert all(others_ok), others_ok
+            assert c.batch_get(by["b"]) == [value(k, 512) for k in by["b"]], "b's standby did not take over"
+    assert routed_around < 15
+
+
+def _leads(proc) -> bool:
+    rpc = RawRpcClient(proc.address, 1000)
+    try:
+        rpc.call("info")
+        return True
+    except StoreError:
+        return False
+    finally:
+        rpc.close()
