@@ -76,6 +76,10 @@ class ShardMember:
         target = (st.epoch, 2 if st.window_over() else 1)
         if self._done[0] is service and self._done[1] >= target:
             return
+        moved, settled = st.swept.get(self.id, (0, 0))
+        if self._done[0] is not service and moved >= st.epoch and (target[1] == 1 or settled >= st.epoch):
+            self._done = (service, target)      # swept before by this shard (an HA leader's predecessor)
+            return
         if self._scan is None or self._scan[0] is not service or self._scan[1] != target:
             self._scan = [service, target, service.table.lru(), 0]
         _, _, views, at = self._scan

@@ -9,16 +9,18 @@ of puts with it, nodes do not need it (they spread capacity by shard count, shar
 from __future__ import annotations
 
 import bisect
+import operator
 
 import numpy as np
 import xxhash
 
 VNODES = 256        # points per shard: 3 shards, 100 k keys -> the largest share within ~1.1x of 1/3
+_UTF8 = operator.methodcaller("encode", "utf-8", "surrogatepass")
 
 
 def key_point(key: str) -> int:
     """The ring position of ``key`` (uint64)."""
-    return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
+    return xxhash.xxh3_64_intdigest(_UTF8(key))
 
 
 class Ring:
@@ -48,7 +50,7 @@ class Ring:
         """owner() of each key (one numpy search for the batch)."""
         if not self._owner:
             return [None] * len(keys)
-        pts = np.fromiter((key_point(k) for k in keys), dtype=np.uint64, count=len(keys))
+        pts = np.fromiter(map(xxhash.xxh3_64_intdigest, map(_UTF8, keys)), dtype=np.uint64, count=len(keys))
         idx = np.searchsorted(self._points, pts, side="left") % len(self._owner)
         owner = self._owner
         return [owner[j] for j in idx.tolist()]

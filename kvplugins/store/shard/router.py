@@ -31,6 +31,7 @@ KEYED = frozenset({"get", "exists", "put_start", "put_commit", "put_abort", "rem
 READS = frozenset({"get", "exists", "get_size"})
 REMOVES = frozenset({"remove", "remove_checked"})
 PUTS = frozenset({"put_start", "put"})
+STR_KEYED = frozenset({"get", "exists", "put_commit", "put_abort", "remove", "get_size", "remove_checked"})
 SUMMED = frozenset({"remove_all", "remove_by_regex"})      # payload [code, count] per shard
 
 
@@ -132,28 +133,29 @@ class ShardedRpc:
         return out
 
     def _route(self, op, entries, opts, timeout_ms, st: ClusterState, todo: list[int], out: list) -> list[int]:
-        """Answer ``out[i]`` for entries ``todo``; returns the ones answered WRONG_SHARD."""
-        keys = [_key(entries[i]) for i in todo]
-        prev = st.prev_ring.owners(keys) if st.moving() else [None] * len(keys)
+        """Answer ``out[i]`` for entries ``todo``; returns the ones answered WRONG_SHARD (puts only)."""
+        keys = [_key(entries[i]) for i in todo] if op not in STR_KEYED or len(todo) != len(entries) else entries
         cur = st.ring.owners(keys)
-        if op in PUTS:
+        prev = st.prev_ring.owners(keys) if st.moving() else None
+        if op in PUTS and prev is not None:
             todo, cur, prev = self._stored_before(entries, todo, cur, prev, st, timeout_ms, out)
         parts: dict[str, list[int]] = {}
         for i, sid in zip(todo, cur):
             parts.setdefault(sid, []).append(i)
         self._send(op, entries, opts, timeout_ms, st.members, parts, out)
-        moved = [(i, p) for i, c, p in zip(todo, cur, prev) if p is not None and p != c]
-        if moved and op in READS:
-            self._second(op, entries, opts, timeout_ms, st.previous,
-                         [(i, p) for i, p in moved if _missed(op, out[i])], out, keep_hits=True)
-        elif moved and op in REMOVES:
-            self._second(op, entries, opts, timeout_ms, st.previous, moved, out, keep_hits=False)
-        return [i for i in todo if _code(out[i]) == WRONG_SHARD]
+        if prev is not None and op in READS | REMOVES:
+            moved = [(i, p) for i, c, p in zip(todo, cur, prev) if p != c]
+            if op in READS:
+                self._second(op, entries, opts, timeout_ms, st.previous,
+                             [(i, p) for i, p in moved if _missed(op, out[i])], out, keep_hits=True)
+            else:
+                self._second(op, entries, opts, timeout_ms, st.previous, moved, out, keep_hits=False)
+        return [i for i in todo if _code(out[i]) == WRONG_SHARD] if op in PUTS else []
 
     def _stored_before(self, entries, todo, cur, prev, st, timeout_ms, out):
         """Puts of moved keys already stored on their previous owner answer EXISTS (the no-op of one master);
         returns the (todo, cur, prev) left to put."""
-        moved = [(i, p) for i, c, p in zip(todo, cur, prev) if p is not None and p != c]
+        moved = [(i, p) for i, c, p in zip(todo, cur, prev) if p != c]
         if not moved:
             return todo, cur, prev
         parts: dict[str, list[int]] = {}
@@ -191,8 +193,10 @@ class ShardedRpc:
             raise next(iter(answers.values()))
         for sid, idx in parts.items():
             a = answers[sid]
-            for j, i in enumerate(idx):
-                out[i] = _down(op, sid, a) if isinstance(a, StoreError) else a[j]
+            if isinstance(a, StoreError):
+                a = [_down(op, sid, a)] * len(idx)
+            for i, answer in zip(idx, a):
+                out[i] = answer
 
     def _fan(self, op, entries, opts, timeout_ms, members: dict, parts: dict | None = None) -> dict:
         """shard id -> its payload or the StoreError it raised. ``parts``: entry indices per shard (None: every
