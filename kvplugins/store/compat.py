@@ -25,153 +25,65 @@ store nodes' disk tier, not the client's.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
-import enum
 import functools
+import inspect
 import logging
+import weakref
 
-from kvplugins.errors import (BufferNotRegistered, ConfigError, KeyNotFound, KVPluginsError, MasterUnreachable,
-                              PutPending, SizeMismatch, StoreError, StoreFull, TransferError)
+from kvplugins.errors import BufferNotRegistered, ConfigError, StoreError
 from kvplugins.store import compat_types
+from kvplugins.store.compat_types import ObjectDataType, ReplicateConfig, SoftPinAction  # noqa: F401 - the API
+from kvplugins.store.compat_codes import (INVALID_PARAMS, OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, OK, _guard, _per_key,
+                                          code_of, pybind)
+from kvplugins.store.compat_extra import ExtraMethods
 from kvplugins.transfer.memory import view_of
 
 log = logging.getLogger(__name__)
+DEFAULT = compat_types.DEFAULT        # a method's default ReplicateConfig (Mooncake's: a default-built one)
 
-OK = 0
-INTERNAL_ERROR = -1
-NO_AVAILABLE_HANDLE = -200
-INVALID_PARAMS = -600
-REPLICA_IS_NOT_READY = -703
-OBJECT_NOT_FOUND = -704
-OBJECT_HAS_LEASE = -706
-TRANSFER_FAIL = -800
-RPC_FAIL = -900
-
-
-class SoftPinAction(enum.IntEnum):
-    """Mooncake's ReplicateConfig.soft_pin_action."""
-    PRESERVE = 0
-    ENABLE = 1
-    DISABLE = 2
-
-
-class ObjectDataType(enum.IntEnum):
-    """Mooncake's ReplicateConfig.data_type (accepted, not used)."""
-    UNKNOWN = 0
-    KVCACHE = 1
-    TENSOR = 2
-    WEIGHT = 3
-    SAMPLE = 4
-    ACTIVATION = 5
-    GRADIENT = 6
-    OPTIMIZER_STATE = 7
-    METADATA = 8
-    GENERAL = 9
-
-
-class ReplicateConfig:
-    """Mooncake's ReplicateConfig: the attributes of 0.3.13 with their defaults, typed as its binding types them
-    (a value Mooncake refuses raises TypeError on assignment; an unknown attribute raises AttributeError;
-    compat_compat_types.py). Used: ``replica_num``, ``with_hard_pin``, ``soft_pin_action`` = ENABLE
-    (+ ``soft_pin_ttl_ms``), ``preferred_segment`` (a segment name as ``kvplugins status`` lists it) or the
-    first ``preferred_segments``. The others are accepted for compatibility and ignored. ``with_soft_pin`` is
-    ours (Mooncake 0.3.13 has no such attribute): the same as soft_pin_action = ENABLE."""
-
-    __slots__ = ("_replica_num", "_with_hard_pin", "_with_soft_pin", "_soft_pin_action", "_soft_pin_ttl_ms",
-                 "_preferred_segment", "_preferred_segments", "_prefer_alloc_in_same_node",
-                 "_preferred_nof_segments", "_nof_replica_num", "_dfs_replica_num", "_group_ids", "_data_type")
-    replica_num = compat_types.Typed(compat_types.u64, 1)
-    with_hard_pin = compat_types.Typed(compat_types.boolean, False)
-    with_soft_pin = compat_types.Typed(compat_types.boolean, False)
-    soft_pin_action = compat_types.Typed(compat_types.member(SoftPinAction), SoftPinAction.PRESERVE)
-    soft_pin_ttl_ms = compat_types.Typed(lambda n, v: compat_types.u64(n, v, optional=True), None)
-    preferred_segment = compat_types.Typed(compat_types.text, "")
-    preferred_segments = compat_types.Typed(compat_types.texts, ())
-    prefer_alloc_in_same_node = compat_types.Typed(compat_types.boolean, False)
-    preferred_nof_segments = compat_types.Typed(compat_types.texts, ())
-    nof_replica_num = compat_types.Typed(compat_types.u64, 0)
-    dfs_replica_num = compat_types.Typed(compat_types.u64, 0)
-    group_ids = compat_types.Typed(lambda n, v: compat_types.texts(n, v, optional=True), None)
-    data_type = compat_types.Typed(compat_types.member(ObjectDataType), ObjectDataType.UNKNOWN)
-
-    def __init__(self):
-        self.preferred_segments, self.preferred_nof_segments = [], []      # a list of its own per config
-
-    def to_put_config(self, defaults):
-        """The PutConfig (store/placement.py) of this config; ``defaults``: the client's default PutConfig.
-        Raises ConfigError for a bad value."""
-        from kvplugins.store.placement import PutConfig
-        soft = self.with_soft_pin or self.soft_pin_action == SoftPinAction.ENABLE
-        pin = "hard" if self.with_hard_pin else "soft" if soft else "none"
-        return PutConfig(replicas=self.replica_num, pin=pin,
-                         preferred_segment=self.preferred_segment or next(iter(self.preferred_segments), ""),
-                         pin_ttl_ms=self.soft_pin_ttl_ms or defaults.pin_ttl_ms)
-
-    def __repr__(self) -> str:
-        return (f"ReplicateConfig(replica_num={self.replica_num}, with_hard_pin={self.with_hard_pin}, "
-                f"with_soft_pin={self.with_soft_pin}, preferred_segment={self.preferred_segment!r})")
-
-
-def code_of(err: BaseException | None, *_) -> int:
-    """The Mooncake ErrorCode value for one of our errors (None -> 0)."""
-    if err is None:
-        return OK
-    for cls, code in ((KeyNotFound, OBJECT_NOT_FOUND), (StoreFull, NO_AVAILABLE_HANDLE),
-                      (PutPending, REPLICA_IS_NOT_READY), (MasterUnreachable, RPC_FAIL), (BufferNotRegistered, INVALID_PARAMS),
-                      (SizeMismatch, INVALID_PARAMS), (ConfigError, INVALID_PARAMS), (ValueError, INVALID_PARAMS),
-                      (TypeError, INVALID_PARAMS), (TransferError, TRANSFER_FAIL)):
-        if isinstance(err, cls):
-            return code
-    return INTERNAL_ERROR
-
-
-def _guard(on_error=code_of):
-    """Run the method; an exception becomes ``on_error(exception, *args)`` (its code by default)."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def method(self, *args, **kwargs):
-            try:
-                return fn(self, *args, **kwargs)
-            except (KVPluginsError, ValueError, TypeError, OSError) as e:
-                log.warning("%s failed: %s", fn.__name__, e)
-                return on_error(e, *args)
-        return method
-    return wrap
-
-
-def _per_key(err, keys=(), *_):
-    """on_error of the batch forms: the code once per key."""
-    return [code_of(err)] * len(keys)
-
-
-class MooncakeDistributedStore:
+class MooncakeDistributedStore(ExtraMethods):
     """Mooncake's store client API on a kvplugins StoreClient (thread-safe like it). Call ``setup`` first."""
 
     def __init__(self):
         self._client = None
+        self._hostname, self._bytes_api = "", True
+        self._exit_hook = None                     # the atexit handler that closes a store never closed
         self._buffers: dict[int, object] = {}      # registered address -> Region
 
     # ---- life cycle --------------------------------------------------------------------------------
+    def setup(self, *args, **kwargs) -> int:
+        """Mooncake's two overloads: ``setup(local_hostname, metadata_server, global_segment_size,
+        local_buffer_size, protocol, rdma_devices, master_server_addr, ...)`` (see _setup) or
+        ``setup(config: dict)`` with the same names as keys (sizes may be strings: "16MB" = 16 MiB, as
+        Mooncake's parser reads them). Returns 0, or a negative code."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], dict):
+            return self._setup_dict(args[0])
+        return self._setup(*args, **kwargs)
+
     @_guard()
-    def setup(self, local_hostname, metadata_server: str = "", global_segment_size: int = 16 << 20,
-              local_buffer_size: int = 16 << 20, protocol: str = "tcp", rdma_devices: str = "",
-              master_server_addr: str = "", engine: object = None, enable_ssd_offload: bool = False,
-              ssd_offload_path: str = "", tenant_id: str = "default", enable_client_http_server: bool = False,
-              client_http_port: int = 9300) -> int:
+    def _setup_dict(self, config: dict) -> int:
+        return self._setup(**_setup_kwargs(config))
+
+    @pybind
+    @_guard()
+    def _setup(self, local_hostname: str, metadata_server: str, global_segment_size: int, local_buffer_size: int,
+               protocol: str, rdma_devices: str, master_server_addr: str, engine: object = None,
+               enable_ssd_offload: bool = False, ssd_offload_path: str = "", tenant_id: str = "default",
+               enable_client_http_server: bool = False, client_http_port: int = 9300) -> int:
         """Connect to the master at ``master_server_addr`` ('' = the embedded `kvplugins up`) and contribute
         ``global_segment_size`` bytes as a segment (0 = none); ``local_buffer_size`` sizes the staging buffer of
-        the bytes API. ``local_hostname``: the address our transfer engine binds (a ":port" is dropped). Also
-        accepts Mooncake's dict form ``setup({"local_hostname": ..., "master_server_addr": ..., ...})``.
-        Returns 0, or a negative code (RPC_FAIL when the master does not answer)."""
-        if isinstance(local_hostname, dict):
-            return self.setup(**_setup_kwargs(local_hostname))
+        the bytes API (0: no bytes API, its puts answer INVALID_PARAMS and its gets b"", as Mooncake's). ``local_hostname``: the address our transfer
+        engine binds (a ":port" is dropped). Returns 0, or a negative code (RPC_FAIL when the master does not
+        answer). The segment is unregistered at interpreter exit if close() was not called."""
         from kvplugins.config import load
         from kvplugins.store.client import StoreClient
         from kvplugins.store.config import ClientConfig
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"protocol={protocol!r}: use 'tcp' or 'rdma'")
         _warn_ignored(engine, enable_ssd_offload, tenant_id, enable_client_http_server)
-        host = str(local_hostname).rsplit(":", 1)[0] if str(local_hostname).count(":") == 1 else local_hostname
+        host = local_hostname.rsplit(":", 1)[0] if local_hostname.count(":") == 1 else local_hostname
         cfg = dataclasses.replace(load(ClientConfig), master=master_server_addr,
                                   host="127.0.0.1" if host in ("", "localhost") else host,
                                   segment_size=int(global_segment_size),
@@ -181,48 +93,61 @@ class MooncakeDistributedStore:
         if self._client is not None:
             self.close()
         self._client = StoreClient(cfg)
+        self._hostname, self._bytes_api = local_hostname, local_buffer_size > 0
+        self._exit_hook = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
         return OK
 
+    @pybind
     def close(self) -> int:
         """Unregister this client's segment and buffers, disconnect. Returns 0. Idempotent."""
         client, self._client = self._client, None
+        if self._exit_hook is not None:
+            atexit.unregister(self._exit_hook)
+            self._exit_hook = None
         self._buffers.clear()
         if client is not None:
             client.close()
         return OK
 
     # ---- bytes API ---------------------------------------------------------------------------------
+    @pybind
     @_guard()
-    def put(self, key: str, value, config: ReplicateConfig | None = None) -> int:
+    def put(self, key: str, value: Buffer, config: ReplicateConfig = DEFAULT) -> int:
         """Store bytes-like ``value`` under ``key``. 0, or a negative code. An existing key: 0, unchanged."""
-        self._c.put(key, value, self._put_cfg(config))
+        self._cb.put(key, value, self._put_cfg(config))
         return OK
 
+    @pybind
     @_guard(on_error=lambda *_: b"")
     def get(self, key: str, /) -> bytes:
         """The bytes stored under ``key``; ``b""`` if it is missing (or on any error)."""
-        value = self._c.batch_get([key])[0]
+        value = self._cb.batch_get([key])[0]
         return b"" if isinstance(value, StoreError) else value
 
+    @pybind
     @_guard()
-    def put_batch(self, keys: list[str], values: list, config: ReplicateConfig | None = None) -> int:
+    def put_batch(self, keys: list[str], values: list[Buffer], config: ReplicateConfig = DEFAULT) -> int:
         """Store every ``values[i]`` under ``keys[i]`` (one allocate + one transfer + one commit). 0, or the
         first entry's negative code."""
-        return _first_code(self._c.batch_put(list(keys), list(values), self._put_cfg(config)))
+        return _first_code(self._cb.batch_put(list(keys), list(values), self._put_cfg(config)))
 
+    @pybind
     @_guard(on_error=lambda err, keys=(), *_: [b""] * len(keys))
     def get_batch(self, keys: list[str], /) -> list[bytes]:
         """Per key its bytes, ``b""`` for a miss or an error."""
-        values = self._c.batch_get(list(keys))
+        values = self._cb.batch_get(list(keys))
         return [b"" if isinstance(v, StoreError) else v for v in values]
 
     # ---- zero-copy API -----------------------------------------------------------------------------
+    @pybind
     @_guard()
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Register ``size`` bytes at address ``buffer_ptr`` for put_from/get_into. 0 or a negative code."""
         self._buffers[int(buffer_ptr)] = self._c.register_buffer(int(buffer_ptr), length=int(size))
         return OK
 
+    @pybind
     @_guard()
     def unregister_buffer(self, buffer_ptr: int) -> int:
         """Unregister the buffer registered at ``buffer_ptr``. 0, or INVALID_PARAMS if it was not."""
@@ -232,20 +157,23 @@ class MooncakeDistributedStore:
         self._c.unregister_buffer(region)
         return OK
 
+    @pybind
     @_guard()
-    def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
+    def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig = DEFAULT) -> int:
         """Store ``size`` bytes at address ``buffer_ptr`` (registered: zero-copy) under ``key``. 0 or negative."""
         return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
 
+    @pybind
     @_guard()
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Read object ``key`` into the registered buffer at ``buffer_ptr`` of capacity ``size`` bytes.
         Returns the object's size (bytes read), or a negative code (INVALID_PARAMS if it does not fit)."""
         return self.batch_get_into([key], [buffer_ptr], [size])[0]
 
+    @pybind
     @_guard(on_error=_per_key)
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                       config: ReplicateConfig | None = None) -> list[int]:
+                       config: ReplicateConfig = DEFAULT) -> list[int]:
         """Per key 0 or a negative code; one allocate + one transfer + one commit for the batch."""
         _same_length(keys, buffer_ptrs, sizes)
         keys, cfg = list(keys), self._put_cfg(config)
@@ -258,6 +186,7 @@ class MooncakeDistributedStore:
                 errs[i] = err
         return [code_of(e) for e in errs]
 
+    @pybind
     @_guard(on_error=_per_key)
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         """Per key the bytes read or a negative code: one size lookup, then one read batch."""
@@ -282,20 +211,24 @@ class MooncakeDistributedStore:
                 out[i] = code_of(value) if isinstance(value, StoreError) else _copy_out(ptrs[i], value, caps[i])
 
     # ---- metadata ----------------------------------------------------------------------------------
+    @pybind
     def is_exist(self, key: str, /) -> int:
         """1 if ``key`` is stored, 0 if not, -1 on error."""
         return self.batch_is_exist([key])[0]
 
+    @pybind
     @_guard(on_error=lambda err, keys=(), *_: [-1] * len(keys))
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         """Per key 1 (stored), 0 (not), -1 (error); one RPC."""
         return [1 if e else 0 for e in self._c.batch_exists(list(keys))]
 
+    @pybind
     @_guard()
     def get_size(self, key: str, /) -> int:
         """The size in bytes of object ``key``, or a negative code (OBJECT_NOT_FOUND)."""
         return self._sizes([key])[0]
 
+    @pybind
     @_guard()
     def remove(self, key: str, force: bool = False) -> int:
         """Remove ``key``: 0, OBJECT_NOT_FOUND, or OBJECT_HAS_LEASE while a read lease runs (unless ``force``;
@@ -303,12 +236,14 @@ class MooncakeDistributedStore:
         [result] = self._call("remove_checked", [key], {"force": bool(force)})
         return {"removed": OK, "leased": OBJECT_HAS_LEASE}.get(result, OBJECT_NOT_FOUND)
 
+    @pybind
     @_guard()
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
         """Remove every object whose key matches ``regex_pattern`` (Python ``re.search``), leased ones only with
         ``force``. The number removed, or INVALID_PARAMS for a pattern that does not compile."""
         return self._count("remove_by_regex", [regex_pattern], force)
 
+    @pybind
     @_guard()
     def remove_all(self, force: bool = False) -> int:
         """Remove every object (leased ones only with ``force``). The number removed, or a negative code."""
@@ -321,9 +256,17 @@ class MooncakeDistributedStore:
             raise StoreError("MooncakeDistributedStore: call setup(...) first")
         return self._client
 
-    def _put_cfg(self, config: ReplicateConfig | None):
+    @property
+    def _cb(self):
+        """The client, for the bytes API (copies through the local buffer): refused without one."""
+        if not self._bytes_api:
+            raise ConfigError("setup(local_buffer_size=0): the bytes API (put, get, tensors) needs a local buffer; "
+                              "use put_from/get_into, or set local_buffer_size > 0")
+        return self._c
+
+    def _put_cfg(self, config: ReplicateConfig):
         from kvplugins.store.placement import from_client
-        return None if config is None else config.to_put_config(from_client(self._c.cfg))
+        return None if config is DEFAULT else config.to_put_config(from_client(self._c.cfg))
 
     def _call(self, op: str, entries: list, opts: dict | None = None):
         """One master op (the admin ops of store/master/admin_ops.py) on the client's master connection."""
@@ -368,17 +311,35 @@ def _same_length(*lists) -> None:
         raise ValueError(f"keys, buffer_ptrs and sizes must have the same length, got {[len(x) for x in lists]}")
 
 
+MooncakeDistributedStore.setup.__signature__ = inspect.signature(MooncakeDistributedStore._setup)
+
+
+def _close_at_exit(store_ref) -> None:
+    """atexit: close a store the program never closed, so its segment leaves the master now (Mooncake does
+    this too), not after the heartbeat timeout, when puts placed there would already have failed."""
+    store = store_ref()
+    if store is not None and store._client is not None:
+        store.close()
+
+
 SETUP_KEYS = ("local_hostname", "metadata_server", "global_segment_size", "local_buffer_size", "protocol",
               "rdma_devices", "master_server_addr", "enable_ssd_offload", "ssd_offload_path", "tenant_id",
               "enable_client_http_server", "client_http_port")
 
 
 def _setup_kwargs(config: dict) -> dict:
-    """Mooncake's dict form of setup -> keyword arguments (ipc_socket_path is accepted and ignored)."""
+    """Mooncake's dict form of setup -> keyword arguments (ipc_socket_path is accepted and ignored); sizes may be
+    strings as Mooncake's parser reads them (compat_types.byte_size)."""
     unknown = set(config) - set(SETUP_KEYS) - {"ipc_socket_path"}
     if unknown or "local_hostname" not in config:
         raise ConfigError(f"setup dict: unknown keys {sorted(unknown)} or no local_hostname; valid: {SETUP_KEYS}")
-    return {k: v for k, v in config.items() if k in SETUP_KEYS}
+    out = {"metadata_server": "", "global_segment_size": 16 << 20, "local_buffer_size": 16 << 20,
+           "protocol": "tcp", "rdma_devices": "", "master_server_addr": ""}
+    out.update((k, v) for k, v in config.items() if k in SETUP_KEYS)
+    for name in ("global_segment_size", "local_buffer_size"):
+        if isinstance(out[name], str):
+            out[name] = compat_types.byte_size(name, out[name])
+    return out
 
 
 def _warn_ignored(engine, ssd, tenant, http) -> None:

@@ -59,6 +59,8 @@ def main() -> None:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         test_compat.ReplicateConfig = ReplicateConfig      # the script builds Mooncake's own config object
         test_compat.mooncake_style_script(_Localhost(MooncakeDistributedStore()), MASTER)
+        test_compat.mooncake_more_script(_Localhost(MooncakeDistributedStore()), MASTER,
+                                         lambda: _Localhost(MooncakeDistributedStore()))
         print("SCRIPT OK", flush=True)
     finally:
         for p in procs:
@@ -72,7 +74,9 @@ class _Localhost:
     def __init__(self, store):
         self._store = store
 
-    def setup(self, host, metadata, *rest):
+    def setup(self, host, metadata=None, *rest):
+        if isinstance(host, dict):
+            return self._store.setup({**host, "local_hostname": "127.0.0.1", "metadata_server": META})
         return self._store.setup("127.0.0.1", META, *rest)
 
     def __getattr__(self, name):

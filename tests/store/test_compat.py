@@ -13,7 +13,12 @@ from kvplugins.store.rpc_client import control_client
 
 METHODS = ("setup", "close", "put", "get", "put_batch", "get_batch", "put_from", "get_into", "batch_put_from",
            "batch_get_into", "register_buffer", "unregister_buffer", "is_exist", "batch_is_exist", "get_size",
-           "remove", "remove_by_regex", "remove_all")
+           "remove", "remove_by_regex", "remove_all", "get_hostname", "health_check", "batch_remove", "upsert",
+           "upsert_batch", "upsert_from", "batch_upsert_from", "put_parts", "upsert_parts", "get_buffer",
+           "batch_get_buffer", "put_tensor", "batch_put_tensor", "pub_tensor", "batch_pub_tensor", "upsert_tensor",
+           "batch_upsert_tensor", "upsert_pub_tensor", "batch_upsert_pub_tensor", "get_tensor", "batch_get_tensor",
+           "save_tensor_to_safetensor", "load_tensor_from_safetensor", "batch_put_from_multi_buffers",
+           "batch_get_into_multi_buffers")
 SIG = re.compile(r"^\s*(?:\d+\. )?(\w+)\(self: [\w.]+(.*)\) -> (.+)$", re.M)
 
 
@@ -36,7 +41,11 @@ def test_signature_matches_installed_mooncake(method):
     ours = [p for p in sig.parameters.values() if p.name != "self"]
     assert len(ours) == len(theirs), (method, [p.name for p in ours], theirs)
     for p, (name, default) in zip(ours, theirs):
-        if name.startswith("arg"):                       # pybind positional: ours must be positional too
+        if name == "*args":
+            assert p.kind == p.VAR_POSITIONAL, (method, p)
+        elif p.kind == p.KEYWORD_ONLY:                   # after *args, as in pybind
+            assert p.name == name, (method, p.name, name)
+        elif name.startswith("arg"):                       # pybind positional: ours must be positional too
             assert p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD), (method, p)
         else:
             assert p.name == name and p.kind == p.POSITIONAL_OR_KEYWORD, (method, p.name, name)
@@ -44,7 +53,8 @@ def test_signature_matches_installed_mooncake(method):
             assert p.default is not p.empty, (method, name)
             if default[0] not in "<":                   # literal defaults must be equal
                 assert repr(p.default) == default or str(p.default) == default, (method, name, p.default, default)
-    assert sig.return_annotation.replace("List", "list") == their_ret, (method, sig.return_annotation, their_ret)
+    ret = sig.return_annotation.replace("List", "list").replace("BufferHandle", "mooncake.store.BufferHandle")
+    assert ret == their_ret, (method, sig.return_annotation, their_ret)
 
 
 def test_replicate_config_has_mooncake_attributes_and_defaults():
@@ -143,6 +153,63 @@ def mooncake_style_script(store, master: str) -> None:
     assert store.remove_all(True) == 3
     assert store.batch_is_exist(keys + ["important_data"]) == [0, 0, 0, 0]
     assert store.close() == 0
+
+
+def mooncake_more_script(store, master: str, fresh) -> None:
+    """More Mooncake-style code (issue #19): the dict setup with size strings, upsert, parts, batch remove,
+    BufferHandle reads, soft-pin refusals, tensors. Expected values: real Mooncake 0.3.13's answers (the
+    crosscheck runs this script there too). ``fresh()`` makes another store object."""
+    import torch
+    assert store.setup({"local_hostname": "localhost", "metadata_server": "http://localhost:8080/metadata",
+                        "global_segment_size": 0, "local_buffer_size": "16 MB", "protocol": "tcp",
+                        "master_server_addr": master}) == 0
+    assert store.health_check() == 0 and isinstance(store.get_hostname(), str)
+    assert store.put("u", b"one") == 0
+    assert store.upsert("u", b"two!") == 0
+    assert store.get("u") == b"two!"
+    assert store.upsert_batch(["u", "u2"], [b"3", b"four"]) == 0
+    assert store.get_batch(["u", "u2"]) == [b"3", b"four"]
+    assert store.put_parts("p", b"ab", bytearray(b"cd"), memoryview(b"ef")) == 0
+    assert store.get("p") == b"abcdef"
+    handle = store.get_buffer("u2")
+    assert handle.size() == 4 and handle.ptr() != 0
+    assert store.get_buffer("absent") is None
+    assert store.batch_remove(["p", "absent"], True) == [0, -704]
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    buf[:300] = np.arange(300) % 251
+    base = buf.ctypes.data
+    assert store.register_buffer(base, buf.nbytes) == 0
+    assert store.batch_put_from_multi_buffers(["mb/0"], [[base, base + 100]], [[100, 200]]) == [0]
+    assert store.batch_get_into_multi_buffers(["mb/0", "absent"], [[base + 1000, base + 2000], [base]],
+                                              [[64, 236], [64]]) == [300, -704]      # any split of the size
+    assert np.array_equal(np.concatenate([buf[1000:1064], buf[2000:2236]]), buf[:300])
+    assert store.batch_get_into_multi_buffers(["mb/0"], [[base + 1000]], [[299]]) == [-600]   # too small
+    assert store.batch_get_into_multi_buffers(["mb/0"], [[base + 1000]], [[4096]]) == [-800]  # larger: Mooncake
+    # answers TRANSFER_FAIL (its sizes must add up to the object's; get_into's size is a capacity)
+    assert store.unregister_buffer(base) == 0
+    soft = ReplicateConfig()
+    soft.soft_pin_ttl_ms = 1000                         # a TTL without soft_pin_action ENABLE: refused
+    assert store.put("soft", b"x", soft) == -600
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert store.put_tensor("t/0", t) == 0
+    back = store.get_tensor("t/0")
+    assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+    assert store.get_tensor("t/absent") is None
+    assert store.batch_put_tensor(["t/1", "t/2"], [t.to(torch.bfloat16), t.to(torch.int8)]) == [0, 0]
+    got = store.batch_get_tensor(["t/1", "t/2", "t/absent"])
+    assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], t.to(torch.bfloat16))
+    assert got[1].dtype == torch.int8 and torch.equal(got[1], t.to(torch.int8)) and got[2] is None
+    assert store.remove_all(True) >= 5
+    assert store.close() == 0
+    other = fresh()                                     # no local buffer: setup works, the bytes API refuses
+    assert other.setup("localhost", "http://localhost:8080/metadata", 0, 0, "tcp", "", master) == 0
+    assert (other.put("lb0", b"x"), other.get("lb0"), other.put_batch(["lb0"], [b"x"])) == (-600, b"", -600)
+    assert other.close() == 0
+
+
+def test_more_mooncake_code_runs_on_our_store():
+    with store_cluster(nodes=2, segment_size="4MiB", master_flags={"lease_ttl_ms": 60000}) as c:
+        mooncake_more_script(MooncakeDistributedStore(), c.master, MooncakeDistributedStore)
 
 
 def test_mooncake_script_runs_on_our_store():
@@ -249,3 +316,136 @@ def test_same_script_gives_the_same_codes_on_real_mooncake():
             os.killpg(proc.pid, signal.SIGKILL)          # Mooncake's processes too (same session)
             proc.wait(10)
     assert proc.returncode == 0 and "SCRIPT OK" in out, (out[-2000:], err[-3000:])
+
+
+# One valid value and the refused ones per annotation: a call with one refused argument (the others valid) must
+# raise TypeError on Mooncake's binding (before any C++ runs, so no setup is needed) and on ours (issue #19).
+GOOD = {"str": "k", "int": 64, "bool": False, "list[str]": ["k"], "list[int]": [64], "list[list[int]]": [[64]],
+        "Buffer": b"v",
+        "list[Buffer]": [b"v"], "ReplicateConfig": None, "object": None, "list": []}
+BAD = {"str": [1, None, 1.5], "int": ["1", 1.5, -1, None], "bool": ["yes", [1]], "list[str]": ["ab", [1], None],
+       "list[int]": ["ab", [1.5], [-1]], "list[list[int]]": [[1], ["ab"], [[-1]]], "Buffer": ["str", 1, None], "list[Buffer]": [["str"], "ab"],
+       "ReplicateConfig": [None, 1]}
+PROBED = [m for m in METHODS if m not in ("setup", "close", "get_hostname", "health_check")]
+
+
+def bad_calls(cls, config_cls):
+    """(method, description, args, kwargs) of calls with one argument of a refused type, from our signatures."""
+    import inspect
+    out = []
+    for name in PROBED:
+        params = [p for p in inspect.signature(getattr(cls, name)).parameters.values()
+                  if p.name != "self" and p.kind != p.VAR_POSITIONAL and p.annotation in GOOD]
+        good = {p.name: (config_cls() if p.annotation == "ReplicateConfig" else GOOD[p.annotation]) for p in params}
+        for p in params:
+            for bad in BAD.get(p.annotation, []):
+                args = {**good, p.name: bad}
+                pos = [args[q.name] for q in params if q.kind == q.POSITIONAL_ONLY]
+                kw = {q.name: args[q.name] for q in params if q.kind != q.POSITIONAL_ONLY}
+                out.append((name, f"{name}({p.name}={bad!r})", pos, kw))
+    return out
+
+
+PROBE_SCRIPT = """
+import sys, json
+sys.path[:0] = {paths!r}
+import test_compat
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+store = MooncakeDistributedStore()
+for name, what, pos, kw in test_compat.bad_calls(test_compat.MooncakeDistributedStore, ReplicateConfig):
+    try:
+        getattr(store, name)(*pos, **kw)
+        print(json.dumps([what, "accepted"]), flush=True)
+    except TypeError:
+        print(json.dumps([what, "TypeError"]), flush=True)
+"""
+
+
+def test_bad_arguments_raise_type_error_as_on_mooncake():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("mooncake.store")
+    calls = bad_calls(MooncakeDistributedStore, ReplicateConfig)
+    assert len(calls) > 150
+    store = MooncakeDistributedStore()
+    for name, what, pos, kw in calls:
+        with pytest.raises(TypeError):
+            getattr(store, name)(*pos, **kw)
+        assert store.close() == 0
+    here = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, "-c", PROBE_SCRIPT.format(paths=[str(here), str(here.parent)])],
+                         capture_output=True, text=True, timeout=120)       # their side, in a child: a call
+    theirs = dict(json.loads(line) for line in out.stdout.splitlines())    # it accepts would run unset C++
+    assert out.returncode == 0 and len(theirs) == len(calls), out.stderr[-2000:]
+    assert {what: r for what, r in theirs.items() if r != "TypeError"} == {}
+
+
+@pytest.fixture(scope="module")
+def compat_store():
+    with store_cluster(nodes=1, segment_size="16MiB") as c:
+        store = MooncakeDistributedStore()
+        assert store.setup("localhost", "", 0, 1 << 20, "tcp", "", c.master) == 0
+        yield store, c
+        store.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int8", "uint8"])
+def test_tensor_round_trip_keeps_dtype_shape_and_bytes(compat_store, dtype, tmp_path):
+    import torch
+    store, _ = compat_store
+    dt = getattr(torch, dtype)
+    base = (torch.arange(4 * 6 * 5) % 97).reshape(4, 6, 5).to(dt)
+    strided = base.transpose(0, 2)[:, 1:5:2]                 # non-contiguous input
+    assert not strided.is_contiguous()
+    assert store.put_tensor(f"tensor/{dtype}", strided) == 0
+    back = store.get_tensor(f"tensor/{dtype}")
+    assert back.dtype == dt and back.shape == strided.shape and torch.equal(back, strided)
+    assert store.upsert_tensor(f"tensor/{dtype}", base) == 0
+    assert torch.equal(store.get_tensor(f"tensor/{dtype}"), base)
+    path = tmp_path / f"{dtype}.safetensors"
+    assert store.save_tensor_to_safetensor(f"tensor/{dtype}", str(path)) == 0
+    loaded = store.load_tensor_from_safetensor(f"tensor/{dtype}", str(path))
+    assert torch.equal(loaded, base)
+    assert store.put_tensor("tensor/bad", [1, 2]) == -600          # not a tensor: INVALID_PARAMS
+    assert store.save_tensor_to_safetensor("tensor/absent", str(path)) == -704
+
+
+def test_setup_reads_size_strings_as_mooncake():
+    from kvplugins.errors import ConfigError
+    from kvplugins.store.compat_types import byte_size
+    assert [byte_size("s", t) for t in ("16MB", "16 MB", "16mb", "4096", "2 GB", "1kb", "3 B")] == \
+        [16 << 20, 16 << 20, 16 << 20, 4096, 2 << 30, 1024, 3]
+    for text in ("16 MiB", "1.5GB", "", "MB"):
+        with pytest.raises(ConfigError):
+            byte_size("s", text)
+
+
+EXIT_SCRIPT = """
+import sys
+from kvplugins.store.compat import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+assert store.setup("localhost", "", 4 << 20, 1 << 20, "tcp", "", sys.argv[1]) == 0
+assert store.put("exit/k", b"v" * 1000) == 0
+print("READY", flush=True)
+"""
+
+
+def test_exit_without_close_unregisters_the_segment():
+    """A Mooncake-style program that exits without close(): its segment leaves the master at exit, so the next
+    client's puts never land on a dead segment (issue #19)."""
+    import subprocess
+    import sys
+    with store_cluster(nodes=1, segment_size="4MiB", master_flags={"heartbeat_timeout_ms": 60000}) as c:
+        ctl = control_client(c.master, 3000)
+        assert len(ctl.call("status")["segments"]) == 1
+        out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, c.master], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and "READY" in out.stdout, out.stderr[-2000:]
+        assert len(ctl.call("status")["segments"]) == 1          # gone at once, not after the 60 s timeout
+        ctl.close()
+        store = MooncakeDistributedStore()
+        assert store.setup("localhost", "", 0, 1 << 20, "tcp", "", c.master) == 0
+        assert [store.put(f"after/{i}", b"w" * 1000) for i in range(20)] == [0] * 20
+        assert store.close() == 0
