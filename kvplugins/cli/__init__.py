@@ -9,7 +9,7 @@ import sys
 
 from kvplugins.errors import KVPluginsError
 
-COMMANDS = ("master", "store", "up", "status", "shard", "events", "demo", "kt", "pd-proxy", "doctor",
+COMMANDS = ("master", "store", "up", "status", "shard", "events", "demo", "kt", "mooncake", "pd-proxy", "doctor",
             "replay")  # module: name with "-" -> "_"
 
 

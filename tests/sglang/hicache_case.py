@@ -86,6 +86,27 @@ def make_case(master: str | None, kind: str, layout: str, pool_kw: dict | None =
     return Case(backend, pool, ctl)
 
 
+def make_mooncake_case(master: str, kind: str, layout: str, tp_rank: int = 0, tp_size: int = 1) -> Case:
+    """SGLang's own ``mooncake`` backend (``--hicache-storage-backend mooncake``, its MooncakeStore class) on a real
+    host pool, with ``mooncake.store`` served by the kvplugins shim (the caller put it on sys.path) and its
+    ``master_server_address`` pointing at our master; SGLang picks the zero-copy page IO for it."""
+    make = hicache_pools.mla_pool if kind == "mla" else hicache_pools.mha_pool
+    pool = make(layout)
+    extra = {"master_server_address": master, "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
+             "global_segment_size": 0, "device_name": ""}
+    sc = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                              attn_cp_size=1, is_mla_model=kind == "mla", enable_storage_metrics=False,
+                              is_page_first_layout=layout.startswith("page_first"), model_name="test/model",
+                              extra_config=extra)
+    backend = StorageBackendFactory.create_backend("mooncake", sc, pool)
+    backend.register_mem_pool_host(pool)
+    ctl = object.__new__(HiCacheController)
+    ctl.storage_backend, ctl.storage_host_pool, ctl.mem_pool_host = backend, pool, pool
+    ctl.page_size, ctl.storage_config = pool.page_size, sc
+    ctl.page_get_func, ctl.page_set_func = ctl._page_get_zero_copy, ctl._page_set_zero_copy  # attach's choice
+    return Case(backend, pool, ctl)
+
+
 def keys_for(tag: str, n: int = PAGES) -> list[str]:
     """SGLang-style page keys (sha256 hex), chained like a token prefix."""
     out, prev = [], tag.encode()

@@ -9,9 +9,13 @@ the whole prompt and for its first 4 pages, then reads KV (v1) and the side pool
 from __future__ import annotations
 
 import json
+import os
+import site
 import sys
 from pathlib import Path
 
+if os.environ.get("KVP_TEST_SITE"):          # a site dir holding a shim (`kvplugins mooncake enable --site-dir`)
+    site.addsitedir(os.environ["KVP_TEST_SITE"])
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sglang_cpu  # noqa: E402
 
@@ -22,13 +26,20 @@ import hicache_case  # noqa: E402
 def run(step: dict, master: str) -> dict:
     if step["op"] == "v2read":
         return read_v2(step, master)
-    case = hicache_case.make_case(master, step["kind"], step["layout"], v1=step.get("v1", True),
-                                  tp_rank=step.get("tp_rank", 0), tp_size=step.get("tp_size", 1))
+    if step.get("backend") == "mooncake":
+        import mooncake.store
+        case = hicache_case.make_mooncake_case(master, step["kind"], step["layout"])
+        step_store = mooncake.store.MooncakeDistributedStore.__module__
+    else:
+        case = hicache_case.make_case(master, step["kind"], step["layout"], v1=step.get("v1", True),
+                                      tp_rank=step.get("tp_rank", 0), tp_size=step.get("tp_size", 1))
+        step_store = "kvplugins"
     try:
         if step["op"] == "write":
             case.fill(step["seed"])
-            return {"ok": bool(case.write(step["keys"])), "digests": case.digests(len(step["keys"]))}
-        return {"loaded": case.read(step["keys"]), "digests": case.digests(len(step["keys"]))}
+            return {"ok": bool(case.write(step["keys"])), "digests": case.digests(len(step["keys"])),
+                    "store": step_store}
+        return {"loaded": case.read(step["keys"]), "digests": case.digests(len(step["keys"])), "store": step_store}
     finally:
         case.backend.close()
 
