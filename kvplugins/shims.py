@@ -105,3 +105,20 @@ class Shim:
 
 def default_site_dir() -> Path:
     return Path(sysconfig.get_paths()["purelib"])
+
+
+def add_commands(subparsers, shim_name: str, package_text: str) -> None:
+    """The enable / disable / status subcommands of ``kvplugins SHIM_NAME`` (--site-dir; --force on enable)."""
+    for name, help_ in (("enable", f"make {package_text} use kvplugins"), ("disable", f"remove the {shim_name} shim"),
+                        ("status", "show the shim state")):
+        c = subparsers.add_parser(name, help=help_)
+        c.add_argument("--site-dir", help="site-packages to install into (default: this interpreter's)")
+        if name == "enable":
+            c.add_argument("--force", action="store_true", help=f"shadow a real installation of {package_text}")
+
+
+def run_command(shim: Shim, command: str, args) -> Status:
+    """Run enable / disable / status; returns the Status after it."""
+    if command == "enable":
+        return shim.enable(args.site_dir, force=args.force)
+    return shim.disable(args.site_dir) if command == "disable" else shim.status(args.site_dir)

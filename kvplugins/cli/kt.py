@@ -11,12 +11,8 @@ from __future__ import annotations
 def add_parser(sub) -> None:
     p = sub.add_parser("kt", help="CPU MoE experts for SGLang --kt-*: enable/disable/status the shim, convert weights")
     ksub = p.add_subparsers(dest="kt_command", metavar="KT_COMMAND", required=True)
-    for name, help_ in (("enable", "make `import kt_kernel` use kvplugins' KTMoEWrapper"),
-                        ("disable", "remove the kt_kernel shim"), ("status", "show the shim state and kernels")):
-        c = ksub.add_parser(name, help=help_)
-        c.add_argument("--site-dir", help="site-packages to install into (default: this interpreter's)")
-        if name == "enable":
-            c.add_argument("--force", action="store_true", help="shadow a real kt-kernel installation")
+    from kvplugins.shims import add_commands
+    add_commands(ksub, "kt", "`import kt_kernel`")
     c = ksub.add_parser("convert", help="convert HF expert weights for --kt-weight-path")
     c.add_argument("--input", required=True, help="HF model directory (config.json + *.safetensors)")
     c.add_argument("--output", required=True, help="output directory (use as --kt-weight-path)")
@@ -37,12 +33,8 @@ def run(args) -> int:
               f"{args.output}; launch with --kt-weight-path {args.output} --kt-method "
               f"{ {'bf16': 'BF16', 'int8': 'AMXINT8', 'int4': 'AMXINT4'}[args.method] }")
         return 0
-    if args.kt_command == "enable":
-        st = shim.enable(args.site_dir, force=args.force)
-    elif args.kt_command == "disable":
-        st = shim.disable(args.site_dir)
-    else:
-        st = shim.status(args.site_dir)
+    from kvplugins.shims import run_command
+    st = run_command(shim.SHIM, args.kt_command, args)
     from kvplugins.config import load
     from kvplugins.kt_expert_backend.config import KTConfig
     from kvplugins.kt_expert_backend.native import describe_isa

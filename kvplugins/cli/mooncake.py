@@ -8,24 +8,16 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
+    from kvplugins.shims import add_commands
     p = sub.add_parser("mooncake", help="make `import mooncake.store` use kvplugins' store: enable/disable/status")
-    msub = p.add_subparsers(dest="mooncake_command", metavar="MOONCAKE_COMMAND", required=True)
-    for name, help_ in (("enable", "make `from mooncake.store import ...` use kvplugins.store.compat"),
-                        ("disable", "remove the mooncake shim"), ("status", "show the shim state")):
-        c = msub.add_parser(name, help=help_)
-        c.add_argument("--site-dir", help="site-packages to install into (default: this interpreter's)")
-        if name == "enable":
-            c.add_argument("--force", action="store_true", help="shadow a real Mooncake installation")
+    add_commands(p.add_subparsers(dest="mooncake_command", metavar="MOONCAKE_COMMAND", required=True), "mooncake",
+                 "`from mooncake.store import ...`")
 
 
 def run(args) -> int:
-    from kvplugins.store import mooncake_shim as shim
-    if args.mooncake_command == "enable":
-        st = shim.enable(args.site_dir, force=args.force)
-    elif args.mooncake_command == "disable":
-        st = shim.disable(args.site_dir)
-    else:
-        st = shim.status(args.site_dir)
+    from kvplugins.shims import run_command
+    from kvplugins.store.mooncake_shim import SHIM
+    st = run_command(SHIM, args.mooncake_command, args)
     print(st.describe())
     if st.enabled:
         print("point the Mooncake config's master_server_address at a kvplugins master (host:port, etcd://..., "
