@@ -4,18 +4,20 @@ Mooncake runs here after changing one import::
     from kvplugins.store.compat import MooncakeDistributedStore, ReplicateConfig   # was: mooncake.store
 
 Method names, parameter names and order, defaults and **return codes** follow ``mooncake.store`` 0.3.13
-(its pybind signatures, its Python API reference and its ErrorCode values in ``types.h``). This module is the
-one place where Python calls answer integer codes instead of raising (kvplugins/errors.py): that is the
-Mooncake contract. Codes: 0 ok; put/remove/register: 0 or a negative ErrorCode; ``get`` / ``get_batch``:
+(its pybind signatures, its Python API reference and its ErrorCode values in ``types.h``); 43 of its 97 methods
+(the rest of them: compat_extra.py; the list: docs/store.md). Arguments are checked as its pybind11 binding
+checks them (compat_codes.pybind): a missing, unknown or mistyped argument raises TypeError. Past that, this
+module is the one place where Python calls answer integer codes instead of raising (kvplugins/errors.py): that
+is the Mooncake contract. Codes: 0 ok; put/remove/register: 0 or a negative ErrorCode; ``get`` / ``get_batch``:
 ``b""`` for a miss; ``get_into``: bytes read or negative; ``is_exist``: 1 / 0 / -1; ``get_size``: bytes or
-negative; ``remove_by_regex`` / ``remove_all``: number removed or negative. Errors map as: KeyNotFound (and a
-checksum mismatch) -> OBJECT_NOT_FOUND (-704), a remove of a leased object without ``force`` ->
-OBJECT_HAS_LEASE (-706), StoreFull -> NO_AVAILABLE_HANDLE (-200), PutPending (another writer's put of the key
-has not committed) -> REPLICA_IS_NOT_READY (-703), bad arguments or a too small ``get_into``
-buffer -> INVALID_PARAMS (-600), TransferFailed -> TRANSFER_FAIL (-800), MasterUnreachable -> RPC_FAIL (-900),
-anything else -> INTERNAL_ERROR (-1). As Mooncake over TCP, ``put_from``/``get_into`` also accept memory that was
-never registered (it is copied through the staging buffer instead of zero-copy). The codes of a test script
-were checked against a real mooncake_master 0.3.13 (tests/store/test_compat.py).
+negative; ``remove_by_regex`` / ``remove_all``: number removed or negative. Errors map as (compat_codes.code_of):
+KeyNotFound (and a checksum mismatch) -> OBJECT_NOT_FOUND (-704), a remove of a leased object without ``force``
+-> OBJECT_HAS_LEASE (-706), StoreFull -> NO_AVAILABLE_HANDLE (-200), PutPending -> REPLICA_IS_NOT_READY (-703),
+bad values (e.g. ``replica_num = 0``, a too small ``get_into`` buffer) -> INVALID_PARAMS (-600), TransferFailed
+-> TRANSFER_FAIL (-800), MasterUnreachable -> RPC_FAIL (-900), anything else -> INTERNAL_ERROR (-1). As Mooncake
+over TCP, ``put_from``/``get_into`` also accept memory that was never registered (copied through the staging
+buffer). The codes of two test scripts were checked against a real mooncake_master 0.3.13
+(tests/store/test_compat.py, mooncake_crosscheck.py).
 
 Differences (docs/store.md, "Mooncake-compatible API"): ``metadata_server``, ``engine``,
 ``tenant_id`` and the client HTTP server are accepted and ignored (our master is the metadata server; metrics
