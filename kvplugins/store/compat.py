@@ -4,8 +4,8 @@ Mooncake runs here after changing one import::
     from kvplugins.store.compat import MooncakeDistributedStore, ReplicateConfig   # was: mooncake.store
 
 Method names, parameter names and order, defaults and **return codes** follow ``mooncake.store`` 0.3.13
-(its pybind signatures, its Python API reference and its ErrorCode values in ``types.h``); 43 of its 97 methods
-(the rest of them: compat_extra.py; the list: docs/store.md). Arguments are checked as its pybind11 binding
+(its pybind signatures, its Python API reference and its ErrorCode values in ``types.h``); 49 of its 97 methods
+(compat.py and compat_extra.py; the list: docs/store.md). Arguments are checked as its pybind11 binding
 checks them (compat_codes.pybind): a missing, unknown or mistyped argument raises TypeError. Past that, this
 module is the one place where Python calls answer integer codes instead of raising (kvplugins/errors.py): that
 is the Mooncake contract. Codes: 0 ok; put/remove/register: 0 or a negative ErrorCode; ``get`` / ``get_batch``:

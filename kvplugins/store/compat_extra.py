@@ -248,6 +248,50 @@ class ExtraMethods:
         tensor = tensors[name]
         return tensor if self.put_tensor(str(key if key is not None else name), tensor) == OK else None
 
+    # ---- tensor parallelism: shard i of a tensor lives under "{key}_tp_{i}" (Mooncake's key names) ---------
+    @pybind
+    def put_tensor_with_tp(self, key: str, tensor: object, tp_rank: I32 = 0, tp_size: I32 = 1,
+                           split_dim: I32 = 0) -> int:
+        """Store ``tensor`` split evenly along ``split_dim`` into ``tp_size`` shards, shard i under "{key}_tp_{i}"
+        (tp_size <= 1: the whole tensor under ``key``). ``tp_rank`` is accepted as in Mooncake (every shard is
+        written). 0, or INVALID_PARAMS when the dimension does not split evenly (as Mooncake)."""
+        return self.batch_pub_tensor_with_tp([key], [tensor], DEFAULT, tp_rank, tp_size, split_dim)[0]
+
+    @pybind
+    def pub_tensor_with_tp(self, key: str, tensor: object, config: ReplicateConfig = DEFAULT, tp_rank: I32 = 0,
+                           tp_size: I32 = 1, split_dim: I32 = 0) -> int:
+        return self.batch_pub_tensor_with_tp([key], [tensor], config, tp_rank, tp_size, split_dim)[0]
+
+    @pybind
+    def batch_put_tensor_with_tp(self, base_keys: list[str], tensors_list: list, tp_rank: I32 = 0,
+                                 tp_size: I32 = 1, split_dim: I32 = 0) -> list[int]:
+        return self.batch_pub_tensor_with_tp(base_keys, tensors_list, DEFAULT, tp_rank, tp_size, split_dim)
+
+    @pybind
+    @_guard(on_error=_per_key)
+    def batch_pub_tensor_with_tp(self, base_keys: list[str], tensors_list: list, config: ReplicateConfig = DEFAULT,
+                                 tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0) -> list[int]:
+        """Per base key 0 or the first negative code of its shards (one put batch for every shard)."""
+        if tp_size <= 1:
+            return self._put_tensors(base_keys, tensors_list, config, upsert=False)
+        keys, shards = [], []
+        for key, tensor in zip(base_keys, tensors_list):
+            for i, shard in enumerate(_tp_shards(tensor, tp_size, split_dim)):
+                keys.append(_tp_key(key, i))
+                shards.append(shard)
+        codes = self._put_tensors(keys, shards, config, upsert=False)
+        return [next((c for c in codes[j * tp_size:(j + 1) * tp_size] if c != OK), OK) for j in range(len(base_keys))]
+
+    @pybind
+    def get_tensor_with_tp(self, key: str, tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0) -> object:
+        """Shard ``tp_rank`` of a tensor put with put_tensor_with_tp (tp_size <= 1: the tensor under ``key``), or
+        None for a miss."""
+        return self.get_tensor(key if tp_size <= 1 else _tp_key(key, tp_rank))
+
+    @pybind
+    def batch_get_tensor_with_tp(self, base_keys: list[str], tp_rank: I32 = 0, tp_size: I32 = 1) -> list:
+        return self.batch_get_tensor(list(base_keys) if tp_size <= 1 else [_tp_key(k, tp_rank) for k in base_keys])
+
     def _put_tensors(self, keys, tensors, config, upsert: bool) -> list[int]:
         blobs = [_tensor_bytes(t) for t in tensors]
         if len(blobs) != len(keys):
@@ -256,6 +300,25 @@ class ExtraMethods:
             self._replaceable(keys)
         errs = self._cb.batch_put(list(keys), blobs, self._put_cfg(config))
         return [code_of(e) for e in errs]
+
+
+def _tp_key(key: str, rank: int) -> str:
+    return f"{key}_tp_{rank}"
+
+
+def _tp_shards(tensor, tp_size: int, split_dim: int) -> list:
+    """``tensor`` cut along ``split_dim`` into ``tp_size`` equal shards. Raises ValueError for a non-tensor, a bad
+    dimension or one that does not split evenly (Mooncake 0.3.13 answers INVALID_PARAMS for those)."""
+    import torch
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{type(tensor).__name__} is not a torch.Tensor")
+    if not -tensor.dim() <= split_dim < tensor.dim():
+        raise ValueError(f"split_dim={split_dim} is not a dimension of a {tensor.dim()}-d tensor")
+    d = tensor.shape[split_dim]
+    if d % tp_size:
+        raise ValueError(f"dimension {split_dim} of size {d} does not split evenly over tp_size={tp_size} "
+                         "(Mooncake refuses it too)")
+    return list(tensor.split(d // tp_size, dim=split_dim))
 
 
 def _spans(keys, ptrs, sizes) -> list[list[tuple[int, int]]]:

@@ -36,6 +36,17 @@ def u64(name: str, value, optional: bool = False):
     return number
 
 
+def i32(name: str, value) -> int:
+    """pybind11's C++ int: anything with ``__index__`` or ``__int__`` except float, str and bytes, in 32 bits."""
+    kind = type(value)
+    ok = not isinstance(value, (float, str, bytes, bytearray)) and (
+        hasattr(kind, "__index__") or hasattr(kind, "__int__"))
+    number = int(value) if ok else None
+    if number is None or not -(1 << 31) <= number < 1 << 31:
+        raise TypeError(f"{_owner(name)} = {value!r:.80}: needs a 32-bit integer (as Mooncake's binding)")
+    return number
+
+
 def boolean(name: str, value) -> bool:
     if value is None:
         return False
@@ -185,8 +196,9 @@ class ReplicateConfig:
         from kvplugins.store.placement import PutConfig
         soft = self.with_soft_pin or self.soft_pin_action == SoftPinAction.ENABLE
         if self.soft_pin_ttl_ms is not None and not soft:
-            raise ConfigError(f"soft_pin_ttl_ms={self.soft_pin_ttl_ms} with soft_pin_action={self.soft_pin_action.name}: "
-                              "a soft-pin TTL needs soft_pin_action = SoftPinAction.ENABLE (Mooncake: -600)")
+            raise ConfigError(f"soft_pin_ttl_ms={self.soft_pin_ttl_ms} with soft_pin_action="
+                              f"{self.soft_pin_action.name}: a soft-pin TTL needs soft_pin_action = "
+                              "SoftPinAction.ENABLE (Mooncake: -600)")
         pin = "hard" if self.with_hard_pin else "soft" if soft else "none"
         return PutConfig(replicas=self.replica_num, pin=pin,
                          preferred_segment=self.preferred_segment or next(iter(self.preferred_segments), ""),
@@ -198,7 +210,7 @@ class ReplicateConfig:
 
 
 # Converters of method arguments by annotation (compat.py annotates parameters with these names).
-ARGS = {"str": text, "int": u64, "bool": boolean, "Buffer": buffer, "list[str]": listed(text, "str"),
+ARGS = {"str": text, "int": u64, "I32": i32, "bool": boolean, "Buffer": buffer, "list[str]": listed(text, "str"),
         "list[int]": listed(u64, "int"), "list[Buffer]": listed(buffer, "buffer"),
         "list[list[int]]": listed(listed(u64, "int"), "list of int")}
 

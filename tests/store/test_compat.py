@@ -18,7 +18,8 @@ METHODS = ("setup", "close", "put", "get", "put_batch", "get_batch", "put_from",
            "batch_get_buffer", "put_tensor", "batch_put_tensor", "pub_tensor", "batch_pub_tensor", "upsert_tensor",
            "batch_upsert_tensor", "upsert_pub_tensor", "batch_upsert_pub_tensor", "get_tensor", "batch_get_tensor",
            "save_tensor_to_safetensor", "load_tensor_from_safetensor", "batch_put_from_multi_buffers",
-           "batch_get_into_multi_buffers")
+           "batch_get_into_multi_buffers", "put_tensor_with_tp", "pub_tensor_with_tp", "batch_put_tensor_with_tp",
+           "batch_pub_tensor_with_tp", "get_tensor_with_tp", "batch_get_tensor_with_tp")
 SIG = re.compile(r"^\s*(?:\d+\. )?(\w+)\(self: [\w.]+(.*)\) -> (.+)$", re.M)
 
 
@@ -199,7 +200,18 @@ def mooncake_more_script(store, master: str, fresh) -> None:
     got = store.batch_get_tensor(["t/1", "t/2", "t/absent"])
     assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], t.to(torch.bfloat16))
     assert got[1].dtype == torch.int8 and torch.equal(got[1], t.to(torch.int8)) and got[2] is None
-    assert store.remove_all(True) >= 5
+    rows = torch.arange(4 * 3, dtype=torch.float32).reshape(4, 3)
+    assert store.put_tensor_with_tp("tp/w", rows, 0, 2, 0) == 0                  # shards "tp/w_tp_0", "tp/w_tp_1"
+    assert torch.equal(store.get_tensor("tp/w_tp_0"), rows[:2])
+    assert torch.equal(store.get_tensor("tp/w_tp_1"), rows[2:])
+    assert store.get_tensor("tp/w") is None
+    assert torch.equal(store.get_tensor_with_tp("tp/w", 1, 2), rows[2:])
+    assert [torch.equal(a, b) for a, b in zip(store.batch_get_tensor_with_tp(["tp/w"], 0, 2), [rows[:2]])] == [True]
+    assert store.put_tensor_with_tp("tp/c", rows, 0, 3, 1) == 0                  # by columns
+    assert torch.equal(store.get_tensor_with_tp("tp/c", 2, 3), rows[:, 2:])
+    assert store.put_tensor_with_tp("tp/u", rows, 0, 3, 0) == -600               # 4 rows do not split over 3
+    assert store.get_tensor_with_tp("tp/absent", 0, 2) is None
+    assert store.remove_all(True) >= 10
     assert store.close() == 0
     other = fresh()                                     # no local buffer: setup works, the bytes API refuses
     assert other.setup("localhost", "http://localhost:8080/metadata", 0, 0, "tcp", "", master) == 0
@@ -320,11 +332,12 @@ def test_same_script_gives_the_same_codes_on_real_mooncake():
 
 # One valid value and the refused ones per annotation: a call with one refused argument (the others valid) must
 # raise TypeError on Mooncake's binding (before any C++ runs, so no setup is needed) and on ours (issue #19).
-GOOD = {"str": "k", "int": 64, "bool": False, "list[str]": ["k"], "list[int]": [64], "list[list[int]]": [[64]],
-        "Buffer": b"v",
-        "list[Buffer]": [b"v"], "ReplicateConfig": None, "object": None, "list": []}
-BAD = {"str": [1, None, 1.5], "int": ["1", 1.5, -1, None], "bool": ["yes", [1]], "list[str]": ["ab", [1], None],
-       "list[int]": ["ab", [1.5], [-1]], "list[list[int]]": [[1], ["ab"], [[-1]]], "Buffer": ["str", 1, None], "list[Buffer]": [["str"], "ab"],
+GOOD = {"str": "k", "int": 64, "I32": 1, "bool": False, "list[str]": ["k"], "list[int]": [64],
+        "list[list[int]]": [[64]], "Buffer": b"v", "list[Buffer]": [b"v"], "ReplicateConfig": None, "object": None,
+        "list": []}
+BAD = {"str": [1, None, 1.5], "int": ["1", 1.5, -1, None], "I32": ["1", 1.5, None, 1 << 40],
+       "bool": ["yes", [1]], "list[str]": ["ab", [1], None], "list[int]": ["ab", [1.5], [-1]],
+       "list[list[int]]": [[1], ["ab"], [[-1]]], "Buffer": ["str", 1, None], "list[Buffer]": [["str"], "ab"],
        "ReplicateConfig": [None, 1]}
 PROBED = [m for m in METHODS if m not in ("setup", "close", "get_hostname", "health_check")]
 
