@@ -19,7 +19,9 @@ METHODS = ("setup", "close", "put", "get", "put_batch", "get_batch", "put_from",
            "batch_upsert_tensor", "upsert_pub_tensor", "batch_upsert_pub_tensor", "get_tensor", "batch_get_tensor",
            "save_tensor_to_safetensor", "load_tensor_from_safetensor", "batch_put_from_multi_buffers",
            "batch_get_into_multi_buffers", "put_tensor_with_tp", "pub_tensor_with_tp", "batch_put_tensor_with_tp",
-           "batch_pub_tensor_with_tp", "get_tensor_with_tp", "batch_get_tensor_with_tp")
+           "batch_pub_tensor_with_tp", "get_tensor_with_tp", "batch_get_tensor_with_tp", "batch_put_session_start",
+           "batch_put_from_multi_buffer_ranges", "batch_put_session_end", "batch_put_session_revoke",
+           "batch_get_session_start", "batch_get_into_multi_buffer_ranges", "batch_get_session_end")
 SIG = re.compile(r"^\s*(?:\d+\. )?(\w+)\(self: [\w.]+(.*)\) -> (.+)$", re.M)
 
 
@@ -187,6 +189,21 @@ def mooncake_more_script(store, master: str, fresh) -> None:
     assert store.batch_get_into_multi_buffers(["mb/0"], [[base + 1000]], [[299]]) == [-600]   # too small
     assert store.batch_get_into_multi_buffers(["mb/0"], [[base + 1000]], [[4096]]) == [-800]  # larger: Mooncake
     # answers TRANSFER_FAIL (its sizes must add up to the object's; get_into's size is a capacity)
+    assert store.batch_put_session_start(["ps/0", "ps/1", "mb/0"], [300, 64, 300]) == [0, 0, -705]   # mb/0 stored
+    assert store.batch_is_exist(["ps/0"]) == [0]                    # reserved, not readable yet
+    assert store.batch_put_from_multi_buffer_ranges(["ps/0", "ps/1"], [[base, base + 100], [base]],
+                                                    [[100, 200], [64]], [[0, 100], [0]]) == [300, 64]
+    assert store.batch_put_from_multi_buffer_ranges(["ps/0"], [[base]], [[100]], [[250]]) == [-600]  # past the end
+    assert store.batch_put_session_end(["ps/0", "ps/1", "absent"]) == [0, 0, -600]
+    assert (store.get("ps/0"), store.get("ps/1")) == (bytes(buf[:300]), bytes(buf[:64]))
+    assert store.batch_put_session_start(["ps/2"], [64]) == [0]
+    assert store.batch_put_session_revoke(["ps/2", "absent"]) == [0, -600] and store.is_exist("ps/2") == 0
+    assert store.batch_get_session_start(["ps/0", "absent"]) == [0, -704]
+    assert store.batch_get_into_multi_buffer_ranges(["ps/0"], [[base + 5000, base + 6000]], [[10, 20]],
+                                                    [[5, 200]]) == [30]
+    assert bytes(buf[5000:5010]) == bytes(buf[5:15]) and bytes(buf[6000:6020]) == bytes(buf[200:220])
+    assert store.batch_get_into_multi_buffer_ranges(["ps/1"], [[base + 5000]], [[10]], [[0]]) == [-600]  # no session
+    assert store.batch_get_session_end(["ps/0"]) == 0
     assert store.unregister_buffer(base) == 0
     soft = ReplicateConfig()
     soft.soft_pin_ttl_ms = 1000                         # a TTL without soft_pin_action ENABLE: refused
@@ -211,7 +228,7 @@ def mooncake_more_script(store, master: str, fresh) -> None:
     assert torch.equal(store.get_tensor_with_tp("tp/c", 2, 3), rows[:, 2:])
     assert store.put_tensor_with_tp("tp/u", rows, 0, 3, 0) == -600               # 4 rows do not split over 3
     assert store.get_tensor_with_tp("tp/absent", 0, 2) is None
-    assert store.remove_all(True) >= 10
+    assert store.remove_all(True) >= 12
     assert store.close() == 0
     other = fresh()                                     # no local buffer: setup works, the bytes API refuses
     assert other.setup("localhost", "http://localhost:8080/metadata", 0, 0, "tcp", "", master) == 0
