@@ -4,7 +4,7 @@ Mooncake runs here after changing one import::
     from kvplugins.store.compat import MooncakeDistributedStore, ReplicateConfig   # was: mooncake.store
 
 Method names, parameter names and order, defaults and **return codes** follow ``mooncake.store`` 0.3.13
-(its pybind signatures, its Python API reference and its ErrorCode values in ``types.h``); 56 of its 97 methods
+(its pybind signatures, its Python API reference and its ErrorCode values in ``types.h``); 61 of its 97 methods
 (compat.py and compat_extra.py; the list: docs/store.md). Arguments are checked as its pybind11 binding
 checks them (compat_codes.pybind): a missing, unknown or mistyped argument raises TypeError. Past that, this
 module is the one place where Python calls answer integer codes instead of raising (kvplugins/errors.py): that
@@ -40,13 +40,14 @@ from kvplugins.store.compat_types import ObjectDataType, ReplicateConfig, SoftPi
 from kvplugins.store.compat_codes import (INVALID_PARAMS, OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, OK, _guard, _per_key,
                                           code_of, pybind)
 from kvplugins.store.compat_extra import ExtraMethods
+from kvplugins.store.compat_replicas import ReplicaMethods
 from kvplugins.store.compat_sessions import SessionMethods
 from kvplugins.transfer.memory import view_of
 
 log = logging.getLogger(__name__)
 DEFAULT = compat_types.DEFAULT        # a method's default ReplicateConfig (Mooncake's: a default-built one)
 
-class MooncakeDistributedStore(ExtraMethods, SessionMethods):
+class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods):
     """Mooncake's store client API on a kvplugins StoreClient (thread-safe like it). Call ``setup`` first."""
 
     def __init__(self):
@@ -77,9 +78,10 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods):
                enable_client_http_server: bool = False, client_http_port: int = 9300) -> int:
         """Connect to the master at ``master_server_addr`` ('' = the embedded `kvplugins up`) and contribute
         ``global_segment_size`` bytes as a segment (0 = none); ``local_buffer_size`` sizes the staging buffer of
-        the bytes API (0: no bytes API, its puts answer INVALID_PARAMS and its gets b"", as Mooncake's). ``local_hostname``: the address our transfer
-        engine binds (a ":port" is dropped). Returns 0, or a negative code (RPC_FAIL when the master does not
-        answer). The segment is unregistered at interpreter exit if close() was not called."""
+        the bytes API (0: no bytes API, its puts answer INVALID_PARAMS and its gets b"", as Mooncake's).
+        ``local_hostname``: the address our transfer engine binds (a ":port" is dropped). Returns 0, or a
+        negative code (RPC_FAIL when the master does not answer). The segment is unregistered at interpreter exit
+        if close() was not called."""
         from kvplugins.config import load
         from kvplugins.store.client import StoreClient
         from kvplugins.store.config import ClientConfig

@@ -59,7 +59,8 @@ def code_of(err: BaseException | None, *_) -> int:
     if err is None:
         return OK
     for cls, code in ((KeyNotFound, OBJECT_NOT_FOUND), (StoreFull, NO_AVAILABLE_HANDLE),
-                      (PutPending, REPLICA_IS_NOT_READY), (MasterUnreachable, RPC_FAIL), (BufferNotRegistered, INVALID_PARAMS),
+                      (PutPending, REPLICA_IS_NOT_READY), (MasterUnreachable, RPC_FAIL),
+                      (BufferNotRegistered, INVALID_PARAMS),
                       (SizeMismatch, INVALID_PARAMS), (ConfigError, INVALID_PARAMS), (ValueError, INVALID_PARAMS),
                       (TypeError, INVALID_PARAMS), (TransferError, TRANSFER_FAIL)):
         if isinstance(err, cls):

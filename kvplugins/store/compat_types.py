@@ -212,7 +212,9 @@ class ReplicateConfig:
 # Converters of method arguments by annotation (compat.py annotates parameters with these names).
 ARGS = {"str": text, "int": u64, "I32": i32, "bool": boolean, "Buffer": buffer, "list[str]": listed(text, "str"),
         "list[int]": listed(u64, "int"), "list[Buffer]": listed(buffer, "buffer"),
-        "list[list[int]]": listed(listed(u64, "int"), "list of int")}
+        "list[list[int]]": listed(listed(u64, "int"), "list of int"),
+        "list[list[str]]": listed(listed(text, "str"), "list of str"),
+        "list[list[list[int]]]": listed(listed(listed(u64, "int"), "list of int"), "list of lists of int")}
 
 
 class _Default:

@@ -21,7 +21,9 @@ METHODS = ("setup", "close", "put", "get", "put_batch", "get_batch", "put_from",
            "batch_get_into_multi_buffers", "put_tensor_with_tp", "pub_tensor_with_tp", "batch_put_tensor_with_tp",
            "batch_pub_tensor_with_tp", "get_tensor_with_tp", "batch_get_tensor_with_tp", "batch_put_session_start",
            "batch_put_from_multi_buffer_ranges", "batch_put_session_end", "batch_put_session_revoke",
-           "batch_get_session_start", "batch_get_into_multi_buffer_ranges", "batch_get_session_end")
+           "batch_get_session_start", "batch_get_into_multi_buffer_ranges", "batch_get_session_end",
+           "get_replica_desc", "batch_get_replica_desc", "batch_replica_clear", "put_from_with_metadata",
+           "get_into_ranges")
 SIG = re.compile(r"^\s*(?:\d+\. )?(\w+)\(self: [\w.]+(.*)\) -> (.+)$", re.M)
 
 
@@ -56,7 +58,7 @@ def test_signature_matches_installed_mooncake(method):
             assert p.default is not p.empty, (method, name)
             if default[0] not in "<":                   # literal defaults must be equal
                 assert repr(p.default) == default or str(p.default) == default, (method, name, p.default, default)
-    ret = sig.return_annotation.replace("List", "list").replace("BufferHandle", "mooncake.store.BufferHandle")
+    ret = re.sub(r"\b(BufferHandle|ReplicaDescriptor)\b", r"mooncake.store.\1", sig.return_annotation)
     assert ret == their_ret, (method, sig.return_annotation, their_ret)
 
 
@@ -204,6 +206,19 @@ def mooncake_more_script(store, master: str, fresh) -> None:
     assert bytes(buf[5000:5010]) == bytes(buf[5:15]) and bytes(buf[6000:6020]) == bytes(buf[200:220])
     assert store.batch_get_into_multi_buffer_ranges(["ps/1"], [[base + 5000]], [[10]], [[0]]) == [-600]  # no session
     assert store.batch_get_session_end(["ps/0"]) == 0
+    buf[7000:7010] = 7
+    assert store.put_from_with_metadata("pm/0", base + 100, base + 7000, 50, 10) == 0
+    assert store.get("pm/0") == bytes(buf[7000:7010]) + bytes(buf[100:150])          # metadata first
+    [replica] = store.get_replica_desc("ps/0")
+    assert replica.is_memory_replica() and not replica.is_disk_replica() and replica.status.name == "COMPLETE"
+    assert replica.get_memory_descriptor().buffer_descriptor.size == 300
+    assert store.get_replica_desc("absent") == [] and list(store.batch_get_replica_desc(["ps/0", "absent"])) == ["ps/0"]
+    assert store.get_into_ranges([base + 8000, base + 9000], [["ps/0", "ps/1"], ["ps/0"]], [[[0, 10], [20]], [[0]]],
+                                 [[[0, 5], [1]], [[100]]], [[[4, 4], [8]], [[16]]]) == [[[4, 4], [8]], [[16]]]
+    assert (bytes(buf[8000:8004]), bytes(buf[8010:8014]), bytes(buf[8020:8028]), bytes(buf[9000:9016])) == \
+        (bytes(buf[0:4]), bytes(buf[5:9]), bytes(buf[1:9]), bytes(buf[100:116]))
+    assert store.get_into_ranges([base + 8000], [["absent"]], [[[0]]], [[[0]]], [[[4]]]) == [[[-704]]]
+    assert store.batch_replica_clear(["ps/1", "absent"]) == [] and store.is_exist("ps/1") == 1   # leased: kept
     assert store.unregister_buffer(base) == 0
     soft = ReplicateConfig()
     soft.soft_pin_ttl_ms = 1000                         # a TTL without soft_pin_action ENABLE: refused
@@ -350,12 +365,13 @@ def test_same_script_gives_the_same_codes_on_real_mooncake():
 # One valid value and the refused ones per annotation: a call with one refused argument (the others valid) must
 # raise TypeError on Mooncake's binding (before any C++ runs, so no setup is needed) and on ours (issue #19).
 GOOD = {"str": "k", "int": 64, "I32": 1, "bool": False, "list[str]": ["k"], "list[int]": [64],
-        "list[list[int]]": [[64]], "Buffer": b"v", "list[Buffer]": [b"v"], "ReplicateConfig": None, "object": None,
+        "list[list[int]]": [[64]], "list[list[str]]": [["k"]], "list[list[list[int]]]": [[[64]]], "Buffer": b"v",
+        "list[Buffer]": [b"v"], "ReplicateConfig": None, "object": None,
         "list": []}
 BAD = {"str": [1, None, 1.5], "int": ["1", 1.5, -1, None], "I32": ["1", 1.5, None, 1 << 40],
        "bool": ["yes", [1]], "list[str]": ["ab", [1], None], "list[int]": ["ab", [1.5], [-1]],
        "list[list[int]]": [[1], ["ab"], [[-1]]], "Buffer": ["str", 1, None], "list[Buffer]": [["str"], "ab"],
-       "ReplicateConfig": [None, 1]}
+       "list[list[str]]": [["k"], [[1]]], "list[list[list[int]]]": [[[1]], [[[-1]]]], "ReplicateConfig": [None, 1]}
 PROBED = [m for m in METHODS if m not in ("setup", "close", "get_hostname", "health_check")]
 
 

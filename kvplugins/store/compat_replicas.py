@@ -1,0 +1,136 @@
+"""Mooncake 0.3.13's replica and range reads, a mixin of compat.MooncakeDistributedStore: ``get_replica_desc``,
+``batch_get_replica_desc``, ``batch_replica_clear``, ``get_into_ranges`` and ``put_from_with_metadata``. Shapes
+and codes as a real mooncake_master answered them (tests/store/test_compat.py): a missing key has no
+descriptors (and no entry in the batch dict), a range of a missing object answers OBJECT_NOT_FOUND.
+
+A descriptor names our location: ``transport_endpoint`` is the segment name (`kvplugins status`),
+``buffer_address`` the object's offset inside that segment's region (Mooncake: the owner's virtual address),
+``size`` the object's bytes.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvplugins.store import client_ranges, protocol
+from kvplugins.store.compat_codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, _guard, code_of, pybind
+from kvplugins.store.compat_types import DEFAULT
+
+
+class ReplicaStatus(enum.IntEnum):
+    """Mooncake's ReplicaStatus (every replica a get returns is COMPLETE)."""
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    buffer_address: int
+    size: int
+    transport_endpoint: str
+
+
+@dataclass(frozen=True)
+class MemoryDescriptor:
+    buffer_descriptor: Descriptor
+
+
+class ReplicaDescriptor:
+    """One DRAM replica of an object (Mooncake's ReplicaDescriptor; our store has no disk replicas to describe)."""
+
+    def __init__(self, segment: str, offset: int, size: int):
+        self._memory = MemoryDescriptor(Descriptor(offset, size, segment))
+        self.status = ReplicaStatus.COMPLETE
+
+    def is_memory_replica(self) -> bool:
+        return True
+
+    def is_disk_replica(self) -> bool:
+        return False
+
+    def is_local_disk_replica(self) -> bool:
+        return False
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        return self._memory
+
+    def get_disk_descriptor(self):
+        raise RuntimeError("not a disk replica (kvplugins describes DRAM replicas only)")
+
+
+class ReplicaMethods:
+    """Mixed into MooncakeDistributedStore (``_c``, ``_call``, ``_put_cfg``, ``batch_put_from_multi_buffers``)."""
+
+    @pybind
+    @_guard(on_error=lambda *_: [])
+    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
+        """The replicas of ``key`` ([] when it is missing)."""
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    @pybind
+    @_guard(on_error=lambda *_: {})
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """Key -> its replicas, for the keys that are stored (one lookup; it takes a read lease as a get)."""
+        out = {}
+        for key, (code, value) in zip(keys, client_ranges.locate(self._c, list(keys))):
+            if code == protocol.OK:
+                out[key] = [ReplicaDescriptor(seg, off, value[0]) for seg, _, off in value[1]]
+        return out
+
+    @pybind
+    @_guard(on_error=lambda *_: [])
+    def batch_replica_clear(self, keys: list[str], segment_name: str = "") -> list[str]:
+        """Drop the replicas of ``keys`` whose read lease has ended (all of them, or with ``segment_name`` only
+        objects whose every replica is on that segment); returns the keys cleared."""
+        if segment_name:
+            found = self.batch_get_replica_desc(list(keys))
+            keys = [k for k in keys if k in found and all(
+                r.get_memory_descriptor().buffer_descriptor.transport_endpoint == segment_name for r in found[k])]
+        results = self._call("remove_checked", list(keys), {"force": False})
+        return [k for k, r in zip(keys, results) if r == "removed"]
+
+    @pybind
+    @_guard()
+    def put_from_with_metadata(self, key: str, buffer_ptr: int, metadata_buffer_ptr: int, size: int,
+                               metadata_size: int, config: ReplicateConfig = DEFAULT) -> int:
+        """Store ``metadata_size`` bytes at ``metadata_buffer_ptr`` followed by ``size`` bytes at ``buffer_ptr``
+        as one object (registered memory, zero-copy). 0 or a negative code."""
+        return self.batch_put_from_multi_buffers([key], [[metadata_buffer_ptr, buffer_ptr]],
+                                                 [[metadata_size, size]], config)[0]
+
+    @pybind
+    @_guard(on_error=lambda err, ptrs=(), keys=(), *_: [[[code_of(err)] for _ in ks] for ks in keys])
+    def get_into_ranges(self, buffer_ptrs: list[int], all_keys: list[list[str]],
+                        all_dst_offsets: list[list[list[int]]], all_src_offsets: list[list[list[int]]],
+                        all_sizes: list[list[list[int]]]) -> list[list[list[int]]]:
+        """For buffer b and its keys k, copy object bytes [src, src + size) to buffer_ptrs[b] + dst, range by
+        range. Per range the bytes copied, or a code (OBJECT_NOT_FOUND, INVALID_PARAMS past the object's end);
+        one lookup and one transfer batch for everything."""
+        flat = [(b, k, key) for b, keys in enumerate(all_keys) for k, key in enumerate(keys)]
+        found = dict(zip(sorted({key for _, _, key in flat}), client_ranges.locate(
+            self._c, sorted({key for _, _, key in flat}))))
+        entries, spans, offs, locations, out = [], [], [], {}, []
+        for b, keys in enumerate(all_keys):
+            out.append([])
+            for k, key in enumerate(keys):
+                dst, src, n = all_dst_offsets[b][k], all_src_offsets[b][k], all_sizes[b][k]
+                code, value = found[key]
+                if code != protocol.OK:
+                    out[b].append([OBJECT_NOT_FOUND] * max(1, len(n)))
+                    continue
+                ok = len(dst) == len(src) == len(n) and all(s + m <= value[0] for s, m in zip(src, n))
+                out[b].append(list(n) if ok else [INVALID_PARAMS] * max(1, len(n)))
+                if ok:
+                    locations[len(entries)] = value[1]
+                    entries.append((b, k))
+                    spans.append([(buffer_ptrs[b] + d, m) for d, m in zip(dst, n)])
+                    offs.append(list(src))
+        errs = client_ranges.transfer_at(self._c, "read", [f"{b}/{k}" for b, k in entries], spans, offs, locations)
+        for (b, k), err in zip(entries, errs):
+            if err is not None:
+                out[b][k] = [code_of(err)] * len(out[b][k])
+        return out
