@@ -185,6 +185,9 @@ def mooncake_more_script(store, master: str, fresh) -> None:
     base = buf.ctypes.data
     assert store.register_buffer(base, buf.nbytes) == 0
     assert store.batch_put_from_multi_buffers(["mb/0"], [[base, base + 100]], [[100, 200]]) == [0]
+    assert store.upsert_from("uf/0", base + 10, 20) == 0 and store.upsert_from("uf/0", base + 30, 20) == 0
+    assert store.batch_upsert_from(["uf/1"], [base], [8]) == [0]
+    assert store.get_batch(["uf/0", "uf/1"]) == [bytes(buf[30:50]), bytes(buf[:8])]
     assert store.batch_get_into_multi_buffers(["mb/0", "absent"], [[base + 1000, base + 2000], [base]],
                                               [[64, 236], [64]]) == [300, -704]      # any split of the size
     assert np.array_equal(np.concatenate([buf[1000:1064], buf[2000:2236]]), buf[:300])
@@ -243,7 +246,27 @@ def mooncake_more_script(store, master: str, fresh) -> None:
     assert torch.equal(store.get_tensor_with_tp("tp/c", 2, 3), rows[:, 2:])
     assert store.put_tensor_with_tp("tp/u", rows, 0, 3, 0) == -600               # 4 rows do not split over 3
     assert store.get_tensor_with_tp("tp/absent", 0, 2) is None
-    assert store.remove_all(True) >= 12
+    assert store.pub_tensor("t/p", t, ReplicateConfig()) == 0 and torch.equal(store.get_tensor("t/p"), t)
+    assert store.upsert_tensor("t/p", t * 2) == 0 and torch.equal(store.get_tensor("t/p"), t * 2)
+    assert store.batch_upsert_tensor(["t/p", "t/q"], [t * 3, t]) == [0, 0]
+    assert torch.equal(store.batch_get_tensor(["t/p"])[0], t * 3)
+    assert store.upsert_pub_tensor("t/q", t * 4, ReplicateConfig()) == 0 and torch.equal(store.get_tensor("t/q"), t * 4)
+    assert store.batch_upsert_pub_tensor(["t/q"], [t * 5], ReplicateConfig()) == [0]
+    assert store.batch_pub_tensor(["t/r"], [t], ReplicateConfig()) == [0]
+    assert store.batch_put_tensor_with_tp(["tp/b"], [rows], 0, 2, 0) == [0]
+    assert store.pub_tensor_with_tp("tp/p", rows, ReplicateConfig(), 0, 2, 0) == 0
+    assert store.batch_pub_tensor_with_tp(["tp/q"], [rows], ReplicateConfig(), 0, 2, 0) == [0]
+    assert torch.equal(store.get_tensor_with_tp("tp/q", 0, 2), rows[:2])
+    assert store.upsert_parts("p2", b"xy", b"z") == 0 and store.upsert_parts("p2", b"w") == 0
+    assert store.get("p2") == b"w"
+    assert [h.size() for h in store.batch_get_buffer(["p2", "u2"])] == [1, 4]
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/w.safetensors"
+        assert store.save_tensor_to_safetensor("t/p", path) == 0
+        loaded = store.load_tensor_from_safetensor(key="t/loaded", file_name=path)
+        assert torch.equal(loaded, t * 3) and torch.equal(store.get_tensor("t/loaded"), t * 3)
+    assert store.remove_all(True) >= 20
     assert store.close() == 0
     other = fresh()                                     # no local buffer: setup works, the bytes API refuses
     assert other.setup("localhost", "http://localhost:8080/metadata", 0, 0, "tcp", "", master) == 0
