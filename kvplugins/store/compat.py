@@ -4,7 +4,7 @@ Mooncake runs here after changing one import::
     from kvplugins.store.compat import MooncakeDistributedStore, ReplicateConfig   # was: mooncake.store
 
 Method names, parameter names and order, defaults and **return codes** follow ``mooncake.store`` 0.3.13
-(its pybind signatures, its Python API reference and its ErrorCode values in ``types.h``); 61 of its 97 methods
+(its pybind signatures, its Python API reference and its ErrorCode values in ``types.h``); 71 of its 97 methods
 (compat.py and compat_extra.py; the list: docs/store.md). Arguments are checked as its pybind11 binding
 checks them (compat_codes.pybind): a missing, unknown or mistyped argument raises TypeError. Past that, this
 module is the one place where Python calls answer integer codes instead of raising (kvplugins/errors.py): that
@@ -42,12 +42,13 @@ from kvplugins.store.compat_codes import (INVALID_PARAMS, OBJECT_HAS_LEASE, OBJE
 from kvplugins.store.compat_extra import ExtraMethods
 from kvplugins.store.compat_replicas import ReplicaMethods
 from kvplugins.store.compat_sessions import SessionMethods
+from kvplugins.store.compat_tensor_buffers import TensorBufferMethods
 from kvplugins.transfer.memory import view_of
 
 log = logging.getLogger(__name__)
 DEFAULT = compat_types.DEFAULT        # a method's default ReplicateConfig (Mooncake's: a default-built one)
 
-class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods):
+class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, TensorBufferMethods):
     """Mooncake's store client API on a kvplugins StoreClient (thread-safe like it). Call ``setup`` first."""
 
     def __init__(self):

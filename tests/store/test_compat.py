@@ -23,7 +23,9 @@ METHODS = ("setup", "close", "put", "get", "put_batch", "get_batch", "put_from",
            "batch_put_from_multi_buffer_ranges", "batch_put_session_end", "batch_put_session_revoke",
            "batch_get_session_start", "batch_get_into_multi_buffer_ranges", "batch_get_session_end",
            "get_replica_desc", "batch_get_replica_desc", "batch_replica_clear", "put_from_with_metadata",
-           "get_into_ranges")
+           "get_into_ranges", "put_tensor_from", "batch_put_tensor_from", "upsert_tensor_from",
+           "batch_upsert_tensor_from", "get_tensor_into", "batch_get_tensor_into", "put_tensor_with_tp_from",
+           "batch_put_tensor_with_tp_from", "get_tensor_with_tp_into", "batch_get_tensor_with_tp_into")
 SIG = re.compile(r"^\s*(?:\d+\. )?(\w+)\(self: [\w.]+(.*)\) -> (.+)$", re.M)
 
 
@@ -266,6 +268,30 @@ def mooncake_more_script(store, master: str, fresh) -> None:
         assert store.save_tensor_to_safetensor("t/p", path) == 0
         loaded = store.load_tensor_from_safetensor(key="t/loaded", file_name=path)
         assert torch.equal(loaded, t * 3) and torch.equal(store.get_tensor("t/loaded"), t * 3)
+    tb = np.zeros(8192, dtype=np.uint8)                  # tensors in a caller's buffer, in Mooncake's layout
+    tb_base = tb.ctypes.data
+    assert store.register_buffer(tb_base, tb.nbytes) == 0
+    got = store.get_tensor_into("t/0", tb_base, 4096)
+    assert torch.equal(got, t) and got.data_ptr() == tb_base + 304            # a view of the caller's buffer
+    assert bytes(tb[:40]).hex() == ("4e4f4f4d0100300100000000020000000000000000000000"     # Mooncake's own bytes
+                                    "30010000000000003000000000000000")
+    assert store.get_tensor_into("t/0", tb_base, 300) is None                 # too small
+    assert store.put_tensor_from("t/from", tb_base, 304 + 48) == 0
+    assert torch.equal(store.get_tensor("t/from"), t)
+    assert store.upsert_tensor_from("t/from", tb_base, 304 + 48) == 0
+    assert store.batch_put_tensor_from(["t/f2", "t/bad"], [tb_base, tb_base + 1], [352, 352]) == [-600, -600]
+    assert store.put_tensor_from("t/bad", tb_base, 100) == -600                # one bad buffer fails the batch
+    assert store.batch_put_tensor_from(["t/f2"], [tb_base], [352]) == [0]
+    assert store.batch_upsert_tensor_from(["t/f2"], [tb_base], [352]) == [0]
+    got = store.batch_get_tensor_into(["t/f2", "t/absent"], [tb_base + 4096, tb_base + 6000], [2000, 2000])
+    assert torch.equal(got[0], t) and [g is None for g in got] == [False, True]
+    assert store.put_tensor_with_tp_from("tp/from", tb_base, 352, 0, 2, 1) == 0          # 4 columns over 2
+    assert torch.equal(store.get_tensor_with_tp_into("tp/from", tb_base + 4096, 2000, 1, 2, 1), t[:, 2:])
+    assert store.put_tensor_with_tp_from("tp/odd", tb_base, 352, 0, 2, 0) == -600        # 3 rows over 2
+    assert store.batch_put_tensor_with_tp_from(["tp/from2"], [tb_base], [352], 0, 3, 0) == [0]   # 3 rows over 3
+    [shard] = store.batch_get_tensor_with_tp_into(["tp/from2"], [tb_base + 4096], [2000], 2, 3)
+    assert torch.equal(shard, t[2:])
+    assert store.unregister_buffer(tb_base) == 0
     assert store.remove_all(True) >= 20
     assert store.close() == 0
     other = fresh()                                     # no local buffer: setup works, the bytes API refuses
