@@ -151,9 +151,9 @@ def _counts(address: str) -> dict:
 
 def failover(n: int = 20_000) -> dict:
     """3 shards, s0 an HA pair: seconds from SIGKILL of s0's leader until s0's keys read again."""
-    from kvplugins.errors import StoreError
-    from kvplugins.store.rpc_client import RawRpcClient, master_client
+    from kvplugins.store.rpc_client import master_client
     from kvplugins.store.shard.cluster import Membership
+    from tests.helpers.shards import leads
     with tempfile.TemporaryDirectory(prefix="kvp-shards-fo-") as d, \
             masters(3, 4 * n * SIZE, Path(d), ha_first=True) as (address, procs, _):
         rpc = master_client(address, 10_000)
@@ -165,16 +165,7 @@ def failover(n: int = 20_000) -> dict:
         mine = [k for k in ks if ring.owner(k) == "s0"][:BATCH]
         others = [k for k in ks if ring.owner(k) != "s0"][:BATCH]
 
-        def leads(p) -> bool:
-            probe = RawRpcClient(p.address, 1000)
-            try:
-                probe.call("info")
-                return True
-            except StoreError:
-                return False
-            finally:
-                probe.close()
-        leader = next(p for p in procs["s0"] if leads(p))
+        leader = next(p for p in procs["s0"] if leads(p.address))
         leader.kill()
         t0, other_worst, other_ok = time.monotonic(), 0.0, True
         while True:

@@ -15,6 +15,7 @@ def run(args) -> int:
     from kvplugins.store.process import stop_on_signals, write_atomic
     from kvplugins.store.config import MasterConfig
     from kvplugins.store.master.rpc_server import RpcServer
+    from kvplugins.store.shard.master import shard_defaults, start_shard
     cfg = shard_defaults(from_args(MasterConfig, args))
     if cfg.etcd:                     # one of several masters; the etcd-elected one serves (store/ha)
         from kvplugins.store.ha.master import serve
@@ -34,23 +35,3 @@ def run(args) -> int:
             shard.stop()
     return 0
 
-
-def shard_defaults(cfg):
-    """An HA shard's etcd prefix defaults to <cluster prefix>/shard/<id> (its pair elects under it)."""
-    import dataclasses
-
-    from kvplugins.store.config import MasterConfig
-    if cfg.shard and cfg.etcd and cfg.etcd_prefix == MasterConfig.etcd_prefix:
-        from kvplugins.store.shard.cluster import parse
-        cfg = dataclasses.replace(cfg, etcd_prefix=f"{parse(cfg.cluster)[1]}/shard/{cfg.shard}")
-    return cfg
-
-
-def start_shard(cfg, address: str):
-    """The started shard role (kvplugins/store/shard/master.py) of a master with --shard, else None."""
-    if not cfg.shard:
-        return None
-    from kvplugins.store.shard.master import ShardMember
-    member = ShardMember(cfg.cluster, cfg.shard, address, cfg.shard_move_window_ms)
-    member.start()
-    return member

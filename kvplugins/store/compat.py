@@ -37,6 +37,7 @@ import weakref
 from kvplugins.errors import BufferNotRegistered, ConfigError, StoreError
 from kvplugins.store import compat_types
 from kvplugins.store.compat_types import ObjectDataType, ReplicateConfig, SoftPinAction  # noqa: F401 - the API
+from kvplugins.store.compat_types import same_length as _same_length
 from kvplugins.store.compat_codes import (INVALID_PARAMS, OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, OK, _guard, _per_key,
                                           code_of, pybind)
 from kvplugins.store.compat_extra import ExtraMethods
@@ -310,11 +311,6 @@ def _copy_out(addr: int, value: bytes, capacity: int) -> int:
 
 def _first_code(errors) -> int:
     return next((code_of(e) for e in errors if e is not None), OK)
-
-
-def _same_length(*lists) -> None:
-    if len({len(x) for x in lists}) != 1:
-        raise ValueError(f"keys, buffer_ptrs and sizes must have the same length, got {[len(x) for x in lists]}")
 
 
 MooncakeDistributedStore.setup.__signature__ = inspect.signature(MooncakeDistributedStore._setup)

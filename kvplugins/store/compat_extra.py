@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError
-from kvplugins.store.compat_codes import OK, _guard, _per_key, code_of, pybind
+from kvplugins.store.compat_codes import OK, _guard, _per_key, code_of, log, pybind
 from kvplugins.store.compat_types import DEFAULT
 
 TENSOR_NAME = "tensor"
@@ -59,7 +59,6 @@ class ExtraMethods:
         if self._client is None:
             return 1
         try:
-            self._client.batch_exists([])
             self._client._rpc.call("info")
         except MasterUnreachable:
             return 2
@@ -348,5 +347,4 @@ def _tensor_or_none(data: bytes):
 
 
 def _log_failure(what: str, err: BaseException) -> None:
-    import logging
-    logging.getLogger("kvplugins.store.compat").warning("%s failed: %s", what, err)
+    log.warning("%s failed: %s", what, err)

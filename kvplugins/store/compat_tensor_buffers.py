@@ -23,7 +23,7 @@ from __future__ import annotations
 import struct
 
 from kvplugins.store.compat_codes import INVALID_PARAMS, _guard, _per_key, pybind
-from kvplugins.store.compat_types import DEFAULT
+from kvplugins.store.compat_types import DEFAULT, same_length
 from kvplugins.transfer.memory import view_of
 
 HEADER_BYTES = 304
@@ -132,7 +132,7 @@ class TensorBufferMethods:
     @pybind
     @_guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
     def batch_get_tensor_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list:
-        _same(keys, buffer_ptrs, sizes)
+        same_length(keys, buffer_ptrs, sizes)
         return [None if t is None else into_buffer(t, p, n)
                 for t, p, n in zip(self.batch_get_tensor(list(keys)), buffer_ptrs, sizes)]
 
@@ -147,7 +147,7 @@ class TensorBufferMethods:
     @_guard(on_error=_per_key)
     def batch_put_tensor_with_tp_from(self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                       tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0) -> list[int]:
-        _same(base_keys, buffer_ptrs, sizes)
+        same_length(base_keys, buffer_ptrs, sizes)
         return [self.put_tensor_with_tp_from(k, p, n, tp_rank, tp_size, split_dim)
                 for k, p, n in zip(base_keys, buffer_ptrs, sizes)]
 
@@ -162,20 +162,16 @@ class TensorBufferMethods:
     @_guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
     def batch_get_tensor_with_tp_into(self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                       tp_rank: I32 = 0, tp_size: I32 = 1) -> list:
-        _same(base_keys, buffer_ptrs, sizes)
+        same_length(base_keys, buffer_ptrs, sizes)
         return [None if t is None else into_buffer(t, p, n) for t, p, n in
                 zip(self.batch_get_tensor_with_tp(list(base_keys), tp_rank, tp_size), buffer_ptrs, sizes)]
 
     def _tensors_from(self, keys, ptrs, sizes, upsert: bool) -> list[int]:
         """One put batch; a buffer that holds no tensor fails the whole batch with INVALID_PARAMS, as Mooncake."""
-        _same(keys, ptrs, sizes)
+        same_length(keys, ptrs, sizes)
         try:
             tensors = [from_buffer(p, n) for p, n in zip(ptrs, sizes)]
         except ValueError:
             return [INVALID_PARAMS] * len(keys)
         return self._put_tensors(list(keys), tensors, DEFAULT, upsert)
 
-
-def _same(*lists) -> None:
-    if len({len(x) for x in lists}) != 1:
-        raise ValueError(f"keys, buffer_ptrs and sizes must have the same length, got {[len(x) for x in lists]}")

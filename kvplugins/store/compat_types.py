@@ -110,6 +110,12 @@ def instance_of(cls):
     return convert
 
 
+def same_length(*lists) -> None:
+    """Raise ValueError (INVALID_PARAMS) unless the parallel argument lists (keys, pointers, sizes) line up."""
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError(f"keys, buffer pointers and sizes must have the same length, got {[len(x) for x in lists]}")
+
+
 def check_call(fn, sig, casts: dict, args: tuple, kwargs: dict):
     """Bind ``args``/``kwargs`` to ``sig`` (the method's signature) and convert each argument named in ``casts``
     (name -> converter). Raises TypeError as pybind11 does for a missing, unknown or mistyped argument."""

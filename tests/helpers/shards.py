@@ -89,6 +89,20 @@ class ShardedStore:
             proc.kill()
 
 
+def leads(address: str) -> bool:
+    """Whether the master at ``address`` serves (an HA standby refuses ops)."""
+    from kvplugins.errors import StoreError
+    from kvplugins.store.rpc_client import RawRpcClient
+    rpc = RawRpcClient(address, 1000)
+    try:
+        rpc.call("info")
+        return True
+    except StoreError:
+        return False
+    finally:
+        rpc.close()
+
+
 @contextlib.contextmanager
 def sharded_store(etcd, shards=("a", "b", "c"), nodes: int = 2, segment_size="24MiB", ha=(), master_flags=None,
                   node_flags=None, prefix: str = "/kvp-test"):

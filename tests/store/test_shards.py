@@ -20,7 +20,7 @@ from kvplugins.store.shard.cluster import Membership
 from kvplugins.store.shard.extents import assign
 from kvplugins.store.shard.ring import Ring
 from tests.helpers.etcd import etcd_server
-from tests.helpers.shards import WINDOW_MS, sharded_store
+from tests.helpers.shards import WINDOW_MS, leads, sharded_store
 
 
 def value(key: str, n: int = 2048) -> bytes:
@@ -196,7 +196,7 @@ def test_sigkill_of_one_ha_shard_leaves_the_others_serving(etcd):
         by = {sid: [k for k in keys if st.ring.owner(k) == sid] for sid in "abc"}
         with StoreClient(ClientConfig(master=s.address, rpc_timeout_ms=6000)) as c:
             assert c.batch_put(keys, [value(k, 512) for k in keys]) == [None] * len(keys)
-            leader = next(p for p in s.masters["b"] if _leads(p))
+            leader = next(p for p in s.masters["b"] if leads(p.address))
             leader.kill()
             t0, others_ok = time.monotonic(), []
             while time.monotonic() - t0 < 30:
@@ -209,13 +209,3 @@ def test_sigkill_of_one_ha_shard_leaves_the_others_serving(etcd):
             assert c.batch_get(by["b"]) == [value(k, 512) for k in by["b"]], "b's standby did not take over"
     assert routed_around < 15
 
-
-def _leads(proc) -> bool:
-    rpc = RawRpcClient(proc.address, 1000)
-    try:
-        rpc.call("info")
-        return True
-    except StoreError:
-        return False
-    finally:
-        rpc.close()

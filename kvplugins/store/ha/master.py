@@ -21,7 +21,7 @@ def serve(cfg) -> int:
     etcd = Etcd(cfg.etcd)
     etcd.get(cfg.etcd_prefix.rstrip("/") + "/leader")          # fail fast with a clear error if etcd is down
     journal = EtcdJournal(etcd, cfg.etcd_prefix)
-    from kvplugins.cli.master import start_shard
+    from kvplugins.store.shard.master import start_shard
     guard = LeaderGuard(cfg, journal, shard=start_shard(cfg, ha_address(cfg)))
     server = RpcServer(cfg, service=guard)
     value = json.dumps({"raw": server.address, "zmq": server.zmq_endpoint, "id": uuid.uuid4().hex}).encode()

@@ -94,13 +94,17 @@ class Membership:
         self.ring_key = f"{self.prefix}/ring"
 
     def read(self) -> ClusterState:
+        return self._read()[0]
+
+    def _read(self) -> tuple[ClusterState, bytes | None]:
+        """(the state, the ring key's raw value: what a change compares against)."""
         raw = self.etcd.get(self.ring_key)
         swept = {k.rsplit("/", 1)[-1]: tuple(json.loads(v).get(n, 0) for n in ("moved", "settled"))
                  for k, v in self.etcd.range_prefix(f"{self.prefix}/swept/")}
         if raw is None:
-            return ClusterState(swept=swept)
+            return ClusterState(swept=swept), None
         d = json.loads(raw)
-        return ClusterState(d["epoch"], d["members"], d["previous"], d["changed_at"], d["window_ms"], swept)
+        return ClusterState(d["epoch"], d["members"], d["previous"], d["changed_at"], d["window_ms"], swept), raw
 
     def report(self, shard: str, moved: int, settled: int) -> None:
         self.etcd.txn([], [put_op(f"{self.prefix}/swept/{shard}",
@@ -129,18 +133,16 @@ class Membership:
         return self._change(change, f"remove shard {shard}", force)
 
     def _change(self, change, what: str, force: bool = False) -> ClusterState:
-        st = self.read()
+        st, raw = self._read()
         new = change(st)
         if new is None:
             return st
         if new.epoch != st.epoch and not force and st.unswept():
             raise StoreError(f"{what}: the move of epoch {st.epoch} is still being swept by "
                              f"{', '.join(st.unswept())}; retry in a few seconds (or --force if that master is dead)")
-        raw = self.etcd.get(self.ring_key)
         cond = ({"key": b64(self.ring_key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
                 if raw is None else self.etcd.value_is(self.ring_key, raw))
-        if raw is not None and json.loads(raw)["epoch"] != st.epoch or \
-                not self.etcd.txn([cond], [put_op(self.ring_key, new.to_json())]):
+        if not self.etcd.txn([cond], [put_op(self.ring_key, new.to_json())]):
             raise StoreError(f"{what}: the membership changed meanwhile; retry")
         return new
 

@@ -134,6 +134,27 @@ class ShardMember:
                     self.state.epoch, ", ".join(sorted(self.state.members)))
 
 
+def shard_defaults(cfg):
+    """``cfg`` (MasterConfig) with an HA shard's etcd prefix defaulted to <cluster prefix>/shard/<id> (its pair
+    elects under it)."""
+    import dataclasses
+
+    from kvplugins.store.config import MasterConfig
+    if cfg.shard and cfg.etcd and cfg.etcd_prefix == MasterConfig.etcd_prefix:
+        from kvplugins.store.shard.cluster import parse
+        cfg = dataclasses.replace(cfg, etcd_prefix=f"{parse(cfg.cluster)[1]}/shard/{cfg.shard}")
+    return cfg
+
+
+def start_shard(cfg, address: str) -> ShardMember | None:
+    """The started shard role of a master with --shard (answering at ``address``), else None."""
+    if not cfg.shard:
+        return None
+    member = ShardMember(cfg.cluster, cfg.shard, address, cfg.shard_move_window_ms)
+    member.start()
+    return member
+
+
 def _subset(opts, idx: list[int]):
     """``opts`` with its per-entry lists (``xxh3``) cut to the entries ``idx``."""
     sums = getattr(opts, "xxh3", None)
