@@ -72,6 +72,7 @@ class StoreClient:
             self._segment_rpc = master_client(self.master, cfg.rpc_timeout_ms)
             self._segment = OwnedSegment(self._engine, cfg.segment_size, self._segment_rpc,
                                          cfg.heartbeat_interval_ms)
+            self._segment_link = _command_link(cfg, self._engine, self._segment, self.master)
 
     # ---- buffers -------------------------------------------------------------------------------------
     def register_buffer(self, mem, length: int | None = None):
@@ -207,6 +208,7 @@ class StoreClient:
         if self._slabs is not None:
             self._slabs.close()
         if self._segment is not None:
+            self._segment_link.close()
             self._segment.close()
             self._segment_rpc.close()
             self._segment = None
@@ -506,3 +508,14 @@ def _raise_first(errors) -> None:
     for e in errors:
         if e is not None:
             raise e
+
+
+def _command_link(cfg: ClientConfig, engine, segment, master: str):
+    """The command link of a client's own segment (a store node's NodeTier, without a disk): replica copy/move
+    tasks whose source is this segment (master/replica_tasks.py) and a drain of it run through it, polled every
+    ``segment_poll_ms``. A drain's end unregisters the segment; the client goes on without one."""
+    from kvplugins.store.config import StoreNodeConfig
+    from kvplugins.store.disk.worker import NodeTier
+    node = StoreNodeConfig(master=master, segment_size=cfg.segment_size, host=cfg.host,
+                           rpc_timeout_ms=cfg.rpc_timeout_ms, disk_poll_ms=cfg.segment_poll_ms, prefault=False)
+    return NodeTier(node, engine, segment, master, on_exit=segment.close)

@@ -43,13 +43,15 @@ from kvplugins.store.compat_codes import (INVALID_PARAMS, OBJECT_HAS_LEASE, OBJE
 from kvplugins.store.compat_extra import ExtraMethods
 from kvplugins.store.compat_replicas import ReplicaMethods
 from kvplugins.store.compat_sessions import SessionMethods
+from kvplugins.store.compat_tasks import QueryTaskResponse, TaskStatus, TaskType  # noqa: F401 - the API
+from kvplugins.store.compat_tasks import TaskMethods
 from kvplugins.store.compat_tensor_buffers import TensorBufferMethods
 from kvplugins.transfer.memory import view_of
 
 log = logging.getLogger(__name__)
 DEFAULT = compat_types.DEFAULT        # a method's default ReplicateConfig (Mooncake's: a default-built one)
 
-class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, TensorBufferMethods):
+class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, TensorBufferMethods, TaskMethods):
     """Mooncake's store client API on a kvplugins StoreClient (thread-safe like it). Call ``setup`` first."""
 
     def __init__(self):

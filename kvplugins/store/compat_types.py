@@ -47,6 +47,14 @@ def i32(name: str, value) -> int:
     return number
 
 
+def uuid_pair(name: str, value) -> tuple[int, int]:
+    """Mooncake's UUID argument: a sequence of exactly two unsigned 64-bit ints (a tuple or a list)."""
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence) or len(value) != 2:
+        raise TypeError(f"{_owner(name)} = {value!r:.80}: needs a task id, a pair of unsigned 64-bit integers "
+                        "(as Mooncake's binding)")
+    return u64(name, value[0]), u64(name, value[1])
+
+
 def boolean(name: str, value) -> bool:
     if value is None:
         return False
@@ -216,7 +224,7 @@ class ReplicateConfig:
 
 
 # Converters of method arguments by annotation (compat.py annotates parameters with these names).
-ARGS = {"str": text, "int": u64, "I32": i32, "bool": boolean, "Buffer": buffer, "list[str]": listed(text, "str"),
+ARGS = {"str": text, "int": u64, "I32": i32, "bool": boolean, "tuple[int, int]": uuid_pair, "Buffer": buffer, "list[str]": listed(text, "str"),
         "list[int]": listed(u64, "int"), "list[Buffer]": listed(buffer, "buffer"),
         "list[list[int]]": listed(listed(u64, "int"), "list of int"),
         "list[list[str]]": listed(listed(text, "str"), "list of str"),

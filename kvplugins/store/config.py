@@ -236,6 +236,9 @@ class ClientConfig:
     rdma_devices: str = field(default="", metadata={
         "help": "RDMA devices of this client's engine, comma list; '' = transfer.rdma_devices (every usable one)"})
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period of the own segment"})
+    segment_poll_ms: int = field(default=200, metadata={
+        "help": "with segment_size: how often the own segment asks the master for commands (replica copy/move "
+                "tasks, drain)"})
     embedded_start_timeout_ms: int = field(default=30000, metadata={"help": "wait for an auto-started `up`"})
     wait_commit: bool = field(default=True, metadata={
         "help": "put waits for put_commit's reply; false pipelines the commit (one round trip less per put, but "
@@ -257,6 +260,8 @@ class ClientConfig:
             raise ConfigError("rpc_timeout_ms and transfer_timeout_ms must be > 0 ms")
         if self.pending_wait_ms < 0:
             raise ConfigError(f"pending_wait_ms={self.pending_wait_ms} must be >= 0 ms")
+        if self.segment_poll_ms <= 0:
+            raise ConfigError(f"segment_poll_ms={self.segment_poll_ms} must be > 0 ms")
 
 
 @component("up")

@@ -36,6 +36,7 @@ ON_DISK = 6       # get: the object is only on a node's disk tier; value tells t
 PENDING = 7       # put_start/put: another writer's put of the key has not committed yet; retry (never "stored")
 WRONG_SHARD = 8   # put_start/put on a sharded store: another shard owns the key; re-read the membership, retry
 UNAVAILABLE = 9   # sharded store (client side): the key's shard did not answer; value names it (a miss for reads)
+NOT_NOW = 10      # task_create: a valid request the store cannot run in its current state (a draining target)
 
 OPS = ("info", "put_start", "put_commit", "put_abort", "reserve", "put", "get", "exists", "exists_prefix", "remove",
        "status", "register_segment", "heartbeat", "unregister", "describe", "report_corrupt")

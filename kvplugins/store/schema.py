@@ -33,6 +33,7 @@ MAX_FILE_KEY = 1 << 16        # keys of files a node announces (its disk tier ch
 MAX_FILES = 1 << 20           # files in one tier_register entry
 MAX_DESC_REGIONS = 1024       # regions in one segment descriptor
 MAX_TRANSPORT_FIELDS = 16     # fields of one transport's endpoint info in a descriptor
+MAX_TARGETS = 64              # target segments of one replica copy task
 MAX_NICS = 16                 # RDMA NICs one descriptor lists (endpoint lists, rkeys per region)
 
 U64 = Annotated[int, Meta(ge=0)]          # msgpack carries at most 2**64 - 1
@@ -151,6 +152,9 @@ def _op_types(key, batch) -> dict:
         "tier_done": (batch(tuple[Literal["offload", "migrate", "evicted", "corrupt", "missing"], key, bool,
                                   Detail]), SegmentOpts),
         "promote_start": (keys, SegmentOpts),
+        "task_create": (batch(tuple[Literal["copy", "move"], key, Name,
+                                    Annotated[list[SegName], Meta(max_length=MAX_TARGETS)]]), NoOpts),
+        "task_query": (batch(tuple[U64, U64]), NoOpts),
         "promote_commit": (batch(tuple[key, bool, Union[Annotated[str, Meta(max_length=MAX_DETAIL)], None]]),
                            SegmentOpts),
     }
@@ -160,7 +164,7 @@ def _op_types(key, batch) -> dict:
 # None = the entries are the keys, an int = that item of each entry; ops absent here carry no keys.
 _KEY_AT = {"put_start": 0, "put": 0, "put_commit": None, "put_abort": None, "get": None, "exists": None,
            "exists_prefix": None, "remove": None, "get_size": None, "remove_checked": None, "report_corrupt": 0,
-           "tier_done": 1, "promote_start": None, "promote_commit": 0}
+           "tier_done": 1, "promote_start": None, "promote_commit": 0, "task_create": 1}
 
 
 class Schemas:

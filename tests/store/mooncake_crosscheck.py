@@ -61,6 +61,8 @@ def main() -> None:
         test_compat.mooncake_style_script(_Localhost(MooncakeDistributedStore()), MASTER)
         test_compat.mooncake_more_script(_Localhost(MooncakeDistributedStore()), MASTER,
                                          lambda: _Localhost(MooncakeDistributedStore()))
+        import test_compat_tasks
+        test_compat_tasks.mooncake_tasks_script(_Localhost(MooncakeDistributedStore()), MASTER, ReplicateConfig)
         print("SCRIPT OK", flush=True)
     finally:
         for p in procs:

@@ -25,7 +25,8 @@ METHODS = ("setup", "close", "put", "get", "put_batch", "get_batch", "put_from",
            "get_replica_desc", "batch_get_replica_desc", "batch_replica_clear", "put_from_with_metadata",
            "get_into_ranges", "put_tensor_from", "batch_put_tensor_from", "upsert_tensor_from",
            "batch_upsert_tensor_from", "get_tensor_into", "batch_get_tensor_into", "put_tensor_with_tp_from",
-           "batch_put_tensor_with_tp_from", "get_tensor_with_tp_into", "batch_get_tensor_with_tp_into")
+           "batch_put_tensor_with_tp_from", "get_tensor_with_tp_into", "batch_get_tensor_with_tp_into",
+           "create_copy_task", "create_move_task", "query_task")
 SIG = re.compile(r"^\s*(?:\d+\. )?(\w+)\(self: [\w.]+(.*)\) -> (.+)$", re.M)
 
 
@@ -33,7 +34,7 @@ def mooncake_signature(fn) -> tuple[list[tuple[str, str | None]], str]:
     """([(param name, default text or None)], return type) from a pybind docstring (first overload)."""
     name, params, ret = SIG.findall(fn.__doc__)[0]
     out = []
-    for p in filter(None, (x.strip() for x in params.split(", "))):
+    for p in filter(None, (x.strip() for x in re.split(r", (?![^\[]*\])", params))):    # not inside [...]
         head, _, default = p.partition(" = ")
         out.append((head.split(":")[0], default or None))
     return out, ret.strip()
@@ -413,11 +414,12 @@ def test_same_script_gives_the_same_codes_on_real_mooncake():
 
 # One valid value and the refused ones per annotation: a call with one refused argument (the others valid) must
 # raise TypeError on Mooncake's binding (before any C++ runs, so no setup is needed) and on ours (issue #19).
-GOOD = {"str": "k", "int": 64, "I32": 1, "bool": False, "list[str]": ["k"], "list[int]": [64],
+GOOD = {"str": "k", "int": 64, "tuple[int, int]": (1, 2), "I32": 1, "bool": False, "list[str]": ["k"], "list[int]": [64],
         "list[list[int]]": [[64]], "list[list[str]]": [["k"]], "list[list[list[int]]]": [[[64]]], "Buffer": b"v",
         "list[Buffer]": [b"v"], "ReplicateConfig": None, "object": None,
         "list": []}
-BAD = {"str": [1, None, 1.5], "int": ["1", 1.5, -1, None], "I32": ["1", 1.5, None, 1 << 40],
+BAD = {"tuple[int, int]": [(1,), (1, 2, 3), ("a", 2), (-1, 2), (1.5, 2), None, "x", (1 << 64, 1)],
+       "str": [1, None, 1.5], "int": ["1", 1.5, -1, None], "I32": ["1", 1.5, None, 1 << 40],
        "bool": ["yes", [1]], "list[str]": ["ab", [1], None], "list[int]": ["ab", [1.5], [-1]],
        "list[list[int]]": [[1], ["ab"], [[-1]]], "Buffer": ["str", 1, None], "list[Buffer]": [["str"], "ab"],
        "list[list[str]]": [["k"], [[1]]], "list[list[list[int]]]": [[[1]], [[[-1]]]], "ReplicateConfig": [None, 1]}

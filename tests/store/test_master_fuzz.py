@@ -47,6 +47,7 @@ TEMPLATES = {
     "tier_done": ([["offload", "fz/a", True, 5]], {"segment": NOSEG}),
     "promote_start": (["fz/a"], {"segment": NOSEG}),
     "promote_commit": ([["fz/a", True, None]], {"segment": NOSEG}),
+    "task_create": ([["copy", "fz/a", "", [NOSEG]]], {}), "task_query": ([[1, 2]], {}),
 }
 
 

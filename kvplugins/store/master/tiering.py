@@ -20,6 +20,7 @@ from __future__ import annotations
 from itertools import islice
 
 from kvplugins.store.master import drain
+from kvplugins.store.master.replica_tasks import ReplicaTasks
 from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, POLL_BATCH, Copy, DiskNode, Flight, \
     raw_allocator
 from kvplugins.store.protocol import EXISTS, NOT_FOUND, OK, ON_DISK, STORE_FULL
@@ -39,6 +40,7 @@ class Tiering:
         self.flights: dict[str, Flight] = {}        # key -> the copy in flight
         self.disk_bytes = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.tasks = ReplicaTasks(self)             # replica copy/move tasks (master/replica_tasks.py)
 
     # ---- hooks the service calls ---------------------------------------------------------------------
     def evict(self, obj, now: float, urgent: bool) -> bool:
@@ -98,7 +100,8 @@ class Tiering:
         """Extra RPC ops: name -> fn(entries, opts, now)."""
         return {"tier_register": self.op_tier_register, "tier_poll": self.op_tier_poll,
                 "tier_done": self.op_tier_done, "promote_start": self.op_promote_start,
-                "promote_commit": self.op_promote_commit, "drain": self.op_drain}
+                "promote_commit": self.op_promote_commit, "drain": self.op_drain,
+                "task_create": self.tasks.op_task_create, "task_query": self.tasks.op_task_query}
 
     def tick(self, now: float) -> None:
         """Called on every master sweep: forget nodes whose segment left, abandon flights past their deadline."""
@@ -106,6 +109,7 @@ class Tiering:
             self.lose_node(name, now)
         for key in [k for k, f in self.flights.items() if f.deadline <= now]:
             self.end_flight(key, now, free_dest_at=now + self.service.cfg.put_timeout_ms / 1000)
+        self.tasks.tick(now)
 
     def status(self) -> dict:
         """Merged into the ``status`` op's answer."""
@@ -266,7 +270,12 @@ class Tiering:
             if kind == "offload":
                 self._offloaded(key, segment, ok, detail, now)
             elif kind == "migrate":
-                drain.migrated(self, key, segment, ok, detail, now)
+                f = self._current(key, "migrate", segment)
+                task = self.tasks.owns(f) if f is not None else None
+                if task is not None:
+                    self.tasks.migrated(task, ok, detail, now)
+                else:
+                    drain.migrated(self, key, segment, ok, detail, now)
             elif kind in ("evicted", "corrupt"):
                 self.file_lost(key, segment, kind, now)
         return [[OK, None] for _ in entries]

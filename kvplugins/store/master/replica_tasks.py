@@ -1,0 +1,206 @@
+"""Replica copy and move tasks: the master side of Mooncake 0.3.13's ``create_copy_task`` / ``create_move_task`` /
+``query_task`` (semantics of its MasterService::CreateCopyTask/CreateMoveTask/QueryTask and Client::Copy/Move,
+mooncake-store/src/master_service.cpp and client_service.cpp, read at upstream HEAD 3b5a594; not code).
+
+Lifecycle of one task, in call order:
+  ``task_create`` [[kind, key, source, targets]] validates as Mooncake does and answers [OK, task id] at once
+  (the id is Mooncake's UUID: two unsigned 64-bit ints). A copy picks a source replica (one held by a process
+  with a command link, see below); a move names it. The task is PENDING.
+  ``advance`` (on create, each poll and each sweep) takes the next target: a target that already holds a replica
+  is skipped (Mooncake: success); otherwise space is allocated on that target segment like a put, and the
+  source's process gets a ``migrate`` command (the drain's: it writes the bytes through the transfer core,
+  disk/worker.py) and the task is PROCESSING. One flight per key: a task waits while another flight (offload,
+  drain) of its key runs.
+  ``migrated`` (the node's ``tier_done``): a copy adds the new replica; a move switches the source replica to the
+  target (the old bytes are freed when the last reader's lease ends, as a drain does). After the last target
+  the task is SUCCESS; a failed write, a lost flight (timeout, the object removed, a segment gone) or a target
+  with no room makes it FAILED with the reason in ``message``.
+  ``task_query`` [[hi, lo]] answers [OK, [hi, lo, type, status, created ms, updated ms, assigned segment,
+  message]] or [NOT_FOUND, None] (Mooncake: TASK_NOT_FOUND). Finished tasks are kept for FINISHED_KEPT tasks.
+
+Who copies: Mooncake hands the task to the client that owns the source segment; here the process behind the
+source segment runs it: a `kvplugins store` node, or a client that contributes a segment (both run a NodeTier
+command link). Task records live in the master's memory only: an HA failover forgets them (query answers
+NOT_FOUND), the replicas already switched stay.
+"""
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, INF, Flight, Frozen
+from kvplugins.store.protocol import NOT_NOW, INVALID, NOT_FOUND, OK
+
+FINISHED_KEPT = 10_000         # finished tasks a master remembers for task_query (oldest forgotten first)
+KINDS = {"copy": "REPLICA_COPY", "move": "REPLICA_MOVE"}
+
+
+@dataclass
+class Task:
+    id: tuple[int, int]
+    kind: str                  # "copy" | "move"
+    key: str
+    obj: object                # metadata.Object the task was created for (dead once the key leaves the table)
+    source: str                # segment whose process writes the bytes
+    targets: list[str]         # targets not yet done, in order
+    status: str = "PENDING"    # PENDING | PROCESSING | SUCCESS | FAILED (Mooncake's TaskStatus names)
+    created_ms: int = field(default_factory=lambda: _wall_ms())
+    updated_ms: int = 0
+    message: str = ""
+    flight: Flight | None = None
+
+    def row(self) -> list:
+        return [*self.id, KINDS[self.kind], self.status, self.created_ms, self.updated_ms or self.created_ms,
+                self.source, self.message]
+
+
+class ReplicaTasks:
+    """The master's copy/move tasks; Tiering owns one (``tier.tasks``) and calls advance/migrated/tick."""
+
+    def __init__(self, tier):
+        self.tier = tier
+        self.active: dict[tuple[int, int], Task] = {}
+        self.finished: OrderedDict[tuple[int, int], Task] = OrderedDict()
+
+    # ---- ops -----------------------------------------------------------------------------------------
+    def op_task_create(self, entries, opts, now):
+        out = []
+        for kind, key, source, targets in entries:
+            checked = self._check(kind, key, source, list(targets))
+            if isinstance(checked, list):
+                out.append(checked)
+                continue
+            obj, source = checked
+            u = uuid.uuid4().int
+            task = Task((u >> 64, u & (2 ** 64 - 1)), kind, key, obj, source, list(dict.fromkeys(targets)))
+            self.active[task.id] = task
+            self.advance(task, now)
+            out.append([OK, list(task.id)])
+        return out
+
+    def op_task_query(self, entries, opts, now):
+        out = []
+        for hi, lo in entries:
+            task = self.active.get((hi, lo)) or self.finished.get((hi, lo))
+            out.append([OK, task.row()] if task else [NOT_FOUND, None])
+        return out
+
+    def _check(self, kind: str, key: str, source: str, targets: list[str]):
+        """(object, source segment) of a valid request, else its answer [code, reason] (Mooncake's checks, in its
+        order: INVALID ~ INVALID_PARAMS, NOT_FOUND ~ OBJECT_NOT_FOUND, NOT_NOW ~ UNAVAILABLE_IN_CURRENT_STATUS)."""
+        svc = self.tier.service
+        if not targets:
+            return [INVALID, "no target segment given"]
+        obj = svc.table.get(key)
+        if obj is None or not obj.complete:
+            return [NOT_FOUND, f"{key} is not stored"]
+        if kind == "move" and source == targets[0]:
+            return [INVALID, f"source and target are the same segment {source}"]
+        for name in targets:
+            seg = svc.segments.get(name)
+            if seg is None:
+                return [INVALID, f"target {name} is not a registered segment; see `kvplugins status`"]
+            if isinstance(seg.allocator, Frozen):
+                return [NOT_NOW, f"target {name} is draining"]
+        held = [n for n, _ in obj.replicas]
+        if kind == "move":
+            if source not in held:
+                return [INVALID, f"{key} has no replica on {source} (its replicas: {held})"]
+            runnable = [source] if source in self.tier.nodes else []
+        else:
+            runnable = [n for n in held if n in self.tier.nodes]
+        if not runnable:
+            return [NOT_NOW, f"no replica of {key} is on a segment with a command link ({held}): its process "
+                    "is not a `kvplugins store` node or a client contributing a segment"]
+        return obj, random.choice(runnable)
+
+    # ---- progress ------------------------------------------------------------------------------------
+    def advance(self, task: Task, now: float) -> None:
+        """Start the task's next target, or finish it. Called with no flight of the task in the air."""
+        svc, tier = self.tier.service, self.tier
+        while task.targets:
+            if svc.table.get(task.key) != task.obj:
+                return self._finish(task, "FAILED", f"{task.key} was removed")
+            held = {n for n, _ in task.obj.replicas}
+            if task.source not in held or task.source not in tier.nodes:
+                return self._finish(task, "FAILED", f"the source replica on {task.source} is gone")
+            target = task.targets[0]
+            if target in held:                       # Mooncake: the target already has it, success
+                task.targets.pop(0)
+                if task.kind == "move":
+                    self._drop_source(task, now)
+                continue
+            if task.key in tier.flights:              # an offload or drain of the key: wait for it
+                return
+            seg = svc.segments.get(target)
+            if seg is None:
+                return self._finish(task, "FAILED", f"target {target} left the pool")
+            return self._start(task, seg, now)
+        self._finish(task, "SUCCESS", "")
+
+    def _start(self, task: Task, seg, now: float) -> None:
+        svc, obj = self.tier.service, task.obj
+        lease, obj.lease_until = obj.lease_until, INF  # on-demand eviction must not pick obj itself
+        placed = svc._place(obj.size, 1, now, [seg], seg.size)
+        obj.lease_until = lease
+        if not isinstance(placed, list):
+            return self._finish(task, "FAILED", f"no room on {seg.name}: {placed}")
+        dest, off = placed[0]
+        src = dict(obj.replicas)[task.source]
+        task.flight = Flight("migrate", obj, task.source, now + FLIGHT_TIMEOUT_S, dest=(dest, off))
+        self.tier.flights[task.key] = task.flight
+        self.tier.nodes[task.source].queue.append(["migrate", task.key, obj.size, src, dest.name, dest.region_id,
+                                                   off])
+        task.status, task.updated_ms = "PROCESSING", _wall_ms()
+
+    def owns(self, flight) -> Task | None:
+        return next((t for t in self.active.values() if t.flight is flight), None)
+
+    def migrated(self, task: Task, ok: bool, detail, now: float) -> None:
+        """The source's process reported the write of the task's current target."""
+        tier, svc, obj = self.tier, self.tier.service, task.obj
+        flight, task.flight = task.flight, None
+        dest, off = flight.dest
+        if not ok or svc.segments.get(dest.name) is not dest:
+            tier.end_flight(task.key, now, free_dest_at=now)
+            return self._finish(task, "FAILED", f"writing to {dest.name} failed: {detail}")
+        tier.flights.pop(task.key)
+        obj.replicas = obj.replicas + [(dest.name, off)]
+        task.targets.pop(0)
+        if task.kind == "move":
+            self._drop_source(task, now)
+        svc.journal.replicas_changed([obj])
+        self.advance(task, now)
+
+    def _drop_source(self, task: Task, now: float) -> None:
+        svc, obj = self.tier.service, task.obj
+        old = [(svc.segments.get(n), o) for n, o in obj.replicas if n == task.source]
+        obj.replicas = [(n, o) for n, o in obj.replicas if n != task.source]
+        self.tier.free_at(old, max(now, obj.lease_until), now)   # readers that got the old location keep it
+        svc.journal.replicas_changed([obj])
+
+    def tick(self, now: float) -> None:
+        """A task whose flight was ended by someone else (timeout, removal, segment loss) fails; a waiting one is
+        retried."""
+        for task in list(self.active.values()):
+            if task.flight is not None and self.tier.flights.get(task.key) is not task.flight:
+                task.flight = None
+                self._finish(task, "FAILED", f"the write to {task.targets[0]} did not complete (timed out, the "
+                             "object was removed or a segment left)")
+            elif task.flight is None:
+                self.advance(task, now)
+
+    def _finish(self, task: Task, status: str, message: str) -> None:
+        task.status, task.message, task.updated_ms = status, message, _wall_ms()
+        self.active.pop(task.id, None)
+        self.finished[task.id] = task
+        task.obj = None
+        while len(self.finished) > FINISHED_KEPT:
+            self.finished.popitem(last=False)
+
+
+def _wall_ms() -> int:
+    return int(time.time() * 1000)
