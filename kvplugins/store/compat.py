@@ -42,6 +42,8 @@ from kvplugins.store.compat_codes import (INVALID_PARAMS, OBJECT_HAS_LEASE, OBJE
                                           code_of, pybind)
 from kvplugins.store.compat_extra import ExtraMethods
 from kvplugins.store.compat_replicas import ReplicaMethods
+from kvplugins.store.compat_parallel import ParallelMethods
+from kvplugins.store.compat_parallel_types import ParallelAxis, ReadTarget, TensorParallelism  # noqa: F401 - the API
 from kvplugins.store.compat_sessions import SessionMethods
 from kvplugins.store.compat_tasks import QueryTaskResponse, TaskStatus, TaskType  # noqa: F401 - the API
 from kvplugins.store.compat_tasks import TaskMethods
@@ -51,7 +53,8 @@ from kvplugins.transfer.memory import view_of
 log = logging.getLogger(__name__)
 DEFAULT = compat_types.DEFAULT        # a method's default ReplicateConfig (Mooncake's: a default-built one)
 
-class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, TensorBufferMethods, TaskMethods):
+class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, TensorBufferMethods, TaskMethods,
+                               ParallelMethods):
     """Mooncake's store client API on a kvplugins StoreClient (thread-safe like it). Call ``setup`` first."""
 
     def __init__(self):

@@ -10,6 +10,8 @@ Signatures follow the wheel's pybind docstrings (tests/store/test_compat.py comp
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError
@@ -17,6 +19,7 @@ from kvplugins.store.compat_codes import OK, _guard, _per_key, code_of, log, pyb
 from kvplugins.store.compat_types import DEFAULT
 
 TENSOR_NAME = "tensor"
+SHARD_META = "mooncake_shard"     # safetensors metadata entry of a parallel tensor's shard (_tensor_bytes)
 _MISSING = object()
 
 
@@ -273,12 +276,13 @@ class ExtraMethods:
         """Per base key 0 or the first negative code of its shards (one put batch for every shard)."""
         if tp_size <= 1:
             return self._put_tensors(base_keys, tensors_list, config, upsert=False)
-        keys, shards = [], []
+        keys, shards, metas = [], [], []
         for key, tensor in zip(base_keys, tensors_list):
             for i, shard in enumerate(_tp_shards(tensor, tp_size, split_dim)):
                 keys.append(_tp_key(key, i))
                 shards.append(shard)
-        codes = self._put_tensors(keys, shards, config, upsert=False)
+                metas.append({"g": list(tensor.shape), "axes": [["tp", i, tp_size, split_dim % tensor.dim(), 0]]})
+        codes = self._put_tensors(keys, shards, config, upsert=False, metas=metas)
         return [next((c for c in codes[j * tp_size:(j + 1) * tp_size] if c != OK), OK) for j in range(len(base_keys))]
 
     @pybind
@@ -291,9 +295,10 @@ class ExtraMethods:
     def batch_get_tensor_with_tp(self, base_keys: list[str], tp_rank: I32 = 0, tp_size: I32 = 1) -> list:
         return self.batch_get_tensor(list(base_keys) if tp_size <= 1 else [_tp_key(k, tp_rank) for k in base_keys])
 
-    def _put_tensors(self, keys, tensors, config, upsert: bool) -> list[int]:
-        blobs = [_tensor_bytes(t) for t in tensors]
-        if len(blobs) != len(keys):
+    def _put_tensors(self, keys, tensors, config, upsert: bool, metas=None) -> list[int]:
+        """One put batch of tensors; ``metas``: per tensor its shard description or None (tensor_bytes)."""
+        blobs = [_tensor_bytes(t, m) for t, m in zip(tensors, metas or [None] * len(tensors))]
+        if len(blobs) != len(keys) or len(tensors) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(blobs)} tensors")
         if upsert:
             self._replaceable(keys)
@@ -328,22 +333,34 @@ def _spans(keys, ptrs, sizes) -> list[list[tuple[int, int]]]:
     return [list(zip(p, n)) for p, n in zip(ptrs, sizes)]
 
 
-def _tensor_bytes(tensor) -> bytes:
-    """A torch tensor as safetensors bytes. Raises ValueError for anything else (INVALID_PARAMS)."""
+def _tensor_bytes(tensor, meta: dict | None = None) -> bytes:
+    """A torch tensor as safetensors bytes; ``meta``: the shard description of a parallel tensor's shard
+    ({"g": global shape, "axes": [[kind, rank, size, split_dim or -1, expert/stage id or 0], ...]}, caller order),
+    kept in the safetensors metadata. Raises ValueError for anything but a tensor (INVALID_PARAMS)."""
     import torch
     from safetensors.torch import save
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{type(tensor).__name__} is not a torch.Tensor")
-    return save({TENSOR_NAME: tensor.detach().to("cpu").contiguous()})
+    return save({TENSOR_NAME: tensor.detach().to("cpu").contiguous()},
+                metadata={SHARD_META: json.dumps(meta)} if meta else None)
 
 
 def _tensor_or_none(data: bytes):
+    return _tensor_and_meta(data)[0]
+
+
+def _tensor_and_meta(data) -> tuple:
+    """(tensor, shard description or None) of stored tensor bytes; (None, None) for bytes that are not one."""
     from safetensors.torch import load
     try:
-        return load(bytes(data)).get(TENSOR_NAME)
+        data = bytes(data)
+        tensor = load(data).get(TENSOR_NAME)
+        n = int.from_bytes(data[:8], "little")          # safetensors: u64 header length, then the JSON header
+        meta = json.loads(data[8:8 + n]).get("__metadata__", {}).get(SHARD_META)
+        return tensor, None if meta is None else json.loads(meta)
     except Exception as e:  # noqa: BLE001 - bytes that are not a stored tensor: a miss, as Mooncake's None
         _log_failure("get_tensor", e)
-        return None
+        return None, None
 
 
 def _log_failure(what: str, err: BaseException) -> None:

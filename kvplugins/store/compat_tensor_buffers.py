@@ -9,12 +9,12 @@ upsert and TP variants), a mixin of compat.MooncakeDistributedStore, and the buf
     6       2     header size 304
     8       4     dtype (MOONCAKE_DTYPES order: float32 = 0 ... float8_e5m2 = 14)
     12      4     ndim (<= 8)
-    16      8     flags (0; 1 for a tensor-parallel shard)
+    16      8     layout (0 a whole tensor; 1 a shard of a parallel tensor)
     24      8     data offset (304)
     32      8     data bytes
     40      64    global shape: 8 x int64, -1 past ndim
-    104     64    local shape: the same (the shard's own shape for a TP shard)
-    168     136   shard description (zeros for a whole tensor)
+    104     64    local shape: the same (the shard's own shape for a shard)
+    168     136   shard description (zeros for a whole tensor): axis count, 0, then 32 bytes per axis (_axis_block)
 
 The store itself keeps tensors as safetensors bytes; this layout exists only in the caller's buffers.
 """
@@ -32,20 +32,43 @@ MAX_DIMS = 8
 MOONCAKE_DTYPES = ("float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
                    "bool", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 _FIXED = struct.Struct("<4sHHIiQQQ")
+_AXIS = struct.Struct("<iiiiiiq")
+AXIS_KINDS = ("dp", "tp", "ep", "pp")
 
 
-def header(tensor) -> bytes:
-    """The 304-byte header of a whole (contiguous) tensor. Raises ValueError for a dtype Mooncake lacks or too
-    many dimensions."""
-    name = str(tensor.dtype).removeprefix("torch.")
-    if name not in MOONCAKE_DTYPES or tensor.dim() > MAX_DIMS:
-        raise ValueError(f"a {name} tensor of {tensor.dim()} dimensions has no Mooncake tensor layout "
-                         f"(dtypes: {', '.join(MOONCAKE_DTYPES)}; at most {MAX_DIMS} dimensions)")
-    dims = list(tensor.shape) + [-1] * (MAX_DIMS - tensor.dim())
-    shape = struct.pack(f"<{MAX_DIMS}q", *dims)
-    fixed = _FIXED.pack(MAGIC, 1, HEADER_BYTES, MOONCAKE_DTYPES.index(name), tensor.dim(), 0, HEADER_BYTES,
+def header(tensor, meta: dict | None = None) -> bytes:
+    """The 304-byte header of a (contiguous) tensor: a whole one (layout 0), or with ``meta`` (a shard's
+    description, compat_extra._tensor_bytes) a shard (layout 1: the global shape, then the axis block). Raises
+    ValueError for a dtype Mooncake lacks or too many dimensions."""
+    code = dtype_code(tensor.dtype)
+    if tensor.dim() > MAX_DIMS:
+        raise ValueError(f"a tensor of {tensor.dim()} dimensions has no Mooncake tensor layout (at most {MAX_DIMS})")
+    local = _shape(tensor.shape)
+    fixed = _FIXED.pack(MAGIC, 1, HEADER_BYTES, code, tensor.dim(), 1 if meta else 0, HEADER_BYTES,
                         tensor.numel() * tensor.element_size())
-    return fixed + shape + shape + bytes(HEADER_BYTES - len(fixed) - 2 * len(shape))
+    head = fixed + (_shape(meta["g"]) + local + _axis_block(meta["axes"], tensor.shape) if meta else local + local)
+    return head + bytes(HEADER_BYTES - len(head))
+
+
+def dtype_code(dtype) -> int:
+    """Mooncake's code of a torch dtype. Raises ValueError for one it lacks."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in MOONCAKE_DTYPES:
+        raise ValueError(f"{name} has no Mooncake tensor layout (dtypes: {', '.join(MOONCAKE_DTYPES)})")
+    return MOONCAKE_DTYPES.index(name)
+
+
+def _shape(dims) -> bytes:
+    return struct.pack(f"<{MAX_DIMS}q", *(list(dims) + [-1] * (MAX_DIMS - len(dims))))
+
+
+def _axis_block(axes, local) -> bytes:
+    """At 168: axis count, 0, then per axis (caller order) kind code (DP 0, TP 1, EP 2, PP 3), its index, rank,
+    size, split_dim (-1: none), expert/stage id, the local extent of split_dim (0: none)."""
+    out = struct.pack("<II", len(axes), 0)
+    for i, (kind, rank, size, sd, extra) in enumerate(axes):
+        out += _AXIS.pack(AXIS_KINDS.index(kind), i, rank, size, sd, extra, local[sd] if sd >= 0 else 0)
+    return out
 
 
 def parse(buf: memoryview):
@@ -81,12 +104,12 @@ def from_buffer(ptr: int, size: int):
     return torch.frombuffer(buf[offset:offset + nbytes], dtype=dtype).reshape(shape)
 
 
-def into_buffer(tensor, ptr: int, size: int):
-    """Write ``tensor`` into the buffer at ``ptr`` in Mooncake's layout; returns a tensor viewing its data there,
-    or None when it does not fit in ``size`` bytes (or has no Mooncake dtype)."""
+def into_buffer(tensor, ptr: int, size: int, meta: dict | None = None):
+    """Write ``tensor`` into the buffer at ``ptr`` in Mooncake's layout (``meta``: as header); returns a tensor
+    viewing its data there, or None when it does not fit in ``size`` bytes (or has no Mooncake dtype)."""
     import torch
     try:
-        head = header(tensor)
+        head = header(tensor, meta)
     except ValueError:
         return None
     data = tensor.contiguous().view(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
@@ -101,7 +124,7 @@ def into_buffer(tensor, ptr: int, size: int):
 
 
 class TensorBufferMethods:
-    """Mixed into MooncakeDistributedStore (``_put_tensors``, ``batch_get_tensor``, the TP methods)."""
+    """Mixed into MooncakeDistributedStore (``_put_tensors``, ``batch_get_tensor``, the TP methods, ``_get``)."""
 
     @pybind
     def put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
@@ -154,17 +177,17 @@ class TensorBufferMethods:
     @pybind
     def get_tensor_with_tp_into(self, key: str, buffer_ptr: int, size: int, tp_rank: I32 = 0, tp_size: I32 = 1,
                                 split_dim: I32 = 0) -> object:
-        """Shard ``tp_rank`` (get_tensor_with_tp) written into the buffer; a tensor viewing it, or None."""
-        t = self.get_tensor_with_tp(key, tp_rank, tp_size, split_dim)
-        return None if t is None else into_buffer(t, buffer_ptr, size)
+        """Shard ``tp_rank`` (get_tensor_with_tp) written into the buffer, its header describing the shard; a
+        tensor viewing it, or None."""
+        return self.batch_get_tensor_with_tp_into([key], [buffer_ptr], [size], tp_rank, tp_size)[0]
 
     @pybind
     @_guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
     def batch_get_tensor_with_tp_into(self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                       tp_rank: I32 = 0, tp_size: I32 = 1) -> list:
         same_length(base_keys, buffer_ptrs, sizes)
-        return [None if t is None else into_buffer(t, p, n) for t, p, n in
-                zip(self.batch_get_tensor_with_tp(list(base_keys), tp_rank, tp_size), buffer_ptrs, sizes)]
+        found = [self._get(k if tp_size <= 1 else f"{k}_tp_{tp_rank}") for k in base_keys]   # compat_parallel
+        return [None if t is None else into_buffer(t, p, n, meta) for (t, meta), p, n in zip(found, buffer_ptrs, sizes)]
 
     def _tensors_from(self, keys, ptrs, sizes, upsert: bool) -> list[int]:
         """One put batch; a buffer that holds no tensor fails the whole batch with INVALID_PARAMS, as Mooncake."""

@@ -13,10 +13,12 @@ SHIM = Shim("mooncake", "mooncake", "mooncake-transfer-engine",
 """mooncake.store served by kvplugins.store.compat (docs/store.md, Mooncake-compatible API)."""
 from kvplugins.store.compat import MooncakeDistributedStore, ObjectDataType, ReplicateConfig, SoftPinAction
 from kvplugins.store.compat_extra import BufferHandle
+from kvplugins.store.compat_parallel_types import ParallelAxis, ReadTarget, TensorParallelism
 from kvplugins.store.compat_replicas import ReplicaStatus
 from kvplugins.store.compat_tasks import QueryTaskResponse, TaskStatus, TaskType
 
-__all__ = ["BufferHandle", "MooncakeDistributedStore", "ObjectDataType", "QueryTaskResponse", "ReplicaStatus",
-           "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType"]
+__all__ = ["BufferHandle", "MooncakeDistributedStore", "ObjectDataType", "ParallelAxis", "QueryTaskResponse",
+           "ReadTarget", "ReplicaStatus", "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType",
+           "TensorParallelism"]
 ''')))
 enable, disable, status = SHIM.enable, SHIM.disable, SHIM.status

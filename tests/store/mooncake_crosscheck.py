@@ -63,6 +63,9 @@ def main() -> None:
                                          lambda: _Localhost(MooncakeDistributedStore()))
         import test_compat_tasks
         test_compat_tasks.mooncake_tasks_script(_Localhost(MooncakeDistributedStore()), MASTER, ReplicateConfig)
+        import mooncake.store
+        import test_compat_parallel
+        test_compat_parallel.mooncake_parallel_script(_Localhost(MooncakeDistributedStore()), MASTER, mooncake.store)
         print("SCRIPT OK", flush=True)
     finally:
         for p in procs:

@@ -26,7 +26,12 @@ METHODS = ("setup", "close", "put", "get", "put_batch", "get_batch", "put_from",
            "get_into_ranges", "put_tensor_from", "batch_put_tensor_from", "upsert_tensor_from",
            "batch_upsert_tensor_from", "get_tensor_into", "batch_get_tensor_into", "put_tensor_with_tp_from",
            "batch_put_tensor_with_tp_from", "get_tensor_with_tp_into", "batch_get_tensor_with_tp_into",
-           "create_copy_task", "create_move_task", "query_task")
+           "create_copy_task", "create_move_task", "query_task", "put_tensor_with_parallelism",
+           "put_tensor_with_parallelism_from", "batch_put_tensor_with_parallelism",
+           "batch_put_tensor_with_parallelism_from", "upsert_tensor_with_parallelism",
+           "upsert_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism",
+           "batch_upsert_tensor_with_parallelism_from", "get_tensor_with_parallelism", "get_tensor_with_parallelism_into",
+           "batch_get_tensor_with_parallelism", "batch_get_tensor_with_parallelism_into")
 SIG = re.compile(r"^\s*(?:\d+\. )?(\w+)\(self: [\w.]+(.*)\) -> (.+)$", re.M)
 
 
