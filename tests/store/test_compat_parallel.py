@@ -122,6 +122,13 @@ def mooncake_parallel_script(store, master: str, mc=compat) -> None:
     assert store.batch_upsert_tensor_with_parallelism_from(["rf3", "rf4"], [base, base], [len(blob)] * 2,
                                                            [par(ax("dp", 1, 2)), par(ax("tp", 3, 2, 0))]) == [0, -600]
     assert exist("rf3__dp_1of2") == [1]
+    assert store.batch_put_tensor_with_parallelism_from(["rf5"], [base], [len(blob)],
+                                                        writer_partitions=[SimpleNamespace(rank=1, size=2, split_dim=0)]) == [0]
+    assert exist("rf5__writer_1of2_sd0", "rf5__writer_manifest") == [1, 1]
+    blob2 = header(T + 1) + (T + 1).numpy().tobytes()
+    buf[4096:4096 + len(blob2)] = np.frombuffer(blob2, np.uint8)
+    assert store.upsert_tensor_with_parallelism_from("rf", base + 4096, len(blob2), par(ax("tp", 0, 2, 1))) == 0
+    assert same(get("rf", "shard", ax("tp", 1, 2, 1)), (T + 1)[:, 3:])
     dst = base + 8192
     for key, target, want, meta in (
             ("ra", tgt("shard", par(ax("tp", 0, 2, 0))), T[0:2], {"g": [4, 6], "axes": [["tp", 0, 2, 0, 0]]}),
