@@ -172,3 +172,24 @@ def test_master_refuses_a_source_without_a_command_link_and_a_draining_target():
     _put(m, "j", s0)
     assert m.handle("drain", [s1], {}) == [[OK, None]]
     assert m.handle("task_create", [["copy", "j", "", [s1]]], {})[0][0] == NOT_NOW
+
+
+def test_master_task_waits_for_another_flight_of_its_key():
+    from kvplugins.store.master.disk_state import Flight
+    from kvplugins.store.master.replica_tasks import WAIT_S
+    m, now, (s0, s1, s2) = _master()
+    for key in ("k", "j"):
+        _put(m, key, s0)
+        m.tiering.flights[key] = Flight("offload", m.table.get(key), s0, now[0] + 1000)   # an offload in the air
+    [(_, waits)], [(_, stuck)] = (m.handle("task_create", [["copy", k, "", [s1]]], {}) for k in ("k", "j"))
+    assert m.handle("task_query", [waits], {})[0][1][3] == "PENDING"
+    del m.tiering.flights["k"]                               # k's offload ended: its copy starts on the next sweep
+    now[0] += 1
+    m.handle("heartbeat", [s0, s1, s2], {})
+    m.tick()
+    assert m.handle("task_query", [waits], {})[0][1][3] == "PROCESSING"
+    now[0] += WAIT_S
+    m.handle("heartbeat", [s0, s1, s2], {})
+    m.tick()
+    row = m.handle("task_query", [stuck], {})[0][1]
+    assert row[3] == "FAILED" and "busy" in row[7]

@@ -35,6 +35,7 @@ from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, INF, Flight, Fro
 from kvplugins.store.protocol import NOT_NOW, INVALID, NOT_FOUND, OK
 
 FINISHED_KEPT = 10_000         # finished tasks a master remembers for task_query (oldest forgotten first)
+WAIT_S = 2 * FLIGHT_TIMEOUT_S  # a task still waiting for its key's other flight (offload, drain) after this fails
 KINDS = {"copy": "REPLICA_COPY", "move": "REPLICA_MOVE"}
 
 
@@ -51,6 +52,7 @@ class Task:
     updated_ms: int = 0
     message: str = ""
     flight: Flight | None = None
+    waiting_since: float | None = None   # master clock: since when it waits for another flight of its key
 
     def row(self) -> list:
         return [*self.id, KINDS[self.kind], self.status, self.created_ms, self.updated_ms or self.created_ms,
@@ -133,7 +135,10 @@ class ReplicaTasks:
                 if task.kind == "move":
                     self._drop_source(task, now)
                 continue
-            if task.key in tier.flights:              # an offload or drain of the key: wait for it
+            if task.key in tier.flights:              # an offload or drain of the key: wait for it (tick retries)
+                task.waiting_since = task.waiting_since or now
+                if now - task.waiting_since > WAIT_S:
+                    return self._finish(task, "FAILED", f"{task.key} was busy (offload or drain) for {WAIT_S:g} s")
                 return
             seg = svc.segments.get(target)
             if seg is None:
@@ -150,6 +155,7 @@ class ReplicaTasks:
             return self._finish(task, "FAILED", f"no room on {seg.name}: {placed}")
         dest, off = placed[0]
         src = dict(obj.replicas)[task.source]
+        task.waiting_since = None
         task.flight = Flight("migrate", obj, task.source, now + FLIGHT_TIMEOUT_S, dest=(dest, off))
         self.tier.flights[task.key] = task.flight
         self.tier.nodes[task.source].queue.append(["migrate", task.key, obj.size, src, dest.name, dest.region_id,
