@@ -153,12 +153,11 @@ class ParallelMethods:
         n = len(keys)
         if parallelisms is not None and writers is not None or len(tensors) != n:
             return [INVALID_PARAMS] * n
-        if parallelisms is None and writers is None:
-            return self._put_tensors(list(keys), list(tensors), config, upsert)
         ps = _per_item(parallelisms, n, "parallelisms")
         ws = _per_item(writers, n, "writer_partitions")
-        return [INVALID_PARAMS if _BAD in (p, w) else self._write([k], [t], [p], [w], config, upsert)[0]
-                for k, t, p, w in zip(keys, tensors, ps, ws)]
+        if any(x is _BAD for x in ps + ws):
+            return [INVALID_PARAMS] * n
+        return self._write(list(keys), list(tensors), ps, ws, config, upsert)
 
     def _write(self, keys, tensors, parallelisms, writers, config, upsert: bool, every_rank: bool = False) -> list:
         """Store each tensor as its parallelism / writer partition says; per key 0 or -600, the first failing
@@ -210,7 +209,7 @@ class ParallelMethods:
             return self._put_tensors(list(keys), tensors, config, upsert)
         ps = _per_item(parallelisms, n, "parallelisms")
         ws = _per_item(writers, n, "writer_partitions")
-        return [INVALID_PARAMS if _BAD in (p, w) or t is None else
+        return [INVALID_PARAMS if p is _BAD or w is _BAD or t is None else
                 self._write([k], [t], [p], [w], config, upsert, every_rank=True)[0]
                 for k, t, p, w in zip(keys, tensors, ps, ws)]
 

@@ -100,6 +100,7 @@ def mooncake_parallel_script(store, master: str, mc=compat) -> None:
     assert store.batch_put_tensor_with_parallelism(["b1", "b2", "b3"], [T, T, T],
                                                    [par(ax("tp", 0, 2, 0)), None, par(ax("tp", 5, 2, 0))]) == [0, 0, -600]
     assert exist("b1_tp_0", "b2") == [1, 1]
+    assert store.batch_put_tensor_with_parallelism(["b6", "b7"], [T, [1]]) == [0, -600]     # per item
     assert store.batch_put_tensor_with_parallelism(["b4", "b5"], [T, T], (None, None)) == [-600, -600]
     assert store.batch_put_tensor_with_parallelism(["b4", "b5"], [T, T], [None]) == [-600, -600]
     assert store.batch_upsert_tensor_with_parallelism(["b2"], [T + 1], None,
