@@ -145,6 +145,15 @@ def mooncake_parallel_script(store, master: str, mc=compat) -> None:
     outs = store.batch_get_tensor_with_parallelism_into(["ra", "nope"], [dst, dst + 4096], [4096, 4096],
                                                         [tgt("full", par(ax("tp", 0, 2, 0))), None])
     assert same(outs[0], T) and outs[1] is None
+    B = torch.arange(32, dtype=torch.float32).reshape(4, 8).to(torch.bfloat16).t()     # bf16, non-contiguous
+    for r in (0, 1):
+        assert store.put_tensor_with_parallelism("rb", B, par(ax("pp", 1, 2, sid=0), ax("tp", r, 2, 0))) == 0
+    assert same(get("rb", "full", ax("pp", 1, 2, sid=0), ax("tp", 0, 2, 0)), B.contiguous())
+    out = store.get_tensor_with_parallelism_into("rb", dst, 4096, tgt("shard", par(ax("pp", 1, 2, sid=0),
+                                                                                    ax("tp", 1, 2, 0))))
+    assert same(out, B[4:].contiguous()) and out.dtype == torch.bfloat16
+    assert bytes(buf[8192:8192 + 304]) == header(B[4:].contiguous(), {"g": [8, 4], "axes": [["pp", 1, 2, -1, 0],
+                                                                                            ["tp", 1, 2, 0, 0]]})
     assert store.put_tensor_with_tp("lg", T, 0, 2, 0) == 0                  # the TP forms' shards are described too
     assert same(store.get_tensor_with_tp_into("lg", dst, 4096, 1, 2, 0), T[2:])
     assert bytes(buf[8192:8192 + 304]) == header(T[2:], {"g": [4, 6], "axes": [["tp", 1, 2, 0, 0]]})
@@ -203,3 +212,21 @@ def test_a_contradicting_shard_is_a_miss_not_the_wrong_bytes():
             t.mode, t.parallelism = "shard", p
             assert store.get_tensor_with_parallelism("w", t) is None, (size, sd)
         assert store.close() == 0
+
+
+def test_the_mooncake_shim_exports_these_types_under_mooncakes_names(tmp_path):
+    """`kvplugins mooncake enable`: `from mooncake.store import ParallelAxis, TaskStatus, ...` gives ours, and every
+    name the shim exports is one the real 0.3.13 module has."""
+    import os
+    import subprocess
+    import sys
+    from kvplugins.store import mooncake_shim
+    real = pytest.importorskip("mooncake.store")
+    mooncake_shim.enable(tmp_path, force=True)
+    probe = "import mooncake.store as m; print(m.MooncakeDistributedStore.__module__, *m.__all__)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / mooncake_shim.SHIM.shim_dir)}).stdout.split()
+    assert out[0] == "kvplugins.store.compat"
+    assert set(out[1:]) <= set(dir(real))
+    assert {"ParallelAxis", "TensorParallelism", "ReadTarget", "TaskStatus", "TaskType", "QueryTaskResponse",
+            "ReplicaStatus", "ReplicateConfig"} <= set(out[1:])
