@@ -99,3 +99,21 @@ def test_drain_of_an_unknown_segment_fails_clearly():
         done = subprocess.run(CLI + ["store", "--drain", "--master", m.address], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode != 0 and "--drain needs --segment NAME" in done.stderr
+
+
+def test_drain_of_a_client_segment_moves_its_objects_and_the_client_goes_on():
+    """A client contributing a segment runs the node's command link: `--drain` of its segment migrates the objects
+    to a node, the segment leaves the pool, and the client keeps reading and writing without one."""
+    with store_cluster(nodes=1, segment_size="4MiB", node_flags={"transports": "tcp"}) as c, \
+            StoreClient(ClientConfig(master=c.master, segment_size="2MiB", preferred_segment="")) as owner:
+        mine = owner.stats()["segment"]
+        keys = [f"cd/{i}" for i in range(20)]
+        from kvplugins.store.placement import PutConfig
+        assert owner.batch_put(keys, [_data(i) for i in range(20)], PutConfig(preferred_segment=mine)) == [None] * 20
+        assert _segments(owner)[mine] == 20
+        done = _drain(c.master, mine)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert _segments(owner) == {c.nodes[0].address: 20}
+        assert owner.batch_get(keys) == [_data(i) for i in range(20)]
+        owner.put("cd/after", b"x")
+        assert owner.get("cd/after") == b"x"
