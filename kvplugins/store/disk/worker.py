@@ -65,7 +65,11 @@ class NodeTier:
         for key in stale:
             self.disk.delete(key)
         self._registered = True
-        log.info("disk tier of %s registered: %d files (%d stale deleted)", self.segment.name, len(files), len(stale))
+        if self.disk:
+            log.info("disk tier of %s registered: %d files (%d stale deleted)", self.segment.name, len(files),
+                     len(stale))
+        else:
+            log.info("command link of %s registered (drain, replica tasks; no disk tier)", self.segment.name)
 
     # ---- poll loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
