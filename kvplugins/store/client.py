@@ -65,14 +65,28 @@ class StoreClient:
         self._slabs = SlabSpace(self._rpc, cfg.slab_bytes, (cfg.transfer_timeout_ms + cfg.rpc_timeout_ms) / 1000) \
             if cfg.slab_bytes and cfg.wait_commit and not self._sharded else None
         self._stats = ClientStats()
-        self._segment = None
+        self._segment = self._segment_rpc = self._segment_link = None
         self._closed = False
         if cfg.segment_size:
-            from kvplugins.store.segment import OwnedSegment
-            self._segment_rpc = master_client(self.master, cfg.rpc_timeout_ms)
-            self._segment = OwnedSegment(self._engine, cfg.segment_size, self._segment_rpc,
-                                         cfg.heartbeat_interval_ms)
-            self._segment_link = _command_link(cfg, self._engine, self._segment, self.master)
+            try:
+                self._own_segment(cfg)
+            except BaseException:
+                self.close()                 # nothing stays registered when the client does not start
+                raise
+
+    def _own_segment(self, cfg: ClientConfig) -> None:
+        """Register ``segment_size`` bytes as this client's segment, with its command link (_command_link)."""
+        from kvplugins.store.segment import OwnedSegment
+        self._segment_rpc = master_client(self.master, cfg.rpc_timeout_ms)
+        self._segment = OwnedSegment(self._engine, cfg.segment_size, self._segment_rpc, cfg.heartbeat_interval_ms)
+        self._segment_link = _command_link(cfg, self._engine, self._segment, self.master, self._segment_drained)
+
+    def _segment_drained(self) -> None:
+        """The master drained the own segment (the link's thread calls this): unregister it; the client goes on
+        without one."""
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.close()
 
     # ---- buffers -------------------------------------------------------------------------------------
     def register_buffer(self, mem, length: int | None = None):
@@ -207,11 +221,13 @@ class StoreClient:
             log.warning("close: pipelined commits not confirmed: %s", e)
         if self._slabs is not None:
             self._slabs.close()
+        if self._segment_link is not None:
+            self._segment_link.close()       # (its thread ends first: a drain's end cannot race the lines below)
         if self._segment is not None:
-            self._segment_link.close()
             self._segment.close()
-            self._segment_rpc.close()
             self._segment = None
+        if self._segment_rpc is not None:
+            self._segment_rpc.close()
         self._staging.close()
         self._engine.close()
         self._rpc.close()
@@ -510,12 +526,12 @@ def _raise_first(errors) -> None:
             raise e
 
 
-def _command_link(cfg: ClientConfig, engine, segment, master: str):
+def _command_link(cfg: ClientConfig, engine, segment, master: str, on_exit):
     """The command link of a client's own segment (a store node's NodeTier, without a disk): replica copy/move
     tasks whose source is this segment (master/replica_tasks.py) and a drain of it run through it, polled every
-    ``segment_poll_ms``. A drain's end unregisters the segment; the client goes on without one."""
+    ``segment_poll_ms``. A drain's end calls ``on_exit`` (the client unregisters the segment and goes on)."""
     from kvplugins.store.config import StoreNodeConfig
     from kvplugins.store.disk.worker import NodeTier
     node = StoreNodeConfig(master=master, segment_size=cfg.segment_size, host=cfg.host,
                            rpc_timeout_ms=cfg.rpc_timeout_ms, disk_poll_ms=cfg.segment_poll_ms, prefault=False)
-    return NodeTier(node, engine, segment, master, on_exit=segment.close)
+    return NodeTier(node, engine, segment, master, on_exit=on_exit)

@@ -216,8 +216,11 @@ class ParallelMethods:
     # ---- read plans --------------------------------------------------------------------------------------------
     def _get(self, key: str):
         """(tensor, meta) stored under ``key``; (None, None) for a miss."""
-        value = self._cb.batch_get([key])[0]
-        return (None, None) if isinstance(value, StoreError) else _tensor_and_meta(value)
+        return self._get_many([key])[0]
+
+    def _get_many(self, keys: list[str]) -> list:
+        """Per key (tensor, meta) or (None, None), in one batch read."""
+        return [(None, None) if isinstance(v, StoreError) else _tensor_and_meta(v) for v in self._cb.batch_get(keys)]
 
     def _read(self, key: str, target, fallback: bool):
         """(tensor, meta for an _into header) of a read, or (None, None)."""

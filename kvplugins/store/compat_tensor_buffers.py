@@ -124,7 +124,7 @@ def into_buffer(tensor, ptr: int, size: int, meta: dict | None = None):
 
 
 class TensorBufferMethods:
-    """Mixed into MooncakeDistributedStore (``_put_tensors``, ``batch_get_tensor``, the TP methods, ``_get``)."""
+    """Mixed into MooncakeDistributedStore (``_put_tensors``, ``batch_get_tensor``, the TP methods, ``_get_many``)."""
 
     @pybind
     def put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
@@ -186,7 +186,7 @@ class TensorBufferMethods:
     def batch_get_tensor_with_tp_into(self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                       tp_rank: I32 = 0, tp_size: I32 = 1) -> list:
         same_length(base_keys, buffer_ptrs, sizes)
-        found = [self._get(k if tp_size <= 1 else f"{k}_tp_{tp_rank}") for k in base_keys]   # compat_parallel
+        found = self._get_many([k if tp_size <= 1 else f"{k}_tp_{tp_rank}" for k in base_keys])   # compat_parallel
         return [None if t is None else into_buffer(t, p, n, meta) for (t, meta), p, n in zip(found, buffer_ptrs, sizes)]
 
     def _tensors_from(self, keys, ptrs, sizes, upsert: bool) -> list[int]:

@@ -150,7 +150,7 @@ def _op_types(key, batch) -> dict:
         "drain": (names, NoOpts), "tier_poll": (names, NoOpts),
         "tier_register": (batch(TierNode), MoreOpts),
         "tier_done": (batch(tuple[Literal["offload", "migrate", "evicted", "corrupt", "missing"], key, bool,
-                                  Detail]), SegmentOpts),
+                                  Detail, U64]), SegmentOpts),
         "promote_start": (keys, SegmentOpts),
         "task_create": (batch(tuple[Literal["copy", "move"], key, Name,
                                     Annotated[list[SegName], Meta(max_length=MAX_TARGETS)]]), NoOpts),

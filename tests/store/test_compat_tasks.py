@@ -123,8 +123,11 @@ def test_master_runs_a_copy_through_the_source_node_and_fails_it_on_a_lost_fligh
     assert code == OK
     [(code, [cmds, descs])] = m.handle("tier_poll", [s0], {})
     assert [c[:2] + c[4:5] for c in cmds] == [["migrate", "k", s1]] and s1 in descs
+    assert 0 < cmds[0][8] <= 25000                           # start it within its flight's time, minus a margin
     assert m.handle("task_query", [task], {})[0][1][3] == "PROCESSING"
-    m.handle("tier_done", [["migrate", "k", True, None]], {"segment": s0})     # s1 written: now s2
+    m.handle("tier_done", [["migrate", "k", True, None, cmds[0][7] + 1]], {"segment": s0})   # another flight's
+    assert m.handle("task_query", [task], {})[0][1][3] == "PROCESSING"
+    m.handle("tier_done", [["migrate", "k", True, None, cmds[0][7]]], {"segment": s0})   # s1 written: now s2
     [(code, [cmds, _])] = m.handle("tier_poll", [s0], {})
     assert [c[4] for c in cmds] == [s2]
     assert sorted(n for n, _ in m.table.get("k").replicas) == [s0, s1]
@@ -142,8 +145,8 @@ def test_master_move_switches_the_replica_and_frees_the_source_after_the_lease()
     used = m.segments.get(s0).used
     m.handle("get", ["k"], {})                               # a reader's lease on the s0 bytes
     [(code, task)] = m.handle("task_create", [["move", "k", s0, [s1]]], {})
-    m.handle("tier_poll", [s0], {})
-    m.handle("tier_done", [["migrate", "k", True, None]], {"segment": s0})
+    [(_, [[cmd], _])] = m.handle("tier_poll", [s0], {})
+    m.handle("tier_done", [["migrate", "k", True, None, cmd[7]]], {"segment": s0})
     assert [n for n, _ in m.table.get("k").replicas] == [s1]
     assert m.handle("task_query", [task], {})[0][1][3] == "SUCCESS"
     assert m.segments.get(s0).used == used                   # still leased: the old bytes stay valid
@@ -193,3 +196,81 @@ def test_master_task_waits_for_another_flight_of_its_key():
     m.tick()
     row = m.handle("task_query", [stuck], {})[0][1]
     assert row[3] == "FAILED" and "busy" in row[7]
+
+
+def _tick(m, now, names, dt: float) -> None:
+    now[0] += dt
+    m.handle("heartbeat", list(names), {})
+    m.tick()
+
+
+def test_master_task_allocates_on_its_target_only_and_never_evicts_elsewhere():
+    m, now, (s0, s1, s2) = _master()
+    for i in range(20):
+        _put(m, f"o/{i}", s0)                                # the oldest objects of the store, on s0
+    full = m.segments.get(s1).allocator
+    while full.alloc(4096) is not None:                      # s1 full of space no object holds (nothing to evict)
+        pass
+    _put(m, "k", s0)
+    _tick(m, now, (s0, s1, s2), 5)                           # everything is past the eviction grace
+    [(_, task)] = m.handle("task_create", [["copy", "k", "", [s1]]], {})
+    row = m.handle("task_query", [task], {})[0][1]
+    assert row[3] == "FAILED" and "no room" in row[7]
+    [(_, task)] = m.handle("task_create", [["copy", "k", "", [s2, s1]]], {})     # s2 has room, then s1 drains
+    [(_, [[cmd], _])] = m.handle("tier_poll", [s0], {})
+    assert m.handle("drain", [s1], {}) == [[OK, None]]
+    m.handle("tier_done", [["migrate", "k", True, None, cmd[7]]], {"segment": s0})
+    row = m.handle("task_query", [task], {})[0][1]
+    assert row[3] == "FAILED" and "draining" in row[7]
+    assert m.counters["evictions"] == 0 and len(m.table) == 21
+
+
+def test_master_late_report_of_an_ended_flight_credits_nothing():
+    m, now, (s0, s1, s2) = _master()
+    _put(m, "k", s0)
+    [(_, first)] = m.handle("task_create", [["copy", "k", "", [s1]]], {})
+    [(_, [[old], _])] = m.handle("tier_poll", [s0], {})
+    _tick(m, now, (s0, s1, s2), 31)                          # its flight times out
+    assert m.handle("task_query", [first], {})[0][1][3] == "FAILED"
+    [(_, second)] = m.handle("task_create", [["copy", "k", "", [s1]]], {})
+    [(_, [[new], _])] = m.handle("tier_poll", [s0], {})
+    m.handle("tier_done", [["migrate", "k", True, None, old[7]]], {"segment": s0})   # the first write, late
+    assert m.handle("task_query", [second], {})[0][1][3] == "PROCESSING"
+    assert [n for n, _ in m.table.get("k").replicas] == [s0]
+    m.handle("tier_done", [["migrate", "k", True, None, new[7]]], {"segment": s0})
+    assert m.handle("task_query", [second], {})[0][1][3] == "SUCCESS"
+
+
+def test_master_caps_a_sources_writes_and_expires_commands_of_ended_flights():
+    from kvplugins.store.master.disk_state import MAX_FLIGHTS
+    m, now, (s0, s1, s2) = _master()
+    for i in range(MAX_FLIGHTS + 8):
+        _put(m, f"c/{i}", s0)
+        assert m.handle("task_create", [["copy", f"c/{i}", "", [s1]]], {})[0][0] == OK
+    [(_, [cmds, _])] = m.handle("tier_poll", [s0], {})
+    assert len(cmds) == MAX_FLIGHTS                           # the rest wait for these
+    m.handle("tier_done", [["migrate", c[1], True, None, c[7]] for c in cmds[:4]], {"segment": s0})
+    _tick(m, now, (s0, s1, s2), 0.1)
+    [(_, [more, _])] = m.handle("tier_poll", [s0], {})
+    assert len(more) == 4                                     # four done, four more started
+    m.handle("remove", [more[0][1]], {})                      # its flight ends while the command is queued...
+    [(_, task)] = m.handle("task_create", [["copy", "c/0", "", [s2]]], {})
+    m.handle("tier_done", [["migrate", c[1], True, None, c[7]] for c in more[1:]], {"segment": s0})
+    m.tiering.nodes[s0].queue.append(more[0][:8])             # ...and a node polls it (again): TTL 0, never run
+    [(_, [again, _])] = m.handle("tier_poll", [s0], {})
+    assert [c[8] for c in again if c[1] == more[0][1]] == [0]
+
+
+def test_master_copy_of_a_source_replica_dropped_meanwhile_fails():
+    m, now, (s0, s1, s2) = _master()
+    [(code, locs)] = m.handle("put_start", [["k", 1000]], {"replicas": 2, "segment": s0})
+    assert code == OK and m.handle("put_commit", ["k"], {"xxh3": [7]})[0][0] == OK
+    held = [n for n, _ in m.table.get("k").replicas]
+    target = next(n for n in (s1, s2) if n not in held)
+    [(_, task)] = m.handle("task_create", [["copy", "k", "", [target]]], {})
+    [(src, cmd)] = [(n, c[0]) for n in (s0, s1) for c, _ in [m.handle("tier_poll", [n], {})[0][1]] if c]
+    assert m.handle("report_corrupt", [["k", src, cmd[3], 7]], {}) == [[OK, None]]   # a reader found it corrupt
+    m.handle("tier_done", [["migrate", "k", True, None, cmd[7]]], {"segment": src})
+    row = m.handle("task_query", [task], {})[0][1]
+    assert row[3] == "FAILED" and "changed" in row[7]
+    assert [n for n, _ in m.table.get("k").replicas] == [n for n in held if n != src]   # nothing copied in

@@ -117,3 +117,17 @@ def test_drain_of_a_client_segment_moves_its_objects_and_the_client_goes_on():
         assert owner.batch_get(keys) == [_data(i) for i in range(20)]
         owner.put("cd/after", b"x")
         assert owner.get("cd/after") == b"x"
+
+
+def test_a_client_whose_command_link_fails_to_start_leaves_no_segment(monkeypatch):
+    import pytest
+    from kvplugins.errors import StoreError
+    from kvplugins.store.disk import worker
+
+    def refuse(self):
+        raise StoreError("refused for the test")
+    monkeypatch.setattr(worker.NodeTier, "_register", refuse)   # this process only; the node is another process
+    with store_cluster(nodes=1, segment_size="4MiB") as c, StoreClient(ClientConfig(master=c.master)) as probe:
+        with pytest.raises(StoreError, match="refused for the test"):
+            StoreClient(ClientConfig(master=c.master, segment_size="2MiB"))
+        assert list(_segments(probe)) == [c.nodes[0].address]     # its segment was unregistered at once

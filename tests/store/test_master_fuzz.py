@@ -44,7 +44,7 @@ TEMPLATES = {
     "heartbeat": ([NOSEG], {}), "unregister": ([NOSEG], {}), "describe": ([NOSEG], {}), "drain": ([NOSEG], {}),
     "tier_poll": ([NOSEG], {}),
     "tier_register": ([[NOSEG, "127.0.0.1:1", 1024, [["fz/f", 64, 7]], "disk"]], {"more": 0}),
-    "tier_done": ([["offload", "fz/a", True, 5]], {"segment": NOSEG}),
+    "tier_done": ([["offload", "fz/a", True, 5, 0]], {"segment": NOSEG}),
     "promote_start": (["fz/a"], {"segment": NOSEG}),
     "promote_commit": ([["fz/a", True, None]], {"segment": NOSEG}),
     "task_create": ([["copy", "fz/a", "", [NOSEG]]], {}), "task_query": ([[1, 2]], {}),

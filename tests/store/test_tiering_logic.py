@@ -50,7 +50,7 @@ def test_sweep_offloads_and_frees_dram_only_after_the_node_confirms():
     cmds = poll(svc, name)
     assert [c[:2] for c in cmds] == [["offload", "a"], ["offload", "b"]]
     assert svc.segments.get(name).used == 3 * OBJ              # nothing freed before the files are durable
-    svc.handle("tier_done", [["offload", "a", True, 11], ["offload", "b", True, 12]], {"segment": name})
+    svc.handle("tier_done", [["offload", "a", True, 11, 0], ["offload", "b", True, 12, 0]], {"segment": name})
     assert svc.segments.get(name).used == OBJ and svc.handle("get", ["a"], {})[0] == [ON_DISK, ["127.0.0.1:1", OBJ]]
     assert svc.op_status([], {}, svc.clock())["offloads"] == 2
 
@@ -62,7 +62,7 @@ def test_urgent_eviction_drops_an_object_in_flight_and_its_late_file_is_deleted(
     assert len(poll(svc, name)) == 2                          # offloads of a and b in flight
     put(svc, "d", "e")                                        # e finds it full: evicts a at once (dropped)
     assert svc.handle("exists", ["a", "e"], {}) == [False, True]
-    svc.handle("tier_done", [["offload", "a", True, 11]], {"segment": name})
+    svc.handle("tier_done", [["offload", "a", True, 11, 0]], {"segment": name})
     assert ["delete", "a"] in poll(svc, name)                 # nobody wants that file
     assert svc.op_status([], {}, svc.clock())["disk_objects"] == 0
 
@@ -111,7 +111,7 @@ def test_drain_migrates_then_tells_the_node_to_exit():
     assert svc.table.get("new").replicas[0][0] == b           # no new placements on a
     cmds = poll(svc, a)
     assert sorted((c[1], c[3] >= 0, c[4]) for c in cmds) == [("d1", True, b), ("disk", False, b)]
-    svc.handle("tier_done", [["migrate", c[1], True, None] for c in cmds], {"segment": a})
+    svc.handle("tier_done", [["migrate", c[1], True, None, c[7]] for c in cmds], {"segment": a})
     assert [r[0] for r in svc.table.get("d1").replicas] == [b] and svc.handle("get", ["disk"], {})[0][0] == OK
     assert ["exit"] in poll(svc, a) + poll(svc, a)            # after the file deletes
 
@@ -120,7 +120,7 @@ def test_a_failing_disk_gets_no_offloads_for_a_while():
     svc = master(high=0.6, low=0.3)
     name, _ = node(svc)
     put(svc, "a", "b", "c")
-    svc.handle("tier_done", [["offload", c[1], False, "No space left on device"] for c in poll(svc, name)],
+    svc.handle("tier_done", [["offload", c[1], False, "No space left on device", 0] for c in poll(svc, name)],
                {"segment": name})
     put(svc, "d")                                             # over high again: dropped, not offloaded
     assert poll(svc, name) == [] and svc.op_status([], {}, svc.clock())["offload_failures"] == 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError, TransferError
@@ -42,8 +43,14 @@ class NodeTier:
         self._pool = ThreadPoolExecutor(config.disk_threads, thread_name_prefix="kvp-offload") \
             if self.disk and config.disk_threads > 1 else None
         self._registered = False
-        self._register()
+        self._polled = 0.0                   # monotonic time of the last poll's answer (migrate TTLs count from it)
         self._stop = threading.Event()
+        self._thread = None
+        try:
+            self._register()
+        except BaseException:
+            self.close()
+            raise
         self._thread = threading.Thread(target=self._loop, name="kvp-disk-tier", daemon=True)
         self._thread.start()
 
@@ -93,6 +100,7 @@ class NodeTier:
             self._registered = False
             return
         cmds, descs = value
+        self._polled = time.monotonic()
         done = [r for r in self._run_all(cmds, descs) if r is not None]
         with self._lock:
             done += self._lost
@@ -112,6 +120,9 @@ class NodeTier:
             j = i
             while j < len(cmds) and cmds[j][0] == "offload":
                 j += 1
+            if self._stop.is_set():             # closing: the rest fail (the master frees their space)
+                out += [_refused(c, "the node is closing") for c in cmds[i:]]
+                return out
             if j - i > 1 and self._pool is not None:
                 out += list(self._pool.map(lambda c: self._offload(*c[1:]), cmds[i:j]))
             else:
@@ -134,23 +145,29 @@ class NodeTier:
 
     def _offload(self, key: str, off: int, size: int, expected: int):
         if self.disk is None:
-            return ["offload", key, False, "this node has no disk tier"]
+            return ["offload", key, False, "this node has no disk tier", 0]
         data = self.mem[off:off + size]
         digest = checksum(data)
         if expected and digest != expected:
-            return ["offload", key, False, "the DRAM copy fails its checksum"]
+            return ["offload", key, False, "the DRAM copy fails its checksum", 0]
         try:
             evicted = self.disk.put(key, data, digest)
         except (OSError, StoreError) as e:
             log.warning("offload of %s failed: %s", key, e)
-            return ["offload", key, False, str(e)]
+            return ["offload", key, False, str(e), 0]
         self._report_lost("evicted", evicted)
-        return ["offload", key, True, digest]
+        return ["offload", key, True, digest, 0]
 
-    def _migrate(self, key: str, size: int, src: int, dest: str, region_id: int, off: int, descs: dict):
+    def _migrate(self, key: str, size: int, src: int, dest: str, region_id: int, off: int, fid: int, ttl_ms: float,
+                 descs: dict):
+        """Write object ``key`` (``src``: its offset in this segment, -1: from this node's disk) to ``dest`` at
+        ``off``, unless more than ``ttl_ms`` passed since the poll (its flight is over: the space may be another
+        object's by now). -> ["migrate", key, ok, detail, fid]."""
         from kvplugins.transfer import SegmentDescriptor
+        if (time.monotonic() - self._polled) * 1000 > ttl_ms:
+            return ["migrate", key, False, "expired before it ran", fid]
         if dest not in descs:
-            return ["migrate", key, False, f"no descriptor for {dest}"]
+            return ["migrate", key, False, f"no descriptor for {dest}", fid]
         try:
             with self._staging.use(size) as (base, view):
                 if src >= 0:
@@ -161,19 +178,19 @@ class NodeTier:
                 [err] = self.engine.write_spans(SegmentDescriptor.from_wire(descs[dest]), region_id, [addr], [off],
                                                 [size], timeout_ms=self.cfg.rpc_timeout_ms)
         except KeyNotFound:
-            return ["migrate", key, False, "missing"]
+            return ["migrate", key, False, "missing", fid]
         except CorruptFile:
-            return ["migrate", key, False, "corrupt"]
+            return ["migrate", key, False, "corrupt", fid]
         except OSError as e:
-            return ["migrate", key, False, f"disk read failed: {e}"]
+            return ["migrate", key, False, f"disk read failed: {e}", fid]
         except TransferError as e:
             err = e
-        return ["migrate", key, err is None, str(err) if err else None]
+        return ["migrate", key, err is None, str(err) if err else None, fid]
 
     def _report_lost(self, kind: str, keys) -> None:
         if keys:
             with self._lock:
-                self._lost += [[kind, k, False, None] for k in keys]
+                self._lost += [[kind, k, False, None, 0] for k in keys]
 
     # ---- promote endpoint ----------------------------------------------------------------------------
     def op_promote(self, keys: list, opts: dict) -> list:
@@ -202,11 +219,20 @@ class NodeTier:
 
     def close(self) -> None:
         self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
+        if self._thread is not None and threading.current_thread() is not self._thread:   # a write may run
+            self._thread.join(timeout=5 + 2 * self.cfg.rpc_timeout_ms / 1000)
         if self.server:
             self.server.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._staging.close()
         self.rpc.close()
+
+
+def _refused(cmd: list, why: str):
+    """The report of a command not run (None for those that need none)."""
+    if cmd[0] == "migrate":
+        return ["migrate", cmd[1], False, why, cmd[7]]
+    if cmd[0] == "offload":
+        return ["offload", cmd[1], False, why, 0]
+    return None

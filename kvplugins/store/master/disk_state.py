@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 INF = float("inf")
 FLIGHT_TIMEOUT_S = 30.0       # an offload/migration a node has not confirmed by then is abandoned
 POLL_BATCH = 64               # commands handed to a node per poll
+MAX_FLIGHTS = 32              # migrations (drain and replica tasks) in flight per source node
+TTL_MARGIN_S = 5.0            # a migrate command must start this long before its flight's deadline (node-checked)
 
 
 @dataclass
@@ -33,6 +35,8 @@ class Flight:
     segment: str              # the node doing the work
     deadline: float
     dest: tuple | None = None  # (Segment, offset) the node writes into (promote, migrate)
+    fid: int = 0              # migrate: the id its command and the node's report carry (a late report of an
+                              # ended flight never matches a newer flight of the same key)
     size: int = field(init=False)     # obj.size, readable after obj is gone
 
     def __post_init__(self):

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 from itertools import chain, islice
 
-from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, INF, Flight, Frozen
+from kvplugins.store.master.disk_state import INF, MAX_FLIGHTS, Frozen
 from kvplugins.store.protocol import NOT_FOUND, OK
 
-MAX_FLIGHTS = 32
 
 
 def start(tier, name: str, now: float):
     seg, node = tier.service.segments.get(name), tier.nodes.get(name)
     if seg is None or node is None:
-        return [NOT_FOUND, f"{name} is not the segment of a running `kvplugins store` node; see `kvplugins status`"]
+        return [NOT_FOUND, f"{name} is not the segment of a running `kvplugins store` node or of a client contributing "
+                           "a segment; see `kvplugins status`"]
     if not node.draining:
         node.draining = True
         seg.allocator = Frozen(seg.allocator)
@@ -34,7 +34,7 @@ def plan(tier, node, now: float) -> None:
     keys than it can start now (plus those in flight), so a poll costs O(MAX_FLIGHTS), not O(objects)."""
     svc = tier.service
     seg = svc.segments.get(node.segment)
-    busy = sum(1 for f in tier.flights.values() if f.segment == node.segment)
+    busy = tier.migrating(node.segment)
     if busy >= MAX_FLIGHTS:
         return
     want = len(tier.flights) + 4 * MAX_FLIGHTS
@@ -85,10 +85,8 @@ def _start_migration(tier, obj, node, seg, now: float) -> int:
         tier.counters["migrate_failures"] += 1
         return 0
     dest, off = placed[0]
-    src = dict(obj.replicas).get(seg.name, -1)          # -1: from the node's disk
     obj.lease_until = lease
-    tier.flights[obj.key] = Flight("migrate", obj, node.segment, now + FLIGHT_TIMEOUT_S, dest=(dest, off))
-    node.queue.append(["migrate", obj.key, obj.size, src, dest.name, dest.region_id, off])
+    tier.migrate(obj, node.segment, dest, off, now)    # from its DRAM replica here, or from the node's disk
     return 1
 
 
@@ -99,8 +97,8 @@ def migrated(tier, key, segment: str, ok: bool, detail, now: float) -> None:
         return
     svc, obj = tier.service, f.obj
     dest, off = f.dest
-    if not ok or svc.segments.get(dest.name) is not dest:
-        tier.end_flight(key, now, free_dest_at=now)
+    if not ok or svc.segments.get(dest.name) is not dest:     # (a timed-out write may still land: a grace)
+        tier.end_flight(key, now, free_dest_at=now + svc.cfg.put_timeout_ms / 1000)
         tier.counters["migrate_failures"] += 1
         if detail in ("corrupt", "missing"):
             tier.file_lost(key, segment, detail, now)

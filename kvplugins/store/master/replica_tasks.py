@@ -7,14 +7,19 @@ Lifecycle of one task, in call order:
   (the id is Mooncake's UUID: two unsigned 64-bit ints). A copy picks a source replica (one held by a process
   with a command link, see below); a move names it. The task is PENDING.
   ``advance`` (on create, each poll and each sweep) takes the next target: a target that already holds a replica
-  is skipped (Mooncake: success); otherwise space is allocated on that target segment like a put, and the
-  source's process gets a ``migrate`` command (the drain's: it writes the bytes through the transfer core,
-  disk/worker.py) and the task is PROCESSING. One flight per key: a task waits while another flight (offload,
-  drain) of its key runs.
-  ``migrated`` (the node's ``tier_done``): a copy adds the new replica; a move switches the source replica to the
-  target (the old bytes are freed when the last reader's lease ends, as a drain does). After the last target
-  the task is SUCCESS; a failed write, a lost flight (timeout, the object removed, a segment gone) or a target
-  with no room makes it FAILED with the reason in ``message``.
+  is skipped (Mooncake: success); otherwise space is allocated on that target segment only (evicting only its
+  own LRU objects, never elsewhere; a draining target fails the task), and the source's process gets a ``migrate``
+  command with a flight id (the drain's: it writes the bytes through the transfer core, disk/worker.py) and the
+  task is PROCESSING. One flight per key: a task waits while another flight (offload, drain) of its key runs,
+  at most WAIT_S. A source node has at most MAX_FLIGHTS migrations (drain and tasks) in flight; further tasks
+  wait their turn.
+  ``migrated`` (the node's ``tier_done`` carrying that flight id; a late report of an ended flight matches
+  nothing): a copy adds the new replica; a move switches the source replica to the target (the old bytes are
+  freed when the last reader's lease ends, as a drain does). After the last target the task is SUCCESS. A failed
+  write, a source replica dropped meanwhile (found corrupt, evicted), a lost flight (timeout, the object removed,
+  a segment gone) or a target with no room makes it FAILED with the reason in ``message``; the destination of a
+  failed write is freed after put_timeout_ms (bytes of a timed-out write may still land). A command is handed
+  out with a TTL that ends TTL_MARGIN_S before its flight's deadline; the node does not start it later.
   ``task_query`` [[hi, lo]] answers [OK, [hi, lo, type, status, created ms, updated ms, assigned segment,
   message]] or [NOT_FOUND, None] (Mooncake: TASK_NOT_FOUND). Finished tasks are kept for FINISHED_KEPT tasks.
 
@@ -28,10 +33,11 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, INF, Flight, Frozen
+from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, MAX_FLIGHTS, Flight, Frozen
+from kvplugins.store.master.eviction import victims
 from kvplugins.store.protocol import NOT_NOW, INVALID, NOT_FOUND, OK
 
 FINISHED_KEPT = 10_000         # finished tasks a master remembers for task_query (oldest forgotten first)
@@ -53,6 +59,7 @@ class Task:
     message: str = ""
     flight: Flight | None = None
     waiting_since: float | None = None   # master clock: since when it waits for another flight of its key
+    src_off: int = -1          # the source replica's offset when its write started (checked at the report)
 
     def row(self) -> list:
         return [*self.id, KINDS[self.kind], self.status, self.created_ms, self.updated_ms or self.created_ms,
@@ -65,6 +72,7 @@ class ReplicaTasks:
     def __init__(self, tier):
         self.tier = tier
         self.active: dict[tuple[int, int], Task] = {}
+        self.by_fid: dict[int, Task] = {}          # flight id -> the task whose write it is
         self.finished: OrderedDict[tuple[int, int], Task] = OrderedDict()
 
     # ---- ops -----------------------------------------------------------------------------------------
@@ -120,8 +128,9 @@ class ReplicaTasks:
         return obj, random.choice(runnable)
 
     # ---- progress ------------------------------------------------------------------------------------
-    def advance(self, task: Task, now: float) -> None:
-        """Start the task's next target, or finish it. Called with no flight of the task in the air."""
+    def advance(self, task: Task, now: float, busy: Counter | None = None) -> None:
+        """Start the task's next target, or finish it. Called with no flight of the task in the air. ``busy``:
+        migrate flights per source node (counted here when None); a source with MAX_FLIGHTS waits (FIFO)."""
         svc, tier = self.tier.service, self.tier
         while task.targets:
             if svc.table.get(task.key) != task.obj:
@@ -140,39 +149,52 @@ class ReplicaTasks:
                 if now - task.waiting_since > WAIT_S:
                     return self._finish(task, "FAILED", f"{task.key} was busy (offload or drain) for {WAIT_S:g} s")
                 return
+            if (busy[task.source] if busy is not None else tier.migrating(task.source)) >= MAX_FLIGHTS:
+                return                                # the source's process has enough to write: wait (FIFO)
             seg = svc.segments.get(target)
             if seg is None:
                 return self._finish(task, "FAILED", f"target {target} left the pool")
-            return self._start(task, seg, now)
+            if isinstance(seg.allocator, Frozen):
+                return self._finish(task, "FAILED", f"target {target} is draining")
+            return self._start(task, seg, now, busy)
         self._finish(task, "SUCCESS", "")
 
-    def _start(self, task: Task, seg, now: float) -> None:
-        svc, obj = self.tier.service, task.obj
-        lease, obj.lease_until = obj.lease_until, INF  # on-demand eviction must not pick obj itself
-        placed = svc._place(obj.size, 1, now, [seg], seg.size)
-        obj.lease_until = lease
-        if not isinstance(placed, list):
-            return self._finish(task, "FAILED", f"no room on {seg.name}: {placed}")
-        dest, off = placed[0]
-        src = dict(obj.replicas)[task.source]
-        task.waiting_since = None
-        task.flight = Flight("migrate", obj, task.source, now + FLIGHT_TIMEOUT_S, dest=(dest, off))
-        self.tier.flights[task.key] = task.flight
-        self.tier.nodes[task.source].queue.append(["migrate", task.key, obj.size, src, dest.name, dest.region_id,
-                                                   off])
+    def _start(self, task: Task, seg, now: float, busy: Counter | None) -> None:
+        """Allocate on the target only, evicting only the target's own LRU objects (never elsewhere), and queue
+        the write."""
+        off = self._alloc(task.obj.size, seg, now)
+        if off is None:
+            return self._finish(task, "FAILED", f"no room on {seg.name} for {task.obj.size} bytes (everything there "
+                                "is leased, pinned, pending or within the eviction grace)")
+        task.waiting_since, task.src_off = None, dict(task.obj.replicas)[task.source]
+        task.flight = self.tier.migrate(task.obj, task.source, seg, off, now)
+        self.by_fid[task.flight.fid] = task
+        if busy is not None:
+            busy[task.source] += 1
         task.status, task.updated_ms = "PROCESSING", _wall_ms()
 
-    def owns(self, flight) -> Task | None:
-        return next((t for t in self.active.values() if t.flight is flight), None)
+    def _alloc(self, size: int, seg, now: float) -> int | None:
+        svc = self.tier.service
+        while (off := seg.allocator.alloc(size)) is None:
+            victim = next(victims(svc.table, now, svc.grace_cutoff(now), seg.name), None)
+            if victim is None:
+                return None
+            svc._evict(victim, now, urgent=True)
+        return off
 
     def migrated(self, task: Task, ok: bool, detail, now: float) -> None:
-        """The source's process reported the write of the task's current target."""
+        """The source's process reported the write of the task's current target (its flight id matched)."""
         tier, svc, obj = self.tier, self.tier.service, task.obj
         flight, task.flight = task.flight, None
+        self.by_fid.pop(flight.fid, None)
         dest, off = flight.dest
+        grace = now + svc.cfg.put_timeout_ms / 1000     # a timed-out write may still land: its space waits
         if not ok or svc.segments.get(dest.name) is not dest:
-            tier.end_flight(task.key, now, free_dest_at=now)
+            tier.end_flight(task.key, now, free_dest_at=grace)
             return self._finish(task, "FAILED", f"writing to {dest.name} failed: {detail}")
+        if (task.source, task.src_off) not in obj.replicas:      # dropped (corrupt, evicted to disk) meanwhile
+            tier.end_flight(task.key, now, free_dest_at=grace)
+            return self._finish(task, "FAILED", f"the source replica on {task.source} changed during the copy")
         tier.flights.pop(task.key)
         obj.replicas = obj.replicas + [(dest.name, off)]
         task.targets.pop(0)
@@ -191,13 +213,15 @@ class ReplicaTasks:
     def tick(self, now: float) -> None:
         """A task whose flight was ended by someone else (timeout, removal, segment loss) fails; a waiting one is
         retried."""
+        busy = Counter(f.segment for f in self.tier.flights.values() if f.kind == "migrate")
         for task in list(self.active.values()):
             if task.flight is not None and self.tier.flights.get(task.key) is not task.flight:
+                self.by_fid.pop(task.flight.fid, None)
                 task.flight = None
                 self._finish(task, "FAILED", f"the write to {task.targets[0]} did not complete (timed out, the "
                              "object was removed or a segment left)")
             elif task.flight is None:
-                self.advance(task, now)
+                self.advance(task, now, busy)
 
     def _finish(self, task: Task, status: str, message: str) -> None:
         task.status, task.message, task.updated_ms = status, message, _wall_ms()

@@ -21,8 +21,8 @@ from itertools import islice
 
 from kvplugins.store.master import drain
 from kvplugins.store.master.replica_tasks import ReplicaTasks
-from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, POLL_BATCH, Copy, DiskNode, Flight, \
-    raw_allocator
+from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, POLL_BATCH, TTL_MARGIN_S, Copy, DiskNode, \
+    Flight, raw_allocator
 from kvplugins.store.protocol import EXISTS, NOT_FOUND, OK, ON_DISK, STORE_FULL
 
 COUNTERS = ("offloads", "offload_failures", "offload_deferred", "promotions", "promote_failures", "disk_hits",
@@ -41,6 +41,7 @@ class Tiering:
         self.disk_bytes = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.tasks = ReplicaTasks(self)             # replica copy/move tasks (master/replica_tasks.py)
+        self._fid = 0
 
     # ---- hooks the service calls ---------------------------------------------------------------------
     def evict(self, obj, now: float, urgent: bool) -> bool:
@@ -163,6 +164,20 @@ class Tiering:
             if seg is not None:
                 seg.allocator.free(off)
 
+    def migrate(self, obj, source: str, dest, off: int, now: float) -> Flight:
+        """Start a migrate flight of ``obj`` from node ``source``'s segment (``src`` offset, -1: its disk) to
+        (dest Segment, off), and queue the node's command (drain and replica tasks)."""
+        self._fid += 1
+        f = Flight("migrate", obj, source, now + FLIGHT_TIMEOUT_S, dest=(dest, off), fid=self._fid)
+        self.flights[obj.key] = f
+        src = dict(obj.replicas).get(source, -1)
+        self.nodes[source].queue.append(["migrate", obj.key, obj.size, src, dest.name, dest.region_id, off, f.fid])
+        return f
+
+    def migrating(self, segment: str) -> int:
+        """Migrate flights whose source is node ``segment``."""
+        return sum(1 for f in self.flights.values() if f.segment == segment and f.kind == "migrate")
+
     def end_flight(self, key: str, now: float, free_dest_at: float | None = None) -> Flight | None:
         """Close ``key``'s flight; a destination is freed at ``free_dest_at``."""
         f = self.flights.pop(key, None)
@@ -255,23 +270,35 @@ class Tiering:
             if node.draining:
                 drain.plan(self, node, now)
             cmds, node.queue = node.queue[:POLL_BATCH], node.queue[POLL_BATCH:]
+            cmds = [c + [self._ttl_ms(c, now)] if c[0] == "migrate" else c for c in cmds]
             names = {c[4] for c in cmds if c[0] == "migrate"}
             out.append([OK, [cmds, {n: self.service.segments.get(n).descriptor for n in names
                                     if self.service.segments.get(n) is not None}]])
         return out
 
+    def _ttl_ms(self, cmd: list, now: float) -> float:
+        """How long after the poll the node may still start this migrate command: until TTL_MARGIN_S before its
+        flight's deadline; 0 when its flight has ended (the node then reports it expired without writing)."""
+        f = self.flights.get(cmd[1])
+        if f is None or f.fid != cmd[7]:
+            return 0.0
+        return max(0.0, (f.deadline - now - TTL_MARGIN_S) * 1000)
+
     def op_tier_done(self, entries, opts, now):
-        """[[kind, key, ok, detail], ...] with opts {segment}: results of polled commands, and ``evicted`` /
-        ``corrupt`` reports of files the node lost."""
+        """[[kind, key, ok, detail, flight id], ...] with opts {segment}: results of polled commands (a migrate's
+        flight id as its command carried it; 0 for the others), and ``evicted`` / ``corrupt`` reports of files the
+        node lost."""
         segment = opts.segment
         if segment not in self.nodes:
             return [[NOT_FOUND, None] for _ in entries]
-        for kind, key, ok, detail in entries:
+        for kind, key, ok, detail, fid in entries:
             if kind == "offload":
                 self._offloaded(key, segment, ok, detail, now)
             elif kind == "migrate":
                 f = self._current(key, "migrate", segment)
-                task = self.tasks.owns(f) if f is not None else None
+                if f is None or f.fid != fid:
+                    continue                    # a late report of an ended flight: its destination is handled
+                task = self.tasks.by_fid.get(fid)
                 if task is not None:
                     self.tasks.migrated(task, ok, detail, now)
                 else:
