@@ -33,8 +33,8 @@ viewing it; None when the buffer is not inside registered memory or too small.
 from __future__ import annotations
 
 from kvplugins.errors import StoreError
-from kvplugins.store.compat_codes import INVALID_PARAMS, OK, _guard, log, pybind
-from kvplugins.store.compat_extra import _tensor_and_meta
+from kvplugins.store.compat_codes import INVALID_PARAMS, OK, _guard, code_of, log, pybind
+from kvplugins.store.compat_extra import _tensor_and_meta, _tensor_bytes
 from kvplugins.store.compat_parallel_types import (Axis, axes_of, canonical, manifest, manifest_key, read_manifest,
                                                    shard_key, target_of, tp_axis, with_tp, writer_key, writer_of)
 from kvplugins.store.compat_tensor_buffers import HEADER_BYTES, dtype_code, from_buffer, into_buffer, parse
@@ -178,34 +178,21 @@ class ParallelMethods:
         return out
 
     def _store(self, plan, config, upsert: bool) -> list[int]:
-        """plan: [(key, tensor or manifest bytes, meta)]. Tensors and manifests, in one put batch each."""
+        """plan: [(key, tensor or manifest bytes, meta)]: shards and manifests in one put batch; per item its code."""
         keys = [k for k, _, _ in plan]
         if upsert:
             self._replaceable(keys)
-        codes = dict.fromkeys(range(len(plan)), OK)
-        tensors = [(i, v, m) for i, (_, v, m) in enumerate(plan) if not isinstance(v, bytes)]
-        raw = [(i, v) for i, (_, v, _) in enumerate(plan) if isinstance(v, bytes)]
-        if tensors:
-            got = self._put_tensors([keys[i] for i, _, _ in tensors], [v for _, v, _ in tensors], config, False,
-                                    [m for _, _, m in tensors])
-            codes.update(zip((i for i, _, _ in tensors), got))
-        if raw:
-            errs = self._cb.batch_put([keys[i] for i, _ in raw], [v for _, v in raw], self._put_cfg(config))
-            codes.update((i, OK if e is None else INVALID_PARAMS) for (i, _), e in zip(raw, errs))
-        return [codes[i] for i in range(len(plan))]
+        blobs = [v if isinstance(v, bytes) else _tensor_bytes(v, m) for _, v, m in plan]
+        return [code_of(e) for e in self._cb.batch_put(keys, blobs, self._put_cfg(config))]
 
     def _batch_from(self, keys, ptrs, sizes, parallelisms, writers, config, upsert: bool) -> list[int]:
         n = len(keys)
         if len(ptrs) != n or len(sizes) != n or parallelisms is not None and writers is not None:
             return [INVALID_PARAMS] * n
-        try:
-            tensors = [_exact_buffer(p, s) for p, s in zip(ptrs, sizes)]
-        except ValueError as e:
-            if parallelisms is None and writers is None:
-                log.warning("parallel tensor write refused: %s", e)
-                return [INVALID_PARAMS] * n     # the plain path refuses the whole batch, as Mooncake
-            tensors = [_exact_or_none(p, s) for p, s in zip(ptrs, sizes)]
+        tensors = [_exact_or_none(p, s) for p, s in zip(ptrs, sizes)]
         if parallelisms is None and writers is None:
+            if any(t is None for t in tensors):
+                return [INVALID_PARAMS] * n     # the plain path refuses the whole batch, as Mooncake
             return self._put_tensors(list(keys), tensors, config, upsert)
         ps = _per_item(parallelisms, n, "parallelisms")
         ws = _per_item(writers, n, "writer_partitions")
@@ -274,19 +261,8 @@ class ParallelMethods:
         return self._concat(key, axes, tp, tp.size, None)
 
     def _concat(self, key: str, axes, tp: Axis, count: int, shape):
-        import torch
-        parts = []
-        for r in range(count):
-            want = with_tp(axes, r, count)
-            tensor, meta = self._get(shard_key(key, want))
-            if tensor is None or not _axes_equal(meta, want):
-                return None
-            parts.append(tensor)
-        try:
-            whole = torch.cat(parts, dim=tp.split_dim)
-        except (RuntimeError, IndexError):
-            return None
-        return whole if shape is None or tuple(whole.shape) == tuple(shape) else None
+        wants = [with_tp(axes, r, count) for r in range(count)]
+        return self._assemble([(shard_key(key, w), w) for w in wants], tp.split_dim, shape)
 
     def _writer_full(self, key: str):
         """(whole tensor, None) from a writer manifest's shards, or None when there is no writer manifest."""
@@ -294,19 +270,23 @@ class ParallelMethods:
         if found is None:
             return None
         shape, sd, count = found
+        axes = [Axis("tp", r, count, sd) for r in range(count)]
+        return self._assemble([(writer_key(key, a), (a,)) for a in axes], sd, shape), None
+
+    def _assemble(self, shards: list, dim: int, shape):
+        """The whole tensor from [(key, the axes its shard must carry)] in rank order, concatenated along ``dim``
+        (one batch read), or None when one is missing or does not fit (``shape``: the expected whole, or None)."""
         import torch
         parts = []
-        for r in range(count):
-            axis = Axis("tp", r, count, sd)
-            tensor, meta = self._get(writer_key(key, axis))
-            if tensor is None or not _axes_equal(meta, (axis,)):
-                return None, None
+        for (tensor, meta), (_, axes) in zip(self._get_many([k for k, _ in shards]), shards):
+            if tensor is None or not _axes_equal(meta, axes):
+                return None
             parts.append(tensor)
         try:
-            whole = torch.cat(parts, dim=sd)
+            whole = torch.cat(parts, dim=dim)
         except (RuntimeError, IndexError):
-            return None, None
-        return (whole, None) if tuple(whole.shape) == tuple(shape) else (None, None)
+            return None
+        return whole if shape is None or tuple(whole.shape) == tuple(shape) else None
 
     def _raw(self, key: str):
         value = self._cb.batch_get([key])[0]
@@ -408,5 +388,6 @@ def _exact_buffer(ptr: int, size: int):
 def _exact_or_none(ptr: int, size: int):
     try:
         return _exact_buffer(ptr, size)
-    except ValueError:
+    except ValueError as e:
+        log.warning("parallel tensor write refused: %s", e)
         return None

@@ -37,7 +37,6 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, MAX_FLIGHTS, Flight, Frozen
-from kvplugins.store.master.eviction import victims
 from kvplugins.store.protocol import NOT_NOW, INVALID, NOT_FOUND, OK
 
 FINISHED_KEPT = 10_000         # finished tasks a master remembers for task_query (oldest forgotten first)
@@ -162,7 +161,7 @@ class ReplicaTasks:
     def _start(self, task: Task, seg, now: float, busy: Counter | None) -> None:
         """Allocate on the target only, evicting only the target's own LRU objects (never elsewhere), and queue
         the write."""
-        off = self._alloc(task.obj.size, seg, now)
+        off = self.tier.alloc_on(seg, seg.allocator, task.obj.size, now)
         if off is None:
             return self._finish(task, "FAILED", f"no room on {seg.name} for {task.obj.size} bytes (everything there "
                                 "is leased, pinned, pending or within the eviction grace)")
@@ -172,15 +171,6 @@ class ReplicaTasks:
         if busy is not None:
             busy[task.source] += 1
         task.status, task.updated_ms = "PROCESSING", _wall_ms()
-
-    def _alloc(self, size: int, seg, now: float) -> int | None:
-        svc = self.tier.service
-        while (off := seg.allocator.alloc(size)) is None:
-            victim = next(victims(svc.table, now, svc.grace_cutoff(now), seg.name), None)
-            if victim is None:
-                return None
-            svc._evict(victim, now, urgent=True)
-        return off
 
     def migrated(self, task: Task, ok: bool, detail, now: float) -> None:
         """The source's process reported the write of the task's current target (its flight id matched)."""

@@ -354,17 +354,24 @@ class Tiering:
                 out.append(self._promote_alloc(obj, seg, now))
         return out
 
-    def _promote_alloc(self, obj, seg, now: float):
+    def alloc_on(self, seg, alloc, size: int, now: float) -> int | None:
+        """An offset of ``size`` bytes from ``alloc`` (segment ``seg``'s allocator), evicting only ``seg``'s own
+        LRU objects (those already on disk first: freeing them loses nothing); None when nothing there can go."""
         from kvplugins.store.master.eviction import victims
-        alloc = raw_allocator(seg)
-        while (off := alloc.alloc(obj.size)) is None:
+        while (off := alloc.alloc(size)) is None:
             found = list(islice(victims(self.service.table, now, self.service.grace_cutoff(now), seg.name),
                                 CLEAN_SCAN))
             victim = next((v for v in found if self.copy(v) is not None), found[0] if found else None)
-            if victim is None:          # (objects already on disk go first: freeing them loses nothing)
-                self.counters["promote_failures"] += 1
-                return [STORE_FULL, f"segment {seg.name} has no room for {obj.size} bytes"]
+            if victim is None:
+                return None
             self.service._evict(victim, now, urgent=True)
+        return off
+
+    def _promote_alloc(self, obj, seg, now: float):
+        off = self.alloc_on(seg, raw_allocator(seg), obj.size, now)
+        if off is None:
+            self.counters["promote_failures"] += 1
+            return [STORE_FULL, f"segment {seg.name} has no room for {obj.size} bytes"]
         deadline = now + self.service.cfg.put_timeout_ms / 1000
         self.flights[obj.key] = Flight("promote", obj, seg.name, deadline, dest=(seg, off))
         return [OK, [off, obj.size]]
