@@ -5,6 +5,7 @@ KVPluginsError
 │   └── TraceError         a malformed request trace (kvplugins/replay): names the file, line and field
 ├── NativeError            a native status code (kvplugins/native.py converts them, in one place)
 ├── AuthError              a peer refused our shared secret, or could not prove it holds it (kvplugins/security)
+│   └── Forbidden          an op outside the role this connection authenticated as (names the role needed)
 ├── TransferError          the transfer core (kvplugins/transfer)
 │   ├── ProtocolError      malformed or unknown-version frame on the wire
 │   ├── OutOfRange         a request outside a registered region
@@ -40,6 +41,11 @@ class NativeError(KVPluginsError):
 class AuthError(KVPluginsError):
     """Authentication with a peer failed: it refused this process's shared secret (none, or a different one),
     or it could not prove that it holds ours. The message names the peer and the fix."""
+
+
+class Forbidden(AuthError):
+    """The op needs a role this process's credential does not give (client < node < admin): a client credential
+    cannot drain, register segments or remove by regex. The message names the op and the role it needs."""
 
 
 class TransferError(KVPluginsError):

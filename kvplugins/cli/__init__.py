@@ -10,7 +10,7 @@ import sys
 from kvplugins.errors import KVPluginsError
 
 COMMANDS = ("master", "store", "up", "status", "shard", "events", "demo", "kt", "mooncake", "pd-proxy", "doctor",
-            "replay")  # module: name with "-" -> "_"
+            "replay", "credential")  # module: name with "-" -> "_"
 
 
 def build_parser() -> argparse.ArgumentParser:

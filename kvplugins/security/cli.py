@@ -11,7 +11,7 @@ import os
 from kvplugins.config import add_arguments, env_name, from_args
 from kvplugins.security.secret import AuthConfig, load_secret
 
-AUTH_COMMANDS = ("master", "store", "up", "status", "events")
+AUTH_COMMANDS = ("master", "store", "up", "status", "events", "credential")
 
 
 def add_flags(sub) -> None:

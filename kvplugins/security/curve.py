@@ -1,16 +1,20 @@
-"""The master's zmq control plane under CURVE, with keys derived from the shared secret.
+"""The master's zmq control plane under CURVE, with keys derived from the shared secret, one client key per role.
 
 Why CURVE (and not PLAIN or a MAC per message): CURVE is libzmq's own authenticated, encrypted handshake
 (libsodium), done once per connection, with no code of ours on the message path and no replay window. The
 server's key pair is derived one-way from the secret (HMAC-SHA256 -> Curve25519 secret key), so only holders
 of the secret know the server's public key, which a client needs to complete the handshake; the server's
-answer proves it holds the matching secret key. Clients use a fresh key pair per socket. PLAIN would put the
-secret on the wire; a MAC per message needs our own replay protection.
+answer proves it holds the matching secret key. A client's long-term key pair is derived from its role's key
+(security/roles.py); the master's ZAP handler (a thread of this module, on the ROUTER's context) accepts only the
+public keys of the client, node and admin roles and stamps each message's User-Id with that role, which the
+dispatcher checks per op. CURVE's per-session keys stay ephemeral. PLAIN would put the secret on the wire; a MAC
+per message needs our own replay protection.
 
 Refused peers never reach the ROUTER; a socket monitor logs each failed handshake with the peer's address.
 """
 from __future__ import annotations
 
+import hmac
 import os
 import socket
 import threading
@@ -19,9 +23,12 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from kvplugins.errors import AuthError
+from kvplugins.errors import AuthError, Forbidden
 from kvplugins.security.refusals import RefusalLog
-from kvplugins.security.secret import HOW, Secret
+from kvplugins.security.secret import HOW, Credential, Secret
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+MASTER_ROLES = ("client", "node", "admin")
 
 FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -33,13 +40,24 @@ def server_keys(secret: Secret) -> tuple[bytes, bytes]:
     return zmq.curve_public(private), private
 
 
-def client_socket(sock: zmq.Socket, secret: Secret | None) -> None:
-    """Make ``sock`` (before connect) a CURVE client of a master using ``secret``; no-op without one."""
-    if secret is None:
+def client_keys(keys: Secret | Credential, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) z85 CURVE keys of a ``role`` client, derived from that role's key. Raises Forbidden when
+    ``keys`` has no key for ``role``."""
+    key = keys.key(role)
+    if key is None:
+        raise Forbidden(f"the master's control plane as {role} needs the cluster secret or a {role} credential; "
+                        f"{keys.source} gives the {keys.role} role only")
+    private = z85.encode(hmac.new(key, b"kvplugins/zmq-curve-client", "sha256").digest())
+    return zmq.curve_public(private), private
+
+
+def client_socket(sock: zmq.Socket, keys: Secret | Credential | None, role: str = "client") -> None:
+    """Make ``sock`` (before connect) a CURVE client of a master as ``role``. Without ``keys`` the socket stays
+    plain (the master refuses it). Raises Forbidden (no key for ``role``)."""
+    if keys is None:
         return
-    public, private = zmq.curve_keypair()
-    sock.curve_serverkey = server_keys(secret)[0]
-    sock.curve_publickey, sock.curve_secretkey = public, private
+    sock.curve_serverkey = server_keys(keys)[0] if isinstance(keys, Secret) else keys.curve_server
+    sock.curve_publickey, sock.curve_secretkey = client_keys(keys, role)
 
 
 def handshake_failed(monitor: zmq.Socket | None) -> bool:
@@ -60,24 +78,54 @@ def refused_error(endpoint: str) -> AuthError:
                      f"process's shared secret is missing or differs from the master's; {HOW}")
 
 
+def role_of(frame: zmq.Frame) -> str:
+    """The role the ZAP handler stamped on a message received by a CurveServer's ROUTER ("" if none)."""
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return ""
+
+
 class CurveServer:
-    """Turns a ROUTER (before bind) into a CURVE server for ``secret`` and logs refused peers from a monitor
-    thread. ``close()`` before the socket's context is terminated."""
+    """Turns a ROUTER (before bind) into a CURVE server for ``secret`` that admits the role keys only, stamping
+    each message's User-Id with the role (role_of), and logs refused peers. One thread serves the ZAP requests
+    and the monitor; ``close()`` joins it, before the socket's context is terminated."""
 
     def __init__(self, router: zmq.Socket, secret: Secret):
+        self._zap = router.context.socket(zmq.REP)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        self._zap.bind(ZAP_ENDPOINT)
+        self._roles = {client_keys(secret, r)[0]: r.encode() for r in MASTER_ROLES}
+        router.zap_domain = b"kvplugins"
         router.curve_server = True
         router.curve_publickey, router.curve_secretkey = server_keys(secret)
         self._router, self.refusals = router, RefusalLog()
         self._monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | FAILED)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="kvp-zmq-auth-log", daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="kvp-zmq-auth", daemon=True)
         self._thread.start()
+
+    def _answer_zap(self) -> None:
+        """One ZAP request (RFC 27): admit a CURVE client whose long-term key is a role's, as that role."""
+        req = self._zap.recv_multipart()
+        version, rid = req[0], req[1] if len(req) > 1 else b""
+        role = self._roles.get(z85.encode(req[6])) if len(req) >= 7 and req[5] == b"CURVE" else None
+        if role is None:
+            self._zap.send_multipart([version, rid, b"400", b"not a kvplugins role key", b"", b""])
+        else:
+            self._zap.send_multipart([version, rid, b"200", b"OK", role, b""])
 
     def _watch(self) -> None:
         peers: dict[int, str] = {}
         failed: list[str] = []            # libzmq reports a failed handshake, then the DISCONNECTED of its fd
+        poller = zmq.Poller()
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._zap, zmq.POLLIN)
         while not self._stop.is_set():
-            if not self._monitor.poll(100):
+            ready = dict(poller.poll(100))
+            if self._zap in ready:
+                self._answer_zap()
+            if self._monitor not in ready:
                 continue
             ev = recv_monitor_message(self._monitor)
             if ev["event"] == zmq.EVENT_ACCEPTED:
@@ -92,12 +140,13 @@ class CurveServer:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
+        self._thread.join()
         try:
             self._router.disable_monitor()
         except zmq.ZMQError:
             pass
         self._monitor.close(0)
+        self._zap.close(0)
 
 
 def _peer_of(fd: int) -> str:

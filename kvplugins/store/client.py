@@ -17,6 +17,7 @@ MasterUnreachable, TransferFailed. Follows the Mooncake store client design (FAS
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import numpy as np
@@ -65,7 +66,8 @@ class StoreClient:
         self._slabs = SlabSpace(self._rpc, cfg.slab_bytes, (cfg.transfer_timeout_ms + cfg.rpc_timeout_ms) / 1000) \
             if cfg.slab_bytes and cfg.wait_commit and not self._sharded else None
         self._stats = ClientStats()
-        self._segment = self._segment_rpc = self._segment_link = None
+        self._segment = self._segment_rpc = self._segment_link = self._admin_rpc = None
+        self._admin_lock = threading.Lock()
         self._closed = False
         if cfg.segment_size:
             try:
@@ -77,7 +79,7 @@ class StoreClient:
     def _own_segment(self, cfg: ClientConfig) -> None:
         """Register ``segment_size`` bytes as this client's segment, with its command link (_command_link)."""
         from kvplugins.store.segment import OwnedSegment
-        self._segment_rpc = master_client(self.master, cfg.rpc_timeout_ms)
+        self._segment_rpc = master_client(self.master, cfg.rpc_timeout_ms, "node")   # needs a node credential
         self._segment = OwnedSegment(self._engine, cfg.segment_size, self._segment_rpc, cfg.heartbeat_interval_ms)
         self._segment_link = _command_link(cfg, self._engine, self._segment, self.master, self._segment_drained)
 
@@ -228,6 +230,8 @@ class StoreClient:
             self._segment = None
         if self._segment_rpc is not None:
             self._segment_rpc.close()
+        if self._admin_rpc is not None:
+            self._admin_rpc.close()
         self._staging.close()
         self._engine.close()
         self._rpc.close()
@@ -237,6 +241,19 @@ class StoreClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def master_call(self, op: str, entries: list, opts: dict | None = None):
+        """Run one master op (store/master; e.g. the compat layer's get_size, remove_by_regex, task_create) as
+        the role it needs (security/roles.py): admin ops on an admin connection opened on first use, the rest on
+        this client's connection. Returns the op's payload. Raises Forbidden (this process's credential lacks
+        the role), MasterUnreachable, StoreError (the master refused the request)."""
+        from kvplugins.security import roles
+        if roles.needed(op) != "admin":
+            return self._rpc.call(op, entries, opts)
+        with self._admin_lock:
+            if self._admin_rpc is None:
+                self._admin_rpc = master_client(self.master, self.cfg.rpc_timeout_ms, "admin")
+            return self._admin_rpc.call(op, entries, opts)
 
     # ---- internals -----------------------------------------------------------------------------------
     def _rpc_entries(self, op: str, entries: list, opts: dict | None = None) -> list:

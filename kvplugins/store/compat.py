@@ -281,8 +281,8 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         return None if config is DEFAULT else config.to_put_config(from_client(self._c.cfg))
 
     def _call(self, op: str, entries: list, opts: dict | None = None):
-        """One master op (the admin ops of store/master/admin_ops.py) on the client's master connection."""
-        return self._c._rpc.call(op, entries, opts)
+        """One master op (the admin ops of store/master/admin_ops.py), as the role it needs."""
+        return self._c.master_call(op, entries, opts)
 
     def _sizes(self, keys: list[str]) -> list[int]:
         from kvplugins.store.protocol import OK as FOUND

@@ -41,7 +41,7 @@ class StoreNode:
                 write_atomic(config.ready_file, self.segment.name + "\n")
             return
         try:
-            self._rpc = control_client(master, config.rpc_timeout_ms)
+            self._rpc = control_client(master, config.rpc_timeout_ms, "node")
             self.segment = OwnedSegment(self.engine, config.segment_size, self._rpc, config.heartbeat_interval_ms,
                                         prefault=config.prefault)
             self.tier = NodeTier(config, self.engine, self.segment, master, on_drained)

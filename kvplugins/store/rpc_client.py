@@ -2,7 +2,9 @@
 address and the timeout) instead of hanging; after a failure the connection is rebuilt on the next call.
 
 RawRpcClient: the per-operation path (length-prefixed msgpack over TCP). ZmqRpcClient: the control plane
-(node registration/heartbeats, status). Both are thread-safe (one call in flight per client).
+(node registration/heartbeats, status). Both are thread-safe (one call in flight per client). Each connects as
+one ``role`` (security/roles.py: client, node or admin), fixed when it authenticates; an op outside it raises
+Forbidden naming the role needed.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import threading
 import time
 
 from kvplugins import security
-from kvplugins.errors import ConfigError, MasterUnreachable, ProtocolError, StoreError
+from kvplugins.errors import ConfigError, Forbidden, MasterUnreachable, ProtocolError, StoreError
 from kvplugins.security import handshake
+from kvplugins.security.roles import FORBIDDEN
 from kvplugins.store import protocol
 from kvplugins.transfer.sockio import reusable
 
@@ -31,15 +34,16 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class _Base:
-    def __init__(self, address: str, timeout_ms: float):
-        self.address, self.timeout_ms = address, timeout_ms
+    def __init__(self, address: str, timeout_ms: float, role: str = "client"):
+        self.address, self.timeout_ms, self.role = address, timeout_ms, role
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._secret = security.resolve()   # the cluster's shared secret: authenticate each connection once
 
     def call(self, op: str, entries=(), opts: dict | None = None, timeout_ms: float | None = None):
         """Run batch op ``op`` on the master; returns its payload.
-        Raises MasterUnreachable (no answer in time), StoreError (the master refused the request)."""
+        Raises MasterUnreachable (no answer in time), Forbidden (``op`` is outside this client's role), AuthError
+        (the master refused this process's credential), StoreError (the master refused the request)."""
         timeout = self.timeout_ms if timeout_ms is None else timeout_ms
         rid = next(self._ids)
         body = protocol.pack([protocol.VERSION, rid, op, list(entries), opts or {}])
@@ -51,6 +55,8 @@ class _Base:
                 self._reset()
                 raise MasterUnreachable(self.address, timeout, f"{op}: {e or type(e).__name__}") from e
         if not ok:
+            if type(payload) is str and payload.startswith(FORBIDDEN):
+                raise Forbidden(f"master {self.address} refused {op}: {payload.removeprefix(FORBIDDEN)}")
             raise StoreError(f"master {self.address} refused {op}: {payload}")
         return payload
 
@@ -68,8 +74,8 @@ class RawRpcClient(_Base):
     At most MAX_DEFERRED replies wait; more make the send flush first."""
     MAX_DEFERRED = 64
 
-    def __init__(self, address: str, timeout_ms: float):
-        super().__init__(address, timeout_ms)
+    def __init__(self, address: str, timeout_ms: float, role: str = "client"):
+        super().__init__(address, timeout_ms, role)
         self._host, self._port = parse_address(address)
         self._sock: socket.socket | None = None
         self._rbuf = bytearray()
@@ -126,7 +132,8 @@ class RawRpcClient(_Base):
             sock = socket.create_connection((self._host, self._port), timeout=_left(deadline))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._secret is not None:
-                handshake.client(sock, self._secret, deadline, f"master {self.address}")
+                handshake.client(sock, self._secret, deadline, f"master {self.address}", self.role,
+                                 refused=_refusal_frame)
             self._sock = sock
         return self._sock
 
@@ -170,8 +177,8 @@ class RawRpcClient(_Base):
 class ZmqRpcClient(_Base):
     """A zmq DEALER connected to the master's ROUTER endpoint (``tcp://host:port`` from the ``info`` op)."""
 
-    def __init__(self, endpoint: str, timeout_ms: float):
-        super().__init__(endpoint, timeout_ms)
+    def __init__(self, endpoint: str, timeout_ms: float, role: str = "client"):
+        super().__init__(endpoint, timeout_ms, role)
         import zmq
 
         from kvplugins.security import curve
@@ -191,7 +198,7 @@ class ZmqRpcClient(_Base):
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._monitor = self._curve.client_monitor(self._sock)
-            self._curve.client_socket(self._sock, self._secret)      # CURVE keys from the shared secret
+            self._curve.client_socket(self._sock, self._secret, self.role)   # the role's CURVE keys
             self._sock.connect(self.address)
         self._sock.send(body)
         if not self._sock.poll(int(_left(deadline) * 1000), zmq.POLLIN):
@@ -202,6 +209,22 @@ class ZmqRpcClient(_Base):
         return self._sock.recv()
 
 
+def _refusal_frame(data: bytes) -> ConnectionRefusedError | None:
+    """A server over a connection cap answers its refusal frame (request id 0) instead of the handshake: the
+    ConnectionRefusedError naming its reason, or None for anything else."""
+    try:
+        (n,) = protocol.HEADER.unpack_from(data)
+        msg = protocol.unpack(data[protocol.HEADER.size:protocol.HEADER.size + n])
+    except Exception:  # noqa: BLE001 - not a frame at all: the caller reports the malformed handshake
+        return None
+    if isinstance(msg, list) and len(msg) == 4 and msg[1] == 0 and msg[2] is False:
+        try:
+            protocol.parse_response(msg, 0)
+        except ProtocolError as e:          # id 0: "connection refused: <reason>"
+            return ConnectionRefusedError(str(e))
+    return None
+
+
 def _left(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
@@ -209,29 +232,30 @@ def _left(deadline: float) -> float:
     return left
 
 
-def _leader_client(address: str, timeout_ms: float, plane: str):
+def _leader_client(address: str, timeout_ms: float, plane: str, role: str):
     """A client following the elected master of an HA address, or None for a single master's host:port."""
     if not (address.startswith("etcd://") or "," in address):
         return None
     from kvplugins.store.ha.follower import LeaderClient
-    return LeaderClient(address, timeout_ms, plane)
+    return LeaderClient(address, timeout_ms, plane, role)
 
 
-def master_client(address: str, timeout_ms: float) -> RawRpcClient:
+def master_client(address: str, timeout_ms: float, role: str = "client") -> RawRpcClient:
     """The per-operation client of the master at ``address`` (what StoreClient uses). The one place that turns a
     configured master address into a client. An HA address (``etcd://host:port[/prefix]`` or a comma list of
     masters) gives a client following the elected leader (kvplugins/store/ha/follower.py); a sharded store's
-    (``shards://host:port/prefix``) one routing each key to its shard (kvplugins/store/shard/router.py)."""
+    (``shards://host:port/prefix``) one routing each key to its shard (kvplugins/store/shard/router.py).
+    ``role``: what the connections authenticate as (security/roles.py)."""
     if address.startswith("shards://"):
         from kvplugins.store.shard.router import ShardedRpc
-        return ShardedRpc(address, timeout_ms)
-    return _leader_client(address, timeout_ms, "raw") or RawRpcClient(address, timeout_ms)
+        return ShardedRpc(address, timeout_ms, role)
+    return _leader_client(address, timeout_ms, "raw", role) or RawRpcClient(address, timeout_ms, role)
 
 
-def control_client(address: str, timeout_ms: float) -> ZmqRpcClient:
+def control_client(address: str, timeout_ms: float, role: str = "client") -> ZmqRpcClient:
     """A zmq control-plane client for the master whose raw address is ``address`` (asks ``info``); for an HA
-    address, one that follows the leader's control plane."""
-    ha = _leader_client(address, timeout_ms, "zmq")
+    address, one that follows the leader's control plane. ``role``: what it authenticates as."""
+    ha = _leader_client(address, timeout_ms, "zmq", role)
     if ha is not None:
         return ha
     raw = RawRpcClient(address, timeout_ms)
@@ -239,4 +263,4 @@ def control_client(address: str, timeout_ms: float) -> ZmqRpcClient:
         endpoint = raw.call("info")["zmq"]
     finally:
         raw.close()
-    return ZmqRpcClient(endpoint, timeout_ms)
+    return ZmqRpcClient(endpoint, timeout_ms, role)

@@ -92,6 +92,12 @@ class SegmentOpts(Struct, forbid_unknown_fields=True):
     segment: SegName
 
 
+class OwnerOpts(Struct, forbid_unknown_fields=True):
+    """register_segment / unregister: the registering process's random owner token (store/segment.py); a live
+    segment name is bound to it (master/segments.py)."""
+    owner: Annotated[str, Meta(max_length=128)] = ""
+
+
 class DescRegion(Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
     """One row of a descriptor's region table: [id, length, shm_path] or [..., [addr, [rkey per RDMA NIC]]]."""
     region_id: RegionId
@@ -145,8 +151,8 @@ def _op_types(key, batch) -> dict:
                                       Meta(min_length=1, max_length=1)], ForceOpts),
         "remove_all": (none, ForceOpts),
         "report_corrupt": (batch(tuple[key, SegName, Offset, U64]), NoOpts),
-        "register_segment": (batch(tuple[Descriptor, RegionId, Size]), NoOpts),
-        "heartbeat": (names, NoOpts), "unregister": (names, NoOpts), "describe": (names, NoOpts),
+        "register_segment": (batch(tuple[Descriptor, RegionId, Size]), OwnerOpts),
+        "heartbeat": (names, NoOpts), "unregister": (names, OwnerOpts), "describe": (names, NoOpts),
         "drain": (names, NoOpts), "tier_poll": (names, NoOpts),
         "tier_register": (batch(TierNode), MoreOpts),
         "tier_done": (batch(tuple[Literal["offload", "migrate", "evicted", "corrupt", "missing"], key, bool,
@@ -182,9 +188,11 @@ class Schemas:
     def of(cls, cfg) -> "Schemas":
         return cls(cfg.max_batch, cfg.max_key_bytes)
 
-    def decode(self, body: bytes) -> tuple[int, str, object, object]:
-        """(request id, op, entries, opts) of a request body. Raises ProtocolError for a body that is not a
-        request (the connection closes), ValueError naming the field for a request this master refuses."""
+    def decode(self, body: bytes, refusal=None) -> tuple[int, str, object, object]:
+        """(request id, op, entries, opts) of a request body. ``refusal(op)``: None, or why the caller may not
+        run ``op`` (security/roles.py), checked before the entries are decoded. Raises ProtocolError for a body
+        that is not a request (the connection closes), ValueError (RefusedRequest) naming the field or the
+        refusal for a request this master refuses."""
         try:
             env = self._envelope.decode(body)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:   # (bad UTF-8; ~1000-deep nesting)
@@ -194,6 +202,9 @@ class Schemas:
         decoders = self._decoders.get(env.op)
         if decoders is None:
             raise RefusedRequest(env.rid, f"unknown op {env.op!r}; valid: {', '.join(sorted(self._decoders))}")
+        why = refusal(env.op) if refusal is not None else None
+        if why is not None:
+            raise RefusedRequest(env.rid, why)
         try:
             entries = decoders[0].decode(env.entries)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:

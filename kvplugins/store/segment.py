@@ -8,6 +8,7 @@ restarted) the next heartbeat re-registers it; the objects it held were already 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 
 from kvplugins.errors import MasterUnreachable, StoreError
@@ -23,6 +24,7 @@ class OwnedSegment:
 
     def __init__(self, engine, size: int, rpc, heartbeat_interval_ms: int, prefault: bool = False, region=None):
         self.engine, self.rpc, self.interval_s = engine, rpc, heartbeat_interval_ms / 1000
+        self._owner = secrets.token_hex(32)    # binds the name to this process (master/segments.py)
         self.region = region or engine.alloc_shared(int(size), export=True, populate=prefault)
         self.name = self._register()
         self._stop = threading.Event()
@@ -31,7 +33,8 @@ class OwnedSegment:
 
     def _register(self) -> str:
         wire = self.engine.descriptor().to_wire()
-        [(code, value)] = self.rpc.call("register_segment", [[wire, self.region.region_id, self.region.length]])
+        [(code, value)] = self.rpc.call("register_segment", [[wire, self.region.region_id, self.region.length]],
+                                        {"owner": self._owner})
         if code != OK:
             raise StoreError(f"master {self.rpc.address} refused the segment: {value}")
         log.info("segment %s registered (%d bytes)", value, self.region.length)
@@ -58,6 +61,6 @@ class OwnedSegment:
         self._stop.set()
         self._thread.join(timeout=5)
         try:
-            self.rpc.call("unregister", [self.name], timeout_ms=min(self.rpc.timeout_ms, 1000))
+            self.rpc.call("unregister", [self.name], {"owner": self._owner}, timeout_ms=min(self.rpc.timeout_ms, 1000))
         except StoreError as e:
             log.info("unregister of %s skipped: %s", self.name, e)

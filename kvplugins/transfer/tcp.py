@@ -38,7 +38,7 @@ class TcpTransport(Transport):
 
     def __init__(self, config: TransferConfig, regions: RegionTable):
         self._cfg = config
-        self._secret = security.resolve()     # the cluster's shared secret (None: loopback-only, no handshake)
+        self._secret = security.require("the TCP transfer server")   # every peer authenticates (role data)
         self._server = TcpServer(config.host, config.tcp_port, regions, config.max_frame, config.server_limits(),
                                  secret=self._secret)
         self._lock = threading.Lock()
@@ -196,7 +196,7 @@ class TcpTransport(Transport):
         sock = socket.create_connection(peer, timeout=left)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._secret is not None:
-            handshake.client(sock, self._secret, deadline.at, "the peer")
+            handshake.client(sock, self._secret, deadline.at, "the peer", refused=_refusal_frame)
         return sock, False
 
     def _pooled(self, peer: tuple[str, int]) -> socket.socket | None:
@@ -248,6 +248,19 @@ def _auth_refused(peer: tuple[str, int], prefix_hex: str, deadline: Deadline) ->
         return _failure(peer, e, deadline)
     return TransferFailed(f"tcp peer {peer[0]}:{peer[1]} failed: ProtocolError: bad frame magic (an authentication "
                           f"handshake: the peer has a shared secret, this process has none)")
+
+
+def _refusal_frame(data: bytes) -> TransferFailed | None:
+    """The TransferFailed naming the reason when ``data`` (sent instead of a handshake message) is the server's
+    refusal frame (over a connection cap, tcp_server.py), else None."""
+    try:
+        hlen, _ = wire.parse_prefix(data[:wire.PREFIX.size], 1 << 20)
+        _check_refused(data[wire.PREFIX.size:wire.PREFIX.size + hlen])
+    except TransferFailed as e:
+        return e
+    except (ProtocolError, ValueError):
+        pass
+    return None
 
 
 def _check_refused(header) -> None:

@@ -1,6 +1,6 @@
 """The shared secret on real processes: a master and a store node started with KVPLUGINS_AUTH_TOKEN_FILE serve
-clients holding the secret (raw RPC, zmq control plane, transfer TCP); clients with no secret or a wrong one are
-refused on every endpoint with AuthError, nothing is served or written, and the master logs each refused peer's
+clients holding the secret (raw RPC, zmq control plane, transfer TCP); clients with no credential at all, only
+their per-user default secret, or a wrong one are refused on every endpoint with AuthError, nothing is served or written, and the master logs each refused peer's
 address. Loopback is the default bind everywhere; a non-loopback bind without a secret does not start."""
 import importlib.util
 import os
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvplugins
-from helpers.auth import FILE_ENV, TOKEN_ENV, read_until_closed, use_secret
+from helpers.auth import FILE_ENV, TOKEN_ENV, read_until_closed, use_secret, zmq_endpoint
 from helpers.cluster import store_cluster
 from kvplugins.errors import AuthError
 from kvplugins.security import handshake
@@ -41,19 +41,12 @@ def secured(tmp_path_factory):
 
 @pytest.fixture
 def as_peer(monkeypatch, secured):
-    """as_peer(None | "right" | "wrong"): this test process's secret from now on."""
+    """as_peer(None | "right" | "wrong" | "none"): this test process's secret from now on (None: the per-user
+    default, which is not the cluster's; "none": no credential at all)."""
     def use(which):
         use_secret(monkeypatch, token="not-the-cluster-secret-0123456789" if which == "wrong" else None,
-                   token_file=secured[1] if which == "right" else None)
+                   token_file=secured[1] if which == "right" else None, none=which == "none")
     return use
-
-
-def _zmq_endpoint(master: str) -> str:
-    ctl = control_client(master, 3000)
-    try:
-        return ctl.address
-    finally:
-        ctl.close()
 
 
 def _wait_log(proc, text: str, timeout_s: float = 5.0) -> str:
@@ -85,7 +78,8 @@ def test_cluster_with_the_secret_works_on_every_connection(secured, as_peer):
     assert st["objects"] >= 1
 
 
-@pytest.mark.parametrize("which, reason", [(None, "requires authentication"), ("wrong", "could not prove")])
+@pytest.mark.parametrize("which, reason", [("none", "requires authentication"), (None, "could not prove"),
+                                           ("wrong", "could not prove")])
 def test_raw_rpc_refuses_missing_or_wrong_secret(secured, as_peer, which, reason):
     cluster, _ = secured
     as_peer(which)
@@ -96,14 +90,14 @@ def test_raw_rpc_refuses_missing_or_wrong_secret(secured, as_peer, which, reason
     with pytest.raises(AuthError, match="KVPLUGINS_AUTH_TOKEN_FILE"):
         StoreClient(ClientConfig(master=cluster.master))
     log = _wait_log(cluster.master_proc, "refused master RPC connection from 127.0.0.1:")
-    assert ("sent data without authenticating" if which is None else "wrong shared secret") in log
+    assert ("sent data without authenticating" if which == "none" else "wrong shared secret") in log
 
 
-@pytest.mark.parametrize("which", [None, "wrong"])
+@pytest.mark.parametrize("which", ["none", None, "wrong"])
 def test_zmq_control_plane_refuses_missing_or_wrong_secret(secured, as_peer, which):
     cluster, _ = secured
     as_peer("right")
-    endpoint = _zmq_endpoint(cluster.master)
+    endpoint = zmq_endpoint(cluster.master)
     as_peer(which)
     zmq_client = ZmqRpcClient(endpoint, 1500)
     try:
@@ -127,7 +121,7 @@ def test_store_node_without_the_secret_does_not_join(secured, as_peer, tmp_path)
     proc = subprocess.run(CLI + ["store", "--master", cluster.master, "--segment-size", "4MiB"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
-    assert "requires authentication" in proc.stderr
+    assert "could not prove" in proc.stderr        # its per-user default secret is not the cluster's
 
 
 def test_transfer_tcp_refuses_an_unauthenticated_peer(secured, as_peer):
@@ -170,7 +164,7 @@ def test_status_command_takes_the_secret_from_a_flag_or_the_config_file(secured,
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, FILE_ENV)}
     cmd = CLI + ["status", "--json", "--master", cluster.master]
     denied = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
-    assert denied.returncode == 2 and "requires authentication" in denied.stderr
+    assert denied.returncode == 2 and "could not prove" in denied.stderr
     if how == "flag":
         cmd += ["--token-file", str(token)]
     else:

@@ -1,6 +1,8 @@
 """Schema-aware fuzz (hypothesis) of every master op against a live ``kvplugins master`` on loopback (issue #11).
 
-Each op has a valid template request; each example changes one field of it (a leaf or a container, in entries or
+Every example runs on a connection authenticated as admin (so each op reaches its schema); the same templates
+sent unauthenticated are refused unserved (test_unauthenticated_requests_get_nothing). Each op has a valid
+template request; each example changes one field of it (a leaf or a container, in entries or
 opts) to a wrong type, a negative, zero or huge number, an over-long string or bytes, deep nesting, or removes
 it, adds an extra one, or duplicates the batch's first entry. After every example: the master answered (a
 result or a refusal naming the field, never a dropped connection), the same connection still serves, the
@@ -18,9 +20,11 @@ import socket
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from helpers.auth import authenticated, read_until_closed
 from helpers.cluster import store_cluster
 
 from kvplugins.errors import ProtocolError
+from kvplugins.security import handshake
 from kvplugins.store import ClientConfig, StoreClient, protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
@@ -96,9 +100,10 @@ def mutate(req: list, path: tuple, kind: str, bad):
     return req
 
 
-def connect(address: str) -> socket.socket:
+def connect(address: str, authenticate: bool = True) -> socket.socket:
     host, port = address.rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=10)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return authenticated(sock) if authenticate else sock
 
 
 def send(sock: socket.socket, msg: list) -> None:
@@ -128,7 +133,7 @@ def live():
     with store_cluster(nodes=1, segment_size="16MiB") as c, StoreClient(ClientConfig(master=c.master)) as client:
         sentinels = {f"sentinel/{i}": bytes([i + 1]) * (1000 + i) for i in range(8)}
         assert client.batch_put(list(sentinels), list(sentinels.values())) == [None] * 8
-        rpc = RawRpcClient(c.master, 5000)
+        rpc = RawRpcClient(c.master, 5000, "admin")
         segments = {s["name"] for s in rpc.call("status")["segments"]}
         yield c, client, rpc, sentinels, segments
         rpc.close()
@@ -181,6 +186,21 @@ def test_fuzz_op(live, op):
         conn[0].close()
     assert client.batch_get(list(sentinels)) == list(sentinels.values())
     assert cluster.master_proc.alive(), cluster.master_proc.log_tail()
+
+
+@pytest.mark.parametrize("op", sorted(TEMPLATES))
+def test_unauthenticated_requests_get_nothing(live, op):
+    """Each op's template, and the template with its first field broken, sent without a handshake: refused
+    (REFUSED, then closed), nothing served, the sentinels unchanged."""
+    cluster, client, rpc, sentinels, segments = live
+    template = [list(TEMPLATES[op][0]), dict(TEMPLATES[op][1])]
+    for req in (template, mutate(template, next(iter(list(paths(template))[1:]), ()), "replace", None)):
+        with connect(cluster.master, authenticate=False) as s:
+            send(s, [protocol.VERSION, next(RIDS), op, *req])
+            answer = read_until_closed(s)
+        assert answer[:4] == handshake.MAGIC and answer[5] == handshake.REFUSED and len(answer) == handshake.MSG.size
+    assert client.batch_get(list(sentinels)) == list(sentinels.values())
+    assert {s["name"] for s in rpc.call("status")["segments"]} == segments
 
 
 def test_deeply_nested_values_are_refused_with_a_bounded_message():

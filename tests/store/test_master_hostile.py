@@ -13,6 +13,7 @@ import time
 
 import msgpack
 import pytest
+from helpers.auth import authenticated
 from helpers.cluster import master_process, store_cluster
 
 from kvplugins.errors import MasterUnreachable, StoreError
@@ -30,10 +31,11 @@ def rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def connect(address: str) -> socket.socket:
+def connect(address: str, authenticate: bool = True) -> socket.socket:
+    """A raw connection to the master, authenticated as admin (or not: a flood of bare connections)."""
     host, port = address.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=5)
-    return s
+    return authenticated(s) if authenticate else s
 
 
 def roundtrip_ok(client: StoreClient, tag: str) -> None:
@@ -114,7 +116,7 @@ def test_crafted_checksum_is_refused_and_never_stored(cluster, plane):
 
 
 def test_string_size_in_tier_register_is_refused_whole(cluster):
-    rpc = control_client(cluster.master, 3000)
+    rpc = control_client(cluster.master, 3000, "node")
     seg = cluster.nodes[0].address
     try:
         with pytest.raises(StoreError, match=r"tier_register: entries: Expected `int`, got `str` - at `\$\[0\]"):
@@ -129,7 +131,7 @@ def test_string_size_in_tier_register_is_refused_whole(cluster):
 
 def test_catastrophic_regex_runs_in_linear_time(cluster):
     cluster.client.put("a" * 30, b"x" * 64)
-    rpc = RawRpcClient(cluster.master, 5000)
+    rpc = RawRpcClient(cluster.master, 5000, "admin")
     try:
         t0 = time.monotonic()
         assert rpc.call("remove_by_regex", ["^(a+)+$"], {"force": True}) == [0, 1]
@@ -228,7 +230,7 @@ def test_fd_exhaustion_keeps_serving_established_clients():
         try:
             for _ in range(300):
                 with contextlib.suppress(OSError):
-                    flood.append(connect(m.address))
+                    flood.append(connect(m.address, authenticate=False))
             time.sleep(0.3)
             for _ in range(20):                       # the established client is served throughout
                 assert est.call("exists", ["x"]) == [False]
@@ -294,7 +296,7 @@ def test_a_bug_in_one_subsystem_is_contained():
 def test_admin_scan_yields_to_other_clients():
     """remove_all over 200k objects runs in slices: another client's ops complete while it runs."""
     with store_cluster(nodes=1, segment_size="32MiB") as c:
-        rpc = RawRpcClient(c.master, 30000)
+        rpc = RawRpcClient(c.master, 30000, "admin")
         n = 200_000
         for i in range(0, n, 50_000):                  # metadata only: no bytes are needed to be scanned
             keys = [f"scan/{j}" for j in range(i, i + 50_000)]

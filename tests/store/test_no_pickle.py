@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvplugins
-from helpers.auth import read_until_closed, use_secret
+from helpers.auth import authenticated, read_until_closed, use_secret
 from helpers.cluster import master_process
 from kvplugins.store.rpc_client import RawRpcClient, control_client
 from kvplugins.transfer import TransferConfig, TransferEngine
@@ -68,16 +68,18 @@ class _Trap:
         return (open, (self.path, "w"))
 
 
-def _refused(address: tuple[str, int], data: bytes) -> bool:
-    """Send ``data`` on a fresh connection; True when the server closes it without answering a frame (an
-    authentication refusal is the only answer allowed)."""
+def _refused(address: tuple[str, int], data: bytes, role: str | None = None) -> bool:
+    """Send ``data`` on a fresh connection (authenticated as ``role`` first, if given); True when the server
+    closes it without answering a frame (an authentication refusal is the only answer allowed)."""
     with socket.create_connection(address, timeout=5) as s:
+        if role is not None:
+            authenticated(s, role)
         s.sendall(data)
         got = read_until_closed(s)
     return got == b"" or got[:4] == b"KVPA"
 
 
-@pytest.fixture(params=[None, SECRET], ids=["no-secret", "secret"])
+@pytest.fixture(params=[None, SECRET], ids=["per-user-secret", "secret"])
 def trap(request, tmp_path, monkeypatch):
     """(path, pickle payload whose unpickling creates path), under no secret or SECRET."""
     use_secret(monkeypatch, request.param)
@@ -89,8 +91,9 @@ def test_master_refuses_pickle(tmp_path, trap):
     trap, payload = trap
     with master_process(tmp=tmp_path / "m") as m:
         host, port = m.address.rsplit(":", 1)
-        assert _refused((host, int(port)), struct.pack(">I", len(payload)) + payload)   # a framed pickle
-        assert _refused((host, int(port)), payload)                                     # a bare one
+        for role in (None, "admin"):                    # unauthenticated, and past the handshake
+            assert _refused((host, int(port)), struct.pack(">I", len(payload)) + payload, role)   # framed
+            assert _refused((host, int(port)), payload, role)                                     # bare
         ctl = control_client(m.address, 3000)
         endpoint = ctl.address
         ctl.close()
@@ -113,8 +116,9 @@ def test_transfer_server_refuses_pickle(trap):
     try:
         region = eng.alloc_shared(1 << 16)
         ep = eng.descriptor().transports["tcp"]
-        assert _refused((ep["host"], ep["port"]), payload)
-        assert _refused((ep["host"], ep["port"]), b"KVPT" + struct.pack("<IQ", len(payload), 0) + payload)
+        for role in (None, "data"):
+            assert _refused((ep["host"], ep["port"]), payload, role)
+            assert _refused((ep["host"], ep["port"]), b"KVPT" + struct.pack("<IQ", len(payload), 0) + payload, role)
         assert not np.frombuffer(eng.memoryview(region), np.uint8).any()
     finally:
         eng.close()

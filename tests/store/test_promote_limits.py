@@ -11,6 +11,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from helpers.auth import authenticated
 from helpers.limited_server import LimitedServer, closed_within, flood
 from kvplugins.config import load
 from kvplugins.errors import ConfigError, MasterUnreachable, StoreError
@@ -32,7 +33,7 @@ def _promote_ok(rpc: RawRpcClient, keys: list[str]) -> None:
 
 def _raw(port: int, body: bytes, timeout_s: float = 5) -> list | None:
     """Send one frame with ``body``; the decoded reply, or None if the endpoint closed the connection."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+    with authenticated(socket.create_connection(("127.0.0.1", port), timeout=timeout_s), "data") as s:
         s.sendall(protocol.HEADER.pack(len(body)) + body)
         buf = b""
         while len(buf) < 4 or len(buf) < 4 + protocol.HEADER.unpack(buf[:4])[0]:
@@ -76,7 +77,7 @@ def test_limits_config_keys_validate_and_come_from_env():
     (["a"], {"pin": 1}, "invalid opts: Object contains unknown field `pin`"),
 ])
 def test_a_bad_request_is_refused_naming_the_field_and_applies_nothing(endpoint, entries, opts, field):
-    rpc = RawRpcClient(endpoint.info["address"], 3000)
+    rpc = RawRpcClient(endpoint.info["address"], 3000, "data")
     try:
         before = endpoint.stats()["applied"]
         with pytest.raises(StoreError, match="refused promote") as err:
@@ -129,7 +130,7 @@ def test_fuzzed_promote_payloads_are_answered_or_refused_whole(endpoint, entries
 @pytest.mark.timeout(120)
 def test_descriptor_exhaustion_keeps_established_client_and_recovers():
     with LimitedServer("promote", nofile=64, config={"idle_timeout_s": 60}) as srv:
-        rpc = RawRpcClient(srv.info["address"], 3000)
+        rpc = RawRpcClient(srv.info["address"], 3000, "data")
         try:
             _promote_ok(rpc, ["before"])
             socks = flood(_port(srv), 150)
@@ -146,7 +147,7 @@ def test_descriptor_exhaustion_keeps_established_client_and_recovers():
         assert "accept failed (Too many open files)" in srv.log()
         ok, deadline = None, time.monotonic() + 30
         while ok is None and time.monotonic() < deadline:   # recovered: a new client is served
-            fresh = RawRpcClient(srv.info["address"], 3000)
+            fresh = RawRpcClient(srv.info["address"], 3000, "data")
             try:
                 ok = fresh.call("promote", ["after"])
             except MasterUnreachable:
@@ -166,7 +167,7 @@ def test_global_and_per_peer_caps_refuse_with_the_reason():
             return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
         held = [hold("127.0.0.1"), hold("127.0.0.2"), hold("127.0.0.2")]
         assert srv.wait_stats(lambda s: s["connections"] == 3)["connections"] == 3
-        rpc = RawRpcClient(srv.info["address"], 3000)
+        rpc = RawRpcClient(srv.info["address"], 3000, "data")
         with pytest.raises(MasterUnreachable, match=r"connection refused: .*store\.promote_max_connections=3"):
             rpc.call("promote", ["k"])
         for s in held[1:]:
@@ -195,11 +196,11 @@ def test_idle_and_slow_connections_are_closed_within_their_timeouts():
         port = _port(srv)
         body = msgpack.packb([1, 1, "promote", ["k"], {}])
         frame = protocol.HEADER.pack(len(body)) + body
-        t_idle = closed_within(socket.create_connection(("127.0.0.1", port), timeout=5), 5)
-        half = socket.create_connection(("127.0.0.1", port), timeout=5)
+        t_idle = closed_within(authenticated(socket.create_connection(("127.0.0.1", port), timeout=5), "data"), 5)
+        half = authenticated(socket.create_connection(("127.0.0.1", port), timeout=5), "data")
         half.sendall(frame[:2])                                 # half the length header, then nothing
         t_half = closed_within(half, 5)
-        trickle = socket.create_connection(("127.0.0.1", port), timeout=5)
+        trickle = authenticated(socket.create_connection(("127.0.0.1", port), timeout=5), "data")
         t_trickle = closed_within(trickle, 5, frame, every_s=0.1)
         for t in (t_idle, t_half, t_trickle):
             assert t is not None and 0.3 < t < 2.5, (t_idle, t_half, t_trickle)

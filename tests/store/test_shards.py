@@ -163,7 +163,8 @@ def test_adding_and_removing_a_master_mid_workload_never_returns_wrong_bytes(sto
             t0 = time.monotonic()
             store.add_master("d")
             print(f"d joined in {time.monotonic() - t0:.1f} s")
-            moved = [k for k in before if store.state().ring.owner(k) == "d"]
+            ring = store.state().ring              # read once: per key, the reads outlasted the move window
+            moved = [k for k in before if ring.owner(k) == "d"]
             during = c.batch_get(moved)            # within the window: read from their previous shard
             dual_hits = sum(isinstance(g, bytes) for g in during)
             store.wait_segments(6)                 # every node moved 3 of its 12 extents to d

@@ -7,6 +7,7 @@ import time
 import msgpack
 import pytest
 
+from helpers.auth import authenticated
 from helpers.cluster import master_process, store_cluster
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreFull
 from kvplugins.store import ClientConfig, StoreClient
@@ -100,7 +101,7 @@ def test_silent_master_times_out_not_hangs():
 def test_malformed_frame_closes_connection_master_keeps_serving(bad):
     with master_process() as m:
         host, port = m.address.rsplit(":", 1)
-        s = socket.create_connection((host, int(port)), timeout=3)
+        s = authenticated(socket.create_connection((host, int(port)), timeout=3))
         s.sendall(bad)
         assert s.recv(100) == b""                              # closed by the master
         s.close()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from helpers.auth import authenticated
 from helpers.peer import Peer
 from kvplugins.transfer import TransferConfig, TransferEngine, TransferRequest, wire
 
@@ -29,7 +30,7 @@ def client():
 
 def _send_raw(port: int, data: bytes) -> bytes:
     """Send ``data``, half-close, and return whatever the server answers before it closes."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+    with authenticated(socket.create_connection(("127.0.0.1", port), timeout=5), "data") as s:
         try:
             s.sendall(data)
             s.shutdown(socket.SHUT_WR)

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from helpers.auth import authenticated
 from helpers.limited_server import REGION_SIZE, SEED, LimitedServer, closed_within, flood
 from helpers.peer import seeded
 from kvplugins.config import load
@@ -135,11 +136,11 @@ def test_idle_and_slow_connections_are_closed_within_their_timeouts(engines):
     with LimitedServer("transfer", config={"idle_timeout_ms": 500, "frame_timeout_ms": 500}) as srv:
         port = srv.info["port"]
         frame = wire.encode_request(wire.OP_READ, 1, [(srv.info["region"], 0, 64)])
-        t_idle = closed_within(socket.create_connection(("127.0.0.1", port), timeout=5), 5)
-        half = socket.create_connection(("127.0.0.1", port), timeout=5)
+        t_idle = closed_within(authenticated(socket.create_connection(("127.0.0.1", port), timeout=5), "data"), 5)
+        half = authenticated(socket.create_connection(("127.0.0.1", port), timeout=5), "data")
         half.sendall(frame[:wire.PREFIX.size // 2])           # half a frame header, then nothing
         t_half = closed_within(half, 5)
-        trickle = socket.create_connection(("127.0.0.1", port), timeout=5)
+        trickle = authenticated(socket.create_connection(("127.0.0.1", port), timeout=5), "data")
         t_trickle = closed_within(trickle, 5, frame, every_s=0.1)   # a byte every 100 ms: never a whole frame
         for t in (t_idle, t_half, t_trickle):
             assert t is not None and 0.3 < t < 2.5, (t_idle, t_half, t_trickle)

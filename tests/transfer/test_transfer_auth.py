@@ -1,7 +1,9 @@
 """The transfer core under a shared secret, against a real peer process: authenticated engines move bytes over
-every transport; over TCP a peer without the secret, or with another, is refused (TransferFailed caused by
-AuthError, no byte read or written) and logged; the handshake cannot be replayed; shared memory (same host)
-is owner-only (0600), which is what protects it instead."""
+every transport; over TCP a peer with another secret (its per-user default, or a wrong one) is refused
+(TransferFailed caused by AuthError, no byte read or written) and logged; an engine with no credential at all
+does not start its TCP server; the handshake cannot be replayed; shared memory (same host) is owner-only (0600),
+which is what protects it instead."""
+import hmac
 import logging
 import os
 import socket
@@ -51,7 +53,7 @@ def test_engines_holding_the_secret_move_bytes(peer, monkeypatch, transports):
         eng.close()
 
 
-@pytest.mark.parametrize("token, reason", [(None, "requires authentication"), ("x" * 24, "could not prove")])
+@pytest.mark.parametrize("token, reason", [(None, "could not prove"), ("x" * 24, "could not prove")])
 def test_tcp_refuses_a_peer_without_the_secret(peer, monkeypatch, token, reason):
     eng = _engine(monkeypatch, token)
     try:
@@ -70,7 +72,13 @@ def test_tcp_refuses_a_peer_without_the_secret(peer, monkeypatch, token, reason)
         eng.close()
 
 
-def test_a_secret_holder_refuses_a_peer_without_one(monkeypatch):
+def test_an_engine_without_any_credential_serves_nothing(monkeypatch):
+    use_secret(monkeypatch, none=True)
+    with pytest.raises(ConfigError, match="TCP transfer server has no shared secret"):
+        TransferEngine(TransferConfig(transports="tcp"))
+
+
+def test_a_secret_holder_refuses_a_peer_with_its_per_user_default(monkeypatch):
     with pytest.MonkeyPatch.context() as mp:
         use_secret(mp, None)
         with Peer(transports="tcp", size=SIZE, seed=6) as open_peer:
@@ -80,7 +88,7 @@ def test_a_secret_holder_refuses_a_peer_without_one(monkeypatch):
                 before = open_peer.digest(0, SIZE)
                 [err] = eng.write_spans(open_peer.descriptor, open_peer.region_id, [eng.register(src).addr], [0],
                                         [src.size])
-                assert isinstance(err.__cause__, AuthError) and "has no shared secret" in str(err)
+                assert isinstance(err.__cause__, AuthError) and "could not prove" in str(err)
                 assert open_peer.digest(0, SIZE) == before
             finally:
                 eng.close()
@@ -122,25 +130,29 @@ def test_a_silent_connection_is_closed_after_the_frame_timeout(monkeypatch, capl
 
 def test_the_handshake_cannot_be_replayed():
     secret = Secret(SECRET.encode(), "test")
+    key = secret.key("data")
     cn = os.urandom(32)
 
+    def mac(label, *parts):
+        return hmac.new(key, label + b"".join(parts), "sha256").digest()
+
     def challenge(server):
-        out, outcome = server.feed(bytearray(handshake.message(handshake.HELLO, cn)))
+        out, outcome = server.feed(bytearray(handshake.message(handshake.HELLO, cn)))   # role 0: data
         assert outcome is None
-        _, _, kind, _, sn, mac = handshake.MSG.unpack(out)
-        assert kind == handshake.CHALLENGE and mac == secret.mac(b"S", cn, sn)   # the server proved itself
+        _, _, kind, _, sn, server_mac = handshake.MSG.unpack(out)
+        assert kind == handshake.CHALLENGE and server_mac == mac(b"S", cn, sn)   # the server proved itself
         return sn
 
-    first = ServerHandshake(secret)
-    proof = handshake.message(handshake.PROOF, mac=secret.mac(b"C", challenge(first), cn))
-    assert first.feed(bytearray(proof))[1] is True
-    second = ServerHandshake(secret)
+    first = ServerHandshake(secret, ("data",))
+    proof = handshake.message(handshake.PROOF, mac=mac(b"C", challenge(first), cn))
+    assert first.feed(bytearray(proof))[1] is True and first.role == "data"
+    second = ServerHandshake(secret, ("data",))
     challenge(second)                                   # a fresh server nonce: the old proof is worthless
     out, outcome = second.feed(bytearray(proof))
     assert outcome is False and handshake.MSG.unpack(out)[2] == handshake.REFUSED
-    reflected = ServerHandshake(secret)                 # the server's own answer is no client proof ("S" != "C")
+    reflected = ServerHandshake(secret, ("data",))      # the server's own answer is no client proof ("S" != "C")
     sn = challenge(reflected)
-    assert reflected.feed(bytearray(handshake.message(handshake.PROOF, mac=secret.mac(b"S", cn, sn))))[1] is False
+    assert reflected.feed(bytearray(handshake.message(handshake.PROOF, mac=mac(b"S", cn, sn))))[1] is False
 
 
 def test_non_loopback_bind_needs_the_secret(monkeypatch):

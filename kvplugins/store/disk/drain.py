@@ -18,7 +18,7 @@ POLL_S = 0.2
 def drain(master: str, segment: str, timeout_ms: float, rpc_timeout_ms: float, out=print) -> None:
     """Drain ``segment`` of the master at ``master``; returns once it left the pool. Raises StoreError (unknown
     segment, or still there after ``timeout_ms``: objects that cannot fit elsewhere keep it), MasterUnreachable."""
-    rpc = master_client(master, rpc_timeout_ms)
+    rpc = master_client(master, rpc_timeout_ms, "admin")
     try:
         [(code, why)] = rpc.call("drain", [segment])
         if code != OK:

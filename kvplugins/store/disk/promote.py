@@ -49,7 +49,7 @@ def _promote(client, keys: list[str], where: list) -> dict[str, int]:
         by_node.setdefault(endpoint, []).append(key)
     codes = dict.fromkeys(keys, protocol.NOT_FOUND)
     for endpoint, node_keys in by_node.items():
-        rpc = RawRpcClient(endpoint, client.cfg.rpc_timeout_ms)
+        rpc = RawRpcClient(endpoint, client.cfg.rpc_timeout_ms, "data")   # a transfer peer of the node
         try:
             for key, (code, _) in zip(node_keys, rpc.call("promote", node_keys)):
                 codes[key] = code

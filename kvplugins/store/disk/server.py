@@ -110,7 +110,7 @@ class _Server(GuardedServerMixIn, socketserver.ThreadingTCPServer):
     request_queue_size = 128
 
     def __init__(self, host: str, ops: dict, limits: ConnLimits, max_batch: int):
-        self.secret = security.resolve()
+        self.secret = security.require("the disk tier's promote endpoint")
         security.require_for_bind(host, self.secret, "store --host (the disk tier's promote endpoint)")
         known = schemas(max_batch)
         missing = sorted(set(ops) - set(known))

@@ -33,7 +33,7 @@ class NodeTier:
         from kvplugins.store.staging import Staging
         self.cfg, self.engine, self.segment, self.on_exit = config, engine, segment, on_exit
         self.disk = DiskStore(config.disk_dir, config.disk_capacity) if config.disk_dir else None
-        self.rpc = master_client(master, config.rpc_timeout_ms)
+        self.rpc = master_client(master, config.rpc_timeout_ms, "node")
         self.mem = engine.memoryview(segment.region)
         self._staging = Staging(engine, 1 << 20)
         self._lock = threading.Lock()        # guards _lost (the disk store has its own lock)

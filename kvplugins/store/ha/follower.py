@@ -62,8 +62,8 @@ class _ListFinder:
 class LeaderClient:
     """Follow the leader of ``address``; ``plane``: "raw" (per-operation endpoint) or "zmq" (control plane)."""
 
-    def __init__(self, address: str, timeout_ms: float, plane: str = "raw"):
-        self.address, self.timeout_ms, self.plane = address, timeout_ms, plane
+    def __init__(self, address: str, timeout_ms: float, plane: str = "raw", role: str = "client"):
+        self.address, self.timeout_ms, self.plane, self.role = address, timeout_ms, plane, role
         self._finder = (_EtcdFinder if address.startswith("etcd://") else _ListFinder)(address, timeout_ms)
         self._inner, self._leader_id = None, None
         self._lock = threading.RLock()
@@ -133,8 +133,8 @@ class LeaderClient:
                 raise MasterUnreachable(self.address, self.timeout_ms, f"leader lookup: {e}") from e
             if leader is None:
                 return None
-            self._inner = RawRpcClient(leader["raw"], self.timeout_ms) if self.plane == "raw" \
-                else ZmqRpcClient(leader["zmq"], self.timeout_ms)
+            self._inner = RawRpcClient(leader["raw"], self.timeout_ms, self.role) if self.plane == "raw" \
+                else ZmqRpcClient(leader["zmq"], self.timeout_ms, self.role)
             self._leader_id = leader.get("id", leader["raw"])
             self._probe(leader["raw"], deadline)
         return self._inner

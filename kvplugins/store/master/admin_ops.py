@@ -5,18 +5,25 @@ the batch ops).
 Mooncake semantics: without ``{"force": true}`` in opts these removes skip objects whose read lease is still
 running (a plain ``remove`` op does not: it removes at once and frees the space when the lease ends; both keep
 a reader's leased bytes valid). ``remove_by_regex`` and ``remove_all`` scan every object: they run as a ``Scan`` the RPC server advances
-SCAN_SLICE objects at a time between its other events (issue #11), so other clients' ops wait at most one slice;
-the patterns run on RE2 (``google-re2``: linear time in the key length, no backtracking), never on Python's ``re``. Removal goes through
+one slice at a time between its other events (issue #11): at most SCAN_SLICE objects and SLICE_BUDGET_S of the
+master's thread, so other clients' ops wait at most one slice. The patterns run on RE2 (``google-re2``: linear
+time in the key length, no backtracking), never on Python's ``re``; a pattern whose compiled program exceeds
+MAX_PROGRAM instructions is refused, since RE2 runs those in its slow NFA (issue #30: ``(ab|ba){1000}zz`` cost
+0.2 s per 4 KiB key; at MAX_PROGRAM a key costs about 5 ms). Removal goes through
 ``MasterService.op_remove``. Follows Mooncake 0.3.13's Remove/RemoveByRegex/RemoveAll/GetSize master operations
 (semantics, observed against a real mooncake_master; not code).
 """
 from __future__ import annotations
 
+import time
+
 import re2
 
 from kvplugins.store.protocol import INVALID, NOT_FOUND, OK
 
-SCAN_SLICE = 4096          # objects one step of a Scan examines (a few ms of the master's thread)
+SCAN_SLICE = 4096          # objects one step of a Scan examines at most (a few ms of the master's thread)
+SLICE_BUDGET_S = 0.01      # ... and the time it may take: the step ends at the first key past it
+MAX_PROGRAM = 2000         # RE2 program instructions a remove_by_regex pattern may compile to
 
 
 class Scan:
@@ -30,11 +37,15 @@ class Scan:
         self._at, self.removed, self.result = 0, 0, None
 
     def step(self, now: float) -> bool:
-        chunk = self._objs[self._at:self._at + SCAN_SLICE]
-        self._at += len(chunk)
-        force, match = self.force, self.match
-        keys = [o.key for o in chunk if o.alive() and o.complete and (force or not o.leased(now))
-                and match(o.key)]
+        force, match, objs, keys = self.force, self.match, self._objs, []
+        end, until = min(len(objs), self._at + SCAN_SLICE), time.perf_counter() + SLICE_BUDGET_S
+        while self._at < end:
+            o = objs[self._at]
+            self._at += 1
+            if o.alive() and o.complete and (force or not o.leased(now)) and match(o.key):
+                keys.append(o.key)
+            if time.perf_counter() > until:
+                break
         self.removed += _remove(self.service, keys, now)
         if self._at < len(self._objs):
             return False
@@ -84,7 +95,7 @@ def remove_checked(service, keys: list, force: bool, now: float) -> list:
 def remove_by_regex(service, pattern: str, force: bool):
     """A Scan removing the objects whose key matches ``pattern`` (RE2 syntax, searched anywhere in the key, as
     ``re.search``; RE2 has no backreferences or lookaround), or ``[INVALID, reason]`` for a pattern RE2
-    refuses."""
+    refuses or one compiling to more than MAX_PROGRAM instructions."""
     options = re2.Options()
     options.log_errors = False               # the reason goes back to the caller, not to the master's stderr
     try:
@@ -92,6 +103,10 @@ def remove_by_regex(service, pattern: str, force: bool):
     except re2.error as e:
         why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
         return [INVALID, f"regex {pattern!r} does not compile under RE2 (no backreferences or lookaround): {why}"]
+    if regex.programsize > MAX_PROGRAM:
+        return [INVALID, f"regex {pattern!r:.80} compiles to {regex.programsize} RE2 instructions, over the "
+                         f"master's limit of {MAX_PROGRAM} (its matching would stall the master); use a shorter "
+                         "pattern, e.g. fewer or smaller counted repetitions"]
     return Scan(service, force, regex.search)
 
 

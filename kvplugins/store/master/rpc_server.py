@@ -17,8 +17,11 @@ What a client cannot do to the loop (issue #11; limits in MasterConfig, docs/ope
   that connection; one in a periodic subsystem (tick, sweep, metrics, group commit) is logged (rate-limited)
   and counted in ``internal_errors`` (kvplugins_master_internal_errors_total), and the loop goes on.
 * exhaust descriptors: accept() failing with EMFILE/ENFILE/ENOBUFS/ENOMEM pauses accepting (security/limits.py)
-  while established connections are served; ``max_connections``/``max_connections_per_peer`` refuse the rest
-  with a reply frame (request id 0) that names the limit.
+  while established connections are served; ``max_connections``/``max_connections_per_peer`` count
+  *authenticated* connections only and refuse the rest with a reply frame (request id 0) that names the limit.
+* lock others out: a connection that has not authenticated yet sits in a pool of its own (UNAUTH_POOL, each with
+  the handshake's deadline); a new one arriving while the pool is full evicts the oldest, so idle or silent
+  peers without a credential never keep an authenticated client from connecting (issue #30).
 * hold memory: a frame is at most ``max_frame``; partly received frames of all connections share
   ``partial_frames_budget`` (past it the connection holding the most is dropped); a connection whose unsent
   replies exceed ``reply_buffer`` is not read until they drain, and one that reads none for ``frame_timeout_ms``
@@ -41,7 +44,8 @@ import zmq
 
 from kvplugins import security
 from kvplugins.errors import ProtocolError
-from kvplugins.security.curve import CurveServer
+from kvplugins.security import roles
+from kvplugins.security.curve import CurveServer, role_of
 from kvplugins.security.limits import AcceptBackoff, ConnGate
 from kvplugins.store import protocol
 from kvplugins.store.config import MasterConfig
@@ -59,6 +63,7 @@ RECV_CHUNK = 1 << 16          # below malloc's mmap threshold: a 1 MiB recv buff
 GC_THRESHOLDS = (50_000, 20, 20)
 ACCEPTS_PER_TURN = 64         # connections accepted per readiness event (the rest wait for the next turn)
 MAX_SCANS = 4                 # admin scans running at once; more are refused (retry later)
+UNAUTH_POOL = 256             # connections still in their handshake; a new one past it evicts the oldest
 ZMQ_MAX_MSG = 16 << 20       # control-plane messages are small (a tier_register chunk ~1.5 MB); zmq drops larger
 ZMQ_RCVHWM = 64               # messages queued per control-plane peer: with ZMQ_MAX_MSG, at most 1 GiB per peer
 ERROR_LOG_INTERVAL_S = 10.0   # an internal error of one subsystem is logged at most this often
@@ -71,6 +76,7 @@ class _Conn:
         self.outbuf = bytearray()
         self.events = selectors.EVENT_READ
         self.guard = None             # security.ServerHandshake until the peer has authenticated
+        self.role = ""                # the role it authenticated as (security/roles.py): fixed for the connection
         self.last_request = now       # when its last request was served (idle timeout)
         self.frame_since = 0.0        # when the partial frame in inbuf began (slowloris)
         self.progress = now           # when its unsent replies last moved (a peer that does not read)
@@ -82,7 +88,7 @@ class RpcServer:
 
     def __init__(self, config: MasterConfig, service: MasterService | None = None):
         self.cfg = config
-        self._secret = security.resolve()   # shared secret: both endpoints authenticate (kvplugins/security)
+        self._secret = security.resolve_server("the master")   # both endpoints authenticate every peer's role
         security.require_for_bind(config.host, self._secret, "master --host")
         self._refusals = security.RefusalLog()
         self._listener = socket.create_server((config.host, config.port), reuse_port=False, backlog=1024)
@@ -92,7 +98,7 @@ class RpcServer:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, min(int(config.max_frame), ZMQ_MAX_MSG))
         self._router.setsockopt(zmq.RCVHWM, ZMQ_RCVHWM)
-        self._curve = CurveServer(self._router, self._secret) if self._secret else None
+        self._curve = CurveServer(self._router, self._secret)
         if config.zmq_port:
             self._router.bind(f"tcp://{config.host}:{config.zmq_port}")
         else:
@@ -117,6 +123,7 @@ class RpcServer:
         self._sel.register(self._router.getsockopt(zmq.FD), selectors.EVENT_READ, "zmq")
         self._events = self._start_events(config)
         self._conns: dict[int, _Conn] = {}
+        self._unauth: dict[int, _Conn] = {}     # connections in their handshake, oldest first (not in _gate)
         self._stopped = False
 
     def _start_events(self, config: MasterConfig):
@@ -173,9 +180,8 @@ class RpcServer:
             self._drop(conn, None)
         self._sel.close()
         self._listener.close()
-        if self._curve is not None:
-            self._curve.close()
         self._router.close(0)
+        self._curve.close()
         self.service.events.close()
         self._ctx.term()
 
@@ -197,11 +203,12 @@ class RpcServer:
                               self.internal_errors[subsystem])
 
     # ---- dispatch ------------------------------------------------------------------------------------
-    def _answer(self, body: bytes):
-        """Reply body for one request body, or (rid, op, Scan) for an admin scan to run in slices. Raises
-        ProtocolError for a frame that is not a request."""
+    def _answer(self, body: bytes, role: str):
+        """Reply body for one request body from a peer authenticated as ``role``, or (rid, op, Scan) for an admin
+        scan to run in slices. An op outside the role is refused (roles.FORBIDDEN). Raises ProtocolError for a
+        frame that is not a request."""
         try:
-            rid, op, entries, opts = self._schemas.decode(body)
+            rid, op, entries, opts = self._schemas.decode(body, lambda op: roles.refusal(op, role))
         except RefusedRequest as e:
             return self._reply(e.rid, False, str(e), "?")
         t0 = time.perf_counter()
@@ -281,11 +288,12 @@ class RpcServer:
         """Drain the ROUTER; reading zmq.EVENTS each turn also re-arms its edge-triggered FD."""
         while self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
-                parts = self._router.recv_multipart(zmq.NOBLOCK)
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            parts = [f.bytes for f in frames]
             try:
-                reply = self._answer(parts[-1])
+                reply = self._answer(parts[-1], role_of(frames[-1]))
             except ProtocolError as e:
                 log.warning("dropped zmq message from %r: %s", parts[0], e)
                 continue
@@ -308,15 +316,16 @@ class RpcServer:
                 self._pause_accept(self._backoff.failed(e))
                 return
             self._backoff.ok()
-            refusal = self._gate.admit(peer)
-            if refusal is not None:
-                self._refuse(sock, peer, refusal)
-                continue
+            if len(self._unauth) >= UNAUTH_POOL:
+                oldest = next(iter(self._unauth.values()))
+                self._refusals.refused("master RPC connection", oldest.peer,
+                                       f"evicted: {UNAUTH_POOL} connections were still authenticating")
+                self._drop(oldest, None)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, peer, time.monotonic())
-            conn.guard = security.ServerHandshake(self._secret) if self._secret else None
-            self._conns[sock.fileno()] = conn
+            conn.guard = security.ServerHandshake(self._secret)
+            self._conns[sock.fileno()] = self._unauth[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
 
     def _pause_accept(self, seconds: float) -> None:
@@ -386,7 +395,16 @@ class RpcServer:
             self._refusals.refused("master RPC connection", conn.peer, conn.guard.reason)
             self._drop(conn, None)
         else:
-            conn.guard = None
+            del self._unauth[conn.sock.fileno()]
+            refusal = self._gate.admit(conn.peer)        # budgets count authenticated connections only
+            if refusal is not None:
+                self._flush(conn)
+                self._conns.pop(conn.sock.fileno(), None)
+                self._sel.unregister(conn.sock)
+                self._partial -= len(conn.inbuf)
+                self._refuse(conn.sock, conn.peer, refusal)
+                return False
+            conn.role, conn.guard = conn.guard.role, None
         return outcome is True
 
     def _serve_frames(self, conn: _Conn) -> None:
@@ -400,7 +418,7 @@ class RpcServer:
             body = bytes(conn.inbuf[hdr:hdr + n])
             del conn.inbuf[:hdr + n]
             conn.last_request = now
-            reply = self._answer(body)
+            reply = self._answer(body, conn.role)
             if type(reply) is tuple:
                 reply = self._start_scan(conn, reply)
                 conn.scan = reply is None
@@ -471,7 +489,8 @@ class RpcServer:
         if reason:
             log.warning("closed connection from %s: %s", conn.peer, reason)
         if self._conns.pop(conn.sock.fileno(), None) is conn:
-            self._gate.release(conn.peer)
+            if self._unauth.pop(conn.sock.fileno(), None) is None:
+                self._gate.release(conn.peer)
             self._partial -= len(conn.inbuf)      # (callers account for what they consumed themselves)
         try:
             self._sel.unregister(conn.sock)

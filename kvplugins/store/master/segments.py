@@ -3,9 +3,16 @@
 A segment is one exported region of one process's transfer engine; its name is
 ``"<engine segment_id>:<region_id>"``. A segment not heart-beating for ``heartbeat_timeout_ms`` is removed by the
 master's sweep (its objects lose that replica; see service.py).
+
+A name is bound to its registering process (issue #30): register_segment carries that process's random owner
+token (store/segment.py) and the registry keeps its SHA-256; registering or unregistering a live name with
+another token is refused (SegmentOwned), so no other peer can replace a node's descriptor or wipe its objects.
+The same process re-registers its name (after the master forgot it) with the same token.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 
 from kvplugins.store.master.allocator import Allocator
@@ -19,6 +26,7 @@ class Segment:
     region_id: int
     allocator: Allocator
     last_heartbeat: float       # seconds, master clock (the objects with a replica here: ObjectTable.on_segment)
+    owner: bytes = b""          # SHA-256 of the registering process's owner token (b"": unbound, in-process use)
 
     @property
     def size(self) -> int:
@@ -32,21 +40,40 @@ class Segment:
         return self.used / self.size
 
 
+class SegmentOwned(ValueError):
+    """A live segment name registered by another process (another owner token)."""
+
+
+def owner_digest(token: str) -> bytes:
+    """The registry's record of an owner token (b"" for none)."""
+    return hashlib.sha256(token.encode()).digest() if token else b""
+
+
 class SegmentRegistry:
     def __init__(self, align: int):
         self.align = align
         self._segments: dict[str, Segment] = {}
 
-    def add(self, wire: dict, region_id: int, size: int, now: float) -> Segment:
-        """Validate and add a segment (replacing one of the same name). Raises ValueError/ProtocolError."""
+    def add(self, wire: dict, region_id: int, size: int, now: float, owner: bytes = b"") -> Segment:
+        """Validate and add a segment (replacing one of the same name and ``owner``, an owner_digest). Raises
+        SegmentOwned (the live name has another owner), ValueError/ProtocolError (a bad descriptor)."""
         desc = SegmentDescriptor.from_wire(wire)
         region = desc.region(int(region_id))
         if not 0 < int(size) <= region.length:
             raise ValueError(f"segment size {size} must be in (0, region length {region.length}]")
         name = f"{desc.segment_id}:{region.region_id}"
-        seg = Segment(name, wire, region.region_id, Allocator(int(size), self.align), now)
+        self.check_owner(name, owner, "register")
+        seg = Segment(name, wire, region.region_id, Allocator(int(size), self.align), now, owner)
         self._segments[name] = seg
         return seg
+
+    def check_owner(self, name: str, owner: bytes, what: str) -> None:
+        """Raise SegmentOwned when the live segment ``name`` is bound to an owner other than ``owner``."""
+        seg = self._segments.get(name)
+        if seg is not None and seg.owner and not hmac.compare_digest(seg.owner, owner):
+            raise SegmentOwned(f"cannot {what} segment {name}: it is live and was registered by another process "
+                               "(segment names are bound to their registering process; a restarted node "
+                               "registers under its new name)")
 
     def get(self, name: str) -> Segment | None:
         return self._segments.get(name)

@@ -19,7 +19,7 @@ from kvplugins.store.master.events import NoEvents
 from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes, over_high, victims, young_bytes
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.master.metadata import Object, ObjectTable
-from kvplugins.store.master.segments import Segment, SegmentRegistry
+from kvplugins.store.master.segments import Segment, SegmentOwned, SegmentRegistry, owner_digest
 from kvplugins.store.master.slabs import Slabs
 from kvplugins.store.master.tiering import Tiering
 from kvplugins.store.master.zombies import Zombies
@@ -311,11 +311,16 @@ class MasterService:
 
     # ---- segments ------------------------------------------------------------------------------------
     def op_register_segment(self, entries, opts, now):
-        out = []
+        """entries [(descriptor, region id, size)]; opts OwnerOpts. Per entry [OK, name], [EXISTS, why] (the live
+        name belongs to another process) or [INVALID, why]."""
+        out, owner = [], owner_digest(opts.owner)
         for desc, region_id, size in entries:
             wire = desc.wire()
             try:
-                seg = self.segments.add(wire, region_id, size, now)
+                seg = self.segments.add(wire, region_id, size, now, owner)
+            except SegmentOwned as err:
+                out.append([EXISTS, str(err)])
+                continue
             except Exception as err:  # noqa: BLE001 - any bad entry is answered, never crashes the master
                 out.append([INVALID, f"bad segment entry: {err}"])
                 continue
@@ -330,9 +335,16 @@ class MasterService:
         return [[OK, None] if self.segments.heartbeat(n, now) else [NOT_FOUND, None] for n in entries]
 
     def op_unregister(self, entries, opts, now):
-        out = []
+        """entries [segment name]; opts OwnerOpts (the token it was registered with). Per entry [OK, None],
+        [NOT_FOUND, None] or [EXISTS, why] (registered by another process: kept)."""
+        out, owner = [], owner_digest(opts.owner)
         for name in entries:
             seg = self.segments.get(name)
+            try:
+                self.segments.check_owner(name, owner, "unregister")
+            except SegmentOwned as err:
+                out.append([EXISTS, str(err)])
+                continue
             out.append([NOT_FOUND, None] if seg is None else [OK, None])
             if seg is not None:
                 self._remove_segment(seg, "unregistered")

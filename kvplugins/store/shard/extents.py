@@ -92,7 +92,7 @@ class ShardedSegments:
                 self._release(i, time.monotonic())
 
     def _register(self, i: int, shard: str, address: str) -> None:
-        rpc = control_client(address, self.cfg.rpc_timeout_ms)
+        rpc = control_client(address, self.cfg.rpc_timeout_ms, "node")
         try:
             info = rpc.call("info")
             self.segs[i] = OwnedSegment(self.engine, 0, rpc, self.cfg.heartbeat_interval_ms, region=self.regions[i])

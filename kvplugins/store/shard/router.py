@@ -39,8 +39,8 @@ class ShardedRpc:
     """Routes master ops over the shards of the store at ``address`` (shards://...). Raises MasterUnreachable
     if the membership cannot be read within ``timeout_ms``, StoreError if the store has no shard yet."""
 
-    def __init__(self, address: str, timeout_ms: float):
-        self.address, self.timeout_ms = address, timeout_ms
+    def __init__(self, address: str, timeout_ms: float, role: str = "client"):
+        self.address, self.timeout_ms, self.role = address, timeout_ms, role
         self._members = Membership(address, timeout_s=min(2.0, timeout_ms / 1000))
         self.state = self._first_read()
         self._clients: dict[str, object] = {}
@@ -221,7 +221,7 @@ class ShardedRpc:
         with self._lock:
             c = self._clients.get(address)
             if c is None:
-                c = self._clients[address] = master_client(address, self.timeout_ms)
+                c = self._clients[address] = master_client(address, self.timeout_ms, self.role)
             return c
 
     # ---- the membership ----------------------------------------------------------------------------------
