@@ -12,7 +12,8 @@ import os
 
 def add_parser(sub) -> None:
     p = sub.add_parser("credential", help="issue a client, node or admin credential derived from the secret")
-    p.add_argument("--role", required=True, choices=("client", "node", "admin"), help="the role it gives")
+    from kvplugins.security.roles import MASTER_ROLES
+    p.add_argument("--role", required=True, choices=MASTER_ROLES, help="the role it gives")
     p.add_argument("--out", required=True, help="file to write (created mode 0600; an existing file is kept)")
 
 

@@ -25,10 +25,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvplugins.errors import AuthError, Forbidden
 from kvplugins.security.refusals import RefusalLog
+from kvplugins.security.roles import MASTER_ROLES
 from kvplugins.security.secret import HOW, Credential, Secret
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
-MASTER_ROLES = ("client", "node", "admin")
 
 FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)

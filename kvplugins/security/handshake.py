@@ -25,7 +25,7 @@ import struct
 import time
 
 from kvplugins.errors import AuthError, Forbidden
-from kvplugins.security.roles import RANK, ROLES
+from kvplugins.security.roles import MASTER_ROLES, RANK, ROLES
 from kvplugins.security.secret import HOW, Credential, Secret
 
 MAGIC = b"KVPA"
@@ -33,7 +33,6 @@ VERSION = 2
 MSG = struct.Struct("<4sBBBx32s32s")
 HELLO, CHALLENGE, PROOF, ACCEPTED, REFUSED = 1, 2, 3, 4, 5
 BAD_PROOF, NOT_AUTHENTICATED, BAD_MESSAGE, BAD_ROLE = 1, 2, 3, 4
-MASTER_ROLES = ("client", "node", "admin")
 _ZERO = bytes(32)
 DEADLINE_S = 5.0      # a connection must finish the handshake this soon after it opened (then it is dropped)
 _REASONS = {BAD_PROOF: "its shared secret differs from this process's",

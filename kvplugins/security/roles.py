@@ -16,6 +16,7 @@ unmount and remove anything); Redis ACL categories and Ceph capabilities are the
 from __future__ import annotations
 
 ROLES = ("data", "client", "node", "admin")
+MASTER_ROLES = ROLES[1:]           # the roles a master serves and a credential can give
 RANK = {role: rank for rank, role in enumerate(ROLES)}
 FORBIDDEN = "forbidden: "          # prefix of a master's refusal for an op outside the connection's role
 

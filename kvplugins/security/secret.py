@@ -29,6 +29,7 @@ from pathlib import Path
 
 from kvplugins.config import component, load
 from kvplugins.errors import ConfigError
+from kvplugins.security.roles import MASTER_ROLES
 
 log = logging.getLogger("kvplugins.security")
 MIN_SECRET = 16
@@ -91,7 +92,7 @@ class Credential:
     auto = False
 
     def __init__(self, role: str, key: bytes, data: bytes, curve_server: bytes, source: str):
-        if role not in ("client", "node", "admin") or len(key) != 32 or len(data) != 32:
+        if role not in MASTER_ROLES or len(key) != 32 or len(data) != 32:
             raise ConfigError(f"the role credential from {source} is malformed (role {role!r}); issue a new one "
                               "with: kvplugins credential --role client|node|admin --out FILE")
         self.role, self._key, self._data, self.curve_server, self.source = role, key, data, curve_server, source
@@ -117,7 +118,7 @@ class Credential:
 def issue_credential(secret: Secret, role: str, curve_server: bytes) -> str:
     """The JSON text of a ``role`` credential derived from ``secret`` (curve_server: the master's public z85
     CURVE key, security/curve.py server_keys). Raises ConfigError for an unknown role."""
-    if role not in ("client", "node", "admin"):
+    if role not in MASTER_ROLES:
         raise ConfigError(f"role {role!r} is not one of client, node, admin")
     return json.dumps({"kvplugins_credential": 1, "role": role, "key": secret.key(role).hex(),
                        "data_key": secret.key("data").hex(), "master_curve_key": curve_server.decode()}) + "\n"
@@ -222,12 +223,9 @@ def resolve_server(what: str) -> Secret:
     """The cluster secret a master (or disk server) authenticates its peers with: the configured one, else the
     per-user default. Raises ConfigError naming ``what`` and the fix when there is none, or only a role
     credential (a server derives every role's key, so it needs the secret itself)."""
-    secret = load_secret()
+    secret = require(what)
     if isinstance(secret, Secret):
         return secret
-    if secret is None:
-        raise ConfigError(f"{what} has no shared secret: none is configured and the per-user default "
-                          f"{default_secret_path()} cannot be created; {HOW}")
     raise ConfigError(f"{what} needs the cluster's shared secret, but {secret.source} is a {secret.role} role "
                       f"credential; {HOW}")
 

@@ -23,6 +23,7 @@ import msgspec
 from msgspec import Meta, Raw, Struct
 
 from kvplugins.errors import ProtocolError
+from kvplugins.security import roles
 from kvplugins.store.protocol import VERSION
 
 MAX_SIZE = 1 << 48            # 256 TiB: no object, segment or offset is larger
@@ -188,9 +189,9 @@ class Schemas:
     def of(cls, cfg) -> "Schemas":
         return cls(cfg.max_batch, cfg.max_key_bytes)
 
-    def decode(self, body: bytes, refusal=None) -> tuple[int, str, object, object]:
-        """(request id, op, entries, opts) of a request body. ``refusal(op)``: None, or why the caller may not
-        run ``op`` (security/roles.py), checked before the entries are decoded. Raises ProtocolError for a body
+    def decode(self, body: bytes, role: str = "admin") -> tuple[int, str, object, object]:
+        """(request id, op, entries, opts) of a request body from a peer authenticated as ``role``; an op outside
+        the role (security/roles.py) is refused before its entries are decoded. Raises ProtocolError for a body
         that is not a request (the connection closes), ValueError (RefusedRequest) naming the field or the
         refusal for a request this master refuses."""
         try:
@@ -202,7 +203,7 @@ class Schemas:
         decoders = self._decoders.get(env.op)
         if decoders is None:
             raise RefusedRequest(env.rid, f"unknown op {env.op!r}; valid: {', '.join(sorted(self._decoders))}")
-        why = refusal(env.op) if refusal is not None else None
+        why = roles.refusal(env.op, role)
         if why is not None:
             raise RefusedRequest(env.rid, why)
         try:

@@ -44,7 +44,6 @@ import zmq
 
 from kvplugins import security
 from kvplugins.errors import ProtocolError
-from kvplugins.security import roles
 from kvplugins.security.curve import CurveServer, role_of
 from kvplugins.security.limits import AcceptBackoff, ConnGate
 from kvplugins.store import protocol
@@ -208,7 +207,7 @@ class RpcServer:
         scan to run in slices. An op outside the role is refused (roles.FORBIDDEN). Raises ProtocolError for a
         frame that is not a request."""
         try:
-            rid, op, entries, opts = self._schemas.decode(body, lambda op: roles.refusal(op, role))
+            rid, op, entries, opts = self._schemas.decode(body, role)
         except RefusedRequest as e:
             return self._reply(e.rid, False, str(e), "?")
         t0 = time.perf_counter()
