@@ -10,8 +10,9 @@ SHOWN = ("master", "rpc_timeout_ms")
 # (label, status key) of the counters shown under the table, when the master reports them.
 COUNTERS = (("objects", "objects"), ("hits", "hits"), ("misses", "misses"), ("puts", "commits"), ("removes", "removes"),
             ("evictions", "evictions"), ("offloads", "offloads"), ("promotions", "promotions"),
-            ("checksum errors", "corrupt_replicas"), ("segments lost", "segments_lost"),
-            ("objects lost", "objects_lost"), ("pending puts", "pending"), ("zombie ranges", "zombies"))
+            ("checksum errors", "corrupt_replicas"), ("segments suspect", "segments_suspect"),
+            ("segments lost", "segments_lost"), ("objects lost", "objects_lost"),
+            ("objects restored", "objects_restored"), ("pending puts", "pending"), ("zombie ranges", "zombies"))
 
 
 def add_parser(sub) -> None:
@@ -73,7 +74,8 @@ def segment_table(master: str, st: dict):
         table.add_column(col, foot, justify="left" if col in ("segment", "host", "disk tier") else "right")
     for s in sorted(st["segments"], key=lambda s: s["name"]):
         row = [s["name"], s.get("host_id", ""), format_bytes(s["size"]), format_bytes(s["used"]),
-               _pct(s["used"], s["size"]), str(s["objects"]), f"{s['heartbeat_age_ms']} ms"]
+               _pct(s["used"], s["size"]), str(s["objects"]),
+               f"{s['heartbeat_age_ms']} ms" + (" SUSPECT" if s.get("suspect") else "")]
         table.add_row(*row + ([_disk(tiers.get(s["name"]))] if tiers else []))
     return table
 

@@ -51,7 +51,11 @@ class MasterConfig(_MetricsLimits):
     zmq_port: int = field(default=0, metadata={"help": "zmq ROUTER control-plane port; 0 = any"})
     port_file: str = field(default="", metadata={"help": "write 'host:port' of the master here once ready"})
     heartbeat_timeout_ms: int = field(default=2000, metadata={
-        "help": "a segment silent this long is removed (nodes beat every 500 ms; a dead node is gone in < 3 s)"})
+        "help": "a segment silent this long is suspect: no new placement, its replicas are not read (nodes beat "
+                "every 500 ms; a dead node gets no writes after < 3 s)"})
+    suspect_grace_ms: int = field(default=30000, metadata={
+        "help": "a suspect segment is removed after this much more silence; a node back within it resumes with "
+                "every object, one back later gets its objects back when it re-registers (master/liveness.py)"})
     lease_ttl_ms: int = field(default=5000, metadata={"help": "a get protects the object from eviction this long"})
     put_timeout_ms: int = field(default=30000, metadata={"help": "a pending put not committed by then is reclaimed"})
     high_watermark: float = field(default=0.95, metadata={"help": "segment usage fraction that starts eviction"})
@@ -118,6 +122,8 @@ class MasterConfig(_MetricsLimits):
             raise ConfigError(f"eviction_grace_ms={self.eviction_grace_ms} must be >= 0 ms, or -1 for lease_ttl_ms")
         if self.alloc_align <= 0 or self.alloc_align & (self.alloc_align - 1):
             raise ConfigError(f"alloc_align={self.alloc_align} must be a power of two, e.g. 64")
+        if self.suspect_grace_ms < 0:
+            raise ConfigError(f"master suspect_grace_ms={self.suspect_grace_ms} must be >= 0 ms")
         for name in ("heartbeat_timeout_ms", "lease_ttl_ms", "put_timeout_ms", "tick_ms", "etcd_lease_ttl_ms",
                      "frame_timeout_ms", "max_batch", "max_key_bytes", "partial_frames_budget", "reply_buffer",
                      "metrics_timeout_ms"):

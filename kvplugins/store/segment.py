@@ -2,8 +2,9 @@
 exported), registered with the master with its SegmentDescriptor, kept alive by a heartbeat thread.
 
 Used by a store node (over the zmq control plane) and by a StoreClient with ``segment_size > 0`` (over its own
-raw connection). If the master forgets the segment (it was silent past heartbeat_timeout_ms, or the master
-restarted) the next heartbeat re-registers it; the objects it held were already reported as misses.
+raw connection). If the master forgets the segment (it was silent past heartbeat_timeout_ms + suspect_grace_ms,
+or the master restarted) the next heartbeat re-registers it with the same owner token, and the master gives back
+the objects it held then (master/liveness.py; after a restart of a master without etcd they are gone).
 """
 from __future__ import annotations
 

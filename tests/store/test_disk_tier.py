@@ -15,9 +15,10 @@ from kvplugins.store.disk.store import DiskStore
 
 OBJ = 64 << 10
 # 4 MiB segment: above 20% (13 objects) the sweep offloads down to 10%
-# grace 0: these tests drive offloads and evictions right after the puts; the grace is tested in test_churn.py
+# grace 0: these tests drive offloads and evictions right after the puts; the grace is tested in test_churn.py;
+# a killed node is removed at once (no suspect grace: tests/store/test_liveness.py)
 MASTER = {"high_watermark": 0.2, "low_watermark": 0.1, "lease_ttl_ms": 1000, "heartbeat_timeout_ms": 1000,
-          "eviction_grace_ms": 0}
+          "eviction_grace_ms": 0, "suspect_grace_ms": 0}
 
 
 def _data(i: int) -> bytes:

@@ -128,7 +128,11 @@ def test_segment_timeout_loses_objects(m):
     m.clock_.t += 2
     m.handle("heartbeat", [s2], {})
     m.clock_.t += 2
-    m.tick()                                  # s1 silent for 4 s > 3 s
+    m.tick()                                  # s1 silent for 4 s > 3 s: suspect (tests/store/test_liveness.py)
+    assert [s["suspect"] for s in m.handle("status", [], {})["segments"]] == [True, False]
+    m.clock_.t += 30
+    m.handle("heartbeat", [s2], {})
+    m.tick()                                  # silent for 34 s > 3 s + the 30 s suspect grace: removed
     st = m.handle("status", [], {})
     assert [s["name"] for s in st["segments"]] == [s2]
     assert st["objects"] + st["objects_lost"] == 2 and st["objects_lost"] >= 1

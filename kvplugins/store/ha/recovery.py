@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from kvplugins.errors import KVPluginsError
+from kvplugins.store.master.allocator import reserve
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def restore(service, segs: list, objs: list, now: float) -> dict:
             placed.setdefault(n, []).append((off, size, key))
     bad = set()
     for name, blocks in placed.items():
-        bad |= _reserve(service.segments.get(name), blocks)
+        bad |= {(name, off, key) for off, key in reserve(service.segments.get(name).allocator, blocks)}
     for key, size, replicas, *extra in kept:
         replicas = [(n, off) for n, off in replicas if (n, off, key) not in bad]
         if not replicas:
@@ -66,28 +67,3 @@ def _add_segment(service, name: str, wire: dict, region_id: int, size: int, now:
 def _add(service, key: str, size: int, replicas: list, now: float, checksum=None, pin: int = 0) -> None:
     """Add a recovered object, complete, with its checksum and pin (the pin picks its LRU list)."""
     service.table.new(key, size, replicas, complete=True, last_access=now, checksum=checksum, pin=pin)
-
-
-def _reserve(seg, blocks: list) -> set:
-    """Mark ``blocks`` [(offset, size, key)] allocated in ``seg``'s fresh allocator, using only its public
-    first-fit ``alloc``: gaps are filled with filler allocations (freed at the end), so each block lands at
-    its own offset. Returns {(segment name, offset, key)} of the blocks that could not be placed (out of range,
-    misaligned, or overlapping a block placed before it: of two that overlap, the one at the lower offset, then
-    the smaller, then the lower key, keeps its bytes), so a dropped replica never leaves space allocated."""
-    alloc, bad, fillers, pos = seg.allocator, set(), [], 0
-    for off, size, key in sorted(blocks):
-        if off < pos or off % alloc.align or off + alloc.rounded(size) > alloc.capacity:
-            bad.add((seg.name, off, key))
-            continue
-        if off > pos:
-            fillers.append(alloc.alloc(off - pos))
-        got = alloc.alloc(size)
-        if got != off:                       # not with first-fit from a fresh allocator; never overlap
-            if got is not None:
-                fillers.append(got)
-            bad.add((seg.name, off, key))
-            continue
-        pos = off + alloc.rounded(size)
-    for f in fillers:
-        alloc.free(f)
-    return bad

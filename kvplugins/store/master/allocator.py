@@ -105,3 +105,29 @@ class Allocator:
         """1 - largest free block / free bytes: 0 when all free space is one block."""
         free = self.free_bytes
         return 0.0 if free == 0 else 1.0 - self.largest_free() / free
+
+
+def reserve(alloc: Allocator, blocks: list) -> set:
+    """Mark ``blocks`` [(offset, size, key)] allocated in the fresh allocator ``alloc``, using only its first-fit
+    ``alloc``: gaps are filled with filler allocations (freed at the end), so each block lands at its own
+    offset. Returns {(offset, key)} of the blocks that could not be placed (out of range, misaligned, or
+    overlapping a block placed before it: of two that overlap, the one at the lower offset, then the smaller,
+    then the lower key, keeps its bytes), so a dropped block never leaves space allocated. Used by HA recovery
+    (ha/recovery.py) and a re-registered segment's manifest (liveness.py)."""
+    bad, fillers, pos = set(), [], 0
+    for off, size, key in sorted(blocks):
+        if off < pos or off % alloc.align or off + alloc.rounded(size) > alloc.capacity:
+            bad.add((off, key))
+            continue
+        if off > pos:
+            fillers.append(alloc.alloc(off - pos))
+        got = alloc.alloc(size)
+        if got != off:                       # not with first-fit from a fresh allocator; never overlap
+            if got is not None:
+                fillers.append(got)
+            bad.add((off, key))
+            continue
+        pos = off + alloc.rounded(size)
+    for f in fillers:
+        alloc.free(f)
+    return bad

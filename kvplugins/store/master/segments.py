@@ -1,8 +1,10 @@
 """The segment registry: every DRAM segment in the pool, its allocator, and its last heartbeat.
 
 A segment is one exported region of one process's transfer engine; its name is
-``"<engine segment_id>:<region_id>"``. A segment not heart-beating for ``heartbeat_timeout_ms`` is removed by the
-master's sweep (its objects lose that replica; see service.py).
+``"<engine segment_id>:<region_id>"``. A segment not heart-beating for ``heartbeat_timeout_ms`` is *suspect*: it
+gets no new placement (``by_free_space`` leaves it out) and its replicas are not handed to readers; a heartbeat
+ends that. Silent for ``suspect_grace_ms`` more, the master's sweep removes it (its objects lose that replica;
+see service.py and liveness.py).
 
 A name is bound to its registering process (issue #30): register_segment carries that process's random owner
 token (store/segment.py) and the registry keeps its SHA-256; registering or unregistering a live name with
@@ -13,10 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from dataclasses import dataclass
 
 from kvplugins.store.master.allocator import Allocator
 from kvplugins.transfer.api import SegmentDescriptor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +58,7 @@ class SegmentRegistry:
     def __init__(self, align: int):
         self.align = align
         self._segments: dict[str, Segment] = {}
+        self.suspect: set[str] = set()     # names silent past the heartbeat timeout, not yet removed
 
     def add(self, wire: dict, region_id: int, size: int, now: float, owner: bytes = b"") -> Segment:
         """Validate and add a segment (replacing one of the same name and ``owner``, an owner_digest). Raises
@@ -65,6 +71,7 @@ class SegmentRegistry:
         self.check_owner(name, owner, "register")
         seg = Segment(name, wire, region.region_id, Allocator(int(size), self.align), now, owner)
         self._segments[name] = seg
+        self.suspect.discard(name)
         return seg
 
     def check_owner(self, name: str, owner: bytes, what: str) -> None:
@@ -79,20 +86,38 @@ class SegmentRegistry:
         return self._segments.get(name)
 
     def pop(self, name: str) -> Segment | None:
+        self.suspect.discard(name)
         return self._segments.pop(name, None)
 
     def heartbeat(self, name: str, now: float) -> bool:
+        """Record a heartbeat of ``name`` (a suspect one is live again); whether the segment is known."""
         seg = self._segments.get(name)
         if seg is not None:
             seg.last_heartbeat = now
+            if name in self.suspect:
+                self.suspect.discard(name)
+                log.warning("segment %s is heart-beating again; it takes placements again", name)
         return seg is not None
 
-    def expired(self, now: float, timeout_s: float) -> list[str]:
-        return [n for n, s in self._segments.items() if now - s.last_heartbeat > timeout_s]
+    def sweep(self, now: float, timeout_s: float, grace_s: float) -> tuple[list[str], list[str]]:
+        """Mark segments silent past ``timeout_s`` suspect. Returns (names newly suspect, names silent past
+        ``timeout_s + grace_s``: the caller removes those)."""
+        new, dead = [], []
+        for name, seg in self._segments.items():
+            silent = now - seg.last_heartbeat
+            if silent > timeout_s + grace_s:
+                dead.append(name)
+            elif silent > timeout_s and name not in self.suspect:
+                self.suspect.add(name)
+                new.append(name)
+                log.warning("segment %s silent for %.1f s: suspect (no new placement, its replicas not read); "
+                            "removed after %.0f s more", name, silent, grace_s)
+        return new, dead
 
     def by_free_space(self) -> list[Segment]:
-        """Segments, most free bytes first (placement order)."""
-        return sorted(self._segments.values(), key=lambda s: s.allocator.free_bytes, reverse=True)
+        """Live (not suspect) segments, most free bytes first (placement order)."""
+        live = [s for s in self._segments.values() if s.name not in self.suspect]
+        return sorted(live, key=lambda s: s.allocator.free_bytes, reverse=True)
 
     def __iter__(self):
         return iter(list(self._segments.values()))

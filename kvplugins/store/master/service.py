@@ -13,7 +13,7 @@ import time
 
 
 from kvplugins.store.config import MasterConfig
-from kvplugins.store.master import admin_ops
+from kvplugins.store.master import admin_ops, liveness
 from kvplugins.store.master import placement
 from kvplugins.store.master.events import NoEvents
 from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes, over_high, victims, young_bytes
@@ -29,7 +29,7 @@ from kvplugins.store.schema import Schemas
 
 log = logging.getLogger(__name__)
 COUNTERS = ("hits", "misses", "puts", "put_skipped", "put_full", "commits", "aborts", "removes", "evictions",
-            "reclaimed", "segments_lost", "objects_lost", "corrupt_replicas")
+            "reclaimed", "segments_suspect", "segments_lost", "objects_lost", "objects_restored", "corrupt_replicas")
 
 
 SHARD_ROUTED = ("put_start", "put")
@@ -49,6 +49,7 @@ class MasterService:
         self.events_endpoints = ("", "")    # (PUB, replay) where events are published; empty when off
         self.table = ObjectTable()
         self.segments = SegmentRegistry(config.alloc_align)
+        self.manifests = liveness.Manifests()      # objects of segments removed for silence, by segment name
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.schemas = Schemas.of(config)
         self._zombies = Zombies()     # space of removed objects, freed when their leases / put deadlines end
@@ -142,6 +143,9 @@ class MasterService:
     def _place(self, size: int, replicas: int, now: float, order: list[Segment], biggest: int):
         """Replica list [(Segment, offset)], evicting LRU objects on demand; or a reason string (StoreFull).
         ``order``: the segments to try, in that order; ``biggest``: the largest segment's size."""
+        if not order and len(self.segments):
+            return (f"every segment is suspect (silent past heartbeat_timeout_ms={self.cfg.heartbeat_timeout_ms}: "
+                    f"{sorted(self.segments.suspect)}); retry once its node answers, or add segments")
         if not order:
             return "no segment is registered; start `kvplugins store` or `kvplugins up`"
         if -(-size // self.cfg.alloc_align) * self.cfg.alloc_align > biggest:
@@ -220,15 +224,19 @@ class MasterService:
         ttl = self.cfg.lease_ttl_ms
         hits, sizes, names, regions, seg_idx, offs, more, sums, disk = self.table.get_cols(
             entries, now, now + ttl / 1000)
+        more = [(j, o.locations) for j, o in more]
+        if self.segments.suspect:       # replicas on silent segments are not handed out (liveness.py)
+            (hits, sizes, names, regions, seg_idx, offs, more, sums, disk), _ = liveness.readable_cols(
+                (hits, sizes, names, regions, seg_idx, offs, more, sums, disk), self.segments.suspect)
         self.counters["hits"] += hits
         self.counters["misses"] += len(entries) - hits
         if opts.cols:
-            return [ttl, sizes, names, regions, seg_idx, offs, {j: o.locations for j, o in more}, sums,
+            return [ttl, sizes, names, regions, seg_idx, offs, dict(more), sums,
                     self._disk_answers(disk, now, only_on_disk=True)]
         out = [[NOT_FOUND, None] if k < 0 else [OK, [n, [[names[k], regions[k], off]], ttl, c]]
                for n, k, off, c in zip(sizes, seg_idx, offs, sums)]
-        for j, obj in more:
-            out[j][1][1] = obj.locations
+        for j, locations in more:
+            out[j][1][1] = locations
         for j, answer in self._disk_answers(disk, now, only_on_disk=False).items():
             out[j] = answer
         return out
@@ -244,10 +252,20 @@ class MasterService:
         return out
 
     def op_exists(self, entries, opts, now):
-        return self.table.exists(entries)
+        """Per key: stored, complete and readable (a replica on a live segment or on the disk tier)."""
+        return liveness.readable(self.table, entries, self.table.exists(entries), self.segments.suspect,
+                                 self._on_disk)
 
     def op_exists_prefix(self, entries, opts, now):
-        return self.table.exists_prefix(entries)
+        """How many leading keys op_exists answers True for."""
+        n = self.table.exists_prefix(entries)
+        if self.segments.suspect and n:
+            ok = liveness.readable(self.table, entries[:n], [True] * n, self.segments.suspect, self._on_disk)
+            n = ok.index(False) if False in ok else n
+        return n
+
+    def _on_disk(self, obj: Object) -> bool:
+        return self.tiering.copy(obj) is not None
 
     def op_remove(self, entries, opts, now):
         out = []
@@ -327,6 +345,7 @@ class MasterService:
             self.table.set_region(seg.name, seg.region_id)
             self._lose_objects(seg.name, self.table.on_segment(seg.name))
             self.journal.segment_added(seg)
+            self._restore(seg, now)
             log.info("segment %s registered: %d bytes from host %s", seg.name, seg.size, wire.get("host_id"))
             out.append([OK, seg.name])
         return out
@@ -357,23 +376,41 @@ class MasterService:
             out.append([NOT_FOUND, None] if seg is None else [OK, seg.descriptor])
         return out
 
-    def _remove_segment(self, seg: Segment, why: str) -> None:
+    def _restore(self, seg: Segment, now: float) -> None:
+        """Objects of the manifest ``seg``'s process left when it was removed for silence (liveness.py)."""
+        entries = self.manifests.take(seg)
+        if entries:
+            back = liveness.restore(self.table, seg, entries, now)
+            self.counters["objects_restored"] += len(back)
+            self.journal.committed(back)
+            self.events.stored(back)
+
+    def _remove_segment(self, seg: Segment, why: str, now: float | None = None) -> None:
+        """Remove ``seg``; with ``now`` (removed for silence) the objects it held last are kept in its manifest."""
         self.segments.pop(seg.name)
         self.journal.segment_removed(seg.name)
         lost = self.table.on_segment(seg.name)
-        self._lose_objects(seg.name, lost)
+        gone = self._lose_objects(seg.name, lost)
+        if now is not None:
+            self.manifests.keep(seg, gone, now)
         self.counters["segments_lost"] += 1
         log.warning("segment %s removed (%s); %d objects lost a replica", seg.name, why, len(lost))
 
-    def _lose_objects(self, name: str, objs) -> None:
-        changed, gone = [], []
+    def _lose_objects(self, name: str, objs) -> list[tuple]:
+        """Drop replica ``name`` of ``objs``. Returns liveness.Manifests entries (key, size, offset, checksum,
+        pin, pin_until) of the complete objects that lost their last replica with it and were removed."""
+        changed, gone, entries = [], [], []
         for obj in objs:
-            obj.replicas = [(n, o) for n, o in obj.replicas if n != name]
-            if not obj.replicas and not self.tiering.keeps(obj):     # (kept: it lives on in a node's disk)
-                self.counters["objects_lost"] += 1
-                gone.append(obj)
-            else:
+            held = obj.replicas
+            obj.replicas = [(n, o) for n, o in held if n != name]
+            if obj.replicas or self.tiering.keeps(obj):     # (kept: it lives on in a node's disk)
                 changed.append(obj)
+                continue
+            self.counters["objects_lost"] += 1
+            gone.append(obj)
+            if obj.complete:
+                entries += [(obj.key, obj.size, off, obj.checksum, obj.pin, obj.pin_until) for n, off in held
+                            if n == name]
         done = [o for o in changed if o.complete]
         if done:
             self.journal.replicas_changed(done)
@@ -383,13 +420,19 @@ class MasterService:
             self.events.removed(done, "lost")
         for obj in gone:
             self.table.remove(obj)
+        return entries
 
     # ---- sweep ---------------------------------------------------------------------------------------
     def tick(self) -> None:
         """Periodic sweep: dead segments, expired pending puts, due zombie frees, watermark eviction."""
         now = self.clock()
-        for name in self.segments.expired(now, self.cfg.heartbeat_timeout_ms / 1000):
-            self._remove_segment(self.segments.get(name), "heartbeat timeout")
+        timeout_s, grace_s = self.cfg.heartbeat_timeout_ms / 1000, self.cfg.suspect_grace_ms / 1000
+        new, dead = self.segments.sweep(now, timeout_s, grace_s)
+        self.counters["segments_suspect"] += len(new)
+        for name in dead:
+            self._remove_segment(self.segments.get(name), f"silent for {timeout_s + grace_s:g} s: heartbeat "
+                                 "timeout and suspect grace", now)
+        self.manifests.tick(now)
         for obj in self.table.pending():
             if obj.deadline <= now:
                 self._drop(obj, now, free_at=now)
@@ -435,8 +478,9 @@ class MasterService:
         segs = [{"name": s.name, "host_id": s.descriptor.get("host_id", ""), "size": s.size, "used": s.used,
                  "objects": self.table.count_on(s.name), "free_blocks": s.allocator.free_blocks(),
                  "largest_free": s.allocator.largest_free(),
-                 "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000)} for s in self.segments]
-        return {"segments": segs, "objects": len(self.table), "pending": self.table.pending_count(),
+                 "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000),
+                 "suspect": s.name in self.segments.suspect} for s in self.segments]
+        return {"segments": segs, "objects": len(self.table), "manifest_objects": len(self.manifests), "pending": self.table.pending_count(),
                 "pinned": self.table.pinned_count(), "zombies": len(self._zombies),
                 "zombie_bytes": self._zombies.total(), "slabs": len(self.slabs),
                 "bytes_used": sum(s["used"] for s in segs),

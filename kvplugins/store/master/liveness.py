@@ -1,0 +1,125 @@
+"""Liveness of segments (issue #30 item 7): what a suspect segment means to readers, and the manifest a removed
+one leaves behind.
+
+A segment silent past ``heartbeat_timeout_ms`` is suspect (segments.py): placement leaves it out at once, and
+the answers built here leave its replicas out of gets and exists (a key whose every DRAM replica is suspect is
+a miss, so no reader waits on a paused or dead process). A node back within ``suspect_grace_ms`` resumes: its
+objects never left the table. Silent longer, the segment is removed, and the objects that lost their last
+replica with it are kept as its manifest (key, size, offset, checksum, pin) for ``MANIFEST_KEEP_S``: when the
+same process (its owner token: segments.owner_digest) registers the same name and size again, every object of
+the manifest whose key was not put again meanwhile is back at its offset, its bytes untouched in the node's
+memory (readers check them against the xxh3 checksum as always). A process that never returns (SIGKILL)
+leaves a manifest that ages out; the manifests hold at most ``MAX_MANIFEST_OBJECTS`` entries, oldest dropped.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass
+
+from kvplugins.store.master.allocator import reserve
+
+log = logging.getLogger(__name__)
+MANIFEST_KEEP_S = 600.0
+MAX_MANIFEST_OBJECTS = 1 << 20
+
+
+@dataclass
+class Manifest:
+    owner: bytes            # segments.owner_digest of the registering process
+    size: int               # segment bytes
+    entries: list           # [(key, size, offset, checksum, pin, pin_until)]
+    until: float            # master-clock seconds: dropped after
+
+
+class Manifests:
+    """Manifests of removed segments by name, until their process re-registers or they age out."""
+
+    def __init__(self):
+        self._by_name: dict[str, Manifest] = {}
+
+    def keep(self, seg, entries: list, now: float) -> None:
+        """Record ``entries`` [(key, size, offset, checksum, pin, pin_until)]: the complete objects whose last
+        replica was on ``seg``, removed for silence."""
+        if seg.owner and entries:
+            self._by_name[seg.name] = Manifest(seg.owner, seg.size, entries, now + MANIFEST_KEEP_S)
+            self._bound()
+
+    def take(self, seg) -> list:
+        """The entries kept for ``seg`` (just registered) when it is the same process and size; else []."""
+        m = self._by_name.pop(seg.name, None)
+        if m is None or m.size != seg.size or not seg.owner or not hmac.compare_digest(m.owner, seg.owner):
+            return []
+        return m.entries
+
+    def tick(self, now: float) -> None:
+        for name in [n for n, m in self._by_name.items() if m.until <= now]:
+            log.info("manifest of segment %s dropped: its process did not return", name)
+            del self._by_name[name]
+
+    def __len__(self) -> int:
+        return sum(len(m.entries) for m in self._by_name.values())
+
+    def _bound(self) -> None:
+        total = len(self)
+        for name in sorted(self._by_name, key=lambda n: self._by_name[n].until):
+            if total <= MAX_MANIFEST_OBJECTS:
+                break
+            total -= len(self._by_name.pop(name).entries)
+
+
+def restore(table, seg, entries: list, now: float) -> list:
+    """Put the manifest ``entries`` of just re-registered ``seg`` back in ``table`` (complete, born ``now``),
+    skipping keys stored again meanwhile; returns the objects restored."""
+    blocks = [(off, size, key) for key, size, off, *_ in entries if key not in table]
+    bad = reserve(seg.allocator, blocks)
+    out = []
+    for key, size, off, checksum, pin, pin_until in entries:
+        if (off, key) in bad or key in table:
+            continue
+        out.append(table.new(key, size, [(seg.name, off)], complete=True, born=now, last_access=now,
+                             checksum=checksum, pin=pin, pin_until=pin_until))
+    log.warning("segment %s re-registered by its process: %d of %d objects of its manifest restored", seg.name,
+                len(out), len(entries))
+    return out
+
+
+def readable_cols(cols: tuple, suspect: set) -> tuple[tuple, int]:
+    """A get_cols answer (metadata.ObjectTable.get_cols, with ``more`` as [(j, locations)]) without the replicas
+    on ``suspect`` segments: a key left with none is a miss. Returns (answer, hits turned into misses)."""
+    hits, sizes, names, regions, seg_idx, offs, more, sums, disk = cols
+    bad = {i for i, n in enumerate(names) if n in suspect}
+    if not bad and not any(loc[0] in suspect for _, locs in more for loc in locs):
+        return cols, 0
+    index = {n: i for i, n in enumerate(names)}
+    multi, kept, lost = dict(more), [], 0
+    for j, k in enumerate(seg_idx):
+        if k < 0 or (k not in bad and j not in multi):
+            continue
+        alive = [loc for loc in multi.get(j, ()) if loc[0] not in suspect]
+        if not alive:
+            sizes[j], seg_idx[j], lost = -1, -1, lost + 1
+            continue
+        name, region, off = alive[0]
+        if name not in index:
+            index[name] = len(names)
+            names.append(name)
+            regions.append(region)
+        seg_idx[j], offs[j] = index[name], off
+        if len(alive) > 1:
+            kept.append((j, alive))
+    return (hits - lost, sizes, names, regions, seg_idx, offs, kept, sums, disk), lost
+
+
+def readable(table, keys: list, found: list, suspect: set, on_disk) -> list:
+    """``found`` (per key: stored and complete) with False for keys whose every replica is on a ``suspect``
+    segment and that ``on_disk`` (an Object predicate) does not keep on the disk tier."""
+    if not suspect:
+        return found
+    out = list(found)
+    for j, ok in enumerate(found):
+        if ok:
+            obj = table.get(keys[j])
+            if obj.replicas and all(n in suspect for n, _ in obj.replicas) and not on_disk(obj):
+                out[j] = False
+    return out
