@@ -67,6 +67,10 @@ class MasterConfig(_MetricsLimits):
     max_frame: Bytes = field(default=Bytes(64 << 20), metadata={"help": "largest RPC frame accepted"})
     max_batch: int = field(default=65536, metadata={"help": "most entries (keys, segments) one op may carry"})
     max_key_bytes: int = field(default=4096, metadata={"help": "longest key accepted, in UTF-8 bytes"})
+    max_segments: int = field(default=4096, metadata={
+        "help": "segments registered at once (64 at most per registering process); more are refused"})
+    max_pending_puts: int = field(default=1 << 20, metadata={
+        "help": "puts started and not yet committed, over all clients; put_start past it answers StoreFull"})
     max_connections: int = field(default=4096, metadata={
         "help": "raw RPC connections open at once; more are refused with the reason (0 = unlimited)"})
     max_connections_per_peer: int = field(default=1024, metadata={
@@ -125,8 +129,8 @@ class MasterConfig(_MetricsLimits):
         if self.suspect_grace_ms < 0:
             raise ConfigError(f"master suspect_grace_ms={self.suspect_grace_ms} must be >= 0 ms")
         for name in ("heartbeat_timeout_ms", "lease_ttl_ms", "put_timeout_ms", "tick_ms", "etcd_lease_ttl_ms",
-                     "frame_timeout_ms", "max_batch", "max_key_bytes", "partial_frames_budget", "reply_buffer",
-                     "metrics_timeout_ms"):
+                     "frame_timeout_ms", "max_batch", "max_key_bytes", "max_segments", "max_pending_puts",
+                     "partial_frames_budget", "reply_buffer", "metrics_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"master {name}={getattr(self, name)} must be > 0")
         if self.events_port < -1 or self.events_replay_port < 0 or self.events_buffer <= 0:

@@ -167,6 +167,15 @@ def _op_types(key, batch) -> dict:
     }
 
 
+def subset(opts, idx):
+    """``opts`` with its per-entry lists (``xxh3``) cut to the entries ``idx`` (indices, or a range)."""
+    sums = getattr(opts, "xxh3", None)
+    if sums is None:
+        return opts
+    return msgspec.structs.replace(opts, xxh3=sums[idx.start:idx.stop] if type(idx) is range else
+                                   [sums[i] for i in idx])
+
+
 # Where each op's keys are, for the UTF-8 byte-length check msgspec cannot express (it counts characters):
 # None = the entries are the keys, an int = that item of each entry; ops absent here carry no keys.
 _KEY_AT = {"put_start": 0, "put": 0, "put_commit": None, "put_abort": None, "get": None, "exists": None,

@@ -42,7 +42,7 @@ class LeaderGuard:
         return self._journaled(lambda: self.inner.handle(op, entries, opts, defer))
 
     def step(self, scan) -> bool:
-        """MasterService.step on the leader (a deferred admin scan), journaled like an op."""
+        """MasterService.step on the leader (a deferred op: admin scan or sliced batch), journaled like an op."""
         return self._journaled(lambda: self.inner.step(scan))
 
     def _journaled(self, fn):

@@ -19,14 +19,15 @@ import time
 
 import re2
 
+from kvplugins.store.master.batches import SLICE_BUDGET_S, Deferred
 from kvplugins.store.protocol import INVALID, NOT_FOUND, OK
 
-SCAN_SLICE = 4096          # objects one step of a Scan examines at most (a few ms of the master's thread)
-SLICE_BUDGET_S = 0.01      # ... and the time it may take: the step ends at the first key past it
+SCAN_SLICE = 4096          # objects one step of a Scan examines at most (a few ms of the master's thread),
+                           # ending at the first key past SLICE_BUDGET_S
 MAX_PROGRAM = 2000         # RE2 program instructions a remove_by_regex pattern may compile to
 
 
-class Scan:
+class Scan(Deferred):
     """An admin op over every object, advanced in slices by whoever serves it: ``step(now)`` examines up to
     SCAN_SLICE objects of the snapshot taken at the start and returns True once done; ``result`` is then the op's
     payload ``[OK, removed count]``. Objects removed or replaced since the snapshot are skipped."""
@@ -51,12 +52,6 @@ class Scan:
             return False
         self._objs, self.result = [], [OK, self.removed]
         return True
-
-    def run(self, now: float):
-        """Run to the end at once (in-process callers); returns the payload."""
-        while not self.step(now):
-            pass
-        return self.result
 
 
 def ops(service) -> dict:

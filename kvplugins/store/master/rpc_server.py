@@ -28,7 +28,9 @@ What a client cannot do to the loop (issue #11; limits in MasterConfig, docs/ope
   is dropped; a batch is at most ``max_batch`` entries.
 * hold the thread: idle connections close after ``idle_timeout_ms``, a frame started must arrive within
   ``frame_timeout_ms``; remove_by_regex/remove_all run as slices (admin_ops.Scan) between other events, at most
-  MAX_SCANS at once, on RE2.
+  MAX_SCANS at once, on RE2; a data batch of more than batches.SLICE_KEYS entries runs in slices too (at most
+  MAX_SLICED at once), and all deferred ops together take at most TURN_BUDGET_S of a loop turn, round robin,
+  so a 65,536-key put_start keeps no other client waiting.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ from kvplugins.store import protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.ha import group_commit
 from kvplugins.store.master.admin_ops import Scan
+from kvplugins.store.master.batches import Deferred
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.metrics import MasterMetrics
 from kvplugins.store.schema import RefusedRequest, Schemas
@@ -62,6 +65,8 @@ RECV_CHUNK = 1 << 16          # below malloc's mmap threshold: a 1 MiB recv buff
 GC_THRESHOLDS = (50_000, 20, 20)
 ACCEPTS_PER_TURN = 64         # connections accepted per readiness event (the rest wait for the next turn)
 MAX_SCANS = 4                 # admin scans running at once; more are refused (retry later)
+MAX_SLICED = 1024             # sliced data batches running at once (one per raw connection); more are refused
+TURN_BUDGET_S = 0.02          # time all deferred ops may take in one loop turn (each step: batches.SLICE_BUDGET_S)
 UNAUTH_POOL = 256             # connections still in their handshake; a new one past it evicts the oldest
 ZMQ_MAX_MSG = 16 << 20       # control-plane messages are small (a tier_register chunk ~1.5 MB); zmq drops larger
 ZMQ_RCVHWM = 64               # messages queued per control-plane peer: with ZMQ_MAX_MSG, at most 1 GiB per peer
@@ -219,7 +224,7 @@ class RpcServer:
             log.exception("op %s failed", op)
             self.internal_errors["op"] = self.internal_errors.get("op", 0) + 1
             payload, ok = f"{op}: internal error {e!r:.200}", False
-        if type(payload) is Scan:
+        if isinstance(payload, Deferred):
             return rid, op, payload
         if ok:
             self.metrics.timer.record(op, time.perf_counter() - t0)
@@ -234,23 +239,35 @@ class RpcServer:
             return self._encode((protocol.VERSION, rid, False, f"{op}: internal error: reply not encodable: {e!r:.200}"))
 
     def _start_scan(self, owner, answer) -> bytes | None:
-        """Queue an admin scan for ``owner``; returns a refusal reply instead when MAX_SCANS already run."""
+        """Queue a deferred op for ``owner``; returns a refusal reply instead when MAX_SCANS admin scans (or
+        MAX_SLICED sliced batches) already run."""
         rid, op, scan = answer
-        if len(self._scans) >= MAX_SCANS:
-            return self._reply(rid, False, f"{op}: {MAX_SCANS} admin scans are running; retry later", op)
+        kind, cap = ("admin scans", MAX_SCANS) if type(scan) is Scan else ("sliced batches", MAX_SLICED)
+        if sum(type(s[3]) is type(scan) for s in self._scans) >= cap:
+            return self._reply(rid, False, f"{op}: {cap} {kind} are running; retry later", op)
         self._scans.append((owner, rid, op, scan))
         return None
 
     def _step_scans(self) -> None:
-        for item in list(self._scans):
+        """Step the deferred ops round robin until TURN_BUDGET_S has passed: one stepped and not done goes to the
+        back, so the ones not reached this turn go first next turn."""
+        until = time.perf_counter() + TURN_BUDGET_S
+        for n, item in enumerate(list(self._scans)):
+            if n and time.perf_counter() > until:
+                return
             owner, rid, op, scan = item
             try:
                 done, ok, payload = self.service.step(scan), True, scan.result
             except ValueError as e:       # an HA master lost its lead mid-scan
                 done, ok, payload = True, False, f"{op}: {e}"
-            if not done:
-                continue
+            except Exception as e:  # noqa: BLE001 - a logic bug fails this op; the master keeps serving
+                log.exception("deferred op %s failed", op)
+                self.internal_errors["op"] = self.internal_errors.get("op", 0) + 1
+                done, ok, payload = True, False, f"{op}: internal error {e!r:.200}"
             self._scans.remove(item)
+            if not done:
+                self._scans.append(item)
+                continue
             reply = self._reply(rid, ok, payload, op)
             if isinstance(owner, _Conn):
                 if self._conns.get(owner.sock.fileno()) is owner:

@@ -22,6 +22,7 @@ from kvplugins.store.master.allocator import Allocator
 from kvplugins.transfer.api import SegmentDescriptor
 
 log = logging.getLogger(__name__)
+MAX_PER_OWNER = 64          # segments one process (owner token) may have registered at once
 
 
 @dataclass
@@ -49,6 +50,10 @@ class SegmentOwned(ValueError):
     """A live segment name registered by another process (another owner token)."""
 
 
+class TooMany(ValueError):
+    """The registry holds max_segments segments, or MAX_PER_OWNER of one process."""
+
+
 def owner_digest(token: str) -> bytes:
     """The registry's record of an owner token (b"" for none)."""
     return hashlib.sha256(token.encode()).digest() if token else b""
@@ -60,15 +65,19 @@ class SegmentRegistry:
         self._segments: dict[str, Segment] = {}
         self.suspect: set[str] = set()     # names silent past the heartbeat timeout, not yet removed
 
-    def add(self, wire: dict, region_id: int, size: int, now: float, owner: bytes = b"") -> Segment:
+    def add(self, wire: dict, region_id: int, size: int, now: float, owner: bytes = b"",
+            limit: int = 0) -> Segment:
         """Validate and add a segment (replacing one of the same name and ``owner``, an owner_digest). Raises
-        SegmentOwned (the live name has another owner), ValueError/ProtocolError (a bad descriptor)."""
+        SegmentOwned (the live name has another owner), TooMany (``limit`` segments, or MAX_PER_OWNER of this
+        owner, are registered), ValueError/ProtocolError (a bad descriptor)."""
         desc = SegmentDescriptor.from_wire(wire)
         region = desc.region(int(region_id))
         if not 0 < int(size) <= region.length:
             raise ValueError(f"segment size {size} must be in (0, region length {region.length}]")
         name = f"{desc.segment_id}:{region.region_id}"
         self.check_owner(name, owner, "register")
+        if name not in self._segments:
+            self._check_room(owner, limit)
         seg = Segment(name, wire, region.region_id, Allocator(int(size), self.align), now, owner)
         self._segments[name] = seg
         self.suspect.discard(name)
@@ -81,6 +90,13 @@ class SegmentRegistry:
             raise SegmentOwned(f"cannot {what} segment {name}: it is live and was registered by another process "
                                "(segment names are bound to their registering process; a restarted node "
                                "registers under its new name)")
+
+    def _check_room(self, owner: bytes, limit: int) -> None:
+        if limit and len(self._segments) >= limit:
+            raise TooMany(f"{len(self._segments)} segments are registered, the master's max_segments; raise "
+                          "--max-segments or stop the processes whose segments are not needed")
+        if owner and sum(s.owner == owner for s in self._segments.values()) >= MAX_PER_OWNER:
+            raise TooMany(f"this process has {MAX_PER_OWNER} segments registered, the most one process may")
 
     def get(self, name: str) -> Segment | None:
         return self._segments.get(name)

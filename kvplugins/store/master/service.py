@@ -13,13 +13,13 @@ import time
 
 
 from kvplugins.store.config import MasterConfig
-from kvplugins.store.master import admin_ops, liveness
+from kvplugins.store.master import admin_ops, batches, liveness
 from kvplugins.store.master import placement
 from kvplugins.store.master.events import NoEvents
 from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes, over_high, victims, young_bytes
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.master.metadata import Object, ObjectTable
-from kvplugins.store.master.segments import Segment, SegmentOwned, SegmentRegistry, owner_digest
+from kvplugins.store.master.segments import Segment, SegmentOwned, SegmentRegistry, TooMany, owner_digest
 from kvplugins.store.master.slabs import Slabs
 from kvplugins.store.master.tiering import Tiering
 from kvplugins.store.master.zombies import Zombies
@@ -63,29 +63,43 @@ class MasterService:
         """Run one batch op; returns its payload. ``entries``/``opts``: as ``self.schemas`` decoded them (the RPC
         server), or plain Python values (a dict ``opts``), which are validated here first. Raises ValueError
         for an unknown op or an invalid request (naming the field); nothing is applied then. An admin scan
-        (remove_by_regex, remove_all) runs to its end, or with ``defer`` is returned as an admin_ops.Scan for
-        the caller to advance with ``step`` between other work."""
+        (remove_by_regex, remove_all) or a data batch of more than batches.SLICE_KEYS entries runs to its end,
+        or with ``defer`` is returned as a batches.Deferred for the caller to advance with ``step`` between
+        other work (no other client waits on it)."""
         if type(opts) is dict:
             entries, opts = self.schemas.convert(op, entries, opts)
-        now = self.clock()
-        if self.shard is not None and op in SHARD_ROUTED:      # only this shard's keys are put here
-            return self.shard.route(op, entries, opts, lambda e, o: self._ops[op](e, o, now))
-        out = self._ops[op](entries, opts, now)
-        if type(out) is admin_ops.Scan and not defer:
+        if op in batches.SLICED and len(entries) > batches.SLICE_KEYS:
+            out = batches.Sliced(self._run, op, entries, opts)
+        else:
+            out = self._run(op, entries, opts, self.clock())
+        if not defer and isinstance(out, batches.Deferred):
             return out.run(self.clock())
         return out
 
-    def step(self, scan: admin_ops.Scan) -> bool:
-        """Advance a deferred admin scan by one slice; True once ``scan.result`` is its payload."""
-        return scan.step(self.clock())
+    def _run(self, op: str, entries, opts, now: float):
+        if self.shard is not None and op in SHARD_ROUTED:      # only this shard's keys are put here
+            return self.shard.route(op, entries, opts, lambda e, o: self._ops[op](e, o, now))
+        return self._ops[op](entries, opts, now)
+
+    def step(self, op: batches.Deferred) -> bool:
+        """Advance a deferred op by one slice; True once ``op.result`` is its payload."""
+        return op.step(self.clock())
 
     # ---- objects -------------------------------------------------------------------------------------
     def op_put_start(self, entries, opts, now):
         """entries [(key, size)]; opts schema.PutStartOpts (store/placement.py PutConfig.wire). Per entry
         [OK, locations], [EXISTS, "complete"] (already stored: the put is a no-op), [PENDING, why] (another
-        writer's put of the key has not committed: nothing allocated, retry) or [STORE_FULL, why]."""
+        writer's put of the key has not committed: nothing allocated, retry) or [STORE_FULL, why] (no space, or
+        max_pending_puts puts are pending: the entries past it)."""
         if opts.pin == 1 and opts.pin_ttl_ms <= 0:
             raise ValueError(f"a soft pin (pin=1) needs pin_ttl_ms > 0, got {opts.pin_ttl_ms}")
+        room = self.cfg.max_pending_puts - self.table.pending_count()
+        if room < len(entries):
+            full = [STORE_FULL, f"{self.cfg.max_pending_puts - max(room, 0)} puts are pending (started, not yet "
+                                "committed), the master's max_pending_puts: retry once writers commit or their "
+                                "puts time out (put_timeout_ms)"]
+            head = self.op_put_start(entries[:room], opts, now) if room > 0 else []
+            return head + [full] * (len(entries) - len(head))
         replicas, preferred = opts.replicas, opts.segment
         pin = (opts.pin, now + opts.pin_ttl_ms / 1000 if opts.pin else 0.0)
         order = self.segments.by_free_space()   # once per batch, most free bytes first; key j starts at j-th
@@ -330,14 +344,18 @@ class MasterService:
     # ---- segments ------------------------------------------------------------------------------------
     def op_register_segment(self, entries, opts, now):
         """entries [(descriptor, region id, size)]; opts OwnerOpts. Per entry [OK, name], [EXISTS, why] (the live
-        name belongs to another process) or [INVALID, why]."""
+        name belongs to another process), [STORE_FULL, why] (max_segments, or 64 of this process) or
+        [INVALID, why]."""
         out, owner = [], owner_digest(opts.owner)
         for desc, region_id, size in entries:
             wire = desc.wire()
             try:
-                seg = self.segments.add(wire, region_id, size, now, owner)
+                seg = self.segments.add(wire, region_id, size, now, owner, self.cfg.max_segments)
             except SegmentOwned as err:
                 out.append([EXISTS, str(err)])
+                continue
+            except TooMany as err:
+                out.append([STORE_FULL, str(err)])
                 continue
             except Exception as err:  # noqa: BLE001 - any bad entry is answered, never crashes the master
                 out.append([INVALID, f"bad segment entry: {err}"])

@@ -15,10 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 
-import msgspec
-
 from kvplugins.errors import StoreError
 from kvplugins.store.protocol import WRONG_SHARD
+from kvplugins.store.schema import subset
 from kvplugins.store.shard.cluster import ClusterState, Membership
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ class ShardMember:
         out = [[WRONG_SHARD, f"{e[0]}: owned by shard {o} in epoch {st.epoch}, not by {self.id}"]
                for e, o in zip(entries, owners)]
         if own:
-            for i, answer in zip(own, run([entries[i] for i in own], _subset(opts, own))):
+            for i, answer in zip(own, run([entries[i] for i in own], subset(opts, own))):
                 out[i] = answer
         return out
 
@@ -154,10 +153,3 @@ def start_shard(cfg, address: str) -> ShardMember | None:
     member.start()
     return member
 
-
-def _subset(opts, idx: list[int]):
-    """``opts`` with its per-entry lists (``xxh3``) cut to the entries ``idx``."""
-    sums = getattr(opts, "xxh3", None)
-    if sums is None:
-        return opts
-    return msgspec.structs.replace(opts, xxh3=[sums[i] for i in idx])
