@@ -24,7 +24,8 @@ from typing import Any
 class Region:
     """A registered local memory region: ``length`` bytes at address ``addr``.
 
-    shm_path: for memory in memfd/POSIX shm, the path a same-host peer opens to map it (else None).
+    shm_path: for memory in memfd/POSIX shm, where it lives (for logs; else None). No peer opens it: same-host
+        peers get the memory as a file descriptor from its owner (transfer/fdpass.py).
     exported: whether remote peers may read/write it through this engine's servers.
     readonly: the memory is read-only (e.g. ``bytes``): it can be a write source, never a destination.
     """

@@ -27,7 +27,8 @@ class TransferConfig:
     copy_threads: int = field(default=0, metadata={
         "help": "threads of one shared-memory batch copy of >= 4 MiB (smaller ones use one); 0 = the usable "
                 "cores, at most 4 (two threads reached memcpy speed with the fused checksum: docs/benchmarks.md)"})
-    shm_backend: str = field(default="memfd", metadata={"help": "alloc_shared backing: memfd or posix"})
+    shm_backend: str = field(default="memfd", metadata={"help": "alloc_shared backing: memfd (sealed, handed to same-host peers as an fd) or posix (a /dev/shm "
+                "file; cannot be sealed, so same-host peers reach it over TCP)"})
     max_connections: int = field(default=4096, metadata={
         "help": "TCP server connections open at once; more are refused with the reason (0 = unlimited)"})
     max_connections_per_peer: int = field(default=1024, metadata={

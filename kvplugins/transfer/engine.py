@@ -73,13 +73,18 @@ class TransferEngine:
 
     def alloc_shared(self, nbytes: int, export: bool = True, populate: bool = True) -> Region:
         """Allocate ``nbytes`` of zeroed memfd/POSIX-shm memory (config.shm_backend) and register it with
-        Region.shm_path set, so same-host peers map it and copy with one memcpy. ``populate``: commit every page
+        Region.shm_path set; exported memfd memory is handed to same-host peers as an fd (transfer/fdpass.py), so
+        they map it and copy with one memcpy (posix memory cannot be sealed: peers use TCP). ``populate``: commit every page
         now (shmem.populate; ~0.6 s per GiB here) so no copy into it pays page faults. Freed by unregister().
         Raises OutOfRange for nbytes < 1 and OSError if the kernel refuses the memory."""
         if not isinstance(nbytes, int) or nbytes < 1:
             raise OutOfRange(f"alloc_shared(nbytes={nbytes!r}): use a positive number of bytes")
         mapping = shmem.allocate(nbytes, self.config.shm_backend, populate)
-        return self._added(self._regions.add(mapping.addr, nbytes, mapping, mapping.path, export))
+        region = self._added(self._regions.add(mapping.addr, nbytes, mapping, mapping.path, export))
+        for t in self._transports:
+            if t.name == "shm":
+                t.offer(region, mapping)       # same-host peers get it as an fd (transfer/fdpass.py)
+        return region
 
     def _added(self, region: Region) -> Region:
         for t in self._transports:

@@ -1,8 +1,9 @@
-"""Shared-memory transport (same host): map the peer's memfd/POSIX-shm region once and copy directly.
+"""Shared-memory transport (same host): map the peer's memfd region once and copy directly.
 
-One copy per entry via the native ``copy_batch`` (GIL released); no socket on the data path. Peer
-liveness is checked per batch with a pidfd, so a dead peer gives TransferFailed rather than writes
-into memory nobody reads.
+The peer's memory arrives as a file descriptor from its owner over a Unix socket (fdpass.py), never by opening a
+path a descriptor named; this process hands its own alloc_shared memory out the same way (``offer``). One copy
+per entry via the native ``copy_batch`` (GIL released); no socket on the data path. Peer liveness is checked
+per batch with a pidfd, so a dead peer gives TransferFailed rather than writes into memory nobody reads.
 """
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ import numpy as np
 
 from kvplugins import native
 from kvplugins.errors import TransferError, TransferFailed
-from kvplugins.transfer.api import RegionInfo, SegmentDescriptor
-from kvplugins.transfer.shmem import Mapping, open_remote
+from kvplugins.transfer import fdpass
+from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
+from kvplugins.transfer.shmem import Mapping, map_fd
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
 
 class ShmTransport(Transport):
-    """Offers {"pid": ...}; reaches a region when the peer has our host_id and the region has shm_path."""
+    """Offers {"pid": ..., "fd_socket": ...}; reaches a region when the peer has our host_id, an fd socket and the
+    region has shm_path (it lives in shared memory)."""
     name = "shm"
     hashes_in_copy = True
 
@@ -33,14 +36,29 @@ class ShmTransport(Transport):
         self._lock = threading.Lock()
         self._maps: dict[tuple[str, int], Mapping] = {}
         self._pidfds: dict[str, tuple[int, Any]] = {}     # segment -> (pidfd or -1, its poll object)
+        self._server: fdpass.FdServer | None = None       # hands our shared regions out; started by offer()
 
     def endpoint(self) -> dict[str, Any]:
-        return {"pid": os.getpid()}
+        return {"pid": os.getpid(), **({"fd_socket": self._server.name} if self._server else {})}
+
+    def offer(self, region: Region, mapping: Mapping) -> None:
+        """Hand exported ``region`` (alloc_shared memory ``mapping``) to same-host peers; memory that is not a
+        sealed memfd (the posix backend) is not handed out."""
+        if region.exported and mapping.fd >= 0 and fdpass.sealed(mapping.fd):
+            with self._lock:
+                if self._server is None:
+                    self._server = fdpass.FdServer()
+                self._server.offer(region.region_id, mapping.fd, region.length)
+
+    def remove_region(self, region: Region) -> None:
+        if self._server is not None:
+            self._server.withdraw(region.region_id)
 
     def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
         ep = remote.transports.get("shm")
         return remote.host_id == self._host_id and isinstance(region.shm_path, str) and bool(region.shm_path) \
-            and isinstance(ep, dict) and type(ep.get("pid")) is int and ep["pid"] > 0
+            and isinstance(ep, dict) and type(ep.get("pid")) is int and ep["pid"] > 0 \
+            and isinstance(ep.get("fd_socket"), str)
 
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
         status: list[TransferError | None] = [None] * len(entries)
@@ -89,7 +107,9 @@ class ShmTransport(Transport):
         with self._lock:
             m = self._maps.get(key)
         if m is None:
-            mine = open_remote(region.shm_path, region.length)
+            ep = remote.transports["shm"]
+            fd = fdpass.fetch(ep["fd_socket"], ep["pid"], region.region_id, region.length)
+            mine = map_fd(fd, region.length, f"{remote.segment_id}:{region.region_id}")
             with self._lock:
                 m = self._maps.setdefault(key, mine)
             if m is not mine:  # another thread mapped it first
@@ -141,6 +161,9 @@ class ShmTransport(Transport):
             maps, fds = list(self._maps.values()), list(self._pidfds.values())
             self._maps.clear()
             self._pidfds.clear()
+            server, self._server = self._server, None
+        if server is not None:
+            server.close()
         for m in maps:
             m.close()
         for fd, _ in fds:

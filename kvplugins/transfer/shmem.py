@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from kvplugins.errors import TransferFailed
+from kvplugins.transfer import fdpass
 
 log = logging.getLogger("kvplugins.transfer")
 MADV_POPULATE_WRITE = 23      # linux/mman.h (5.14); not exported by Python 3.11's mmap module
@@ -59,11 +59,11 @@ class Mapping:
     """An mmap of a shared file plus its address. ``close()`` unmaps (after the numpy view is dropped)."""
 
     def __init__(self, fd: int, length: int, path: str, unlink: str | None = None, keep_fd: bool = True):
-        self.length, self.path, self._unlink, self._fd = length, path, unlink, fd
+        self.length, self.path, self._unlink, self.fd = length, path, unlink, fd
         self._mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        if not keep_fd:  # the map keeps the memory; a memfd's fd must stay open for peers to find it
+        if not keep_fd:  # the map keeps the memory; the owner keeps its fd to hand it to peers (fdpass.py)
             os.close(fd)
-            self._fd = -1
+            self.fd = -1
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.addr = int(self.array.ctypes.data)
 
@@ -83,9 +83,9 @@ class Mapping:
             self._mm.close()
         except BufferError:  # a pinned view is in use: the map is freed when it and this object go
             pass
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         if self._unlink:
             try:
                 os.unlink(self._unlink)
@@ -96,12 +96,13 @@ class Mapping:
 
 def allocate(nbytes: int, backend: str = "memfd", populate: bool = True) -> Mapping:
     """New zero-filled shared memory of ``nbytes``, its pages populated (committed) now unless ``populate`` is
-    False. memfd: peers open
-    /proc/<pid>/fd/<n>; posix: a /dev/shm file named from pid + random, unlinked on close (memfd falls back to
-    posix where memfd_create is refused). Raises OSError if the kernel refuses the memory."""
+    False. memfd: sealed against shrinking and growing, handed to same-host peers as an fd (fdpass.py); posix: a
+    /dev/shm file named from pid + random, unlinked on close, which cannot be sealed and so is not handed out
+    (peers use TCP; memfd falls back to posix where memfd_create is refused). ``Mapping.path`` names where it
+    lives, for logs; no peer opens it. Raises OSError if the kernel refuses the memory."""
     if backend == "memfd" and hasattr(os, "memfd_create"):
         try:
-            fd = os.memfd_create(f"kvp-{os.getpid()}", 0)
+            fd = os.memfd_create(f"kvp-{os.getpid()}", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
         except OSError:  # e.g. a seccomp filter: POSIX shm below still works
             pass
         else:
@@ -124,6 +125,8 @@ def _mapped(fd: int, nbytes: int, path: str, unlink: str | None, populate: bool)
     try:
         os.fchmod(fd, 0o600)     # owner only (a memfd starts 0777): other users can neither read nor write it
         os.ftruncate(fd, nbytes)
+        if unlink is None:
+            fdpass.seal(fd)      # a peer's mapping can never be cut short under it (SIGBUS)
         m = Mapping(fd, nbytes, path, unlink=unlink)
     except BaseException:
         os.close(fd)
@@ -140,19 +143,11 @@ def _mapped(fd: int, nbytes: int, path: str, unlink: str | None, populate: bool)
     return m
 
 
-def open_remote(path: str, length: int) -> Mapping:
-    """Map a peer's shared region; its pages are mapped in by a background thread (populate_in_background).
-    Raises TransferFailed if it cannot be opened or is shorter than ``length`` (mapping past the end of a file
-    would fault on access)."""
+def map_fd(fd: int, length: int, label: str) -> Mapping:
+    """Map ``length`` bytes of a peer's shared memory from ``fd`` (fdpass.fetch checked it; the mapping takes
+    it over and closes it); its pages are mapped in by a background thread (populate_in_background)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as e:
-        raise TransferFailed(f"cannot open peer shared memory {path}: {e.strerror}") from e
-    try:
-        size = os.fstat(fd).st_size
-        if size < length:
-            raise TransferFailed(f"peer shared memory {path} has {size} bytes, descriptor says {length}")
-        m = Mapping(fd, length, path, keep_fd=False)
+        m = Mapping(fd, length, label, keep_fd=False)
     except BaseException:
         os.close(fd)
         raise

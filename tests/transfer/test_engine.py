@@ -93,15 +93,17 @@ def test_descriptor_lists_exported_regions_and_transports(eng):
 
 @pytest.mark.parametrize("backend", ["memfd", "posix"])
 def test_alloc_shared_backends_move_bytes_between_engines(backend):
-    cfg = TransferConfig(transports="shm", shm_backend=backend)
+    """memfd memory is sealed and handed over as an fd (shm); posix memory cannot be sealed: it goes over TCP."""
+    cfg = TransferConfig(transports="shm,tcp", shm_backend=backend)
     with TransferEngine(cfg) as a, TransferEngine(cfg) as b:
         region = b.alloc_shared(1 << 16)
         path = region.shm_path
         assert path.startswith("/proc/" if backend == "memfd" else "/dev/shm/kvp-")
+        assert ("fd_socket" in b.descriptor().transports["shm"]) == (backend == "memfd")
         src = a.register(np.frombuffer(os.urandom(1 << 16), dtype=np.uint8))
         assert a.batch_write([TransferRequest(src, 0, b.descriptor(), region.region_id, 0, 1 << 16)]) == [None]
         assert bytes(b.memoryview(region)) == bytes(a.memoryview(src))
-        assert a.stats()["shm"]["bytes"] == 1 << 16
+        assert a.stats()["shm" if backend == "memfd" else "tcp"]["bytes"] == 1 << 16
         b.unregister(region)
     if backend == "posix":
         assert not os.path.exists(path)

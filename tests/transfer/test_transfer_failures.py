@@ -68,9 +68,10 @@ def test_hung_peer_times_out_naming_peer_and_timeout(make_engine):
 
 
 def _broken_shm(desc):
-    regions = tuple(RegionInfo(r.region_id, r.length, r.shm_path and "/dev/shm/kvp-test-no-such-file")
-                    for r in desc.regions)
-    return dataclasses.replace(desc, regions=regions)
+    """``desc`` with an shm endpoint whose fd socket nobody serves: the shm transport claims the regions and
+    fails on them."""
+    shm = {**desc.transports["shm"], "fd_socket": "kvp-fd-1-0123456789abcdef"}
+    return dataclasses.replace(desc, transports={**desc.transports, "shm": shm})
 
 
 def test_fallback_from_failing_shm_to_tcp_is_counted_and_logged_once(make_engine, caplog):

@@ -54,7 +54,8 @@ def test_pages_saved_without_staging_load_staged(model, turn_prompts, baseline, 
     with store_cluster(nodes=1, segment_size="256MiB") as c:
         run_fresh(EngineSpec(model, turn_prompts[0], connector={"master": c.master, "staging": "never"}))
         b = run_fresh(EngineSpec(model, turn_prompts[1], connector=staged(c)))
-    assert b["external_hit_tokens"] > 1000 and b["kvplugins"]["failed_blocks"] == 0
+        store_log = c.master_proc.log_tail() + c.nodes[0].log_tail()      # (why, if B found no page)
+    assert b["external_hit_tokens"] > 1000 and b["kvplugins"]["failed_blocks"] == 0, (b["kvplugins"], store_log)
     assert b["tokens"] == baseline["tokens"]
 
 
@@ -62,6 +63,8 @@ def test_corrupted_pages_change_staged_tokens(runs, baseline, model, turn_prompt
     from kvplugins.store import ClientConfig, StoreClient
     _, b, info, _ = runs
     with StoreClient(ClientConfig(master=cluster.master)) as client:
+        st = client.master_call("status", [])
+        assert st["objects_lost"] == 0, (st, cluster.master_proc.log_tail())       # no page lost since A saved
         replace_pages(client, stored_page_keys(client, b, info), info["keyspace"]["page_bytes"])
     bad = run_fresh(EngineSpec(model, turn_prompts[1], connector=staged(cluster)))
     assert bad["external_hit_tokens"] >= b["external_hit_tokens"]
