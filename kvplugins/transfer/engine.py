@@ -82,8 +82,7 @@ class TransferEngine:
         mapping = shmem.allocate(nbytes, self.config.shm_backend, populate)
         region = self._added(self._regions.add(mapping.addr, nbytes, mapping, mapping.path, export))
         for t in self._transports:
-            if t.name == "shm":
-                t.offer(region, mapping)       # same-host peers get it as an fd (transfer/fdpass.py)
+            t.share(region, mapping)           # the shm transport hands it to same-host peers as an fd
         return region
 
     def _added(self, region: Region) -> Region:

@@ -30,6 +30,7 @@ import struct
 import threading
 
 from kvplugins.errors import TransferFailed
+from kvplugins.transfer.sockio import recv_exact
 
 log = logging.getLogger("kvplugins.transfer")
 NAME = re.compile(r"kvp-fd-[0-9]{1,10}-[0-9a-f]{16}")
@@ -111,7 +112,7 @@ class FdServer:
         conn.settimeout(TIMEOUT_S)
         if peer_cred(conn)[1] != os.getuid():
             return                                      # another user: nothing, not even an answer
-        request = _recv_exact(conn, _U64.size)
+        request = recv_exact(conn, _U64.size)
         with self._lock:
             got = self._fds.get(_U64.unpack(request)[0])
         if got is None:
@@ -157,12 +158,3 @@ def _checked(fd: int, length: int, pid: int, region_id: int) -> int:
         raise TransferFailed(f"pid {pid} handed an fd for region {region_id} that cannot be mapped: {why}")
     return fd
 
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise OSError("peer closed the fd socket")
-        buf += chunk
-    return buf

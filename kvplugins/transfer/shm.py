@@ -36,12 +36,12 @@ class ShmTransport(Transport):
         self._lock = threading.Lock()
         self._maps: dict[tuple[str, int], Mapping] = {}
         self._pidfds: dict[str, tuple[int, Any]] = {}     # segment -> (pidfd or -1, its poll object)
-        self._server: fdpass.FdServer | None = None       # hands our shared regions out; started by offer()
+        self._server: fdpass.FdServer | None = None       # hands our shared regions out; started by share()
 
     def endpoint(self) -> dict[str, Any]:
         return {"pid": os.getpid(), **({"fd_socket": self._server.name} if self._server else {})}
 
-    def offer(self, region: Region, mapping: Mapping) -> None:
+    def share(self, region: Region, mapping: Mapping) -> None:
         """Hand exported ``region`` (alloc_shared memory ``mapping``) to same-host peers; memory that is not a
         sealed memfd (the posix backend) is not handed out."""
         if region.exported and mapping.fd >= 0 and fdpass.sealed(mapping.fd):

@@ -91,6 +91,10 @@ class Transport(ABC):
         transport adds its address and rkeys). Default: ``info`` unchanged."""
         return info
 
+    def share(self, region: Region, mapping) -> None:
+        """Local ``region`` was allocated as shared memory ``mapping`` (shmem.Mapping): the shm transport hands
+        it to same-host peers. Default: nothing to do."""
+
     def remove_region(self, region: Region) -> None:
         """A local region is being unregistered; stop using its memory. Default: nothing to do."""
 

@@ -24,7 +24,6 @@ class Clock:
 def m():
     svc = MasterService(MasterConfig(heartbeat_timeout_ms=int(TIMEOUT_S * 1000), suspect_grace_ms=int(GRACE_S * 1000),
                                      lease_ttl_ms=1000, put_timeout_ms=2000, alloc_align=64), clock=Clock())
-    svc.names = {}
     return svc
 
 

@@ -498,7 +498,8 @@ class MasterService:
                  "largest_free": s.allocator.largest_free(),
                  "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000),
                  "suspect": s.name in self.segments.suspect} for s in self.segments]
-        return {"segments": segs, "objects": len(self.table), "manifest_objects": len(self.manifests), "pending": self.table.pending_count(),
+        return {"segments": segs, "objects": len(self.table), "manifest_objects": len(self.manifests),
+                "pending": self.table.pending_count(),
                 "pinned": self.table.pinned_count(), "zombies": len(self._zombies),
                 "zombie_bytes": self._zombies.total(), "slabs": len(self.slabs),
                 "bytes_used": sum(s["used"] for s in segs),
