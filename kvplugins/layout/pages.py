@@ -147,8 +147,10 @@ class PageStore:
 
     def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> list[int]:
         """Scatter page ``hashes[i]`` into block ``block_ids[i]``; returns the block ids that did not load
-        (store down, evicted, size mismatch). Their bytes must be treated as garbage by the caller.
-        ``after``: staged only, the engine's mark (see StagedPages)."""
+        (store down, evicted, size mismatch, checksum mismatch). A failed block is left zeroed (read in place)
+        or untouched (staged): never bytes that failed their checksum, since an engine may reuse a freed block
+        partly filled, and masked garbage such as inf turns attention into NaN (vLLM zeroes reused blocks only
+        for Mamba or mixed precision). ``after``: staged only, the engine's mark (see StagedPages)."""
         if not block_ids:
             return []
         spans = self._layout().spans_for(block_ids) if self.staged is None else None
@@ -166,6 +168,8 @@ class PageStore:
             self._failed(e)
             errors = [e] * len(block_ids)
         failed = [b for b, err in zip(block_ids, errors) if err is not None]
+        if failed and spans is not None:
+            self._layout().zero(failed)
         if failed:
             log.warning("kvplugins: %d of %d pages failed to load: %s", len(failed), len(block_ids),
                         next(e for e in errors if e is not None))

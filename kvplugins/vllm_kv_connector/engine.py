@@ -69,6 +69,16 @@ def groups(kv_cache_config: "KVCacheConfig", layer_chunks: int = 1) -> list[Grou
     return [replace(g, uid=i) for i, g in enumerate(chunks)]
 
 
+def whole_request_failure(groups: list[Group]) -> bool:
+    """True when a failed load must fail whole requests (vLLM's ``failed_recving``: the request computes from
+    its first token) rather than hand back failed block ids (``invalid_block_ids``: vLLM recomputes from the
+    first failed block on, trusting every block before it). The block path is right only for one full-attention
+    KV cache group: with several groups vLLM refuses it, and a sliding-window or state group never loaded the
+    pages before its window, so recomputing from a failed page inside the window would attend to KV that is
+    not there (wrong tokens, issue #30 item 9)."""
+    return len({g.index for g in groups}) > 1 or any(g.window_blocks or g.state for g in groups)
+
+
 def _chunks(names: tuple[str, ...], n: int) -> list[tuple[str, ...]]:
     """``names`` cut into min(n, len(names)) runs of consecutive layers, sizes differing by at most one."""
     n = min(n, len(names))

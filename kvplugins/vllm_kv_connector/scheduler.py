@@ -60,8 +60,10 @@ class SchedulerSide:
             PageStore(cfg.client_factory(), k, ranks=range(ks.tp_size), retry_ms=cfg.retry_ms, share=self.pages)
             for k in spaces[1:]]
         self.pages.connect()
-        self.hybrid = len({g.index for g in self.groups}) > 1  # several KV cache groups (vLLM's HMA)
-        self.multi = len(self.groups) > 1       # several page objects per page: the direct P/D path reads one
+        self.whole_failure = engine.whole_request_failure(self.groups)  # a failed load fails its requests
+        # one full-attention group: one page object per page and a hit needs every page (the direct P/D path
+        # reads exactly that); layer chunks, several groups or a window / state group go through the store
+        self.plain = len(self.groups) == 1 and not self.groups[0].window_blocks
         self._fence_all = any(g.window_blocks for g in self.groups)  # blocks leave a window mid-request
         self._state_uids: dict[int, list[int]] = {}    # KV cache group index -> its state Groups (layer chunks)
         for g in self.groups:
@@ -93,7 +95,7 @@ class SchedulerSide:
                         pd.get("namespace"), self.namespace)
             pd = None
         want = max(0, min(int(pd["pages"]), loadable) - first) if pd else 0
-        if pd and pd.get("mode") == "direct" and not self.multi:
+        if pd and pd.get("mode") == "direct" and self.plain:
             return self._direct_match(t, pd, want)
         candidates = self._hashes(request)[first:loadable]
         t.hit, t.looked = self._stored(candidates, first), len(candidates)
@@ -105,16 +107,16 @@ class SchedulerSide:
             log.warning("kvplugins: request %s: %d of the producer's %d pages in the store after %d ms; "
                         "computing the rest", request.request_id, t.hit, want, self.cfg.pd_wait_ms)
         tokens = t.hit * self.block_size
-        # a hybrid model's loads are asynchronous: vLLM takes a failed load back per request (failed_recving)
-        # there, and a synchronous load's failed block ids are refused with several KV cache groups
-        t.load_async = tokens > 0 and (self.hybrid or 0 < self.cfg.async_load_tokens <= tokens)
+        # loads that must fail whole requests (engine.whole_request_failure) are asynchronous: vLLM takes a
+        # failed load back per request (failed_recving) only there
+        t.load_async = tokens > 0 and (self.whole_failure or 0 < self.cfg.async_load_tokens <= tokens)
         return tokens, t.load_async
 
     def _stored(self, hashes: list[bytes], first: int) -> int:
         """Pages from ``first`` on that a hit may take: the longest run [first, first + n) for which every
         group holds the pages it needs (full attention: all of them; sliding window: those of the window before
         first + n, as vLLM's own prefix cache requires). One exists RPC per group."""
-        if not self.multi:
+        if self.plain:
             return self.pages.stored_prefix(hashes)
         n, windows = len(hashes), []
         for g, pages in zip(self.groups, self.group_pages):
@@ -138,7 +140,6 @@ class SchedulerSide:
                     num_external_tokens: int) -> None:
         """Plan the load of the pages vLLM allocated blocks for (``group_block_ids``: the request's block table per
         KV cache group); an async load is always planned (even empty) because vLLM waits for its completion."""
-        block_ids = group_block_ids[0]
         t = self.tracked.setdefault(request.request_id, _Tracked(request))
         n = min(max(num_external_tokens, 0) // self.block_size, t.hit)
         if t.looked:
@@ -172,7 +173,7 @@ class SchedulerSide:
         return batch
 
     def loads_failed(self, req_ids: set[str]) -> None:
-        """Requests whose async load failed (vLLM's failed_recving, hybrid models): they compute from now on."""
+        """Requests whose async load failed (vLLM's failed_recving; engine.whole_request_failure): they compute from now on."""
         for req_id in req_ids:
             t = self.tracked.get(req_id)
             if t is not None:
@@ -270,8 +271,8 @@ class SchedulerSide:
         mode = asked if asked in ("store", "direct") else self.cfg.pd_mode  # per request, else pd_mode
         params = {"v": 1, "mode": mode, "pages": pages, "namespace": self.namespace}
         held = Held("store")
-        if mode == "direct" and self.multi:
-            params["mode"] = "store"  # the direct path reads one object per page; several go through the store
+        if mode == "direct" and not self.plain:
+            params["mode"] = "store"  # the direct path reads one full-attention object per page
         elif mode == "direct" and self.handshakes:
             self._token += 1
             slot = self._token % MAILBOX_SLOTS

@@ -34,7 +34,7 @@ class WorkerSide:
         self.role = vllm_config.kv_transfer_config.kv_role
         self.tp_rank = get_tensor_model_parallel_rank()
         self.groups = engine.groups(kv_cache_config, cfg.layer_chunks)  # KV cache groups, or their layer chunks
-        self.hybrid = len({g.index for g in self.groups}) > 1  # several KV cache groups (vLLM's HMA)
+        self.whole_failure = engine.whole_request_failure(self.groups)  # a failed load fails its requests
         self.keyspace = engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, self.groups[0])
         self._spaces = {g.uid: engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, g)
                         for g in self.groups}
@@ -44,7 +44,7 @@ class WorkerSide:
         self._event_groups = {g.uid: g for g in self.groups if first.setdefault(g.index, g.uid) == g.uid}
         self._chunk_of = {n: g.uid for g in self.groups for n in g.layer_names} if cfg.layer_chunks > 1 else {}
         self._layer_loads: dict[int, Future] = {}       # layer chunk (uid) -> this step's load of it
-        self.failed_recving: set[str] = set()           # hybrid: requests whose async load failed
+        self.failed_recving: set[str] = set()           # whole_failure: requests whose async load failed
         self.load_errors: set[int] = set()
         self.stats = StatsRecorder()
         self._load_pool = threads.pool("kvp-load")  # unpinned: see threads.py
@@ -266,7 +266,7 @@ class WorkerSide:
         for fut in [f for f in self._loading if f.done()]:
             reqs, failed = self._loading.pop(fut), set(fut.result())
             recving.update(reqs)
-            if self.hybrid:  # vLLM takes failed block ids back only with one KV cache group: fail the requests
+            if self.whole_failure:  # see engine.whole_request_failure: fail the requests, not their blocks
                 self.failed_recving.update(r for r, ids in reqs.items() if ids & failed)
             else:
                 self.load_errors.update(failed)

@@ -63,6 +63,26 @@ def test_missing_page_reports_its_block(master):
     p.close()
 
 
+def test_page_failing_its_checksum_leaves_its_block_zeroed(master):
+    """Bytes read into a block that fail the object's checksum never stay there: an engine may reuse the freed
+    block partly filled, and masked garbage (inf) turns attention into NaN. The good page beside it loads."""
+    from helpers.corrupt import flip_stored_byte
+    src = kv(2)
+    src[0][1, 0, 0, 0] = np.inf                    # bytes that would poison a reused block
+    dst = [np.full_like(layer, 7) for layer in kv()]
+    a = PageStore(client_factory(master), KS, PageLayout.from_tensors(src))
+    b = PageStore(client_factory(master), KS, PageLayout.from_tensors(dst))
+    h = hashes(2, salt=4)
+    assert a.save([0, 1], h) == 2
+    flip_stored_byte(a._connected(), KS.keys(h[1:])[0], at=KS.page_bytes - 1)
+    assert b.load([3, 4], h) == [4]
+    for layer_src, layer_dst in zip(src, dst):
+        assert np.array_equal(layer_dst[3], layer_src[0])     # the good page
+        assert not layer_dst[4].any()                        # the failed one: zeros, not the bytes read
+        assert (layer_dst[5:] == 7).all() and (layer_dst[:3] == 7).all()    # no other block touched
+    a.close(), b.close()
+
+
 def test_prefix_needs_every_tp_rank(master):
     ks2 = KeySpace(**{**KS.__dict__, "tp_size": 2, "model": "tp"})
     r0, r1 = kv(2), kv(3)

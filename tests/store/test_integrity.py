@@ -7,6 +7,7 @@ import pytest
 import xxhash
 
 from helpers.cluster import store_cluster
+from helpers.corrupt import flip_stored_byte
 from kvplugins.errors import ChecksumMismatch, KeyNotFound
 from kvplugins.store import ClientConfig, StoreClient
 
@@ -26,16 +27,8 @@ def client_of(pool, **cfg):
 
 def flip_byte(client, key: str, rng, replica: int = 0) -> None:
     """XOR one random byte of ``key``'s replica ``replica`` with a random non-zero mask, through the shm file."""
-    [(code, (size, locs, _, _))] = client._rpc.call("get", [key])
-    seg, region_id, off = locs[replica]
-    [(code, wire)] = client._rpc.call("describe", [seg])
-    path = next(r[2] for r in wire["regions"] if r[0] == region_id)
-    with open(path, "r+b") as f:
-        pos = off + int(rng.integers(size))
-        f.seek(pos)
-        old = f.read(1)[0]
-        f.seek(pos)
-        f.write(bytes([old ^ int(rng.integers(1, 256))]))
+    size = client._rpc.call("get", [key])[0][1][0]
+    flip_stored_byte(client, key, int(rng.integers(size)), int(rng.integers(1, 256)), replica)
 
 
 def test_master_stores_the_writers_xxh3(pool):

@@ -3,6 +3,9 @@ stored pages of a run and their corruption, and a vLLM OpenAI server process."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+
+from helpers.corrupt import flip_stored_byte
 
 from kvplugins.layout import KeySpace
 
@@ -36,10 +39,32 @@ def stored_page_keys(client, b, info) -> list[str]:
     return stored
 
 
+def stored_group_keys(client, b, info) -> list[str]:
+    """The keys of run ``b``'s prompt pages that the store holds, of every KV cache group."""
+    keys = [k for g in info["groups"] for ids in b["prompt_token_ids"]
+            for k in page_keys(g, ids, info["hash_block_size"])]
+    return [k for k, ok in zip(keys, client.batch_exists(keys)) if ok]
+
+
 def replace_pages(client, keys, nbytes: int) -> None:
     """Overwrite stored pages with random bytes (a put of an existing key is a no-op, so remove first)."""
     client.batch_remove(keys)
     assert not any(client.batch_put(keys, [os.urandom(nbytes) for _ in keys]))
+
+
+@contextmanager
+def flipped(client, keys: list[str]):
+    """One byte flipped in each stored object of ``keys`` (every load of them fails its checksum); their
+    original bytes are put back on exit, so the tests after see the store as before."""
+    originals = client.batch_get(keys)
+    assert not any(isinstance(v, Exception) for v in originals)
+    for key in keys:
+        flip_stored_byte(client, key)
+    try:
+        yield
+    finally:
+        client.batch_remove(keys)
+        assert not any(client.batch_put(keys, originals))
 
 
 def engine_pair(model: str, turn_prompts, master: str, ns_path) -> tuple[dict, dict, dict]:

@@ -19,6 +19,7 @@ import time
 
 import pytest
 from helpers.cluster import store_cluster
+from helpers.corrupt import flip_stored_byte
 from kvp_vllm_helpers import BLOCK, engine_pair, replace_pages, stored_page_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
@@ -87,19 +88,6 @@ def test_page_that_fails_to_load_is_recomputed(shared, baseline, model, turn_pro
     assert "1 of" in log.read_text() and "pages failed to load" in log.read_text()
     assert r["tokens"] == baseline["tokens"]
     assert r["kvplugins"]["failed_blocks"] == 1
-
-
-def flip_stored_byte(client, key: str) -> None:
-    """Flip one byte of ``key``'s stored bytes inside the store node's segment (through the segment's shm file,
-    as tests/store/test_integrity.py does): the store's checksum no longer matches."""
-    [(_, (size, locs, _, _))] = client._rpc.call("get", [key])
-    seg, region_id, off = locs[0]
-    [(_, wire)] = client._rpc.call("describe", [seg])
-    with open(next(r[2] for r in wire["regions"] if r[0] == region_id), "r+b") as f:
-        f.seek(off + size // 2)
-        old = f.read(1)[0]
-        f.seek(off + size // 2)
-        f.write(bytes([old ^ 0x5A]))
 
 
 def test_fail_policy_fails_only_that_request_with_a_clear_error(shared, baseline, model, turn_prompts, cluster,

