@@ -55,7 +55,11 @@ def _runs(output: str) -> int:
 def test_decoder_fuzz(target, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    cmd = [sys.executable, str(HARNESS), target, str(corpus), f"-max_total_time={SECONDS}",
+    # through a shell that forks the harness: libFuzzer's -rss_limit_mb reads the peak RSS (getrusage), which
+    # survives execve, so a harness exec'd straight from a pytest process grown past 1 GiB (after the store
+    # suites, in another order) would start "out of memory"; a forked child starts its own count
+    cmd = ["/bin/sh", "-c", '"$@"; exit $?', "sh", sys.executable, str(HARNESS), target, str(corpus),
+           f"-max_total_time={SECONDS}",
            f"-timeout={INPUT_TIMEOUT_S}", f"-rss_limit_mb={RSS_LIMIT_MB}", "-max_len=65536",
            f"-artifact_prefix={tmp_path}/", "-print_final_stats=1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SECONDS + 90, cwd=tmp_path)
