@@ -11,6 +11,7 @@ SHOWN = ("master", "rpc_timeout_ms")
 COUNTERS = (("objects", "objects"), ("hits", "hits"), ("misses", "misses"), ("puts", "commits"), ("removes", "removes"),
             ("evictions", "evictions"), ("offloads", "offloads"), ("promotions", "promotions"),
             ("checksum errors", "corrupt_replicas"), ("segments suspect", "segments_suspect"),
+            ("segments refused", "segments_refused"),
             ("segments lost", "segments_lost"), ("objects lost", "objects_lost"),
             ("objects restored", "objects_restored"), ("pending puts", "pending"), ("zombie ranges", "zombies"))
 

@@ -56,6 +56,10 @@ class MasterConfig(_MetricsLimits):
     suspect_grace_ms: int = field(default=30000, metadata={
         "help": "a suspect segment is removed after this much more silence; a node back within it resumes with "
                 "every object, one back later gets its objects back when it re-registers (master/liveness.py)"})
+    admission_probe_ms: int = field(default=5000, metadata={
+        "help": "a segment registered over RPC gets placement only once the master wrote and read back a 4 KiB "
+                "block of it within this time (shm by fd on its host, else TCP; master/admission.py); one that "
+                "fails is refused, naming why. 0 = off: segments are trusted unprobed"})
     lease_ttl_ms: int = field(default=5000, metadata={"help": "a get protects the object from eviction this long"})
     put_timeout_ms: int = field(default=30000, metadata={"help": "a pending put not committed by then is reclaimed"})
     high_watermark: float = field(default=0.95, metadata={"help": "segment usage fraction that starts eviction"})
@@ -126,6 +130,8 @@ class MasterConfig(_MetricsLimits):
             raise ConfigError(f"eviction_grace_ms={self.eviction_grace_ms} must be >= 0 ms, or -1 for lease_ttl_ms")
         if self.alloc_align <= 0 or self.alloc_align & (self.alloc_align - 1):
             raise ConfigError(f"alloc_align={self.alloc_align} must be a power of two, e.g. 64")
+        if self.admission_probe_ms < 0:
+            raise ConfigError(f"master admission_probe_ms={self.admission_probe_ms} must be >= 0 ms (0 = off)")
         if self.suspect_grace_ms < 0:
             raise ConfigError(f"master suspect_grace_ms={self.suspect_grace_ms} must be >= 0 ms")
         for name in ("heartbeat_timeout_ms", "lease_ttl_ms", "put_timeout_ms", "tick_ms", "etcd_lease_ttl_ms",

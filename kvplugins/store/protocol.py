@@ -37,6 +37,7 @@ PENDING = 7       # put_start/put: another writer's put of the key has not commi
 WRONG_SHARD = 8   # put_start/put on a sharded store: another shard owns the key; re-read the membership, retry
 UNAVAILABLE = 9   # sharded store (client side): the key's shard did not answer; value names it (a miss for reads)
 NOT_NOW = 10      # task_create: a valid request the store cannot run in its current state (a draining target)
+UNREACHABLE = 11  # register_segment: the master's admission probe could not write and read the segment back
 
 OPS = ("info", "put_start", "put_commit", "put_abort", "reserve", "put", "get", "exists", "exists_prefix", "remove",
        "status", "register_segment", "heartbeat", "unregister", "describe", "report_corrupt")

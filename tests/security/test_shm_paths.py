@@ -1,7 +1,9 @@
 """Issue #30 item 1 on real processes: a node-role peer registers a segment whose descriptor names a regular file
 (with this host's id and a live pid) as its shared memory, or serves an fd socket that hands out a regular
-file's fd. Clients never open the named path and refuse the handed fd (transfer/fdpass.py): every put placed
-there fails naming why, the file is untouched, and once the bogus segments are gone puts land again."""
+file's fd. Nobody opens the named path and the handed fd is refused (transfer/fdpass.py): the master's
+admission probe fails, naming why, so the segments are never placed on (master/admission.py); the file is
+untouched and puts land. With the probe off, clients refuse the same way: every put placed there fails naming
+why and writes nothing."""
 import array
 import hashlib
 import os
@@ -10,10 +12,11 @@ import threading
 
 import pytest
 from helpers.cluster import store_cluster
+from kvplugins.cli.status import fetch as status_fetch
 from kvplugins.errors import KVPluginsError
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.placement import PutConfig
-from kvplugins.store.protocol import OK
+from kvplugins.store.protocol import OK, UNREACHABLE
 from kvplugins.store.rpc_client import control_client
 from kvplugins.transfer import fdpass
 
@@ -44,36 +47,55 @@ def _serve_regular_file(name: str, path: str, stop: threading.Event) -> threadin
     return t
 
 
-def test_a_segment_naming_a_file_never_gets_it_written(tmp_path):
+def status(master: str) -> dict:
+    return status_fetch(master, 3000)
+
+
+def _bogus_segments(node, real: dict, victim: str, fd_name: str) -> list:
+    """Register two 1 GiB segments naming ``victim`` as their memory (one without an fd socket, one whose fd
+    socket hands out the file's fd); the per-entry answers."""
+    out = []
+    for i, shm in enumerate([{"pid": os.getpid()}, {"pid": os.getpid(), "fd_socket": fd_name}]):
+        bogus = {"v": 1, "segment_id": f"attacker-{i}", "host_id": real["host_id"],
+                 "transports": {"shm": shm}, "regions": [[1, 1 << 30, victim]]}
+        [answer] = node.call("register_segment", [[bogus, 1, 1 << 30]], {"owner": f"attacker-{i}"})
+        out.append(answer)
+    return out
+
+
+@pytest.mark.parametrize("probe_ms", [5000, 0], ids=["admission-probe", "probe-off"])
+def test_a_segment_naming_a_file_never_gets_it_written(tmp_path, probe_ms):
     victim = tmp_path / "victim"
     victim.write_bytes(os.urandom(1 << 20))
     before = hashlib.sha256(victim.read_bytes()).hexdigest()
     fd_name = f"kvp-fd-{os.getpid()}-{os.urandom(8).hex()}"
     stop = threading.Event()
     server = _serve_regular_file(fd_name, str(victim), stop)
-    with store_cluster(nodes=1, segment_size="8MiB") as c, \
+    with store_cluster(nodes=1, segment_size="8MiB", master_flags={"admission_probe_ms": probe_ms}) as c, \
             StoreClient(ClientConfig(master=c.master, rpc_timeout_ms=3000, transfer_timeout_ms=2000)) as client:
         node = control_client(c.master, 3000, "node")          # the attacker holds a node credential
         try:
             [(code, real)] = node.call("describe", [c.nodes[0].address])
             assert code == OK
-            names = []
-            for i, shm in enumerate([{"pid": os.getpid()}, {"pid": os.getpid(), "fd_socket": fd_name}]):
-                bogus = {"v": 1, "segment_id": f"attacker-{i}", "host_id": real["host_id"],
-                         "transports": {"shm": shm}, "regions": [[1, 1 << 30, str(victim)]]}
-                [(code, name)] = node.call("register_segment", [[bogus, 1, 1 << 30]], {"owner": f"attacker-{i}"})
-                assert code == OK                               # the biggest segments: placement picks them
-                names.append(name)
-            errors = []
-            for i in range(40):
-                with pytest.raises(KVPluginsError) as err:
-                    client.put(f"victim/{i}", os.urandom(4096), PutConfig(preferred_segment=names[i % 2]))
-                errors.append(str(err.value))
-            assert any("no common transport" in e for e in errors)          # no fd socket: shm cannot reach it
-            assert any("not memory sealed" in e for e in errors)            # a regular file's fd: refused
+            answers = _bogus_segments(node, real, str(victim), fd_name)
+            if probe_ms:
+                assert [code for code, _ in answers] == [UNREACHABLE, UNREACHABLE]
+                assert "no common transport" in answers[0][1] and "not memory sealed" in answers[1][1]
+                assert [s["name"] for s in status(c.master)["segments"]] == [c.nodes[0].address]
+                for i in range(40):
+                    client.put(f"victim/{i}", os.urandom(4096))     # placement never saw them
+            else:
+                assert [code for code, _ in answers] == [OK, OK]    # the biggest segments: placement picks them
+                names, errors = [name for _, name in answers], []
+                for i in range(40):
+                    with pytest.raises(KVPluginsError) as err:
+                        client.put(f"victim/{i}", os.urandom(4096), PutConfig(preferred_segment=names[i % 2]))
+                    errors.append(str(err.value))
+                assert any("no common transport" in e for e in errors)      # no fd socket: shm cannot reach it
+                assert any("not memory sealed" in e for e in errors)        # a regular file's fd: refused
+                for i, name in enumerate(names):
+                    assert node.call("unregister", [name], {"owner": f"attacker-{i}"}) == [[OK, None]]
             assert hashlib.sha256(victim.read_bytes()).hexdigest() == before
-            for i, name in enumerate(names):                    # (an admission probe would keep them out: #30)
-                assert node.call("unregister", [name], {"owner": f"attacker-{i}"}) == [[OK, None]]
             client.put("victim/after", b"v" * 4096)
             assert client.get("victim/after") == b"v" * 4096
         finally:

@@ -33,6 +33,7 @@ class LeaderGuard:
         self.recovered: dict = {}
         self._looked_up: tuple[float, bytes | None] = (-LOOKUP_CACHE_S, None)    # (when, leader value)
         self.inner = MasterService(cfg)          # a standby's empty placeholder (never journals)
+        self.prober = None                       # the RPC server's admission.Prober, handed to each leader service
 
     def __getattr__(self, name):
         return getattr(self.__dict__["inner"], name)
@@ -86,6 +87,7 @@ class LeaderGuard:
         self.journal.fence = self.elector.value
         self.journal.on_fenced = self.elector.lost
         service = MasterService(self.cfg, zmq_endpoint=self.zmq_endpoint, journal=self.journal, shard=self.shard)
+        service.prober = self.prober
         segs, objs = self.journal.load()
         self.recovered = recovery.restore(service, segs, objs, service.clock())
         self.inner, self.active = service, True

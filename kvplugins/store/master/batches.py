@@ -23,6 +23,7 @@ SLICE_BUDGET_S = 0.01       # a step runs slices until this much time has passed
 class Deferred:
     """An op run in slices: ``step(now)`` -> done; ``result`` is its payload once done."""
     result = None
+    waiting = False     # True while a step would do nothing (it waits on another thread: admission.Admission)
 
     def step(self, now: float) -> bool:
         raise NotImplementedError

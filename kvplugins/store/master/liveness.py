@@ -47,7 +47,13 @@ class Manifests:
 
     def take(self, seg) -> list:
         """The entries kept for ``seg`` (just registered) when it is the same process and size; else []."""
-        m = self._by_name.pop(seg.name, None)
+        entries = self.peek(seg)
+        self._by_name.pop(seg.name, None)
+        return entries
+
+    def peek(self, seg) -> list:
+        """What ``take(seg)`` would return, kept."""
+        m = self._by_name.get(seg.name)
         if m is None or m.size != seg.size or not seg.owner or not hmac.compare_digest(m.owner, seg.owner):
             return []
         return m.entries
@@ -66,6 +72,20 @@ class Manifests:
             if total <= MAX_MANIFEST_OBJECTS:
                 break
             total -= len(self._by_name.pop(name).entries)
+
+
+def free_block(seg, entries: list, nbytes: int) -> tuple[int, int] | None:
+    """(offset, bytes) of a new allocation of up to ``nbytes`` in just registered ``seg`` that overlaps none of
+    its manifest ``entries`` (the admission probe writes there before they are restored), or None when they
+    leave no free byte."""
+    blocks = [(off, size, key) for key, size, off, *_ in entries]
+    bad = reserve(seg.allocator, blocks)
+    size = min(nbytes, seg.allocator.largest_free())
+    offset = seg.allocator.alloc(size) if size > 0 else None
+    for off, _, key in blocks:
+        if (off, key) not in bad:
+            seg.allocator.free(off)
+    return None if offset is None else (offset, size)
 
 
 def restore(table, seg, entries: list, now: float) -> list:

@@ -52,6 +52,7 @@ from kvplugins.store import protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.ha import group_commit
 from kvplugins.store.master.admin_ops import Scan
+from kvplugins.store.master.admission import Prober
 from kvplugins.store.master.batches import Deferred
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.metrics import MasterMetrics
@@ -66,6 +67,7 @@ GC_THRESHOLDS = (50_000, 20, 20)
 ACCEPTS_PER_TURN = 64         # connections accepted per readiness event (the rest wait for the next turn)
 MAX_SCANS = 4                 # admin scans running at once; more are refused (retry later)
 MAX_SLICED = 1024             # sliced data batches running at once (one per raw connection); more are refused
+PROBE_POLL_S = 0.002          # how often the loop looks at running admission probes when nothing else is due
 TURN_BUDGET_S = 0.02          # time all deferred ops may take in one loop turn (each step: batches.SLICE_BUDGET_S)
 UNAUTH_POOL = 256             # connections still in their handshake; a new one past it evicts the oldest
 ZMQ_MAX_MSG = 16 << 20       # control-plane messages are small (a tier_register chunk ~1.5 MB); zmq drops larger
@@ -110,6 +112,8 @@ class RpcServer:
         self.zmq_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.service = service or MasterService(config, zmq_endpoint=self.zmq_endpoint)
         self.service.zmq_endpoint = self.zmq_endpoint
+        self._prober = Prober(config.admission_probe_ms, config.host) if config.admission_probe_ms > 0 else None
+        self.service.prober = self._prober       # segments registered over RPC are probed before placement
         self._schemas = Schemas.of(config)
         self._encode = msgspec.msgpack.Encoder().encode
         self._limits = config.conn_limits()
@@ -159,7 +163,9 @@ class RpcServer:
         next_tick = time.monotonic() + tick_s
         try:
             while not self._stopped:
-                wait = 0.0 if self._scans else max(0.0, next_tick - time.monotonic())
+                wait = max(0.0, next_tick - time.monotonic())
+                if self._scans:     # deferred ops with work to do: none; ones waiting on a probe: briefly
+                    wait = min(wait, PROBE_POLL_S) if all(s[3].waiting for s in self._scans) else 0.0
                 for key, ev in self._sel.select(wait):
                     self._on_event(key, ev)
                 if self._scans:
@@ -179,6 +185,8 @@ class RpcServer:
             self.close()
 
     def close(self) -> None:
+        if self._prober is not None:
+            self._prober.close()
         self.metrics.close()
         for conn in list(self._conns.values()):
             self._drop(conn, None)

@@ -10,6 +10,9 @@ A name is bound to its registering process (issue #30): register_segment carries
 token (store/segment.py) and the registry keeps its SHA-256; registering or unregistering a live name with
 another token is refused (SegmentOwned), so no other peer can replace a node's descriptor or wipe its objects.
 The same process re-registers its name (after the master forgot it) with the same token.
+
+A segment registered over RPC is *unadmitted* until the master's write-and-read-back probe of it succeeded
+(admission.py): no placement meanwhile, like a suspect one.
 """
 from __future__ import annotations
 
@@ -64,6 +67,7 @@ class SegmentRegistry:
         self.align = align
         self._segments: dict[str, Segment] = {}
         self.suspect: set[str] = set()     # names silent past the heartbeat timeout, not yet removed
+        self.unadmitted: set[str] = set()  # names whose admission probe has not succeeded yet (admission.py)
 
     def add(self, wire: dict, region_id: int, size: int, now: float, owner: bytes = b"",
             limit: int = 0) -> Segment:
@@ -103,6 +107,7 @@ class SegmentRegistry:
 
     def pop(self, name: str) -> Segment | None:
         self.suspect.discard(name)
+        self.unadmitted.discard(name)
         return self._segments.pop(name, None)
 
     def heartbeat(self, name: str, now: float) -> bool:
@@ -131,8 +136,8 @@ class SegmentRegistry:
         return new, dead
 
     def by_free_space(self) -> list[Segment]:
-        """Live (not suspect) segments, most free bytes first (placement order)."""
-        live = [s for s in self._segments.values() if s.name not in self.suspect]
+        """Live (not suspect, admitted) segments, most free bytes first (placement order)."""
+        live = [s for s in self._segments.values() if s.name not in self.suspect and s.name not in self.unadmitted]
         return sorted(live, key=lambda s: s.allocator.free_bytes, reverse=True)
 
     def __iter__(self):

@@ -13,7 +13,7 @@ import time
 
 
 from kvplugins.store.config import MasterConfig
-from kvplugins.store.master import admin_ops, batches, liveness
+from kvplugins.store.master import admin_ops, admission, batches, liveness
 from kvplugins.store.master import placement
 from kvplugins.store.master.events import NoEvents
 from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes, over_high, victims, young_bytes
@@ -24,12 +24,13 @@ from kvplugins.store.master.slabs import Slabs
 from kvplugins.store.master.tiering import Tiering
 from kvplugins.store.master.zombies import Zombies
 from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, ON_DISK, PENDING, STORE_FULL, \
-    VERSION
+    UNREACHABLE, VERSION
 from kvplugins.store.schema import Schemas
 
 log = logging.getLogger(__name__)
 COUNTERS = ("hits", "misses", "puts", "put_skipped", "put_full", "commits", "aborts", "removes", "evictions",
-            "reclaimed", "segments_suspect", "segments_lost", "objects_lost", "objects_restored", "corrupt_replicas")
+            "reclaimed", "segments_suspect", "segments_lost", "objects_lost", "objects_restored", "corrupt_replicas",
+            "segments_refused")
 
 
 SHARD_ROUTED = ("put_start", "put")
@@ -46,6 +47,7 @@ class MasterService:
         self.tiering = tiering or Tiering()
         self.tiering.service = self
         self.events = NoEvents()      # KV events (master/events.py): the RPC server installs a publisher
+        self.prober = None            # admission.Prober: the RPC server installs one (segments probed first)
         self.events_endpoints = ("", "")    # (PUB, replay) where events are published; empty when off
         self.table = ObjectTable()
         self.segments = SegmentRegistry(config.alloc_align)
@@ -344,9 +346,11 @@ class MasterService:
     # ---- segments ------------------------------------------------------------------------------------
     def op_register_segment(self, entries, opts, now):
         """entries [(descriptor, region id, size)]; opts OwnerOpts. Per entry [OK, name], [EXISTS, why] (the live
-        name belongs to another process), [STORE_FULL, why] (max_segments, or 64 of this process) or
-        [INVALID, why]."""
-        out, owner = [], owner_digest(opts.owner)
+        name belongs to another process), [STORE_FULL, why] (max_segments, or 64 of this process),
+        [UNREACHABLE, why] (the master's admission probe could not write and read it back: removed again) or
+        [INVALID, why]. With a prober (the RPC server's) the answer is an admission.Admission, deferred until
+        every probe ended."""
+        out, owner, probes = [], owner_digest(opts.owner), {}
         for desc, region_id, size in entries:
             wire = desc.wire()
             try:
@@ -362,11 +366,47 @@ class MasterService:
                 continue
             self.table.set_region(seg.name, seg.region_id)
             self._lose_objects(seg.name, self.table.on_segment(seg.name))
-            self.journal.segment_added(seg)
-            self._restore(seg, now)
-            log.info("segment %s registered: %d bytes from host %s", seg.name, seg.size, wire.get("host_id"))
-            out.append([OK, seg.name])
-        return out
+            probe = self._probe(seg)
+            if probe is not None:
+                probes[len(out)] = probe
+                out.append(None)
+            else:
+                out.append(self._admitted(seg, now))
+        return admission.Admission(out, probes, self._probed) if probes else out
+
+    def _probe(self, seg: Segment):
+        """(seg, probe block offset, Future) of its admission probe, or None without a prober, or when the
+        objects of its manifest leave no free byte (then the same process, probed when it registered first,
+        comes back: admitted)."""
+        if self.prober is None:
+            return None
+        block = liveness.free_block(seg, self.manifests.peek(seg), admission.PROBE_BYTES)  # never over them
+        if block is None:
+            log.warning("segment %s re-registered full of its manifest's objects: admitted unprobed", seg.name)
+            return None
+        self.segments.unadmitted.add(seg.name)
+        return seg, block[0], self.prober.submit(seg.descriptor, seg.region_id, *block)
+
+    def _probed(self, seg: Segment, offset: int, why: str | None) -> list:
+        """Register_segment's answer for ``seg`` once its probe ended (``why``: None when it succeeded)."""
+        if self.segments.get(seg.name) is not seg:      # unregistered or replaced meanwhile
+            return [NOT_FOUND, f"segment {seg.name} left while its admission probe ran"]
+        seg.allocator.free(offset)
+        self.segments.unadmitted.discard(seg.name)
+        if why is None:
+            return self._admitted(seg, self.clock())
+        self.counters["segments_refused"] += 1
+        self._remove_segment(seg, "admission probe failed")
+        log.warning("segment %s refused: the master could not write and read it back: %s", seg.name, why)
+        return [UNREACHABLE, f"the master could not write and read back segment {seg.name} (admission probe): "
+                             f"{why}; check that its transports' advertised addresses (--host) are reachable "
+                             "from the master's host"]
+
+    def _admitted(self, seg: Segment, now: float) -> list:
+        self.journal.segment_added(seg)
+        self._restore(seg, now)
+        log.info("segment %s registered: %d bytes from host %s", seg.name, seg.size, seg.descriptor.get("host_id"))
+        return [OK, seg.name]
 
     def op_heartbeat(self, entries, opts, now):
         return [[OK, None] if self.segments.heartbeat(n, now) else [NOT_FOUND, None] for n in entries]
