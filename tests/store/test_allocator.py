@@ -77,3 +77,17 @@ def test_alloc_many_is_consecutive_and_frees_per_object():
     for off in (0, 192, hole, 320, 384):
         a.free(off)
     assert a.free_blocks() == 1 and a.used_bytes == 0            # every piece freed on its own, merged
+
+
+def test_claim_takes_exactly_the_free_bytes_of_a_range():
+    a = Allocator(1024, align=64)
+    x, y = a.alloc(128), a.alloc(128)          # [0, 128) [128, 256)
+    a.free(x)                                  # free: [0, 128), [256, 1024)
+    got = a.claim(64, 512)                     # the free parts inside: [64, 128) and [256, 512)
+    assert got == [64, 256] and [a.size_at(o) for o in got] == [64, 256]
+    assert a.used_bytes == 128 + 64 + 256 and a.free_blocks() == 2          # [0, 64) and [512, 1024) left
+    assert a.claim(0, 1024) == [0, 512] and a.free_bytes == 0
+    assert a.claim(0, 1024) == []
+    for off in [64, 256, 0, 512, y]:
+        a.free(off)
+    assert a.used_bytes == 0 and a.alloc(1024) == 0                         # everything coalesced back

@@ -71,15 +71,16 @@ def norm(value):
 seg_name = st.text(min_size=1, max_size=12)
 replica = st.tuples(seg_name, st.integers(0, MAX_SIZE - 1))
 valid_object = st.tuples(st.integers(1, MAX_SIZE), st.lists(replica, min_size=1, max_size=4),
-                         st.one_of(st.none(), st.integers(0, U64)), st.sampled_from([0, 2])).map(list)
+                         st.one_of(st.none(), st.integers(0, U64)), st.sampled_from([0, 2]),
+                         st.sampled_from([0, 1])).map(list)
 
 
 def object_oracle(value: list):
     """The decoded tuple if ``value`` is a valid object value, else the regex its ProtocolError must match."""
     if len(value) < 2:
         return "of at least length 2"
-    if len(value) > 4:
-        return "of at most length 4"
+    if len(value) > 5:
+        return "of at most length 5"
     size, replicas, *rest = value
     if not (is_int(size) and 1 <= size <= MAX_SIZE):
         return r"size: .*at `\$\[0\]`"
@@ -92,7 +93,10 @@ def object_oracle(value: list):
     pin = rest[1] if len(rest) > 1 else 0
     if not (is_int(pin) and pin in (0, 2)):
         return r"pin: .*at `\$\[3\]`"
-    return size, [tuple(r) for r in replicas], checksum, pin
+    pending = rest[2] if len(rest) > 2 else 0
+    if not (is_int(pending) and pending in (0, 1)):
+        return r"pending: .*at `\$\[4\]`"
+    return size, [tuple(r) for r in replicas], checksum, pin, pending
 
 
 def _bad_replicas(replicas) -> str | None:
@@ -121,7 +125,7 @@ def check_object(value: list) -> None:
 
 
 @SETTINGS
-@given(valid_object, st.integers(0, 3), hostile)
+@given(valid_object, st.integers(0, 4), hostile)
 def test_object_field_replaced(value, i, bad):
     value[i] = bad
     check_object(value)
@@ -239,7 +243,7 @@ def test_load_keeps_valid_values_and_names_every_skipped_key(caplog, values):
     items = {f"/p/{kind}/k{i}": pack(v) for i, (kind, v) in enumerate(values)}
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvplugins.store.ha.journal"):
-        segs, objs = EtcdJournal(FakeEtcd(items), "/p").load()
+        segs, objs, _ = EtcdJournal(FakeEtcd(items), "/p").load()
     kept = {f"/p/seg/{s[0]}" for s in segs} | {f"/p/obj/{o[0]}" for o in objs}
     skipped = set(items) - kept
     for key in items:
@@ -258,7 +262,7 @@ def test_load_skips_empty_over_long_and_non_utf8_names(caplog):
     bad = ["/p/obj/", "/p/obj/" + "k" * (journal.MAX_JOURNAL_KEY + 1), "/p/obj/\udcff\udcfe", "/p/seg/a\nb\udc80"]
     items = {**dict.fromkeys(bad, value), "/p/obj/ok": value}
     with caplog.at_level(logging.WARNING, logger="kvplugins.store.ha.journal"):
-        segs, objs = EtcdJournal(FakeEtcd(items), "/p").load()
+        segs, objs, _ = EtcdJournal(FakeEtcd(items), "/p").load()
     assert segs == [] and [o[0] for o in objs] == ["ok"]
     warned = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(warned) == 4 and all("\n" not in m for m in warned)       # a key cannot forge a log line
@@ -304,7 +308,7 @@ def test_recovery_keeps_the_first_of_two_overlapping_objects_and_frees_nothing_i
             ("c", 4096, [("s0:1", 8192), ("s0:1", 8192)], 7, 2)]
     with caplog.at_level(logging.WARNING):
         got = recovery.restore(service, segs, objs, 0.0)
-    assert got == {"segments": 1, "objects": 2, "dropped": 1}
+    assert got == {"segments": 1, "objects": 2, "dropped": 1, "pending": 0, "slab_bytes": 0}
     assert service.table.get("b") is None and service.table.get("c").replicas == [("s0:1", 8192)]
     assert service.segments.get("s0:1").allocator.used_bytes == 8192
     assert any("'b'" in r.getMessage() for r in caplog.records)
@@ -318,6 +322,6 @@ def test_recovery_skips_segments_that_do_not_hold_together(caplog):
             ("s3:1", descriptor("s3", SEG), 1, 2 * SEG)]        # larger than its region
     with caplog.at_level(logging.WARNING):
         got = recovery.restore(service, segs, [("k", 64, [("s1:1", 0)], None, 0)], 0.0)
-    assert got == {"segments": 1, "objects": 0, "dropped": 1}
+    assert got == {"segments": 1, "objects": 0, "dropped": 1, "pending": 0, "slab_bytes": 0}
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert all(f"journal segment {n!r} skipped" in warned for n in ("s1:1", "s2:7", "s3:1"))

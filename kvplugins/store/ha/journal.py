@@ -54,12 +54,25 @@ class EtcdJournal(Journal):
     def seg_key(self, name: str) -> str:
         return f"{self.prefix}/seg/{name}"
 
+    def slab_key(self, slab_id: int) -> str:
+        return f"{self.prefix}/slab/{int(slab_id)}"
+
     # ---- hooks ---------------------------------------------------------------------------------------
     def committed(self, objs: list) -> None:
         self._write({self.obj_key(o.key): put_op(self.obj_key(o.key), encode_object(o)) for o in objs})
 
     def replicas_changed(self, objs: list) -> None:
         self.committed(objs)
+
+    def pending(self, objs: list) -> None:
+        self._write({self.obj_key(o.key): put_op(self.obj_key(o.key), encode_object(o)) for o in objs})
+
+    def slab_added(self, slab) -> None:
+        value = msgpack.packb([slab.seg.name, slab.front, slab.end])
+        self._write({self.slab_key(slab.id): put_op(self.slab_key(slab.id), value)})
+
+    def slab_removed(self, slab_id: int) -> None:
+        self._write({self.slab_key(slab_id): delete_op(self.slab_key(slab_id))})
 
     def removed(self, objs: list) -> None:
         self._write({self.obj_key(o.key): delete_op(self.obj_key(o.key)) for o in objs})
@@ -72,13 +85,15 @@ class EtcdJournal(Journal):
         self._write({self.seg_key(name): delete_op(self.seg_key(name))})
 
     # ---- load ----------------------------------------------------------------------------------------
-    def load(self) -> tuple[list, list]:
-        """([(name, wire, region id, size)], [(key, size, [(segment, offset)], checksum, pin)]), objects oldest
-        first. Raises StoreError."""
+    def load(self) -> tuple[list, list, list]:
+        """([(name, wire, region id, size)], [(key, size, [(segment, offset)], checksum, pin, pending)],
+        [(slab id, segment, start, end)]), objects oldest first. Raises StoreError."""
         cut = len(self.prefix) + len("/seg/")         # == len("/obj/")
         segs = _decoded(self.etcd.range_prefix(self.prefix + "/seg/"), cut, decode_segment)
         objs = _decoded(self.etcd.range_prefix(self.prefix + "/obj/"), cut, decode_object)
-        return segs, objs
+        slabs = _decoded(self.etcd.range_prefix(self.prefix + "/slab/"), len(self.prefix) + len("/slab/"),
+                         decode_slab)
+        return segs, objs, slabs
 
     def begin(self) -> None:
         """Collect the hooks' writes from now on (a later write of a key supersedes an earlier one) until
@@ -133,10 +148,11 @@ class EtcdJournal(Journal):
 
 
 def encode_object(obj) -> bytes:
-    """msgpack [size, [[segment, offset], ...], checksum or None, 2 if hard-pinned else 0] (a soft pin's TTL
-    is master-clock time and is not kept)."""
+    """msgpack [size, [[segment, offset], ...], checksum or None, 2 if hard-pinned else 0, 1 if pending (a
+    put_start not committed yet) else 0] (a soft pin's TTL and a put's deadline are master-clock times and are
+    not kept)."""
     hard = PIN_CODES["hard"] if obj.pin == PIN_CODES["hard"] else 0
-    return msgpack.packb([obj.size, [list(r) for r in obj.replicas], obj.checksum, hard])
+    return msgpack.packb([obj.size, [list(r) for r in obj.replicas], obj.checksum, hard, 0 if obj.complete else 1])
 
 
 class _ObjectValue(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -144,13 +160,15 @@ class _ObjectValue(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     replicas: Annotated[list[tuple[schema.SegName, schema.Offset]], Meta(min_length=1, max_length=64)]
     checksum: Union[schema.U64, None] = None
     pin: Literal[0, 2] = 0
+    pending: Literal[0, 1] = 0
 
 
 _OBJECT = msgspec.msgpack.Decoder(_ObjectValue)
 _SEGMENT = msgspec.msgpack.Decoder(tuple[schema.Descriptor, schema.RegionId, schema.Size])
+_SLAB = msgspec.msgpack.Decoder(tuple[schema.SegName, schema.Offset, schema.Offset])
 
 
-_OBJECT_FIELDS = ("size", "replicas", "checksum", "pin")
+_OBJECT_FIELDS = ("size", "replicas", "checksum", "pin", "pending")
 _SEGMENT_FIELDS = ("descriptor", "region id", "size")
 
 
@@ -162,7 +180,7 @@ def decode_object(value: bytes) -> tuple:
         o = _OBJECT.decode(value)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(f"journal object value: {_named(e, _OBJECT_FIELDS)}") from None
-    return o.size, o.replicas, o.checksum, o.pin
+    return o.size, o.replicas, o.checksum, o.pin, o.pending
 
 
 def decode_segment(value: bytes) -> tuple:
@@ -173,6 +191,17 @@ def decode_segment(value: bytes) -> tuple:
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(f"journal segment value: {_named(e, _SEGMENT_FIELDS)}") from None
     return desc.wire(), region_id, size
+
+
+def decode_slab(value: bytes) -> tuple:
+    """(segment name, start, end) from slab_added's bytes. Raises ProtocolError for a value that is not one."""
+    try:
+        seg, start, end = _SLAB.decode(value)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"journal slab value: {e}") from None
+    if not start < end:
+        raise ProtocolError(f"journal slab value: start {start} is not below end {end}")
+    return seg, start, end
 
 
 def _named(err: Exception, fields: tuple[str, ...]) -> str:

@@ -88,11 +88,12 @@ class LeaderGuard:
         self.journal.on_fenced = self.elector.lost
         service = MasterService(self.cfg, zmq_endpoint=self.zmq_endpoint, journal=self.journal, shard=self.shard)
         service.prober = self.prober
-        segs, objs = self.journal.load()
-        self.recovered = recovery.restore(service, segs, objs, service.clock())
+        segs, objs, slabs = self.journal.load()
+        self.recovered = recovery.restore(service, segs, objs, service.clock(), slabs)
         self.inner, self.active = service, True
-        log.warning("leader now: recovered %d segments, %d objects (%d dropped) in %.0f ms",
-                    self.recovered["segments"], self.recovered["objects"], self.recovered["dropped"],
+        log.warning("leader now: recovered %d segments, %d objects (%d of them pending puts, %d dropped), %d "
+                    "bytes of slabs held in %.0f ms", self.recovered["segments"], self.recovered["objects"],
+                    self.recovered["pending"], self.recovered["dropped"], self.recovered["slab_bytes"],
                     (time.monotonic() - t0) * 1000)
 
     def _step_down(self) -> None:

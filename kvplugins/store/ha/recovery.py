@@ -7,8 +7,11 @@ unleased, and re-marks its bytes allocated in its segment's allocator; objects n
 offset that does not fit, or bytes another object holds are dropped (logged by key, counted in ``dropped``),
 and a dropped replica leaves no space allocated. The values were type- and range-checked by journal.py already;
 a segment whose descriptor does not hold together, or is not its etcd key's segment, is skipped (logged).
-Pending puts of the old leader are not recovered: their writers' put_commit answers "expired" and the put is not
-acknowledged.
+Pending puts of the old leader (journal.pending) come back pending, with put_timeout_ms from now: their writers'
+put_commit succeeds on the new leader, and no other put gets their bytes meanwhile. The free part of each
+journaled slab (client-reserved space) is held for put_timeout_ms, then freed; its record is deleted (slab puts
+on the new leader answer EXPIRED and the client redoes them with put_start). So no write the old leader
+allowed lands on bytes the new one gave to another put (issue #30 item 10).
 """
 from __future__ import annotations
 
@@ -20,9 +23,10 @@ from kvplugins.store.master.allocator import reserve
 log = logging.getLogger(__name__)
 
 
-def restore(service, segs: list, objs: list, now: float) -> dict:
-    """Load ``segs`` [(name, wire, region id, size)] and ``objs`` [(key, size, replicas, checksum, pin)] (oldest
-    first) into ``service`` (an empty MasterService). Returns {"segments", "objects", "dropped"}."""
+def restore(service, segs: list, objs: list, now: float, slabs: list = ()) -> dict:
+    """Load ``segs`` [(name, wire, region id, size)], ``objs`` [(key, size, replicas, checksum, pin, pending)]
+    (oldest first) and ``slabs`` [(slab id, segment, start, end)] into ``service`` (an empty MasterService).
+    Returns {"segments", "objects" (pending ones included), "pending", "dropped", "slab_bytes" (held)}."""
     for name, wire, region_id, size in segs:
         _add_segment(service, name, wire, region_id, size, now)
     placed: dict[str, list] = {}                       # segment name -> [(offset, size, key)]
@@ -44,10 +48,26 @@ def restore(service, segs: list, objs: list, now: float) -> dict:
             dropped.append(key)
             continue
         _add(service, key, size, replicas, now, *extra)
+    held = _hold_slabs(service, slabs, now)
     if dropped:
         log.warning("recovery dropped %d objects (segment unknown, offset outside it or overlapping another "
                     "object), e.g. %s", len(dropped), ", ".join(repr(k[:100]) for k in dropped[:10]))
-    return {"segments": len(service.segments), "objects": len(service.table), "dropped": len(dropped)}
+    return {"segments": len(service.segments), "objects": len(service.table), "dropped": len(dropped),
+            "pending": service.table.pending_count(), "slab_bytes": held}
+
+
+def _hold_slabs(service, slabs: list, now: float) -> int:
+    """Hold the free bytes of each journaled slab until put_timeout_ms from ``now``, and delete its record.
+    Returns the bytes held."""
+    until, held = now + service.cfg.put_timeout_ms / 1000, 0
+    for slab_id, name, start, end in slabs:
+        seg = service.segments.get(name)
+        if seg is not None and end <= seg.size:
+            offsets = seg.allocator.claim(start, end)
+            held += sum(seg.allocator.size_at(off) for off in offsets)
+            service.quarantine(seg, offsets, until)
+        service.journal.slab_removed(int(slab_id))
+    return held
 
 def _add_segment(service, name: str, wire: dict, region_id: int, size: int, now: float) -> None:
     """Re-add journal segment ``name``, or skip it with a warning naming it: a descriptor that decodes but does
@@ -64,6 +84,12 @@ def _add_segment(service, name: str, wire: dict, region_id: int, size: int, now:
         log.warning("journal segment %r skipped: %s", name[:200], e)
 
 
-def _add(service, key: str, size: int, replicas: list, now: float, checksum=None, pin: int = 0) -> None:
-    """Add a recovered object, complete, with its checksum and pin (the pin picks its LRU list)."""
-    service.table.new(key, size, replicas, complete=True, last_access=now, checksum=checksum, pin=pin)
+def _add(service, key: str, size: int, replicas: list, now: float, checksum=None, pin: int = 0,
+         pending: int = 0) -> None:
+    """Add a recovered object with its checksum and pin (the pin picks its LRU list): complete, or a pending put
+    whose writer has put_timeout_ms from ``now`` to commit."""
+    if pending:
+        service.table.new(key, size, replicas, deadline=now + service.cfg.put_timeout_ms / 1000, last_access=now,
+                          pin=pin)
+    else:
+        service.table.new(key, size, replicas, complete=True, last_access=now, checksum=checksum, pin=pin)

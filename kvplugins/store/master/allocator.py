@@ -65,6 +65,29 @@ class Allocator:
                 return start
         return None
 
+    def claim(self, start: int, end: int) -> list[int]:
+        """Allocate every free byte inside [start, end) (``align``-aligned bounds): the offsets of the new
+        allocations, one per free run met, each freed on its own later. Used bytes grow by what was free."""
+        out, i = [], max(0, bisect.bisect_right(self._starts, start) - 1)
+        while i < len(self._starts) and self._starts[i] < end:
+            s = self._starts[i]
+            n = self._free[s]
+            a, b = max(s, start), min(s + n, end)
+            if a >= b:
+                i += 1
+                continue
+            del self._free[s], self._starts[i]
+            rest = [(s, a - s)] if a > s else []
+            rest += [(b, s + n - b)] if s + n > b else []
+            for k, (x, m) in enumerate(rest):
+                self._free[x] = m
+                self._starts.insert(i + k, x)
+            self._used[a] = b - a
+            self.used_bytes += b - a
+            out.append(a)
+            i += len(rest)
+        return out
+
     def split(self, offset: int, at: int) -> None:
         """Cut the allocation at ``offset`` in two at ``at`` (offset < at < its end, ``align``-aligned): each
         part is then freed on its own. Used bytes do not change. Raises KeyError / ValueError otherwise."""

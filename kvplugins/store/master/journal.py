@@ -1,5 +1,7 @@
 """The master's persistence seam: every change to committed placement goes through a Journal.
 
+Allocations not backing a committed object (pending puts, slabs) are hooks too, so a new HA leader never hands
+their bytes to another put while their writer may still land there (issue #30 item 10).
 MasterService calls these hooks from its single thread, after the change is applied in memory and before the
 op's reply is sent, so an acknowledged put is durable once ``committed`` returns. The base class keeps nothing
 (the embedded / single-master default); the etcd-backed journal (master HA, issue #6) persists and recovers.
@@ -20,6 +22,17 @@ class Journal:
 
     def replicas_changed(self, objs: list) -> None:
         """``objs`` still exist but their replica list or tier changed (segment lost, offload, drain)."""
+
+    def pending(self, objs: list) -> None:
+        """``objs`` were allocated for a put not committed yet (put_start), or their replicas changed meanwhile:
+        a new HA leader learns them, so their writers' commits succeed and no other put gets their bytes."""
+
+    def slab_added(self, slab) -> None:
+        """Slab ``slab`` (slabs.Slab) was reserved by a client: a new HA leader keeps its space from other puts
+        until a writer could still land in it."""
+
+    def slab_removed(self, slab_id: int) -> None:
+        """Slab ``slab_id`` was released or expired."""
 
     def segment_added(self, seg) -> None:
         """Segment ``seg`` (segments.Segment) registered."""

@@ -113,6 +113,7 @@ class MasterService:
             if out[j] is None:
                 turn = order[j % len(order):] + order[:j % len(order)] if len(order) > 1 else order
                 out[j] = self._put_one(e, replicas, now, placement.preferred_first(turn, preferred), biggest, pin)
+        self.journal.pending([self.table.get(key) for (key, _), (code, _) in zip(entries, out) if code == OK])
         self.evict_watermarks(now)
         return out
 
@@ -311,6 +312,12 @@ class MasterService:
             out.append([OK, None])
         return out
 
+    def quarantine(self, seg: Segment, offsets: list[int], until: float) -> None:
+        """Hold allocations ``offsets`` of ``seg`` as zombies freed at ``until`` (HA recovery: space an old
+        leader handed out that a writer may still land in)."""
+        if offsets:
+            self._zombies.add(until, [(seg, off) for off in offsets])
+
     def _drop_replica(self, obj: Object, name: str, off: int, now: float) -> None:
         if len(obj.replicas) == 1:
             self._drop(obj, now, reason="corrupt")
@@ -331,8 +338,8 @@ class MasterService:
         """Remove ``obj`` from the table; its space is freed now, or when its lease/put deadline ends.
         ``reason``: why, for the removal event of a committed object (evicted, removed, corrupt)."""
         self.tiering.dropped(obj, now)      # disk copy deleted, a tier flight cancelled, the tier's lease ended
+        self.journal.removed([obj])         # a pending put too (journal.pending)
         if obj.complete:
-            self.journal.removed([obj])
             self.events.removed([obj], reason)
         if free_at is None:
             free_at = obj.lease_until if obj.complete else obj.deadline
@@ -472,9 +479,12 @@ class MasterService:
         done = [o for o in changed if o.complete]
         if done:
             self.journal.replicas_changed(done)
+        if len(done) < len(changed):
+            self.journal.pending([o for o in changed if not o.complete])
+        if gone:
+            self.journal.removed(gone)
         done = [o for o in gone if o.complete]
         if done:
-            self.journal.removed(done)
             self.events.removed(done, "lost")
         for obj in gone:
             self.table.remove(obj)

@@ -14,7 +14,8 @@ only while more than its transfer and RPC timeouts are left, so no write lands a
 or one released by the next ``reserve`` (opts.release), frees its remainder. A slab dies with its segment;
 a draining segment's slabs are released (their puts answer EXPIRED too); a ``put`` into an unknown or expired
 slab answers EXPIRED and the client redoes that key with put_start (as it does when its write into a slab fails).
-Slabs are not journaled: a new HA leader does not know them, so such puts also answer EXPIRED.
+A slab's range is journaled (HA): a new leader does not take puts into it (they answer EXPIRED and the client
+redoes them with put_start) but keeps its free part from other puts for put_timeout_ms (ha/recovery.py).
 Source followed: Mooncake's put_start/put_end (FAST'25 §4.2) keeps two round trips; the slab is ours (issue #13).
 """
 from __future__ import annotations
@@ -81,6 +82,7 @@ class Slabs:
             [(seg, off)] = placed
             slab = Slab(next(self._ids), seg, off, off + size, now + svc.cfg.put_timeout_ms / 1000)
             self._slabs[slab.id] = slab
+            svc.journal.slab_added(slab)
             out.append([OK, [slab.id, seg.name, seg.region_id, off, size, svc.cfg.put_timeout_ms, align]])
         return out
 
@@ -150,6 +152,7 @@ class Slabs:
         if slab.front < slab.end and self.svc.segments.get(slab.seg.name) is slab.seg:
             slab.seg.allocator.free(slab.front)
         slab.front = slab.end
+        self.svc.journal.slab_removed(slab.id)
 
     def tick(self, now: float) -> None:
         """Free the remainder of expired slabs and of slabs on draining segments; forget those of segments gone."""
