@@ -67,10 +67,10 @@ def recover(url: str) -> dict:
     from kvplugins.store.ha.journal import EtcdJournal
     journal = EtcdJournal(Etcd(url, timeout_s=60), PREFIX)
     t0 = time.perf_counter()
-    segs, objs = journal.load()
+    segs, objs, slabs = journal.load()
     t1 = time.perf_counter()
     m = _service(journal)
-    got = recovery.restore(m, segs, objs, m.clock())
+    got = recovery.restore(m, segs, objs, m.clock(), slabs)
     t2 = time.perf_counter()
     peak = rss_bytes(field="VmHWM")
     return {"objects": got["objects"], "dropped": got["dropped"], "load_s": round(t1 - t0, 2),

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from kvplugins.errors import KVPluginsError
 from kvplugins.layout.keys import KeySpace
-from kvplugins.layout.spans import PageLayout
+from kvplugins.layout.spans import PageLayout, zero_spans
 from kvplugins.layout.staged import StagedPages
 
 log = logging.getLogger(__name__)
@@ -168,8 +168,8 @@ class PageStore:
             self._failed(e)
             errors = [e] * len(block_ids)
         failed = [b for b, err in zip(block_ids, errors) if err is not None]
-        if failed and spans is not None:
-            self._layout().zero(failed)
+        if failed and spans is not None:       # bytes read in place that failed (checksum, size): none stay
+            zero_spans([sp for block, err in zip(spans, errors) if err is not None for sp in block])
         if failed:
             log.warning("kvplugins: %d of %d pages failed to load: %s", len(failed), len(block_ids),
                         next(e for e in errors if e is not None))

@@ -113,6 +113,12 @@ def _indices(shape: Sequence[int]) -> Iterable[tuple[int, ...]]:
             yield (i, *rest)
 
 
+def zero_spans(spans: Iterable[Span]) -> None:
+    """Write zeros over each (address, nbytes) span (host memory this process owns)."""
+    for addr, nbytes in spans:
+        ctypes.memset(addr, 0, nbytes)
+
+
 class PageLayout:
     """All planes of a layer group, in page order (layer order, then plane order within a layer).
 
@@ -152,15 +158,6 @@ class PageLayout:
     def spans_for(self, block_ids: Iterable[int]) -> list[list[Span]]:
         """spans(b) for each block id, in order."""
         return [self.spans(b) for b in block_ids]
-
-    def zero(self, block_ids: Iterable[int]) -> None:
-        """Write zeros over every span of each block id (CPU planes only; a device layout is staged and never
-        written in place). Raises ConfigError for a block id outside 0..num_blocks-1, or device memory."""
-        if self.device != "cpu":
-            raise ConfigError(f"KV memory on {self.device} is not written in place; nothing to zero here")
-        for b in block_ids:
-            for addr, nbytes in self.spans(b):
-                ctypes.memset(addr, 0, nbytes)
 
     def regions(self) -> list[Span]:
         """The disjoint (address, nbytes) ranges covering every page, overlapping/adjacent ranges merged:
