@@ -104,8 +104,8 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
 
 def ensure_model(path: str | os.PathLike | None = None, seed: int = 0, family: str = "llama") -> Path:
     """Return the model directory, building it first if absent (a few seconds). ``family``: "llama", "gemma3",
-    "lfm2", "qwen3next", "granite4" or "mistral". Safe to race: the loser's build is discarded. Needs torch, transformers and tokenizers
-    (installed with vLLM). Raises ValueError for another family."""
+    "lfm2", "qwen3next", "granite4" or "mistral". Safe to race: the loser's build is discarded. Needs torch,
+    transformers and tokenizers (installed with vLLM). Raises ValueError for another family."""
     final = Path(path) if path else default_dir(family)
     if (final / "config.json").exists():
         return final

@@ -173,7 +173,8 @@ class SchedulerSide:
         return batch
 
     def loads_failed(self, req_ids: set[str]) -> None:
-        """Requests whose async load failed (vLLM's failed_recving; engine.whole_request_failure): they compute from now on."""
+        """Requests whose async load failed (vLLM's failed_recving; engine.whole_request_failure): they compute
+        from now on."""
         for req_id in req_ids:
             t = self.tracked.get(req_id)
             if t is not None:

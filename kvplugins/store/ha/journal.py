@@ -64,8 +64,8 @@ class EtcdJournal(Journal):
     def replicas_changed(self, objs: list) -> None:
         self.committed(objs)
 
-    def pending(self, objs: list) -> None:
-        self._write({self.obj_key(o.key): put_op(self.obj_key(o.key), encode_object(o)) for o in objs})
+    def pending(self, objs) -> None:
+        self.committed(objs)            # encode_object carries the pending flag
 
     def slab_added(self, slab) -> None:
         value = msgpack.packb([slab.seg.name, slab.front, slab.end])

@@ -23,9 +23,10 @@ class Journal:
     def replicas_changed(self, objs: list) -> None:
         """``objs`` still exist but their replica list or tier changed (segment lost, offload, drain)."""
 
-    def pending(self, objs: list) -> None:
+    def pending(self, objs) -> None:
         """``objs`` were allocated for a put not committed yet (put_start), or their replicas changed meanwhile:
-        a new HA leader learns them, so their writers' commits succeed and no other put gets their bytes."""
+        a new HA leader learns them, so their writers' commits succeed and no other put gets their bytes.
+        ``objs``: any iterable, walked at most once."""
 
     def slab_added(self, slab) -> None:
         """Slab ``slab`` (slabs.Slab) was reserved by a client: a new HA leader keeps its space from other puts

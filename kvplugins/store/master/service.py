@@ -113,7 +113,8 @@ class MasterService:
             if out[j] is None:
                 turn = order[j % len(order):] + order[:j % len(order)] if len(order) > 1 else order
                 out[j] = self._put_one(e, replicas, now, placement.preferred_first(turn, preferred), biggest, pin)
-        self.journal.pending([self.table.get(key) for (key, _), (code, _) in zip(entries, out) if code == OK])
+        # a generator: the base Journal never walks it, so a master without HA pays nothing per key
+        self.journal.pending(self.table.get(key) for (key, _), (code, _) in zip(entries, out) if code == OK)
         self.evict_watermarks(now)
         return out
 
