@@ -4,7 +4,8 @@ Each hook only translates: the scheduler role delegates to SchedulerSide, the wo
 Large hits load asynchronously (``get_num_new_matched_tokens`` -> ``(n, True)``; completion through
 ``get_finished``), small ones before the step's forward; saves are submitted in ``wait_for_save`` and run in
 the background, ``handle_preemptions`` (called before every forward) fences the saves of requests whose
-blocks were freed. Telemetry: ``get_kv_connector_stats`` / ``build_kv_connector_stats`` /
+blocks were freed and, where it may, starts the step's asynchronous loads and P/D acks (vLLM would start
+them after the forward). Telemetry: ``get_kv_connector_stats`` / ``build_kv_connector_stats`` /
 ``build_prom_metrics`` (stats.py). KV events (events.py): ``get_kv_connector_kv_cache_events`` (worker) ->
 ``update_connector_output`` -> ``take_events`` (scheduler). Source followed: vLLM 0.32 KVConnectorBase_V1
 (vllm/distributed/kv_transfer/kv_connector/v1/base.py) and the model runner's connector mixin.
@@ -109,9 +110,7 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.fence(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        self._worker.hold(meta)
-        self._worker.load(meta)
+        self._worker.load(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._worker.wait_layer(layer_name)  # layer_chunks > 1: this layer's chunk; else a no-op (loads are whole)

@@ -62,12 +62,20 @@ class KVPluginsConnectorMetadata(KVConnectorMetadata):
     fence: requests whose blocks may be freed and rewritten from this step on (finished or preempted
     before it): their in-flight saves must land before this step's forward. fence_all: every in-flight save
     must (a sliding-window group frees a running request's blocks that left its window).
+    idle: no token is scheduled this step (vLLM keeps stepping while requests wait for the connector).
+    waiting: some request waits for a P/D producer's pages to land in the store (the scheduler looks again
+    next step).
+    early: the worker may start ``async_loads`` and ``acks`` and mark ``held`` before this step's forward
+    (in ``handle_preemptions``): vLLM zeroes or copies none of their blocks in this step.
     """
     loads: PageBatch = field(default_factory=PageBatch)
     async_loads: dict[str, PageBatch] = field(default_factory=dict)
     saves: dict[str, PageBatch] = field(default_factory=dict)
     fence: set[str] = field(default_factory=set)
     fence_all: bool = False
+    early: bool = False
+    idle: bool = False
+    waiting: bool = False
     held: dict[str, "Held"] = field(default_factory=dict)
     remote: dict[str, "RemoteLoad"] = field(default_factory=dict)
     acks: list["RemoteLoad"] = field(default_factory=list)

@@ -72,6 +72,7 @@ class SchedulerSide:
         if cfg.namespace_file:
             _write_namespaces(cfg.namespace_file, spaces, self.hash_block_size)
         self.tracked: dict[str, _Tracked] = {}
+        self._waiting: set[str] = set()      # P/D store path: requests waiting for the producer's saves
         self.pending = KVPluginsConnectorMetadata()
         self.stats = StatsRecorder()
         ev = getattr(vllm_config, "kv_events_config", None)
@@ -84,6 +85,7 @@ class SchedulerSide:
     def num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         first = num_computed_tokens // self.block_size
         t = self.tracked.setdefault(request.request_id, _Tracked(request))
+        self._waiting.discard(request.request_id)
         t.first, t.hit, t.looked, t.load_async = first, 0, 0, False
         if not self.cfg.load or t.failed:
             return 0, False
@@ -103,6 +105,7 @@ class SchedulerSide:
             now = time.monotonic()
             t.wait_until = t.wait_until or now + self.cfg.pd_wait_ms / 1000
             if now < t.wait_until:
+                self._waiting.add(request.request_id)
                 return None, False
             log.warning("kvplugins: request %s: %d of the producer's %d pages in the store after %d ms; "
                         "computing the rest", request.request_id, t.hit, want, self.cfg.pd_wait_ms)
@@ -202,6 +205,9 @@ class SchedulerSide:
         meta, self.pending = self.pending, KVPluginsConnectorMetadata()
         meta.fence = (set(out.finished_req_ids) | set(out.preempted_req_ids or ())) - set(meta.held)
         meta.fence_all = self._fence_all
+        meta.early = _untouched(out, meta)
+        meta.idle = not out.total_num_scheduled_tokens
+        meta.waiting = bool(self._waiting)
         if self.cfg.save and self.role != "kv_consumer":
             for req_id, computed in _computed_after_step(out).items():
                 self._plan_save(meta, req_id, computed, out)
@@ -262,6 +268,7 @@ class SchedulerSide:
         """vLLM's request_finished. A producer hands the request's full prompt pages to decode: returns
         (True, {"kvplugins": params}) and vLLM holds the blocks until the worker reports the request sent."""
         self.tracked.pop(request.request_id, None)
+        self._waiting.discard(request.request_id)
         if self.role != "kv_producer":
             return False, None
         pages = min(request.num_computed_tokens, request.num_prompt_tokens, len(block_ids) * self.block_size)
@@ -296,6 +303,16 @@ def _write_namespaces(path: str, spaces: list, hash_block_size: int) -> None:
     info = {"namespaces": {r: ks.for_rank(r).namespace for r in range(ks.tp_size)}, "keyspace": asdict(ks),
             "groups": [asdict(k) for k in spaces], "hash_block_size": hash_block_size}
     Path(path).write_text(json.dumps(info, indent=1))
+
+
+def _untouched(out: "SchedulerOutput", meta: KVPluginsConnectorMetadata) -> bool:
+    """Whether this step's asynchronous loads may start before its forward: vLLM zeroes freshly allocated
+    blocks (``new_block_ids_to_zero``) and applies copy-on-write copies (``kv_cache_block_copies``) on the
+    worker before the forward, so a load into such a block must start after them."""
+    if getattr(out, "kv_cache_block_copies", None):
+        return False
+    zeroed = set(getattr(out, "new_block_ids_to_zero", None) or ())
+    return not any(zeroed.intersection(b.block_ids) for b in meta.async_loads.values())
 
 
 def _computed_after_step(out: "SchedulerOutput") -> dict[str, int]:

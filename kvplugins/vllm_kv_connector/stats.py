@@ -29,6 +29,8 @@ COUNTERS = {  # data key -> Prometheus help
 LATENCIES = {  # data key -> Prometheus help (one observation per batch, seconds)
     "load_seconds": "latency of one kvplugins load batch (s)",
     "save_seconds": "latency of one kvplugins save batch (s)",
+    "pd_handoff_seconds": "P/D prefill side: from a request's end until decode acked its direct read, or its "
+                          "store saves landed; the request's blocks are held meanwhile (s)",
 }
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
@@ -90,7 +92,8 @@ class StatsRecorder:
 
 
 class KVPluginsPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvplugins_<counter>`` counters and ``vllm:kvplugins_{load,save}_seconds`` histograms, per engine."""
+    """``vllm:kvplugins_<counter>`` counters and ``vllm:kvplugins_{load,save,pd_handoff}_seconds`` histograms,
+    per engine."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)

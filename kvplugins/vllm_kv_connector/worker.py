@@ -25,6 +25,7 @@ from kvplugins.vllm_kv_connector.stats import StatsRecorder
 
 log = logging.getLogger(__name__)
 SLOW_S = 2.0  # a save, or a P/D hold mark, later than this is logged (why decode may have computed a prefix)
+IDLE_WAIT_S = 0.01  # an idle step waits up to this long for a load, a held request's save or ack to end
 
 
 class WorkerSide:
@@ -55,6 +56,8 @@ class WorkerSide:
         self._held: dict[str, tuple[Held, float]] = {}  # P/D producer: request -> (hold, first seen, monotonic s)
         self._finished: set[str] = set()                # finished request ids vLLM told us about
         self._export = self._reader = None              # P/D direct: producer export / consumer reader
+        self._early: KVPluginsConnectorMetadata | None = None  # the step whose async work fence started
+        self._idle = self._waiting = False              # metadata.idle / .waiting of this step
         ev = getattr(vllm_config, "kv_events_config", None)
         self.events = EventLog(self.keyspace.block_size) if ev is not None and ev.enable_kv_cache_events else None
 
@@ -96,13 +99,23 @@ class WorkerSide:
 
     # -- loads ------------------------------------------------------------------------------------------------
     def load(self, meta: KVPluginsConnectorMetadata) -> None:
-        """Synchronous loads now; asynchronous ones submitted to the load thread. Staged loads copy into the
-        blocks after what the engine already enqueued (the mark taken here, on the engine thread)."""
+        """vLLM's start_load_kv: synchronous loads now; P/D holds marked and asynchronous loads submitted to
+        the load thread unless ``fence`` did so. Staged loads copy into the blocks after what the engine
+        already enqueued (the mark taken on the engine thread)."""
         after = self._mark()
+        early, self._early = self._early, None
+        self._idle, self._waiting = meta.idle, meta.waiting
+        if meta is not early:
+            self.hold(meta)
         if meta.loads.block_ids and self._chunk_of:
             self._load_layers(meta.loads, after)
         elif meta.loads.block_ids:
             self.load_errors.update(self._load_batch(meta.loads, after))
+        if meta is not early:
+            self._start_async(meta, after)
+
+    def _start_async(self, meta: KVPluginsConnectorMetadata, after) -> None:
+        """Submit the step's P/D acks and asynchronous loads (direct reads and store loads) to the load thread."""
         for remote in meta.acks:
             self._load_pool.submit(self._direct_ack, remote)
         direct = {r: b for r, b in meta.async_loads.items() if r in meta.remote}
@@ -213,11 +226,20 @@ class WorkerSide:
 
     # -- saves ------------------------------------------------------------------------------------------------
     def fence(self, meta: KVPluginsConnectorMetadata) -> None:
-        """Before the forward: wait for in-flight saves of requests whose blocks may be rewritten now."""
+        """Before the forward (vLLM's handle_preemptions): wait for in-flight saves of requests whose blocks
+        may be rewritten now. Then, where the scheduler allows it (``meta.early``), mark the step's P/D holds
+        and start its acks and asynchronous loads at once. vLLM starts them only after the step's forward
+        when it has no synchronous load, while a P/D producer holds its blocks, its engine stepping, until
+        decode acks: on a 2-CPU host decode's forward, slowed by that stepping, delayed the ack ~30 s
+        (issue #30)."""
         for req_id in (list(self._saving) if meta.fence_all else meta.fence):
             fut = self._saving.pop(req_id, None)
             if fut is not None:
                 fut.result()
+        if meta.early and (meta.acks or meta.async_loads or meta.held):
+            self.hold(meta)
+            self._start_async(meta, self._mark())
+            self._early = meta
 
     def save(self, meta: KVPluginsConnectorMetadata) -> None:
         """After the forward: submit this step's full pages to the save thread (returns at once). A staged save
@@ -263,6 +285,8 @@ class WorkerSide:
         """(finished sending, finished receiving): requests whose async load ended (failed blocks, if any,
         are in ``load_errors`` by now, as vLLM requires)."""
         recving: set[str] = set()
+        if self._idle:
+            self._pace()
         for fut in [f for f in self._loading if f.done()]:
             reqs, failed = self._loading.pop(fut), set(fut.result())
             recving.update(reqs)
@@ -274,6 +298,30 @@ class WorkerSide:
         for req_id in [r for r, f in self._saving.items() if f.done()]:
             del self._saving[req_id]
         return sending or None, recving or None
+
+    def _pace(self) -> None:
+        """An idle step (nothing scheduled: vLLM steps without pause while a request waits for its load, for a
+        producer's pages to land in the store, or a producer holds blocks for decode): wait up to IDLE_WAIT_S
+        until a load ends, a held request's save lands or decode acks a direct read. Without this, two engines
+        sharing a few CPUs (P/D on one host) starve each other: the prefill side stepped at 100% CPU on two
+        cores while it held blocks for decode, and decode's worker ran its next step ~30 s late; decode,
+        looking the producer's pages up in the store every step, delayed the producer's save of them 26 s
+        (issue #30)."""
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while not self._reportable() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def _reportable(self) -> bool:
+        if not self._loading and not self._held and not self._waiting:
+            return True  # nothing to wait for: idle steps end when vLLM runs out of requests
+        if any(f.done() for f in self._loading):
+            return True
+        for req_id, (held, _) in self._held.items():
+            if held.mode == "store" and (req_id not in self._saving or self._saving[req_id].done()):
+                return True
+            if held.mode == "direct" and self._export is not None and self._export.acked(held.slot, held.token):
+                return True
+        return False
 
     def hold(self, meta: KVPluginsConnectorMetadata) -> None:
         """P/D producer: remember the requests whose blocks vLLM now holds for us."""
@@ -300,16 +348,26 @@ class WorkerSide:
                 done = (self._export is not None and self._export.acked(held.slot, held.token)) \
                     or now - seen > held.hold_s
             if done:
-                if held.mode == "direct" and self._export is not None:
-                    self._export.lease(held.slot, 0)  # released: decode reads from now on fail
-                    if not self._export.acked(held.slot, held.token):
-                        log.warning("kvplugins: request %s: decode did not ack its read within pd_hold_ms=%.0f; "
-                                    "its blocks are released", req_id, held.hold_s * 1000)
+                self._handed_over(req_id, held, now)
                 out.add(req_id)
                 del self._held[req_id]
                 self._finished.discard(req_id)
         self._finished.intersection_update(self._held)
         return out
+
+    def _handed_over(self, req_id: str, held: Held, now: float) -> None:
+        """Release a held request's blocks: its direct lease word back to 0 (decode reads from now on fail);
+        the handoff latency (request end -> ack, or saves landed) goes to ``pd_handoff_seconds``."""
+        took = now - held.finished_at if held.finished_at else 0.0
+        self.stats.observe("pd_handoff_seconds", took)
+        if held.mode == "direct" and self._export is not None:
+            self._export.lease(held.slot, 0)
+            if not self._export.acked(held.slot, held.token):
+                log.warning("kvplugins: request %s: decode did not ack its read within pd_hold_ms=%.0f; "
+                            "its blocks are released", req_id, held.hold_s * 1000)
+                return
+        if took > SLOW_S:
+            log.warning("kvplugins: request %s: handed over (%s) %.1f s after it finished", req_id, held.mode, took)
 
     def take_failed_recving(self) -> set[str]:
         failed, self.failed_recving = self.failed_recving, set()

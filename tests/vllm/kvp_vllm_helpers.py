@@ -144,6 +144,17 @@ class Server:
                 out[name] = out.get(name, 0.0) + float(ln.split()[-1])
         return out
 
+    def buckets(self, name: str) -> dict[str, float]:
+        """Cumulative bucket counts of histogram ``vllm:kvplugins_<name>`` (``le`` label -> count; "+Inf" is
+        every observation)."""
+        import re
+        out: dict[str, float] = {}
+        for ln in http_json(self.url + "/metrics").splitlines():
+            m = re.match(rf'vllm:kvplugins_{name}_bucket{{.*le="([^"]+)".*}} (\S+)', ln)
+            if m:
+                out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+        return out
+
     def stop(self) -> None:
         import contextlib
         import os
