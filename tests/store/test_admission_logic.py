@@ -50,6 +50,7 @@ def test_no_placement_before_the_probe_succeeds_and_a_failed_probe_removes_the_s
     assert put(m, "after")[0][0] == "big:1"                   # admitted: the most free space
     st = m.handle("status", [], {})
     assert sorted(s["name"] for s in st["segments"]) == ["big:1", "small:1"] and st["segments_refused"] == 1
+    assert st["segments_lost"] == 0                            # refused, never admitted: nothing was lost
     assert m.segments.get("big:1").used == 128                # the probe block was freed (one 100 B object)
 
 

@@ -404,7 +404,7 @@ class MasterService:
         if why is None:
             return self._admitted(seg, self.clock())
         self.counters["segments_refused"] += 1
-        self._remove_segment(seg, "admission probe failed")
+        self.segments.pop(seg.name)     # never admitted: nothing was placed on it or journaled (not "lost")
         log.warning("segment %s refused: the master could not write and read it back: %s", seg.name, why)
         return [UNREACHABLE, f"the master could not write and read back segment {seg.name} (admission probe): "
                              f"{why}; check that its transports' advertised addresses (--host) are reachable "
