@@ -289,7 +289,7 @@ def test_journal_batches_are_fenced_and_recovery_rebuilds_placement():
         assert [v[3] for _, v in got[10:]] == list(range(10, 300))          # checksums recovered
         assert all(second.table.get(k).pin == 2 for k in keys[10:])
         assert sorted(second.recovered.items()) == [("dropped", 0), ("objects", 290), ("pending", 0),
-                                                    ("segments", 2), ("slab_bytes", 0)]
+                                                    ("segments", 2), ("slab_bytes", 0), ("tasks", 0)]
         assert [sorted(map(tuple, v)) for _, v in placed[10:]] == [sorted(map(tuple, v[1])) for _, v in got[10:]]
         [(code, fresh)] = second.handle("put_start", [["new", 1 << 19]], {"replicas": 2})
         assert code == OK and len(segs) == 2
@@ -322,28 +322,38 @@ def test_hostile_journal_values_are_skipped_on_recovery(caplog):
         assert code == OK and value[3] == 42
         assert second.handle("exists", ["nested", "strsize", "truncated"], {}) == [False] * 3
         assert sorted(second.recovered.items()) == [("dropped", 0), ("objects", 1), ("pending", 0),
-                                                    ("segments", 1), ("slab_bytes", 0)]
+                                                    ("segments", 1), ("slab_bytes", 0), ("tasks", 0)]
         skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
         assert len(skipped) == 4 and all(any(k in m for m in skipped) for k in hostile)
+
+
+@contextlib.contextmanager
+def _guards(prefix: str, cfg: MasterConfig):
+    """Real etcd: yields (etcd, leader A's LeaderGuard, fail_over), where fail_over() hands the leader key to B
+    and returns B's LeaderGuard (recovered from the journal)."""
+    with etcd_server() as server:
+        etcd = Etcd(server.url)
+        a, b = EtcdJournal(etcd, prefix), EtcdJournal(etcd, prefix)
+        assert etcd.create(a.leader_key, b"A", etcd.lease(10))
+
+        def fail_over():
+            etcd.txn([], [put_op(a.leader_key, b"B")])
+            return LeaderGuard(cfg, b, _Lease(etcd, b.leader_key, b"B"))
+        yield etcd, LeaderGuard(cfg, a, _Lease(etcd, a.leader_key, b"A")), fail_over
 
 
 def test_a_new_leader_learns_pending_puts_and_holds_slabs():
     """Issue #30 item 10, in process with real etcd: a put started on leader A and committed on B after the
     failover is acknowledged there (B learned it); no put placed by B lands on its bytes or on the free part of
     a slab A reserved (B holds it for put_timeout_ms, then frees it); B deletes the slab's record."""
-    with etcd_server() as server:
-        etcd = Etcd(server.url)
-        a, b = EtcdJournal(etcd, "/kvp/pend"), EtcdJournal(etcd, "/kvp/pend")
-        assert etcd.create(a.leader_key, b"A", etcd.lease(10))
-        cfg, mib = MasterConfig(put_timeout_ms=1500), 1 << 20
-        first = LeaderGuard(cfg, a, _Lease(etcd, a.leader_key, b"A"))
+    cfg, mib = MasterConfig(put_timeout_ms=1500), 1 << 20
+    with _guards("/kvp/pend", cfg) as (etcd, first, fail_over):
         [(code, seg)] = first.handle("register_segment", [[_wire("s1", 64 * mib), 1, 64 * mib]], {})
         [(code, locs)] = first.handle("put_start", [["p", mib]], {})
         assert code == OK
         [(code, (_, _, _, start, length, _, _))] = first.handle("reserve", [mib], {})
         assert code == OK and length == mib                    # a slab is 1/64 of the largest segment
-        etcd.txn([], [put_op(a.leader_key, b"B")])
-        second = LeaderGuard(cfg, b, _Lease(etcd, b.leader_key, b"B"))
+        second = fail_over()
         fresh = second.handle("put_start", [[f"n{i}", mib] for i in range(63)], {})
         assert second.recovered["pending"] == 1 and second.recovered["slab_bytes"] == mib
         placed = [v[0][2] for c, v in fresh if c == OK]
@@ -356,3 +366,37 @@ def test_a_new_leader_learns_pending_puts_and_holds_slabs():
         time.sleep(cfg.put_timeout_ms / 1000 + 0.2)
         second.tick()                                           # past put_timeout_ms: the slab's bytes are free
         assert [c for c, _ in second.handle("put_start", [[f"m{i}", mib] for i in range(63)], {})] == [OK] * 63
+
+
+def test_a_new_leader_answers_replica_tasks_and_holds_a_copy_in_flight():
+    """Issue #30 item 10, in process with real etcd: leader A finishes one copy task and starts another (its
+    destination allocated, the node's write not reported); after the failover leader B answers task_query for
+    both: the first SUCCESS with the same creation time, the second FAILED naming the failover (B cannot follow
+    A's write); B places no put on the second copy's destination until put_timeout_ms has passed."""
+    cfg, kib = MasterConfig(put_timeout_ms=1500), 1 << 10
+    with _guards("/kvp/task", cfg) as (etcd, first, fail_over):
+        [(_, s1)] = first.handle("register_segment", [[_wire("s1", 64 * kib), 1, 64 * kib]], {})
+        assert [c for c, _ in first.handle("put_start", [["k1", 4 * kib], ["k2", 4 * kib]], {})] == [OK, OK]
+        first.handle("put_commit", ["k1", "k2"], {"xxh3": [1, 2]})
+        [(_, s2)] = first.handle("register_segment", [[_wire("s2", 64 * kib), 1, 64 * kib]], {})
+        for seg in (s1, s2):
+            assert first.handle("tier_register", [[seg, "", 0, [], ""]], {})[0][0] == OK
+        [(code, t1)] = first.handle("task_create", [["copy", "k1", "", [s2]]], {})
+        assert code == OK
+        [(_, ([cmd], _))] = first.handle("tier_poll", [s1], {})
+        assert cmd[0] == "migrate" and cmd[1] == "k1"
+        first.handle("tier_done", [["migrate", "k1", True, None, cmd[7]]], {"segment": s1})
+        [(code, t2)] = first.handle("task_create", [["copy", "k2", "", [s2]]], {})
+        [(_, ([cmd2], _))] = first.handle("tier_poll", [s1], {})
+        dest = cmd2[6]                                  # the offset on s2 A's node may still write k2 to
+        [(_, row1)], [(_, row2)] = (first.handle("task_query", [t], {}) for t in (t1, t2))
+        assert (row1[3], row2[3]) == ("SUCCESS", "PROCESSING")
+        second = fail_over()
+        [(c1, again1)], [(c2, again2)] = (second.handle("task_query", [t], {}) for t in (t1, t2))
+        assert second.recovered["tasks"] == 2 and (c1, c2) == (OK, OK)
+        assert again1 == row1                                      # same id, kind, status, times, source
+        assert again2[3] == "FAILED" and "failed over" in again2[7] and again2[4] == row2[4]
+        assert any(r[0] == s2 for r in second.handle("get", ["k1"], {})[0][1][1])  # A's finished copy stays
+        placed = second.handle("put_start", [[f"n{i}", 4 * kib] for i in range(32)], {"segment": s2})
+        offs = [off for c, v in placed if c == OK for seg, _, off in v if seg == s2]
+        assert offs and all(o + 4 * kib <= dest or dest + 4 * kib <= o for o in offs)

@@ -325,3 +325,19 @@ def test_recovery_skips_segments_that_do_not_hold_together(caplog):
     assert got == {"segments": 1, "objects": 0, "dropped": 1, "pending": 0, "slab_bytes": 0}
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert all(f"journal segment {n!r} skipped" in warned for n in ("s1:1", "s2:7", "s3:1"))
+
+
+def test_task_records_load_and_hostile_ones_are_skipped(caplog):
+    """Replica task records (issue #30): a valid one loads with its id, fields and in-flight destination;
+    a wrong status, a string time, an id that is not two u64 and a non-msgpack value are skipped, each
+    named in a warning."""
+    good = ["copy", "k", "s:1", ["t:1"], "PROCESSING", 5, 6, "", ["t:1", 4096, 512]]
+    items = {"/p/task/1-2": pack(good), "/p/task/3-4": pack([*good[:4], "RUNNING", *good[5:]]),
+             "/p/task/5-6": pack([*good[:5], "5", *good[6:]]), f"/p/task/{1 << 64}-1": pack(good),
+             "/p/task/7-8": b"\xc1"}
+    with caplog.at_level(logging.WARNING, logger="kvplugins.store.ha.journal"):
+        tasks = EtcdJournal(FakeEtcd(items), "/p").load_tasks()
+    assert tasks == [((1, 2), "copy", "k", "s:1", ["t:1"], "PROCESSING", 5, 6, "", ("t:1", 4096, 512))]
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert all(f"{k[len('/p/task/'):]!r} skipped" in warned or f"{k!r} skipped" in warned
+               for k in items if k != "/p/task/1-2")

@@ -57,6 +57,10 @@ class EtcdJournal(Journal):
     def slab_key(self, slab_id: int) -> str:
         return f"{self.prefix}/slab/{int(slab_id)}"
 
+    def task_key(self, task_id) -> str:
+        hi, lo = task_id
+        return f"{self.prefix}/task/{int(hi)}-{int(lo)}"
+
     # ---- hooks ---------------------------------------------------------------------------------------
     def committed(self, objs: list) -> None:
         self._write({self.obj_key(o.key): put_op(self.obj_key(o.key), encode_object(o)) for o in objs})
@@ -77,6 +81,12 @@ class EtcdJournal(Journal):
     def removed(self, objs: list) -> None:
         self._write({self.obj_key(o.key): delete_op(self.obj_key(o.key)) for o in objs})
 
+    def task_changed(self, task) -> None:
+        self._write({self.task_key(task.id): put_op(self.task_key(task.id), encode_task(task))})
+
+    def task_forgotten(self, task_id) -> None:
+        self._write({self.task_key(task_id): delete_op(self.task_key(task_id))})
+
     def segment_added(self, seg) -> None:
         value = msgpack.packb([seg.descriptor, seg.region_id, seg.size])
         self._write({self.seg_key(seg.name): put_op(self.seg_key(seg.name), value)})
@@ -94,6 +104,19 @@ class EtcdJournal(Journal):
         slabs = _decoded(self.etcd.range_prefix(self.prefix + "/slab/"), len(self.prefix) + len("/slab/"),
                          decode_slab)
         return segs, objs, slabs
+
+    def load_tasks(self) -> list[tuple]:
+        """[((hi, lo), kind, key, source, targets, status, created ms, updated ms, message, dest)] of the replica
+        tasks journaled (decode_task), oldest update first. Raises StoreError."""
+        cut = len(self.prefix) + len("/task/")
+        out = []
+        for name, *fields in _decoded(self.etcd.range_prefix(self.prefix + "/task/"), cut, decode_task):
+            hi, _, lo = name.partition("-")
+            if hi.isdigit() and lo.isdigit() and int(hi) < 1 << 64 and int(lo) < 1 << 64:
+                out.append(((int(hi), int(lo)), *fields))
+            else:
+                log.warning("journal entry %r skipped: not a task id", name[:200])
+        return sorted(out, key=lambda t: t[7])
 
     def begin(self) -> None:
         """Collect the hooks' writes from now on (a later write of a key supersedes an earlier one) until
@@ -168,6 +191,19 @@ _SEGMENT = msgspec.msgpack.Decoder(tuple[schema.Descriptor, schema.RegionId, sch
 _SLAB = msgspec.msgpack.Decoder(tuple[schema.SegName, schema.Offset, schema.Offset])
 
 
+class _TaskValue(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    kind: Literal["copy", "move"]
+    key: Annotated[str, Meta(min_length=1, max_length=MAX_JOURNAL_KEY)]
+    source: schema.SegName
+    targets: Annotated[list[schema.SegName], Meta(max_length=schema.MAX_TARGETS)]
+    status: Literal["PENDING", "PROCESSING", "SUCCESS", "FAILED"]
+    created_ms: schema.U64
+    updated_ms: schema.U64
+    message: Annotated[str, Meta(max_length=4096)]
+    dest: Union[tuple[schema.SegName, schema.Offset, schema.Size], None] = None
+
+
+_TASK = msgspec.msgpack.Decoder(_TaskValue)
 _OBJECT_FIELDS = ("size", "replicas", "checksum", "pin", "pending")
 _SEGMENT_FIELDS = ("descriptor", "region id", "size")
 
@@ -202,6 +238,27 @@ def decode_slab(value: bytes) -> tuple:
     if not start < end:
         raise ProtocolError(f"journal slab value: start {start} is not below end {end}")
     return seg, start, end
+
+
+def encode_task(task) -> bytes:
+    """msgpack [kind, key, source, targets not done yet, status, created ms, updated ms (wall clock), message,
+    [segment, offset, size] of the write in flight or None] of a replica task (replica_tasks.Task)."""
+    dest = None
+    if task.flight is not None and task.flight.dest is not None:
+        seg, off = task.flight.dest
+        dest = [seg.name, off, task.flight.size]
+    return msgpack.packb([task.kind, task.key, task.source, list(task.targets), task.status, task.created_ms,
+                          task.updated_ms or task.created_ms, task.message[:4096], dest])
+
+
+def decode_task(value: bytes) -> tuple:
+    """(kind, key, source, targets, status, created ms, updated ms, message, dest or None) from encode_task's
+    bytes. Raises ProtocolError naming what does not fit."""
+    try:
+        t = _TASK.decode(value)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"journal task value: {e}") from None
+    return t.kind, t.key, t.source, t.targets, t.status, t.created_ms, t.updated_ms, t.message, t.dest
 
 
 def _named(err: Exception, fields: tuple[str, ...]) -> str:

@@ -11,7 +11,9 @@ Pending puts of the old leader (journal.pending) come back pending, with put_tim
 put_commit succeeds on the new leader, and no other put gets their bytes meanwhile. The free part of each
 journaled slab (client-reserved space) is held for put_timeout_ms, then freed; its record is deleted (slab puts
 on the new leader answer EXPIRED and the client redoes them with put_start). So no write the old leader
-allowed lands on bytes the new one gave to another put (issue #30 item 10).
+allowed lands on bytes the new one gave to another put (issue #30 item 10). Replica tasks (restore_tasks)
+come back for task_query; one the old leader was running ends (replica_tasks.failed_over) and the destination
+of its write in flight is held for put_timeout_ms.
 """
 from __future__ import annotations
 
@@ -68,6 +70,25 @@ def _hold_slabs(service, slabs: list, now: float) -> int:
             service.quarantine(seg, offsets, until)
         service.journal.slab_removed(int(slab_id))
     return held
+
+def restore_tasks(service, tasks: list, now: float) -> int:
+    """Load journaled replica tasks [((hi, lo), kind, key, source, targets, status, created ms, updated ms,
+    message, dest)] (EtcdJournal.load_tasks, oldest update first) into ``service``; returns how many."""
+    from kvplugins.store.master.replica_tasks import Task
+    tasks_of, until = service.tiering.tasks, now + service.cfg.put_timeout_ms / 1000
+    for tid, kind, key, source, targets, status, created, updated, message, dest in tasks:
+        task = Task(tid, kind, key, None, source, list(targets), status, created, updated, message)
+        if status in ("SUCCESS", "FAILED"):
+            tasks_of.remember(task)
+            continue
+        if dest is not None:
+            name, off, size = dest
+            seg = service.segments.get(name)
+            if seg is not None and off + size <= seg.size:
+                service.quarantine(seg, seg.allocator.claim(off, off + size), until)
+        tasks_of.failed_over(task)
+    return len(tasks)
+
 
 def _add_segment(service, name: str, wire: dict, region_id: int, size: int, now: float) -> None:
     """Re-add journal segment ``name``, or skip it with a warning naming it: a descriptor that decodes but does

@@ -35,6 +35,13 @@ class Journal:
     def slab_removed(self, slab_id: int) -> None:
         """Slab ``slab_id`` was released or expired."""
 
+    def task_changed(self, task) -> None:
+        """Replica task ``task`` (replica_tasks.Task) was created, started a write (its destination allocated) or
+        finished: a new HA leader answers ``task_query`` for it and holds that destination's space."""
+
+    def task_forgotten(self, task_id: tuple[int, int]) -> None:
+        """Finished task ``task_id`` left the master's memory (replica_tasks.FINISHED_KEPT)."""
+
     def segment_added(self, seg) -> None:
         """Segment ``seg`` (segments.Segment) registered."""
 

@@ -25,8 +25,13 @@ Lifecycle of one task, in call order:
 
 Who copies: Mooncake hands the task to the client that owns the source segment; here the process behind the
 source segment runs it: a `kvplugins store` node, or a client that contributes a segment (both run a NodeTier
-command link). Task records live in the master's memory only: an HA failover forgets them (query answers
-NOT_FOUND), the replicas already switched stay.
+command link).
+
+HA (issue #30): each task is journaled when it is created, starts a write and finishes (Journal.task_changed),
+so a new leader answers ``task_query`` for every task the old one knew (ha/recovery.restore_tasks). A task the
+old leader was running ends on the new one (``failed_over``): SUCCESS if its targets hold their replicas
+already, else FAILED saying so (the targets done stay done; create it again for the rest), and the destination
+of its write in flight is held for put_timeout_ms, so no put lands where the old leader's node may still write.
 """
 from __future__ import annotations
 
@@ -87,6 +92,8 @@ class ReplicaTasks:
             task = Task((u >> 64, u & (2 ** 64 - 1)), kind, key, obj, source, list(dict.fromkeys(targets)))
             self.active[task.id] = task
             self.advance(task, now)
+            if task.id in self.active:
+                self.tier.service.journal.task_changed(task)
             out.append([OK, list(task.id)])
         return out
 
@@ -171,6 +178,7 @@ class ReplicaTasks:
         if busy is not None:
             busy[task.source] += 1
         task.status, task.updated_ms = "PROCESSING", _wall_ms()
+        self.tier.service.journal.task_changed(task)
 
     def migrated(self, task: Task, ok: bool, detail, now: float) -> None:
         """The source's process reported the write of the task's current target (its flight id matched)."""
@@ -213,13 +221,33 @@ class ReplicaTasks:
             elif task.flight is None:
                 self.advance(task, now, busy)
 
+    def failed_over(self, task: Task) -> None:
+        """A task the previous HA leader was running (ha/recovery.restore_tasks): its write in flight cannot be
+        followed here, so it ends now: SUCCESS if every target it had left holds a replica already (a move: and
+        its source none), else FAILED naming the failover."""
+        obj = self.tier.service.table.get(task.key)
+        held = {n for n, _ in obj.replicas} if obj is not None and obj.complete else set()
+        if held and all(t in held for t in task.targets) and (task.kind == "copy" or task.source not in held):
+            return self._finish(task, "SUCCESS", "")
+        self._finish(task, "FAILED", "the master failed over while this task ran (targets it had finished keep "
+                     f"their replicas); create it again for {task.targets}")
+
+    def remember(self, task: Task) -> None:
+        """A finished task of the previous HA leader (ha/recovery.restore_tasks), for task_query."""
+        self.finished[task.id] = task
+        self._trim()
+
     def _finish(self, task: Task, status: str, message: str) -> None:
         task.status, task.message, task.updated_ms = status, message, _wall_ms()
         self.active.pop(task.id, None)
         self.finished[task.id] = task
         task.obj = None
+        self.tier.service.journal.task_changed(task)
+        self._trim()
+
+    def _trim(self) -> None:
         while len(self.finished) > FINISHED_KEPT:
-            self.finished.popitem(last=False)
+            self.tier.service.journal.task_forgotten(self.finished.popitem(last=False)[0])
 
 
 def _wall_ms() -> int:
