@@ -12,7 +12,7 @@ What it adds is known exactly, and each part is timed here beside the ops it is 
   request/reply round trip over loopback, CURVE against plain zmq, both in this process (pyzmq/libsodium).
 
 Op latencies (median) in the same run: one 4 KiB put and get, a batch of 32 x 1 MiB put and get (the bytes
-API, shm transport, one host). Reported: each auth cost as a share of the op, on a kept connection (how every
+API, shm transport, one host; the store started as store_bench.py starts it: a master and one 1 GiB node). Reported: each auth cost as a share of the op, on a kept connection (how every
 kvplugins client runs: one connection per client, for its lifetime) and, as an upper bound, if a client
 opened a new connection for every op.
 
@@ -26,7 +26,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,7 +33,9 @@ import time
 import timeit
 from pathlib import Path
 
-from kvplugins.store.embedded import CLI
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from storebench import clusters  # noqa: E402  (our store as store_bench.py starts it: master + one node)
 
 
 def cpu_model() -> str:
@@ -42,30 +43,6 @@ def cpu_model() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown"
-
-
-def start_cluster(tmp: Path) -> tuple[str, list[subprocess.Popen]]:
-    """A master and one 1 GiB node on loopback; returns (master address, processes)."""
-    env = {**os.environ, "KVPLUGINS_UP_DISCOVERY_FILE": str(tmp / "up.json")}
-    procs = [subprocess.Popen(CLI + ["master", "--port", "0", "--port-file", str(tmp / "port")],
-                              stdout=open(tmp / "master.log", "wb"), stderr=subprocess.STDOUT, env=env)]
-    address = _wait(tmp / "port", procs[0])
-    procs.append(subprocess.Popen(CLI + ["store", "--master", address, "--segment-size", "1GiB", "--ready-file",
-                                         str(tmp / "ready")], stdout=open(tmp / "node.log", "wb"),
-                                  stderr=subprocess.STDOUT, env=env))
-    _wait(tmp / "ready", procs[1])
-    return address, procs
-
-
-def _wait(path: Path, proc: subprocess.Popen, timeout_s: float = 30) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[3]} exited with {proc.returncode}")
-        time.sleep(0.02)
-    raise RuntimeError(f"{path} not written within {timeout_s} s")
 
 
 def median_us(fn, iters: int) -> float:
@@ -77,17 +54,16 @@ def median_us(fn, iters: int) -> float:
     return statistics.median(xs) * 1e6
 
 
-def op_latencies(master: str, iters: int) -> dict[str, float]:
+def op_latencies(cfg: dict, iters: int) -> dict[str, float]:
     from kvplugins.store.client import StoreClient
     from kvplugins.store.config import ClientConfig
-    client = StoreClient(ClientConfig(master=master))
+    client = StoreClient(ClientConfig(**cfg))
     small, big = os.urandom(4096), [os.urandom(1 << 20) for _ in range(32)]
     try:
         out = {"put_4KiB_us": median_us(lambda i: client.put(f"s{i}", small), iters),
                "get_4KiB_us": median_us(lambda i: _same(client.get(f"s{i}"), small), iters)}
         puts, gets = [], []
-        # each batch is removed after its get; its bytes return only when its readers' leases end, so the
-        # batches of one run (32 MiB each) must fit the 1 GiB segment together
+        # each batch is removed after its get; its bytes return when its readers' leases end (~1 s)
         for i in range(max(10, iters // 10)):
             keys = [f"b{i}/{j}" for j in range(32)]
             t = time.perf_counter()
@@ -198,15 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=200, help="timed repetitions per figure (median)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="kvp-auth-") as d:
-        master, procs = start_cluster(Path(d))
-        try:
-            r = {"cpu": cpu_model(), "iters": args.iters, **op_latencies(master, args.iters),
-                 **handshake_us(master, args.iters), "role_check_ns": role_check_ns(), **zmq_rtt_us(args.iters)}
-        finally:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
+    with tempfile.TemporaryDirectory(prefix="kvp-auth-") as d, clusters.kvp("shm", 256 << 20, Path(d)) as target:
+        master = target.cfg["master"]
+        r = {"cpu": cpu_model(), "iters": args.iters, **op_latencies(target.cfg, args.iters),
+             **handshake_us(master, args.iters), "role_check_ns": role_check_ns(), **zmq_rtt_us(args.iters)}
     print(report(r))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

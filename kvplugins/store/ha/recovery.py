@@ -63,13 +63,10 @@ def _hold_slabs(service, slabs: list, now: float) -> int:
     Returns the bytes held."""
     until, held = now + service.cfg.put_timeout_ms / 1000, 0
     for slab_id, name, start, end in slabs:
-        seg = service.segments.get(name)
-        if seg is not None and end <= seg.size:
-            offsets = seg.allocator.claim(start, end)
-            held += sum(seg.allocator.size_at(off) for off in offsets)
-            service.quarantine(seg, offsets, until)
+        held += service.quarantine(name, start, end, until)
         service.journal.slab_removed(int(slab_id))
     return held
+
 
 def restore_tasks(service, tasks: list, now: float) -> int:
     """Load journaled replica tasks [((hi, lo), kind, key, source, targets, status, created ms, updated ms,
@@ -83,9 +80,7 @@ def restore_tasks(service, tasks: list, now: float) -> int:
             continue
         if dest is not None:
             name, off, size = dest
-            seg = service.segments.get(name)
-            if seg is not None and off + size <= seg.size:
-                service.quarantine(seg, seg.allocator.claim(off, off + size), until)
+            service.quarantine(name, off, off + size, until)
         tasks_of.failed_over(task)
     return len(tasks)
 

@@ -313,11 +313,17 @@ class MasterService:
             out.append([OK, None])
         return out
 
-    def quarantine(self, seg: Segment, offsets: list[int], until: float) -> None:
-        """Hold allocations ``offsets`` of ``seg`` as zombies freed at ``until`` (HA recovery: space an old
-        leader handed out that a writer may still land in)."""
+    def quarantine(self, name: str, start: int, end: int, until: float) -> int:
+        """Hold the free bytes of [start, end) in segment ``name`` until ``until`` (master clock), then free
+        them (HA recovery: space an old leader handed out that a writer may still land in). Returns the bytes
+        held; 0 for an unknown segment or a range beyond it."""
+        seg = self.segments.get(name)
+        if seg is None or end > seg.size:
+            return 0
+        offsets = seg.allocator.claim(start, end)
         if offsets:
             self._zombies.add(until, [(seg, off) for off in offsets])
+        return sum(seg.allocator.size_at(off) for off in offsets)
 
     def _drop_replica(self, obj: Object, name: str, off: int, now: float) -> None:
         if len(obj.replicas) == 1:
