@@ -5,16 +5,17 @@ Why CURVE (and not PLAIN or a MAC per message): CURVE is libzmq's own authentica
 server's key pair is derived one-way from the secret (HMAC-SHA256 -> Curve25519 secret key), so only holders
 of the secret know the server's public key, which a client needs to complete the handshake; the server's
 answer proves it holds the matching secret key. A client's long-term key pair is derived from its role's key
-(security/roles.py); the master's ZAP handler (a thread of this module, on the ROUTER's context) accepts only the
-public keys of the client, node and admin roles and stamps each message's User-Id with that role, which the
-dispatcher checks per op. CURVE's per-session keys stay ephemeral. PLAIN would put the secret on the wire; a MAC
+(security/roles.py): one pair per role for holders of the secret, another per role shared by that role's
+credentials (secret.py). The master's ZAP handler (a thread of this module, on the ROUTER's context) accepts only
+those public keys and stamps each message's User-Id with the role (``client``) or, for a credential's key, the
+role's credential identity (``client:*``: every credential of the role shares that per-identity budget on this
+plane; master/quotas.py), which the dispatcher checks per op. CURVE's per-session keys stay ephemeral. PLAIN would put the secret on the wire; a MAC
 per message needs our own replay protection.
 
 Refused peers never reach the ROUTER; a socket monitor logs each failed handshake with the peer's address.
 """
 from __future__ import annotations
 
-import hmac
 import os
 import socket
 import threading
@@ -26,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvplugins.errors import AuthError, Forbidden
 from kvplugins.security.refusals import RefusalLog
 from kvplugins.security.roles import MASTER_ROLES
-from kvplugins.security.secret import HOW, Credential, Secret
+from kvplugins.security.secret import HOW, Credential, Secret, credential_curve_secret
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
@@ -43,11 +44,10 @@ def server_keys(secret: Secret) -> tuple[bytes, bytes]:
 def client_keys(keys: Secret | Credential, role: str) -> tuple[bytes, bytes]:
     """(public, secret) z85 CURVE keys of a ``role`` client, derived from that role's key. Raises Forbidden when
     ``keys`` has no key for ``role``."""
-    key = keys.key(role)
-    if key is None:
+    private = keys.curve_secret(role)
+    if private is None:
         raise Forbidden(f"the master's control plane as {role} needs the cluster secret or a {role} credential; "
                         f"{keys.source} gives the {keys.role} role only")
-    private = z85.encode(hmac.new(key, b"kvplugins/zmq-curve-client", "sha256").digest())
     return zmq.curve_public(private), private
 
 
@@ -78,17 +78,20 @@ def refused_error(endpoint: str) -> AuthError:
                      f"process's shared secret is missing or differs from the master's; {HOW}")
 
 
-def role_of(frame: zmq.Frame) -> str:
-    """The role the ZAP handler stamped on a message received by a CurveServer's ROUTER ("" if none)."""
+def caller_of(frame: zmq.Frame) -> tuple[str, str]:
+    """(role, identity) the ZAP handler stamped on a message received by a CurveServer's ROUTER: identity ""
+    for a secret holder, ``role:*`` for a role credential; ("", "") if none."""
     try:
-        return frame.get("User-Id")
+        stamp = frame.get("User-Id")
     except zmq.ZMQError:
-        return ""
+        return "", ""
+    role, _, rest = stamp.partition(":")
+    return role, stamp if rest else ""
 
 
 class CurveServer:
     """Turns a ROUTER (before bind) into a CURVE server for ``secret`` that admits the role keys only, stamping
-    each message's User-Id with the role (role_of), and logs refused peers. One thread serves the ZAP requests
+    each message's User-Id with the role (caller_of), and logs refused peers. One thread serves the ZAP requests
     and the monitor; ``close()`` joins it, before the socket's context is terminated."""
 
     def __init__(self, router: zmq.Socket, secret: Secret):
@@ -96,6 +99,8 @@ class CurveServer:
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind(ZAP_ENDPOINT)
         self._roles = {client_keys(secret, r)[0]: r.encode() for r in MASTER_ROLES}
+        self._roles.update({zmq.curve_public(credential_curve_secret(secret, r)): f"{r}:*".encode()
+                            for r in MASTER_ROLES})
         router.zap_domain = b"kvplugins"
         router.curve_server = True
         router.curve_publickey, router.curve_secretkey = server_keys(secret)

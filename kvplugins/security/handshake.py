@@ -3,13 +3,15 @@
 Used by the master's raw RPC endpoint (roles client, node, admin), the transfer core's TCP data connections and
 the disk tier's promote endpoint (role data); always on (the per-user default secret when none is configured).
 Every message is MSG (72 bytes): magic b"KVPA", version, kind, reason (HELLO: the role claimed, security/roles.py
-RANK), 1 pad byte, a 32-byte nonce, a 32-byte MAC. K = the claimed role's key (secret.py: derived one-way from
-the cluster secret; a role credential holds only its own):
+RANK), name length (HELLO: the credential's name follows the message; 0 for a secret holder), a 32-byte nonce, a
+32-byte MAC. K = the key of the claimed role under that name (secret.py: derived one-way from the cluster
+secret; a role credential holds only its own):
 
-    client -> server  HELLO      role, nonce = cn (random)
+    client -> server  HELLO      role, name, nonce = cn (random)
     server -> client  CHALLENGE  nonce = sn (random), mac = HMAC(K, "S" + cn + sn)   (the server proves itself)
     client -> server  PROOF      mac = HMAC(K, "C" + sn + cn)                        (the client proves the role)
-    server -> client  ACCEPTED   -- frames follow as usual, the role fixed; or REFUSED (reason) and the server closes.
+    server -> client  ACCEPTED   -- frames follow as usual, role and name fixed; or REFUSED (reason) and the server
+                                    closes.
 
 The secret never goes on the wire; nonces from ``secrets`` make every exchange fresh (no replay), the "S"/"C"
 labels keep one side's answer from being reflected as the other's, MACs are compared in constant time. A peer
@@ -26,11 +28,11 @@ import time
 
 from kvplugins.errors import AuthError, Forbidden
 from kvplugins.security.roles import MASTER_ROLES, RANK, ROLES
-from kvplugins.security.secret import HOW, Credential, Secret
+from kvplugins.security.secret import HOW, NAME, Credential, Secret, named_key
 
 MAGIC = b"KVPA"
 VERSION = 2
-MSG = struct.Struct("<4sBBBx32s32s")
+MSG = struct.Struct("<4sBBBB32s32s")
 HELLO, CHALLENGE, PROOF, ACCEPTED, REFUSED = 1, 2, 3, 4, 5
 BAD_PROOF, NOT_AUTHENTICATED, BAD_MESSAGE, BAD_ROLE = 1, 2, 3, 4
 _ZERO = bytes(32)
@@ -41,8 +43,8 @@ _REASONS = {BAD_PROOF: "its shared secret differs from this process's",
             BAD_ROLE: "it serves no connection of the role this process claimed"}
 
 
-def message(kind: int, nonce: bytes = _ZERO, mac: bytes = _ZERO, reason: int = 0) -> bytes:
-    return MSG.pack(MAGIC, VERSION, kind, reason, nonce, mac)
+def message(kind: int, nonce: bytes = _ZERO, mac: bytes = _ZERO, reason: int = 0, name: bytes = b"") -> bytes:
+    return MSG.pack(MAGIC, VERSION, kind, reason, len(name), nonce, mac) + name
 
 
 def refusal_error(peer: str, reason: int) -> AuthError:
@@ -66,7 +68,7 @@ class ServerHandshake:
     def __init__(self, keys: Secret | Credential, roles: tuple[str, ...] = MASTER_ROLES):
         self._keys, self._roles, self._sn, self._cn = keys, roles, secrets.token_bytes(32), b""
         self._want, self._key = HELLO, b""
-        self.reason = self.role = ""
+        self.reason = self.role = self.name = ""
         self.deadline = time.monotonic() + DEADLINE_S
 
     def overdue(self, now: float) -> bool:
@@ -83,8 +85,12 @@ class ServerHandshake:
             return self._refuse(NOT_AUTHENTICATED, "it sent data without authenticating")
         if len(buf) < MSG.size:
             return b"", None
-        magic, version, kind, code, nonce, mac = MSG.unpack_from(buf)
-        del buf[:MSG.size]
+        magic, version, kind, code, n, nonce, mac = MSG.unpack_from(buf)
+        n = n if kind == HELLO else 0
+        if len(buf) < MSG.size + n:
+            return b"", None
+        name = bytes(buf[MSG.size:MSG.size + n])
+        del buf[:MSG.size + n]
         if kind == REFUSED and version == VERSION:
             return self._refuse(BAD_PROOF, "wrong shared secret (it rejected this server's proof)")
         if version != VERSION or kind != self._want:
@@ -94,6 +100,11 @@ class ServerHandshake:
             key = self._keys.key(role) if role in self._roles else None
             if key is None:
                 return self._refuse(BAD_ROLE, f"it claimed role {role}; this endpoint serves {', '.join(self._roles)}")
+            if name:
+                if role == "data" or not isinstance(self._keys, Secret) or not NAME.fullmatch(name.decode("ascii", "replace")):
+                    return self._refuse(BAD_MESSAGE, f"it claimed role {role} under the name {name[:64]!r}, which "
+                                                     "this endpoint does not serve")
+                self.name, key = name.decode(), named_key(key, name.decode())
             self._cn, self._want, self._key, self.role = nonce, PROOF, key, role
             out = message(CHALLENGE, self._sn, _mac(key, b"S", self._cn, self._sn))
             if buf:
@@ -103,6 +114,11 @@ class ServerHandshake:
         if not hmac.compare_digest(mac, _mac(self._key, b"C", self._sn, self._cn)):
             return self._refuse(BAD_PROOF, f"wrong shared secret or {self.role} credential")
         return message(ACCEPTED), True
+
+    @property
+    def identity(self) -> str:
+        """``role:name`` of a peer that proved a named credential; "" for a secret holder (the cluster)."""
+        return f"{self.role}:{self.name}" if self.name else ""
 
     def _refuse(self, reason: int, text: str) -> tuple[bytes, bool]:
         self.reason = text
@@ -147,15 +163,16 @@ def client(sock: socket.socket, keys: Secret | Credential, deadline: float, peer
         if key is None:
             raise Forbidden(f"connecting to {peer} as {role} needs the cluster secret or a {role} credential; "
                             f"{keys.source} gives the {keys.role} role only")
-        _client(sock, key, RANK[role], deadline, peer, refused)
+        name = keys.name.encode() if role == keys.role else b""
+        _client(sock, key, RANK[role], name, deadline, peer, refused)
     except BaseException:
         sock.close()
         raise
 
 
-def _client(sock: socket.socket, key: bytes, role: int, deadline: float, peer: str, refused) -> None:
+def _client(sock: socket.socket, key: bytes, role: int, name: bytes, deadline: float, peer: str, refused) -> None:
     cn = secrets.token_bytes(32)
-    _send(sock, message(HELLO, cn, reason=role), deadline)
+    _send(sock, message(HELLO, cn, reason=role, name=name), deadline)
     kind, reason, sn, mac = _receive(sock, deadline, peer, refused)
     if kind == REFUSED:
         raise refusal_error(peer, reason)
@@ -192,7 +209,7 @@ def _receive(sock: socket.socket, deadline: float, peer: str, refused) -> tuple[
                 raise err
             raise AuthError(f"{peer} answered the authentication with something else: it has no shared secret "
                             f"configured (or is not a kvplugins peer); {HOW}")
-    magic, version, kind, reason, nonce, mac = MSG.unpack(buf)
+    magic, version, kind, reason, _, nonce, mac = MSG.unpack(buf)
     return (kind, reason, nonce, mac) if version == VERSION else (REFUSED, BAD_MESSAGE, nonce, mac)
 
 

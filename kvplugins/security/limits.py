@@ -36,11 +36,13 @@ RETRY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOME
 class ConnLimits:
     """One server's connection limits. ``max_connections``/``max_per_peer``: open connections in all and per
     peer host (0 = unlimited); ``idle_timeout_s``: a connection with no request for this long is closed (0 =
-    never); ``frame_timeout_s``: a frame (or handshake) started must complete within this (slowloris)."""
+    never); ``frame_timeout_s``: a frame (or handshake) started must complete within this (slowloris);
+    ``max_per_identity``: open connections per named credential (``role:name``; 0 = unlimited)."""
     max_connections: int = 4096
     max_per_peer: int = 1024
     idle_timeout_s: float = 600.0
     frame_timeout_s: float = 10.0
+    max_per_identity: int = 0
 
 
 def peer_host(peer) -> str:
@@ -55,37 +57,50 @@ class ConnGate:
         self.limits, self.what, self.prefix = limits, what, config_prefix
         self._lock = threading.Lock()
         self._per_host: dict[str, int] = {}
+        self._per_identity: dict[str, int] = {}
         self.total = 0
         self.refused = 0
 
-    def admit(self, peer) -> str | None:
-        """Count a new connection from ``peer``, or return why it is refused (not counted)."""
+    def admit(self, peer, identity: str = "") -> str | None:
+        """Count a new connection from ``peer`` authenticated as ``identity`` (a named credential, or "" for
+        none), or return why it is refused (not counted)."""
         host, lim = peer_host(peer), self.limits
         with self._lock:
-            n = self._per_host.get(host, 0)
+            n, k = self._per_host.get(host, 0), self._per_identity.get(identity, 0)
             if lim.max_connections and self.total >= lim.max_connections:
                 reason = (f"{self.what} has {self.total} connections open, its limit "
                           f"({self.prefix}max_connections={lim.max_connections}); retry later or raise it")
             elif lim.max_per_peer and n >= lim.max_per_peer:
                 reason = (f"{host} has {n} connections open to {self.what}, the per-peer limit "
                           f"({self.prefix}max_connections_per_peer={lim.max_per_peer}); close some or raise it")
+            elif identity and lim.max_per_identity and k >= lim.max_per_identity:
+                reason = (f"credential {identity} has {k} connections open to {self.what}, the per-identity limit "
+                          f"({self.prefix}max_connections_per_identity={lim.max_per_identity}); close some, raise "
+                          "it, or give each process its own credential (kvplugins credential --name)")
             else:
                 self._per_host[host] = n + 1
+                if identity:
+                    self._per_identity[identity] = k + 1
                 self.total += 1
                 return None
             self.refused += 1
             return reason
 
-    def release(self, peer) -> None:
+    def release(self, peer, identity: str = "") -> None:
         """A connection counted by ``admit`` closed."""
-        host = peer_host(peer)
         with self._lock:
-            n = self._per_host.get(host, 0) - 1
-            if n > 0:
-                self._per_host[host] = n
-            else:
-                self._per_host.pop(host, None)
+            _down(self._per_host, peer_host(peer))
+            if identity:
+                _down(self._per_identity, identity)
             self.total -= 1
+
+
+def _down(counts: dict[str, int], key: str) -> None:
+    n = counts.get(key, 0) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
 
 
 class AcceptBackoff:

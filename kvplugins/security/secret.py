@@ -8,9 +8,10 @@ first kvplugins process of that user that needs it. So every master, node, clien
 on one host agrees with no configuration, and another user's processes (who cannot read the file) are refused.
 
 Roles (security/roles.py): ``client`` < ``node`` < ``admin``, plus ``data`` (transfer peers). The cluster secret
-gives every role; a *role credential* (``kvplugins credential --role client``: a JSON file holding that role's
-key, derived one-way from the secret by HMAC-SHA256, and the data-plane key) gives only its role, and nothing in
-it yields the secret or another role's key. The secret itself never goes on the wire: connections prove a role's
+gives every role; a *role credential* (``kvplugins credential --role client --name engine-a``: a JSON file holding
+the key of that role and name, derived one-way from the secret by HMAC-SHA256, and the data-plane key) gives
+only its role, under its name: the master bounds what each named identity may hold (master/quotas.py), and
+nothing in a credential yields the secret, another role's key or another name's. The secret itself never goes on the wire: connections prove a role's
 key with HMAC-SHA256 challenges (handshake.py) and the zmq control plane uses CURVE keys derived from them
 (curve.py).
 """
@@ -24,6 +25,7 @@ import logging
 import os
 import secrets
 import socket
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from kvplugins.security.roles import MASTER_ROLES
 
 log = logging.getLogger("kvplugins.security")
 MIN_SECRET = 16
+NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")     # a credential's name: the identity the master bounds
 NEW_SECRET = ("python -c 'import secrets; print(secrets.token_hex(32))' > /etc/kvplugins/token && "
               "chmod 600 /etc/kvplugins/token")
 HOW = ("give every master, node and client of the cluster the same secret: KVPLUGINS_AUTH_TOKEN_FILE=<file> "
@@ -61,6 +64,7 @@ class Secret:
     ``source`` says where it came from, ``auto`` whether it is the per-user default (one host only)."""
     __slots__ = ("_key", "source", "auto")
     role = "admin"
+    name = ""            # a secret holder is the cluster itself: no per-identity bounds apply to it
 
     def __init__(self, key: bytes, source: str, auto: bool = False):
         if len(key) < MIN_SECRET:
@@ -71,6 +75,14 @@ class Secret:
     def key(self, role: str) -> bytes:
         """The 32-byte key of ``role`` ("data", "client", "node" or "admin"), derived one-way."""
         return self.derive(b"role/" + role.encode())
+
+    def identity_key(self, role: str, name: str) -> bytes:
+        """The key of the credential named ``name`` of ``role`` (the role's key when ``name`` is "")."""
+        return named_key(self.key(role), name) if name else self.key(role)
+
+    def curve_secret(self, role: str) -> bytes:
+        """The z85 CURVE secret key this secret holder uses on the master's control plane as ``role``."""
+        return derive_curve(self.key(role), b"kvplugins/zmq-curve-client")
 
     def mac(self, label: bytes, *parts: bytes) -> bytes:
         """HMAC-SHA256 of ``label`` + the fixed-size ``parts`` under the secret (32 bytes)."""
@@ -85,43 +97,96 @@ class Secret:
 
 
 class Credential:
-    """A role credential: the key of one role (plus the data-plane key every role has) and the master's public
-    CURVE key. It gives ``role`` and the roles below it only where a server derives them from this key; it
-    cannot be turned into the secret or a higher role's key. Parsed from the JSON ``issue_credential`` wrote."""
-    __slots__ = ("role", "_key", "_data", "curve_server", "source")
+    """A role credential: the key of one role under one name (plus the data-plane key every role has), the
+    CURVE key its role's credentials share on the control plane and the master's public CURVE key. It gives
+    ``role`` and the roles below it only where a server derives them from this key, as the identity
+    ``role:name``; it cannot be turned into the secret, a higher role's key or another name's. Parsed from the
+    JSON ``issue_credential`` wrote."""
+    __slots__ = ("role", "name", "_key", "_data", "_curve", "curve_server", "source")
     auto = False
 
-    def __init__(self, role: str, key: bytes, data: bytes, curve_server: bytes, source: str):
-        if role not in MASTER_ROLES or len(key) != 32 or len(data) != 32:
-            raise ConfigError(f"the role credential from {source} is malformed (role {role!r}); issue a new one "
-                              "with: kvplugins credential --role client|node|admin --out FILE")
-        self.role, self._key, self._data, self.curve_server, self.source = role, key, data, curve_server, source
+    def __init__(self, role: str, name: str, key: bytes, data: bytes, curve: bytes, curve_server: bytes,
+                 source: str):
+        if role not in MASTER_ROLES or not NAME.fullmatch(name) or len(key) != 32 or len(data) != 32 \
+                or len(curve) != 40:
+            raise ConfigError(f"the role credential from {source} is malformed (role {role!r}, name {name!r}); "
+                              "issue a new one with: kvplugins credential --role client|node|admin --name NAME "
+                              "--out FILE")
+        self.role, self.name, self._key, self._data = role, name, key, data
+        self._curve, self.curve_server, self.source = curve, curve_server, source
 
     def key(self, role: str) -> bytes | None:
-        """The key of ``role`` if this credential holds it (its own role, and "data"), else None."""
+        """The key of ``role`` if this credential holds it (its own role's, under its name, and "data"), else
+        None."""
         return self._key if role == self.role else self._data if role == "data" else None
+
+    def curve_secret(self, role: str) -> bytes | None:
+        """The z85 CURVE secret key of ``role``'s credentials (None for another role)."""
+        return self._curve if role == self.role else None
 
     @classmethod
     def parse(cls, text: bytes, source: str) -> "Credential":
         try:
             d = json.loads(text)
-            return cls(d["role"], bytes.fromhex(d["key"]), bytes.fromhex(d["data_key"]),
-                       d["master_curve_key"].encode(), source)
+            return cls(d["role"], d["name"], bytes.fromhex(d["key"]), bytes.fromhex(d["data_key"]),
+                       d["curve_key"].encode(), d["master_curve_key"].encode(), source)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{source} is neither a shared secret nor a role credential ({e}); issue one with: "
-                              "kvplugins credential --role client|node|admin --out FILE") from e
+                              "kvplugins credential --role client|node|admin --name NAME --out FILE") from e
 
     def __repr__(self) -> str:
-        return f"Credential({self.role}, from {self.source})"
+        return f"Credential({self.role}:{self.name}, from {self.source})"
 
 
-def issue_credential(secret: Secret, role: str, curve_server: bytes) -> str:
-    """The JSON text of a ``role`` credential derived from ``secret`` (curve_server: the master's public z85
-    CURVE key, security/curve.py server_keys). Raises ConfigError for an unknown role."""
+def named_key(role_key: bytes, name: str) -> bytes:
+    """The key of the credential ``name`` of the role whose key is ``role_key``; one-way."""
+    return hmac.new(role_key, b"kvplugins/identity/" + name.encode(), hashlib.sha256).digest()
+
+
+def derive_curve(role_key: bytes, label: bytes) -> bytes:
+    """A z85 CURVE secret key derived one-way from ``role_key`` for ``label``."""
+    from zmq.utils import z85
+    return z85.encode(hmac.new(role_key, label, hashlib.sha256).digest())
+
+
+def credential_curve_secret(secret: Secret, role: str) -> bytes:
+    """The z85 CURVE secret key every ``role`` credential uses on the control plane (not the secret holders')."""
+    return derive_curve(secret.key(role), b"kvplugins/zmq-curve-credential")
+
+
+def owner_proof(keys: "Secret | Credential | None", owner: str) -> dict:
+    """register_segment options naming a role credential's identity on the control plane, proved over the
+    process's random segment owner token ``owner`` ({} for a secret holder: it is not bounded)."""
+    if not isinstance(keys, Credential):
+        return {}
+    return {"name": keys.name, "proof": _owner_mac(keys.key(keys.role), owner)}
+
+
+def proved_identity(secret: Secret, role: str, name: str, owner: str, proof: bytes) -> str | None:
+    """``role:name`` when ``proof`` (owner_proof) proves the credential ``name`` of ``role`` over ``owner``,
+    else None."""
+    if not NAME.fullmatch(name) or len(proof) != 32:
+        return None
+    good = hmac.compare_digest(proof, _owner_mac(secret.identity_key(role, name), owner))
+    return f"{role}:{name}" if good else None
+
+
+def _owner_mac(key: bytes, owner: str) -> bytes:
+    return hmac.new(key, b"kvplugins/segment-owner/" + owner.encode(), hashlib.sha256).digest()
+
+
+def issue_credential(secret: Secret, role: str, name: str, curve_server: bytes) -> str:
+    """The JSON text of the ``role`` credential named ``name`` (the identity ``role:name`` the master bounds),
+    derived from ``secret`` (curve_server: the master's public z85 CURVE key, security/curve.py server_keys).
+    Raises ConfigError for an unknown role or a name outside [A-Za-z0-9._-]{1,64}."""
     if role not in MASTER_ROLES:
         raise ConfigError(f"role {role!r} is not one of client, node, admin")
-    return json.dumps({"kvplugins_credential": 1, "role": role, "key": secret.key(role).hex(),
-                       "data_key": secret.key("data").hex(), "master_curve_key": curve_server.decode()}) + "\n"
+    if not NAME.fullmatch(name):
+        raise ConfigError(f"credential name {name!r} must be 1-64 of A-Z a-z 0-9 . _ - (e.g. engine-a)")
+    return json.dumps({"kvplugins_credential": 2, "role": role, "name": name,
+                       "key": secret.identity_key(role, name).hex(), "data_key": secret.key("data").hex(),
+                       "curve_key": credential_curve_secret(secret, role).decode(),
+                       "master_curve_key": curve_server.decode()}) + "\n"
 
 
 def default_secret_path() -> Path | None:

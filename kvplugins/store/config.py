@@ -75,8 +75,17 @@ class MasterConfig(_MetricsLimits):
         "help": "segments registered at once (64 at most per registering process); more are refused"})
     max_pending_puts: int = field(default=1 << 20, metadata={
         "help": "puts started and not yet committed, over all clients; put_start past it answers StoreFull"})
+    max_pending_puts_per_identity: int = field(default=1 << 18, metadata={
+        "help": "puts started and not yet committed by one named credential (kvplugins credential --name; "
+                "master/quotas.py); put_start past it answers StoreFull. The cluster secret is not bounded"})
+    max_pending_share: float = field(default=0.5, metadata={
+        "help": "fraction of the pool's DRAM one named credential's pending puts and reserved slabs may hold"})
+    max_segments_per_identity: int = field(default=64, metadata={
+        "help": "segments one named node credential may have registered at once"})
     max_connections: int = field(default=4096, metadata={
         "help": "raw RPC connections open at once; more are refused with the reason (0 = unlimited)"})
+    max_connections_per_identity: int = field(default=1024, metadata={
+        "help": "raw RPC connections open at once under one named credential (0 = unlimited)"})
     max_connections_per_peer: int = field(default=1024, metadata={
         "help": "raw RPC connections open at once from one peer host (0 = unlimited)"})
     idle_timeout_ms: int = field(default=600000, metadata={
@@ -136,14 +145,17 @@ class MasterConfig(_MetricsLimits):
             raise ConfigError(f"master suspect_grace_ms={self.suspect_grace_ms} must be >= 0 ms")
         for name in ("heartbeat_timeout_ms", "lease_ttl_ms", "put_timeout_ms", "tick_ms", "etcd_lease_ttl_ms",
                      "frame_timeout_ms", "max_batch", "max_key_bytes", "max_segments", "max_pending_puts",
-                     "partial_frames_budget", "reply_buffer", "metrics_timeout_ms"):
+                     "partial_frames_budget", "reply_buffer", "metrics_timeout_ms", "max_pending_puts_per_identity",
+                     "max_segments_per_identity"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"master {name}={getattr(self, name)} must be > 0")
         if self.events_port < -1 or self.events_replay_port < 0 or self.events_buffer <= 0:
             raise ConfigError(f"master events_port={self.events_port} (-1 = off, 0 = any), events_replay_port="
                               f"{self.events_replay_port} (0 = any) and events_buffer={self.events_buffer} (> 0)")
+        if not 0 < self.max_pending_share <= 1:
+            raise ConfigError(f"master max_pending_share={self.max_pending_share} must be in (0, 1], e.g. 0.5")
         for name in ("max_connections", "max_connections_per_peer", "idle_timeout_ms", "metrics_max_connections",
-                     "metrics_max_connections_per_peer"):
+                     "metrics_max_connections_per_peer", "max_connections_per_identity"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"master {name}={getattr(self, name)} must be >= 0 (0 = unlimited)")
 
@@ -151,7 +163,7 @@ class MasterConfig(_MetricsLimits):
         """The raw RPC endpoint's kvplugins.security.limits.ConnLimits."""
         from kvplugins.security.limits import ConnLimits
         return ConnLimits(self.max_connections, self.max_connections_per_peer, self.idle_timeout_ms / 1000,
-                          self.frame_timeout_ms / 1000)
+                          self.frame_timeout_ms / 1000, self.max_connections_per_identity)
 
 
 @component("store")

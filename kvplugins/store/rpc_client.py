@@ -258,7 +258,7 @@ def control_client(address: str, timeout_ms: float, role: str = "client") -> Zmq
     ha = _leader_client(address, timeout_ms, "zmq", role)
     if ha is not None:
         return ha
-    raw = RawRpcClient(address, timeout_ms)
+    raw = RawRpcClient(address, timeout_ms, role)     # a role credential holds only its own role's key
     try:
         endpoint = raw.call("info")["zmq"]
     finally:

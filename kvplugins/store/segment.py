@@ -13,6 +13,8 @@ import secrets
 import threading
 
 from kvplugins.errors import MasterUnreachable, StoreError
+from kvplugins.security import resolve
+from kvplugins.security.secret import owner_proof
 from kvplugins.store.protocol import NOT_FOUND, OK
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ class OwnedSegment:
     def _register(self) -> str:
         wire = self.engine.descriptor().to_wire()
         [(code, value)] = self.rpc.call("register_segment", [[wire, self.region.region_id, self.region.length]],
-                                        {"owner": self._owner})
+                                        {"owner": self._owner, **owner_proof(resolve(), self._owner)})
         if code != OK:
             raise StoreError(f"master {self.rpc.address} refused the segment: {value}")
         log.info("segment %s registered (%d bytes)", value, self.region.length)

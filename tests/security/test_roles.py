@@ -30,7 +30,7 @@ def master(tmp_path_factory):
     creds = {}
     for role in ROLES:
         creds[role] = d / f"{role}.cred"
-        creds[role].write_text(issue_credential(secret, role, server_keys(secret)[0]))
+        creds[role].write_text(issue_credential(secret, role, f"{role}-test", server_keys(secret)[0]))
         creds[role].chmod(0o600)
     with master_process(d / "m") as m:
         yield m, creds
@@ -76,7 +76,7 @@ def test_a_client_credential_gives_no_higher_role(master, monkeypatch, tmp_path,
         ZmqRpcClient(zmq_endpoint(m.address), 3000, claimed).call("register_segment", [])
     raw = json.loads(creds["client"].read_text())
     secret = default_secret()
-    assert raw["key"] == secret.key("client").hex()
+    assert raw["key"] == secret.identity_key("client", "client-test").hex() != secret.key("client").hex()
     assert {secret.key(r).hex() for r in ("node", "admin")}.isdisjoint(raw.values())
     endpoint = zmq_endpoint(m.address)
     forged = tmp_path / "forged.cred"          # the client key relabelled: claims the role, cannot prove it

@@ -139,7 +139,7 @@ def test_the_handshake_cannot_be_replayed():
     def challenge(server):
         out, outcome = server.feed(bytearray(handshake.message(handshake.HELLO, cn)))   # role 0: data
         assert outcome is None
-        _, _, kind, _, sn, server_mac = handshake.MSG.unpack(out)
+        _, _, kind, _, _, sn, server_mac = handshake.MSG.unpack(out)
         assert kind == handshake.CHALLENGE and server_mac == mac(b"S", cn, sn)   # the server proved itself
         return sn
 

@@ -27,7 +27,7 @@ ONCE_PER_LEADER = frozenset({"put_start", "reserve"})
 
 
 class _EtcdFinder:
-    def __init__(self, address: str, timeout_ms: float):
+    def __init__(self, address: str, timeout_ms: float, role: str = "client"):     # (etcd: no master role)
         from kvplugins.store.ha.etcd import Etcd, parse_endpoint
         endpoints, prefix = parse_endpoint(address)
         self.etcd = Etcd(",".join(f"http://{h}:{p}" for h, p in endpoints), timeout_s=min(2.0, timeout_ms / 1000))
@@ -41,12 +41,13 @@ class _EtcdFinder:
 
 
 class _ListFinder:
-    def __init__(self, address: str, timeout_ms: float):
+    def __init__(self, address: str, timeout_ms: float, role: str = "client"):
         self.addresses = [a.strip() for a in address.split(",") if a.strip()]
+        self.role = role            # a role credential authenticates only as its own role
 
     def leader(self, deadline: float) -> dict | None:
         for addr in self.addresses:
-            probe = RawRpcClient(addr, max(50.0, min(1000.0, (deadline - time.monotonic()) * 1000)))
+            probe = RawRpcClient(addr, max(50.0, min(1000.0, (deadline - time.monotonic()) * 1000)), self.role)
             try:
                 return {"raw": addr, "zmq": probe.call("info")["zmq"]}
             except StoreError:
@@ -64,7 +65,7 @@ class LeaderClient:
 
     def __init__(self, address: str, timeout_ms: float, plane: str = "raw", role: str = "client"):
         self.address, self.timeout_ms, self.plane, self.role = address, timeout_ms, plane, role
-        self._finder = (_EtcdFinder if address.startswith("etcd://") else _ListFinder)(address, timeout_ms)
+        self._finder = (_EtcdFinder if address.startswith("etcd://") else _ListFinder)(address, timeout_ms, role)
         self._inner, self._leader_id = None, None
         self._lock = threading.RLock()
 
@@ -142,7 +143,7 @@ class LeaderClient:
     def _probe(self, raw: str, deadline: float) -> None:
         """Ask ``info`` on the leader's raw endpoint: it is up and it leads. On the zmq plane this is a separate
         TCP probe, because a zmq request to a dead endpoint only times out, while a TCP connect is refused."""
-        probe = self._inner if self.plane == "raw" else RawRpcClient(raw, self.timeout_ms)
+        probe = self._inner if self.plane == "raw" else RawRpcClient(raw, self.timeout_ms, self.role)
         try:
             probe.call("info", timeout_ms=max(1.0, (deadline - time.monotonic()) * 1000))
         finally:

@@ -38,9 +38,9 @@ class LeaderGuard:
     def __getattr__(self, name):
         return getattr(self.__dict__["inner"], name)
 
-    def handle(self, op: str, entries, opts, defer: bool = False):
+    def handle(self, op: str, entries, opts, defer: bool = False, caller: str = ""):
         """MasterService.handle on the leader. Raises ValueError('not leader; the leader is ...') elsewhere."""
-        return self._journaled(lambda: self.inner.handle(op, entries, opts, defer))
+        return self._journaled(lambda: self.inner.handle(op, entries, opts, defer, caller))
 
     def step(self, scan) -> bool:
         """MasterService.step on the leader (a deferred op: admin scan or sliced batch), journaled like an op."""

@@ -46,8 +46,10 @@ import zmq
 
 from kvplugins import security
 from kvplugins.errors import ProtocolError
-from kvplugins.security.curve import CurveServer, role_of
+from kvplugins.security.curve import CurveServer, caller_of
 from kvplugins.security.limits import AcceptBackoff, ConnGate
+from kvplugins.security.roles import FORBIDDEN
+from kvplugins.security.secret import proved_identity
 from kvplugins.store import protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.ha import group_commit
@@ -83,6 +85,7 @@ class _Conn:
         self.events = selectors.EVENT_READ
         self.guard = None             # security.ServerHandshake until the peer has authenticated
         self.role = ""                # the role it authenticated as (security/roles.py): fixed for the connection
+        self.identity = ""            # its named credential, role:name ("" for a secret holder): master/quotas.py
         self.last_request = now       # when its last request was served (idle timeout)
         self.frame_since = 0.0        # when the partial frame in inbuf began (slowloris)
         self.progress = now           # when its unsent replies last moved (a peer that does not read)
@@ -215,17 +218,22 @@ class RpcServer:
                               self.internal_errors[subsystem])
 
     # ---- dispatch ------------------------------------------------------------------------------------
-    def _answer(self, body: bytes, role: str):
-        """Reply body for one request body from a peer authenticated as ``role``, or (rid, op, Scan) for an admin
-        scan to run in slices. An op outside the role is refused (roles.FORBIDDEN). Raises ProtocolError for a
-        frame that is not a request."""
+    def _answer(self, body: bytes, role: str, identity: str):
+        """Reply body for one request body from a peer authenticated as ``role`` (and ``identity``: its named
+        credential, "" for a secret holder), or (rid, op, Scan) for an admin scan to run in slices. An op outside
+        the role is refused (roles.FORBIDDEN). Raises ProtocolError for a frame that is not a request."""
         try:
             rid, op, entries, opts = self._schemas.decode(body, role)
         except RefusedRequest as e:
             return self._reply(e.rid, False, str(e), "?")
+        if op == "register_segment" and identity.endswith(":*") and opts.proof:    # a credential on zmq
+            identity = proved_identity(self._secret, role, opts.name, opts.owner, opts.proof)
+            if identity is None:
+                return self._reply(rid, False, f"{FORBIDDEN}register_segment: the proof of credential "
+                                               f"{role}:{opts.name} does not match (a different secret?)", op)
         t0 = time.perf_counter()
         try:
-            payload, ok = self.service.handle(op, entries, opts, defer=True), True
+            payload, ok = self.service.handle(op, entries, opts, defer=True, caller=identity), True
         except (ValueError, TypeError, KeyError) as e:
             payload, ok = f"{op}: {e}", False
         except Exception as e:  # noqa: BLE001 - a logic bug answers this request; the master keeps serving
@@ -317,7 +325,7 @@ class RpcServer:
                 return
             parts = [f.bytes for f in frames]
             try:
-                reply = self._answer(parts[-1], role_of(frames[-1]))
+                reply = self._answer(parts[-1], *caller_of(frames[-1]))
             except ProtocolError as e:
                 log.warning("dropped zmq message from %r: %s", parts[0], e)
                 continue
@@ -420,7 +428,7 @@ class RpcServer:
             self._drop(conn, None)
         else:
             del self._unauth[conn.sock.fileno()]
-            refusal = self._gate.admit(conn.peer)        # budgets count authenticated connections only
+            refusal = self._gate.admit(conn.peer, conn.guard.identity)   # budgets: authenticated connections
             if refusal is not None:
                 self._flush(conn)
                 self._conns.pop(conn.sock.fileno(), None)
@@ -428,7 +436,7 @@ class RpcServer:
                 self._partial -= len(conn.inbuf)
                 self._refuse(conn.sock, conn.peer, refusal)
                 return False
-            conn.role, conn.guard = conn.guard.role, None
+            conn.role, conn.identity, conn.guard = conn.guard.role, conn.guard.identity, None
         return outcome is True
 
     def _serve_frames(self, conn: _Conn) -> None:
@@ -442,7 +450,7 @@ class RpcServer:
             body = bytes(conn.inbuf[hdr:hdr + n])
             del conn.inbuf[:hdr + n]
             conn.last_request = now
-            reply = self._answer(body, conn.role)
+            reply = self._answer(body, conn.role, conn.identity)
             if type(reply) is tuple:
                 reply = self._start_scan(conn, reply)
                 conn.scan = reply is None
@@ -514,7 +522,7 @@ class RpcServer:
             log.warning("closed connection from %s: %s", conn.peer, reason)
         if self._conns.pop(conn.sock.fileno(), None) is conn:
             if self._unauth.pop(conn.sock.fileno(), None) is None:
-                self._gate.release(conn.peer)
+                self._gate.release(conn.peer, conn.identity)
             self._partial -= len(conn.inbuf)      # (callers account for what they consumed themselves)
         try:
             self._sel.unregister(conn.sock)

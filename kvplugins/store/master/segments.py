@@ -36,6 +36,7 @@ class Segment:
     allocator: Allocator
     last_heartbeat: float       # seconds, master clock (the objects with a replica here: ObjectTable.on_segment)
     owner: bytes = b""          # SHA-256 of the registering process's owner token (b"": unbound, in-process use)
+    identity: str = ""          # the registering named credential (master/quotas.py; "" = the cluster secret)
 
     @property
     def size(self) -> int:
@@ -70,10 +71,11 @@ class SegmentRegistry:
         self.unadmitted: set[str] = set()  # names whose admission probe has not succeeded yet (admission.py)
 
     def add(self, wire: dict, region_id: int, size: int, now: float, owner: bytes = b"",
-            limit: int = 0) -> Segment:
-        """Validate and add a segment (replacing one of the same name and ``owner``, an owner_digest). Raises
-        SegmentOwned (the live name has another owner), TooMany (``limit`` segments, or MAX_PER_OWNER of this
-        owner, are registered), ValueError/ProtocolError (a bad descriptor)."""
+            limit: int = 0, identity: str = "", per_identity: int = 0) -> Segment:
+        """Validate and add a segment (replacing one of the same name and ``owner``, an owner_digest) registered
+        by the named credential ``identity`` ("" = the cluster secret). Raises SegmentOwned (the live name has
+        another owner), TooMany (``limit`` segments, MAX_PER_OWNER of this owner or ``per_identity`` of this
+        identity are registered), ValueError/ProtocolError (a bad descriptor)."""
         desc = SegmentDescriptor.from_wire(wire)
         region = desc.region(int(region_id))
         if not 0 < int(size) <= region.length:
@@ -81,8 +83,8 @@ class SegmentRegistry:
         name = f"{desc.segment_id}:{region.region_id}"
         self.check_owner(name, owner, "register")
         if name not in self._segments:
-            self._check_room(owner, limit)
-        seg = Segment(name, wire, region.region_id, Allocator(int(size), self.align), now, owner)
+            self._check_room(owner, limit, identity, per_identity)
+        seg = Segment(name, wire, region.region_id, Allocator(int(size), self.align), now, owner, identity)
         self._segments[name] = seg
         self.suspect.discard(name)
         return seg
@@ -95,12 +97,16 @@ class SegmentRegistry:
                                "(segment names are bound to their registering process; a restarted node "
                                "registers under its new name)")
 
-    def _check_room(self, owner: bytes, limit: int) -> None:
+    def _check_room(self, owner: bytes, limit: int, identity: str, per_identity: int) -> None:
         if limit and len(self._segments) >= limit:
             raise TooMany(f"{len(self._segments)} segments are registered, the master's max_segments; raise "
                           "--max-segments or stop the processes whose segments are not needed")
         if owner and sum(s.owner == owner for s in self._segments.values()) >= MAX_PER_OWNER:
             raise TooMany(f"this process has {MAX_PER_OWNER} segments registered, the most one process may")
+        if identity and per_identity and sum(s.identity == identity for s in self._segments.values()) >= per_identity:
+            raise TooMany(f"credential {identity} has {per_identity} segments registered, the master's "
+                          "max_segments_per_identity; unregister some, raise it, or give each node its own "
+                          "credential (kvplugins credential --role node --name NAME)")
 
     def get(self, name: str) -> Segment | None:
         return self._segments.get(name)

@@ -8,6 +8,7 @@ or late writer never lands in reallocated space. Follows the Mooncake master_ser
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -19,6 +20,7 @@ from kvplugins.store.master.events import NoEvents
 from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes, over_high, victims, young_bytes
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.master.metadata import Object, ObjectTable
+from kvplugins.store.master.quotas import Quotas, refuse
 from kvplugins.store.master.segments import Segment, SegmentOwned, SegmentRegistry, TooMany, owner_digest
 from kvplugins.store.master.slabs import Slabs
 from kvplugins.store.master.tiering import Tiering
@@ -53,6 +55,8 @@ class MasterService:
         self.segments = SegmentRegistry(config.alloc_align)
         self.manifests = liveness.Manifests()      # objects of segments removed for silence, by segment name
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.quotas = Quotas(config, lambda: sum(s.size for s in self.segments))
+        self.caller = ""              # identity of the request being run (master/quotas.py; "" = the cluster)
         self.schemas = Schemas.of(config)
         self._zombies = Zombies()     # space of removed objects, freed when their leases / put deadlines end
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
@@ -61,24 +65,28 @@ class MasterService:
         self.slabs = Slabs(self)
         self._ops.update(self.slabs.ops())         # reserve, put: one round trip per put
 
-    def handle(self, op: str, entries, opts, defer: bool = False):
+    def handle(self, op: str, entries, opts, defer: bool = False, caller: str = ""):
         """Run one batch op; returns its payload. ``entries``/``opts``: as ``self.schemas`` decoded them (the RPC
-        server), or plain Python values (a dict ``opts``), which are validated here first. Raises ValueError
+        server), or plain Python values (a dict ``opts``), which are validated here first. ``caller``: the
+        requester's named credential (role:name; "" for the cluster secret and in-process callers), whose share
+        master/quotas.py bounds. Raises ValueError
         for an unknown op or an invalid request (naming the field); nothing is applied then. An admin scan
         (remove_by_regex, remove_all) or a data batch of more than batches.SLICE_KEYS entries runs to its end,
         or with ``defer`` is returned as a batches.Deferred for the caller to advance with ``step`` between
         other work (no other client waits on it)."""
         if type(opts) is dict:
             entries, opts = self.schemas.convert(op, entries, opts)
+        run = functools.partial(self._run, caller=caller)
         if op in batches.SLICED and len(entries) > batches.SLICE_KEYS:
-            out = batches.Sliced(self._run, op, entries, opts)
+            out = batches.Sliced(run, op, entries, opts)
         else:
-            out = self._run(op, entries, opts, self.clock())
+            out = run(op, entries, opts, self.clock())
         if not defer and isinstance(out, batches.Deferred):
             return out.run(self.clock())
         return out
 
-    def _run(self, op: str, entries, opts, now: float):
+    def _run(self, op: str, entries, opts, now: float, caller: str = ""):
+        self.caller = caller
         if self.shard is not None and op in SHARD_ROUTED:      # only this shard's keys are put here
             return self.shard.route(op, entries, opts, lambda e, o: self._ops[op](e, o, now))
         return self._ops[op](entries, opts, now)
@@ -102,6 +110,9 @@ class MasterService:
                                 "puts time out (put_timeout_ms)"]
             head = self.op_put_start(entries[:room], opts, now) if room > 0 else []
             return head + [full] * (len(entries) - len(head))
+        k, why = self.quotas.room(self.caller, [size for _, size in entries])
+        if why is not None:
+            return refuse(self.op_put_start(entries[:k], opts, now) if k else [], k, len(entries), why)
         replicas, preferred = opts.replicas, opts.segment
         pin = (opts.pin, now + opts.pin_ttl_ms / 1000 if opts.pin else 0.0)
         order = self.segments.by_free_space()   # once per batch, most free bytes first; key j starts at j-th
@@ -115,6 +126,7 @@ class MasterService:
                 out[j] = self._put_one(e, replicas, now, placement.preferred_first(turn, preferred), biggest, pin)
         # a generator: the base Journal never walks it, so a master without HA pays nothing per key
         self.journal.pending(self.table.get(key) for (key, _), (code, _) in zip(entries, out) if code == OK)
+        self.quotas.took(self.caller, entries, out)
         self.evict_watermarks(now)
         return out
 
@@ -215,6 +227,7 @@ class MasterService:
             self.counters["commits"] += 1
             out.append([OK, None])
             done.append(obj)
+        self.quotas.done(o.key for o in done)
         self.journal.committed(done)
         self.events.stored(done)
         return out
@@ -348,6 +361,8 @@ class MasterService:
         self.journal.removed([obj])         # a pending put too (journal.pending)
         if obj.complete:
             self.events.removed([obj], reason)
+        else:
+            self.quotas.done((obj.key,))
         if free_at is None:
             free_at = obj.lease_until if obj.complete else obj.deadline
         held = [(self.segments.get(n), off) for n, off in obj.replicas]
@@ -360,7 +375,8 @@ class MasterService:
     # ---- segments ------------------------------------------------------------------------------------
     def op_register_segment(self, entries, opts, now):
         """entries [(descriptor, region id, size)]; opts OwnerOpts. Per entry [OK, name], [EXISTS, why] (the live
-        name belongs to another process), [STORE_FULL, why] (max_segments, or 64 of this process),
+        name belongs to another process), [STORE_FULL, why] (max_segments, 64 of this process, or
+        max_segments_per_identity of the caller's credential),
         [UNREACHABLE, why] (the master's admission probe could not write and read it back: removed again) or
         [INVALID, why]. With a prober (the RPC server's) the answer is an admission.Admission, deferred until
         every probe ended."""
@@ -368,7 +384,8 @@ class MasterService:
         for desc, region_id, size in entries:
             wire = desc.wire()
             try:
-                seg = self.segments.add(wire, region_id, size, now, owner, self.cfg.max_segments)
+                seg = self.segments.add(wire, region_id, size, now, owner, self.cfg.max_segments,
+                                        self.caller, self.cfg.max_segments_per_identity)
             except SegmentOwned as err:
                 out.append([EXISTS, str(err)])
                 continue
@@ -493,6 +510,7 @@ class MasterService:
         done = [o for o in gone if o.complete]
         if done:
             self.events.removed(done, "lost")
+        self.quotas.done(o.key for o in gone if not o.complete)
         for obj in gone:
             self.table.remove(obj)
         return entries
@@ -554,11 +572,12 @@ class MasterService:
                  "objects": self.table.count_on(s.name), "free_blocks": s.allocator.free_blocks(),
                  "largest_free": s.allocator.largest_free(),
                  "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000),
-                 "suspect": s.name in self.segments.suspect} for s in self.segments]
+                 "suspect": s.name in self.segments.suspect, "identity": s.identity} for s in self.segments]
         return {"segments": segs, "objects": len(self.table), "manifest_objects": len(self.manifests),
                 "pending": self.table.pending_count(),
                 "pinned": self.table.pinned_count(), "zombies": len(self._zombies),
                 "zombie_bytes": self._zombies.total(), "slabs": len(self.slabs),
+                "identities": self.quotas.usage(),
                 "bytes_used": sum(s["used"] for s in segs),
                 "bytes_total": sum(s["size"] for s in segs), **self.counters, **self.tiering.status()}
 

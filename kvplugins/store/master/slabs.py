@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from kvplugins.store.master import placement
 from kvplugins.store.master.disk_state import Frozen
+from kvplugins.store.master.quotas import refuse
 from kvplugins.store.master.segments import Segment
 from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, OK, PENDING, STORE_FULL
 
@@ -63,6 +64,13 @@ class Slabs:
             slab = self._slabs.pop(sid, None)
             if slab is not None:
                 self._free_rest(slab)
+        svc = self.svc
+        k, why = svc.quotas.room(svc.caller, list(entries), slabs=True)
+        if why is not None:
+            return refuse(self._reserve(entries[:k], now), k, len(entries), why)
+        return self._reserve(entries, now)
+
+    def _reserve(self, entries, now: float) -> list:
         svc, out = self.svc, []
         svc._free_due_zombies(now)                      # space whose lease ended since the last sweep
         order = svc.segments.by_free_space()
@@ -84,6 +92,7 @@ class Slabs:
             self._slabs[slab.id] = slab
             svc.journal.slab_added(slab)
             out.append([OK, [slab.id, seg.name, seg.region_id, off, size, svc.cfg.put_timeout_ms, align]])
+            svc.quotas.took(svc.caller, [(("slab", slab.id), size)], out[-1:])
         return out
 
     def op_put(self, entries, opts, now):
@@ -153,6 +162,7 @@ class Slabs:
             slab.seg.allocator.free(slab.front)
         slab.front = slab.end
         self.svc.journal.slab_removed(slab.id)
+        self.svc.quotas.done((("slab", slab.id),))
 
     def tick(self, now: float) -> None:
         """Free the remainder of expired slabs and of slabs on draining segments; forget those of segments gone."""
