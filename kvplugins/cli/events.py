@@ -28,6 +28,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import zmq
 
+    from kvplugins.security import resolve
+    from kvplugins.security.curve import client_socket
     from kvplugins.store import embedded
     from kvplugins.store.config import ClientConfig
     from kvplugins.store.rpc_client import master_client
@@ -43,6 +45,7 @@ def run(args) -> int:
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    client_socket(sub, resolve())                # the event sockets are CURVE servers (master/events.py)
     sub.connect(info["events"])
     printer = _Printer(args.count)
     try:
@@ -60,7 +63,11 @@ def run(args) -> int:
 
 def _replay(ctx, endpoint: str, start: int, printer: "_Printer", timeout_ms: float) -> None:
     import zmq
+
+    from kvplugins.security import resolve
+    from kvplugins.security.curve import client_socket
     req = ctx.socket(zmq.DEALER)
+    client_socket(req, resolve())
     req.connect(endpoint)
     try:
         req.send_multipart((b"", start.to_bytes(8, "big", signed=True)))

@@ -60,6 +60,14 @@ def client_socket(sock: zmq.Socket, keys: Secret | Credential | None, role: str 
     sock.curve_publickey, sock.curve_secretkey = client_keys(keys, role)
 
 
+def server_socket(sock: zmq.Socket, secret: Secret) -> None:
+    """Make ``sock`` (before bind) a CURVE server for ``secret`` that admits only role keys, through the ZAP
+    handler of the CurveServer running on the same context (the master's KV event PUB and replay ROUTER)."""
+    sock.zap_domain = b"kvplugins"
+    sock.curve_server = True
+    sock.curve_publickey, sock.curve_secretkey = server_keys(secret)
+
+
 def handshake_failed(monitor: zmq.Socket | None) -> bool:
     """Whether a client socket's ``monitor`` (see client_monitor) recorded a failed handshake."""
     failed = False
@@ -101,9 +109,7 @@ class CurveServer:
         self._roles = {client_keys(secret, r)[0]: r.encode() for r in MASTER_ROLES}
         self._roles.update({zmq.curve_public(credential_curve_secret(secret, r)): f"{r}:*".encode()
                             for r in MASTER_ROLES})
-        router.zap_domain = b"kvplugins"
-        router.curve_server = True
-        router.curve_publickey, router.curve_secretkey = server_keys(secret)
+        server_socket(router, secret)
         self._router, self.refusals = router, RefusalLog()
         self._monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | FAILED)
         self._stop = threading.Event()

@@ -8,6 +8,8 @@ import pytest
 
 from helpers.cluster import store_cluster
 from kvplugins.errors import KeyNotFound, StoreError
+from kvplugins.security import load_secret
+from kvplugins.security.curve import client_socket
 from kvplugins.store import ClientConfig, StoreClient, protocol
 from kvplugins.store.disk import files
 from kvplugins.store.disk.files import CorruptFile
@@ -230,6 +232,7 @@ def test_offload_and_promote_are_published_as_kv_events(tmp_path):
         keys = _put_and_offload(client, "e", 24)
         ctx = zmq.Context()
         replay = ctx.socket(zmq.DEALER)
+        client_socket(replay, load_secret())          # the event sockets are CURVE servers
         replay.connect(client._rpc.call("info")["events_replay"])
         decode = msgspec.msgpack.Decoder(EventBatch).decode
 

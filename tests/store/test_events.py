@@ -1,7 +1,7 @@
 """KV events of a real master (--events-port 0) with a real store node on loopback (master/events.py): puts,
 removes and evictions arrive as vLLM-framed batches that vLLM's own decoder reads; a late subscriber gets the
-replay window; a malformed replay request is dropped without disturbing another subscriber; `kvplugins events`
-prints the stream."""
+replay window; a malformed replay request is dropped without disturbing another subscriber; a subscriber without
+credentials gets nothing; `kvplugins events` prints the stream."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,8 @@ import pytest
 import zmq
 from helpers.cluster import store_cluster
 
+from kvplugins.security import load_secret
+from kvplugins.security.curve import client_socket
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.master.events import END_SEQ, EventBatch
 
@@ -36,11 +38,21 @@ def endpoints(cluster):
     return info["events"], info["events_replay"]
 
 
-def subscribe(ctx, endpoint: str):
+def subscribe(ctx, endpoint: str, keys="secret"):
+    """A SUB of the event stream; authenticated with this process's secret unless ``keys`` is None."""
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kvplugins")
+    client_socket(sub, load_secret() if keys == "secret" else keys)
     sub.connect(endpoint)
     return sub
+
+
+def dealer(ctx, endpoint: str, keys="secret"):
+    """A DEALER of the replay endpoint; authenticated with this process's secret unless ``keys`` is None."""
+    s = ctx.socket(zmq.DEALER)
+    client_socket(s, load_secret() if keys == "secret" else keys)
+    s.connect(endpoint)
+    return s
 
 
 def collect(sub, want: int, timeout_ms: int = 10000) -> list:
@@ -82,8 +94,7 @@ def test_puts_removes_and_evictions_are_published(cluster, endpoints):
 def test_vllm_decoder_reads_our_batches(cluster, endpoints):
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
     ctx = zmq.Context()
-    replay = ctx.socket(zmq.DEALER)
-    replay.connect(endpoints[1])
+    replay = dealer(ctx, endpoints[1])
     replay.send_multipart((b"", (0).to_bytes(8, "big", signed=True)))
     assert replay.poll(10000)
     _, topic, seq, payload = replay.recv_multipart()
@@ -97,9 +108,7 @@ def test_late_subscriber_gets_the_replay_window_and_bad_requests_are_dropped(clu
     with StoreClient(ClientConfig(master=cluster.master)) as c:
         c.put("late/1", b"abc")
     ctx = zmq.Context()
-    bad, good = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-    for s in (bad, good):
-        s.connect(endpoints[1])
+    bad, good = dealer(ctx, endpoints[1]), dealer(ctx, endpoints[1])
     bad.send_multipart((b"", b"not a sequence number", b"extra"))
     good.send_multipart((b"", (0).to_bytes(8, "big", signed=True)))
     seqs, keys = [], set()
@@ -126,3 +135,25 @@ def test_cli_prints_the_replayed_stream(cluster, endpoints):
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     assert len(lines) == 3 and lines[0]["seq"] == 0 and lines[0]["type"] in ("BlockStored", "BlockRemoved")
     assert {"key", "medium", "reason", "ts"} <= set(lines[0])
+
+
+def test_a_subscriber_without_credentials_gets_nothing(cluster, endpoints):
+    """The PUB and the replay ROUTER are CURVE servers (master/events.py): a plain SUB or DEALER, or one with the
+    wrong server key, never completes the handshake, so no key name reaches it, while an authenticated
+    subscriber beside it gets the same events."""
+    ctx = zmq.Context()
+    plain, good = subscribe(ctx, endpoints[0], keys=None), subscribe(ctx, endpoints[0])
+    replay = dealer(ctx, endpoints[1], keys=None)
+    replay.send_multipart((b"", (0).to_bytes(8, "big", signed=True)))
+    with StoreClient(ClientConfig(master=cluster.master)) as c:
+        got = []
+        for i in range(50):                               # until the authenticated SUB has joined
+            c.put(f"secret/{i}", b"x")
+            got += collect(good, 1, 200)
+            if got:
+                break
+        assert got and got[0][1].block_hashes[0].startswith(b"secret/")
+    assert not plain.poll(500) and not replay.poll(500)
+    for s in (plain, good, replay):
+        s.close(0)
+    ctx.term()

@@ -14,6 +14,10 @@ same code:
   key as UTF-8 bytes, ``medium`` "CPU" (a DRAM replica) or "STORAGE" (the disk tier), and ``reason`` (a field
   vLLM's decoder ignores; omitted when it is the default, "stored" / "removed") one of stored, evicted, removed,
   offloaded, promoted, lost, corrupt.
+* both sockets are CURVE servers like the master's control plane (security/curve.py): a subscriber holding the
+  secret or any role credential sets its CURVE keys before connecting (``curve.client_socket(sock, keys)``);
+  one without them gets nothing, not even the key names. vLLM's framing is unchanged; a router written for
+  vLLM's stream adds the three CURVE socket options.
 * replay: a ROUTER socket; a client (DEALER) sends ``(b"", start_seq)`` and receives every buffered batch with
   ``seq >= start_seq`` as ``(b"", topic, seq, payload)``, then ``(b"", b"", -1, b"")``. The last
   ``events_buffer`` batches are kept. A request of another shape is logged and dropped; other subscribers are not
@@ -93,18 +97,25 @@ class NoEvents:
 
 
 class EventPublisher(NoEvents):
-    """Records events and publishes them (see the module docstring). ``ctx``: a zmq.Context; ``endpoint`` and
-    ``replay_endpoint``: zmq bind addresses (e.g. ``tcp://127.0.0.1:0``; the bound ones are in ``endpoints``)."""
+    """Records events and publishes them (see the module docstring). ``ctx``: the zmq.Context of the master's
+    CurveServer (its ZAP handler admits subscribers); ``secret``: the cluster secret (the sockets' CURVE keys);
+    ``endpoint`` and ``replay_endpoint``: zmq bind addresses (e.g. ``tcp://127.0.0.1:0``; the bound ones are in
+    ``endpoints``)."""
 
-    def __init__(self, ctx, endpoint: str, replay_endpoint: str, topic: str = "kvplugins", buffer: int = 10000):
+    def __init__(self, ctx, secret, endpoint: str, replay_endpoint: str, topic: str = "kvplugins",
+                 buffer: int = 10000):
         import zmq
+
+        from kvplugins.security.curve import server_socket
         self._zmq = zmq
         self._topic = topic.encode()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        server_socket(self._pub, secret)
         self._pub.bind(endpoint)
         self.replay = ctx.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
+        server_socket(self.replay, secret)
         self.replay.bind(replay_endpoint)
         self.endpoints = (self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
                           self.replay.getsockopt_string(zmq.LAST_ENDPOINT))

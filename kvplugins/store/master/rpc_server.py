@@ -142,7 +142,7 @@ class RpcServer:
         if config.events_port < 0:
             return None
         from kvplugins.store.master.events import EventPublisher
-        ep = EventPublisher(self._ctx, _zmq_bind(config.host, config.events_port),
+        ep = EventPublisher(self._ctx, self._secret, _zmq_bind(config.host, config.events_port),
                             _zmq_bind(config.host, config.events_replay_port), config.events_topic,
                             config.events_buffer)
         self.service.events = ep
