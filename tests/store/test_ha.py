@@ -24,7 +24,7 @@ from kvplugins.store.ha.etcd import Etcd, put_op
 from kvplugins.store.ha.follower import leader_info
 from kvplugins.store.ha.journal import EtcdJournal
 from kvplugins.store.ha.leader import LeaderGuard
-from kvplugins.store.protocol import OK, PENDING, STORE_FULL
+from kvplugins.store.protocol import NOT_FOUND, OK, PENDING, STORE_FULL
 from kvplugins.store.rpc_client import RawRpcClient, master_client
 
 pytestmark = pytest.mark.timeout(120)
@@ -288,8 +288,8 @@ def test_journal_batches_are_fenced_and_recovery_rebuilds_placement():
         assert all(c != OK for c, _ in got[:10]) and all(c == OK for c, _ in got[10:])   # o10: remove refused
         assert [v[3] for _, v in got[10:]] == list(range(10, 300))          # checksums recovered
         assert all(second.table.get(k).pin == 2 for k in keys[10:])
-        assert sorted(second.recovered.items()) == [("dropped", 0), ("objects", 290), ("pending", 0),
-                                                    ("segments", 2), ("slab_bytes", 0), ("tasks", 0)]
+        assert sorted(second.recovered.items()) == [("dropped", 0), ("flight_bytes", 0), ("objects", 290),
+                                                    ("pending", 0), ("segments", 2), ("slab_bytes", 0), ("tasks", 0)]
         assert [sorted(map(tuple, v)) for _, v in placed[10:]] == [sorted(map(tuple, v[1])) for _, v in got[10:]]
         [(code, fresh)] = second.handle("put_start", [["new", 1 << 19]], {"replicas": 2})
         assert code == OK and len(segs) == 2
@@ -314,17 +314,19 @@ def test_hostile_journal_values_are_skipped_on_recovery(caplog):
         hostile = {"/obj/nested": msgpack.packb([64, [[seg, 0]], [[[[1]]]], 0]),
                    "/obj/strsize": msgpack.packb(["64", [[seg, 128]], None, 0]),
                    "/obj/truncated": msgpack.packb([64, [[seg, 256]], 7, 0])[:-3],
-                   "/seg/bad": msgpack.packb([{"v": 1, "segment_id": [1]}, 1, 4096])}
+                   "/seg/bad": msgpack.packb([{"v": 1, "segment_id": [1]}, 1, 4096]),
+                   "/flight/notanid": msgpack.packb([seg, 0, 4096]),
+                   "/flight/7": msgpack.packb([seg, 4096, 0])}               # end before start
         etcd.txn([], [put_op("/kvp/hostile" + k, v) for k, v in hostile.items()])
         etcd.txn([], [put_op(a.leader_key, b"B")])
         second = LeaderGuard(MasterConfig(), b, _Lease(etcd, b.leader_key, b"B"))
         [(code, value)] = second.handle("get", ["good"], {})
         assert code == OK and value[3] == 42
         assert second.handle("exists", ["nested", "strsize", "truncated"], {}) == [False] * 3
-        assert sorted(second.recovered.items()) == [("dropped", 0), ("objects", 1), ("pending", 0),
-                                                    ("segments", 1), ("slab_bytes", 0), ("tasks", 0)]
+        assert sorted(second.recovered.items()) == [("dropped", 0), ("flight_bytes", 0), ("objects", 1),
+                                                    ("pending", 0), ("segments", 1), ("slab_bytes", 0), ("tasks", 0)]
         skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
-        assert len(skipped) == 4 and all(any(k in m for m in skipped) for k in hostile)
+        assert len(skipped) == 6 and all(any(k in m for m in skipped) for k in hostile)
 
 
 @contextlib.contextmanager
@@ -400,3 +402,42 @@ def test_a_new_leader_answers_replica_tasks_and_holds_a_copy_in_flight():
         placed = second.handle("put_start", [[f"n{i}", 4 * kib] for i in range(32)], {"segment": s2})
         offs = [off for c, v in placed if c == OK for seg, _, off in v if seg == s2]
         assert offs and all(o + 4 * kib <= dest or dest + 4 * kib <= o for o in offs)
+
+
+def test_a_new_leader_holds_disk_tier_flights_in_flight():
+    """In process with real etcd: leader A drains s1 (its nodes' migrate writes to s2 allocated, not reported)
+    and starts a promotion of a disk-only object into s2; after the failover leader B holds both destinations
+    (each journaled as /flight/ID) from its puts until put_timeout_ms, deletes the records, and still serves
+    both objects where the journal has them. A flight that ends normally leaves no record."""
+    cfg, kib = MasterConfig(put_timeout_ms=1500), 1 << 10
+    with _guards("/kvp/flight", cfg) as (etcd, first, fail_over):
+        [(_, s1)] = first.handle("register_segment", [[_wire("s1", 64 * kib), 1, 64 * kib]], {})
+        first.handle("put_start", [["k1", 4 * kib]], {})
+        first.handle("put_commit", ["k1"], {"xxh3": [1]})
+        [(_, s2)] = first.handle("register_segment", [[_wire("s2", 64 * kib), 1, 64 * kib]], {})
+        assert first.handle("tier_register", [[s1, "", 0, [], "d1"]], {})[0][0] == OK
+        assert first.handle("tier_register", [[s2, "127.0.0.1:1", 1 << 20, [["disk", 4 * kib, 9]], "d2"]],
+                            {})[0][0] == OK
+        [(code, (off, _))] = first.handle("promote_start", ["disk"], {"segment": s2})
+        assert code == OK
+        first.handle("promote_commit", [["disk", True, None]], {"segment": s2})    # ended: record gone
+        assert etcd.range_prefix("/kvp/flight/flight/") == []
+        first.handle("put_start", [["d2", 4 * kib]], {})
+        first.handle("put_commit", ["d2"], {})
+        first.handle("remove", ["disk"], {})
+        first.handle("tier_register", [[s2, "127.0.0.1:1", 1 << 20, [["disk2", 4 * kib, 9]], "d2"]], {"more": 1})
+        [(code, (promote_off, _))] = first.handle("promote_start", ["disk2"], {"segment": s2})
+        assert code == OK
+        assert first.handle("drain", [s1], {}) == [[OK, None]]
+        [(_, (cmds, _))] = first.handle("tier_poll", [s1], {})
+        assert {c[1] for c in cmds} >= {"k1"} and all(c[0] == "migrate" and c[4] == s2 for c in cmds)
+        dests = [c[6] for c in cmds] + [promote_off]     # where A's nodes may still write
+        assert len(etcd.range_prefix("/kvp/flight/flight/")) == len(dests)
+        second = fail_over()
+        assert second.handle("get", ["k1"], {})[0][1][1][0][0] == s1          # not moved: A's copy never landed
+        placed = second.handle("put_start", [[f"n{i}", 4 * kib] for i in range(32)], {"segment": s2})
+        assert second.recovered["flight_bytes"] == 4 * kib * len(dests)
+        assert etcd.range_prefix("/kvp/flight/flight/") == []
+        offs = [off for c, v in placed if c == OK for seg, _, off in v if seg == s2]
+        assert offs and all(o + 4 * kib <= d or d + 4 * kib <= o for o in offs for d in dests)
+        assert second.handle("promote_commit", [["disk2", True, None]], {"segment": s2})[0][0] == NOT_FOUND

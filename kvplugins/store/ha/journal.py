@@ -57,6 +57,9 @@ class EtcdJournal(Journal):
     def slab_key(self, slab_id: int) -> str:
         return f"{self.prefix}/slab/{int(slab_id)}"
 
+    def flight_key(self, fid: int) -> str:
+        return f"{self.prefix}/flight/{int(fid)}"
+
     def task_key(self, task_id) -> str:
         hi, lo = task_id
         return f"{self.prefix}/task/{int(hi)}-{int(lo)}"
@@ -77,6 +80,12 @@ class EtcdJournal(Journal):
 
     def slab_removed(self, slab_id: int) -> None:
         self._write({self.slab_key(slab_id): delete_op(self.slab_key(slab_id))})
+
+    def flight_started(self, fid: int, segment: str, start: int, end: int) -> None:
+        self._write({self.flight_key(fid): put_op(self.flight_key(fid), msgpack.packb([segment, start, end]))})
+
+    def flight_ended(self, fid: int) -> None:
+        self._write({self.flight_key(fid): delete_op(self.flight_key(fid))})
 
     def removed(self, objs: list) -> None:
         self._write({self.obj_key(o.key): delete_op(self.obj_key(o.key)) for o in objs})
@@ -104,6 +113,18 @@ class EtcdJournal(Journal):
         slabs = _decoded(self.etcd.range_prefix(self.prefix + "/slab/"), len(self.prefix) + len("/slab/"),
                          decode_slab)
         return segs, objs, slabs
+
+    def load_flights(self) -> list[tuple]:
+        """[(flight id, segment, start, end)] of the disk-tier flights journaled (the same value as a slab's).
+        Raises StoreError."""
+        out = []
+        for name, *fields in _decoded(self.etcd.range_prefix(self.prefix + "/flight/"),
+                                      len(self.prefix) + len("/flight/"), decode_slab):
+            if name.isdigit() and int(name) < 1 << 64:
+                out.append((int(name), *fields))
+            else:
+                log.warning("journal entry %r skipped: not a flight id", self.flight_key(0)[:-1] + name[:200])
+        return out
 
     def load_tasks(self) -> list[tuple]:
         """[((hi, lo), kind, key, source, targets, status, created ms, updated ms, message, dest)] of the replica

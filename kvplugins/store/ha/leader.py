@@ -91,11 +91,13 @@ class LeaderGuard:
         segs, objs, slabs = self.journal.load()
         self.recovered = recovery.restore(service, segs, objs, service.clock(), slabs)
         self.recovered["tasks"] = recovery.restore_tasks(service, self.journal.load_tasks(), service.clock())
+        self.recovered["flight_bytes"] = recovery.hold_flights(service, self.journal.load_flights(), service.clock())
         self.inner, self.active = service, True
         log.warning("leader now: recovered %d segments, %d objects (%d of them pending puts, %d dropped), %d "
-                    "bytes of slabs held, %d replica tasks in %.0f ms", self.recovered["segments"],
-                    self.recovered["objects"], self.recovered["pending"], self.recovered["dropped"],
-                    self.recovered["slab_bytes"], self.recovered["tasks"], (time.monotonic() - t0) * 1000)
+                    "bytes of slabs and %d of disk-tier flights held, %d replica tasks in %.0f ms",
+                    self.recovered["segments"], self.recovered["objects"], self.recovered["pending"],
+                    self.recovered["dropped"], self.recovered["slab_bytes"], self.recovered["flight_bytes"],
+                    self.recovered["tasks"], (time.monotonic() - t0) * 1000)
 
     def _step_down(self) -> None:
         log.warning("no longer leader: dropping the in-memory metadata (the new leader recovers it from etcd)")

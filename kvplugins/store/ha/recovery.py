@@ -13,7 +13,9 @@ journaled slab (client-reserved space) is held for put_timeout_ms, then freed; i
 on the new leader answer EXPIRED and the client redoes them with put_start). So no write the old leader
 allowed lands on bytes the new one gave to another put (issue #30 item 10). Replica tasks (restore_tasks)
 come back for task_query; one the old leader was running ends (replica_tasks.failed_over) and the destination
-of its write in flight is held for put_timeout_ms.
+of its write in flight is held for put_timeout_ms. So is the destination of every disk-tier flight (promote,
+drain migration: hold_flights) the old leader had started, or ended while a late write could still land; the
+node's report of it finds no flight on the new leader and the object stays where the journal has it.
 """
 from __future__ import annotations
 
@@ -65,6 +67,17 @@ def _hold_slabs(service, slabs: list, now: float) -> int:
     for slab_id, name, start, end in slabs:
         held += service.quarantine(name, start, end, until)
         service.journal.slab_removed(int(slab_id))
+    return held
+
+
+def hold_flights(service, flights: list, now: float) -> int:
+    """Hold the free bytes of each journaled disk-tier flight's destination [(flight id, segment, start, end)]
+    (EtcdJournal.load_flights) until put_timeout_ms from ``now``, and delete its record. Returns the bytes
+    held."""
+    until, held = now + service.cfg.put_timeout_ms / 1000, 0
+    for fid, name, start, end in flights:
+        held += service.quarantine(name, start, end, until)
+        service.journal.flight_ended(fid)
     return held
 
 

@@ -103,7 +103,7 @@ def migrated(tier, key, segment: str, ok: bool, detail, now: float) -> None:
         if detail in ("corrupt", "missing"):
             tier.file_lost(key, segment, detail, now)
         return
-    tier.flights.pop(key)
+    tier.end_flight(key, now)                       # its destination becomes the replica
     seg = svc.segments.get(segment)
     old = [(seg, o) for n, o in obj.replicas if n == segment]
     if not obj.replicas:                                # it was on disk only: back into the LRU

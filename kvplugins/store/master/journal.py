@@ -42,6 +42,13 @@ class Journal:
     def task_forgotten(self, task_id: tuple[int, int]) -> None:
         """Finished task ``task_id`` left the master's memory (replica_tasks.FINISHED_KEPT)."""
 
+    def flight_started(self, fid: int, segment: str, start: int, end: int) -> None:
+        """A disk-tier flight ``fid`` (promote, migrate) allocated [start, end) of ``segment`` for a node to write
+        into: a new HA leader holds that space until the node's write could still land."""
+
+    def flight_ended(self, fid: int) -> None:
+        """Flight ``fid`` ended (committed, failed, timed out, cancelled)."""
+
     def segment_added(self, seg) -> None:
         """Segment ``seg`` (segments.Segment) registered."""
 

@@ -193,7 +193,7 @@ class ReplicaTasks:
         if (task.source, task.src_off) not in obj.replicas:      # dropped (corrupt, evicted to disk) meanwhile
             tier.end_flight(task.key, now, free_dest_at=grace)
             return self._finish(task, "FAILED", f"the source replica on {task.source} changed during the copy")
-        tier.flights.pop(task.key)
+        tier.end_flight(task.key, now)             # its destination becomes a replica (journal: flight ended)
         obj.replicas = obj.replicas + [(dest.name, off)]
         task.targets.pop(0)
         if task.kind == "move":

@@ -17,6 +17,7 @@ Disk-only objects hold no DRAM: they are parked outside the table's LRU lists, s
 """
 from __future__ import annotations
 
+import heapq
 from itertools import islice
 
 from kvplugins.store.master import drain
@@ -42,6 +43,8 @@ class Tiering:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.tasks = ReplicaTasks(self)             # replica copy/move tasks (master/replica_tasks.py)
         self._fid = 0
+        self._held: list[tuple[float, int]] = []   # heap (until, fid): ended flights whose journal record stays
+                                                   # while their destination waits out a late write
 
     # ---- hooks the service calls ---------------------------------------------------------------------
     def evict(self, obj, now: float, urgent: bool) -> bool:
@@ -110,6 +113,8 @@ class Tiering:
             self.lose_node(name, now)
         for key in [k for k, f in self.flights.items() if f.deadline <= now]:
             self.end_flight(key, now, free_dest_at=now + self.service.cfg.put_timeout_ms / 1000)
+        while self._held and self._held[0][0] <= now:
+            self.service.journal.flight_ended(heapq.heappop(self._held)[1])
         self.tasks.tick(now)
 
     def status(self) -> dict:
@@ -167,11 +172,19 @@ class Tiering:
     def migrate(self, obj, source: str, dest, off: int, now: float) -> Flight:
         """Start a migrate flight of ``obj`` from node ``source``'s segment (``src`` offset, -1: its disk) to
         (dest Segment, off), and queue the node's command (drain and replica tasks)."""
-        self._fid += 1
-        f = Flight("migrate", obj, source, now + FLIGHT_TIMEOUT_S, dest=(dest, off), fid=self._fid)
-        self.flights[obj.key] = f
+        f = self._start(Flight("migrate", obj, source, now + FLIGHT_TIMEOUT_S, dest=(dest, off)))
         src = dict(obj.replicas).get(source, -1)
         self.nodes[source].queue.append(["migrate", obj.key, obj.size, src, dest.name, dest.region_id, off, f.fid])
+        return f
+
+    def _start(self, f: Flight) -> Flight:
+        """Record flight ``f`` of a DRAM destination under a new id, journaled (a new HA leader holds it)."""
+        self._fid += 1
+        f.fid = self._fid
+        self.flights[f.obj.key] = f
+        seg, off = f.dest
+        align = self.service.cfg.alloc_align
+        self.service.journal.flight_started(f.fid, seg.name, off, off + -(-f.size // align) * align)
         return f
 
     def migrating(self, segment: str) -> int:
@@ -183,6 +196,10 @@ class Tiering:
         f = self.flights.pop(key, None)
         if f is None:
             return None
+        if f.dest is not None and free_dest_at is not None and free_dest_at > now:
+            heapq.heappush(self._held, (free_dest_at, f.fid))     # a late write may land until then
+        elif f.dest is not None:
+            self.service.journal.flight_ended(f.fid)
         if f.kind == "offload" and f.segment in self.nodes:
             self.nodes[f.segment].offloading -= f.size
         if f.dest is not None and free_dest_at is not None:
@@ -373,7 +390,7 @@ class Tiering:
             self.counters["promote_failures"] += 1
             return [STORE_FULL, f"segment {seg.name} has no room for {obj.size} bytes"]
         deadline = now + self.service.cfg.put_timeout_ms / 1000
-        self.flights[obj.key] = Flight("promote", obj, seg.name, deadline, dest=(seg, off))
+        self._start(Flight("promote", obj, seg.name, deadline, dest=(seg, off)))
         return [OK, [off, obj.size]]
 
     def op_promote_commit(self, entries, opts, now):
@@ -390,7 +407,7 @@ class Tiering:
                 self.file_lost(key, segment, detail, now)
                 out.append([OK, None])
                 continue
-            self.flights.pop(key)
+            self.end_flight(key, now)                  # its destination becomes the object's replica
             seg, off = f.dest
             obj = f.obj
             obj.replicas = [(seg.name, off)]
