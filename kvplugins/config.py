@@ -108,6 +108,14 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     raise ConfigError(f"{where}: {value!r} is not a valid {name}{hint}")
 
 
+def _port(name: str, value: Any, where: str) -> Any:
+    """``value`` of a field named ``port`` or ``*_port``, checked to be a TCP port (0 = any free one; -1 = off
+    where a field allows it; the field's own check says which). Raises ConfigError naming the value."""
+    if (name == "port" or name.endswith("_port")) and type(value) is int and not -1 <= value <= 65535:
+        raise ConfigError(f"{where}: port {value} is outside 0-65535 (0 = any free port); pick a port in range")
+    return value
+
+
 def _read_file(path: str | os.PathLike) -> dict:
     p = Path(path)
     try:
@@ -146,16 +154,17 @@ def load(cls: type[T], flags: Mapping[str, Any] | None = None, file: str | os.Pa
         section = _read_file(file).get(cls._component, {})
         _unknown(section, fields, f"config file {file} [{cls._component}]")
         for k, v in section.items():
-            values[k] = _coerce(v, types[k], f"config file {file} [{cls._component}] {k}")
+            where = f"config file {file} [{cls._component}] {k}"
+            values[k] = _port(k, _coerce(v, types[k], where), where)
     prefix = f"{ENV_PREFIX}{cls._component.upper()}_"
     env_keys = {k[len(prefix):].lower(): k for k in environ if k.startswith(prefix)}
     _unknown(env_keys, fields, f"environment ({prefix}*)")
     for k, var in env_keys.items():
-        values[k] = _coerce(environ[var], types[k], f"env {var}")
+        values[k] = _port(k, _coerce(environ[var], types[k], f"env {var}"), f"env {var}")
     flags = {k.replace("-", "_"): v for k, v in (flags or {}).items() if v is not None}
     _unknown(flags, fields, f"{cls._component} options")
     for k, v in flags.items():
-        values[k] = _coerce(v, types[k], f"option {k}")
+        values[k] = _port(k, _coerce(v, types[k], f"option {k}"), f"option {k}")
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:

@@ -68,8 +68,23 @@ class ReplayConfig:
             raise ConfigError("--instances and --block-tokens must be >= 1, --scale and --limit >= 0")
         if self.speed <= 0 or self.prefill_tok_s < 0:
             raise ConfigError(f"--speed must be > 0 (got {self.speed}) and --prefill-tok-s >= 0")
+        self._check_synth()
         if self.no_pool and not self.local_capacity.strip("0 "):
             raise ConfigError("--no-pool needs --local-capacity > 0: without either there is no cache to replay")
+
+
+    def _check_synth(self) -> None:
+        positive = ("synth_requests", "synth_rate", "synth_turns", "synth_system_tokens", "synth_doc_tokens",
+                    "synth_input_tokens", "synth_output_tokens", "synth_docs", "synth_system_prompts")
+        for name in positive:
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number > 0 (got {value})")
+        for name in ("synth_system_share", "synth_doc_share"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be within 0..1 (got {getattr(self, name)})")
+        if self.synth_turns < 1:
+            raise ConfigError(f"--synth-turns is a mean of at least 1 turn per session (got {self.synth_turns})")
 
 
 def capacity_blocks(text: str, block_bytes: int, what: str) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.store.config import UpConfig
 
-SGLANG_FLAGS = ("--hicache-storage-backend dynamic --hicache-storage-backend-extra-config "
+SGLANG_FLAGS = ("--enable-hierarchical-cache --hicache-storage-backend dynamic --hicache-storage-backend-extra-config "
                 "'{\"backend_name\":\"kvplugins\",\"module_path\":\"kvplugins.sglang_hicache_backend\","
                 "\"class_name\":\"KVPluginsHiCacheStorage\",\"interface_v1\":1}'")
 VLLM_FLAGS = ("--kv-transfer-config '{\"kv_connector\":\"KVPluginsConnector\","

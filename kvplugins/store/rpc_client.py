@@ -28,8 +28,9 @@ def parse_address(address: str) -> tuple[str, int]:
     """'host:port' (optionally 'tcp://host:port') -> (host, port). Raises ConfigError."""
     text = address.removeprefix("tcp://")
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"master address {address!r} must be host:port, e.g. 127.0.0.1:5555")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 1 << 16:
+        raise ConfigError(f"master address {address!r} must be host:port with a port in 1-65535, e.g. "
+                          "127.0.0.1:5555")
     return host.strip("[]"), int(port)
 
 

@@ -483,7 +483,8 @@ class MasterService:
         if now is not None:
             self.manifests.keep(seg, gone, now)
         self.counters["segments_lost"] += 1
-        log.warning("segment %s removed (%s); %d objects lost a replica", seg.name, why, len(lost))
+        level = logging.INFO if why == "unregistered" and not lost else logging.WARNING    # a clean stop is news
+        log.log(level, "segment %s removed (%s); %d objects lost a replica", seg.name, why, len(lost))
 
     def _lose_objects(self, name: str, objs) -> list[tuple]:
         """Drop replica ``name`` of ``objs``. Returns liveness.Manifests entries (key, size, offset, checksum,
