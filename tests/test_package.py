@@ -76,3 +76,18 @@ def test_hash_keys_rejects_bad_owners_and_tiers():
         native.copy_batch([1], [1], [0], 1, np.zeros(1, dtype=np.uint64), "neon")
     with pytest.raises(errors.NativeError, match="one per span"):
         native.copy_batch([1], [1], [0], 1, np.zeros(2, dtype=np.uint64))
+
+
+def test_the_readme_layout_names_every_folder():
+    """README's Layout paragraph matches the tree: every package under kvplugins/ and every top-level folder in
+    git is named there (issue #31)."""
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    layout = text[text.index("## Layout"):]
+    packages = {p.parent.name for p in (root / "kvplugins").glob("*/__init__.py")}
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout
+    top = {line.split("/")[0] for line in tracked.splitlines() if "/" in line and not line.startswith(".")}
+    missing = sorted(f"{name}/" for name in packages | top if f"`{name}/`" not in layout)
+    assert not missing, f"README Layout does not name {missing}"
