@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 MODEL_DIR_NAME = "demo-model-v1"
-FAMILY_DIRS = {"llama": MODEL_DIR_NAME, "gemma3": "demo-gemma3-v1", "lfm2": "demo-lfm2-v1",
+FAMILY_DIRS = {"llama": MODEL_DIR_NAME, "llama-wide": "demo-llama-wide-v1", "gemma3": "demo-gemma3-v1",
+               "lfm2": "demo-lfm2-v1",
                "qwen3next": "demo-qwen3next-v1", "granite4": "demo-granite4-v1", "mistral": "demo-mistral-v1"}
 GEMMA3_WINDOW = 128  # tokens: the sliding window of the tiny Gemma-3's sliding layers (4 blocks of 32)
 MISTRAL_WINDOW = 200  # tokens: the tiny Mistral's window on every layer (not a multiple of the 32-token block)
@@ -86,6 +87,10 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
                                         shared_intermediate_size=512, position_embedding_type="rope",
                                         tie_word_embeddings=False)
         cls = tf.GraniteMoeHybridForCausalLM
+    elif family == "llama-wide":  # `kvplugins demo`'s: wide enough that a prompt's prefill costs what it costs
+        common.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                      num_key_value_heads=4, initializer_range=0.05)
+        cfg, cls = tf.LlamaConfig(**common, tie_word_embeddings=False), tf.LlamaForCausalLM
     elif family == "mistral":  # every layer sliding: vLLM makes one KV cache group, a sliding-window one
         cfg = tf.MistralConfig(**common, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False)
         cls = tf.MistralForCausalLM
@@ -103,8 +108,8 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
 
 
 def ensure_model(path: str | os.PathLike | None = None, seed: int = 0, family: str = "llama") -> Path:
-    """Return the model directory, building it first if absent (a few seconds). ``family``: "llama", "gemma3",
-    "lfm2", "qwen3next", "granite4" or "mistral". Safe to race: the loser's build is discarded. Needs torch,
+    """Return the model directory, building it first if absent (a few seconds). ``family``: "llama",
+    "llama-wide" (the demo's), "gemma3", "lfm2", "qwen3next", "granite4" or "mistral". Safe to race: the loser's build is discarded. Needs torch,
     transformers and tokenizers (installed with vLLM). Raises ValueError for another family."""
     final = Path(path) if path else default_dir(family)
     if (final / "config.json").exists():
