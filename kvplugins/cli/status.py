@@ -8,7 +8,8 @@ from kvplugins.config import add_arguments, from_args
 
 SHOWN = ("master", "rpc_timeout_ms")
 # (label, status key) of the counters shown under the table, when the master reports them.
-COUNTERS = (("objects", "objects"), ("hits", "hits"), ("misses", "misses"), ("puts", "commits"), ("removes", "removes"),
+COUNTERS = (("objects", "objects"), ("lookups", "lookup_keys"), ("get hits", "hits"), ("get misses", "misses"),
+            ("puts", "commits"), ("removes", "removes"),
             ("evictions", "evictions"), ("offloads", "offloads"), ("promotions", "promotions"),
             ("checksum errors", "corrupt_replicas"), ("segments suspect", "segments_suspect"),
             ("segments refused", "segments_refused"),
@@ -71,8 +72,9 @@ def segment_table(master: str, st: dict):
     footers = ["total", f"{len(st['segments'])} segments", format_bytes(st["bytes_total"]),
                format_bytes(st["bytes_used"]), _pct(st["bytes_used"], st["bytes_total"]), str(st["objects"]), "",
                _disk_total(st)]
-    for col, foot in zip(cols, footers):
-        table.add_column(col, foot, justify="left" if col in ("segment", "host", "disk tier") else "right")
+    for col, foot in zip(cols, footers):    # names fold onto more lines, never cut: `--drain --segment` needs them
+        table.add_column(col, foot, justify="left" if col in ("segment", "host", "disk tier") else "right",
+                         overflow="fold" if col in ("segment", "host") else "ellipsis")
     for s in sorted(st["segments"], key=lambda s: s["name"]):
         row = [s["name"], s.get("host_id", ""), format_bytes(s["size"]), format_bytes(s["used"]),
                _pct(s["used"], s["size"]), str(s["objects"]),
@@ -82,10 +84,11 @@ def segment_table(master: str, st: dict):
 
 
 def counter_line(st: dict) -> str:
+    """The counters under the table. "hit ratio" is over lookups (exists / exists_prefix keys: what an engine's
+    prefix lookup finds); gets are counted apart (an engine gets only what its lookup found)."""
     parts = [f"{label} {st[key]}" for label, key in COUNTERS if isinstance(st.get(key), int)]
-    lookups = st.get("hits", 0) + st.get("misses", 0)
-    if lookups:
-        parts.insert(3, f"hit ratio {100 * st['hits'] / lookups:.1f}%")
+    if st.get("lookup_keys"):
+        parts.insert(2, f"hit ratio {100 * st.get('lookup_hits', 0) / st['lookup_keys']:.1f}%")
     if st.get("draining"):
         parts.append(f"draining {', '.join(st['draining'])}")
     return "  ".join(parts)

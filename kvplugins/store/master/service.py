@@ -32,7 +32,7 @@ from kvplugins.store.schema import Schemas
 log = logging.getLogger(__name__)
 COUNTERS = ("hits", "misses", "puts", "put_skipped", "put_full", "commits", "aborts", "removes", "evictions",
             "reclaimed", "segments_suspect", "segments_lost", "objects_lost", "objects_restored", "corrupt_replicas",
-            "segments_refused")
+            "segments_refused", "lookup_keys", "lookup_hits")
 
 
 SHARD_ROUTED = ("put_start", "put")
@@ -283,9 +283,13 @@ class MasterService:
         return out
 
     def op_exists(self, entries, opts, now):
-        """Per key: stored, complete and readable (a replica on a live segment or on the disk tier)."""
-        return liveness.readable(self.table, entries, self.table.exists(entries), self.segments.suspect,
-                                 self._on_disk)
+        """Per key: stored, complete and readable (a replica on a live segment or on the disk tier). Counted as
+        lookups (lookup_keys asked, lookup_hits found): the hit ratio an engine's prefix lookup sees."""
+        out = liveness.readable(self.table, entries, self.table.exists(entries), self.segments.suspect,
+                                self._on_disk)
+        self.counters["lookup_keys"] += len(entries)
+        self.counters["lookup_hits"] += sum(out)
+        return out
 
     def op_exists_prefix(self, entries, opts, now):
         """How many leading keys op_exists answers True for."""
@@ -293,6 +297,8 @@ class MasterService:
         if self.segments.suspect and n:
             ok = liveness.readable(self.table, entries[:n], [True] * n, self.segments.suspect, self._on_disk)
             n = ok.index(False) if False in ok else n
+        self.counters["lookup_keys"] += len(entries)
+        self.counters["lookup_hits"] += n
         return n
 
     def _on_disk(self, obj: Object) -> bool:
