@@ -173,21 +173,30 @@ def load(cls: type[T], flags: Mapping[str, Any] | None = None, file: str | os.Pa
         raise ConfigError(f"{cls._component} config: {e}") from e
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
+                  common: tuple[str, ...] | None = None) -> None:
     """Add ``--field-name`` flags for every field of ``cls``; each flag's default is None (= not given)
-    and its help shows the dataclass default and the env var, so defaults live only in the dataclass."""
+    and its help shows the dataclass default and the env var, so defaults live only in the dataclass. With
+    ``common``, those fields are listed first (the parser's options) and the others under a group of their own
+    after them ("advanced [component] settings"), so ``--help`` starts with what most runs set."""
     types = _types(cls)
+    advanced = parser if common is None else parser.add_argument_group(
+        f"advanced [{cls._component}] settings (also env {ENV_PREFIX}{cls._component.upper()}_*, or the config "
+        "file)")
     for f in dataclasses.fields(cls):
         if not f.init or f.name in skip:
             continue
+        target = parser if common is None or f.name in common else advanced
         default = f.default if f.default is not dataclasses.MISSING else None
         shown = format_bytes(default) if types[f.name] is Bytes and default is not None else default
         help_ = f"{f.metadata.get('help', '')} (default: {shown}; env {env_name(cls, f.name)})".strip()
         flag = "--" + f.name.replace("_", "-")
-        if types[f.name] is bool:
-            parser.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_)
+        if types[f.name] is bool and f.name.startswith("no_"):      # --no-pool, never --no-no-pool
+            target.add_argument(flag, dest=f.name, default=None, action="store_const", const=True, help=help_)
+        elif types[f.name] is bool:
+            target.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_)
         else:
-            parser.add_argument(flag, dest=f.name, default=None, help=help_)
+            target.add_argument(flag, dest=f.name, default=None, help=help_)
 
 
 def from_args(cls: type[T], args: argparse.Namespace) -> T:

@@ -112,7 +112,9 @@ def add_commands(subparsers, shim_name: str, package_text: str) -> None:
     for name, help_ in (("enable", f"make {package_text} use kvplugins"), ("disable", f"remove the {shim_name} shim"),
                         ("status", "show the shim state")):
         c = subparsers.add_parser(name, help=help_)
-        c.add_argument("--site-dir", help="site-packages to install into (default: this interpreter's)")
+        where = {"enable": "to install the shim into", "disable": "to remove the shim from",
+                 "status": "to look in"}[name]
+        c.add_argument("--site-dir", help=f"site-packages {where} (default: this interpreter's)")
         if name == "enable":
             c.add_argument("--force", action="store_true", help=f"shadow a real installation of {package_text}")
 

@@ -111,3 +111,20 @@ def test_a_non_number_for_any_typed_flag_is_one_line(flag, value):
 
 def test_every_command_has_typed_flags_checked():
     assert len(FLAGS) > 100 and {cmd for cmd, _ in FLAGS} >= {"master", "store", "up", "replay", "status"}
+
+
+def _help(cmd: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main([cmd, "--help"])
+    return out.getvalue()
+
+
+def test_help_lists_common_flags_first_and_no_foreign_or_doubled_ones():
+    master, up, replay = _help("master"), _help("up"), _help("replay")
+    assert master.startswith("usage: kvplugins master [options]\n")
+    options = re.findall(r"^  (--[a-z-]+)", master, re.M)
+    assert options[0] == "--host" and options.index("--port") < options.index("--max-connections")
+    assert "advanced [master] settings" in master
+    assert "--drain" not in up and "--segment " not in up and "--segment-size" in up      # store --drain's flags
+    assert "--no-no-pool" not in replay and "--as-fast-as-possible" not in replay and "--no-pool" in replay

@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f"kvplugins.cli.{name.replace('-', '_')}").add_parser(sub)
     from kvplugins.security.cli import add_flags
     add_flags(sub)                               # --token-file on master, store, up, status
+    for p in sub.choices.values():               # a usage line of 40 flags hides the command: --help lists them
+        if len(p._actions) > 12 and p.usage is None:
+            positionals = " ".join(a.metavar or a.dest for a in p._actions if not a.option_strings)
+            p.usage = f"%(prog)s [options] {positionals}".rstrip()
     return parser
 
 

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from kvplugins.config import add_arguments, from_args
 
+COMMON = ("host", "port", "zmq_port", "metrics_port", "metrics_host", "etcd", "etcd_prefix", "events_port", "cluster", "shard", "port_file")   # listed first in --help
+
 
 def add_parser(sub) -> None:
     from kvplugins.store.config import MasterConfig
     p = sub.add_parser("master", help="run the store master (object metadata, allocation, eviction)")
-    add_arguments(p, MasterConfig)
+    add_arguments(p, MasterConfig, common=COMMON)
     p.add_argument("--config", help="TOML/JSON config file ([master] table)")
 
 

@@ -10,8 +10,6 @@ def add_parser(sub) -> None:
     p = sub.add_parser("replay", help="replay a request trace through the store: hit ratio vs pool capacity")
     p.add_argument("trace", nargs="?", help="FAST'25 or kvplugins JSONL trace (omit with --synth)")
     add_arguments(p, ReplayConfig)
-    p.add_argument("--as-fast-as-possible", dest="realtime", action="store_const", const=False,
-                   help="issue requests back to back (the default; see --realtime)")
     p.add_argument("--config", help="TOML/JSON config file ([replay] table)")
 
 

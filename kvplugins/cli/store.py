@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from kvplugins.config import add_arguments, from_args
 
+COMMON = ("master", "segment_size", "host", "disk_dir", "disk_capacity", "metrics_port", "drain", "segment")  # first in --help
+
 
 def add_parser(sub) -> None:
     from kvplugins.store.config import StoreNodeConfig
     p = sub.add_parser("store", help="contribute a DRAM segment to the pool of a master (or --drain one)")
-    add_arguments(p, StoreNodeConfig)
+    add_arguments(p, StoreNodeConfig, common=COMMON)
     p.add_argument("--config", help="TOML/JSON config file ([store] table)")
 
 

@@ -11,7 +11,8 @@ import dataclasses
 from kvplugins.config import add_arguments, from_args
 
 NODE_SKIP = ("master", "host", "ready_file", "metrics_port", "metrics_host", "metrics_max_connections",
-             "metrics_max_connections_per_peer", "metrics_timeout_ms")   # one endpoint: the master's
+             "metrics_max_connections_per_peer", "metrics_timeout_ms",   # one endpoint: the master's
+             "drain", "segment", "drain_timeout_ms")                      # `kvplugins store --drain`'s, not up's
 
 
 def _classes():
@@ -22,9 +23,9 @@ def _classes():
 def add_parser(sub) -> None:
     master, node, up = _classes()
     p = sub.add_parser("up", help="run master + one segment in one process; print the SGLang/vLLM flags")
-    add_arguments(p, master)
-    add_arguments(p, node, skip=NODE_SKIP)
     add_arguments(p, up)
+    add_arguments(p, node, skip=NODE_SKIP, common=("segment_size", "disk_dir", "disk_capacity"))
+    add_arguments(p, master, common=("host", "port", "metrics_port", "events_port"))
     p.add_argument("--config", help="TOML/JSON config file ([master], [store], [up] tables)")
 
 

@@ -2,6 +2,7 @@
 (one, or three per capacity with ``--sweep``), replay each against a store, and report."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -13,6 +14,8 @@ from kvplugins.replay import report, shapes, synth, trace
 from kvplugins.replay.caches import reference_hit_ratio
 from kvplugins.replay.config import ReplayConfig, capacity_blocks
 from kvplugins.replay.runner import Plan, replay
+
+log = logging.getLogger(__name__)
 
 AUTO_OBJECT_BYTES = 4096
 
@@ -106,9 +109,12 @@ def execute(cfg: ReplayConfig, path: str | None, say=print) -> list[dict]:
             "object_bytes": sz.object_bytes, "scale": sz.scale, "model_shape": cfg.model_shape}
     if cfg.json:
         report.write_json(rows, meta, cfg.json)
+        if cfg.json != "-":
+            log.info("results as JSON: %s", os.path.abspath(cfg.json))
     if cfg.plot:
         report.plot(rows, sz.block_bytes, cfg.plot, f"{meta['trace']}: {len(reqs):,} requests, "
                     f"{cfg.model_shape} blocks of {cfg.block_tokens} tokens")
+        log.info("plot of hit ratio vs capacity: %s", os.path.abspath(cfg.plot))
     return rows
 
 

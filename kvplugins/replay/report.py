@@ -71,7 +71,7 @@ def write_json(rows: list[dict], meta: dict, path: str) -> None:
 
 
 def plot(rows: list[dict], block_bytes: int, path: str, title: str) -> list[str]:
-    """Hit ratio vs pool capacity (blocks below, full-scale GB above), one line per configuration label.
+    """Hit ratio vs pool capacity (blocks below, full-scale GiB above), one line per configuration label.
     Writes a PNG whose "Description" metadata lists the series (JSON); returns their labels. Raises
     ConfigError if matplotlib is missing."""
     try:
@@ -94,9 +94,9 @@ def plot(rows: list[dict], block_bytes: int, path: str, title: str) -> list[str]
     ax.set_ylim(0, max([p[1] for pts in series.values() for p in pts] + [0.05]) * 1.15)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    gb = block_bytes / 1e9
-    top = ax.secondary_xaxis("top", functions=(lambda b: b * gb, lambda g: g / gb))
-    top.set_xlabel("capacity at full scale (GB)")
+    gib = block_bytes / (1 << 30)          # binary units, as the table (format_bytes)
+    top = ax.secondary_xaxis("top", functions=(lambda b: b * gib, lambda g: g / gib))
+    top.set_xlabel("capacity at full scale (GiB)")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, metadata={"Description": json.dumps({"series": list(series)})})

@@ -22,6 +22,7 @@ from kvplugins.transfer.routing import Router
 from kvplugins.transfer.transport import Op, Transport
 
 log = logging.getLogger("kvplugins.transfer")
+_ABSENT_LOGGED: set[str] = set()     # reasons "rdma transport absent" was logged for (at INFO once, then DEBUG)
 
 
 class TransferEngine:
@@ -54,8 +55,9 @@ class TransferEngine:
         if "rdma" in names:
             from kvplugins.transfer.rdma import RdmaTransport
             rdma, why = RdmaTransport.probe(self.config, started["tcp"])
-            if rdma is None:
-                log.info("rdma transport absent: %s", why)
+            if rdma is None:         # once per process: a replay starts an engine per capacity, a test dozens
+                (log.info if why not in _ABSENT_LOGGED else log.debug)("rdma transport absent: %s", why)
+                _ABSENT_LOGGED.add(why)
             else:
                 started["rdma"] = rdma
         return [started[n] for n in names if n in started]
