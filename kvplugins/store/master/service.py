@@ -105,13 +105,12 @@ class MasterService:
             raise ValueError(f"a soft pin (pin=1) needs pin_ttl_ms > 0, got {opts.pin_ttl_ms}")
         room = self.cfg.max_pending_puts - self.table.pending_count()
         if room < len(entries):
-            full = [STORE_FULL, f"{self.cfg.max_pending_puts - max(room, 0)} puts are pending (started, not yet "
-                                "committed), the master's max_pending_puts: retry once writers commit or their "
-                                "puts time out (put_timeout_ms)"]
-            head = self.op_put_start(entries[:room], opts, now) if room > 0 else []
-            return head + [full] * (len(entries) - len(head))
-        k, why = self.quotas.room(self.caller, [size for _, size in entries])
-        if why is not None:
+            why = (f"{self.cfg.max_pending_puts - max(room, 0)} puts are pending (started, not yet committed), the "
+                   "master's max_pending_puts: retry once writers commit or their puts time out (put_timeout_ms)")
+        else:
+            room, why = self.quotas.room(self.caller, [size for _, size in entries])
+        if why is not None:           # the first ``room`` entries are placed, the rest refused (StoreFull)
+            k = max(room, 0)
             return refuse(self.op_put_start(entries[:k], opts, now) if k else [], k, len(entries), why)
         replicas, preferred = opts.replicas, opts.segment
         pin = (opts.pin, now + opts.pin_ttl_ms / 1000 if opts.pin else 0.0)
