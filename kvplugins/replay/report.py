@@ -40,25 +40,46 @@ def _percentiles(ms: list[float]) -> dict:
     return {"p50": round(q[49], 3), "p90": round(q[89], 3), "p99": round(q[98], 3), "n": len(ms)}
 
 
-def table(rows: list[dict]) -> str:
-    """The rows as a fixed-width text table (what the CLI prints)."""
-    head = ["config", "pool", "local/inst", "hit", "local", "pool", "ref LRU", "tokens saved", "GPU s saved",
-            "puts/s", "gets/s", "failed puts", "wrong bytes"]
-    lines, tails = [head], []
+def table(rows: list[dict], width: int | None = None) -> str:
+    """The rows as two rich tables, rendered to text (what the CLI prints): the hit ratios per configuration,
+    then what the hits saved and what the store did; latency percentiles below, for timed runs. ``width``:
+    columns (None: the terminal's, at least 80)."""
+    import io
+    import shutil
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    hits = Table(title="hit ratio (of the trace's blocks)", box=box.SIMPLE_HEAD, title_justify="left",
+                 pad_edge=False)
+    work = Table(title="what the hits saved, what the store did", box=box.SIMPLE_HEAD, title_justify="left",
+                 pad_edge=False)
+    for t, heads in ((hits, ("pool", "local/inst", "hit", "local", "pool", "ref LRU")),
+                     (work, ("pool", "tokens\nsaved", "GPU s\nsaved", "puts/s", "gets/s", "failed\nputs",
+                             "wrong\nbytes"))):
+        t.add_column("config", ratio=1, overflow="fold")   # the one column that wraps; numbers never do
+        for h in heads:
+            t.add_column(h, justify="right", no_wrap=True)
+    tails = []
     for r in rows:
-        lines.append([r["config"], f'{r["pool_blocks"]} ({format_bytes(r["pool_bytes"])})',
-                      str(r["local_blocks_per_instance"]), f'{r["hit_ratio"]:.3f}', f'{r["local_hit_ratio"]:.3f}',
-                      f'{r["pool_hit_ratio"]:.3f}',
-                      "-" if r["reference_lru_hit_ratio"] is None else f'{r["reference_lru_hit_ratio"]:.3f}',
-                      f'{r["prefill_tokens_saved"]:,}', "-" if r["prefill_gpu_s_saved"] is None
-                      else f'{r["prefill_gpu_s_saved"]:,}', str(r["puts_per_s"]), str(r["gets_per_s"]),
-                      str(r["put_failures"]), str(r["wrong_bytes"])])
+        pool = f'{r["pool_blocks"]} ({format_bytes(r["pool_bytes"])})'
+        ref = r["reference_lru_hit_ratio"]
+        hits.add_row(r["config"], pool, str(r["local_blocks_per_instance"]), f'{r["hit_ratio"]:.3f}',
+                     f'{r["local_hit_ratio"]:.3f}', f'{r["pool_hit_ratio"]:.3f}', "-" if ref is None else f"{ref:.3f}")
+        gpu = r["prefill_gpu_s_saved"]
+        work.add_row(r["config"], str(r["pool_blocks"]), f'{r["prefill_tokens_saved"]:,}', "-" if gpu is None else f"{gpu:,}",
+                     str(r["puts_per_s"]), str(r["gets_per_s"]), str(r["put_failures"]), str(r["wrong_bytes"]))
         if "put_ms" in r:
             tails.append(f'{r["config"]}, pool {r["pool_blocks"]}: latency ms p50/p99 ' + ", ".join(
                 f'{op} {r[op + "_ms"].get("p50", "-")}/{r[op + "_ms"].get("p99", "-")}'
                 for op in ("exists", "get", "put")) + f'; dispatch at most {r["max_lag_ms"]} ms late')
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join(["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines] + tails)
+    out = io.StringIO()
+    console = Console(file=out, width=width or max(80, shutil.get_terminal_size().columns), no_color=True,
+                      highlight=False)
+    console.print(hits)
+    console.print(work)
+    return "\n".join([line.rstrip() for line in out.getvalue().rstrip().splitlines()] + tails)
 
 
 def write_json(rows: list[dict], meta: dict, path: str) -> None:

@@ -13,6 +13,7 @@ from kvplugins.replay import trace
 from kvplugins.replay.caches import reference_hit_ratio
 from kvplugins.replay.config import ReplayConfig
 from kvplugins.replay.plan import execute
+from kvplugins.replay.report import table
 from kvplugins.replay.synth import generate
 from kvplugins.store.embedded import CLI
 
@@ -65,6 +66,10 @@ def test_replay_through_the_store_matches_the_reference_lru(tmp_path, conversati
     assert pixels.shape[0] >= 400 and pixels.shape[1] >= 700 and pixels[..., :3].std() > 0.05
     series = json.loads(Image.open(png).info["Description"])["series"]
     assert series == ["global pool", "8 local caches", "both tiers (200 local/instance)"]
+    text = table(rows, width=80)                  # what the CLI prints: numbers whole, at 80 columns too
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
+    for r in rows:
+        assert f'{r["hit_ratio"]:.3f}' in text and f'{r["prefill_tokens_saved"]:,}' in text, r
 
 
 def test_realtime_replay_reports_latency_percentiles():
