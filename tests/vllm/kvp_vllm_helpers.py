@@ -119,7 +119,8 @@ class Server:
             args += ["--kv-transfer-config", json.dumps(ktc)]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(env or {})})
+                                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+                                          "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 240) -> "Server":
