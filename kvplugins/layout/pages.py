@@ -29,7 +29,9 @@ class PageStore:
 
     client_factory: () -> a StoreClient (called lazily, again after a failure once retry_ms passed).
     keyspace: this process's key space (its TP rank). layout: the engine's KV memory (None on a process that
-    only looks up, e.g. a scheduler). ranks: TP ranks whose pages must all be stored for a hit.
+    only looks up, e.g. a scheduler). required: the key spaces whose pages must all be stored for a hit (default:
+    ``keyspace`` alone): a scheduler's are every TP rank's and every PP stage's (``require`` replaces them once
+    the workers told theirs).
     retry_on_load: a load reconnects at once even inside the back-off window (for engines whose loads follow
     a lookup that just found the pages, so a failed load would cost a request or a recompute).
     staged: move the pages through host bounce slots (layout/staged.py) instead of straight from ``layout``'s
@@ -40,11 +42,11 @@ class PageStore:
     """
 
     def __init__(self, client_factory: Callable[[], Any], keyspace: KeySpace, layout: PageLayout | None = None,
-                 ranks: Sequence[int] = (0,), retry_ms: float = 5000, retry_on_load: bool = False,
+                 required: Sequence[KeySpace] = (), retry_ms: float = 5000, retry_on_load: bool = False,
                  staged: StagedPages | None = None, share: "PageStore | None" = None):
         self._factory, self.keyspace, self.layout, self.staged = client_factory, keyspace, layout, staged
         self._retry_on_load = retry_on_load
-        self._spaces = [keyspace.for_rank(r) for r in ranks]
+        self._spaces = list(required) or [keyspace]
         self._retry_s = retry_ms / 1000
         self._client: Any = None
         self._down_until = 0.0
@@ -111,9 +113,16 @@ class PageStore:
                 pass
         self._client, self._down_until = None, time.monotonic() + self._retry_s
 
+    def require(self, spaces: Sequence[KeySpace]) -> None:
+        """From now on a page is a hit only when it is stored in every one of ``spaces`` (non-empty)."""
+        if not spaces:
+            raise KVPluginsError("require() needs at least one key space")
+        self._spaces = list(spaces)
+
     # -- operations -------------------------------------------------------------------------------------------
     def stored_prefix(self, hashes: Sequence[bytes]) -> int:
-        """Number of leading pages of ``hashes`` stored for every rank, in one RPC; 0 if the store is down."""
+        """Number of leading pages of ``hashes`` stored in every required key space, in one RPC; 0 if the store
+        is down."""
         if len(self._spaces) > 1:
             mask = self.stored_mask(hashes)
             n = mask.index(False) if False in mask else len(mask)
@@ -131,7 +140,7 @@ class PageStore:
         return n
 
     def stored_mask(self, hashes: Sequence[bytes]) -> list[bool]:
-        """Whether each page of ``hashes`` is stored for every rank, in one RPC; all False if the store is
+        """Whether each page of ``hashes`` is stored in every required key space, in one RPC; all False if the store is
         down (a sliding-window group's hit needs only the pages of its window, not a prefix)."""
         n = len(hashes)
         client = self._connected() if n else None

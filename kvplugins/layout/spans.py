@@ -90,6 +90,26 @@ def planes_of(tensor: Any, block_dim: int = 0) -> list[Plane]:
     return planes
 
 
+def head_planes(tensor: Any, block_dim: int, heads: int, head: int) -> list[Plane] | None:
+    """The planes of KV head ``head`` of the ``heads`` a layer's KV tensor holds: that head's run in every
+    block, e.g. ``[2, num_blocks, heads, L, head_size]`` (HND: vLLM CPU's LBHNC) -> 2 planes (K, V) of
+    ``L * head_size`` elements per block. The head dim is the first dim after ``block_dim`` of size ``heads``.
+    None when a head's part of a block is not one dense run, or is cut per token (NHD: heads inside tokens),
+    or no dim holds the heads: such a layout stores whole pages per TP rank instead. tensor: a torch tensor (uses select/movedim)."""
+    shape = tuple(tensor.shape)
+    dims = [d for d in range(block_dim + 1, len(shape)) if shape[d] == heads]
+    if not dims or not hasattr(tensor, "select") or not 0 <= head < heads:
+        return None
+    if math.prod(shape[block_dim + 1:dims[0]]) > 2:  # only K/V may sit between blocks and heads: NHD's
+        return None                                    # tokens there would cut a head into a run per token
+    view = tensor.select(dims[0], head)          # dims between the block dim and the head dim become planes
+    view = view.movedim(block_dim, dims[0] - 1)  # (e.g. K/V inside a block): move the block dim after them
+    try:
+        return planes_of(view, dims[0] - 1)
+    except ConfigError:
+        return None
+
+
 def block_dim_of(shape: Sequence[int], num_blocks: int) -> int:
     """The dim of a KV tensor of ``shape`` that indexes the engine's ``num_blocks`` blocks: the first dim of
     exactly that size, else the first whose size is a multiple of it (a kernel splitting engine blocks).

@@ -91,7 +91,7 @@ def test_prefix_needs_every_tp_rank(master):
     h = hashes(4, salt=3)
     w0.save([0, 1, 2, 3], h)
     w1.save([0, 1], h[:2])
-    sched = PageStore(client_factory(master), ks2, ranks=[0, 1])
+    sched = PageStore(client_factory(master), ks2, required=[ks2, ks2.for_rank(1)])
     assert sched.stored_prefix(h) == 2
     for p in (w0, w1, sched):
         p.close()
