@@ -99,8 +99,12 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.finished(request, block_ids[0])
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+                                             ) -> None:
+        self._scheduler.set_workers(metadata)
+
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self._scheduler.handshakes = dict(metadata)
+        self._scheduler.set_workers({(0, tp): meta for tp, meta in metadata.items()})
 
     # -- worker side ------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):

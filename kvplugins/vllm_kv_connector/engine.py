@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvplugins.errors import ConfigError
 from kvplugins.layout import KeySpace
+from kvplugins.layout.shards import rank_heads
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
 
 if TYPE_CHECKING:
@@ -25,13 +26,17 @@ class Group:
     ``end - 1`` (window_blocks = 1), as MambaManager.find_longest_cache_hit counts it; those pages are saved
     only from the exact blocks vLLM hands over (``boundary_state_offloads``), never read positionally.
     With ``layer_chunks`` > 1 a Group is one chunk of consecutive layers of KV cache group ``index``: its own
-    page objects (keys), the same block ids and hit rule as its KV cache group."""
+    page objects (keys), the same block ids and hit rule as its KV cache group.
+    ``replicated``: every TP rank holds the same bytes (MLA's latent KV): its key space leaves the TP rank and
+    size out, TP rank 0 writes, every rank reads, so the pool holds one copy at any TP size (as SGLang HiCache's
+    MLA writer rank and LMCache's first-rank MLA save)."""
     index: int
     layer_names: tuple[str, ...]
     spec: Any
     window_blocks: int = 0
     uid: int = 0        # position in the connector's list (keys its PageStore and PageBatch.groups)
     state: bool = False
+    replicated: bool = False
 
     def needed(self, first: int, end: int) -> range:
         """The pages in [first, end) a hit ending at page ``end`` needs from this group."""
@@ -43,14 +48,14 @@ def groups(kv_cache_config: "KVCacheConfig", layer_chunks: int = 1) -> list[Grou
     attention ("align" mode) ones, all with one block size; each cut into ``min(layer_chunks, its layers)``
     chunks of consecutive layers (see Group). Raises ConfigError naming any other kind (chunked local
     attention), a Mamba group outside "align" mode (the fix: prefix caching on), or differing block sizes."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
     out, other = [], []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
             out.append(Group(i, tuple(g.layer_names), spec, -(-(spec.sliding_window - 1) // spec.block_size)))
         elif isinstance(spec, FullAttentionSpec):
-            out.append(Group(i, tuple(g.layer_names), spec))
+            out.append(Group(i, tuple(g.layer_names), spec, replicated=isinstance(spec, MLAAttentionSpec)))
         elif isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
             out.append(Group(i, tuple(g.layer_names), spec, window_blocks=1, state=True))
         elif isinstance(spec, MambaSpec):
@@ -90,13 +95,12 @@ def _chunks(names: tuple[str, ...], n: int) -> list[tuple[str, ...]]:
 def keyspace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: VllmConnectorConfig,
              tp_rank: int = 0, group: Group | None = None) -> KeySpace:
     """The KeySpace of ``group`` (default: the first) on TP rank ``tp_rank``: model, KV dtype, block size, the
-    group's layer names (so two groups never share a key), TP, page bytes. A model with one full-attention
-    group keeps the keys it had before hybrid models were served."""
+    group's layer names (so two groups never share a key; a PP stage's are its own layers, so each stage has
+    its own pages), TP rank and size (TP rank 0 of 1 for a replicated group: one copy whatever the TP size),
+    page bytes. A model with one full-attention group keeps the keys it had before hybrid models were served."""
     par = vllm_config.parallel_config
-    if par.pipeline_parallel_size != 1:
-        raise ConfigError(f"KVPluginsConnector: pipeline_parallel_size={par.pipeline_parallel_size} is not "
-                          "supported yet; use 1")
     group = group or groups(kv_cache_config)[0]
+    rank, size = (0, 1) if group.replicated else (tp_rank, par.tensor_parallel_size)
     spec = group.spec
     cache = vllm_config.cache_config
     if group.state:  # a state's bytes: its tensors (conv, ssm...) without vLLM's page padding
@@ -110,9 +114,44 @@ def keyspace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: V
     return KeySpace(model=cfg.model_id or vllm_config.model_config.model,
                     kv_dtype=dtype, block_size=spec.block_size,
                     layer_group=",".join(group.layer_names),
-                    tp_rank=tp_rank, tp_size=par.tensor_parallel_size,
+                    tp_rank=rank, tp_size=size,
                     page_bytes=page * len(group.layer_names),
                     extra=f"hash={cache.prefix_caching_hash_algo};kv_quant={quant};layout={layout}")
+
+
+def rank_spaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: VllmConnectorConfig,
+                tp_rank: int, group: Group) -> tuple[list[KeySpace], bool]:
+    """(the key spaces TP rank ``tp_rank`` moves ``group``'s pages in, whether it writes them): one per KV head
+    it holds when the group is stored per head (``per_head``: key space "TP rank h of TP size = KV heads",
+    layout/shards.py), else its own. A replicated (MLA) group: the one space, written by TP rank 0; a head
+    held by several ranks (TP > KV heads): written by the first."""
+    ks = keyspace(vllm_config, kv_cache_config, cfg, tp_rank, group)
+    if group.replicated:
+        return [ks], tp_rank == 0
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    if not per_head(group, ks) or not total:
+        return [ks], True
+    h = rank_heads(tp_rank, vllm_config.parallel_config.tensor_parallel_size, total)
+    return [replace(ks, tp_rank=h.first + j, tp_size=h.heads, page_bytes=ks.page_bytes // h.count)
+            for j in range(h.count)], h.writes
+
+
+def per_head(group: Group, ks: KeySpace) -> bool:
+    """Whether ``group`` (key space ``ks``) is stored per KV head: an attention group (not MLA, not a state)
+    whose KV layout keeps each head's part of a block in one run of bytes (``*HNC``: vLLM CPU's LBHNC, HND,
+    cross-layer BLHNC). NHD-style layouts (heads inside tokens) keep one object per TP rank."""
+    layout = ks.extra.rsplit("layout=", 1)[-1]
+    return not group.replicated and not group.state and bool(getattr(group.spec, "num_kv_heads", 0)) \
+        and layout.endswith("HNC")
+
+
+def required_spaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: VllmConnectorConfig,
+                    group: Group) -> list[KeySpace]:
+    """Every key space a hit on ``group`` needs, over all TP ranks of this PP stage (distinct, in order)."""
+    out: list[KeySpace] = []
+    for r in range(vllm_config.parallel_config.tensor_parallel_size):
+        out += [k for k in rank_spaces(vllm_config, kv_cache_config, cfg, r, group)[0] if k not in out]
+    return out
 
 
 def physical_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", layer_names=None) -> str:

@@ -1,9 +1,20 @@
-"""What the scheduler half ships to the worker half each step."""
+"""What the scheduler half ships to the worker half each step, and what each worker tells it once."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+
+@dataclass
+class WorkerHandshake(KVConnectorHandshakeMetadata):
+    """What each worker tells the scheduler half once its KV cache is registered (vLLM collects it from every
+    worker, keyed by (PP rank, TP rank)): ``spaces``, the KeySpace fields of each of its Groups (Group.uid order:
+    a PP stage's hold its own layers, a replicated group's are the same on every TP rank), and ``pd``, a P/D
+    producer's PDHandshake (None elsewhere)."""
+    spaces: list = field(default_factory=list)
+    pd: Any = None
 
 
 @dataclass

@@ -13,10 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvplugins.layout import PageStore, loadable_pages, page_hashes
+from kvplugins.layout import KeySpace, PageStore, loadable_pages, page_hashes
 from kvplugins.vllm_kv_connector import engine
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
-from kvplugins.vllm_kv_connector.metadata import Held, KVPluginsConnectorMetadata, PageBatch, RemoteLoad
+from kvplugins.vllm_kv_connector.metadata import (Held, KVPluginsConnectorMetadata, PageBatch, RemoteLoad,
+                                                  WorkerHandshake)
 from kvplugins.vllm_kv_connector.pd import MAILBOX_SLOTS, PARAMS_KEY, handshake_dict, params_of
 from kvplugins.vllm_kv_connector.stats import StatsRecorder
 
@@ -37,6 +38,7 @@ class _Tracked:
     loading: frozenset = frozenset()    # block ids of its last planned load
     failed: bool = False                # a load of it failed: compute it from now on (no retry loop)
     wait_until: float | None = None     # P/D store: stop waiting for the producer's pages then
+    acked: bool = False                 # P/D direct at another TP size: the producer was told to free its blocks
 
 
 log = logging.getLogger(__name__)
@@ -50,27 +52,31 @@ class SchedulerSide:
         self.groups = engine.groups(kv_cache_config, cfg.layer_chunks)  # KV cache groups, or their layer chunks
         spaces = [engine.keyspace(vllm_config, kv_cache_config, cfg, group=g) for g in self.groups]
         ks = spaces[0]
-        self.namespace = ks.namespace
-        self.handshakes: dict = {}           # P/D direct (producer): TP rank -> PDHandshake of its worker
+        self.handshakes: dict = {}           # P/D direct (producer): TP rank -> PDHandshake of its worker (set_workers)
         self._token = secrets.randbits(62)   # P/D direct: ack tokens, unique per producer lifetime
         self.block_size = ks.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.hash_block_size = engine.hash_block_size(kv_cache_config, ks.block_size)
-        self.pages = PageStore(cfg.client_factory(), ks, ranks=range(ks.tp_size), retry_ms=cfg.retry_ms)
+        required = [engine.required_spaces(vllm_config, kv_cache_config, cfg, g) for g in self.groups]
+        self.pages = PageStore(cfg.client_factory(), ks, required=required[0], retry_ms=cfg.retry_ms)
         self.group_pages = [self.pages] + [  # one per Group (uid order), one client; [0] also answers P/D, events
-            PageStore(cfg.client_factory(), k, ranks=range(ks.tp_size), retry_ms=cfg.retry_ms, share=self.pages)
-            for k in spaces[1:]]
+            PageStore(cfg.client_factory(), k, required=r, retry_ms=cfg.retry_ms, share=self.pages)
+            for k, r in zip(spaces[1:], required[1:])]  # a hit needs every TP rank's parts (PP stages': set_workers)
+        self.namespace = required[0][0].namespace  # P/D: engines needing the same objects share pages
         self.pages.connect()
         self.whole_failure = engine.whole_request_failure(self.groups)  # a failed load fails its requests
         # one full-attention group: one page object per page and a hit needs every page (the direct P/D path
         # reads exactly that); layer chunks, several groups or a window / state group go through the store
-        self.plain = len(self.groups) == 1 and not self.groups[0].window_blocks
+        self.plain = len(self.groups) == 1 and not self.groups[0].window_blocks and \
+            vllm_config.parallel_config.pipeline_parallel_size == 1
         self._fence_all = any(g.window_blocks for g in self.groups)  # blocks leave a window mid-request
         self._state_uids: dict[int, list[int]] = {}    # KV cache group index -> its state Groups (layer chunks)
         for g in self.groups:
             if g.state:
                 self._state_uids.setdefault(g.index, []).append(g.uid)
+        self._spaces = spaces
         if cfg.namespace_file:
-            _write_namespaces(cfg.namespace_file, spaces, self.hash_block_size)
+            _write_namespaces(cfg.namespace_file, spaces, self.hash_block_size, required)
         self.tracked: dict[str, _Tracked] = {}
         self._waiting: set[str] = set()      # P/D store path: requests waiting for the producer's saves
         self.pending = KVPluginsConnectorMetadata()
@@ -78,6 +84,23 @@ class SchedulerSide:
         ev = getattr(vllm_config, "kv_events_config", None)
         self.events_on = bool(ev is not None and ev.enable_kv_cache_events)   # saves carry tokens for events
         self._events = None     # workers' BlockStored events not yet complete (events.KVPluginsKVEvents)
+
+    def set_workers(self, workers: dict) -> None:
+        """The workers' handshakes ((PP rank, TP rank) -> metadata.WorkerHandshake): from now on a hit needs the
+        pages of every distinct key space any worker holds, per Group (each PP stage's layers, each TP rank's
+        heads; a replicated group's one copy), and P/D direct reads use the producer's exports."""
+        workers = {k: h for k, h in workers.items() if isinstance(h, WorkerHandshake)}  # MultiConnector may hand
+        if not workers:                                      # us another connector's: keep the computed spaces
+            return
+        self.handshakes = {tp: h.pd for (pp, tp), h in sorted(workers.items()) if pp == 0 and h.pd is not None}
+        required = []
+        for uid, pages in enumerate(self.group_pages):
+            spaces = {KeySpace(**d) for h in workers.values() for d in h.spaces[uid]}
+            required.append(sorted(spaces, key=lambda k: (k.layer_group, k.tp_rank)))
+            pages.require(required[-1])
+        self.namespace = required[0][0].namespace
+        if self.cfg.namespace_file:
+            _write_namespaces(self.cfg.namespace_file, self._spaces, self.hash_block_size, required)
 
     def _hashes(self, request: "Request") -> list[bytes]:
         return page_hashes(request.block_hashes, self.hash_block_size, self.block_size)
@@ -97,8 +120,11 @@ class SchedulerSide:
                         pd.get("namespace"), self.namespace)
             pd = None
         want = max(0, min(int(pd["pages"]), loadable) - first) if pd else 0
-        if pd and pd.get("mode") == "direct" and self.plain:
+        if pd and pd.get("mode") == "direct" and self.plain and len(pd["ranks"]) == self.tp_size:
             return self._direct_match(t, pd, want)
+        if pd and pd.get("mode") == "direct" and not t.acked:  # direct reads need the producer's TP size: read
+            t.acked = True                                      # what it saved, and let it free its blocks
+            self.pending.acks.append(RemoteLoad(pd["ranks"], [], pd["slot"], pd["token"]))
         candidates = self._hashes(request)[first:loadable]
         t.hit, t.looked = self._stored(candidates, first), len(candidates)
         if t.hit < want:  # P/D store path: the producer's saves may still be landing
@@ -295,14 +321,19 @@ class SchedulerSide:
         return True, {PARAMS_KEY: params}
 
 
-def _write_namespaces(path: str, spaces: list, hash_block_size: int) -> None:
-    """JSON {"namespaces": {tp_rank: namespace}, "keyspace": fields, "groups": [fields per KV cache group],
-    "hash_block_size": tokens} of the first group (and every group): a key is ``namespace/<hex>`` where hex is
-    vLLM's chained block hash (hashed every ``hash_block_size`` tokens) at the end of the page."""
+def _write_namespaces(path: str, spaces: list, hash_block_size: int, required: list) -> None:
+    """JSON {"namespaces": {tp_rank: namespace}, "keyspace": fields, "groups": [fields per Group], "required":
+    [[fields, ...] per Group: the key spaces a hit needs, every TP rank's (or KV head's) and PP stage's, each
+    with its objects' page_bytes], "hash_block_size": tokens} of the scheduler's (PP stage 0's) first group (and every group): a key is ``namespace/<hex>`` where
+    hex is vLLM's chained block hash (hashed every ``hash_block_size`` tokens) at the end of the page. Written
+    at start, again once the workers told their key spaces; replaced atomically."""
     ks = spaces[0]
     info = {"namespaces": {r: ks.for_rank(r).namespace for r in range(ks.tp_size)}, "keyspace": asdict(ks),
-            "groups": [asdict(k) for k in spaces], "hash_block_size": hash_block_size}
-    Path(path).write_text(json.dumps(info, indent=1))
+            "groups": [asdict(k) for k in spaces], "required": [[asdict(k) for k in r] for r in required],
+            "hash_block_size": hash_block_size}
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(info, indent=1))
+    tmp.replace(path)
 
 
 def _untouched(out: "SchedulerOutput", meta: KVPluginsConnectorMetadata) -> bool:

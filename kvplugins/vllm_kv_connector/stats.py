@@ -25,6 +25,8 @@ COUNTERS = {  # data key -> Prometheus help
     "layer_waits": "layer chunks an attention layer waited for (layer-wise loads, layer_chunks > 1)",
     "saved_blocks": "pages saved to the kvplugins store",
     "saved_bytes": "bytes saved to the kvplugins store",
+    "replica_skips": "pages a TP rank did not save because another rank saves the same bytes (MLA's latent KV: "
+                     "TP rank 0; a KV head held by several ranks when TP > KV heads: the first of them)",
 }
 LATENCIES = {  # data key -> Prometheus help (one observation per batch, seconds)
     "load_seconds": "latency of one kvplugins load batch (s)",

@@ -13,14 +13,17 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from kvplugins.errors import ConfigError
-from kvplugins.layout import PageLayout, PageStore, Plane, block_dim_of, planes_of
+from kvplugins.layout import KeySpace, PageLayout, PageStore, Plane, block_dim_of, planes_of
+from kvplugins.layout.shards import HeadShards
+from kvplugins.layout.spans import head_planes
 from kvplugins.vllm_kv_connector import engine, threads
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
 from kvplugins.vllm_kv_connector.events import EventLog
-from kvplugins.vllm_kv_connector.metadata import Held, KVPluginsConnectorMetadata, PageBatch, RemoteLoad
+from kvplugins.vllm_kv_connector.metadata import (Held, KVPluginsConnectorMetadata, PageBatch, RemoteLoad,
+                                                  WorkerHandshake)
 from kvplugins.vllm_kv_connector.stats import StatsRecorder
 
 log = logging.getLogger(__name__)
@@ -30,17 +33,26 @@ IDLE_WAIT_S = 0.01  # an idle step waits up to this long for a load, a held requ
 
 class WorkerSide:
     def __init__(self, vllm_config, kv_cache_config, cfg: VllmConnectorConfig):
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
         self.cfg, self.kv_cache_config = cfg, kv_cache_config
         self.role = vllm_config.kv_transfer_config.kv_role
         self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.pp_rank = get_pp_group().rank_in_group if self.pp_size > 1 else 0
+        self._pages_unit = int(self.tp_rank == 0 and self.pp_rank == 0)  # page counters: one worker counts a
+        # page (every TP rank and PP stage moves its part of it); byte counters: every worker its own bytes
         self.groups = engine.groups(kv_cache_config, cfg.layer_chunks)  # KV cache groups, or their layer chunks
         self.whole_failure = engine.whole_request_failure(self.groups)  # a failed load fails its requests
         self.keyspace = engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, self.groups[0])
         self._spaces = {g.uid: engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, g)
                         for g in self.groups}
+        self._parts = {g.uid: engine.rank_spaces(vllm_config, kv_cache_config, cfg, self.tp_rank, g)
+                       for g in self.groups}            # Group.uid -> (key spaces of its parts, writes them)
+        self._writes = {uid: w for uid, (_, w) in self._parts.items()}  # MLA: TP rank 0; a shared head: its first
+        self.layouts: dict[int, PageLayout] = {}        # Group.uid -> this rank's whole pages (every head)
         self.pages: PageStore | None = None             # the first group's (P/D direct, logs); its client serves all
-        self.group_pages: dict[int, PageStore] = {}     # Group.uid -> its pages
+        self.group_pages: dict[int, PageStore | HeadShards] = {}  # Group.uid -> its pages (per head: shards.py)
         first = {}                                      # KV events: each KV cache group's first layer chunk
         self._event_groups = {g.uid: g for g in self.groups if first.setdefault(g.index, g.uid) == g.uid}
         self._chunk_of = {n: g.uid for g in self.groups for n in g.layer_names} if cfg.layer_chunks > 1 else {}
@@ -78,16 +90,14 @@ class WorkerSide:
                 raise ConfigError(f"KVPluginsConnector: KV tensors of group {g.index} give {layout.page_bytes} B "
                                   f"pages, the KV cache spec {self._spaces[g.uid].page_bytes} B; unsupported KV "
                                   "layout")
-            self.group_pages[g.uid] = PageStore(self.cfg.client_factory(), self._spaces[g.uid], layout,
-                                                retry_ms=self.cfg.retry_ms,
-                                                retry_on_load=True,  # the scheduler found these pages just now
-                                                staged=_staged(layout, self.cfg, len(self.groups)),
-                                                share=self.pages)
-            if self.pages is None:  # the first group's PageStore: its client serves every group
-                self.pages = self.group_pages[g.uid]
+            self.layouts[g.uid] = layout
+            spaces = self._parts[g.uid][0]
+            layouts = _head_layouts(g, spaces, kv_caches, num_blocks) if len(spaces) > 1 else [layout]
+            parts = [self._page_store(ks, lay, len(self.groups) * len(spaces)) for ks, lay in zip(spaces, layouts)]
+            self.group_pages[g.uid] = HeadShards(parts, layout) if len(parts) > 1 else parts[0]
         threads.run_unpinned(self.pages.connect)  # its transfer engine's server threads inherit the wide mask
-        layout = self.pages.layout
-        if self.role == "kv_producer" and layout.device == "cpu" and len(self.groups) == 1:  # any request may ask for direct
+        layout = self.layouts[self.groups[0].uid]
+        if self.role == "kv_producer" and layout.device == "cpu" and len(self.groups) == 1 and self.pp_size == 1:
             from kvplugins.vllm_kv_connector.pd import Export
             self._export = threads.run_unpinned(Export, layout, self.cfg)
         elif self.role == "kv_producer" and self.cfg.pd_mode == "direct":
@@ -96,6 +106,14 @@ class WorkerSide:
         log.info("kvplugins: %d KV cache group(s) of %s layers, %d blocks, %d B pages on %s%s, namespace %s",
                  len(self.groups), "/".join(str(len(g.layer_names)) for g in self.groups), layout.num_blocks,
                  layout.page_bytes, layout.device, ", staged" if self.pages.staged else "", self.keyspace.namespace)
+
+    def _page_store(self, keyspace: KeySpace, layout: PageLayout, shares: int) -> PageStore:
+        """A PageStore of ``layout``'s pages in ``keyspace``; the first made owns the client all share."""
+        pages = PageStore(self.cfg.client_factory(), keyspace, layout, retry_ms=self.cfg.retry_ms,
+                          retry_on_load=True,  # the scheduler found these pages just now
+                          staged=_staged(layout, self.cfg, shares), share=self.pages)
+        self.pages = self.pages or pages
+        return pages
 
     # -- loads ------------------------------------------------------------------------------------------------
     def load(self, meta: KVPluginsConnectorMetadata) -> None:
@@ -127,7 +145,7 @@ class WorkerSide:
             if req_id not in direct:
                 batch.extend(pages)
                 stored[req_id] = frozenset(pages.block_ids)
-        self.stats.add(async_blocks=sum(len(b) for b in meta.async_loads.values()))
+        self.stats.add(async_blocks=sum(len(b) for b in meta.async_loads.values()) * self._pages_unit)
         if stored:
             self._loading[self._load_pool.submit(self._load_batch, batch, after)] = stored
 
@@ -172,14 +190,15 @@ class WorkerSide:
             failed += bad
             nbytes += (len(part) - len(bad)) * self._spaces[group].page_bytes
         done = len(batch) - len(failed)
-        self.stats.add(loaded_blocks=done, loaded_bytes=nbytes, failed_blocks=len(failed))
+        self.stats.add(loaded_blocks=done * self._pages_unit, loaded_bytes=nbytes,
+                       failed_blocks=len(failed) * self._pages_unit)
         self.stats.observe("load_seconds", time.perf_counter() - t0)
         return failed
 
     def _reader_for(self):
         if self._reader is None:
             from kvplugins.vllm_kv_connector.pd import Reader
-            self._reader = Reader(self.pages._layout(), self.cfg)
+            self._reader = Reader(self.layouts[self.groups[0].uid], self.cfg)
         return self._reader
 
     def _direct_batch(self, batch: PageBatch, remote: RemoteLoad) -> list[int]:
@@ -201,8 +220,8 @@ class WorkerSide:
             log.warning("kvplugins: direct load of %d pages failed: %r", len(batch), e)
             failed = list(batch.block_ids)
         done = len(batch) - len(failed)
-        self.stats.add(loaded_blocks=done, loaded_bytes=done * self.keyspace.page_bytes, failed_blocks=len(failed),
-                       direct_blocks=direct)
+        self.stats.add(loaded_blocks=done * self._pages_unit, loaded_bytes=done * self.keyspace.page_bytes,
+                       failed_blocks=len(failed) * self._pages_unit, direct_blocks=direct * self._pages_unit)
         self.stats.observe("load_seconds", time.perf_counter() - t0)
         return failed
 
@@ -212,17 +231,24 @@ class WorkerSide:
         idx = {b: i for i, b in enumerate(batch.block_ids)}
         for _ in range(2):
             if block_ids:
-                block_ids = self.pages.load(block_ids, [batch.hashes[idx[b]] for b in block_ids])
+                block_ids = self.group_pages[self.groups[0].uid].load(block_ids,
+                                                                      [batch.hashes[idx[b]] for b in block_ids])
         return block_ids
 
     def _direct_ack(self, remote: RemoteLoad) -> None:
-        src = remote.src.get(str(self.tp_rank)) if isinstance(remote.src, dict) else None
-        if src and self.pages is not None:
-            self._reader_for().ack(src, remote.slot, remote.token)
+        """Ack the producer ranks this rank answers for: its own, and at another producer TP size every rank
+        ``p`` with ``p % tp_size == tp_rank`` (so each producer rank is acked once)."""
+        if not isinstance(remote.src, dict) or self.pages is None:
+            return
+        for rank, src in remote.src.items():
+            if int(rank) % self.tp_size == self.tp_rank and src:
+                self._reader_for().ack(src, remote.slot, remote.token)
 
-    def handshake(self):
-        """P/D direct producer: what decode needs to read this worker's KV (PDHandshake), else None."""
-        return self._export.handshake if self._export is not None else None
+    def handshake(self) -> WorkerHandshake:
+        """What the scheduler half needs from this worker: its Groups' key spaces and, on a P/D direct
+        producer, what decode needs to read its KV (PDHandshake)."""
+        return WorkerHandshake(spaces=[[asdict(k) for k in self._parts[g.uid][0]] for g in self.groups],
+                               pd=self._export.handshake if self._export is not None else None)
 
     # -- saves ------------------------------------------------------------------------------------------------
     def fence(self, meta: KVPluginsConnectorMetadata) -> None:
@@ -257,23 +283,30 @@ class WorkerSide:
     def _save_batch(self, batch: PageBatch, after=None) -> None:
         t0, n, nbytes = time.perf_counter(), 0, 0
         for group, part in batch.by_group().items():
+            if not self._writes[group]:  # a replicated group: TP rank 0 writes the one copy
+                self.stats.add(replica_skips=len(part))
+                self._record_stored(part, [True] * len(part), self._event_groups.get(group))
+                continue
             try:
                 written, held = self.group_pages[group].save_held(part.block_ids, part.hashes, after)
             except Exception as e:  # noqa: BLE001 - a failed save is a future miss, never an engine error
                 log.warning("kvplugins: save of %d pages failed: %r", len(part), e)
                 continue
             n, nbytes = n + written, nbytes + written * self._spaces[group].page_bytes
-            if self.events is not None and part.token_ids and group in self._event_groups:
-                self._record_stored(part, held, self._event_groups[group])  # a router's prefix events
+            self._record_stored(part, held, self._event_groups.get(group))  # a router's prefix events
         took = time.perf_counter() - t0
-        self.stats.add(saved_blocks=n, saved_bytes=nbytes)
+        self.stats.add(saved_blocks=n * self._pages_unit, saved_bytes=nbytes)
         self.stats.observe("save_seconds", took)
         if took > SLOW_S:
             log.warning("kvplugins: a save of %d pages took %.1f s (%d written)", len(batch), took, n)
 
-    def _record_stored(self, batch: PageBatch, held_mask: list, group: engine.Group) -> None:
+    def _record_stored(self, batch: PageBatch, held_mask: list, group: engine.Group | None) -> None:
         """BlockStored events for the pages of ``batch`` (of ``group``) the store holds now (``held_mask``: per
-        page; events.py)."""
+        page; events.py), when events are on and ``group`` is its KV cache group's first chunk. A worker that
+        does not write a replicated group reports its pages as held: an event completes only when every worker
+        reported it, the writer included."""
+        if self.events is None or not batch.token_ids or group is None:
+            return
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
         held = [i for i, ok in enumerate(held_mask) if ok]
         self.events.stored([maybe_convert_block_hash(batch.hashes[i]) for i in held],
@@ -387,6 +420,25 @@ class WorkerSide:
                 side.close()
         for pages in self.group_pages.values():
             pages.close()
+
+
+def _head_layouts(g: engine.Group, spaces: list[KeySpace], kv_caches: dict, num_blocks: int) -> list[PageLayout]:
+    """One layout per KV head this rank holds (``spaces``, in head order) over group ``g``'s KV tensors. Raises
+    ConfigError when a tensor does not keep a head's part of a block in one run (engine.per_head said it
+    would: a layout vLLM named *HNC that is not)."""
+    out = []
+    for j, ks in enumerate(spaces):
+        planes = []
+        for n in g.layer_names:
+            t = kv_caches[n]
+            part = head_planes(t, block_dim_of(tuple(t.shape), num_blocks), len(spaces), j)
+            if part is None:
+                raise ConfigError(f"KVPluginsConnector: KV tensor {n} of shape {tuple(t.shape)} does not hold "
+                                  f"{len(spaces)} KV heads as runs of bytes per block, as its layout "
+                                  f"({ks.extra.rsplit('layout=', 1)[-1]}) says; report this layout")
+            planes += _engine_blocks(part, num_blocks)
+        out.append(PageLayout(planes))
+    return out
 
 
 def _staged(layout: PageLayout, cfg: VllmConnectorConfig, shares: int = 1):

@@ -31,9 +31,21 @@ def page_keys(keyspace: dict, token_ids: list[int], hash_block: int = BLOCK) -> 
     return KeySpace(**keyspace).keys(page_hashes(token_ids, hash_block)[step - 1::step])
 
 
+def object_keys(info: dict, group: int, token_ids: list[int]) -> list[str]:
+    """The store keys of the full pages of ``token_ids`` in KV cache group ``group`` (``info``: the engine's
+    namespace file): one per page and key space the group's pages live in (one per KV head when stored per head),
+    key space by key space."""
+    return [k for ks in info["required"][group] for k in page_keys(ks, token_ids, info["hash_block_size"])]
+
+
+def object_bytes(info: dict, group: int = 0) -> int:
+    """Bytes of one stored object of ``group`` (a KV head's part of a page when pages are stored per head)."""
+    return info["required"][group][0]["page_bytes"]
+
+
 def stored_page_keys(client, b, info) -> list[str]:
-    """The keys of run ``b``'s prompt pages that the store holds (``info``: the engine's namespace file)."""
-    keys = [k for ids in b["prompt_token_ids"] for k in page_keys(info["keyspace"], ids)]
+    """The keys of run ``b``'s prompt pages (first group) that the store holds."""
+    keys = [k for ids in b["prompt_token_ids"] for k in object_keys(info, 0, ids)]
     stored = [k for k, ok in zip(keys, client.batch_exists(keys)) if ok]
     assert len(stored) >= b["external_hit_tokens"] // BLOCK  # the keys we compute are the engine's
     return stored
@@ -41,8 +53,7 @@ def stored_page_keys(client, b, info) -> list[str]:
 
 def stored_group_keys(client, b, info) -> list[str]:
     """The keys of run ``b``'s prompt pages that the store holds, of every KV cache group."""
-    keys = [k for g in info["groups"] for ids in b["prompt_token_ids"]
-            for k in page_keys(g, ids, info["hash_block_size"])]
+    keys = [k for g in range(len(info["required"])) for ids in b["prompt_token_ids"] for k in object_keys(info, g, ids)]
     return [k for k, ok in zip(keys, client.batch_exists(keys)) if ok]
 
 

@@ -20,7 +20,7 @@ import time
 import pytest
 from helpers.cluster import store_cluster
 from helpers.corrupt import flip_stored_byte
-from kvp_vllm_helpers import BLOCK, engine_pair, replace_pages, stored_page_keys
+from kvp_vllm_helpers import BLOCK, engine_pair, object_bytes, replace_pages, stored_page_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
@@ -81,7 +81,7 @@ def test_page_that_fails_to_load_is_recomputed(shared, baseline, model, turn_pro
     _, b, info = shared
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         stored = stored_page_keys(client, b, info)
-        replace_pages(client, stored[5:6], info["keyspace"]["page_bytes"] // 2)  # wrong size: load fails
+        replace_pages(client, stored[5:6], object_bytes(info) // 2)  # wrong size: load fails
     log = tmp_path / "engine.log"
     r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master},
                              load_failure="recompute"), log_path=str(log))
@@ -116,7 +116,7 @@ def test_corrupted_pages_change_tokens(shared, baseline, model, turn_prompts, cl
     from kvplugins.store import ClientConfig, StoreClient
     _, b, info = shared
     with StoreClient(ClientConfig(master=cluster.master)) as client:
-        replace_pages(client, stored_page_keys(client, b, info), info["keyspace"]["page_bytes"])
+        replace_pages(client, stored_page_keys(client, b, info), object_bytes(info))
     bad = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master}))
     assert bad["external_hit_tokens"] >= b["external_hit_tokens"]  # B saved its own pages too
     assert bad["tokens"] != baseline["tokens"]

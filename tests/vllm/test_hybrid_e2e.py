@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvp_vllm_helpers import BLOCK, engine_pair, flipped, page_keys, replace_pages, stored_group_keys
+from kvp_vllm_helpers import BLOCK, engine_pair, flipped, object_bytes, page_keys, replace_pages, stored_group_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
@@ -59,14 +59,15 @@ def test_hybrid_fresh_instance_gets_external_hits_and_identical_tokens(shared, g
 def test_hybrid_corrupted_window_pages_change_tokens(shared, gemma_baseline, gemma, turn_prompts, cluster):
     from kvplugins.store import ClientConfig, StoreClient
     a, b, info = shared
-    sliding = next(g for g in info["groups"] if ".layers.0." in g["layer_group"])  # layers alternate
+    sliding = next(i for i, g in enumerate(info["groups"]) if ".layers.0." in g["layer_group"])  # alternating
     keys = []  # C's hit ends where B's saved prompt pages end (the last page is recomputed): its window before
-    for ids in b["prompt_token_ids"]:
-        end = (len(ids) - 1) // BLOCK
-        keys += page_keys(sliding, ids)[end - _window_pages():end]
+    for ks in info["required"][sliding]:   # each KV head's objects
+        for ids in b["prompt_token_ids"]:
+            end = (len(ids) - 1) // BLOCK
+            keys += page_keys(ks, ids)[end - _window_pages():end]
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         assert all(client.batch_exists(keys))  # the window pages B loaded are in the store
-        replace_pages(client, keys, sliding["page_bytes"])
+        replace_pages(client, keys, object_bytes(info, sliding))
     bad = run_fresh(EngineSpec(gemma, turn_prompts[1], connector={"master": cluster.master}))
     assert bad["external_hit_tokens"] == sum((len(ids) - 1) // BLOCK for ids in b["prompt_token_ids"]) * BLOCK
     assert bad["kvplugins"]["failed_blocks"] == 0  # the random bytes carry their own checksum: they load

@@ -62,8 +62,8 @@ def run_with_events(model, prompts, tmp_path, dtype="float32"):
         info = json.loads(ns.read_text())
         with StoreClient(ClientConfig(master=c.master)) as client:
             stored = {}
-            for g in info["groups"]:
-                ks = KeySpace(**g)
+            for req in info["required"]:          # each group's first key space (its first KV head)
+                ks = KeySpace(**req[0])
                 pages = [h for ids, out in zip(a["prompt_token_ids"], a["tokens"]) for h in page_hashes(ids + out)]
                 stored[ks.layer_group] = {h for h, ok in zip(pages, client.batch_exists(ks.keys(pages))) if ok}
     blocks = [e for e in got if isinstance(e, BlockStored)]

@@ -10,7 +10,7 @@ import json
 
 import pytest
 from helpers.cluster import store_cluster
-from kvp_vllm_helpers import BLOCK, page_keys, replace_pages
+from kvp_vllm_helpers import BLOCK, object_bytes, object_keys, replace_pages
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
@@ -53,12 +53,12 @@ def test_layerwise_loads_give_external_hits_and_identical_tokens(runs, baseline)
 def test_corrupted_last_chunk_changes_tokens(runs, baseline, model, turn_prompts, cluster):
     from kvplugins.store import ClientConfig, StoreClient
     _, b, info = runs
-    last = info["groups"][-1]
-    keys = [k for ids in b["prompt_token_ids"] for k in page_keys(last, ids)]
+    last = len(info["required"]) - 1
+    keys = [k for ids in b["prompt_token_ids"] for k in object_keys(info, last, ids)]
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         keys = [k for k, ok in zip(keys, client.batch_exists(keys)) if ok]
         assert len(keys) >= b["external_hit_tokens"] // BLOCK
-        replace_pages(client, keys, last["page_bytes"])
+        replace_pages(client, keys, object_bytes(info, last))
     bad = run_fresh(EngineSpec(model, turn_prompts[1], connector=layered(cluster)))
     assert bad["external_hit_tokens"] >= b["external_hit_tokens"] and bad["kvplugins"]["failed_blocks"] == 0
     assert bad["tokens"] != baseline["tokens"]

@@ -11,7 +11,7 @@ import json
 
 import pytest
 from helpers.cluster import store_cluster
-from kvp_vllm_helpers import BLOCK, replace_pages, stored_page_keys
+from kvp_vllm_helpers import BLOCK, object_bytes, replace_pages, stored_page_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
@@ -65,7 +65,7 @@ def test_corrupted_pages_change_staged_tokens(runs, baseline, model, turn_prompt
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         st = client.master_call("status", [])
         assert st["objects_lost"] == 0, (st, cluster.master_proc.log_tail())       # no page lost since A saved
-        replace_pages(client, stored_page_keys(client, b, info), info["keyspace"]["page_bytes"])
+        replace_pages(client, stored_page_keys(client, b, info), object_bytes(info))
     bad = run_fresh(EngineSpec(model, turn_prompts[1], connector=staged(cluster)))
     assert bad["external_hit_tokens"] >= b["external_hit_tokens"]
     assert bad["tokens"] != baseline["tokens"]
