@@ -1,7 +1,7 @@
 """Runs the RDMA suite on real verbs: boots the soft-RoCE QEMU guest (ci/rxe-guest.sh, two NICs: rxe0 on eth0,
 rxe1 on eth1) and runs there tests/rdma/guest (striping, failover, QP rebuild, auth, store over RDMA, doctor)
-and the transfer contract suite over rdma (tcp and shm run it on the host, tests/transfer). The guest's output is printed, so a failure reads as
-the guest's pytest report. Skipped, saying why and the fix, where QEMU or Debian's kernel is not installed."""
+and the transfer contract suite over rdma (tcp and shm run it on the host, tests/transfer). The guest's output
+is printed, so a failure reads as the guest's pytest report. Skipped, saying why and the fix, where QEMU or Debian's kernel is not installed."""
 import os
 import shutil
 import subprocess
