@@ -1,6 +1,9 @@
 """KVPluginsConnector: the KVConnectorBase_V1 subclass vLLM instantiates in its scheduler and its workers.
 
 Each hook only translates: the scheduler role delegates to SchedulerSide, the worker role to WorkerSide.
+Once the KV cache is registered each worker's ``get_handshake_metadata`` tells the scheduler (through vLLM's
+``set_xfer_handshake_metadata_pp_aware``, keyed by (PP rank, TP rank)) the key spaces its part of a page lives
+in, and a P/D producer's export.
 Large hits load asynchronously (``get_num_new_matched_tokens`` -> ``(n, True)``; completion through
 ``get_finished``), small ones before the step's forward; saves are submitted in ``wait_for_save`` and run in
 the background, ``handle_preemptions`` (called before every forward) fences the saves of requests whose
