@@ -104,15 +104,16 @@ def _down(counts: dict[str, int], key: str) -> None:
 
 
 class AcceptBackoff:
-    """What a server does when ``accept()`` fails for lack of descriptors or memory: a rate-limited log line and
-    a pause that doubles from ``first_s`` up to ``max_s`` while the failures go on."""
+    """What a server does when ``accept()`` fails for lack of descriptors or memory: a log line rate-limited per
+    errno (a second cause is never hidden behind the first's interval) and a pause that doubles from ``first_s``
+    up to ``max_s`` while the failures go on."""
 
     def __init__(self, what: str, first_s: float = 0.01, max_s: float = 0.5, log_interval_s: float = 10.0):
         self.what, self.first_s, self.max_s, self.log_interval_s = what, first_s, max_s, log_interval_s
         self._lock = threading.Lock()
         self._pause = 0.0
-        self._last_log = -1e18
-        self._hidden = 0
+        self._last_log: dict[int | None, float] = {}     # errno -> monotonic s of its last line
+        self._hidden: dict[int | None, int] = {}         # errno -> failures not logged since that line
         self.failures = 0
 
     @staticmethod
@@ -126,10 +127,11 @@ class AcceptBackoff:
         with self._lock:
             self.failures += 1
             self._pause = min(self.max_s, max(self.first_s, self._pause * 2))
-            if now - self._last_log < self.log_interval_s:
-                self._hidden += 1
+            code = err.errno
+            if now - self._last_log.get(code, -1e18) < self.log_interval_s:
+                self._hidden[code] = self._hidden.get(code, 0) + 1
                 return self._pause
-            hidden, self._hidden, self._last_log = self._hidden, 0, now
+            hidden, self._hidden[code], self._last_log[code] = self._hidden.get(code, 0), 0, now
         more = f" ({hidden} more since the last line)" if hidden else ""
         log.warning("%s: accept failed (%s); established connections keep being served, accepting again in "
                     "%.0f ms%s; raise the descriptor limit (ulimit -n) or lower max_connections", self.what,

@@ -120,6 +120,10 @@ class LimitedServer:
         self._err.seek(0)
         return self._err.read().decode(errors="replace")
 
+    def log_lines(self, part: str) -> list[str]:
+        """The server's log lines that contain ``part`` (an assertion's message shows them whole)."""
+        return [ln for ln in self.log().splitlines() if part in ln]
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
