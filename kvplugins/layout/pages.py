@@ -160,31 +160,7 @@ class PageStore:
         or untouched (staged): never bytes that failed their checksum, since an engine may reuse a freed block
         partly filled, and masked garbage such as inf turns attention into NaN (vLLM zeroes reused blocks only
         for Mamba or mixed precision). ``after``: staged only, the engine's mark (see StagedPages)."""
-        if not block_ids:
-            return []
-        spans = self._layout().spans_for(block_ids) if self.staged is None else None
-        if self._owner._client is None and self._retry_on_load:
-            self._owner._down_until = 0.0
-        client = self._connected()
-        if client is None:
-            self.stats["failed_pages"] += len(block_ids)
-            return list(block_ids)
-        keys = self.keyspace.keys(hashes)
-        try:
-            errors = client.batch_get_into(keys, spans) if spans is not None else \
-                self.staged.load(client, keys, block_ids, after)
-        except KVPluginsError as e:
-            self._failed(e)
-            errors = [e] * len(block_ids)
-        failed = [b for b, err in zip(block_ids, errors) if err is not None]
-        if failed and spans is not None:       # bytes read in place that failed (checksum, size): none stay
-            zero_spans([sp for block, err in zip(spans, errors) if err is not None for sp in block])
-        if failed:
-            log.warning("kvplugins: %d of %d pages failed to load: %s", len(failed), len(block_ids),
-                        next(e for e in errors if e is not None))
-        self.stats["loaded_pages"] += len(block_ids) - len(failed)
-        self.stats["failed_pages"] += len(failed)
-        return failed
+        return load_pages([self], block_ids, hashes, after)
 
     def save(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> int:
         """Store the pages not stored yet (one exists RPC, then one batch put); returns pages written.
@@ -194,34 +170,7 @@ class PageStore:
     def save_held(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> tuple[int, list]:
         """save(), also returning per page whether the store holds it afterwards (already there, or written
         now): (pages written, [bool per page]); all False if the store is down."""
-        held = [False] * len(block_ids)
-        if not block_ids:
-            return 0, held
-        layout = self._layout()
-        client = self._connected()
-        if client is None:
-            return 0, held
-        keys = self.keyspace.keys(hashes)
-        try:
-            held = list(client.batch_exists(keys))
-            todo = [i for i, p in enumerate(held) if not p]
-            self.stats["skipped_pages"] += len(keys) - len(todo)
-            if not todo:
-                return 0, held
-            ids = [block_ids[i] for i in todo]
-            todo_keys = [keys[i] for i in todo]
-            errors = client.batch_put_from(todo_keys, layout.spans_for(ids)) if self.staged is None \
-                else self.staged.save(client, todo_keys, ids, after)
-        except KVPluginsError as e:
-            self._failed(e)
-            return 0, [False] * len(block_ids)
-        bad = [e for e in errors if e is not None]
-        if bad:
-            log.warning("kvplugins: %d of %d page saves failed: %s", len(bad), len(todo), bad[0])
-        for i, err in zip(todo, errors):
-            held[i] = err is None
-        self.stats["saved_pages"] += len(todo) - len(bad)
-        return len(todo) - len(bad), held
+        return save_pages([self], block_ids, hashes, after)
 
     def _layout(self) -> PageLayout:
         if self.layout is None:
@@ -234,3 +183,85 @@ class PageStore:
             self._client = None
         if self.staged is not None:
             self.staged.close()
+
+
+# -- pages stored as one object per part (per KV head: layout/shards.py), one batch RPC for all parts ----------
+def load_pages(parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Sequence[bytes],
+               after: Any = None) -> list[int]:
+    """PageStore.load for pages stored as one object per part (each part: its key space and its layout of the
+    blocks; all parts share one client, ``share=``): one ``batch_get_into`` for every part's objects. A block
+    fails when any of its objects fails; only the failed objects' bytes are zeroed. Staged parts move part by
+    part (their bounce slots are per part). Statistics count pages, on ``parts[0]``."""
+    if not block_ids:
+        return []
+    head = parts[0]
+    if head.staged is not None and len(parts) > 1:
+        failed = {b for part in parts for b in load_pages([part], block_ids, hashes, after)}
+        return [b for b in block_ids if b in failed]
+    spans = [sp for part in parts for sp in part._layout().spans_for(block_ids)] if head.staged is None else None
+    if head._owner._client is None and head._retry_on_load:
+        head._owner._down_until = 0.0
+    client = head._connected()
+    if client is None:
+        head.stats["failed_pages"] += len(block_ids)
+        return list(block_ids)
+    keys = [k for part in parts for k in part.keyspace.keys(hashes)]
+    try:
+        errors = client.batch_get_into(keys, spans) if spans is not None else \
+            head.staged.load(client, keys, block_ids, after)
+    except KVPluginsError as e:
+        head._failed(e)
+        errors = [e] * len(keys)
+    if spans is not None:       # bytes read in place that failed (checksum, size): none stay
+        zero_spans([sp for block, err in zip(spans, errors) if err is not None for sp in block])
+    n = len(block_ids)
+    failed = [b for i, b in enumerate(block_ids) if any(errors[j * n + i] is not None for j in range(len(parts)))]
+    if failed:
+        log.warning("kvplugins: %d of %d pages failed to load: %s", len(failed), n,
+                    next(e for e in errors if e is not None))
+    head.stats["loaded_pages"] += n - len(failed)
+    head.stats["failed_pages"] += len(failed)
+    return failed
+
+
+def save_pages(parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Sequence[bytes],
+               after: Any = None) -> tuple[int, list]:
+    """PageStore.save_held for pages stored as one object per part (see load_pages): one ``batch_exists`` and
+    one ``batch_put_from`` for every part's missing objects. A page is held when every part's object is; it
+    counts as written when it is held and this call wrote some of its objects. Staged parts move part by part."""
+    n = len(block_ids)
+    if not n:
+        return 0, []
+    head = parts[0]
+    if head.staged is not None and len(parts) > 1:
+        results = [save_pages([part], block_ids, hashes, after) for part in parts]
+        held = [all(r[1][i] for r in results) for i in range(n)]
+        return max(r[0] for r in results), held
+    layouts = [part._layout() for part in parts]
+    client = head._connected()
+    if client is None:
+        return 0, [False] * n
+    keys = [k for part in parts for k in part.keyspace.keys(hashes)]
+    try:
+        present = list(client.batch_exists(keys))
+        todo = [x for x, p in enumerate(present) if not p]           # object x: part x // n, page x % n
+        head.stats["skipped_pages"] += sum(all(present[j * n + i] for j in range(len(parts))) for i in range(n))
+        if not todo:
+            return 0, [True] * n
+        ids = [block_ids[x % n] for x in todo]
+        todo_keys = [keys[x] for x in todo]
+        errors = client.batch_put_from(todo_keys, [layouts[x // n].spans(b) for x, b in zip(todo, ids)]) \
+            if head.staged is None else head.staged.save(client, todo_keys, ids, after)
+    except KVPluginsError as e:
+        head._failed(e)
+        return 0, [False] * n
+    bad = [e for e in errors if e is not None]
+    if bad:
+        log.warning("kvplugins: %d of %d page saves failed: %s", len(bad), len(todo), bad[0])
+    for x, err in zip(todo, errors):
+        present[x] = err is None
+    held = [all(present[j * n + i] for j in range(len(parts))) for i in range(n)]
+    wrote = {x % n for x in todo}
+    written = sum(1 for i in wrote if held[i])
+    head.stats["saved_pages"] += written
+    return written, held

@@ -5,8 +5,9 @@ A TP rank holds some of the model's ``heads`` KV heads (``rank_heads``). Stored 
 write for its rank ``h``, so an engine at TP 1, 2, 4... (any size that divides the heads, or that the heads
 divide) loads the heads it holds, and P/D works between prefill and decode at different TP sizes through the
 store. The bytes moved per rank are the same as whole-page objects; a rank moves ``heads / tp`` objects per
-page instead of one. A head's part of a block must be one run of bytes (head-major layouts: vLLM CPU's LBHNC,
-HND); other layouts keep one object per TP rank (``spans.head_planes``).
+page instead of one, all of a batch's in one RPC. A head's part of a block must be one run of bytes
+(head-major layouts: vLLM CPU's LBHNC, HND); other layouts keep one object per TP rank
+(``spans.head_planes``).
 
 Source followed: Mooncake's TP-sharded store layouts in vLLM 0.32 (``mooncake/store``: LBHNC objects per store
 TP shard) and SGLang HiCache's ``page_head`` layout; here the shard is always one KV head.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvplugins.errors import ConfigError
-from kvplugins.layout.pages import PageStore
+from kvplugins.layout.pages import PageStore, load_pages, save_pages
 
 
 @dataclass(frozen=True)
@@ -61,23 +62,17 @@ class HeadShards:
         return self.parts[0].connect()
 
     def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> list[int]:
-        """Each head's objects into the blocks; returns the block ids any head failed (PageStore.load)."""
-        failed: set[int] = set()
-        for part in self.parts:
-            failed.update(part.load(block_ids, hashes, after))
-        return [b for b in block_ids if b in failed]
+        """Every head's objects into the blocks in one batch RPC; returns the block ids any head failed
+        (pages.load_pages)."""
+        return load_pages(self.parts, block_ids, hashes, after)
 
     def save_held(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> tuple[int, list]:
-        """Each head's missing objects (PageStore.save_held); (the most pages one head wrote, whether each page
-        is held for every head afterwards). A replica rank writes nothing and reports the pages held: the
-        rank that writes its head reports the truth (a hit needs every head's object anyway)."""
+        """Every head's missing objects in one batch RPC (pages.save_pages): (pages written, whether each page
+        is held for every head afterwards). A replica rank writes nothing and reports the pages held: the rank
+        that writes its head reports the truth (a hit needs every head's object anyway)."""
         if not self.writes:
             return 0, [True] * len(block_ids)
-        written, held = 0, [True] * len(block_ids)
-        for part in self.parts:
-            n, part_held = part.save_held(block_ids, hashes, after)
-            written, held = max(written, n), [a and b for a, b in zip(held, part_held)]
-        return written, held
+        return save_pages(self.parts, block_ids, hashes, after)
 
     def close(self) -> None:
         for part in self.parts:
