@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from kvplugins.shims import run_command
-    from kvplugins.store.mooncake_shim import SHIM
+    from kvplugins.mooncake.shim import SHIM
     st = run_command(SHIM, args.mooncake_command, args)
     print(st.describe())
     if st.enabled:

@@ -1,5 +1,5 @@
 """Byte ranges of objects at known locations: the store side of Mooncake's put and get *sessions*
-(compat_sessions.py). A put session reserves objects (``put_start``: pending, allocated), writes ranges of them
+(sessions.py). A put session reserves objects (``put_start``: pending, allocated), writes ranges of them
 at offsets the caller picks, then commits (``put_commit``, no checksum: the client never holds the whole object)
 or aborts them; a get session looks objects up once (``get``, with a lease) and reads ranges of them.
 

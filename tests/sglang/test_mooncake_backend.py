@@ -17,7 +17,7 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang not i
 
 from helpers.cluster import store_cluster  # noqa: E402
 from kvplugins.cli import main as cli_main  # noqa: E402
-from kvplugins.store import mooncake_shim  # noqa: E402
+from kvplugins.mooncake import shim as mooncake_shim  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hicache_case as hc  # noqa: E402
@@ -51,7 +51,7 @@ def test_enable_refuses_to_shadow_a_real_mooncake_unless_forced(tmp_path, capsys
     assert which_mooncake(tmp_path) == before                     # untouched
     assert cli_main(["mooncake", "enable", "--force", "--site-dir", str(tmp_path)]) == 0
     assert "shadowing" in capsys.readouterr().out
-    assert which_mooncake(tmp_path) == "kvplugins.store.compat"
+    assert which_mooncake(tmp_path) == "kvplugins.mooncake.api"
     assert cli_main(["mooncake", "status", "--site-dir", str(tmp_path)]) == 0
     assert "enabled" in capsys.readouterr().out
     assert cli_main(["mooncake", "disable", "--site-dir", str(tmp_path)]) == 0
@@ -69,6 +69,6 @@ def test_sglang_mooncake_backend_on_our_store_reads_back_bit_exact(tmp_path, kin
                                                         "layout": layout, "keys": keys, "seed": 7}])
         [r] = run_worker(tmp_path, site_dir, c.master, [{"op": "read", "backend": "mooncake", "kind": kind,
                                                         "layout": layout, "keys": keys}])
-    assert w["store"] == r["store"] == "kvplugins.store.compat"    # SGLang's import got our client
+    assert w["store"] == r["store"] == "kvplugins.mooncake.api"    # SGLang's import got our client
     assert w["ok"] and r["loaded"] == len(keys)
     assert r["digests"] == w["digests"]

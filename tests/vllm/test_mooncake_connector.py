@@ -11,7 +11,7 @@ import pytest
 from helpers.cluster import store_cluster
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
-from kvplugins.store import mooncake_shim
+from kvplugins.mooncake import shim as mooncake_shim
 from kvplugins.store.rpc_client import control_client
 
 pytest.importorskip("vllm")

@@ -1,5 +1,5 @@
 """Administrative master ops that inspect or walk the object table: ``get_size``, ``remove_checked``,
-``remove_by_regex``, ``remove_all`` (what the Mooncake-compatible client, kvplugins/store/compat.py, needs beyond
+``remove_by_regex``, ``remove_all`` (what the Mooncake-compatible client, kvplugins/mooncake/api.py, needs beyond
 the batch ops).
 
 Mooncake semantics: without ``{"force": true}`` in opts these removes skip objects whose read lease is still

@@ -175,7 +175,7 @@ def test_peer_without_the_secret_is_refused_before_any_qp(monkeypatch):
 
 def test_store_put_get_over_rdma_between_processes():
     from kvplugins.store import ClientConfig, StoreClient
-    from kvplugins.store.compat import MooncakeDistributedStore
+    from kvplugins.mooncake import MooncakeDistributedStore
     with store_cluster(nodes=1, segment_size="32MiB", node_flags={"transports": "rdma,tcp"}) as cluster:
         client = StoreClient(ClientConfig(master=cluster.master, transports="rdma,tcp", rpc_timeout_ms=30000))
         try:

@@ -1,4 +1,4 @@
-"""kvplugins.store.compat.MooncakeDistributedStore: the method names, parameter names/order, defaults and return
+"""kvplugins.mooncake.api.MooncakeDistributedStore: the method names, parameter names/order, defaults and return
 types of the installed Mooncake (0.3.13, read from its pybind signatures), a Mooncake-style script run against
 our real store processes with Mooncake's documented return codes, and the admin ops behind it."""
 import re
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from helpers.cluster import store_cluster
-from kvplugins.store import compat
-from kvplugins.store.compat import MooncakeDistributedStore, ReplicateConfig
+from kvplugins import mooncake as compat
+from kvplugins.mooncake import MooncakeDistributedStore, ReplicateConfig
 from kvplugins.store.rpc_client import control_client
 
 METHODS = ("setup", "close", "put", "get", "put_batch", "get_batch", "put_from", "get_into", "batch_put_from",
@@ -88,7 +88,7 @@ def test_replicate_config_assignment_types_match_mooncake():
     """Every attribute, assigned each probe value on Mooncake's ReplicateConfig and on ours: the same TypeError,
     or the same value read back (issue #19: Mooncake's binding refuses what it cannot convert)."""
     mc = pytest.importorskip("mooncake.store")
-    from kvplugins.store.compat import ObjectDataType, SoftPinAction
+    from kvplugins.mooncake import ObjectDataType, SoftPinAction
     np = pytest.importorskip("numpy")
     names = [a for a in dir(mc.ReplicateConfig()) if not a.startswith("_")]
     pairs = [(v, v) for v in PROBES + [np.int64(3), np.True_]]
@@ -451,10 +451,10 @@ def bad_calls(cls, config_cls):
 PROBE_SCRIPT = """
 import sys, json
 sys.path[:0] = {paths!r}
-import test_compat
+import test_mooncake_api
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 store = MooncakeDistributedStore()
-for name, what, pos, kw in test_compat.bad_calls(test_compat.MooncakeDistributedStore, ReplicateConfig):
+for name, what, pos, kw in test_mooncake_api.bad_calls(test_mooncake_api.MooncakeDistributedStore, ReplicateConfig):
     try:
         getattr(store, name)(*pos, **kw)
         print(json.dumps([what, "accepted"]), flush=True)
@@ -516,7 +516,7 @@ def test_tensor_round_trip_keeps_dtype_shape_and_bytes(compat_store, dtype, tmp_
 
 def test_setup_reads_size_strings_as_mooncake():
     from kvplugins.errors import ConfigError
-    from kvplugins.store.compat_types import byte_size
+    from kvplugins.mooncake.checks import byte_size
     assert [byte_size("s", t) for t in ("16MB", "16 MB", "16mb", "4096", "2 GB", "1kb", "3 B")] == \
         [16 << 20, 16 << 20, 16 << 20, 4096, 2 << 30, 1024, 3]
     for text in ("16 MiB", "1.5GB", "", "MB"):
@@ -526,7 +526,7 @@ def test_setup_reads_size_strings_as_mooncake():
 
 EXIT_SCRIPT = """
 import sys
-from kvplugins.store.compat import MooncakeDistributedStore
+from kvplugins.mooncake import MooncakeDistributedStore
 store = MooncakeDistributedStore()
 assert store.setup("localhost", "", 4 << 20, 1 << 20, "tcp", "", sys.argv[1]) == 0
 assert store.put("exit/k", b"v" * 1000) == 0

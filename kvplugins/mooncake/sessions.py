@@ -1,4 +1,4 @@
-"""Mooncake 0.3.13's put and get sessions, a mixin of compat.MooncakeDistributedStore (over client_ranges.py).
+"""Mooncake 0.3.13's put and get sessions, a mixin of api.MooncakeDistributedStore (over client_ranges.py).
 
 A put session: ``batch_put_session_start`` reserves objects (0, or OBJECT_ALREADY_EXISTS -705 for a stored key),
 ``batch_put_from_multi_buffer_ranges`` writes byte ranges of them from registered buffers at offsets the caller
@@ -6,7 +6,7 @@ picks (bytes written per key), ``batch_put_session_end`` makes them readable, ``
 drops them. A get session: ``batch_get_session_start`` looks objects up once (0 or OBJECT_NOT_FOUND),
 ``batch_get_into_multi_buffer_ranges`` reads byte ranges of them, ``batch_get_session_end`` forgets them. A key
 with no session, or a range past the object's end, answers INVALID_PARAMS: each code as a real mooncake_master
-answered it (tests/store/test_compat.py). A session's objects are committed without a checksum (no one holds
+answered it (tests/store/test_mooncake_api.py). A session's objects are committed without a checksum (no one holds
 the whole object); a get session whose lease ran out looks its object up again before reading.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import threading
 import time
 
 from kvplugins.store import client_ranges, protocol
-from kvplugins.store.compat_codes import INVALID_PARAMS, OK, _guard, _per_key, code_of, pybind
-from kvplugins.store.compat_types import DEFAULT
+from kvplugins.mooncake.codes import INVALID_PARAMS, OK, guard, per_key, code_of, pybind
+from kvplugins.mooncake.checks import DEFAULT
 
 OBJECT_ALREADY_EXISTS = -705
 
@@ -30,7 +30,7 @@ class SessionMethods:
         return self._session_state
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_put_session_start(self, keys: list[str], sizes: list[int],
                                 config: ReplicateConfig = DEFAULT) -> list[int]:
         puts, _, lock = self._sessions()
@@ -47,7 +47,7 @@ class SessionMethods:
         return out
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_put_from_multi_buffer_ranges(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                            all_sizes: list[list[int]], all_dst_offsets: list[list[int]]) -> list[int]:
         puts, _, lock = self._sessions()
@@ -56,17 +56,17 @@ class SessionMethods:
         return self._ranges("write", keys, known, all_buffer_ptrs, all_sizes, all_dst_offsets)
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_put_session_end(self, keys: list[str]) -> list[int]:
         return self._finish(keys, client_ranges.commit)
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_put_session_revoke(self, keys: list[str]) -> list[int]:
         return self._finish(keys, client_ranges.abort)
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_get_session_start(self, keys: list[str]) -> list[int]:
         _, gets, lock = self._sessions()
         out, now = [], time.monotonic()
@@ -80,7 +80,7 @@ class SessionMethods:
         return out
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_get_into_multi_buffer_ranges(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                            all_sizes: list[list[int]], all_src_offsets: list[list[int]]) -> list[int]:
         _, gets, lock = self._sessions()
@@ -95,7 +95,7 @@ class SessionMethods:
                             all_sizes, all_src_offsets)
 
     @pybind
-    @_guard()
+    @guard()
     def batch_get_session_end(self, keys: list[str]) -> int:
         _, gets, lock = self._sessions()
         with lock:

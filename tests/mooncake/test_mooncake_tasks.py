@@ -1,12 +1,12 @@
 """Mooncake 0.3.13's replica tasks on our store (issue #19): create_copy_task / create_move_task / query_task run
 by the process behind the source segment (master/replica_tasks.py). ``mooncake_tasks_script`` is also run
-against a real mooncake_master by tests/store/mooncake_crosscheck.py: its expected codes are Mooncake's."""
+against a real mooncake_master by tests/mooncake/mooncake_crosscheck.py: its expected codes are Mooncake's."""
 import time
 
 import pytest
 
 from helpers.cluster import store_cluster
-from kvplugins.store.compat import MooncakeDistributedStore, ReplicateConfig
+from kvplugins.mooncake import MooncakeDistributedStore, ReplicateConfig
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.protocol import INVALID, NOT_FOUND, NOT_NOW, OK

@@ -1,7 +1,7 @@
-"""Mooncake 0.3.13's unified parallel tensor IO, a mixin of compat.MooncakeDistributedStore: the twelve
+"""Mooncake 0.3.13's unified parallel tensor IO, a mixin of api.MooncakeDistributedStore: the twelve
 ``*_tensor_with_parallelism*`` methods (put / upsert / get, single and batch, over tensors or caller buffers).
-Types, validation, key names and manifests: compat_parallel_types.py. Behaviour as the 0.3.13 wheel answered
-against a real mooncake_master (tests/store/test_compat_parallel.py runs the same script on both):
+Types, validation, key names and manifests: parallel_types.py. Behaviour as the 0.3.13 wheel answered
+against a real mooncake_master (tests/store/test_mooncake_parallel.py runs the same script on both):
 
 Writes (``parallelism`` or ``writer_partition``, not both: -600):
   * None: a plain put_tensor.
@@ -33,12 +33,12 @@ viewing it; None when the buffer is not inside registered memory or too small.
 from __future__ import annotations
 
 from kvplugins.errors import StoreError
-from kvplugins.store.compat_codes import INVALID_PARAMS, OK, _guard, code_of, log, pybind
-from kvplugins.store.compat_extra import _tensor_and_meta, _tensor_bytes
-from kvplugins.store.compat_parallel_types import (Axis, axes_of, canonical, manifest, manifest_key, read_manifest,
+from kvplugins.mooncake.codes import INVALID_PARAMS, OK, guard, code_of, log, pybind
+from kvplugins.mooncake.extra import tensor_and_meta, tensor_bytes
+from kvplugins.mooncake.parallel_types import (Axis, axes_of, canonical, manifest, manifest_key, read_manifest,
                                                    shard_key, target_of, tp_axis, with_tp, writer_key, writer_of)
-from kvplugins.store.compat_tensor_buffers import HEADER_BYTES, dtype_code, from_buffer, into_buffer, parse
-from kvplugins.store.compat_types import DEFAULT, ReplicateConfig
+from kvplugins.mooncake.tensor_buffers import HEADER_BYTES, dtype_code, from_buffer, into_buffer, parse
+from kvplugins.mooncake.checks import DEFAULT, ReplicateConfig
 from kvplugins.transfer.memory import view_of
 
 
@@ -56,7 +56,7 @@ class ParallelMethods:
 
     # ---- writes ------------------------------------------------------------------------------------------------
     @pybind
-    @_guard(on_error=lambda *_: INVALID_PARAMS)
+    @guard(on_error=lambda *_: INVALID_PARAMS)
     def put_tensor_with_parallelism(self, key: str, tensor: object, parallelism: object = None,
                                     config: ReplicateConfig = DEFAULT, writer_partition: object = None) -> int:
         """Store ``tensor`` (torch, CPU) as the shard ``parallelism`` names, or a ``writer_partition`` slice of
@@ -64,27 +64,27 @@ class ParallelMethods:
         return self._write([key], [tensor], [parallelism], [writer_partition], config, upsert=False)[0]
 
     @pybind
-    @_guard(on_error=lambda *_: INVALID_PARAMS)
+    @guard(on_error=lambda *_: INVALID_PARAMS)
     def upsert_tensor_with_parallelism(self, key: str, tensor: object, parallelism: object = None,
                                        config: ReplicateConfig = DEFAULT, writer_partition: object = None) -> int:
         return self._write([key], [tensor], [parallelism], [writer_partition], config, upsert=True)[0]
 
     @pybind
-    @_guard(on_error=_codes)
+    @guard(on_error=_codes)
     def batch_put_tensor_with_parallelism(self, keys: list[str], tensors_list: list, parallelisms: object = None,
                                           config: ReplicateConfig = DEFAULT,
                                           writer_partitions: object = None) -> list[int]:
         return self._batch_write(keys, tensors_list, parallelisms, writer_partitions, config, upsert=False)
 
     @pybind
-    @_guard(on_error=_codes)
+    @guard(on_error=_codes)
     def batch_upsert_tensor_with_parallelism(self, keys: list[str], tensors_list: list, parallelisms: object = None,
                                              config: ReplicateConfig = DEFAULT,
                                              writer_partitions: object = None) -> list[int]:
         return self._batch_write(keys, tensors_list, parallelisms, writer_partitions, config, upsert=True)
 
     @pybind
-    @_guard(on_error=lambda *_: INVALID_PARAMS)
+    @guard(on_error=lambda *_: INVALID_PARAMS)
     def put_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int, parallelism: object = None,
                                          config: ReplicateConfig = DEFAULT, writer_partition: object = None) -> int:
         """As put_tensor_with_parallelism, the whole tensor read from a buffer in Mooncake's layout (exactly
@@ -93,7 +93,7 @@ class ParallelMethods:
                                 False)[0]
 
     @pybind
-    @_guard(on_error=lambda *_: INVALID_PARAMS)
+    @guard(on_error=lambda *_: INVALID_PARAMS)
     def upsert_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int, parallelism: object = None,
                                             config: ReplicateConfig = DEFAULT,
                                             writer_partition: object = None) -> int:
@@ -101,14 +101,14 @@ class ParallelMethods:
                                 True)[0]
 
     @pybind
-    @_guard(on_error=_codes)
+    @guard(on_error=_codes)
     def batch_put_tensor_with_parallelism_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                                parallelisms: object = None, config: ReplicateConfig = DEFAULT,
                                                writer_partitions: object = None) -> list[int]:
         return self._batch_from(keys, buffer_ptrs, sizes, parallelisms, writer_partitions, config, False)
 
     @pybind
-    @_guard(on_error=_codes)
+    @guard(on_error=_codes)
     def batch_upsert_tensor_with_parallelism_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                                   parallelisms: object = None, config: ReplicateConfig = DEFAULT,
                                                   writer_partitions: object = None) -> list[int]:
@@ -116,26 +116,26 @@ class ParallelMethods:
 
     # ---- reads -------------------------------------------------------------------------------------------------
     @pybind
-    @_guard(on_error=lambda *_: None)
+    @guard(on_error=lambda *_: None)
     def get_tensor_with_parallelism(self, key: str, target: object = None) -> object:
         """The tensor ``target`` (a ReadTarget) asks for (module doc), or None."""
         return self._read(key, target, fallback=True)[0]
 
     @pybind
-    @_guard(on_error=_nones)
+    @guard(on_error=_nones)
     def batch_get_tensor_with_parallelism(self, keys: list[str], targets: object = None) -> list:
         targets = _per_item(targets, len(keys), "targets")
         return [None if t is _BAD else self._read(k, t, fallback=True)[0] for k, t in zip(keys, targets)]
 
     @pybind
-    @_guard(on_error=lambda *_: None)
+    @guard(on_error=lambda *_: None)
     def get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int, target: object = None) -> object:
         """get_tensor_with_parallelism written into a registered buffer (header + data); a tensor viewing it,
         or None."""
         return self.batch_get_tensor_with_parallelism_into([key], [buffer_ptr], [size], [target])[0]
 
     @pybind
-    @_guard(on_error=_nones)
+    @guard(on_error=_nones)
     def batch_get_tensor_with_parallelism_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                                targets: object = None) -> list:
         if not len(keys) == len(buffer_ptrs) == len(sizes):
@@ -182,7 +182,7 @@ class ParallelMethods:
         keys = [k for k, _, _ in plan]
         if upsert:
             self._replaceable(keys)
-        blobs = [v if isinstance(v, bytes) else _tensor_bytes(v, m) for _, v, m in plan]
+        blobs = [v if isinstance(v, bytes) else tensor_bytes(v, m) for _, v, m in plan]
         return [code_of(e) for e in self._cb.batch_put(keys, blobs, self._put_cfg(config))]
 
     def _batch_from(self, keys, ptrs, sizes, parallelisms, writers, config, upsert: bool) -> list[int]:
@@ -207,7 +207,7 @@ class ParallelMethods:
 
     def _get_many(self, keys: list[str]) -> list:
         """Per key (tensor, meta) or (None, None), in one batch read."""
-        return [(None, None) if isinstance(v, StoreError) else _tensor_and_meta(v) for v in self._cb.batch_get(keys)]
+        return [(None, None) if isinstance(v, StoreError) else tensor_and_meta(v) for v in self._cb.batch_get(keys)]
 
     def _read(self, key: str, target, fallback: bool):
         """(tensor, meta for an _into header) of a read, or (None, None)."""

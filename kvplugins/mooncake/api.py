@@ -1,23 +1,23 @@
 """``MooncakeDistributedStore``: Mooncake 0.3.13's Python store API over our StoreClient, so code written for
 Mooncake runs here after changing one import::
 
-    from kvplugins.store.compat import MooncakeDistributedStore, ReplicateConfig   # was: mooncake.store
+    from kvplugins.mooncake import MooncakeDistributedStore, ReplicateConfig   # was: mooncake.store
 
 Method names, parameter names and order, defaults and **return codes** follow ``mooncake.store`` 0.3.13
-(its pybind signatures, its Python API reference and its ErrorCode values in ``types.h``); 71 of its 97 methods
-(compat.py and compat_extra.py; the list: docs/store.md). Arguments are checked as its pybind11 binding
-checks them (compat_codes.pybind): a missing, unknown or mistyped argument raises TypeError. Past that, this
+(its pybind signatures, its Python API reference and its ErrorCode values in ``types.h``); 86 of its 97 methods
+(api.py and extra.py; the list: docs/store.md). Arguments are checked as its pybind11 binding
+checks them (codes.pybind): a missing, unknown or mistyped argument raises TypeError. Past that, this
 module is the one place where Python calls answer integer codes instead of raising (kvplugins/errors.py): that
 is the Mooncake contract. Codes: 0 ok; put/remove/register: 0 or a negative ErrorCode; ``get`` / ``get_batch``:
 ``b""`` for a miss; ``get_into``: bytes read or negative; ``is_exist``: 1 / 0 / -1; ``get_size``: bytes or
-negative; ``remove_by_regex`` / ``remove_all``: number removed or negative. Errors map as (compat_codes.code_of):
+negative; ``remove_by_regex`` / ``remove_all``: number removed or negative. Errors map as (codes.code_of):
 KeyNotFound (and a checksum mismatch) -> OBJECT_NOT_FOUND (-704), a remove of a leased object without ``force``
 -> OBJECT_HAS_LEASE (-706), StoreFull -> NO_AVAILABLE_HANDLE (-200), PutPending -> REPLICA_IS_NOT_READY (-703),
 bad values (e.g. ``replica_num = 0``, a too small ``get_into`` buffer) -> INVALID_PARAMS (-600), TransferFailed
 -> TRANSFER_FAIL (-800), MasterUnreachable -> RPC_FAIL (-900), anything else -> INTERNAL_ERROR (-1). As Mooncake
 over TCP, ``put_from``/``get_into`` also accept memory that was never registered (copied through the staging
 buffer). The codes of two test scripts were checked against a real mooncake_master 0.3.13
-(tests/store/test_compat.py, mooncake_crosscheck.py).
+(tests/store/test_mooncake_api.py, mooncake_crosscheck.py).
 
 Differences (docs/store.md, "Mooncake-compatible API"): ``metadata_server``, ``engine``,
 ``tenant_id`` and the client HTTP server are accepted and ignored (our master is the metadata server; metrics
@@ -35,23 +35,21 @@ import logging
 import weakref
 
 from kvplugins.errors import BufferNotRegistered, ConfigError, StoreError
-from kvplugins.store import compat_types
-from kvplugins.store.compat_types import ObjectDataType, ReplicateConfig, SoftPinAction  # noqa: F401 - the API
-from kvplugins.store.compat_types import same_length as _same_length
-from kvplugins.store.compat_codes import (INVALID_PARAMS, OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, OK, _guard, _per_key,
-                                          code_of, pybind)
-from kvplugins.store.compat_extra import ExtraMethods
-from kvplugins.store.compat_replicas import ReplicaMethods
-from kvplugins.store.compat_parallel import ParallelMethods
-from kvplugins.store.compat_parallel_types import ParallelAxis, ReadTarget, TensorParallelism  # noqa: F401 - the API
-from kvplugins.store.compat_sessions import SessionMethods
-from kvplugins.store.compat_tasks import QueryTaskResponse, TaskStatus, TaskType  # noqa: F401 - the API
-from kvplugins.store.compat_tasks import TaskMethods
-from kvplugins.store.compat_tensor_buffers import TensorBufferMethods
+from kvplugins.mooncake import checks
+from kvplugins.mooncake.checks import ReplicateConfig
+from kvplugins.mooncake.checks import same_length as _same_length
+from kvplugins.mooncake.codes import (INVALID_PARAMS, OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, OK, guard, per_key,
+                                       code_of, pybind)
+from kvplugins.mooncake.extra import ExtraMethods
+from kvplugins.mooncake.replicas import ReplicaMethods
+from kvplugins.mooncake.parallel import ParallelMethods
+from kvplugins.mooncake.sessions import SessionMethods
+from kvplugins.mooncake.tasks import TaskMethods
+from kvplugins.mooncake.tensor_buffers import TensorBufferMethods
 from kvplugins.transfer.memory import view_of
 
 log = logging.getLogger(__name__)
-DEFAULT = compat_types.DEFAULT        # a method's default ReplicateConfig (Mooncake's: a default-built one)
+DEFAULT = checks.DEFAULT        # a method's default ReplicateConfig (Mooncake's: a default-built one)
 
 class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, TensorBufferMethods, TaskMethods,
                                ParallelMethods):
@@ -73,12 +71,12 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
             return self._setup_dict(args[0])
         return self._setup(*args, **kwargs)
 
-    @_guard()
+    @guard()
     def _setup_dict(self, config: dict) -> int:
         return self._setup(**_setup_kwargs(config))
 
     @pybind
-    @_guard()
+    @guard()
     def _setup(self, local_hostname: str, metadata_server: str, global_segment_size: int, local_buffer_size: int,
                protocol: str, rdma_devices: str, master_server_addr: str, engine: object = None,
                enable_ssd_offload: bool = False, ssd_offload_path: str = "", tenant_id: str = "default",
@@ -124,28 +122,28 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
 
     # ---- bytes API ---------------------------------------------------------------------------------
     @pybind
-    @_guard()
+    @guard()
     def put(self, key: str, value: Buffer, config: ReplicateConfig = DEFAULT) -> int:
         """Store bytes-like ``value`` under ``key``. 0, or a negative code. An existing key: 0, unchanged."""
         self._cb.put(key, value, self._put_cfg(config))
         return OK
 
     @pybind
-    @_guard(on_error=lambda *_: b"")
+    @guard(on_error=lambda *_: b"")
     def get(self, key: str, /) -> bytes:
         """The bytes stored under ``key``; ``b""`` if it is missing (or on any error)."""
         value = self._cb.batch_get([key])[0]
         return b"" if isinstance(value, StoreError) else value
 
     @pybind
-    @_guard()
+    @guard()
     def put_batch(self, keys: list[str], values: list[Buffer], config: ReplicateConfig = DEFAULT) -> int:
         """Store every ``values[i]`` under ``keys[i]`` (one allocate + one transfer + one commit). 0, or the
         first entry's negative code."""
         return _first_code(self._cb.batch_put(list(keys), list(values), self._put_cfg(config)))
 
     @pybind
-    @_guard(on_error=lambda err, keys=(), *_: [b""] * len(keys))
+    @guard(on_error=lambda err, keys=(), *_: [b""] * len(keys))
     def get_batch(self, keys: list[str], /) -> list[bytes]:
         """Per key its bytes, ``b""`` for a miss or an error."""
         values = self._cb.batch_get(list(keys))
@@ -153,14 +151,14 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
 
     # ---- zero-copy API -----------------------------------------------------------------------------
     @pybind
-    @_guard()
+    @guard()
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Register ``size`` bytes at address ``buffer_ptr`` for put_from/get_into. 0 or a negative code."""
         self._buffers[int(buffer_ptr)] = self._c.register_buffer(int(buffer_ptr), length=int(size))
         return OK
 
     @pybind
-    @_guard()
+    @guard()
     def unregister_buffer(self, buffer_ptr: int) -> int:
         """Unregister the buffer registered at ``buffer_ptr``. 0, or INVALID_PARAMS if it was not."""
         region = self._buffers.pop(int(buffer_ptr), None)
@@ -170,20 +168,20 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         return OK
 
     @pybind
-    @_guard()
+    @guard()
     def put_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig = DEFAULT) -> int:
         """Store ``size`` bytes at address ``buffer_ptr`` (registered: zero-copy) under ``key``. 0 or negative."""
         return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
 
     @pybind
-    @_guard()
+    @guard()
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Read object ``key`` into the registered buffer at ``buffer_ptr`` of capacity ``size`` bytes.
         Returns the object's size (bytes read), or a negative code (INVALID_PARAMS if it does not fit)."""
         return self.batch_get_into([key], [buffer_ptr], [size])[0]
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                        config: ReplicateConfig = DEFAULT) -> list[int]:
         """Per key 0 or a negative code; one allocate + one transfer + one commit for the batch."""
@@ -199,7 +197,7 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         return [code_of(e) for e in errs]
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         """Per key the bytes read or a negative code: one size lookup, then one read batch."""
         _same_length(keys, buffer_ptrs, sizes)
@@ -229,19 +227,19 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         return self.batch_is_exist([key])[0]
 
     @pybind
-    @_guard(on_error=lambda err, keys=(), *_: [-1] * len(keys))
+    @guard(on_error=lambda err, keys=(), *_: [-1] * len(keys))
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         """Per key 1 (stored), 0 (not), -1 (error); one RPC."""
         return [1 if e else 0 for e in self._c.batch_exists(list(keys))]
 
     @pybind
-    @_guard()
+    @guard()
     def get_size(self, key: str, /) -> int:
         """The size in bytes of object ``key``, or a negative code (OBJECT_NOT_FOUND)."""
         return self._sizes([key])[0]
 
     @pybind
-    @_guard()
+    @guard()
     def remove(self, key: str, force: bool = False) -> int:
         """Remove ``key``: 0, OBJECT_NOT_FOUND, or OBJECT_HAS_LEASE while a read lease runs (unless ``force``;
         even then the reader's bytes stay valid until its lease ends)."""
@@ -249,14 +247,14 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         return {"removed": OK, "leased": OBJECT_HAS_LEASE}.get(result, OBJECT_NOT_FOUND)
 
     @pybind
-    @_guard()
+    @guard()
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
         """Remove every object whose key matches ``regex_pattern`` (Python ``re.search``), leased ones only with
         ``force``. The number removed, or INVALID_PARAMS for a pattern that does not compile."""
         return self._count("remove_by_regex", [regex_pattern], force)
 
     @pybind
-    @_guard()
+    @guard()
     def remove_all(self, force: bool = False) -> int:
         """Remove every object (leased ones only with ``force``). The number removed, or a negative code."""
         return self._count("remove_all", [], force)
@@ -336,7 +334,7 @@ SETUP_KEYS = ("local_hostname", "metadata_server", "global_segment_size", "local
 
 def _setup_kwargs(config: dict) -> dict:
     """Mooncake's dict form of setup -> keyword arguments (ipc_socket_path is accepted and ignored); sizes may be
-    strings as Mooncake's parser reads them (compat_types.byte_size)."""
+    strings as Mooncake's parser reads them (checks.byte_size)."""
     unknown = set(config) - set(SETUP_KEYS) - {"ipc_socket_path"}
     if unknown or "local_hostname" not in config:
         raise ConfigError(f"setup dict: unknown keys {sorted(unknown)} or no local_hostname; valid: {SETUP_KEYS}")
@@ -345,7 +343,7 @@ def _setup_kwargs(config: dict) -> dict:
     out.update((k, v) for k, v in config.items() if k in SETUP_KEYS)
     for name in ("global_segment_size", "local_buffer_size"):
         if isinstance(out[name], str):
-            out[name] = compat_types.byte_size(name, out[name])
+            out[name] = checks.byte_size(name, out[name])
     return out
 
 

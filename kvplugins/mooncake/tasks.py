@@ -1,6 +1,6 @@
-"""Mooncake 0.3.13's replica tasks, a mixin of compat.MooncakeDistributedStore: ``create_copy_task``,
+"""Mooncake 0.3.13's replica tasks, a mixin of api.MooncakeDistributedStore: ``create_copy_task``,
 ``create_move_task``, ``query_task`` over the master's task ops (store/master/replica_tasks.py). Codes as a real
-mooncake_master answered them (tests/store/test_compat.py, mooncake_tasks_script): a missing key -704, no target,
+mooncake_master answered them (tests/store/test_mooncake_api.py, mooncake_tasks_script): a missing key -704, no target,
 an unknown target or a move from a segment without the replica -600, an unknown task id -1400; a failed create
 answers the id (0, 0). Segment names are the ``transport_endpoint`` of get_replica_desc (`kvplugins status`).
 """
@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 
 from kvplugins.store import protocol
-from kvplugins.store.compat_codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, _guard, code_of, log, pybind
+from kvplugins.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, guard, code_of, log, pybind
 
 TASK_NOT_FOUND = -1400
 UNAVAILABLE_IN_CURRENT_STATUS = -1010
@@ -53,20 +53,20 @@ class TaskMethods:
     """Mixed into MooncakeDistributedStore (``_c``, ``_call``)."""
 
     @pybind
-    @_guard(on_error=lambda err, *_: (NO_TASK, code_of(err)))
+    @guard(on_error=lambda err, *_: (NO_TASK, code_of(err)))
     def create_copy_task(self, key: str, targets: list[str]) -> tuple:
         """Copy ``key``'s object to each segment of ``targets`` (one that already holds it is skipped).
         Returns (task id, 0) at once, the copy runs in the background (``query_task``); or ((0, 0), code)."""
         return self._create("copy", key, "", list(targets))
 
     @pybind
-    @_guard(on_error=lambda err, *_: (NO_TASK, code_of(err)))
+    @guard(on_error=lambda err, *_: (NO_TASK, code_of(err)))
     def create_move_task(self, key: str, source: str, target: str) -> tuple:
         """Move ``key``'s replica on segment ``source`` to segment ``target``. As create_copy_task."""
         return self._create("move", key, source, [target])
 
     @pybind
-    @_guard(on_error=lambda err, *_: (None, code_of(err)))
+    @guard(on_error=lambda err, *_: (None, code_of(err)))
     def query_task(self, task_id: tuple[int, int]) -> tuple:
         """(QueryTaskResponse, 0), or (None, code): -1400 for an id this master does not know (a failover
         forgets the tasks)."""

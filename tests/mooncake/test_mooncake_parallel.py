@@ -1,6 +1,6 @@
 """Mooncake 0.3.13's unified parallel tensor IO on our store (issue #19): the twelve *_tensor_with_parallelism*
 methods, ParallelAxis / TensorParallelism / ReadTarget. ``mooncake_parallel_script`` also runs against a real
-mooncake_master by tests/store/mooncake_crosscheck.py (with Mooncake's own types): the keys, codes, tensors,
+mooncake_master by tests/mooncake/mooncake_crosscheck.py (with Mooncake's own types): the keys, codes, tensors,
 manifest bytes and the headers written into buffers below are Mooncake's."""
 import struct
 from types import SimpleNamespace
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from helpers.cluster import store_cluster
-from kvplugins.store import compat
-from kvplugins.store.compat import MooncakeDistributedStore
-from kvplugins.store.compat_tensor_buffers import header
+from kvplugins import mooncake as compat
+from kvplugins.mooncake import MooncakeDistributedStore
+from kvplugins.mooncake.tensor_buffers import header
 
 
 def mooncake_parallel_script(store, master: str, mc=compat) -> None:
@@ -220,13 +220,13 @@ def test_the_mooncake_shim_exports_these_types_under_mooncakes_names(tmp_path):
     import os
     import subprocess
     import sys
-    from kvplugins.store import mooncake_shim
+    from kvplugins.mooncake import shim as mooncake_shim
     real = pytest.importorskip("mooncake.store")
     mooncake_shim.enable(tmp_path, force=True)
     probe = "import mooncake.store as m; print(m.MooncakeDistributedStore.__module__, *m.__all__)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True,
                          env={**os.environ, "PYTHONPATH": str(tmp_path / mooncake_shim.SHIM.shim_dir)}).stdout.split()
-    assert out[0] == "kvplugins.store.compat"
+    assert out[0] == "kvplugins.mooncake.api"
     assert set(out[1:]) <= set(dir(real))
     assert {"ParallelAxis", "TensorParallelism", "ReadTarget", "TaskStatus", "TaskType", "QueryTaskResponse",
             "ReplicaStatus", "ReplicateConfig"} <= set(out[1:])

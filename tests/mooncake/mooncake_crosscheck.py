@@ -1,10 +1,10 @@
-"""Run test_compat.mooncake_style_script against the REAL Mooncake 0.3.13 (mooncake_master + two segment
+"""Run test_mooncake_api.mooncake_style_script against the REAL Mooncake 0.3.13 (mooncake_master + two segment
 processes of the installed wheel), to prove the script's expected return codes are Mooncake's own.
 
 Must run inside a private network namespace (``unshare -n``; Mooncake's servers bind 0.0.0.0): it brings ``lo``
 up, starts everything on 127.0.0.1 and kills it all at the end. Prints "SCRIPT OK" on success.
 
-    unshare -n python tests/store/mooncake_crosscheck.py [segment]
+    unshare -n python tests/mooncake/mooncake_crosscheck.py [segment]
 """
 import os
 import socket
@@ -55,17 +55,17 @@ def main() -> None:
             if line.strip() != "setup rc 0":
                 raise SystemExit(f"segment setup failed: {line!r}")
         sys.path[:0] = [str(HERE), str(HERE.parent)]
-        import test_compat
+        import test_mooncake_api
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-        test_compat.ReplicateConfig = ReplicateConfig      # the script builds Mooncake's own config object
-        test_compat.mooncake_style_script(_Localhost(MooncakeDistributedStore()), MASTER)
-        test_compat.mooncake_more_script(_Localhost(MooncakeDistributedStore()), MASTER,
+        test_mooncake_api.ReplicateConfig = ReplicateConfig      # the script builds Mooncake's own config object
+        test_mooncake_api.mooncake_style_script(_Localhost(MooncakeDistributedStore()), MASTER)
+        test_mooncake_api.mooncake_more_script(_Localhost(MooncakeDistributedStore()), MASTER,
                                          lambda: _Localhost(MooncakeDistributedStore()))
-        import test_compat_tasks
-        test_compat_tasks.mooncake_tasks_script(_Localhost(MooncakeDistributedStore()), MASTER, ReplicateConfig)
+        import test_mooncake_tasks
+        test_mooncake_tasks.mooncake_tasks_script(_Localhost(MooncakeDistributedStore()), MASTER, ReplicateConfig)
         import mooncake.store
-        import test_compat_parallel
-        test_compat_parallel.mooncake_parallel_script(_Localhost(MooncakeDistributedStore()), MASTER, mooncake.store)
+        import test_mooncake_parallel
+        test_mooncake_parallel.mooncake_parallel_script(_Localhost(MooncakeDistributedStore()), MASTER, mooncake.store)
         print("SCRIPT OK", flush=True)
     finally:
         for p in procs:

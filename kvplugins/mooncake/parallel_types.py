@@ -18,7 +18,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from kvplugins.store.compat_types import Typed, i32, text
+from kvplugins.mooncake.checks import Typed, i32, text
 
 KINDS = ("dp", "tp", "ep", "pp")             # canonical key order; Mooncake's header codes DP=0 TP=1 EP=2 PP=3
 MODES = ("as_stored", "shard", "full")

@@ -1,7 +1,7 @@
 """pybind11's argument conversions as Mooncake 0.3.13's bindings apply them, to ReplicateConfig's attributes (on
 assignment) and to every MooncakeDistributedStore method's arguments (``check_call``), so a value or a call
 Mooncake refuses raises TypeError here too, never a return code (issue #19). Checked side by side against the
-installed mooncake-transfer-engine wheel in tests/store/test_compat.py. Rules followed (pybind11 type casters in
+installed mooncake-transfer-engine wheel in tests/store/test_mooncake_api.py. Rules followed (pybind11 type casters in
 convert mode, as the wheel's bindings use them):
 
 - unsigned 64-bit integers: anything with ``__index__`` or ``__int__`` except float, str and bytes, in
@@ -223,7 +223,7 @@ class ReplicateConfig:
                 f"with_soft_pin={self.with_soft_pin}, preferred_segment={self.preferred_segment!r})")
 
 
-# Converters of method arguments by annotation (compat.py annotates parameters with these names).
+# Converters of method arguments by annotation (api.py annotates parameters with these names).
 ARGS = {"str": text, "int": u64, "I32": i32, "bool": boolean, "tuple[int, int]": uuid_pair, "Buffer": buffer, "list[str]": listed(text, "str"),
         "list[int]": listed(u64, "int"), "list[Buffer]": listed(buffer, "buffer"),
         "list[list[int]]": listed(listed(u64, "int"), "list of int"),

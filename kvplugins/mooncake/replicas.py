@@ -1,6 +1,6 @@
-"""Mooncake 0.3.13's replica and range reads, a mixin of compat.MooncakeDistributedStore: ``get_replica_desc``,
+"""Mooncake 0.3.13's replica and range reads, a mixin of api.MooncakeDistributedStore: ``get_replica_desc``,
 ``batch_get_replica_desc``, ``batch_replica_clear``, ``get_into_ranges`` and ``put_from_with_metadata``. Shapes
-and codes as a real mooncake_master answered them (tests/store/test_compat.py): a missing key has no
+and codes as a real mooncake_master answered them (tests/store/test_mooncake_api.py): a missing key has no
 descriptors (and no entry in the batch dict), a range of a missing object answers OBJECT_NOT_FOUND.
 
 A descriptor names our location: ``transport_endpoint`` is the segment name (`kvplugins status`),
@@ -13,8 +13,8 @@ import enum
 from dataclasses import dataclass
 
 from kvplugins.store import client_ranges, protocol
-from kvplugins.store.compat_codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, _guard, code_of, pybind
-from kvplugins.store.compat_types import DEFAULT
+from kvplugins.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, guard, code_of, pybind
+from kvplugins.mooncake.checks import DEFAULT
 
 
 class ReplicaStatus(enum.IntEnum):
@@ -66,13 +66,13 @@ class ReplicaMethods:
     """Mixed into MooncakeDistributedStore (``_c``, ``_call``, ``_put_cfg``, ``batch_put_from_multi_buffers``)."""
 
     @pybind
-    @_guard(on_error=lambda *_: [])
+    @guard(on_error=lambda *_: [])
     def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
         """The replicas of ``key`` ([] when it is missing)."""
         return self.batch_get_replica_desc([key]).get(key, [])
 
     @pybind
-    @_guard(on_error=lambda *_: {})
+    @guard(on_error=lambda *_: {})
     def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
         """Key -> its replicas, for the keys that are stored (one lookup; it takes a read lease as a get)."""
         out = {}
@@ -82,7 +82,7 @@ class ReplicaMethods:
         return out
 
     @pybind
-    @_guard(on_error=lambda *_: [])
+    @guard(on_error=lambda *_: [])
     def batch_replica_clear(self, keys: list[str], segment_name: str = "") -> list[str]:
         """Drop the replicas of ``keys`` whose read lease has ended (all of them, or with ``segment_name`` only
         objects whose every replica is on that segment); returns the keys cleared."""
@@ -94,7 +94,7 @@ class ReplicaMethods:
         return [k for k, r in zip(keys, results) if r == "removed"]
 
     @pybind
-    @_guard()
+    @guard()
     def put_from_with_metadata(self, key: str, buffer_ptr: int, metadata_buffer_ptr: int, size: int,
                                metadata_size: int, config: ReplicateConfig = DEFAULT) -> int:
         """Store ``metadata_size`` bytes at ``metadata_buffer_ptr`` followed by ``size`` bytes at ``buffer_ptr``
@@ -103,7 +103,7 @@ class ReplicaMethods:
                                                  [[metadata_size, size]], config)[0]
 
     @pybind
-    @_guard(on_error=lambda err, ptrs=(), keys=(), *_: [[[code_of(err)] for _ in ks] for ks in keys])
+    @guard(on_error=lambda err, ptrs=(), keys=(), *_: [[[code_of(err)] for _ in ks] for ks in keys])
     def get_into_ranges(self, buffer_ptrs: list[int], all_keys: list[list[str]],
                         all_dst_offsets: list[list[list[int]]], all_src_offsets: list[list[list[int]]],
                         all_sizes: list[list[list[int]]]) -> list[list[list[int]]]:

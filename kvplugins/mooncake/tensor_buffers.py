@@ -1,7 +1,7 @@
 """Mooncake 0.3.13's tensor forms over a caller's buffer (``put_tensor_from``, ``get_tensor_into`` and their batch,
-upsert and TP variants), a mixin of compat.MooncakeDistributedStore, and the buffer layout they use,
+upsert and TP variants), a mixin of api.MooncakeDistributedStore, and the buffer layout they use,
 ``[TensorMetadata][tensor data]``. The layout was read off the bytes a real mooncake_master 0.3.13 client stores for
-``put_tensor`` (tests/store/test_compat.py checks ours against them), not from its headers:
+``put_tensor`` (tests/store/test_mooncake_api.py checks ours against them), not from its headers:
 
     offset  size  field
     0       4     magic b"NOOM"
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import struct
 
-from kvplugins.store.compat_codes import INVALID_PARAMS, _guard, _per_key, pybind
-from kvplugins.store.compat_types import DEFAULT, same_length
+from kvplugins.mooncake.codes import INVALID_PARAMS, guard, per_key, pybind
+from kvplugins.mooncake.checks import DEFAULT, same_length
 from kvplugins.transfer.memory import view_of
 
 HEADER_BYTES = 304
@@ -38,7 +38,7 @@ AXIS_KINDS = ("dp", "tp", "ep", "pp")
 
 def header(tensor, meta: dict | None = None) -> bytes:
     """The 304-byte header of a (contiguous) tensor: a whole one (layout 0), or with ``meta`` (a shard's
-    description, compat_extra._tensor_bytes) a shard (layout 1: the global shape, then the axis block). Raises
+    description, extra.tensor_bytes) a shard (layout 1: the global shape, then the axis block). Raises
     ValueError for a dtype Mooncake lacks or too many dimensions."""
     code = dtype_code(tensor.dtype)
     if tensor.dim() > MAX_DIMS:
@@ -133,7 +133,7 @@ class TensorBufferMethods:
         return self.batch_put_tensor_from([key], [buffer_ptr], [size])[0]
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_put_tensor_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         return self._tensors_from(keys, buffer_ptrs, sizes, upsert=False)
 
@@ -142,7 +142,7 @@ class TensorBufferMethods:
         return self.batch_upsert_tensor_from([key], [buffer_ptr], [size])[0]
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_upsert_tensor_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         return self._tensors_from(keys, buffer_ptrs, sizes, upsert=True)
 
@@ -153,21 +153,21 @@ class TensorBufferMethods:
         return self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
 
     @pybind
-    @_guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
+    @guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
     def batch_get_tensor_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list:
         same_length(keys, buffer_ptrs, sizes)
         return [None if t is None else into_buffer(t, p, n)
                 for t, p, n in zip(self.batch_get_tensor(list(keys)), buffer_ptrs, sizes)]
 
     @pybind
-    @_guard()
+    @guard()
     def put_tensor_with_tp_from(self, key: str, buffer_ptr: int, size: int, tp_rank: I32 = 0, tp_size: I32 = 1,
                                 split_dim: I32 = 0) -> int:
         """put_tensor_with_tp of the whole tensor held in the buffer."""
         return self.put_tensor_with_tp(key, from_buffer(buffer_ptr, size), tp_rank, tp_size, split_dim)
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_put_tensor_with_tp_from(self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                       tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0) -> list[int]:
         same_length(base_keys, buffer_ptrs, sizes)
@@ -182,11 +182,11 @@ class TensorBufferMethods:
         return self.batch_get_tensor_with_tp_into([key], [buffer_ptr], [size], tp_rank, tp_size)[0]
 
     @pybind
-    @_guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
+    @guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
     def batch_get_tensor_with_tp_into(self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                                       tp_rank: I32 = 0, tp_size: I32 = 1) -> list:
         same_length(base_keys, buffer_ptrs, sizes)
-        found = self._get_many([k if tp_size <= 1 else f"{k}_tp_{tp_rank}" for k in base_keys])   # compat_parallel
+        found = self._get_many([k if tp_size <= 1 else f"{k}_tp_{tp_rank}" for k in base_keys])   # parallel.py
         return [None if t is None else into_buffer(t, p, n, meta) for (t, meta), p, n in zip(found, buffer_ptrs, sizes)]
 
     def _tensors_from(self, keys, ptrs, sizes, upsert: bool) -> list[int]:

@@ -1,12 +1,12 @@
 """The rest of Mooncake 0.3.13's ``MooncakeDistributedStore`` that applies to a CPU store, as a mixin of
-compat.MooncakeDistributedStore: health and host name, batch remove, upsert (insert or replace) in its bytes,
+api.MooncakeDistributedStore: health and host name, batch remove, upsert (insert or replace) in its bytes,
 parts and zero-copy forms, BufferHandle reads, and the tensor API.
 
 Tensors (torch, CPU) are stored as safetensors bytes (one tensor named "tensor": dtype, shape and bytes kept for
 every dtype safetensors has, bf16 included; a non-contiguous tensor is stored contiguous); never pickle.
 Mooncake stores its own TensorMetadata header instead, so a tensor written by one store is not readable by the
-other, but nothing shares a store between them. Codes and argument checks as compat.py (compat_codes.py).
-Signatures follow the wheel's pybind docstrings (tests/store/test_compat.py compares them).
+other, but nothing shares a store between them. Codes and argument checks as api.py (codes.py).
+Signatures follow the wheel's pybind docstrings (tests/store/test_mooncake_api.py compares them).
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import json
 import numpy as np
 
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError
-from kvplugins.store.compat_codes import OK, _guard, _per_key, code_of, log, pybind
-from kvplugins.store.compat_types import DEFAULT
+from kvplugins.mooncake.codes import OK, guard, per_key, code_of, log, pybind
+from kvplugins.mooncake.checks import DEFAULT
 
 TENSOR_NAME = "tensor"
-SHARD_META = "mooncake_shard"     # safetensors metadata entry of a parallel tensor's shard (_tensor_bytes)
+SHARD_META = "mooncake_shard"     # safetensors metadata entry of a parallel tensor's shard (tensor_bytes)
 _MISSING = object()
 
 
@@ -69,22 +69,22 @@ class ExtraMethods:
 
     # ---- remove ----------------------------------------------------------------------------------------
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
         """Per key 0, OBJECT_NOT_FOUND or OBJECT_HAS_LEASE (a read lease runs and not ``force``); one RPC."""
-        from kvplugins.store.compat_codes import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND
+        from kvplugins.mooncake.codes import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND
         results = self._call("remove_checked", list(keys), {"force": bool(force)})
         return [{"removed": OK, "leased": OBJECT_HAS_LEASE}.get(r, OBJECT_NOT_FOUND) for r in results]
 
     # ---- upsert: insert or replace ----------------------------------------------------------------------
     @pybind
-    @_guard()
+    @guard()
     def upsert(self, key: str, value: Buffer, config: ReplicateConfig = DEFAULT) -> int:
         """Store ``value`` under ``key``, replacing what is there (put only inserts). 0 or a negative code."""
         return self.upsert_batch([key], [value], config)
 
     @pybind
-    @_guard()
+    @guard()
     def upsert_batch(self, keys: list[str], values: list[Buffer], config: ReplicateConfig = DEFAULT) -> int:
         """upsert of every key: one remove RPC for the batch, then put_batch. 0 or the first negative code. A
         reader that got the old object keeps valid bytes until its lease ends; between the two steps a get
@@ -93,13 +93,13 @@ class ExtraMethods:
         return self.put_batch(keys, values, config)
 
     @pybind
-    @_guard()
+    @guard()
     def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig = DEFAULT) -> int:
         """upsert of ``size`` bytes at ``buffer_ptr``. 0 or a negative code."""
         return self.batch_upsert_from([key], [buffer_ptr], [size], config)[0]
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_upsert_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                           config: ReplicateConfig = DEFAULT) -> list[int]:
         """Per key 0 or a negative code: one remove RPC, then batch_put_from."""
@@ -107,13 +107,13 @@ class ExtraMethods:
         return self.batch_put_from(keys, buffer_ptrs, sizes, config)
 
     @pybind
-    @_guard()
+    @guard()
     def put_parts(self, key: str, *args: Buffer, config: ReplicateConfig = DEFAULT) -> int:
         """Store the concatenation of the buffers ``args`` under ``key``. 0 or a negative code."""
         return self.put_batch([key], [b"".join(memoryview(a).cast("B") for a in args)], config)
 
     @pybind
-    @_guard()
+    @guard()
     def upsert_parts(self, key: str, *args: Buffer, config: ReplicateConfig = DEFAULT) -> int:
         """put_parts, replacing what is stored under ``key``."""
         return self.upsert(key, b"".join(memoryview(a).cast("B") for a in args), config)
@@ -123,7 +123,7 @@ class ExtraMethods:
 
     # ---- several buffers per object (scatter/gather, zero-copy) --------------------------------------------
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_put_from_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                      all_sizes: list[list[int]], config: ReplicateConfig = DEFAULT) -> list[int]:
         """Store, per key, the concatenation of its buffers (registered memory: one transfer batch for all).
@@ -132,13 +132,13 @@ class ExtraMethods:
         return [code_of(e) for e in self._c.batch_put_from(list(keys), spans, self._put_cfg(config))]
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                      all_sizes: list[list[int]], prefer_alloc_in_same_node: bool = False) -> list[int]:
         """Scatter each object over its buffers in order; their sizes must add up to the object's size (any split).
         Per key the bytes read, or a negative code: INVALID_PARAMS when they add up to less, TRANSFER_FAIL when
         to more (both as Mooncake 0.3.13 answers)."""
-        from kvplugins.store.compat_codes import INVALID_PARAMS, TRANSFER_FAIL
+        from kvplugins.mooncake.codes import INVALID_PARAMS, TRANSFER_FAIL
         spans = _spans(keys, all_buffer_ptrs, all_sizes)
         out, todo = list(self._sizes(list(keys))), []
         for i, (n, key_spans) in enumerate(zip(out, spans)):
@@ -154,13 +154,13 @@ class ExtraMethods:
 
     # ---- BufferHandle reads ----------------------------------------------------------------------------
     @pybind
-    @_guard(on_error=lambda *_: None)
+    @guard(on_error=lambda *_: None)
     def get_buffer(self, key: str, /) -> BufferHandle:
         """A BufferHandle of the bytes of ``key``, or None for a miss (or an error)."""
         return self.batch_get_buffer([key])[0]
 
     @pybind
-    @_guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
+    @guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
     def batch_get_buffer(self, keys: list[str], /) -> list[BufferHandle]:
         """Per key a BufferHandle, or None for a miss."""
         return [None if isinstance(v, StoreError) else BufferHandle(v) for v in self._cb.batch_get(list(keys))]
@@ -172,7 +172,7 @@ class ExtraMethods:
         return self.batch_put_tensor([key], [tensor])[0]
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_put_tensor(self, keys: list[str], tensors_list: list) -> list[int]:
         """Per key 0 or a negative code (one put batch)."""
         return self._put_tensors(keys, tensors_list, DEFAULT, upsert=False)
@@ -183,7 +183,7 @@ class ExtraMethods:
         return self.batch_pub_tensor([key], [tensor], config)[0]
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_pub_tensor(self, keys: list[str], tensors_list: list, config: ReplicateConfig = DEFAULT) -> list[int]:
         return self._put_tensors(keys, tensors_list, config, upsert=False)
 
@@ -193,7 +193,7 @@ class ExtraMethods:
         return self.batch_upsert_tensor([key], [tensor])[0]
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_upsert_tensor(self, keys: list[str], tensors_list: list) -> list[int]:
         return self._put_tensors(keys, tensors_list, DEFAULT, upsert=True)
 
@@ -202,7 +202,7 @@ class ExtraMethods:
         return self.batch_upsert_pub_tensor([key], [tensor], config)[0]
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_upsert_pub_tensor(self, keys: list[str], tensors_list: list,
                                 config: ReplicateConfig = DEFAULT) -> list[int]:
         return self._put_tensors(keys, tensors_list, config, upsert=True)
@@ -213,13 +213,13 @@ class ExtraMethods:
         return self.batch_get_tensor([key])[0]
 
     @pybind
-    @_guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
+    @guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
     def batch_get_tensor(self, keys: list[str]) -> list:
         """Per key the tensor, or None for a miss or bytes that are not a stored tensor."""
         return [None if isinstance(v, StoreError) else _tensor_or_none(v) for v in self._cb.batch_get(list(keys))]
 
     @pybind
-    @_guard()
+    @guard()
     def save_tensor_to_safetensor(self, key: str, file_name: object = None) -> int:
         """Write the tensor stored under ``key`` to the safetensors file ``file_name`` (default: the key), as
         tensor ``key``. 0, or OBJECT_NOT_FOUND."""
@@ -270,7 +270,7 @@ class ExtraMethods:
         return self.batch_pub_tensor_with_tp(base_keys, tensors_list, DEFAULT, tp_rank, tp_size, split_dim)
 
     @pybind
-    @_guard(on_error=_per_key)
+    @guard(on_error=per_key)
     def batch_pub_tensor_with_tp(self, base_keys: list[str], tensors_list: list, config: ReplicateConfig = DEFAULT,
                                  tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0) -> list[int]:
         """Per base key 0 or the first negative code of its shards (one put batch for every shard)."""
@@ -297,7 +297,7 @@ class ExtraMethods:
 
     def _put_tensors(self, keys, tensors, config, upsert: bool, metas=None) -> list[int]:
         """One put batch of tensors; ``metas``: per tensor its shard description or None (tensor_bytes)."""
-        blobs = [_tensor_bytes(t, m) for t, m in zip(tensors, metas or [None] * len(tensors))]
+        blobs = [tensor_bytes(t, m) for t, m in zip(tensors, metas or [None] * len(tensors))]
         if len(blobs) != len(keys) or len(tensors) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(blobs)} tensors")
         if upsert:
@@ -333,7 +333,7 @@ def _spans(keys, ptrs, sizes) -> list[list[tuple[int, int]]]:
     return [list(zip(p, n)) for p, n in zip(ptrs, sizes)]
 
 
-def _tensor_bytes(tensor, meta: dict | None = None) -> bytes:
+def tensor_bytes(tensor, meta: dict | None = None) -> bytes:
     """A torch tensor as safetensors bytes; ``meta``: the shard description of a parallel tensor's shard
     ({"g": global shape, "axes": [[kind, rank, size, split_dim or -1, expert/stage id or 0], ...]}, caller order),
     kept in the safetensors metadata. Raises ValueError for anything but a tensor (INVALID_PARAMS)."""
@@ -346,10 +346,10 @@ def _tensor_bytes(tensor, meta: dict | None = None) -> bytes:
 
 
 def _tensor_or_none(data: bytes):
-    return _tensor_and_meta(data)[0]
+    return tensor_and_meta(data)[0]
 
 
-def _tensor_and_meta(data) -> tuple:
+def tensor_and_meta(data) -> tuple:
     """(tensor, shard description or None) of stored tensor bytes; (None, None) for bytes that are not one."""
     from safetensors.torch import load
     try:

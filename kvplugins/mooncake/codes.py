@@ -1,7 +1,7 @@
 """Mooncake 0.3.13's ErrorCode values (``types.h``) and the one place where our exceptions become them: the
-Mooncake-compatible layer (compat.py, compat_extra.py) answers integer codes, as Mooncake's Python API does.
+Mooncake-compatible layer (api.py, extra.py) answers integer codes, as Mooncake's Python API does.
 ``pybind`` checks a call's arguments first, as Mooncake's pybind11 binding does: a missing, unknown or mistyped
-argument raises TypeError (compat_types.py), it never becomes a code."""
+argument raises TypeError (checks.py), it never becomes a code."""
 from __future__ import annotations
 
 import functools
@@ -10,9 +10,9 @@ import logging
 
 from kvplugins.errors import (BufferNotRegistered, ConfigError, KeyNotFound, KVPluginsError, MasterUnreachable,
                               PutPending, SizeMismatch, StoreFull, TransferError)
-from kvplugins.store import compat_types
+from kvplugins.mooncake import checks
 
-log = logging.getLogger("kvplugins.store.compat")
+log = logging.getLogger("kvplugins.mooncake.api")
 
 OK = 0
 INTERNAL_ERROR = -1
@@ -26,12 +26,12 @@ RPC_FAIL = -900
 
 
 def pybind(fn):
-    """Check each call of method ``fn`` as pybind11 would (compat_types.check_call): the converters come from
-    the parameters' annotations (compat_types.ARGS; a ``*args: Buffer`` converts every element)."""
+    """Check each call of method ``fn`` as pybind11 would (checks.check_call): the converters come from
+    the parameters' annotations (checks.ARGS; a ``*args: Buffer`` converts every element)."""
     sig = inspect.signature(fn)
     casts = {}
     for name, p in sig.parameters.items():
-        convert = compat_types.ARGS.get(p.annotation) or _config_arg(p.annotation)
+        convert = checks.ARGS.get(p.annotation) or _config_arg(p.annotation)
         if convert is not None and p.kind == p.VAR_POSITIONAL:
             convert = _each(convert)
         if convert is not None:
@@ -39,14 +39,14 @@ def pybind(fn):
 
     @functools.wraps(fn)
     def method(*args, **kwargs):
-        bound = compat_types.check_call(fn, sig, casts, args, kwargs)
+        bound = checks.check_call(fn, sig, casts, args, kwargs)
         return fn(*bound.args, **bound.kwargs)
     return method
 
 
 def _config_arg(annotation):
     if annotation == "ReplicateConfig":
-        return compat_types.instance_of(compat_types.ReplicateConfig)
+        return checks.instance_of(checks.ReplicateConfig)
     return None
 
 
@@ -68,7 +68,7 @@ def code_of(err: BaseException | None, *_) -> int:
     return INTERNAL_ERROR
 
 
-def _guard(on_error=code_of):
+def guard(on_error=code_of):
     """Run the method; an exception becomes ``on_error(exception, *args)`` (its code by default)."""
     def wrap(fn):
         @functools.wraps(fn)
@@ -82,6 +82,6 @@ def _guard(on_error=code_of):
     return wrap
 
 
-def _per_key(err, keys=(), *_):
+def per_key(err, keys=(), *_):
     """on_error of the batch forms: the code once per key."""
     return [code_of(err)] * len(keys)
