@@ -91,3 +91,42 @@ def test_the_readme_layout_names_every_folder():
     top = {line.split("/")[0] for line in tracked.splitlines() if "/" in line and not line.startswith(".")}
     missing = sorted(f"{name}/" for name in packages | top if f"`{name}/`" not in layout)
     assert not missing, f"README Layout does not name {missing}"
+
+
+NATIVE = {"kvplugins._native", "kvplugins._moe", "kvplugins._meta", "kvplugins._tcp"}   # raw nanobind modules
+PRIVATE_OK = {"_replace", "_asdict", "_fields", "_exit", "_getframe", "_make", "_actions"}   # stdlib's own API
+
+
+def _private_uses(path) -> list[str]:
+    """``obj._name`` where ``obj`` is not self/cls and the file defines no ``_name`` (so it belongs to another
+    module), and ``from kvplugins.x import _name``; raw native modules are imported only by their wrappers."""
+    import ast
+    tree = ast.parse(path.read_text())
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvplugins"):
+            out += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")
+                    and not a.name.startswith("__") and f"{node.module}.{a.name}" not in NATIVE]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                and node.attr not in PRIVATE_OK and node.attr not in own \
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_module_uses_another_modules_private_names():
+    """Issue #33: collaborators go through designed public operations (e.g. MasterService.place/evict/drop for
+    its parts, RpcServer.release/send_control for the reply policy, StoreClient.put_start/locate/
+    transfer_ranges for Mooncake's sessions), never another module's ``_private`` names."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "kvplugins"
+    found = {str(p.relative_to(root)): uses for p in sorted(root.rglob("*.py")) if (uses := _private_uses(p))}
+    assert not found, f"private names of other modules used: {found}"

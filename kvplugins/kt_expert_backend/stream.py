@@ -168,7 +168,7 @@ class StreamPath:
             w = self.w
             x = bufs.x[slot]
             arrays = (numpy_view(x), numpy_view(ids), numpy_view(bufs.w[slot]), numpy_view(out))
-            job = bufs.jobs[key] = native.HostJob(w.layer, w.engine.pool, *arrays[:3], w._skip_np, arrays[3],
+            job = bufs.jobs[key] = native.HostJob(w.layer, w.engine.pool, *arrays[:3], w.skip_mask, arrays[3],
                                                   accumulate, (x, ids, bufs.w[slot], out, arrays))
         return job
 

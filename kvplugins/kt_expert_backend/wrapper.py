@@ -55,7 +55,8 @@ class KTMoEWrapper:
                               f"[0, num_experts_per_tok={num_experts_per_tok})")
         self.gpu_experts_mask = _gpu_mask(torch, self.num_experts, gpu_experts_mask, num_gpu_experts)
         self.num_gpu_experts = int(self.gpu_experts_mask.sum())
-        self._skip_np = self.gpu_experts_mask.to(torch.uint8).numpy()
+        # uint8 [experts]: 1 where the GPU computes the expert, so the CPU kernels skip it
+        self.skip_mask = self.gpu_experts_mask.to(torch.uint8).numpy()
         self.engine = Engines.get(cpuinfer_threads, threadpool_count, numa_nodes, self.cfg.spin_us, self.cfg.numa_sysfs,
                                   self.cfg.sync_spin_us)
         group = self.cfg.int4_group
@@ -140,13 +141,13 @@ class KTMoEWrapper:
                 pool.wait(prev.ticket)  # its arrays must outlive its job
                 prev = None
             out = prev.out if prev is not None else torch.empty(x.shape[0], self.hidden_size)
-            ticket = self.layer.submit(pool, _np(x), _np(now), _np(w), self._skip_np, _np(out), prev is not None)
+            ticket = self.layer.submit(pool, _np(x), _np(now), _np(w), self.skip_mask, _np(out), prev is not None)
             if later is not None:
                 stale = eng.pending.pop(self.layer_idx + 1, None)
                 if stale is not None:  # never consumed (e.g. a forward abandoned mid-model)
                     pool.wait(stale.ticket)
                 nxt = torch.empty_like(out)
-                t2 = self.layer.submit(pool, _np(x), _np(later), _np(w), self._skip_np, _np(nxt), False)
+                t2 = self.layer.submit(pool, _np(x), _np(later), _np(w), self.skip_mask, _np(nxt), False)
                 eng.pending[self.layer_idx + 1] = Pending(t2, nxt, (x, later, w, self.layer))
         self._inflight = (ticket, out, (x, now, w, prev))
 

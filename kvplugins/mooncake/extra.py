@@ -62,7 +62,7 @@ class ExtraMethods:
         if self._client is None:
             return 1
         try:
-            self._client._rpc.call("info")
+            self._client.master_call("info", [])
         except MasterUnreachable:
             return 2
         return 0

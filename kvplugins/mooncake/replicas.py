@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvplugins.store import client_ranges, protocol
+from kvplugins.store import protocol
 from kvplugins.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, guard, code_of, pybind
 from kvplugins.mooncake.checks import DEFAULT
 
@@ -76,7 +76,7 @@ class ReplicaMethods:
     def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[ReplicaDescriptor]]:
         """Key -> its replicas, for the keys that are stored (one lookup; it takes a read lease as a get)."""
         out = {}
-        for key, (code, value) in zip(keys, client_ranges.locate(self._c, list(keys))):
+        for key, (code, value) in zip(keys, self._c.locate(list(keys))):
             if code == protocol.OK:
                 out[key] = [ReplicaDescriptor(seg, off, value[0]) for seg, _, off in value[1]]
         return out
@@ -111,8 +111,8 @@ class ReplicaMethods:
         range. Per range the bytes copied, or a code (OBJECT_NOT_FOUND, INVALID_PARAMS past the object's end);
         one lookup and one transfer batch for everything."""
         flat = [(b, k, key) for b, keys in enumerate(all_keys) for k, key in enumerate(keys)]
-        found = dict(zip(sorted({key for _, _, key in flat}), client_ranges.locate(
-            self._c, sorted({key for _, _, key in flat}))))
+        wanted = sorted({key for _, _, key in flat})
+        found = dict(zip(wanted, self._c.locate(wanted)))
         entries, spans, offs, locations, out = [], [], [], {}, []
         for b, keys in enumerate(all_keys):
             out.append([])
@@ -129,7 +129,7 @@ class ReplicaMethods:
                     entries.append((b, k))
                     spans.append([(buffer_ptrs[b] + d, m) for d, m in zip(dst, n)])
                     offs.append(list(src))
-        errs = client_ranges.transfer_at(self._c, "read", [f"{b}/{k}" for b, k in entries], spans, offs, locations)
+        errs = self._c.transfer_ranges("read", [f"{b}/{k}" for b, k in entries], spans, offs, locations)
         for (b, k), err in zip(entries, errs):
             if err is not None:
                 out[b][k] = [code_of(err)] * len(out[b][k])

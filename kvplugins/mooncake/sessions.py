@@ -1,4 +1,5 @@
-"""Mooncake 0.3.13's put and get sessions, a mixin of api.MooncakeDistributedStore (over client_ranges.py).
+"""Mooncake 0.3.13's put and get sessions, a mixin of api.MooncakeDistributedStore (over StoreClient's
+put_start / locate / transfer_ranges).
 
 A put session: ``batch_put_session_start`` reserves objects (0, or OBJECT_ALREADY_EXISTS -705 for a stored key),
 ``batch_put_from_multi_buffer_ranges`` writes byte ranges of them from registered buffers at offsets the caller
@@ -14,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvplugins.store import client_ranges, protocol
+from kvplugins.store import protocol
 from kvplugins.mooncake.codes import INVALID_PARAMS, OK, guard, per_key, code_of, pybind
 from kvplugins.mooncake.checks import DEFAULT
 
@@ -36,7 +37,7 @@ class SessionMethods:
         puts, _, lock = self._sessions()
         cfg = self._put_cfg(config)
         out = []
-        for key, size, (code, value) in zip(keys, sizes, client_ranges.reserve(self._c, keys, sizes, cfg)):
+        for key, size, (code, value) in zip(keys, sizes, self._c.put_start(keys, sizes, cfg)):
             if code == protocol.OK:
                 with lock:
                     puts[key] = (value, int(size))
@@ -58,19 +59,19 @@ class SessionMethods:
     @pybind
     @guard(on_error=per_key)
     def batch_put_session_end(self, keys: list[str]) -> list[int]:
-        return self._finish(keys, client_ranges.commit)
+        return self._finish(keys, self._c.put_commit)
 
     @pybind
     @guard(on_error=per_key)
     def batch_put_session_revoke(self, keys: list[str]) -> list[int]:
-        return self._finish(keys, client_ranges.abort)
+        return self._finish(keys, self._c.put_abort)
 
     @pybind
     @guard(on_error=per_key)
     def batch_get_session_start(self, keys: list[str]) -> list[int]:
         _, gets, lock = self._sessions()
         out, now = [], time.monotonic()
-        for key, (code, value) in zip(keys, client_ranges.locate(self._c, keys)):
+        for key, (code, value) in zip(keys, self._c.locate(keys)):
             if code == protocol.OK:
                 with lock:
                     gets[key] = (value[1], value[0], now + value[2] / 1000)
@@ -107,7 +108,7 @@ class SessionMethods:
         puts, _, lock = self._sessions()
         with lock:
             mine = [k for k in keys if puts.pop(k, None) is not None]
-        codes = dict(zip(mine, (c for c, _ in rpc(self._c, mine))))
+        codes = dict(zip(mine, (c for c, _ in rpc(mine))))
         return [INVALID_PARAMS if k not in codes else OK if codes[k] == protocol.OK else code_of(
             protocol.entry_error(codes[k], k, "session expired")) for k in keys]
 
@@ -122,5 +123,5 @@ class SessionMethods:
             locs, size = session
             if all(off + m <= size for off, m in zip(o, n)):
                 locations[i], spans[i], offs[i], out[i] = locs, list(zip(p, n)), list(o), sum(n)
-        errs = client_ranges.transfer_at(self._c, kind, list(keys), spans, offs, locations)
+        errs = self._c.transfer_ranges(kind, list(keys), spans, offs, locations)
         return [code_of(e) if e is not None and i in locations else out[i] for i, e in enumerate(errs)]

@@ -255,6 +255,46 @@ class StoreClient:
                 self._admin_rpc = master_client(self.master, self.cfg.rpc_timeout_ms, "admin")
             return self._admin_rpc.call(op, entries, opts)
 
+    # ---- byte ranges of objects at known locations (Mooncake's put and get sessions: mooncake/sessions.py) ----
+    # A put session reserves objects (put_start: pending, allocated), writes ranges of them at offsets the caller
+    # picks (transfer_ranges "write"), then commits them (put_commit, no checksum: the client never holds the
+    # whole object) or aborts them; a get session looks objects up once (locate, with a lease) and reads ranges
+    # of them (transfer_ranges "read"). Every transfer is one array-form batch per (segment, region).
+    def put_start(self, keys: list[str], sizes: list[int], config: PutConfig | None = None) -> list:
+        """Reserve ``keys`` of ``sizes`` bytes: per key [code, locations or why] (store/protocol.py codes;
+        EXISTS for a stored key). Raises MasterUnreachable."""
+        cfg = config or self._put_cfg
+        return self._rpc_entries("put_start", [[k, int(n)] for k, n in zip(keys, sizes)], cfg.wire)
+
+    def put_commit(self, keys: list[str]) -> list:
+        """Make reserved ``keys`` readable, without checksums: per key [code, detail]."""
+        return self._rpc_entries("put_commit", list(keys), {"xxh3": [None] * len(keys)})
+
+    def put_abort(self, keys: list[str]) -> list:
+        """Drop reserved ``keys``: per key [code, detail]."""
+        return self._rpc_entries("put_abort", list(keys))
+
+    def locate(self, keys: list[str]) -> list:
+        """Where ``keys`` are, with a read lease: per key [code, [size, locations, lease ttl ms, checksum]]
+        (disk-only objects promoted first)."""
+        return self._lookup(list(keys))
+
+    def transfer_ranges(self, kind: str, keys: list[str], spans: list[list[Span]], offsets: list[list[int]],
+                        locations: dict[int, list]) -> list[StoreError | None]:
+        """Write (``kind`` "write") or read each key's spans (address, bytes) at ``offsets`` (bytes) inside the
+        object, at ``locations[i]`` (every replica for a write, the first for a read). Per key None or the error
+        (a span outside registered memory: BufferNotRegistered; a failed transfer: TransferFailed)."""
+        out: list[StoreError | None] = [None] * len(keys)
+        flat = client_io.arrays(client_io.flatten(self._engine, keys, spans, out))
+        flat.inner = np.fromiter((o for offs in offsets for o in offs), dtype=np.uint64, count=len(flat.lens))
+        todo = {i: locs if kind == "write" else locs[:1] for i, locs in locations.items() if out[i] is None}
+        failed: dict[int, StoreError] = {}
+        descs = self._descriptors({loc[0] for locs in todo.values() for loc in locs})
+        self._run_groups(kind, flat, client_io.groups(flat, todo, descs, failed), failed, None)
+        for i, err in failed.items():
+            out[i] = err
+        return out
+
     # ---- internals -----------------------------------------------------------------------------------
     def _rpc_entries(self, op: str, entries: list, opts: dict | None = None) -> list:
         return self._rpc.call(op, entries, opts) if entries else []

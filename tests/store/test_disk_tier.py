@@ -233,7 +233,7 @@ def test_offload_and_promote_are_published_as_kv_events(tmp_path):
         ctx = zmq.Context()
         replay = ctx.socket(zmq.DEALER)
         client_socket(replay, load_secret())          # the event sockets are CURVE servers
-        replay.connect(client._rpc.call("info")["events_replay"])
+        replay.connect(client.master_call("info", [])["events_replay"])
         decode = msgspec.msgpack.Decoder(EventBatch).decode
 
         def events() -> list[tuple]:

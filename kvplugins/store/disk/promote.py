@@ -30,7 +30,7 @@ def resolve(client, keys: list[str], found: list) -> list:
             if codes[keys[i]] not in (protocol.OK, protocol.EXISTS):     # lost, corrupt, no room, node gone
                 found[i] = [protocol.NOT_FOUND, None]
         todo = [i for i in todo if found[i][0] == protocol.ON_DISK]
-        for i, answer in zip(todo, client._rpc_entries("get", [keys[i] for i in todo])):
+        for i, answer in zip(todo, client.master_call("get", [keys[i] for i in todo]) if todo else []):
             found[i] = answer
         todo = [i for i in todo if found[i][0] == protocol.ON_DISK]
         if todo and time.monotonic() > deadline:

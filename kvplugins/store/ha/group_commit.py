@@ -43,13 +43,11 @@ class GroupCommit:
         except StoreError as e:
             failed = f"metadata not persisted, replies withheld: {e}"
             log.warning("%s (%d connections, %d control messages)", failed, len(conns), len(msgs))
-        srv = self.server
         for conn in conns:
-            if srv._conns.get(conn.sock.fileno()) is conn:         # still open
-                srv._flush(conn) if failed is None else srv._drop(conn, failed)
+            self.server.release(conn, failed)
         if failed is None:
             for parts in msgs:
-                srv._router.send_multipart(parts)
+                self.server.send_control(parts)
 
 
 class Immediate:
@@ -59,14 +57,13 @@ class Immediate:
         self.server = server
 
     def hold(self, conn) -> None:
-        if self.server._conns.get(conn.sock.fileno()) is conn:
-            self.server._flush(conn)
+        self.server.release(conn)
 
     def holds(self, conn) -> bool:
         return False
 
     def send_zmq(self, parts: list[bytes]) -> None:
-        self.server._router.send_multipart(parts)
+        self.server.send_control(parts)
 
     def sync(self) -> None:
         pass

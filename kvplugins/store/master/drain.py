@@ -79,7 +79,7 @@ def _start_migration(tier, obj, node, seg, now: float) -> int:
     order = [s for s in svc.segments.by_free_space() if s.name not in holders and s.name != seg.name
              and not isinstance(s.allocator, Frozen)]
     lease, obj.lease_until = obj.lease_until, INF      # on-demand eviction below must not pick obj itself
-    placed = svc._place(obj.size, 1, now, order, max((s.size for s in order), default=0)) if order else None
+    placed = svc.place(obj.size, 1, now, order, max((s.size for s in order), default=0)) if order else None
     if not isinstance(placed, list):
         obj.lease_until = lease
         tier.counters["migrate_failures"] += 1
@@ -92,7 +92,7 @@ def _start_migration(tier, obj, node, seg, now: float) -> int:
 
 def migrated(tier, key, segment: str, ok: bool, detail, now: float) -> None:
     """The node reports a migration; on success the object's replica moves to the destination."""
-    f = tier._current(key, "migrate", segment)
+    f = tier.flight(key, "migrate", segment)
     if f is None:
         return
     svc, obj = tier.service, f.obj

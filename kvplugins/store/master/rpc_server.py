@@ -517,6 +517,16 @@ class RpcServer:
                          f"master.partial_frames_budget={self.cfg.partial_frames_budget}; this one held "
                          f"{len(conn.inbuf)}")
 
+    def release(self, conn: _Conn, failed: str | None = None) -> None:
+        """Send ``conn``'s held replies, or (``failed``: why) close it without them; nothing if it closed
+        meanwhile. On the loop thread: the reply policy (ha/group_commit.py) calls it once per turn."""
+        if self._conns.get(conn.sock.fileno()) is conn:
+            self._flush(conn) if failed is None else self._drop(conn, failed)
+
+    def send_control(self, parts: list[bytes]) -> None:
+        """Send one control-plane reply (the zmq ROUTER's multipart message). On the loop thread."""
+        self._router.send_multipart(parts)
+
     def _drop(self, conn: _Conn, reason: str | None) -> None:
         if reason:
             log.warning("closed connection from %s: %s", conn.peer, reason)

@@ -39,7 +39,13 @@ SHARD_ROUTED = ("put_start", "put")
 
 
 class MasterService:
-    """Batch operations on the object table and segment registry. ``clock`` returns seconds (tests inject)."""
+    """Batch operations on the object table and segment registry. ``clock`` returns seconds (tests inject).
+
+    Its parts (``tiering`` and drain.py for the disk tier, ``slabs``, admin_ops.py) work through the service's
+    own operations, all on the service thread: ``place`` (space for new replicas, evicting on demand),
+    ``evict`` (eviction chose an object: offload or drop), ``drop`` (remove an object, its space freed now or
+    when its lease ends), ``free_due_zombies`` and ``zombies`` (space of removed objects still leased), plus
+    ``table``, ``segments``, ``journal``, ``events`` and ``counters``."""
 
     def __init__(self, config: MasterConfig, clock=time.monotonic, zmq_endpoint: str = "",
                  journal: Journal | None = None, tiering: Tiering | None = None, shard=None):
@@ -58,7 +64,7 @@ class MasterService:
         self.quotas = Quotas(config, lambda: sum(s.size for s in self.segments))
         self.caller = ""              # identity of the request being run (master/quotas.py; "" = the cluster)
         self.schemas = Schemas.of(config)
-        self._zombies = Zombies()     # space of removed objects, freed when their leases / put deadlines end
+        self.zombies = Zombies()     # space of removed objects, freed when their leases / put deadlines end
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
         self._ops.update(self.tiering.ops())
         self._ops.update(admin_ops.ops(self))      # get_size, remove_by_regex, remove_all (compat)
@@ -160,7 +166,7 @@ class MasterService:
         if obj is not None:
             self.counters["put_skipped"] += 1
             return [EXISTS, "complete"] if obj.complete else [PENDING, _pending_why(obj, now)]
-        placed = self._place(size, replicas, now, order, biggest)
+        placed = self.place(size, replicas, now, order, biggest)
         if isinstance(placed, str):
             self.counters["put_full"] += 1
             return [STORE_FULL, placed]
@@ -169,7 +175,7 @@ class MasterService:
         self.counters["puts"] += 1
         return [OK, [[seg.name, seg.region_id, off] for seg, off in placed]]
 
-    def _place(self, size: int, replicas: int, now: float, order: list[Segment], biggest: int):
+    def place(self, size: int, replicas: int, now: float, order: list[Segment], biggest: int):
         """Replica list [(Segment, offset)], evicting LRU objects on demand; or a reason string (StoreFull).
         ``order``: the segments to try, in that order; ``biggest``: the largest segment's size."""
         if not order and len(self.segments):
@@ -184,12 +190,12 @@ class MasterService:
             placed = placement.try_place(size, want, order)
             if placed:
                 return placed
-            if self._free_due_zombies(now):     # space whose lease ended since the last sweep (tick_ms)
+            if self.free_due_zombies(now):     # space whose lease ended since the last sweep (tick_ms)
                 continue
             victim = next(victims(self.table, now, self.grace_cutoff(now)), None)
             if victim is None:
                 return self._full_reason(size, now)
-            self._evict(victim, now, urgent=True)
+            self.evict(victim, now, urgent=True)
 
     def grace_cutoff(self, now: float) -> float:
         """Objects committed after this master-clock time are within the eviction grace: never victims."""
@@ -201,12 +207,12 @@ class MasterService:
         space and when the zombies' part of it returns."""
         n, held = hard_pinned_bytes(self.table)
         young = young_bytes(self.table, self.grace_cutoff(now))
-        due = self._zombies.next_due()
+        due = self.zombies.next_due()
         back = f", the first back in {max(0, (due - now) * 1000):.0f} ms" if due is not None else ""
         return (f"no space for {size} bytes: every stored object is leased, pending, hard-pinned or within the "
                 f"eviction grace ({young} bytes committed in the last "
                 f"{(now - self.grace_cutoff(now)) * 1000:.0f} ms, {n} hard-pinned objects of {held} bytes; "
-                f"{self._zombies.total()} bytes of {len(self._zombies)} removed objects return when their "
+                f"{self.zombies.total()} bytes of {len(self.zombies)} removed objects return when their "
                 f"readers' leases end{back}); retry then, or add segments")
 
     def op_put_commit(self, entries, opts, now):
@@ -238,7 +244,7 @@ class MasterService:
             if obj is None or obj.complete:
                 out.append([NOT_FOUND, "no pending put"])
                 continue
-            self._drop(obj, now, free_at=now)     # the writer's transfer batch has returned: free at once
+            self.drop(obj, now, free_at=now)     # the writer's transfer batch has returned: free at once
             self.counters["aborts"] += 1
             out.append([OK, None])
         return out
@@ -310,7 +316,7 @@ class MasterService:
             if obj is None:
                 out.append([NOT_FOUND, None])
                 continue
-            self._drop(obj, now)
+            self.drop(obj, now)
             self.counters["removes"] += 1
             out.append([OK, None])
         return out
@@ -340,26 +346,26 @@ class MasterService:
             return 0
         offsets = seg.allocator.claim(start, end)
         if offsets:
-            self._zombies.add(until, [(seg, off) for off in offsets])
+            self.zombies.add(until, [(seg, off) for off in offsets])
         return sum(seg.allocator.size_at(off) for off in offsets)
 
     def _drop_replica(self, obj: Object, name: str, off: int, now: float) -> None:
         if len(obj.replicas) == 1:
-            self._drop(obj, now, reason="corrupt")
+            self.drop(obj, now, reason="corrupt")
             return
         obj.replicas = [r for r in obj.replicas if r != (name, off)]
         seg = self.segments.get(name)
         if seg is not None:
-            self._zombies.add(max(obj.lease_until, now), [(seg, off)])
+            self.zombies.add(max(obj.lease_until, now), [(seg, off)])
         self.journal.replicas_changed([obj])
 
-    def _evict(self, obj: Object, now: float, urgent: bool) -> None:
+    def evict(self, obj: Object, now: float, urgent: bool) -> None:
         """Eviction chose ``obj``: the disk tier takes it over (offload) or it is dropped."""
         self.counters["evictions"] += 1
         if not self.tiering.evict(obj, now, urgent):
-            self._drop(obj, now, reason="evicted")
+            self.drop(obj, now, reason="evicted")
 
-    def _drop(self, obj: Object, now: float, free_at: float | None = None, reason: str = "removed") -> None:
+    def drop(self, obj: Object, now: float, free_at: float | None = None, reason: str = "removed") -> None:
         """Remove ``obj`` from the table; its space is freed now, or when its lease/put deadline ends.
         ``reason``: why, for the removal event of a committed object (evicted, removed, corrupt)."""
         self.tiering.dropped(obj, now)      # disk copy deleted, a tier flight cancelled, the tier's lease ended
@@ -373,7 +379,7 @@ class MasterService:
         held = [(self.segments.get(n), off) for n, off in obj.replicas]
         self.table.remove(obj)              # the view is dead from here
         if free_at > now:     # zombies hold the Segment itself: a re-registered namesake is never touched
-            self._zombies.add(free_at, held)
+            self.zombies.add(free_at, held)
         else:
             _free(held)
 
@@ -534,9 +540,9 @@ class MasterService:
         self.manifests.tick(now)
         for obj in self.table.pending():
             if obj.deadline <= now:
-                self._drop(obj, now, free_at=now)
+                self.drop(obj, now, free_at=now)
                 self.counters["reclaimed"] += 1
-        self._free_due_zombies(now)
+        self.free_due_zombies(now)
         self.slabs.tick(now)
         expire_soft_pins(self.table, now)
         self.tiering.tick(now)
@@ -544,18 +550,18 @@ class MasterService:
         if self.shard is not None:
             self.shard.tick(self, now)
 
-    def _free_due_zombies(self, now: float) -> bool:
+    def free_due_zombies(self, now: float) -> bool:
         """Free the removed objects whose lease (or put deadline) has run out; whether any were."""
-        return self._zombies.free_due(now)
+        return self.zombies.free_due(now)
 
     def evict_watermarks(self, now: float) -> None:
         """Evict LRU objects of every segment above the high watermark down to the low one, after freeing the
         removed objects whose lease has ended. Space that removed objects still hold (zombies) is not counted:
         it returns by itself, and evicting live objects for it took the newest puts under churn (issue #18)."""
-        self._free_due_zombies(now)
+        self.free_due_zombies(now)
         cutoff = self.grace_cutoff(now)
         for seg in self.segments:
-            live = seg.used - self._zombies.held(seg.name)     # zombie space returns by itself: not a reason
+            live = seg.used - self.zombies.held(seg.name)     # zombie space returns by itself: not a reason
             if not over_high(live, seg.size, self.cfg.high_watermark):
                 continue
             excess, chosen = live - self.cfg.low_watermark * seg.size, []
@@ -565,7 +571,7 @@ class MasterService:
                 chosen.append(obj)
                 excess -= seg.allocator.rounded(obj.size)
             for obj in chosen:
-                self._evict(obj, now, urgent=False)
+                self.evict(obj, now, urgent=False)
 
     # ---- introspection -------------------------------------------------------------------------------
     def op_info(self, entries, opts, now):
@@ -581,8 +587,8 @@ class MasterService:
                  "suspect": s.name in self.segments.suspect, "identity": s.identity} for s in self.segments]
         return {"segments": segs, "objects": len(self.table), "manifest_objects": len(self.manifests),
                 "pending": self.table.pending_count(),
-                "pinned": self.table.pinned_count(), "zombies": len(self._zombies),
-                "zombie_bytes": self._zombies.total(), "slabs": len(self.slabs),
+                "pinned": self.table.pinned_count(), "zombies": len(self.zombies),
+                "zombie_bytes": self.zombies.total(), "slabs": len(self.slabs),
                 "identities": self.quotas.usage(),
                 "bytes_used": sum(s["used"] for s in segs),
                 "bytes_total": sum(s["size"] for s in segs), **self.counters, **self.tiering.status()}

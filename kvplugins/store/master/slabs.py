@@ -72,7 +72,7 @@ class Slabs:
 
     def _reserve(self, entries, now: float) -> list:
         svc, out = self.svc, []
-        svc._free_due_zombies(now)                      # space whose lease ended since the last sweep
+        svc.free_due_zombies(now)                      # space whose lease ended since the last sweep
         order = svc.segments.by_free_space()
         biggest = max((s.size for s in order), default=0)
         align = svc.cfg.alloc_align

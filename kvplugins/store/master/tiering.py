@@ -163,7 +163,7 @@ class Tiering:
         """Free [(Segment, offset)] now or, through the service's zombie heap, at ``at``."""
         svc = self.service
         if at > now:
-            svc._zombies.add(at, held)
+            svc.zombies.add(at, held)
             return
         for seg, off in held:
             if seg is not None:
@@ -220,7 +220,7 @@ class Tiering:
                 if self.service.table.get(key) == c.obj and not c.obj.replicas:
                     lost.append(c.obj)
         for obj in lost:
-            self.service._drop(obj, now)
+            self.service.drop(obj, now)
         self.counters["disk_lost"] += len(lost)
 
     def _offload_node(self, obj, now: float) -> DiskNode | None:
@@ -231,7 +231,7 @@ class Tiering:
                 return node
         return None
 
-    def _current(self, key, kind: str, segment: str):
+    def flight(self, key, kind: str, segment: str):
         """The flight of ``kind`` for ``key`` by node ``segment`` if its object is still the table's."""
         f = self.flights.get(key)
         if f is None or f.kind != kind or f.segment != segment:
@@ -312,7 +312,7 @@ class Tiering:
             if kind == "offload":
                 self._offloaded(key, segment, ok, detail, now)
             elif kind == "migrate":
-                f = self._current(key, "migrate", segment)
+                f = self.flight(key, "migrate", segment)
                 if f is None or f.fid != fid:
                     continue                    # a late report of an ended flight: its destination is handled
                 task = self.tasks.by_fid.get(fid)
@@ -325,7 +325,7 @@ class Tiering:
         return [[OK, None] for _ in entries]
 
     def _offloaded(self, key, segment: str, ok: bool, digest, now: float) -> None:
-        f = self._current(key, "offload", segment)
+        f = self.flight(key, "offload", segment)
         if f is None:            # cancelled (removed) or timed out: nobody wants that file any more
             c = self.copies.get(key)
             if ok and (c is None or c.segment != segment):
@@ -349,7 +349,7 @@ class Tiering:
         self.forget_copy(key, delete=False)
         self.counters[LOST_COUNTER.get(why, "disk_lost")] += 1
         if self.service.table.get(key) == c.obj and not c.obj.replicas and key not in self.flights:
-            self.service._drop(c.obj, now)
+            self.service.drop(c.obj, now)
 
     # ---- ops: promote on hit -------------------------------------------------------------------------
     def op_promote_start(self, entries, opts, now):
@@ -381,7 +381,7 @@ class Tiering:
             victim = next((v for v in found if self.copy(v) is not None), found[0] if found else None)
             if victim is None:
                 return None
-            self.service._evict(victim, now, urgent=True)
+            self.service.evict(victim, now, urgent=True)
         return off
 
     def _promote_alloc(self, obj, seg, now: float):
@@ -397,7 +397,7 @@ class Tiering:
         """[[key, ok, detail], ...] with opts {segment}: the node loaded (or failed to load) each started key."""
         segment, out = opts.segment, []
         for key, ok, detail in entries:
-            f = self._current(key, "promote", segment)
+            f = self.flight(key, "promote", segment)
             if f is None:
                 out.append([NOT_FOUND, "no promotion in flight (removed or timed out)"])
                 continue
