@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--vs", choices=("none", "mooncake"), default="none", help="also run Mooncake (TCP), side by side")
-    p.add_argument("--ours", default="shm,tcp", help="our transport modes to run: shm, tcp, both, or '' for none")
+    p.add_argument("--ours", default="shm,tcp",
+                   help="our transport modes to run, comma-separated: shm, tcp (both: shm,tcp), or '' for none")
     p.add_argument("--quick", action="store_true", help="short smoke run: 4KiB and 1MiB, batches 1 and 32, few iters")
     p.add_argument("--sizes", help="object sizes, e.g. 4KiB,64KiB,1MiB,16MiB")
     p.add_argument("--batches", help="batch sizes, e.g. 1,32,128")
@@ -73,7 +74,7 @@ def _targets(args, max_batch: int, log_dir: Path):
     modes = [m for m in args.ours.split(",") if m]
     for m in modes:
         if m not in clusters.KVP_MODES:
-            raise SystemExit(f"--ours: unknown mode {m!r}; use shm, tcp or both comma-separated")
+            raise SystemExit(f"--ours: unknown mode {m!r}; use shm, tcp or shm,tcp")
     for m in modes:
         yield lambda m=m: clusters.kvp(m, max_batch, log_dir)
     if args.vs == "mooncake":
