@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import subprocess
 import sys
 import tempfile
 import time

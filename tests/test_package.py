@@ -130,3 +130,15 @@ def test_no_module_uses_another_modules_private_names():
     root = Path(__file__).resolve().parents[1] / "kvplugins"
     found = {str(p.relative_to(root)): uses for p in sorted(root.rglob("*.py")) if (uses := _private_uses(p))}
     assert not found, f"private names of other modules used: {found}"
+
+
+def test_ruff_finds_nothing():
+    """The lint CI runs (pyproject's [tool.ruff.lint]): pyflakes and syntax errors over the code, tests and
+    benchmarks. ruff comes with the test extra."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "kvplugins", "tests", "benchmarks"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

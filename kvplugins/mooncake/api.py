@@ -36,7 +36,7 @@ import weakref
 
 from kvplugins.errors import BufferNotRegistered, ConfigError, StoreError
 from kvplugins.mooncake import checks
-from kvplugins.mooncake.checks import ReplicateConfig
+from kvplugins.mooncake.checks import Buffer, ReplicateConfig
 from kvplugins.mooncake.checks import same_length as _same_length
 from kvplugins.mooncake.codes import (INVALID_PARAMS, OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, OK, guard, per_key,
                                        code_of, pybind)

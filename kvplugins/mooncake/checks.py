@@ -223,8 +223,14 @@ class ReplicateConfig:
                 f"with_soft_pin={self.with_soft_pin}, preferred_segment={self.preferred_segment!r})")
 
 
+# Annotation names of the API's parameters that are not Python types (the methods' modules import them, so a
+# type checker and linter know them; pybind checks by the annotation's text, ARGS below).
+I32 = int          # a C int32 argument: range-checked as pybind11 does
+Buffer = object    # anything with the buffer protocol (bytes, bytearray, memoryview, numpy arrays), not str
+
 # Converters of method arguments by annotation (api.py annotates parameters with these names).
-ARGS = {"str": text, "int": u64, "I32": i32, "bool": boolean, "tuple[int, int]": uuid_pair, "Buffer": buffer, "list[str]": listed(text, "str"),
+ARGS = {"str": text, "int": u64, "I32": i32, "bool": boolean, "tuple[int, int]": uuid_pair, "Buffer": buffer,
+        "list[str]": listed(text, "str"),
         "list[int]": listed(u64, "int"), "list[Buffer]": listed(buffer, "buffer"),
         "list[list[int]]": listed(listed(u64, "int"), "list of int"),
         "list[list[str]]": listed(listed(text, "str"), "list of str"),

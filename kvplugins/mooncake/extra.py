@@ -16,7 +16,7 @@ import numpy as np
 
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError
 from kvplugins.mooncake.codes import OK, guard, per_key, code_of, log, pybind
-from kvplugins.mooncake.checks import DEFAULT
+from kvplugins.mooncake.checks import DEFAULT, I32, Buffer, ReplicateConfig
 
 TENSOR_NAME = "tensor"
 SHARD_META = "mooncake_shard"     # safetensors metadata entry of a parallel tensor's shard (tensor_bytes)

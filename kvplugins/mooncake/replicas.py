@@ -13,8 +13,8 @@ import enum
 from dataclasses import dataclass
 
 from kvplugins.store import protocol
-from kvplugins.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, guard, code_of, pybind
-from kvplugins.mooncake.checks import DEFAULT
+from kvplugins.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, guard, code_of, pybind
+from kvplugins.mooncake.checks import DEFAULT, ReplicateConfig
 
 
 class ReplicaStatus(enum.IntEnum):

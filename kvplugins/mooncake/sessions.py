@@ -17,7 +17,7 @@ import time
 
 from kvplugins.store import protocol
 from kvplugins.mooncake.codes import INVALID_PARAMS, OK, guard, per_key, code_of, pybind
-from kvplugins.mooncake.checks import DEFAULT
+from kvplugins.mooncake.checks import DEFAULT, ReplicateConfig
 
 OBJECT_ALREADY_EXISTS = -705
 

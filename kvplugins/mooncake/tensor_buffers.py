@@ -23,7 +23,7 @@ from __future__ import annotations
 import struct
 
 from kvplugins.mooncake.codes import INVALID_PARAMS, guard, per_key, pybind
-from kvplugins.mooncake.checks import DEFAULT, same_length
+from kvplugins.mooncake.checks import DEFAULT, I32, same_length
 from kvplugins.transfer.memory import view_of
 
 HEADER_BYTES = 304

@@ -55,7 +55,7 @@ def main(weight_dir: str, out_json: str) -> None:
         cfg = kw.KTConfig(layer_idx=layer_idx, num_gpu_experts=NUM_GPU, cpuinfer_threads=2, threadpool_count=1,
                           weight_path=weight_dir, chunked_prefill_size=64, max_deferred_experts_per_token=1,
                           method="BF16", num_layers=2)
-        method, gpu = kw.KTEPWrapperMethod(GpuHalf(), cfg), None
+        method = kw.KTEPWrapperMethod(GpuHalf(), cfg)
         layer = types.SimpleNamespace(top_k=K, intermediate_size_per_partition=I, moe_tp_size=1)
         method.create_weights(layer, num_experts=E, hidden_size=H, intermediate_size_per_partition=I,
                               params_dtype=torch.bfloat16)

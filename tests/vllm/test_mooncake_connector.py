@@ -28,7 +28,7 @@ def test_vllm_mooncake_store_connector_on_our_store(model, turn_prompts, baselin
         env = {"PYTHONPATH": str(tmp_path / "site" / mooncake_shim.SHIM.shim_dir), "MOONCAKE_CONFIG_PATH": str(cfg),
                "VLLM_HOST_IP": "127.0.0.1"}        # vLLM passes its host IP as local_hostname: bind loopback
         transfer = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
-        a = run_fresh(EngineSpec(model, turn_prompts[0], connector={}, transfer=transfer, env=env))
+        run_fresh(EngineSpec(model, turn_prompts[0], connector={}, transfer=transfer, env=env))
         ctl = control_client(c.master, 3000)
         stored = ctl.call("status")["objects"]
         ctl.close()
