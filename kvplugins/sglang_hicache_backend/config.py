@@ -26,7 +26,9 @@ class HiCacheConfig:
     segment_size: Bytes = field(default=Bytes(0), metadata={
         "help": "DRAM this SGLang rank contributes to the pool; 0 = none (store nodes hold the pages)"})
     replicas: int = field(default=1, metadata={"help": "replicas written per page (on distinct segments)"})
-    transports: str = field(default="shm,rdma,tcp", metadata={"help": "transports offered, fastest first"})
+    transports: str = field(default="", metadata={
+        "help": "transports offered, fastest first; '' = transfer.transports (KVPLUGINS_TRANSFER_TRANSPORTS, "
+                "the file's [transfer] table, else shm,rdma,tcp)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address this rank's transfer engine binds"})
     retry_ms: int = field(default=5000, metadata={
         "help": "after a store failure, serve without the store (misses) this long before reconnecting"})

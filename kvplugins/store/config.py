@@ -175,7 +175,9 @@ class StoreNodeConfig(_MetricsLimits):
                 "`kvplugins up`"})
     segment_size: Bytes = field(default=Bytes(1 << 30), metadata={"help": "DRAM this node contributes"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the transfer engine binds"})
-    transports: str = field(default="shm,rdma,tcp", metadata={"help": "transports offered, fastest first"})
+    transports: str = field(default="", metadata={
+        "help": "transports offered, fastest first; '' = transfer.transports (KVPLUGINS_TRANSFER_TRANSPORTS, "
+                "the file's [transfer] table, else shm,rdma,tcp)"})
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period"})
     rpc_timeout_ms: int = field(default=3000, metadata={"help": "timeout of each master RPC"})
     ready_file: str = field(default="", metadata={"help": "write the segment id here once registered"})
@@ -260,7 +262,9 @@ class ClientConfig:
     verify_checksums: bool = field(default=True, metadata={
         "help": "check each object read against its xxh3_64 checksum (a mismatch reads as a miss)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address this client's transfer engine binds"})
-    transports: str = field(default="shm,rdma,tcp", metadata={"help": "transports offered, fastest first"})
+    transports: str = field(default="", metadata={
+        "help": "transports offered, fastest first; '' = transfer.transports (KVPLUGINS_TRANSFER_TRANSPORTS, "
+                "the file's [transfer] table, else shm,rdma,tcp)"})
     rdma_devices: str = field(default="", metadata={
         "help": "RDMA devices of this client's engine, comma list; '' = transfer.rdma_devices (every usable one)"})
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period of the own segment"})

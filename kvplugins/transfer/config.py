@@ -107,9 +107,11 @@ class TransferConfig:
 def transfer_config(**given) -> TransferConfig:
     """The TransferConfig of a component's engine: ``given`` (its own host, transports, timeout) over
     KVPLUGINS_TRANSFER_* env over the config file's [transfer] table over defaults (kvplugins.config.load), so
-    an operator sets e.g. rdma_devices once for nodes, clients and adapters. Raises ConfigError."""
+    an operator sets e.g. transports or rdma_devices once for nodes, clients and adapters. A given ``""`` is
+    unset (a component's setting left empty: the transfer setting applies), so a component's default never
+    overrides the environment or the file. Raises ConfigError."""
     from kvplugins.config import load
-    return load(TransferConfig, given)
+    return load(TransferConfig, {k: v for k, v in given.items() if v != ""})
 
 
 def _at_least(name: str, value: int, low: int) -> None:

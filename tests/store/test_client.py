@@ -103,3 +103,20 @@ def test_client_contributes_its_own_segment():
             assert c.stats()["segment"]
             with StoreClient(ClientConfig(master=m.address)) as other:   # another process-less client reads it
                 assert other.get("own/a") == b"z" * 100_000
+
+
+def test_transfer_transports_env_reaches_a_default_client(cluster, monkeypatch):
+    """One name per setting (issue #33): KVPLUGINS_TRANSFER_TRANSPORTS decides what a client built with default
+    settings offers (its own ``transports`` is '' = unset); before, ClientConfig's default shm,rdma,tcp
+    overrode it and the bytes went over shm. An explicit ClientConfig.transports still wins."""
+    data = np.random.default_rng(7).bytes(100_000)
+    monkeypatch.setenv("KVPLUGINS_TRANSFER_TRANSPORTS", "tcp")
+    with StoreClient(ClientConfig(master=cluster.master)) as c:
+        c.put("tenv/a", data)
+        assert c.get("tenv/a") == data
+        moved = c.transfer_stats()
+    assert moved["tcp"]["bytes"] == 2 * len(data) and "shm" not in moved, moved      # shm not even offered
+    with StoreClient(ClientConfig(master=cluster.master, transports="shm,tcp")) as c:
+        assert c.get("tenv/a") == data
+        moved = c.transfer_stats()
+    assert moved["shm"]["bytes"] == len(data) and moved["tcp"]["bytes"] == 0, moved
