@@ -29,7 +29,7 @@ from kvplugins.store.client_slab import SlabSpace
 from kvplugins.store.client_stats import ClientStats
 from kvplugins.store.config import ClientConfig
 from kvplugins.store.placement import PutConfig, from_client
-from kvplugins.store.rpc_client import master_client
+from kvplugins.store.connect import master_client
 from kvplugins.store.staging import Staging
 
 log = logging.getLogger(__name__)

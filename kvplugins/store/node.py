@@ -12,7 +12,7 @@ import threading
 
 from kvplugins.store.config import StoreNodeConfig
 from kvplugins.store.process import write_atomic
-from kvplugins.store.rpc_client import control_client
+from kvplugins.store.connect import control_client
 from kvplugins.store.segment import OwnedSegment
 
 log = logging.getLogger(__name__)

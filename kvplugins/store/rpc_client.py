@@ -231,37 +231,3 @@ def _left(deadline: float) -> float:
     if left <= 0:
         raise TimeoutError("timed out")
     return left
-
-
-def _leader_client(address: str, timeout_ms: float, plane: str, role: str):
-    """A client following the elected master of an HA address, or None for a single master's host:port."""
-    if not (address.startswith("etcd://") or "," in address):
-        return None
-    from kvplugins.store.ha.follower import LeaderClient
-    return LeaderClient(address, timeout_ms, plane, role)
-
-
-def master_client(address: str, timeout_ms: float, role: str = "client") -> RawRpcClient:
-    """The per-operation client of the master at ``address`` (what StoreClient uses). The one place that turns a
-    configured master address into a client. An HA address (``etcd://host:port[/prefix]`` or a comma list of
-    masters) gives a client following the elected leader (kvplugins/store/ha/follower.py); a sharded store's
-    (``shards://host:port/prefix``) one routing each key to its shard (kvplugins/store/shard/router.py).
-    ``role``: what the connections authenticate as (security/roles.py)."""
-    if address.startswith("shards://"):
-        from kvplugins.store.shard.router import ShardedRpc
-        return ShardedRpc(address, timeout_ms, role)
-    return _leader_client(address, timeout_ms, "raw", role) or RawRpcClient(address, timeout_ms, role)
-
-
-def control_client(address: str, timeout_ms: float, role: str = "client") -> ZmqRpcClient:
-    """A zmq control-plane client for the master whose raw address is ``address`` (asks ``info``); for an HA
-    address, one that follows the leader's control plane. ``role``: what it authenticates as."""
-    ha = _leader_client(address, timeout_ms, "zmq", role)
-    if ha is not None:
-        return ha
-    raw = RawRpcClient(address, timeout_ms, role)     # a role credential holds only its own role's key
-    try:
-        endpoint = raw.call("info")["zmq"]
-    finally:
-        raw.close()
-    return ZmqRpcClient(endpoint, timeout_ms, role)

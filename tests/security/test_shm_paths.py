@@ -17,7 +17,7 @@ from kvplugins.errors import KVPluginsError
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.placement import PutConfig
 from kvplugins.store.protocol import OK, UNREACHABLE
-from kvplugins.store.rpc_client import control_client
+from kvplugins.store.connect import control_client
 from kvplugins.transfer import fdpass
 
 

@@ -18,7 +18,7 @@ import time
 import xxhash
 
 from kvplugins.errors import StoreError
-from kvplugins.store.rpc_client import control_client
+from kvplugins.store.connect import control_client
 from kvplugins.store.segment import OwnedSegment
 from kvplugins.store.shard.cluster import Membership
 

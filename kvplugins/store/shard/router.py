@@ -36,10 +36,12 @@ SUMMED = frozenset({"remove_all", "remove_by_regex"})      # payload [code, coun
 
 class ShardedRpc:
     """Routes master ops over the shards of the store at ``address`` (shards://...). Raises MasterUnreachable
-    if the membership cannot be read within ``timeout_ms``, StoreError if the store has no shard yet."""
+    if the membership cannot be read within ``timeout_ms``, StoreError if the store has no shard yet.
+    ``connect``: (a shard's address, timeout ms, role) -> its client (store/connect.py master_client)."""
 
-    def __init__(self, address: str, timeout_ms: float, role: str = "client"):
+    def __init__(self, address: str, timeout_ms: float, role: str, *, connect):
         self.address, self.timeout_ms, self.role = address, timeout_ms, role
+        self._connect = connect
         self._members = Membership(address, timeout_s=min(2.0, timeout_ms / 1000))
         self.state = self._first_read()
         self._clients: dict[str, object] = {}
@@ -215,12 +217,11 @@ class ShardedRpc:
         return dict(zip(sids, self._pool.map(one, sids)))
 
     def _client(self, sid: str, address: str | None = None):
-        from kvplugins.store.rpc_client import master_client
         address = address or self.state.members.get(sid) or (self.state.previous or {}).get(sid)
         with self._lock:
             c = self._clients.get(address)
             if c is None:
-                c = self._clients[address] = master_client(address, self.timeout_ms, self.role)
+                c = self._clients[address] = self._connect(address, self.timeout_ms, self.role)
             return c
 
     # ---- the membership ----------------------------------------------------------------------------------
