@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 from kvplugins.errors import ConfigError, KVPluginsError
 from kvplugins.layout.keys import KeySpace
-from kvplugins.layout.pages import PageStore, log
+from kvplugins.layout.pages import PageStore, save_pages
 from kvplugins.layout.spans import PageLayout, Plane, Span
 
 Meta = tuple[Sequence[int], Sequence[int]]  # (addresses, byte sizes) of every piece of a batch of pages
@@ -119,32 +119,9 @@ class KeyedPageStore(PageStore):
         return [b not in failed for b in block_ids]
 
     def save_each(self, block_ids: Sequence[int], keys: Sequence[str]) -> list[bool]:
-        """Store pages not stored yet (one exists RPC, one batch put); True where the page is stored now.
-        Never raises a store error: an unreachable store gives all False (logged once)."""
-        if not block_ids:
-            return []
-        spans = self._layout().spans_for(block_ids)
-        client = self._connected()
-        if client is None:
-            return [False] * len(block_ids)
-        names = self.keyspace.keys(key_bytes(keys))
-        try:
-            present = client.batch_exists(names)
-            todo = [i for i, p in enumerate(present) if not p]
-            errors = client.batch_put_from([names[i] for i in todo], [spans[i] for i in todo]) if todo else []
-        except KVPluginsError as e:
-            self._failed(e)
-            return [False] * len(block_ids)
-        ok = [True] * len(block_ids)
-        for i, err in zip(todo, errors):
-            ok[i] = err is None
-        self.track([names[i] for i in todo if ok[i]])
-        bad = [e for e in errors if e is not None]
-        if bad:
-            log.warning("kvplugins: %d of %d page saves failed: %s", len(bad), len(todo), bad[0])
-        self.stats["skipped_pages"] += len(block_ids) - len(todo)
-        self.stats["saved_pages"] += len(todo) - len(bad)
-        return ok
+        """Store pages not stored yet (one exists RPC, one batch put: pages.save_pages); True where the page is
+        stored now. Never raises a store error: an unreachable store gives all False (logged once)."""
+        return save_pages([self], block_ids, key_bytes(keys))[1]
 
     def stored_prefix_in(self, space: KeySpace, keys: Sequence[str]) -> int:
         """Leading ``keys`` stored under ``space``, one RPC; 0 if the store is down."""

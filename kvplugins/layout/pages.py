@@ -172,6 +172,10 @@ class PageStore:
         now): (pages written, [bool per page]); all False if the store is down."""
         return save_pages([self], block_ids, hashes, after)
 
+    def track(self, names: Sequence[str]) -> None:
+        """Called with the store keys this PageStore just wrote (save_pages); nothing here. A subclass that
+        must take back exactly its own pages later (layout/hicache.py) remembers them."""
+
     def _layout(self) -> PageLayout:
         if self.layout is None:
             raise KVPluginsError("this PageStore has no KV memory layout; pass layout= to load or save pages")
@@ -250,8 +254,8 @@ def save_pages(parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Seq
             return 0, [True] * n
         ids = [block_ids[x % n] for x in todo]
         todo_keys = [keys[x] for x in todo]
-        errors = client.batch_put_from(todo_keys, [layouts[x // n].spans(b) for x, b in zip(todo, ids)]) \
-            if head.staged is None else head.staged.save(client, todo_keys, ids, after)
+        errors = client.batch_put_from(todo_keys, _spans_of(layouts, todo, n, ids)) if head.staged is None \
+            else head.staged.save(client, todo_keys, ids, after)
     except KVPluginsError as e:
         head._failed(e)
         return 0, [False] * n
@@ -260,8 +264,22 @@ def save_pages(parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Seq
         log.warning("kvplugins: %d of %d page saves failed: %s", len(bad), len(todo), bad[0])
     for x, err in zip(todo, errors):
         present[x] = err is None
+    head.track([todo_keys[j] for j, err in enumerate(errors) if err is None])
     held = [all(present[j * n + i] for j in range(len(parts))) for i in range(n)]
     wrote = {x % n for x in todo}
     written = sum(1 for i in wrote if held[i])
     head.stats["saved_pages"] += written
     return written, held
+
+
+def _spans_of(layouts: Sequence[Any], todo: Sequence[int], n: int, ids: Sequence[int]) -> list:
+    """The spans of objects ``todo`` (object x: part x // n's layout, block ``ids[i]`` for the i-th), one
+    ``spans_for`` call per part."""
+    by_part: dict[int, list[int]] = {}
+    for i, x in enumerate(todo):
+        by_part.setdefault(x // n, []).append(i)
+    out: list = [None] * len(todo)
+    for j, idx in by_part.items():
+        for i, sp in zip(idx, layouts[j].spans_for([ids[i] for i in idx])):
+            out[i] = sp
+    return out
