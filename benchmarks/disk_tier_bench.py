@@ -28,7 +28,7 @@ import numpy as np
 from kvplugins.config import parse_bytes
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.embedded import CLI
-from kvplugins.store.protocol import OK, ON_DISK
+from kvplugins.store.wire.protocol import OK, ON_DISK
 
 
 def parse_args(argv=None) -> argparse.Namespace:

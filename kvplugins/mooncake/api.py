@@ -283,12 +283,12 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         return self._c.master_call(op, entries, opts)
 
     def _sizes(self, keys: list[str]) -> list[int]:
-        from kvplugins.store.protocol import OK as FOUND
+        from kvplugins.store.wire.protocol import OK as FOUND
         found = self._call("get_size", list(keys))
         return [size if code == FOUND else OBJECT_NOT_FOUND for code, size in found]
 
     def _count(self, op: str, entries: list, force: bool) -> int:
-        from kvplugins.store.protocol import OK as DONE
+        from kvplugins.store.wire.protocol import OK as DONE
         code, value = self._call(op, entries, {"force": bool(force)})
         if code != DONE:
             raise ValueError(value)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvplugins.store import protocol
+from kvplugins.store.wire import protocol
 from kvplugins.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, guard, code_of, pybind
 from kvplugins.mooncake.checks import DEFAULT, ReplicateConfig
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvplugins.store import protocol
+from kvplugins.store.wire import protocol
 from kvplugins.mooncake.codes import INVALID_PARAMS, OK, guard, per_key, code_of, pybind
 from kvplugins.mooncake.checks import DEFAULT, ReplicateConfig
 

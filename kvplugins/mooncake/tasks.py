@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvplugins.store import protocol
+from kvplugins.store.wire import protocol
 from kvplugins.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, OK, guard, code_of, log, pybind
 
 TASK_NOT_FOUND = -1400

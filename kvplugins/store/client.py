@@ -24,7 +24,8 @@ import numpy as np
 
 from kvplugins.errors import (BufferNotRegistered, ChecksumMismatch, ConfigError, KeyNotFound, MasterUnreachable,
                               NativeError, PutPending, SizeMismatch, StoreError, TransferError, TransferFailed)
-from kvplugins.store import checksum, client_io, protocol
+from kvplugins.store import checksum, client_io
+from kvplugins.store.wire import protocol
 from kvplugins.store.client_slab import SlabSpace
 from kvplugins.store.client_stats import ClientStats
 from kvplugins.store.config import ClientConfig
@@ -261,7 +262,7 @@ class StoreClient:
     # whole object) or aborts them; a get session looks objects up once (locate, with a lease) and reads ranges
     # of them (transfer_ranges "read"). Every transfer is one array-form batch per (segment, region).
     def put_start(self, keys: list[str], sizes: list[int], config: PutConfig | None = None) -> list:
-        """Reserve ``keys`` of ``sizes`` bytes: per key [code, locations or why] (store/protocol.py codes;
+        """Reserve ``keys`` of ``sizes`` bytes: per key [code, locations or why] (store/wire/protocol.py codes;
         EXISTS for a stored key). Raises MasterUnreachable."""
         cfg = config or self._put_cfg
         return self._rpc_entries("put_start", [[k, int(n)] for k, n in zip(keys, sizes)], cfg.wire)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from kvplugins.errors import MasterUnreachable, StoreError
-from kvplugins.store import protocol
+from kvplugins.store.wire import protocol
 
 log = logging.getLogger(__name__)
 RETRY_S = 1.0          # after a refused reserve (store full), put_start for this long before asking again

@@ -90,7 +90,7 @@ class MasterMetrics:
         """Loop thread: take a fresh snapshot for the collector (no-op without an endpoint)."""
         if self.endpoint is None:
             return
-        from kvplugins.store import protocol
+        from kvplugins.store.wire import protocol
         service = self._server.service
         try:
             status = protocol.unpack(protocol.pack(service.handle("status", [], {})))   # deep private copy

@@ -17,7 +17,7 @@ from kvplugins import security
 from kvplugins.errors import ConfigError, Forbidden, MasterUnreachable, ProtocolError, StoreError
 from kvplugins.security import handshake
 from kvplugins.security.roles import FORBIDDEN
-from kvplugins.store import protocol
+from kvplugins.store.wire import protocol
 from kvplugins.transfer.sockio import reusable
 
 RECV_CHUNK = 1 << 16

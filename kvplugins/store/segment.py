@@ -15,7 +15,7 @@ import threading
 from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.security import resolve
 from kvplugins.security.secret import owner_proof
-from kvplugins.store.protocol import NOT_FOUND, OK
+from kvplugins.store.wire.protocol import NOT_FOUND, OK
 
 log = logging.getLogger(__name__)
 

@@ -31,12 +31,12 @@ import msgspec
 from kvplugins.errors import AuthError, ProtocolError
 from kvplugins.security import handshake
 from kvplugins.security.secret import Secret
-from kvplugins.store import protocol
+from kvplugins.store.wire import protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.disk import files, server as promote_server
 from kvplugins.store.ha import journal, recovery
 from kvplugins.store.master.service import MasterService
-from kvplugins.store.schema import RefusedRequest, Schemas
+from kvplugins.store.wire.schema import RefusedRequest, Schemas
 from kvplugins.transfer import wire
 
 MAX_FRAME = 16 << 20
@@ -111,7 +111,7 @@ def _check_response(status, req_id: int, n: int) -> None:
 # ---- master request envelope ---------------------------------------------------------------------------------
 def fuzz_master(data: bytes) -> None:
     """A request body as the master's raw RPC endpoint (and its zmq control plane) receives it: typed decode
-    (store/schema.py), and the untyped envelope parser clients and tools share (protocol.unpack +
+    (store/wire/schema.py), and the untyped envelope parser clients and tools share (protocol.unpack +
     parse_request)."""
     try:
         rid, op, entries, opts = SCHEMAS.decode(data)

@@ -359,7 +359,7 @@ def test_errors_are_codes_before_setup_and_when_master_is_down(monkeypatch):
 def test_admin_ops_honour_leases():
     from kvplugins.store.config import MasterConfig
     from kvplugins.store.master.service import MasterService
-    from kvplugins.store.protocol import INVALID, NOT_FOUND, OK
+    from kvplugins.store.wire.protocol import INVALID, NOT_FOUND, OK
     now = [100.0]
     m = MasterService(MasterConfig(lease_ttl_ms=1000), clock=lambda: now[0])
     wire = {"v": 1, "segment_id": "s", "host_id": "h", "transports": {}, "regions": [[1, 4096, None]]}

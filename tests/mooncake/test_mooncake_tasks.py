@@ -9,7 +9,7 @@ from helpers.cluster import store_cluster
 from kvplugins.mooncake import MooncakeDistributedStore, ReplicateConfig
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
-from kvplugins.store.protocol import INVALID, NOT_FOUND, NOT_NOW, OK
+from kvplugins.store.wire.protocol import INVALID, NOT_FOUND, NOT_NOW, OK
 
 
 def endpoint(replica) -> str:

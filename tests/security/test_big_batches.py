@@ -11,7 +11,7 @@ from kvplugins.store.rpc_client import RawRpcClient
 
 BIG_CLIENT = """
 import sys
-from kvplugins.store.protocol import OK
+from kvplugins.store.wire.protocol import OK
 from kvplugins.store.rpc_client import RawRpcClient
 N = 65_536
 keys = [f"big/{i:08d}" for i in range(N)]

@@ -18,7 +18,7 @@ import pytest
 from helpers.cluster import master_process, store_cluster
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.master.admin_ops import MAX_PROGRAM
-from kvplugins.store.protocol import EXISTS, INVALID, OK
+from kvplugins.store.wire.protocol import EXISTS, INVALID, OK
 from kvplugins.store.rpc_client import RawRpcClient
 from kvplugins.store.connect import control_client
 

@@ -15,7 +15,7 @@ from kvplugins.errors import AuthError, Forbidden, MasterUnreachable
 from kvplugins.security import load_secret
 from kvplugins.security.curve import server_keys
 from kvplugins.security.secret import issue_credential, owner_proof
-from kvplugins.store.protocol import OK, STORE_FULL
+from kvplugins.store.wire.protocol import OK, STORE_FULL
 from kvplugins.store.rpc_client import RawRpcClient
 from kvplugins.store.connect import control_client
 

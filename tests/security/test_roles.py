@@ -16,7 +16,7 @@ from kvplugins.security.curve import server_keys
 from kvplugins.security.roles import OP_ROLE, RANK
 from kvplugins.security.secret import Credential, default_secret, default_secret_path, issue_credential
 from kvplugins.store.rpc_client import RawRpcClient, ZmqRpcClient
-from kvplugins.store.schema import Schemas
+from kvplugins.store.wire.schema import Schemas
 
 ROLES = ("client", "node", "admin")
 

@@ -16,7 +16,7 @@ from kvplugins.cli.status import fetch as status_fetch
 from kvplugins.errors import KVPluginsError
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.placement import PutConfig
-from kvplugins.store.protocol import OK, UNREACHABLE
+from kvplugins.store.wire.protocol import OK, UNREACHABLE
 from kvplugins.store.connect import control_client
 from kvplugins.transfer import fdpass
 

@@ -9,7 +9,7 @@ from test_liveness import Clock, put, reg, silence
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master import batches
 from kvplugins.store.master.service import MasterService
-from kvplugins.store.protocol import OK, UNREACHABLE
+from kvplugins.store.wire.protocol import OK, UNREACHABLE
 
 
 class FakeProber:

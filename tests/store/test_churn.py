@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvplugins.errors import KeyNotFound, PutPending
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
-from kvplugins.store.protocol import EXISTS, OK, PENDING, STORE_FULL
+from kvplugins.store.wire.protocol import EXISTS, OK, PENDING, STORE_FULL
 
 SLOT = 64
 

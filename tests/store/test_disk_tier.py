@@ -10,7 +10,8 @@ from helpers.cluster import store_cluster
 from kvplugins.errors import KeyNotFound, StoreError
 from kvplugins.security import load_secret
 from kvplugins.security.curve import client_socket
-from kvplugins.store import ClientConfig, StoreClient, protocol
+from kvplugins.store import ClientConfig, StoreClient
+from kvplugins.store.wire import protocol
 from kvplugins.store.disk import files
 from kvplugins.store.disk.files import CorruptFile
 from kvplugins.store.disk.store import DiskStore
@@ -176,7 +177,7 @@ def test_disk_round_trip_across_node_restart(disk_cluster):
 
 def test_promote_endpoint_requires_the_shared_secret(tmp_path, monkeypatch):
     from kvplugins.errors import AuthError
-    from kvplugins.store.protocol import ON_DISK
+    from kvplugins.store.wire.protocol import ON_DISK
     from kvplugins.store.rpc_client import RawRpcClient
     token = tmp_path / "token"
     token.write_text("disk-tier-secret-" + "b2" * 16 + "\n")

@@ -24,7 +24,7 @@ from kvplugins.store.ha.etcd import Etcd, put_op
 from kvplugins.store.ha.follower import leader_info
 from kvplugins.store.ha.journal import EtcdJournal
 from kvplugins.store.ha.leader import LeaderGuard
-from kvplugins.store.protocol import NOT_FOUND, OK, PENDING, STORE_FULL
+from kvplugins.store.wire.protocol import NOT_FOUND, OK, PENDING, STORE_FULL
 from kvplugins.store.rpc_client import RawRpcClient
 from kvplugins.store.connect import master_client
 

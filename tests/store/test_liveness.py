@@ -8,7 +8,7 @@ import pytest
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master import liveness
 from kvplugins.store.master.service import MasterService
-from kvplugins.store.protocol import NOT_FOUND, OK, STORE_FULL
+from kvplugins.store.wire.protocol import NOT_FOUND, OK, STORE_FULL
 
 TIMEOUT_S, GRACE_S = 2.0, 10.0
 

@@ -25,7 +25,8 @@ from helpers.cluster import store_cluster
 
 from kvplugins.errors import ProtocolError
 from kvplugins.security import handshake
-from kvplugins.store import ClientConfig, StoreClient, protocol
+from kvplugins.store import ClientConfig, StoreClient
+from kvplugins.store.wire import protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.rpc_client import RawRpcClient

@@ -18,7 +18,7 @@ from helpers.cluster import master_process, store_cluster
 
 from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.store import ClientConfig, StoreClient
-from kvplugins.store.protocol import HEADER, INVALID, VERSION
+from kvplugins.store.wire.protocol import HEADER, INVALID, VERSION
 from kvplugins.store.rpc_client import RawRpcClient
 from kvplugins.store.connect import control_client
 

@@ -4,7 +4,7 @@ import pytest
 
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
-from kvplugins.store.protocol import EXISTS, EXPIRED, NOT_FOUND, OK, STORE_FULL
+from kvplugins.store.wire.protocol import EXISTS, EXPIRED, NOT_FOUND, OK, STORE_FULL
 
 
 class Clock:

@@ -9,7 +9,7 @@ from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.placement import PutConfig
-from kvplugins.store.protocol import OK, STORE_FULL
+from kvplugins.store.wire.protocol import OK, STORE_FULL
 
 OBJ = 64
 

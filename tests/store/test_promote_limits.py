@@ -15,7 +15,7 @@ from helpers.auth import authenticated
 from helpers.limited_server import LimitedServer, closed_within, flood
 from kvplugins.config import load
 from kvplugins.errors import ConfigError, MasterUnreachable, StoreError
-from kvplugins.store import protocol
+from kvplugins.store.wire import protocol
 from kvplugins.store.config import StoreNodeConfig
 from kvplugins.store.disk.server import MAX_KEY
 from kvplugins.store.rpc_client import RawRpcClient

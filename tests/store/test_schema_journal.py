@@ -18,7 +18,7 @@ from kvplugins.store.config import MasterConfig
 from kvplugins.store.ha import journal, recovery
 from kvplugins.store.ha.journal import EtcdJournal
 from kvplugins.store.master.service import MasterService
-from kvplugins.store.schema import MAX_NAME, MAX_SIZE
+from kvplugins.store.wire.schema import MAX_NAME, MAX_SIZE
 
 U64 = (1 << 64) - 1
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvplugins.errors import StoreError
-from kvplugins.store import protocol
+from kvplugins.store.wire import protocol
 from kvplugins.store.client import StoreClient
 from kvplugins.store.config import ClientConfig
 from kvplugins.store.rpc_client import RawRpcClient

@@ -8,7 +8,7 @@ import pytest
 from helpers.cluster import store_cluster
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.master.disk_state import Frozen
-from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, OK, STORE_FULL
+from kvplugins.store.wire.protocol import EXISTS, EXPIRED, INVALID, OK, STORE_FULL
 from test_master_logic import service, wire
 
 MiB = 1 << 20

@@ -6,7 +6,7 @@ import pytest
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master import batches
 from kvplugins.store.master.service import MasterService
-from kvplugins.store.protocol import OK
+from kvplugins.store.wire.protocol import OK
 
 N = 3 * batches.SLICE_KEYS + 7
 
@@ -51,7 +51,7 @@ def test_pending_puts_and_segments_are_bounded():
     """max_pending_puts: put_start past it answers StoreFull for the entries over; max_segments and 64 segments
     per process (owner token) bound the registry (issue #30 item 3)."""
     from kvplugins.store.master.segments import MAX_PER_OWNER
-    from kvplugins.store.protocol import STORE_FULL
+    from kvplugins.store.wire.protocol import STORE_FULL
     svc = MasterService(MasterConfig(alloc_align=64, max_pending_puts=1000, max_segments=MAX_PER_OWNER + 2))
 
     def reg(name, owner):

@@ -2,7 +2,7 @@
 a client would send, driven by hand with a fake clock. Covers the races real-process tests cannot aim at."""
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
-from kvplugins.store.protocol import EXISTS, NOT_FOUND, OK, ON_DISK
+from kvplugins.store.wire.protocol import EXISTS, NOT_FOUND, OK, ON_DISK
 
 OBJ = 64
 

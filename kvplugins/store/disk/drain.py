@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from kvplugins.errors import StoreError
-from kvplugins.store.protocol import OK
+from kvplugins.store.wire.protocol import OK
 from kvplugins.store.connect import master_client
 
 POLL_S = 0.2

@@ -26,7 +26,7 @@ HEAD = struct.Struct("<4sHHQQ")       # magic, version, key length, size, object
 CHECK = struct.Struct("<Q")           # header checksum (over HEAD + key)
 SUFFIX = ".kvd"
 MAX_KEY = 0xFFFF                      # key length in UTF-8 bytes (the u16 field)
-MAX_OBJECT = 1 << 48                  # object size in bytes (as the master's largest; store/schema.py MAX_SIZE)
+MAX_OBJECT = 1 << 48                  # object size in bytes (as the master's largest; store/wire/schema.py MAX_SIZE)
 
 
 class CorruptFile(StoreError):

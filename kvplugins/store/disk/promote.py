@@ -10,7 +10,7 @@ import logging
 import time
 
 from kvplugins.errors import StoreError
-from kvplugins.store import protocol
+from kvplugins.store.wire import protocol
 from kvplugins.store.rpc_client import RawRpcClient
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ from kvplugins import security
 from kvplugins.errors import ConfigError, ProtocolError
 from kvplugins.security import handshake
 from kvplugins.security.limits import ConnLimits, GuardedServerMixIn
-from kvplugins.store import protocol
-from kvplugins.store.schema import Envelope
+from kvplugins.store.wire import protocol
+from kvplugins.store.wire.schema import Envelope
 
 log = logging.getLogger(__name__)
 MAX_FRAME = 16 << 20            # bytes of one request frame

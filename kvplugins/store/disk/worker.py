@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError, TransferError
 from kvplugins.store.disk.files import CorruptFile, checksum
-from kvplugins.store.protocol import NOT_FOUND, OK
+from kvplugins.store.wire.protocol import NOT_FOUND, OK
 from kvplugins.store.connect import master_client
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ leads now, nothing is written, ``on_fenced`` steps this one down and the op answ
 retries on the new leader). A transient etcd failure is retried for up to RETRY_S, then raises StoreError.
 
 Read back (``load``, on election) every value is decoded into the same typed, range-checked shapes as the
-master's wire (store/schema.py, issue #11); one that does not fit is skipped with a warning naming its key.
+master's wire (store/wire/schema.py, issue #11); one that does not fit is skipped with a warning naming its key.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import msgspec
 from msgspec import Meta
 
 from kvplugins.errors import ProtocolError, StoreError
-from kvplugins.store import schema
+from kvplugins.store.wire import schema
 from kvplugins.store.ha.etcd import MAX_TXN_OPS, delete_op, put_op
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.placement import PIN_CODES

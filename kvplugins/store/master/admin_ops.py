@@ -20,7 +20,7 @@ import time
 import re2
 
 from kvplugins.store.master.batches import SLICE_BUDGET_S, Deferred
-from kvplugins.store.protocol import INVALID, NOT_FOUND, OK
+from kvplugins.store.wire.protocol import INVALID, NOT_FOUND, OK
 
 SCAN_SLICE = 4096          # objects one step of a Scan examines at most (a few ms of the master's thread),
                            # ending at the first key past SLICE_BUDGET_S
@@ -55,7 +55,7 @@ class Scan(Deferred):
 
 
 def ops(service) -> dict:
-    """name -> fn(entries, opts, now) for MasterService's dispatcher (entries/opts as kvplugins.store.schema)."""
+    """name -> fn(entries, opts, now) for MasterService's dispatcher (entries/opts as kvplugins.store.wire.schema)."""
     return {
         "get_size": lambda entries, opts, now: get_size(service, entries),
         "remove_checked": lambda entries, opts, now: remove_checked(service, entries, opts.force, now),

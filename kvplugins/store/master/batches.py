@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from kvplugins.store.schema import subset
+from kvplugins.store.wire.schema import subset
 
 SLICED = frozenset({"put_start", "put_commit", "put_abort", "put", "get", "exists", "remove", "get_size"})
 SLICE_KEYS = 512            # entries per slice: ~5 ms of put_start on the slowest path (15 us a key)

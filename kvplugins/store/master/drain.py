@@ -13,7 +13,7 @@ from __future__ import annotations
 from itertools import chain, islice
 
 from kvplugins.store.master.disk_state import INF, MAX_FLIGHTS, Frozen
-from kvplugins.store.protocol import NOT_FOUND, OK
+from kvplugins.store.wire.protocol import NOT_FOUND, OK
 
 
 

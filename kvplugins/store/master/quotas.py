@@ -19,7 +19,7 @@ quotas; Redis and Mooncake bound no client's share.
 """
 from __future__ import annotations
 
-from kvplugins.store.protocol import OK, STORE_FULL
+from kvplugins.store.wire.protocol import OK, STORE_FULL
 
 
 class Quotas:

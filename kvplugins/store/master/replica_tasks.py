@@ -42,7 +42,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, MAX_FLIGHTS, Flight, Frozen
-from kvplugins.store.protocol import NOT_NOW, INVALID, NOT_FOUND, OK
+from kvplugins.store.wire.protocol import NOT_NOW, INVALID, NOT_FOUND, OK
 
 FINISHED_KEPT = 10_000         # finished tasks a master remembers for task_query (oldest forgotten first)
 WAIT_S = 2 * FLIGHT_TIMEOUT_S  # a task still waiting for its key's other flight (offload, drain) after this fails

@@ -4,7 +4,7 @@
   the per-operation path (~20 µs round trip here).
 * zmq ROUTER endpoint (reported by the ``info`` op): the control plane — node registration, heartbeats,
   ``kvplugins status`` (~115 µs round trip; fine off the hot path).
-Both run the same dispatcher: every request is decoded into typed, range-checked values (kvplugins/store/schema.py)
+Both run the same dispatcher: every request is decoded into typed, range-checked values (kvplugins/store/wire/schema.py)
 before the service sees it. A request the schema refuses is answered with the reason (connection kept); a frame
 that is no request (wrong version, too large, not msgpack of the envelope's shape) closes that connection with a
 logged reason; a bad zmq message is logged and dropped.
@@ -50,7 +50,7 @@ from kvplugins.security.curve import CurveServer, caller_of
 from kvplugins.security.limits import AcceptBackoff, ConnGate
 from kvplugins.security.roles import FORBIDDEN
 from kvplugins.security.secret import proved_identity
-from kvplugins.store import protocol
+from kvplugins.store.wire import protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.ha import group_commit
 from kvplugins.store.master.admin_ops import Scan
@@ -58,7 +58,7 @@ from kvplugins.store.master.admission import Prober
 from kvplugins.store.master.batches import Deferred
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.metrics import MasterMetrics
-from kvplugins.store.schema import RefusedRequest, Schemas
+from kvplugins.store.wire.schema import RefusedRequest, Schemas
 
 log = logging.getLogger(__name__)
 RECV_CHUNK = 1 << 16          # below malloc's mmap threshold: a 1 MiB recv buffer costs ~20 µs per call

@@ -25,9 +25,9 @@ from kvplugins.store.master.segments import Segment, SegmentOwned, SegmentRegist
 from kvplugins.store.master.slabs import Slabs
 from kvplugins.store.master.tiering import Tiering
 from kvplugins.store.master.zombies import Zombies
-from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, ON_DISK, PENDING, STORE_FULL, \
+from kvplugins.store.wire.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, ON_DISK, PENDING, STORE_FULL, \
     UNREACHABLE, VERSION
-from kvplugins.store.schema import Schemas
+from kvplugins.store.wire.schema import Schemas
 
 log = logging.getLogger(__name__)
 COUNTERS = ("hits", "misses", "puts", "put_skipped", "put_full", "commits", "aborts", "removes", "evictions",

@@ -28,7 +28,7 @@ from kvplugins.store.master import placement
 from kvplugins.store.master.disk_state import Frozen
 from kvplugins.store.master.quotas import refuse
 from kvplugins.store.master.segments import Segment
-from kvplugins.store.protocol import EXISTS, EXPIRED, INVALID, OK, PENDING, STORE_FULL
+from kvplugins.store.wire.protocol import EXISTS, EXPIRED, INVALID, OK, PENDING, STORE_FULL
 
 log = logging.getLogger(__name__)
 SLAB_SHARE = 64       # a slab is at most 1/64 of the largest segment ...

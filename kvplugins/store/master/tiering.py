@@ -24,7 +24,7 @@ from kvplugins.store.master import drain
 from kvplugins.store.master.replica_tasks import ReplicaTasks
 from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, POLL_BATCH, TTL_MARGIN_S, Copy, DiskNode, \
     Flight, raw_allocator
-from kvplugins.store.protocol import EXISTS, NOT_FOUND, OK, ON_DISK, STORE_FULL
+from kvplugins.store.wire.protocol import EXISTS, NOT_FOUND, OK, ON_DISK, STORE_FULL
 
 COUNTERS = ("offloads", "offload_failures", "offload_deferred", "promotions", "promote_failures", "disk_hits",
             "disk_corrupt", "disk_evicted", "disk_lost", "migrations", "migrate_failures", "drains")

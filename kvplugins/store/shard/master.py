@@ -16,8 +16,8 @@ import logging
 import threading
 
 from kvplugins.errors import StoreError
-from kvplugins.store.protocol import WRONG_SHARD
-from kvplugins.store.schema import subset
+from kvplugins.store.wire.protocol import WRONG_SHARD
+from kvplugins.store.wire.schema import subset
 from kvplugins.store.shard.cluster import ClusterState, Membership
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from kvplugins.errors import MasterUnreachable, StoreError
-from kvplugins.store.protocol import EXISTS, NOT_FOUND, OK, UNAVAILABLE, WRONG_SHARD
+from kvplugins.store.wire.protocol import EXISTS, NOT_FOUND, OK, UNAVAILABLE, WRONG_SHARD
 from kvplugins.store.shard.cluster import ClusterState, Membership
 
 log = logging.getLogger(__name__)

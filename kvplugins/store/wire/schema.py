@@ -24,7 +24,7 @@ from msgspec import Meta, Raw, Struct
 
 from kvplugins.errors import ProtocolError
 from kvplugins.security import roles
-from kvplugins.store.protocol import VERSION
+from kvplugins.store.wire.protocol import VERSION
 
 MAX_SIZE = 1 << 48            # 256 TiB: no object, segment or offset is larger
 MAX_NAME = 256                # segment names, host ids, endpoints, error details (characters)
