@@ -83,7 +83,7 @@ def _wait(check, timeout_s: float = 60.0) -> None:
 
 def _register(address: str, size: int) -> None:
     """One byte-less segment of ``size`` per master (registered by RPC; never heart-beats: timeout 10^9 ms)."""
-    from kvplugins.store.connect import master_client
+    from kvplugins.store.client.connect import master_client
     from kvplugins.store.shard.cluster import Membership
     addrs = Membership(address).read().members if address.startswith("shards://") else {"s0": address}
     for sid, addr in addrs.items():
@@ -96,7 +96,7 @@ def _register(address: str, size: int) -> None:
 
 
 def measure(n_shards: int, n: int, key_bytes: int) -> dict:
-    from kvplugins.store.connect import master_client
+    from kvplugins.store.client.connect import master_client
     per_shard = int(2 * n * SIZE / n_shards * 1.3) + (1 << 20)     # the largest share + slack: nothing evicted
     with tempfile.TemporaryDirectory(prefix="kvp-shards-bench-") as d, \
             masters(n_shards, per_shard, Path(d)) as (address, procs, _):
@@ -137,7 +137,7 @@ def _best(rpc, op: str, n: int, key_bytes: int, rng) -> int:
 
 
 def _counts(address: str) -> dict:
-    from kvplugins.store.connect import master_client
+    from kvplugins.store.client.connect import master_client
     from kvplugins.store.shard.cluster import Membership
     addrs = Membership(address).read().members if address.startswith("shards://") else {"s0": address}
     out = {}
@@ -150,7 +150,7 @@ def _counts(address: str) -> dict:
 
 def failover(n: int = 20_000) -> dict:
     """3 shards, s0 an HA pair: seconds from SIGKILL of s0's leader until s0's keys read again."""
-    from kvplugins.store.connect import master_client
+    from kvplugins.store.client.connect import master_client
     from kvplugins.store.shard.cluster import Membership
     from tests.helpers.shards import leads
     with tempfile.TemporaryDirectory(prefix="kvp-shards-fo-") as d, \

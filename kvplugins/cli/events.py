@@ -32,7 +32,7 @@ def run(args) -> int:
     from kvplugins.security.curve import client_socket
     from kvplugins.store import embedded
     from kvplugins.store.config import ClientConfig
-    from kvplugins.store.connect import master_client
+    from kvplugins.store.client.connect import master_client
     cfg = from_args(ClientConfig, args)
     master = embedded.resolve_master(cfg.master)
     rpc = master_client(master, cfg.rpc_timeout_ms)

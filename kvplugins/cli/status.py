@@ -47,7 +47,7 @@ def run(args) -> int:
 
 def fetch(master: str, timeout_ms: float) -> dict:
     """The master's ``status`` answer. Raises MasterUnreachable."""
-    from kvplugins.store.connect import control_client
+    from kvplugins.store.client.connect import control_client
     ctl = control_client(master, timeout_ms)
     try:
         return ctl.call("status")

@@ -8,7 +8,7 @@ def fetch(master: str, timeout_ms: float) -> dict:
     """{"membership": ..., "shards": {id: status}, "unreachable": {id: why}}. Raises StoreError when etcd does
     not answer."""
     from kvplugins.errors import StoreError
-    from kvplugins.store.connect import master_client
+    from kvplugins.store.client.connect import master_client
     from kvplugins.store.shard.cluster import Membership
     st = Membership(master).read()
     shards, down = {}, {}

@@ -1,4 +1,4 @@
-"""``kvplugins store``: a store node contributing one DRAM segment (kvplugins/store/node.py), optionally with a
+"""``kvplugins store``: a store node contributing one DRAM segment (kvplugins/store/node/store_node.py), optionally with a
 disk tier (``--disk-dir``, ``--disk-capacity``); ``kvplugins store --drain --segment NAME`` drains a running node
 (kvplugins/store/disk/drain.py) and exits when it has left."""
 from __future__ import annotations
@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import threading
 
-    from kvplugins.store import embedded, node
+    from kvplugins.store import embedded
+    from kvplugins.store.node import store_node as node
     from kvplugins.store.config import StoreNodeConfig
     from kvplugins.store.process import stop_on_signals
     cfg = from_args(StoreNodeConfig, args)

@@ -50,7 +50,7 @@ def _serve(mcfg, ncfg, path) -> int:
 
     from kvplugins.store import embedded
     from kvplugins.store.master.rpc_server import RpcServer
-    from kvplugins.store.node import StoreNode
+    from kvplugins.store.node.store_node import StoreNode
     from kvplugins.store.process import stop_on_signals, write_atomic
     server = RpcServer(mcfg)
     loop = threading.Thread(target=server.serve_forever, name="kvp-master", daemon=True)

@@ -169,7 +169,7 @@ class MasterConfig(_MetricsLimits):
 @component("store")
 @dataclass(frozen=True)
 class StoreNodeConfig(_MetricsLimits):
-    """A store node: contributes one DRAM segment to the pool (kvplugins/store/node.py)."""
+    """A store node: contributes one DRAM segment to the pool (kvplugins/store/node/store_node.py)."""
     master: str = field(default="", metadata={
         "help": "master address host:port (HA: etcd://host:port/prefix or host:port,host:port); '' = the embedded "
                 "`kvplugins up`"})
@@ -245,7 +245,7 @@ class StoreNodeConfig(_MetricsLimits):
 @component("client")
 @dataclass(frozen=True)
 class ClientConfig:
-    """A StoreClient (kvplugins/store/client.py)."""
+    """A StoreClient (kvplugins/store/client/store_client.py)."""
     master: str = field(default="", metadata={
         "help": "master host:port (HA: etcd://host:port/prefix or host:port,host:port); '' = discover or start "
                 "`kvplugins up`"})

@@ -54,7 +54,7 @@ def discover(timeout_ms: float = 1000, config: UpConfig | None = None) -> str | 
     info = read_discovery(discovery_path(config))
     if info is None:
         return None
-    from kvplugins.store.rpc_client import RawRpcClient
+    from kvplugins.store.client.rpc import RawRpcClient
     rpc = RawRpcClient(info["master"], timeout_ms)
     try:
         rpc.call("info")

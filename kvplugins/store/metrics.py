@@ -148,7 +148,7 @@ class NodeMetrics:
 
     def _ask_master(self) -> dict | None:
         from kvplugins.errors import StoreError
-        from kvplugins.store.connect import control_client
+        from kvplugins.store.client.connect import control_client
         try:
             if self._rpc is None:
                 self._rpc = control_client(self.master, self.timeout_ms)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from kvplugins.store.embedded import CLI
-from kvplugins.store.rpc_client import RawRpcClient, ZmqRpcClient
+from kvplugins.store.client.rpc import RawRpcClient, ZmqRpcClient
 
 
 def _time(rpc, n: int, batch: int) -> tuple[float, float]:

@@ -35,7 +35,7 @@ def authenticated(sock: socket.socket, role: str = "admin") -> socket.socket:
 
 def zmq_endpoint(master: str) -> str:
     """The master's zmq control-plane endpoint (asked on its raw endpoint with this process's credential)."""
-    from kvplugins.store.connect import control_client
+    from kvplugins.store.client.connect import control_client
     ctl = control_client(master, 3000)
     try:
         return ctl.address

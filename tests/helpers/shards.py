@@ -65,7 +65,7 @@ class ShardedStore:
 
     def wait_segments(self, per_shard: int, timeout_s: float = 30.0) -> dict:
         """Wait until every shard's master has ``per_shard`` segments registered; shard id -> status."""
-        from kvplugins.store.connect import master_client
+        from kvplugins.store.client.connect import master_client
         deadline = time.monotonic() + timeout_s
         while True:
             st, out = self.state(), {}
@@ -92,7 +92,7 @@ class ShardedStore:
 def leads(address: str) -> bool:
     """Whether the master at ``address`` serves (an HA standby refuses ops)."""
     from kvplugins.errors import StoreError
-    from kvplugins.store.rpc_client import RawRpcClient
+    from kvplugins.store.client.rpc import RawRpcClient
     rpc = RawRpcClient(address, 1000)
     try:
         rpc.call("info")

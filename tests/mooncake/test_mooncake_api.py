@@ -9,7 +9,7 @@ import pytest
 from helpers.cluster import store_cluster
 from kvplugins import mooncake as compat
 from kvplugins.mooncake import MooncakeDistributedStore, ReplicateConfig
-from kvplugins.store.connect import control_client
+from kvplugins.store.client.connect import control_client
 
 METHODS = ("setup", "close", "put", "get", "put_batch", "get_batch", "put_from", "get_into", "batch_put_from",
            "batch_get_into", "register_buffer", "unregister_buffer", "is_exist", "batch_is_exist", "get_size",

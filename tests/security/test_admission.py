@@ -10,7 +10,7 @@ from helpers.cluster import store_cluster
 from kvplugins.cli.status import fetch
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.wire.protocol import UNREACHABLE
-from kvplugins.store.connect import control_client
+from kvplugins.store.client.connect import control_client
 
 PROBE_MS = 2000
 

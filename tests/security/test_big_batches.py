@@ -7,12 +7,12 @@ import sys
 import time
 
 from helpers.cluster import store_cluster
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.client.rpc import RawRpcClient
 
 BIG_CLIENT = """
 import sys
 from kvplugins.store.wire.protocol import OK
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.client.rpc import RawRpcClient
 N = 65_536
 keys = [f"big/{i:08d}" for i in range(N)]
 big = RawRpcClient(sys.argv[1], 60000)

@@ -23,7 +23,7 @@ from kvplugins.security import load_secret
 from kvplugins.security.curve import server_keys
 from kvplugins.security.secret import issue_credential
 from kvplugins.store import ClientConfig, StoreClient
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.client.rpc import RawRpcClient
 
 pytestmark = pytest.mark.timeout(600)
 W_KEYS = 6

@@ -19,8 +19,8 @@ from helpers.cluster import master_process, store_cluster
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.master.admin_ops import MAX_PROGRAM
 from kvplugins.store.wire.protocol import EXISTS, INVALID, OK
-from kvplugins.store.rpc_client import RawRpcClient
-from kvplugins.store.connect import control_client
+from kvplugins.store.client.rpc import RawRpcClient
+from kvplugins.store.client.connect import control_client
 
 
 def test_a_live_segment_name_cannot_be_hijacked():

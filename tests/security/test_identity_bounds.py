@@ -16,8 +16,8 @@ from kvplugins.security import load_secret
 from kvplugins.security.curve import server_keys
 from kvplugins.security.secret import issue_credential, owner_proof
 from kvplugins.store.wire.protocol import OK, STORE_FULL
-from kvplugins.store.rpc_client import RawRpcClient
-from kvplugins.store.connect import control_client
+from kvplugins.store.client.rpc import RawRpcClient
+from kvplugins.store.client.connect import control_client
 
 MiB = 1 << 20
 BOUNDS = {"max_pending_puts_per_identity": 16, "max_pending_share": 0.25, "max_segments_per_identity": 2,

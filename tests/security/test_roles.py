@@ -15,7 +15,7 @@ from kvplugins.security import handshake, load_secret
 from kvplugins.security.curve import server_keys
 from kvplugins.security.roles import OP_ROLE, RANK
 from kvplugins.security.secret import Credential, default_secret, default_secret_path, issue_credential
-from kvplugins.store.rpc_client import RawRpcClient, ZmqRpcClient
+from kvplugins.store.client.rpc import RawRpcClient, ZmqRpcClient
 from kvplugins.store.wire.schema import Schemas
 
 ROLES = ("client", "node", "admin")
@@ -115,7 +115,7 @@ def test_another_users_process_is_refused(master, tmp_path):
         denied = subprocess.run(["cat", str(path)], user=65534, group=65534, capture_output=True, text=True,
                                 timeout=30, cwd="/")
         assert denied.returncode != 0 and "Permission denied" in denied.stderr and not denied.stdout
-    code = ("import sys\nfrom kvplugins.errors import AuthError\nfrom kvplugins.store.rpc_client import "
+    code = ("import sys\nfrom kvplugins.errors import AuthError\nfrom kvplugins.store.client.rpc import "
             f"RawRpcClient\ntry:\n    RawRpcClient({m.address!r}, 3000).call('info')\nexcept AuthError as e:\n"
             "    print('refused:', e)\n    sys.exit(3)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUGINS_AUTH")}

@@ -17,7 +17,7 @@ from kvplugins.errors import KVPluginsError
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.placement import PutConfig
 from kvplugins.store.wire.protocol import OK, UNREACHABLE
-from kvplugins.store.connect import control_client
+from kvplugins.store.client.connect import control_client
 from kvplugins.transfer import fdpass
 
 

@@ -20,8 +20,8 @@ from kvplugins.errors import AuthError
 from kvplugins.security import handshake
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.embedded import CLI
-from kvplugins.store.rpc_client import RawRpcClient, ZmqRpcClient
-from kvplugins.store.connect import control_client
+from kvplugins.store.client.rpc import RawRpcClient, ZmqRpcClient
+from kvplugins.store.client.connect import control_client
 from kvplugins.transfer import SegmentDescriptor, wire
 
 SECRET = "cluster-secret-" + "a1" * 16

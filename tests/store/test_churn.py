@@ -153,7 +153,7 @@ def test_client_waits_for_a_pending_writer_then_reports_put_pending(tmp_path):
     while B waits, B's put returns at once as stored (the complete object is deduplicated)."""
     from helpers.cluster import store_cluster
     from kvplugins.store import ClientConfig, StoreClient
-    from kvplugins.store.rpc_client import RawRpcClient
+    from kvplugins.store.client.rpc import RawRpcClient
     with store_cluster(nodes=1, segment_size="4MiB", tmp=tmp_path) as c:
         a = RawRpcClient(c.master, 3000)
         b = StoreClient(ClientConfig(master=c.master, pending_wait_ms=300))

@@ -5,7 +5,7 @@ import subprocess
 
 from helpers.cluster import master_process, store_cluster
 from kvplugins.store.embedded import CLI
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.client.rpc import RawRpcClient
 
 
 def test_master_takes_settings_from_config_file_and_env(tmp_path):

@@ -178,7 +178,7 @@ def test_disk_round_trip_across_node_restart(disk_cluster):
 def test_promote_endpoint_requires_the_shared_secret(tmp_path, monkeypatch):
     from kvplugins.errors import AuthError
     from kvplugins.store.wire.protocol import ON_DISK
-    from kvplugins.store.rpc_client import RawRpcClient
+    from kvplugins.store.client.rpc import RawRpcClient
     token = tmp_path / "token"
     token.write_text("disk-tier-secret-" + "b2" * 16 + "\n")
     token.chmod(0o600)

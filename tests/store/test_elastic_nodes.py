@@ -7,7 +7,7 @@ import time
 from helpers.cluster import store_cluster
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.placement import PutConfig
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.client.rpc import RawRpcClient
 
 OBJ = 64 << 10
 

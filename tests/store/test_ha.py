@@ -25,8 +25,8 @@ from kvplugins.store.ha.follower import leader_info
 from kvplugins.store.ha.journal import EtcdJournal
 from kvplugins.store.ha.leader import LeaderGuard
 from kvplugins.store.wire.protocol import NOT_FOUND, OK, PENDING, STORE_FULL
-from kvplugins.store.rpc_client import RawRpcClient
-from kvplugins.store.connect import master_client
+from kvplugins.store.client.rpc import RawRpcClient
+from kvplugins.store.client.connect import master_client
 
 pytestmark = pytest.mark.timeout(120)
 

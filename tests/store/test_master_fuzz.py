@@ -29,7 +29,7 @@ from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.wire import protocol
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.client.rpc import RawRpcClient
 
 RIDS = itertools.count(1)
 EXAMPLES = int(os.environ.get("KVPLUGINS_FUZZ_EXAMPLES", "60"))

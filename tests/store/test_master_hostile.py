@@ -19,8 +19,8 @@ from helpers.cluster import master_process, store_cluster
 from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.wire.protocol import HEADER, INVALID, VERSION
-from kvplugins.store.rpc_client import RawRpcClient
-from kvplugins.store.connect import control_client
+from kvplugins.store.client.rpc import RawRpcClient
+from kvplugins.store.client.connect import control_client
 
 P99_BOUND_S = 0.5          # another client's op latency while an attack runs (normally ~0.1 ms here)
 

@@ -14,8 +14,8 @@ import pytest
 import kvplugins
 from helpers.auth import authenticated, read_until_closed, use_secret
 from helpers.cluster import master_process
-from kvplugins.store.rpc_client import RawRpcClient
-from kvplugins.store.connect import control_client
+from kvplugins.store.client.rpc import RawRpcClient
+from kvplugins.store.client.connect import control_client
 from kvplugins.transfer import TransferConfig, TransferEngine
 
 FORBIDDEN_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "joblib", "copyreg",

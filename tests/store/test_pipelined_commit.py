@@ -8,7 +8,7 @@ import pytest
 from helpers.cluster import master_process
 from kvplugins.errors import KeyNotFound, MasterUnreachable
 from kvplugins.store import ClientConfig, StoreClient
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.client.rpc import RawRpcClient
 
 
 def test_writer_reads_its_writes_and_others_see_them_after_flush(cluster):

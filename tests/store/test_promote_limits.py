@@ -18,7 +18,7 @@ from kvplugins.errors import ConfigError, MasterUnreachable, StoreError
 from kvplugins.store.wire import protocol
 from kvplugins.store.config import StoreNodeConfig
 from kvplugins.store.disk.server import MAX_KEY
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.client.rpc import RawRpcClient
 
 MAX_BATCH = 8
 

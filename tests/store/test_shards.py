@@ -15,7 +15,7 @@ from kvplugins.errors import StoreError
 from kvplugins.store.wire import protocol
 from kvplugins.store.client import StoreClient
 from kvplugins.store.config import ClientConfig
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.client.rpc import RawRpcClient
 from kvplugins.store.shard.cluster import Membership
 from kvplugins.store.shard.extents import assign
 from kvplugins.store.shard.ring import Ring

@@ -1,4 +1,4 @@
-"""One round trip per put (client-reserved slabs, store/master/slabs.py and store/client_slab.py): the master's
+"""One round trip per put (client-reserved slabs, store/master/slabs.py and store/client/slab.py): the master's
 bookkeeping with a fake clock, then real processes: a put is one RPC and visible to another client at once, a
 slab on a killed node falls back to put_start, concurrent puts share the slab safely."""
 import threading

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from helpers.cluster import store_cluster
-from kvplugins.store.connect import control_client
+from kvplugins.store.client.connect import control_client
 
 WORKER = Path(__file__).with_name("soak_worker.py")
 CLIENTS, KEYS = 8, 48

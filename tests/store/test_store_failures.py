@@ -11,7 +11,7 @@ from helpers.auth import authenticated
 from helpers.cluster import master_process, store_cluster
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreFull
 from kvplugins.store import ClientConfig, StoreClient
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.client.rpc import RawRpcClient
 
 OBJ = 128 << 10           # 8 objects fill a 1 MiB segment
 

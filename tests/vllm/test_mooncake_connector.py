@@ -12,7 +12,7 @@ from helpers.cluster import store_cluster
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 from kvplugins.mooncake import shim as mooncake_shim
-from kvplugins.store.connect import control_client
+from kvplugins.store.client.connect import control_client
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

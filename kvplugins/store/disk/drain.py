@@ -10,7 +10,7 @@ import time
 
 from kvplugins.errors import StoreError
 from kvplugins.store.wire.protocol import OK
-from kvplugins.store.connect import master_client
+from kvplugins.store.client.connect import master_client
 
 POLL_S = 0.2
 

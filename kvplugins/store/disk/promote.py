@@ -11,7 +11,7 @@ import time
 
 from kvplugins.errors import StoreError
 from kvplugins.store.wire import protocol
-from kvplugins.store.rpc_client import RawRpcClient
+from kvplugins.store.client.rpc import RawRpcClient
 
 log = logging.getLogger(__name__)
 RETRY_S = 0.005        # another client's promotion of the same key is in flight: ask again after this

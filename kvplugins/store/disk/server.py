@@ -1,6 +1,6 @@
 """The node's promote endpoint: the master's raw frame format (protocol.py: 4-byte length + msgpack
 ``[VERSION, id, op, entries, opts]`` -> ``[VERSION, id, ok, payload]``; never pickle) on a TCP port of the node,
-one thread per connection. A client reaches it with rpc_client.RawRpcClient. Ops: ``promote`` (keys -> per key
+one thread per connection. A client reaches it with client/rpc.py RawRpcClient. Ops: ``promote`` (keys -> per key
 ``[code, detail]``). Off the per-operation path: only gets of disk-resident objects come here. With a shared
 secret configured (kvplugins/security) every connection must pass its handshake first, as on the master's raw
 endpoint; binding a non-loopback address without one raises ConfigError.

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError, TransferError
 from kvplugins.store.disk.files import CorruptFile, checksum
 from kvplugins.store.wire.protocol import NOT_FOUND, OK
-from kvplugins.store.connect import master_client
+from kvplugins.store.client.connect import master_client
 
 log = logging.getLogger(__name__)
 ANNOUNCE_CHUNK = 20_000       # files per tier_register frame (~1.5 MB)

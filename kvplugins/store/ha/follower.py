@@ -16,7 +16,7 @@ import time
 
 from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.store.ha import NOT_LEADER
-from kvplugins.store.rpc_client import RawRpcClient, ZmqRpcClient
+from kvplugins.store.client.rpc import RawRpcClient, ZmqRpcClient
 
 BACKOFF_S = 0.05
 DEFAULT_PREFIX = "/kvplugins/default"

@@ -7,7 +7,7 @@ ends that. Silent for ``suspect_grace_ms`` more, the master's sweep removes it (
 see service.py and liveness.py).
 
 A name is bound to its registering process (issue #30): register_segment carries that process's random owner
-token (store/segment.py) and the registry keeps its SHA-256; registering or unregistering a live name with
+token (store/node/segment.py) and the registry keeps its SHA-256; registering or unregistering a live name with
 another token is refused (SegmentOwned), so no other peer can replace a node's descriptor or wipe its objects.
 The same process re-registers its name (after the master forgot it) with the same token.
 

@@ -18,8 +18,8 @@ import time
 import xxhash
 
 from kvplugins.errors import StoreError
-from kvplugins.store.connect import control_client
-from kvplugins.store.segment import OwnedSegment
+from kvplugins.store.client.connect import control_client
+from kvplugins.store.node.segment import OwnedSegment
 from kvplugins.store.shard.cluster import Membership
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ SUMMED = frozenset({"remove_all", "remove_by_regex"})      # payload [code, coun
 class ShardedRpc:
     """Routes master ops over the shards of the store at ``address`` (shards://...). Raises MasterUnreachable
     if the membership cannot be read within ``timeout_ms``, StoreError if the store has no shard yet.
-    ``connect``: (a shard's address, timeout ms, role) -> its client (store/connect.py master_client)."""
+    ``connect``: (a shard's address, timeout ms, role) -> its client (store/client/connect.py master_client)."""
 
     def __init__(self, address: str, timeout_ms: float, role: str, *, connect):
         self.address, self.timeout_ms, self.role = address, timeout_ms, role

@@ -94,7 +94,7 @@ class SegmentOpts(Struct, forbid_unknown_fields=True):
 
 
 class OwnerOpts(Struct, forbid_unknown_fields=True):
-    """register_segment / unregister: the registering process's random owner token (store/segment.py); a live
+    """register_segment / unregister: the registering process's random owner token (store/node/segment.py); a live
     segment name is bound to it (master/segments.py). A named credential on the zmq control plane also names
     itself and proves it over the token (security/secret.py owner_proof), so its segments count to its name."""
     owner: Annotated[str, Meta(max_length=128)] = ""

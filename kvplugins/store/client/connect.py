@@ -1,13 +1,13 @@
 """The one place a configured master address becomes a client: ``master_client`` (the per-operation raw plane,
 what StoreClient uses) and ``control_client`` (the zmq control plane). A plain ``host:port`` gives a direct
-client (rpc_client.py); an HA address (``etcd://host:port[/prefix]`` or a comma list of masters) one that
+client (rpc.py); an HA address (``etcd://host:port[/prefix]`` or a comma list of masters) one that
 follows the elected leader (ha/follower.py); a sharded store's (``shards://host:port/prefix``) one routing each
-key to its shard (shard/router.py), whose per-shard clients come from here too. Above rpc_client, ha and shard:
+key to its shard (shard/router.py), whose per-shard clients come from here too. Above rpc, ha and shard:
 nothing below imports it."""
 from __future__ import annotations
 
 from kvplugins.store.ha.follower import LeaderClient
-from kvplugins.store.rpc_client import RawRpcClient, ZmqRpcClient
+from kvplugins.store.client.rpc import RawRpcClient, ZmqRpcClient
 from kvplugins.store.shard.router import ShardedRpc
 
 

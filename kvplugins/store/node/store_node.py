@@ -12,8 +12,8 @@ import threading
 
 from kvplugins.store.config import StoreNodeConfig
 from kvplugins.store.process import write_atomic
-from kvplugins.store.connect import control_client
-from kvplugins.store.segment import OwnedSegment
+from kvplugins.store.client.connect import control_client
+from kvplugins.store.node.segment import OwnedSegment
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Object checksums: xxh3_64 of an object's bytes (the digest of ``xxhash.xxh3_64_intdigest``), one digest per
-object over the concatenation of its spans (client_io.Flat), computed natively without copies.
+object over the concatenation of its spans (batches.Flat), computed natively without copies.
 
 The writer's digests come with the transfer itself where it can (``write_spans(..., digests=)``: the shm
 transport hashes each span in its copy pass; other transports hash the local spans natively after the move),
@@ -23,7 +23,7 @@ def span_sums(flat) -> np.ndarray:
 def digests(flat, wanted, sums: np.ndarray | None = None) -> dict[int, int]:
     """key index -> xxh3_64 of the concatenation of its spans, for the key indices in ``wanted`` (a set or
     dict). ``sums``: per-span digests the transfer computed (span_sums); used as they are where every key has
-    exactly one span, otherwise the wanted keys' spans (which must lie in registered memory: client_io.flatten
+    exactly one span, otherwise the wanted keys' spans (which must lie in registered memory: batches.flatten
     checked it) are hashed here."""
     if not len(wanted):
         return {}

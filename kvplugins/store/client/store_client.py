@@ -4,7 +4,7 @@ memory and the segments, never through the master.
 
 Put (one replica, no pin or preferred segment: the default): one transfer batch writes the spans into space this
 client reserved earlier (a slab) -> ``put`` with each object's xxh3_64 (complete): ONE master round trip
-(client_slab.py, master/slabs.py). Otherwise, or when no slab space is to be had: ``put_start`` (master
+(slab.py, master/slabs.py). Otherwise, or when no slab space is to be had: ``put_start`` (master
 allocates, object pending) -> one transfer batch writes every span to every replica -> ``put_commit`` with each
 object's xxh3_64 (complete; ``put_abort`` for entries whose transfer failed).
 Get: ``get`` (lookup + lease) -> one transfer batch reads the spans -> the bytes are checked against the
@@ -24,13 +24,13 @@ import numpy as np
 
 from kvplugins.errors import (BufferNotRegistered, ChecksumMismatch, ConfigError, KeyNotFound, MasterUnreachable,
                               NativeError, PutPending, SizeMismatch, StoreError, TransferError, TransferFailed)
-from kvplugins.store import checksum, client_io
+from kvplugins.store.client import batches, checksum
 from kvplugins.store.wire import protocol
-from kvplugins.store.client_slab import SlabSpace
-from kvplugins.store.client_stats import ClientStats
+from kvplugins.store.client.slab import SlabSpace
+from kvplugins.store.client.stats import ClientStats
 from kvplugins.store.config import ClientConfig
 from kvplugins.store.placement import PutConfig, from_client
-from kvplugins.store.connect import master_client
+from kvplugins.store.client.connect import master_client
 from kvplugins.store.staging import Staging
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class StoreClient:
 
     def _own_segment(self, cfg: ClientConfig) -> None:
         """Register ``segment_size`` bytes as this client's segment, with its command link (_command_link)."""
-        from kvplugins.store.segment import OwnedSegment
+        from kvplugins.store.node.segment import OwnedSegment
         self._segment_rpc = master_client(self.master, cfg.rpc_timeout_ms, "node")   # needs a node credential
         self._segment = OwnedSegment(self._engine, cfg.segment_size, self._segment_rpc, cfg.heartbeat_interval_ms)
         self._segment_link = _command_link(cfg, self._engine, self._segment, self.master, self._segment_drained)
@@ -131,7 +131,7 @@ class StoreClient:
         bytes matched the checksum), SizeMismatch or TransferFailed."""
         t0 = time.perf_counter()
         keys = list(keys)
-        read = self._read_cols if len(keys) > client_io.SMALL and not self._sharded else self._read
+        read = self._read_cols if len(keys) > batches.SMALL and not self._sharded else self._read
         out, sizes = read(keys, list(spans_per_key))
         self._stats.record("get", sizes, out, t0)
         return out
@@ -286,12 +286,12 @@ class StoreClient:
         object, at ``locations[i]`` (every replica for a write, the first for a read). Per key None or the error
         (a span outside registered memory: BufferNotRegistered; a failed transfer: TransferFailed)."""
         out: list[StoreError | None] = [None] * len(keys)
-        flat = client_io.arrays(client_io.flatten(self._engine, keys, spans, out))
+        flat = batches.arrays(batches.flatten(self._engine, keys, spans, out))
         flat.inner = np.fromiter((o for offs in offsets for o in offs), dtype=np.uint64, count=len(flat.lens))
         todo = {i: locs if kind == "write" else locs[:1] for i, locs in locations.items() if out[i] is None}
         failed: dict[int, StoreError] = {}
         descs = self._descriptors({loc[0] for locs in todo.values() for loc in locs})
-        self._run_groups(kind, flat, client_io.groups(flat, todo, descs, failed), failed, None)
+        self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, None)
         for i, err in failed.items():
             out[i] = err
         return out
@@ -303,8 +303,8 @@ class StoreClient:
     def _write(self, keys, spans_per_key, config: PutConfig) -> tuple[list[StoreError | None], list[int]]:
         """(per-key None or error, bytes per key)."""
         out: list[StoreError | None] = [None] * len(keys)
-        flat = client_io.flatten(self._engine, keys, spans_per_key, out)
-        client_io.reject_empty(keys, flat, out)
+        flat = batches.flatten(self._engine, keys, spans_per_key, out)
+        batches.reject_empty(keys, flat, out)
         todo = [i for i, e in enumerate(out) if e is None]
         slabs = self._slabs
         if todo and slabs is not None and _slab_placed(config) and slabs.lock.acquire(blocking=False):
@@ -355,7 +355,7 @@ class StoreClient:
 
     def _write_slab(self, keys, flat, todo: list[int], out) -> list[int]:
         """One round trip: write keys ``todo`` into this client's reserved slab, then one ``put`` RPC
-        (client_slab.py). Sets ``out[i]`` for refused keys; returns the keys to put with put_start instead (no
+        (slab.py). Sets ``out[i]`` for refused keys; returns the keys to put with put_start instead (no
         slab space for the batch, the write into the slab failed, or the master no longer knew the slab)."""
         placed = self._slabs.place([flat.sizes[i] for i in todo])
         if placed is None:
@@ -417,7 +417,7 @@ class StoreClient:
         t0 = time.monotonic() if t0 is None else t0
         out: list[StoreError | None] = [None] * len(keys)
         found = self._lookup(keys, found)
-        flat = client_io.flatten(self._engine, keys, spans_per_key, out)
+        flat = batches.flatten(self._engine, keys, spans_per_key, out)
         reads = {}
         for i, (code, value) in enumerate(found):
             if out[i] is not None:
@@ -458,7 +458,7 @@ class StoreClient:
                 [names[k], regions[k], off]], ttl, sums[j]]]
                 for j, (n, k, off) in enumerate(zip(sizes, seg_idx, offs))]
             return self._read(keys, spans_per_key, found, t0)
-        flat = client_io.arrays(client_io.flatten(self._engine, keys, spans_per_key, out))
+        flat = batches.arrays(batches.flatten(self._engine, keys, spans_per_key, out))
         got, want = np.array(sizes, dtype=np.int64), np.array(flat.sizes, dtype=np.int64)
         for i in np.flatnonzero(got != want).tolist():
             if out[i] is None:
@@ -466,7 +466,7 @@ class StoreClient:
                     f"{keys[i]}: object is {got[i]} bytes, spans hold {want[i]}; pass spans summing to {got[i]}")
         ok = np.array([e is None for e in out], dtype=bool)
         failed: dict[int, StoreError] = {}
-        groups = client_io.col_groups(flat, ok, (names, regions, np.array(seg_idx), np.array(offs)),
+        groups = batches.col_groups(flat, ok, (names, regions, np.array(seg_idx), np.array(offs)),
                                       self._descriptors(set(names)), failed)
         span_sums = checksum.span_sums(flat) if self.cfg.verify_checksums else None
         for i, err in self._run_groups("read", flat, groups, failed, span_sums).items():
@@ -537,14 +537,14 @@ class StoreClient:
         moved span's xxh3_64 goes to ``sums`` (checksum.span_sums). Returns index -> error."""
         failed: dict[int, StoreError] = {}
         descs = self._descriptors({loc[0] for locs in todo.values() for loc in locs})
-        return self._run_groups(kind, flat, client_io.groups(flat, todo, descs, failed), failed, sums)
+        return self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, sums)
 
     def _run_groups(self, kind: str, flat, groups: list, failed: dict, sums) -> dict[int, StoreError]:
         """Run each (descriptor, region id, span indices, remote offsets) group, the xxh3_64 of each span it
         moves into ``sums[span index]`` (unless ``sums`` is None); adds index -> error to ``failed``."""
         fn = self._engine.write_spans if kind == "write" else self._engine.read_spans
         for desc, region_id, sel, roffs in groups:
-            addrs, lens = client_io.pick(flat.addrs, sel), client_io.pick(flat.lens, sel)
+            addrs, lens = batches.pick(flat.addrs, sel), batches.pick(flat.lens, sel)
             got = None if sums is None else np.zeros(len(sel), dtype=np.uint64)
             try:
                 statuses = fn(desc, region_id, addrs, roffs, lens, timeout_ms=self.cfg.transfer_timeout_ms,
