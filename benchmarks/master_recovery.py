@@ -37,8 +37,8 @@ def _service(journal):
 def fill(url: str, n: int, key_bytes: int) -> float:
     """Journal ``n`` objects under PREFIX; returns puts/s."""
     from master_scale import keys
-    from kvplugins.store.ha.etcd import Etcd, put_op
-    from kvplugins.store.ha.journal import EtcdJournal
+    from kvplugins.store.cluster.etcd import Etcd, put_op
+    from kvplugins.store.master.ha.journal import EtcdJournal
     etcd = Etcd(url, timeout_s=30)
     journal = EtcdJournal(etcd, PREFIX)
     etcd.txn([], [put_op(journal.leader_key, LEADER)])
@@ -62,9 +62,9 @@ def fill(url: str, n: int, key_bytes: int) -> float:
 def recover(url: str) -> dict:
     """What a new leader does: load the journal and restore a fresh service (in this process)."""
     from master_scale import rss_bytes
-    from kvplugins.store.ha import recovery
-    from kvplugins.store.ha.etcd import Etcd
-    from kvplugins.store.ha.journal import EtcdJournal
+    from kvplugins.store.master.ha import recovery
+    from kvplugins.store.cluster.etcd import Etcd
+    from kvplugins.store.master.ha.journal import EtcdJournal
     journal = EtcdJournal(Etcd(url, timeout_s=60), PREFIX)
     t0 = time.perf_counter()
     segs, objs, slabs = journal.load()

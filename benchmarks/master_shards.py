@@ -6,7 +6,7 @@ key-ops/s, and the time clients need to route around a shard's dead master.
 
 Per (masters, objects) pair: a real etcd and that many ``kvplugins master`` processes on loopback (1 = a plain
 master reached with RawRpcClient; more = ``--cluster shards://... --shard sI``, reached with the sharded
-client, kvplugins/store/shard/router.py, which sends each batch's keys to their shards in parallel). Each master
+client, kvplugins/store/client/router.py, which sends each batch's keys to their shards in parallel). Each master
 gets one segment registered by RPC that never carries bytes (this measures the masters and the routing, not
 transfers: ``put_start`` + ``put_commit`` per batch of 1,000 64-byte objects with 48-byte keys, as
 master_scale.py makes them). Then ``exists`` and ``get`` batches of 1,000 random stored keys (best of 3 passes
@@ -44,7 +44,7 @@ def masters(n_shards: int, per_shard_bytes: int, tmp: Path, ha_first: bool = Fal
     """Yields (client address, {shard: [Popen]}, etcd url)."""
     from tests.helpers.cluster import _env, _spawn, _wait_file
     from tests.helpers.etcd import etcd_server
-    from kvplugins.store.shard.cluster import Membership
+    from kvplugins.store.cluster.membership import Membership
     with etcd_server() as etcd:
         cluster = "shards://" + etcd.url.removeprefix("http://") + "/bench"
         procs: dict = {}
@@ -84,7 +84,7 @@ def _wait(check, timeout_s: float = 60.0) -> None:
 def _register(address: str, size: int) -> None:
     """One byte-less segment of ``size`` per master (registered by RPC; never heart-beats: timeout 10^9 ms)."""
     from kvplugins.store.client.connect import master_client
-    from kvplugins.store.shard.cluster import Membership
+    from kvplugins.store.cluster.membership import Membership
     addrs = Membership(address).read().members if address.startswith("shards://") else {"s0": address}
     for sid, addr in addrs.items():
         rpc = master_client(addr, 10_000)
@@ -138,7 +138,7 @@ def _best(rpc, op: str, n: int, key_bytes: int, rng) -> int:
 
 def _counts(address: str) -> dict:
     from kvplugins.store.client.connect import master_client
-    from kvplugins.store.shard.cluster import Membership
+    from kvplugins.store.cluster.membership import Membership
     addrs = Membership(address).read().members if address.startswith("shards://") else {"s0": address}
     out = {}
     for sid, addr in sorted(addrs.items()):
@@ -151,7 +151,7 @@ def _counts(address: str) -> dict:
 def failover(n: int = 20_000) -> dict:
     """3 shards, s0 an HA pair: seconds from SIGKILL of s0's leader until s0's keys read again."""
     from kvplugins.store.client.connect import master_client
-    from kvplugins.store.shard.cluster import Membership
+    from kvplugins.store.cluster.membership import Membership
     from tests.helpers.shards import leads
     with tempfile.TemporaryDirectory(prefix="kvp-shards-fo-") as d, \
             masters(3, 4 * n * SIZE, Path(d), ha_first=True) as (address, procs, _):

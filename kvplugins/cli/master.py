@@ -17,10 +17,10 @@ def run(args) -> int:
     from kvplugins.store.process import stop_on_signals, write_atomic
     from kvplugins.store.config import MasterConfig
     from kvplugins.store.master.rpc_server import RpcServer
-    from kvplugins.store.shard.master import shard_defaults, start_shard
+    from kvplugins.store.master.shard import shard_defaults, start_shard
     cfg = shard_defaults(from_args(MasterConfig, args))
-    if cfg.etcd:                     # one of several masters; the etcd-elected one serves (store/ha)
-        from kvplugins.store.ha.master import serve
+    if cfg.etcd:                     # one of several masters; the etcd-elected one serves (store/master/ha)
+        from kvplugins.store.master.ha.master import serve
         return serve(cfg)
     server = RpcServer(cfg)
     stop_on_signals(server.stop)

@@ -1,5 +1,5 @@
-"""``kvplugins shard``: the membership of a sharded store (kvplugins/store/shard). A master joins by starting
-(``kvplugins master --cluster shards://... --shard ID``); ``remove ID`` takes one out (its keys move to the
+"""``kvplugins shard``: the membership of a sharded store (kvplugins/store/cluster, master/shard.py). A master
+joins by starting (``kvplugins master --cluster shards://... --shard ID``); ``remove ID`` takes one out (its keys move to the
 others, read from it while the move window runs; stop it after ``kvplugins status`` shows the move done);
 ``list`` prints the membership as JSON."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ def run(args) -> int:
     import json
 
     from kvplugins.errors import ConfigError
-    from kvplugins.store.shard.cluster import Membership
+    from kvplugins.store.cluster.membership import Membership
     members = Membership(args.master)
     if args.action == "list":
         st = members.read()

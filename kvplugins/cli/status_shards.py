@@ -9,7 +9,7 @@ def fetch(master: str, timeout_ms: float) -> dict:
     not answer."""
     from kvplugins.errors import StoreError
     from kvplugins.store.client.connect import master_client
-    from kvplugins.store.shard.cluster import Membership
+    from kvplugins.store.cluster.membership import Membership
     st = Membership(master).read()
     shards, down = {}, {}
     for sid, addr in sorted(st.members.items()):

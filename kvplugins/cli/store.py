@@ -1,6 +1,6 @@
 """``kvplugins store``: a store node contributing one DRAM segment (kvplugins/store/node/store_node.py), optionally with a
 disk tier (``--disk-dir``, ``--disk-capacity``); ``kvplugins store --drain --segment NAME`` drains a running node
-(kvplugins/store/disk/drain.py) and exits when it has left."""
+(kvplugins/store/node/disk/drain.py) and exits when it has left."""
 from __future__ import annotations
 
 from kvplugins.config import add_arguments, from_args
@@ -25,7 +25,7 @@ def run(args) -> int:
     cfg = from_args(StoreNodeConfig, args)
     master = embedded.resolve_master(cfg.master)
     if cfg.drain:
-        from kvplugins.store.disk.drain import drain
+        from kvplugins.store.node.disk.drain import drain
         drain(master, cfg.segment, cfg.drain_timeout_ms, cfg.rpc_timeout_ms)
         return 0
     stop = threading.Event()

@@ -116,7 +116,7 @@ class MasterConfig(_MetricsLimits):
         "help": "leader lease: a dead leader is replaced after about this long"})
     cluster: str = field(default="", metadata={
         "help": "with --shard: the sharded store this master is one shard of, shards://host:port/prefix (etcd "
-                "and a key prefix; kvplugins/store/shard); '' = not sharded"})
+                "and a key prefix; kvplugins/store/cluster); '' = not sharded"})
     shard: str = field(default="", metadata={
         "help": "this master's shard id in --cluster (letters, digits, - and _); it joins the ring at start. "
                 "With --etcd the shard is an HA pair (default --etcd-prefix: <cluster prefix>/shard/<id>)"})

@@ -346,7 +346,7 @@ def _latency_family(snap: MasterSnapshot):
 def node_families(node, status: dict | None) -> list:
     """A node's series: its segment's capacity, and (if the master answered) usage, objects, heartbeat age;
     ``kvplugins_node_master_up`` says whether it did. Disk-tier numbers from the node's ``tier.stats()``
-    (kvplugins/store/disk/worker.py) if it has one."""
+    (kvplugins/store/node/disk/worker.py) if it has one."""
     from prometheus_client.core import GaugeMetricFamily
     seg = node.segment
     labels = ["segment"]

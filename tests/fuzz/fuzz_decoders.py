@@ -33,8 +33,10 @@ from kvplugins.security import handshake
 from kvplugins.security.secret import Secret
 from kvplugins.store.wire import protocol
 from kvplugins.store.config import MasterConfig
-from kvplugins.store.disk import files, server as promote_server
-from kvplugins.store.ha import journal, recovery
+from kvplugins.store.node.disk import files
+from kvplugins.store.node.disk import server as promote_server
+from kvplugins.store.master.ha import journal
+from kvplugins.store.master.ha import recovery
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.wire.schema import RefusedRequest, Schemas
 from kvplugins.transfer import wire
@@ -135,7 +137,7 @@ def _check_typed(rid: int, op: str, entries, opts) -> None:
 
 # ---- a node's promote endpoint ------------------------------------------------------------------------------
 def promote_endpoint():
-    """The promote endpoint's request handling (store/disk/server.py ``_Server.answer``) without its socket: the
+    """The promote endpoint's request handling (store/node/disk/server.py ``_Server.answer``) without its socket: the
     real method on an instance that carries only what it reads (ops, schemas, max_batch)."""
     srv = object.__new__(promote_server._Server)
     srv.ops = {"promote": lambda entries, opts: [[k, True] for k in entries]}

@@ -6,7 +6,7 @@
         s.log()     its stderr so far (warnings: refusals, accept failures)
 
 KIND is ``transfer`` (a TransferEngine over tcp exporting REGION_SIZE seeded bytes; ``config``: TransferConfig
-fields), ``promote`` (the disk tier's promote endpoint, kvplugins/store/disk/server.py, with a stand-in op
+fields), ``promote`` (the disk tier's promote endpoint, kvplugins/store/node/disk/server.py, with a stand-in op
 that answers ``[0, key + "!"]`` per key and counts the keys it was given; ``config``: ConnLimits fields plus
 ``max_batch``) or ``metrics`` (kvplugins/store/metrics.Endpoint with a gauge ``kvplugins_test_value`` = 42;
 ``config``: ConnLimits fields). The child sets RLIMIT_NOFILE to ``nofile`` (soft and hard) before it serves.
@@ -36,7 +36,7 @@ def _serve_transfer(config: dict):
 
 def _serve_promote(config: dict):
     from kvplugins.security.limits import ConnLimits
-    from kvplugins.store.disk.server import OpServer
+    from kvplugins.store.node.disk.server import OpServer
     applied = [0]
 
     def promote(keys, opts):

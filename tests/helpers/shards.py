@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvplugins.store.shard.cluster import Membership
+from kvplugins.store.cluster.membership import Membership
 from tests.helpers.cluster import Proc, _env, _flags, _spawn, _start_node, _wait_file
 
 WINDOW_MS = 4000          # move window of the test masters (the default is 30 s)

@@ -12,9 +12,9 @@ from kvplugins.security import load_secret
 from kvplugins.security.curve import client_socket
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.wire import protocol
-from kvplugins.store.disk import files
-from kvplugins.store.disk.files import CorruptFile
-from kvplugins.store.disk.store import DiskStore
+from kvplugins.store.node.disk import files
+from kvplugins.store.node.disk.files import CorruptFile
+from kvplugins.store.node.disk.store import DiskStore
 
 OBJ = 64 << 10
 # 4 MiB segment: above 20% (13 objects) the sweep offloads down to 10%

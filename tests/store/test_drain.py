@@ -122,7 +122,7 @@ def test_drain_of_a_client_segment_moves_its_objects_and_the_client_goes_on():
 def test_a_client_whose_command_link_fails_to_start_leaves_no_segment(monkeypatch):
     import pytest
     from kvplugins.errors import StoreError
-    from kvplugins.store.disk import worker
+    from kvplugins.store.node.disk import worker
 
     def refuse(self):
         raise StoreError("refused for the test")

@@ -20,10 +20,10 @@ from helpers.etcd import etcd_server
 from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.config import MasterConfig
-from kvplugins.store.ha.etcd import Etcd, put_op
-from kvplugins.store.ha.follower import leader_info
-from kvplugins.store.ha.journal import EtcdJournal
-from kvplugins.store.ha.leader import LeaderGuard
+from kvplugins.store.cluster.etcd import Etcd, put_op
+from kvplugins.store.client.follower import leader_info
+from kvplugins.store.master.ha.journal import EtcdJournal
+from kvplugins.store.master.ha.leader import LeaderGuard
 from kvplugins.store.wire.protocol import NOT_FOUND, OK, PENDING, STORE_FULL
 from kvplugins.store.client.rpc import RawRpcClient
 from kvplugins.store.client.connect import master_client

@@ -1,4 +1,4 @@
-"""A node's disk-tier promote endpoint (kvplugins/store/disk/server.py) survives what a client can send (issue
+"""A node's disk-tier promote endpoint (kvplugins/store/node/disk/server.py) survives what a client can send (issue
 #11): requests are typed at the boundary (a bad one is refused naming the field, nothing applied, the connection
 kept); a flood past its descriptor limit (EMFILE) leaves an established client served and it recovers; connection
 caps refuse with the reason; idle and slowloris connections are closed within their timeouts. The endpoint runs
@@ -17,7 +17,7 @@ from kvplugins.config import load
 from kvplugins.errors import ConfigError, MasterUnreachable, StoreError
 from kvplugins.store.wire import protocol
 from kvplugins.store.config import StoreNodeConfig
-from kvplugins.store.disk.server import MAX_KEY
+from kvplugins.store.node.disk.server import MAX_KEY
 from kvplugins.store.client.rpc import RawRpcClient
 
 MAX_BATCH = 8

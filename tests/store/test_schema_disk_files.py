@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvplugins.store.disk import files
-from kvplugins.store.disk.files import CorruptFile
-from kvplugins.store.disk.store import DiskStore
+from kvplugins.store.node.disk import files
+from kvplugins.store.node.disk.files import CorruptFile
+from kvplugins.store.node.disk.store import DiskStore
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 U16, U64 = 0xFFFF, (1 << 64) - 1

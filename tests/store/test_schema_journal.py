@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvplugins.errors import ProtocolError
 from kvplugins.store.config import MasterConfig
-from kvplugins.store.ha import journal, recovery
-from kvplugins.store.ha.journal import EtcdJournal
+from kvplugins.store.master.ha import journal
+from kvplugins.store.master.ha import recovery
+from kvplugins.store.master.ha.journal import EtcdJournal
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.wire.schema import MAX_NAME, MAX_SIZE
 
@@ -242,7 +243,7 @@ class FakeEtcd:
 def test_load_keeps_valid_values_and_names_every_skipped_key(caplog, values):
     items = {f"/p/{kind}/k{i}": pack(v) for i, (kind, v) in enumerate(values)}
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvplugins.store.ha.journal"):
+    with caplog.at_level(logging.WARNING, logger="kvplugins.store.master.ha.journal"):
         segs, objs, _ = EtcdJournal(FakeEtcd(items), "/p").load()
     kept = {f"/p/seg/{s[0]}" for s in segs} | {f"/p/obj/{o[0]}" for o in objs}
     skipped = set(items) - kept
@@ -261,7 +262,7 @@ def test_load_skips_empty_over_long_and_non_utf8_names(caplog):
     value = pack([64, [["s:1", 0]]])
     bad = ["/p/obj/", "/p/obj/" + "k" * (journal.MAX_JOURNAL_KEY + 1), "/p/obj/\udcff\udcfe", "/p/seg/a\nb\udc80"]
     items = {**dict.fromkeys(bad, value), "/p/obj/ok": value}
-    with caplog.at_level(logging.WARNING, logger="kvplugins.store.ha.journal"):
+    with caplog.at_level(logging.WARNING, logger="kvplugins.store.master.ha.journal"):
         segs, objs, _ = EtcdJournal(FakeEtcd(items), "/p").load()
     assert segs == [] and [o[0] for o in objs] == ["ok"]
     warned = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
@@ -335,7 +336,7 @@ def test_task_records_load_and_hostile_ones_are_skipped(caplog):
     items = {"/p/task/1-2": pack(good), "/p/task/3-4": pack([*good[:4], "RUNNING", *good[5:]]),
              "/p/task/5-6": pack([*good[:5], "5", *good[6:]]), f"/p/task/{1 << 64}-1": pack(good),
              "/p/task/7-8": b"\xc1"}
-    with caplog.at_level(logging.WARNING, logger="kvplugins.store.ha.journal"):
+    with caplog.at_level(logging.WARNING, logger="kvplugins.store.master.ha.journal"):
         tasks = EtcdJournal(FakeEtcd(items), "/p").load_tasks()
     assert tasks == [((1, 2), "copy", "k", "s:1", ["t:1"], "PROCESSING", 5, 6, "", ("t:1", 4096, 512))]
     warned = " ".join(r.getMessage() for r in caplog.records)

@@ -1,14 +1,14 @@
 """The one place a configured master address becomes a client: ``master_client`` (the per-operation raw plane,
 what StoreClient uses) and ``control_client`` (the zmq control plane). A plain ``host:port`` gives a direct
 client (rpc.py); an HA address (``etcd://host:port[/prefix]`` or a comma list of masters) one that
-follows the elected leader (ha/follower.py); a sharded store's (``shards://host:port/prefix``) one routing each
-key to its shard (shard/router.py), whose per-shard clients come from here too. Above rpc, ha and shard:
+follows the elected leader (follower.py); a sharded store's (``shards://host:port/prefix``) one routing each
+key to its shard (router.py), whose per-shard clients come from here too. Above rpc, follower and router:
 nothing below imports it."""
 from __future__ import annotations
 
-from kvplugins.store.ha.follower import LeaderClient
+from kvplugins.store.client.follower import LeaderClient
 from kvplugins.store.client.rpc import RawRpcClient, ZmqRpcClient
-from kvplugins.store.shard.router import ShardedRpc
+from kvplugins.store.client.router import ShardedRpc
 
 
 def _leader_client(address: str, timeout_ms: float, plane: str, role: str):
@@ -21,8 +21,8 @@ def _leader_client(address: str, timeout_ms: float, plane: str, role: str):
 def master_client(address: str, timeout_ms: float, role: str = "client") -> RawRpcClient:
     """The per-operation client of the master at ``address`` (what StoreClient uses). The one place that turns a
     configured master address into a client. An HA address (``etcd://host:port[/prefix]`` or a comma list of
-    masters) gives a client following the elected leader (kvplugins/store/ha/follower.py); a sharded store's
-    (``shards://host:port/prefix``) one routing each key to its shard (kvplugins/store/shard/router.py).
+    masters) gives a client following the elected leader (kvplugins/store/client/follower.py); a sharded store's
+    (``shards://host:port/prefix``) one routing each key to its shard (kvplugins/store/client/router.py).
     ``role``: what the connections authenticate as (security/roles.py)."""
     if address.startswith("shards://"):
         return ShardedRpc(address, timeout_ms, role, connect=master_client)

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvplugins.errors import (BufferNotRegistered, ChecksumMismatch, ConfigError, KeyNotFound, MasterUnreachable,
                               NativeError, PutPending, SizeMismatch, StoreError, TransferError, TransferFailed)
-from kvplugins.store.client import batches, checksum
+from kvplugins.store.client import batches, checksum, promote
 from kvplugins.store.wire import protocol
 from kvplugins.store.client.slab import SlabSpace
 from kvplugins.store.client.stats import ClientStats
@@ -52,7 +52,7 @@ class StoreClient:
         else:
             from kvplugins.store import embedded
             self.master = embedded.ensure_running(cfg.embedded_start_timeout_ms / 1000)
-        self._sharded = self.master.startswith("shards://")     # kvplugins/store/shard: no slabs, no columns
+        self._sharded = self.master.startswith("shards://")     # kvplugins/store/cluster: no slabs, no columns
         if self._sharded and cfg.segment_size:
             raise ConfigError(f"segment_size={cfg.segment_size}: a client of a sharded store ({self.master}) cannot "
                               f"contribute a segment; run `kvplugins store --master {self.master}` nodes instead")
@@ -520,17 +520,11 @@ class StoreClient:
 
     def _lookup(self, keys: list[str], found: list | None = None) -> list:
         """The get answer for ``keys`` (asked now unless ``found`` is given), disk-resident entries (ON_DISK)
-        promoted by the disk tier's client side (kvplugins.store.disk.promote.resolve) or, without it, misses."""
+        promoted by the disk tier's client side (kvplugins.store.client.promote.resolve) or, without it, misses."""
         found = self._rpc_entries("get", keys) if found is None else found
         if not any(code == protocol.ON_DISK for code, _ in found):
             return found
-        try:
-            from kvplugins.store.disk.promote import resolve
-        except ModuleNotFoundError as e:
-            if not (e.name or "").startswith("kvplugins.store.disk"):
-                raise
-            return [[protocol.NOT_FOUND, None] if c == protocol.ON_DISK else [c, v] for c, v in found]
-        return resolve(self, keys, found)
+        return promote.resolve(self, keys, found)
 
     def _transfer(self, kind: str, flat, todo: dict, sums) -> dict[int, StoreError]:
         """One array-form transfer per (segment, region) for keys ``todo`` (index -> locations to use); each
@@ -589,7 +583,7 @@ def _command_link(cfg: ClientConfig, engine, segment, master: str, on_exit):
     tasks whose source is this segment (master/replica_tasks.py) and a drain of it run through it, polled every
     ``segment_poll_ms``. A drain's end calls ``on_exit`` (the client unregisters the segment and goes on)."""
     from kvplugins.store.config import StoreNodeConfig
-    from kvplugins.store.disk.worker import NodeTier
+    from kvplugins.store.node.disk.worker import NodeTier
     node = StoreNodeConfig(master=master, segment_size=cfg.segment_size, host=cfg.host,
                            rpc_timeout_ms=cfg.rpc_timeout_ms, disk_poll_ms=cfg.segment_poll_ms, prefault=False)
     return NodeTier(node, engine, segment, master, on_exit=on_exit)

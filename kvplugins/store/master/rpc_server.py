@@ -52,7 +52,7 @@ from kvplugins.security.roles import FORBIDDEN
 from kvplugins.security.secret import proved_identity
 from kvplugins.store.wire import protocol
 from kvplugins.store.config import MasterConfig
-from kvplugins.store.ha import group_commit
+from kvplugins.store.master.ha import group_commit
 from kvplugins.store.master.admin_ops import Scan
 from kvplugins.store.master.admission import Prober
 from kvplugins.store.master.batches import Deferred

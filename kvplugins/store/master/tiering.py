@@ -10,7 +10,7 @@ store node with ``--disk-dir`` registers its tier, an evicted object is dropped 
   (``urgent=True``, a put is waiting) never waits for disk: an object with a clean disk copy (promoted earlier)
   has its DRAM freed at once; any other victim is dropped (an offload in flight is cancelled, its file deleted).
 * Promote: a get of a disk-only object answers ``[ON_DISK, [node endpoint, size]]``; the client asks that node
-  (kvplugins.store.disk.promote), which calls ``promote_start`` (a DRAM offset in its own segment), loads and
+  (kvplugins.store.client.promote), which calls ``promote_start`` (a DRAM offset in its own segment), loads and
   verifies the file there, and ``promote_commit``s; the object is in DRAM again and keeps its clean disk copy.
 * Drain (``drain``; master/drain.py): the segment takes no new placements; its objects are migrated by its node.
 Disk-only objects hold no DRAM: they are parked outside the table's LRU lists, so eviction never picks them.
@@ -75,7 +75,7 @@ class Tiering:
 
     def get(self, obj, now: float):
         """A get found ``obj`` complete but with no DRAM replica: ``[ON_DISK, [node endpoint, size]]`` (promote it
-        through that node, kvplugins.store.disk.promote) or ``[NOT_FOUND, None]``."""
+        through that node, kvplugins.store.client.promote) or ``[NOT_FOUND, None]``."""
         c = self.copy(obj)
         if c is None or not self.nodes[c.segment].endpoint:
             return [NOT_FOUND, None]

@@ -3,7 +3,7 @@
 The segment lives in this process's TransferEngine (alloc_shared, exported); clients read and write it directly
 through the transfer core — the master only hands out offsets. Registration and heartbeats use the master's
 zmq control plane (the ``info`` op on the master address names it). The node's disk tier and drain commands
-run in a NodeTier (kvplugins/store/disk/worker.py) polling the master's raw endpoint.
+run in a NodeTier (kvplugins/store/node/disk/worker.py) polling the master's raw endpoint.
 """
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ class StoreNode:
     Raises MasterUnreachable if the master does not answer within ``rpc_timeout_ms``."""
 
     def __init__(self, config: StoreNodeConfig, master: str, on_drained=lambda: None):
-        from kvplugins.store.disk.worker import NodeTier
+        from kvplugins.store.node.disk.worker import NodeTier
         from kvplugins.transfer import TransferEngine
         from kvplugins.transfer.config import transfer_config
         self.cfg, self.master = config, master
         self.engine = TransferEngine(transfer_config(host=config.host, transports=config.transports))
         self.segment = self.tier = self._rpc = None
-        if master.startswith("shards://"):       # extents over the shards' masters (kvplugins/store/shard)
-            from kvplugins.store.shard.extents import ShardedSegments
+        if master.startswith("shards://"):       # extents over the shards' masters (node/extents.py)
+            from kvplugins.store.node.extents import ShardedSegments
             try:
                 self.segment = ShardedSegments(self.engine, master, config.segment_size, config.shard_extents, config)
             except BaseException:

@@ -97,3 +97,5 @@ def entry_error(code: int, key: str, detail: str) -> StoreError:
     if code == PENDING:
         return PutPending(f"{key}: {detail}")
     return StoreError(f"{key}: {detail}")
+
+NOT_LEADER = "not leader"      # how an HA standby's refusals start (clients re-resolve the leader on it)

@@ -116,7 +116,7 @@ class _Server(GuardedServerMixIn, socketserver.ThreadingTCPServer):
         missing = sorted(set(ops) - set(known))
         if missing:
             raise ConfigError(f"promote endpoint: no schema for op(s) {', '.join(missing)}; known: "
-                              f"{', '.join(sorted(known))} (add one to kvplugins/store/disk/server.py)")
+                              f"{', '.join(sorted(known))} (add one to kvplugins/store/node/disk/server.py)")
         self.ops, self.schemas, self.max_batch = ops, {op: known[op] for op in ops}, max_batch
         super().__init__((host, 0), _Handler)
         self.guard(limits, f"the promote endpoint on port {self.server_address[1]}", "store.promote_",

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError, TransferError
-from kvplugins.store.disk.files import CorruptFile, checksum
+from kvplugins.store.node.disk.files import CorruptFile, checksum
 from kvplugins.store.wire.protocol import NOT_FOUND, OK
 from kvplugins.store.client.connect import master_client
 
@@ -28,8 +28,8 @@ class NodeTier:
     """``segment``: the node's OwnedSegment; ``on_exit()``: called once the master says the drain is done."""
 
     def __init__(self, config, engine, segment, master: str, on_exit):
-        from kvplugins.store.disk.server import OpServer
-        from kvplugins.store.disk.store import DiskStore
+        from kvplugins.store.node.disk.server import OpServer
+        from kvplugins.store.node.disk.store import DiskStore
         from kvplugins.store.staging import Staging
         self.cfg, self.engine, self.segment, self.on_exit = config, engine, segment, on_exit
         self.disk = DiskStore(config.disk_dir, config.disk_capacity) if config.disk_dir else None

@@ -25,7 +25,7 @@ from msgspec import Meta
 
 from kvplugins.errors import ProtocolError, StoreError
 from kvplugins.store.wire import schema
-from kvplugins.store.ha.etcd import MAX_TXN_OPS, delete_op, put_op
+from kvplugins.store.cluster.etcd import MAX_TXN_OPS, delete_op, put_op
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.placement import PIN_CODES
 

@@ -20,7 +20,7 @@ import xxhash
 from kvplugins.errors import StoreError
 from kvplugins.store.client.connect import control_client
 from kvplugins.store.node.segment import OwnedSegment
-from kvplugins.store.shard.cluster import Membership
+from kvplugins.store.cluster.membership import Membership
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvplugins.errors import KeyNotFound, StoreError
-from kvplugins.store.disk import files
-from kvplugins.store.disk.files import CorruptFile
+from kvplugins.store.node.disk import files
+from kvplugins.store.node.disk.files import CorruptFile
 
 log = logging.getLogger(__name__)
 COUNTERS = ("writes", "reads", "deletes", "evicted", "corrupt", "write_errors")

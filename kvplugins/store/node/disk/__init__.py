@@ -5,7 +5,7 @@ files.py    crash-safe object file format (header with key, size, xxh3_64 checks
 store.py    DiskStore: the node-local file index, capacity accounting, LRU eviction of files
 worker.py   NodeTier: the node's link to the master (registration, polled offload/delete/migrate commands)
 server.py   the node's promote endpoint (framed msgpack over TCP, the master's raw frame format)
-promote.py  the client side of promote on hit: ``resolve(client, keys, found) -> found``
 drain.py    ``kvplugins store --drain``: mark a segment draining and wait until it has left
-The master side is kvplugins/store/master/tiering.py (offload, promote, drain bookkeeping).
+The master side is kvplugins/store/master/tiering.py (offload, promote, drain bookkeeping); the client side
+of promote on hit, store/client/promote.py.
 """

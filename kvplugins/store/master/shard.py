@@ -18,7 +18,7 @@ import threading
 from kvplugins.errors import StoreError
 from kvplugins.store.wire.protocol import WRONG_SHARD
 from kvplugins.store.wire.schema import subset
-from kvplugins.store.shard.cluster import ClusterState, Membership
+from kvplugins.store.cluster.membership import ClusterState, Membership
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
@@ -140,7 +140,7 @@ def shard_defaults(cfg):
 
     from kvplugins.store.config import MasterConfig
     if cfg.shard and cfg.etcd and cfg.etcd_prefix == MasterConfig.etcd_prefix:
-        from kvplugins.store.shard.cluster import parse
+        from kvplugins.store.cluster.membership import parse
         cfg = dataclasses.replace(cfg, etcd_prefix=f"{parse(cfg.cluster)[1]}/shard/{cfg.shard}")
     return cfg
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.store.wire.protocol import EXISTS, NOT_FOUND, OK, UNAVAILABLE, WRONG_SHARD
-from kvplugins.store.shard.cluster import ClusterState, Membership
+from kvplugins.store.cluster.membership import ClusterState, Membership
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5

@@ -14,7 +14,8 @@ import logging
 import time
 
 from kvplugins.errors import StoreError
-from kvplugins.store.ha import NOT_LEADER, recovery
+from kvplugins.store.wire.protocol import NOT_LEADER
+from kvplugins.store.master.ha import recovery
 from kvplugins.store.master.service import MasterService
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvplugins.errors import ConfigError, StoreError
-from kvplugins.store.ha.etcd import Etcd, b64, parse_endpoint, put_op
-from kvplugins.store.shard.ring import Ring
+from kvplugins.store.cluster.etcd import Etcd, b64, parse_endpoint, put_op
+from kvplugins.store.cluster.ring import Ring
 
 SCHEME = "shards://"
 
