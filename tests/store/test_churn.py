@@ -114,13 +114,13 @@ def test_random_churn_never_evicts_young_objects_nor_loses_acknowledged_puts(ops
     m, clock = service(slots=6, grace_ms=grace_ms)
     grace = (1000 if grace_ms < 0 else grace_ms) / 1000
     evicted, acked = set(), set()
-    original = m._evict
+    original = m.evict
 
     def evict(obj, now, urgent):
         assert obj.born <= now - grace, f"{obj.key} evicted {(now - obj.born) * 1000:.0f} ms after its commit"
         evicted.add(obj.key)
         original(obj, now, urgent)
-    m._evict = evict
+    m.evict = evict
     for op, arg in ops:
         key = f"k{arg}"
         if op == "put":

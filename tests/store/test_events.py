@@ -93,6 +93,8 @@ def test_puts_removes_and_evictions_are_published(cluster, endpoints):
 
 def test_vllm_decoder_reads_our_batches(cluster, endpoints):
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    with StoreClient(ClientConfig(master=cluster.master)) as c:      # at least one batch, whatever ran before
+        c.put("dec/1", b"abc")
     ctx = zmq.Context()
     replay = dealer(ctx, endpoints[1])
     replay.send_multipart((b"", (0).to_bytes(8, "big", signed=True)))
@@ -129,6 +131,9 @@ def test_late_subscriber_gets_the_replay_window_and_bad_requests_are_dropped(clu
 
 
 def test_cli_prints_the_replayed_stream(cluster, endpoints):
+    with StoreClient(ClientConfig(master=cluster.master)) as c:      # three events, whatever ran before
+        for i in range(3):
+            c.put(f"cli/{i}", b"abc")
     out = subprocess.run([sys.executable, "-m", "kvplugins.cli", "events", "--master", cluster.master, "--replay-from",
                           "0", "--count", "3", "--timeout-s", "20"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, **cluster.env})
