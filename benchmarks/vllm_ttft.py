@@ -28,13 +28,15 @@ caching), so a warm hit loads every attention page and one convolution state.
 ``--staging always`` (issue #14): the connector engines stage every page through host bounce slots (the path of a
 GPU KV cache, run on the CPU), and one more fresh engine loads the same pages without staging (``warm_direct``):
 goals warm <= 1.2 x warm_direct TTFT at 4K, and the same <= 3% overhead at 0% hits.
+``--tp N`` (issue #32): every engine at tensor-parallel size N (its workers bound to this host's CPUs in turn);
+pages are stored per KV head, so warm engines read what cold ones wrote whatever N.
 ``--layer-chunks N`` (issue #14, layer-wise loads): one more cold engine saves every page as N objects of
 consecutive layers, then fresh engines load before the forward (async_load_tokens=0), alternating: whole pages
 (``warm_sync``) and layer-wise (``warm_layered``: attention layer l waits only for its chunk). Reported: their
 TTFT and the connector's own load time (load_ms: the sum of its load batches, warm-up included).
 
     .venv/bin/python benchmarks/vllm_ttft.py [--sizes 1024,4096,8192] [--batch 4] [--out 32] [--staging always]
-                                             [--json F]
+                                             [--tp 2] [--json F]
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ import tempfile
 from pathlib import Path
 from statistics import median
 
-from kvplugins.demo.engine import EngineSpec, run_fresh
+from kvplugins.demo.engine import EngineSpec, omp_bind, run_fresh
 
 SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
              num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -125,6 +127,9 @@ def main() -> int:
                     help="also compare synchronous whole-page loads with layer-wise ones of this many chunks")
     ap.add_argument("--warm-repeat", type=int, default=1,
                     help="warm engines per side (fresh processes, alternating with warm_direct); medians reported")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel size of every engine (issue #32: pages stored per KV head; TP workers "
+                         "share this host's CPUs)")
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -135,7 +140,7 @@ def main() -> int:
     vocab = len(AutoTokenizer.from_pretrained(model))
     ttft_prompts = prompts(sizes, vocab, seed=1)
     base = dict(model=model, dtype=args.dtype, kv_cache_gib=4, max_model_len=max(sizes) + 64, block_size=32,
-                max_num_batched_tokens=max(sizes) + 64, env=SAME_CPUS)
+                max_num_batched_tokens=max(sizes) + 64, env=SAME_CPUS, tp=args.tp)
     from kvplugins.store import UpConfig, embedded
     tmp = tempfile.mkdtemp(prefix="kvp-bench-")
     up = UpConfig(discovery_file=str(Path(tmp, "up.json")))
@@ -238,7 +243,8 @@ def overhead_run(spec: dict, timeout_s: float = 1800) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvp-overhead-") as tmp:
         spec_file, out_file, log = Path(tmp, "spec.json"), Path(tmp, "out.json"), Path(tmp, "engine.log")
         spec_file.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec["kv_cache_gib"]), **spec["env"]}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec["kv_cache_gib"]), **omp_bind(spec["tp"]),
+               **spec["env"]}
         with open(log, "w") as fh:
             proc = subprocess.Popen([sys.executable, __file__, "--overhead-child", str(spec_file), str(out_file)],
                                     stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -268,7 +274,7 @@ def overhead_child(spec_path: str, out_path: str) -> None:
         kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": spec["connector"]}
     llm = LLM(model=spec["model"], dtype=spec["dtype"], block_size=spec["block_size"], enforce_eager=True,
               max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-              max_num_seqs=4, seed=0, disable_log_stats=False, **kwargs)
+              max_num_seqs=4, seed=0, disable_log_stats=False, tensor_parallel_size=spec["tp"], **kwargs)
     llm.generate([WARMUP], SamplingParams(max_tokens=2), use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=spec["out"], ignore_eos=True)
     out = {"batches": []}

@@ -59,7 +59,7 @@ def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = N
     with tempfile.TemporaryDirectory(prefix="kvp-engine-") as tmp:
         spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_file.write_text(json.dumps(asdict(spec)))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}", **_omp_bind(spec.tp * spec.pp),
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}", **omp_bind(spec.tp * spec.pp),
                **spec.env}
         log = Path(log_path) if log_path else Path(tmp, "engine.log")
         with open(log, "w") as fh:
@@ -76,7 +76,7 @@ def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = N
         return json.loads(out_file.read_text())
 
 
-def _omp_bind(workers: int) -> dict:
+def omp_bind(workers: int) -> dict:
     """VLLM_CPU_OMP_THREADS_BIND for ``workers`` > 1 worker processes on this host's CPUs ("0|1": worker i gets
     its share of them; several share a CPU when there are more workers than CPUs). vLLM-CPU's automatic binding
     wants one NUMA node per worker, which a one-node host (a laptop, this CI) does not have."""

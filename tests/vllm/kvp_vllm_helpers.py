@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 from helpers.corrupt import flip_stored_byte
 
+from kvplugins.demo.engine import omp_bind
 from kvplugins.layout import KeySpace
 
 BLOCK = 32  # tokens per KV block in every engine the tests start
@@ -117,7 +118,7 @@ class Server:
     looks up the "vllm" distribution and fails) on 127.0.0.1, in its own process group, killed by ``stop``."""
 
     def __init__(self, model: str, ktc: dict | None, log_path, kv_cache_gib: int = 1, max_model_len: int = 4096,
-                 env: dict | None = None):
+                 env: dict | None = None, tp: int = 1):
         import json
         import os
         import subprocess
@@ -128,10 +129,12 @@ class Server:
                 str(max_model_len), "--enforce-eager", "--max-num-seqs", "2", "--seed", "0"]
         if ktc is not None:
             args += ["--kv-transfer-config", json.dumps(ktc)]
+        if tp > 1:
+            args += ["--tensor-parallel-size", str(tp)]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-                                          "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
+                                          "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **omp_bind(tp), **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 240) -> "Server":
@@ -175,3 +178,33 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self._log.close()
+
+
+@contextmanager
+def pd_pair(model: str, master: str, log_dir, prefill_tp: int = 1, decode_env: dict | None = None):
+    """A prefill server (kv_producer, TP ``prefill_tp``) and a decode server (kv_consumer, TP 1, recompute on a
+    failed load) on ``master`` behind an in-process `kvplugins pd-proxy`: yields (prefill, decode, proxy URL).
+    Decode waits up to 30 s (pd_wait_ms) for the producer's saves or lease, so a test that expects a wait
+    ending in a fallback sees the fallback, never a race."""
+    import threading
+
+    from kvplugins.cli.pd_proxy import PDProxyConfig, serve
+    extra = {"master": master, "pd_wait_ms": 30000}
+    prefill = Server(model, {"kv_connector": "KVPluginsConnector", "kv_role": "kv_producer",
+                             "kv_connector_extra_config": extra}, log_dir / f"prefill_tp{prefill_tp}.log",
+                     tp=prefill_tp)
+    decode = Server(model, {"kv_connector": "KVPluginsConnector", "kv_role": "kv_consumer",
+                            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra},
+                    log_dir / "decode.log", env=decode_env)
+    proxy = None
+    try:
+        prefill.wait_ready(timeout_s=240 + 120 * (prefill_tp - 1))
+        decode.wait_ready()
+        proxy = serve(PDProxyConfig(prefill=prefill.url, decode=decode.url))
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        yield prefill, decode, f"http://127.0.0.1:{proxy.server_address[1]}"
+    finally:
+        if proxy is not None:
+            proxy.shutdown()
+        prefill.stop()
+        decode.stop()

@@ -7,11 +7,10 @@ vllm:kvplugins_pd_handoff_seconds histogram must show every handoff within 2 s. 
 only by "kv_connector" (the vllm.general_plugins entry point registers it)."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
-from kvp_vllm_helpers import BLOCK, Server, http_json
+from kvp_vllm_helpers import BLOCK, http_json, pd_pair
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -19,28 +18,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def pd(model, cluster, tmp_path_factory):
-    from kvplugins.cli.pd_proxy import PDProxyConfig, serve
-    d = tmp_path_factory.mktemp("pd")
-    # decode waits up to pd_wait_ms for the producer's saves or lease: 30 s, so that the lease test below shows
-    # a wait that ends in a fallback, never a race
-    extra = {"master": cluster.master, "pd_wait_ms": 30000}
-    prefill = Server(model, {"kv_connector": "KVPluginsConnector", "kv_role": "kv_producer",
-                             "kv_connector_extra_config": extra}, d / "prefill.log")
-    decode = Server(model, {"kv_connector": "KVPluginsConnector", "kv_role": "kv_consumer",
-                            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra},
-                    d / "decode.log", env={"VLLM_SERVER_DEV_MODE": "1"})  # dev mode: POST /reset_prefix_cache
-    proxy = None
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        proxy = serve(PDProxyConfig(prefill=prefill.url, decode=decode.url))
-        threading.Thread(target=proxy.serve_forever, daemon=True).start()
-        yield prefill, decode, f"http://127.0.0.1:{proxy.server_address[1]}"
-    finally:
-        if proxy is not None:
-            proxy.shutdown()
-        prefill.stop()
-        decode.stop()
+    with pd_pair(model, cluster.master, tmp_path_factory.mktemp("pd"),
+                 decode_env={"VLLM_SERVER_DEV_MODE": "1"}) as servers:   # dev mode: POST /reset_prefix_cache
+        yield servers
 
 
 HANDOFF_S = "2.0"  # every handoff (prefill's request end -> decode's ack, or its saves landed) within 2 s
