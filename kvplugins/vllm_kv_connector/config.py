@@ -80,14 +80,11 @@ class VllmConnectorConfig:
         return load(cls, flags=dict(extra or {}))
 
     def client_factory(self):
-        """() -> StoreClient for this config; the embedded store is discovered or started on first call."""
+        """() -> StoreClient for this config; with no master the client discovers (or starts) the embedded store
+        on first call, as every StoreClient does."""
         def make():
             from kvplugins.store import ClientConfig, StoreClient
-            master = self.master
-            if not master:
-                from kvplugins.store import embedded
-                master = embedded.ensure_running()
-            return StoreClient(ClientConfig(master=master, rpc_timeout_ms=self.rpc_timeout_ms,
+            return StoreClient(ClientConfig(master=self.master, rpc_timeout_ms=self.rpc_timeout_ms,
                                             transfer_timeout_ms=self.transfer_timeout_ms,
                                             transports=self.transports))
         return make
