@@ -2,12 +2,7 @@
 native kernels of ``kvplugins._moe``. Importing this package imports no torch; the wrapper does, lazily."""
 from __future__ import annotations
 
-
-def __getattr__(name):
-    if name == "KTMoEWrapper":
-        from kvplugins.kt_expert_backend.wrapper import KTMoEWrapper
-        return KTMoEWrapper
-    raise AttributeError(name)
-
+from kvplugins.lazy import lazy
 
 __all__ = ["KTMoEWrapper"]
+__getattr__ = lazy(__name__, {"KTMoEWrapper": "kvplugins.kt_expert_backend.wrapper"})
