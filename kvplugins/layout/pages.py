@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from kvplugins.errors import KVPluginsError
+from kvplugins.errors import KVPluginsError, StoreError
 from kvplugins.layout.keys import KeySpace
 from kvplugins.layout.spans import PageLayout, zero_spans
 from kvplugins.layout.staged import StagedPages
@@ -206,21 +206,25 @@ def load_pages(parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Seq
     if head._owner._client is None and head._retry_on_load:
         head._owner._down_until = 0.0
     client = head._connected()
-    if client is None:
-        head.stats["failed_pages"] += len(block_ids)
-        return list(block_ids)
     keys = [k for part in parts for k in part.keyspace.keys(hashes)]
-    try:
-        errors = client.batch_get_into(keys, spans) if spans is not None else \
-            head.staged.load(client, keys, block_ids, after)
-    except KVPluginsError as e:
-        head._failed(e)
-        errors = [e] * len(keys)
-    if spans is not None:       # bytes read in place that failed (checksum, size): none stay
+    if client is None:          # the store is down: every block fails, and is zeroed like any failed block
+        errors: list = [StoreError("the store is unavailable (backing off after a failure)")] * len(keys)
+    else:
+        try:
+            errors = client.batch_get_into(keys, spans) if spans is not None else \
+                head.staged.load(client, keys, block_ids, after)
+        except KVPluginsError as e:
+            head._failed(e)
+            errors = [e] * len(keys)
+        except BaseException:   # unexpected: what landed is unknown, so no block keeps it
+            if spans is not None:
+                zero_spans([sp for block in spans for sp in block])
+            raise
+    if spans is not None:       # bytes read in place that failed (store down, checksum, size): none stay
         zero_spans([sp for block, err in zip(spans, errors) if err is not None for sp in block])
     n = len(block_ids)
     failed = [b for i, b in enumerate(block_ids) if any(errors[j * n + i] is not None for j in range(len(parts)))]
-    if failed:
+    if failed and client is not None:   # a store that is down was logged once, by _failed
         log.warning("kvplugins: %d of %d pages failed to load: %s", len(failed), n,
                     next(e for e in errors if e is not None))
     head.stats["loaded_pages"] += n - len(failed)

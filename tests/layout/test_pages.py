@@ -112,6 +112,26 @@ def test_store_down_is_a_miss_logged_once(caplog):
     assert p.stats["store_errors"] == 1  # later calls did not retry inside the back-off window
 
 
+def test_load_while_the_store_is_down_zeroes_the_blocks_it_was_to_fill():
+    """A block vLLM handed over for a load holds whatever an earlier request left (or never-written memory,
+    possibly inf/NaN); when the store is down the load fails and the block must read as zeros, as for every
+    other failure, not keep those bytes. Blocks not in the load are untouched."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    dst = kv(seed=3)
+    for layer in dst:
+        layer[1:3] = np.inf
+    before = [layer.copy() for layer in dst]
+    p = PageStore(client_factory(dead), KS, PageLayout.from_tensors(dst), retry_ms=60000)
+    assert not p.connect()       # down, and inside the back-off: load_pages gets no client
+    assert p.load([1, 2], hashes(2)) == [1, 2]
+    for layer, old in zip(dst, before):
+        assert not layer[1:3].any()
+        np.testing.assert_array_equal(layer[[0, 3, 4, 5, 6, 7]], old[[0, 3, 4, 5, 6, 7]])
+    assert p.stats["failed_pages"] == 2
+
+
 def test_retry_on_load_reconnects_inside_the_back_off(master):
     calls = []
     real = client_factory(master)
