@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.v1.outputs import KVConnectorOutput
@@ -75,6 +75,11 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a best-effort cache: a dropped save is a future miss
 
     # -- scheduler side ---------------------------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.prefix_cache = kv_cache_manager
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
 

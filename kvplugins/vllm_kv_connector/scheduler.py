@@ -75,6 +75,7 @@ class SchedulerSide:
             if g.state:
                 self._state_uids.setdefault(g.index, []).append(g.uid)
         self._spaces = spaces
+        self.prefix_cache = None  # vLLM's KVCacheManager (bind_kv_cache_manager): failed blocks leave its cache
         if cfg.namespace_file:
             _write_namespaces(cfg.namespace_file, spaces, self.hash_block_size, required)
         self.tracked: dict[str, _Tracked] = {}
@@ -211,10 +212,16 @@ class SchedulerSide:
 
     def load_failed(self, block_ids: set[int]) -> None:
         """Blocks that failed to load (vLLM's invalid_block_ids): their requests compute from now on, so a
-        failing page is not looked up, loaded and recomputed again and again."""
+        failing page is not looked up, loaded and recomputed again and again. The blocks also leave vLLM's
+        prefix cache: a synchronous load's blocks were cached under their hashes when allocated (vLLM 0.32
+        ``KVCacheManager.allocate_slots``), and with policy "recompute" vLLM keeps them there until its request
+        recomputes them; a request preempted before that, or a new request sharing the prefix, would otherwise
+        take the zeroed blocks as a local hit. Evicting a block still in use only drops its cache entry."""
         for t in self.tracked.values():
             if t.loading & block_ids:
                 t.failed, t.loading = True, frozenset()
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict_blocks(block_ids)
 
     def add_events(self, events) -> None:
         """The workers' events of one step (vLLM merged every TP worker's)."""
