@@ -65,18 +65,26 @@ def replace_pages(client, keys, nbytes: int) -> None:
 
 
 @contextmanager
-def flipped(client, keys: list[str]):
-    """One byte flipped in each stored object of ``keys`` (every load of them fails its checksum); their
-    original bytes are put back on exit, so the tests after see the store as before."""
+def restored(client, keys: list[str]):
+    """The stored objects of ``keys`` as they are now are put back on exit, whatever the body did to them, so
+    the tests after (in any order) see the store as before."""
     originals = client.batch_get(keys)
     assert not any(isinstance(v, Exception) for v in originals)
-    for key in keys:
-        flip_stored_byte(client, key)
     try:
-        yield
+        yield originals
     finally:
         client.batch_remove(keys)
         assert not any(client.batch_put(keys, originals))
+
+
+@contextmanager
+def flipped(client, keys: list[str]):
+    """One byte flipped in each stored object of ``keys`` (every load of them fails its checksum); their
+    original bytes are put back on exit."""
+    with restored(client, keys):
+        for key in keys:
+            flip_stored_byte(client, key)
+        yield
 
 
 def engine_pair(model: str, turn_prompts, master: str, ns_path) -> tuple[dict, dict, dict]:

@@ -3,12 +3,13 @@
 Engine A computes first turns and saves their pages; a fresh engine B gets the next turns and must (1) load
 the shared prefix from the store, in the background (an asynchronous hit), and (2) produce the same greedy
 tokens as an engine without the connector. Both name the connector only ("kv_connector":"KVPluginsConnector",
-no module path): the vllm.general_plugins entry point registers it. Then, in this order (each uses what the
-one before left in the store): a preempted batch reloads from the store (connector inside MultiConnector);
-a page that fails to load is recomputed; with policy "fail" a page failing its checksum fails only its request;
-corrupted pages change the tokens (the loaded KV is really used);
-the store node is stopped and then killed in the middle of the loads (everything recomputed, identical tokens,
-no hang). Independently: with the store down the engine still serves, with identical tokens.
+no module path): the vllm.general_plugins entry point registers it. Then, each on the pages A and B stored
+(a test that damages pages puts them back, so the tests run in any order): a preempted batch reloads from the
+store (connector inside MultiConnector); a page that fails to load is recomputed; with policy "fail" a page
+failing its checksum fails only its request; corrupted pages change the tokens (the loaded KV is really used);
+on a copy of the pages in a cluster of its own, the store node is stopped and then killed in the middle of the
+loads (everything recomputed, identical tokens, no hang). With the store down the engine still serves, with
+identical tokens.
 """
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ import time
 
 import pytest
 from helpers.cluster import store_cluster
-from helpers.corrupt import flip_stored_byte
-from kvp_vllm_helpers import BLOCK, engine_pair, object_bytes, replace_pages, stored_page_keys
+from kvp_vllm_helpers import BLOCK, engine_pair, flipped, object_bytes, replace_pages, restored, stored_page_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
@@ -79,12 +79,13 @@ def test_preempted_batch_reloads_from_the_store(shared, baseline, model, turn_pr
 def test_page_that_fails_to_load_is_recomputed(shared, baseline, model, turn_prompts, cluster, tmp_path):
     from kvplugins.store import ClientConfig, StoreClient
     _, b, info = shared
+    log = tmp_path / "engine.log"
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         stored = stored_page_keys(client, b, info)
-        replace_pages(client, stored[5:6], object_bytes(info) // 2)  # wrong size: load fails
-    log = tmp_path / "engine.log"
-    r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master},
-                             load_failure="recompute"), log_path=str(log))
+        with restored(client, stored[5:6]):
+            replace_pages(client, stored[5:6], object_bytes(info) // 2)  # wrong size: load fails
+            r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master},
+                                     load_failure="recompute"), log_path=str(log))
     assert "1 of" in log.read_text() and "pages failed to load" in log.read_text()
     assert r["tokens"] == baseline["tokens"]
     assert r["kvplugins"]["failed_blocks"] == 1
@@ -97,13 +98,12 @@ def test_fail_policy_fails_only_that_request_with_a_clear_error(shared, baseline
     the engine neither hangs nor crashes: the next request in the same engine gets the baseline's tokens."""
     from kvplugins.store import ClientConfig, StoreClient
     _, b, info = shared
+    log = tmp_path / "engine.log"
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         stored = stored_page_keys(client, b, info)
-        client.batch_remove(stored[5:6])  # the test before left page 5 (of prompt 0) the wrong size: drop it
-        flip_stored_byte(client, stored[2])  # an earlier page of prompt 0
-    log = tmp_path / "engine.log"
-    r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master}, load_failure="fail"),
-                  timeout_s=240, log_path=str(log))
+        with flipped(client, stored[2:3]):  # page 2 of prompt 0
+            r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master},
+                                     load_failure="fail"), timeout_s=240, log_path=str(log))
     text = log.read_text()
     assert r["finish_reasons"] == ["error", "length"]
     assert "Failing 1 request(s) due to KV load failure (failure_policy=fail" in text
@@ -116,8 +116,10 @@ def test_corrupted_pages_change_tokens(shared, baseline, model, turn_prompts, cl
     from kvplugins.store import ClientConfig, StoreClient
     _, b, info = shared
     with StoreClient(ClientConfig(master=cluster.master)) as client:
-        replace_pages(client, stored_page_keys(client, b, info), object_bytes(info))
-    bad = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master}))
+        stored = stored_page_keys(client, b, info)
+        with restored(client, stored):
+            replace_pages(client, stored, object_bytes(info))
+            bad = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master}))
     assert bad["external_hit_tokens"] >= b["external_hit_tokens"]  # B saved its own pages too
     assert bad["tokens"] != baseline["tokens"]
 
@@ -134,13 +136,28 @@ def test_store_down_still_serves_identical_tokens(model, turn_prompts, baseline,
     assert "store unavailable, serving without it" in log.read_text()
 
 
-def test_node_killed_mid_load_recomputes_identical_tokens(shared, baseline, model, turn_prompts, cluster, tmp_path):
+@pytest.fixture
+def copied(shared, cluster):
+    """A cluster of its own (one node; the master keeps a silent node's pages listed for 120 s) holding a copy
+    of B's prompt pages from the module's cluster, for a test that kills its node."""
+    from kvplugins.store import ClientConfig, StoreClient
+    _, b, info = shared
+    with StoreClient(ClientConfig(master=cluster.master)) as client:
+        keys = stored_page_keys(client, b, info)
+        values = client.batch_get(keys)
+    with store_cluster(nodes=1, segment_size="256MiB", master_flags={"heartbeat_timeout_ms": 120000}) as own:
+        with StoreClient(ClientConfig(master=own.master)) as client:
+            assert not any(client.batch_put(keys, values))
+        yield own
+
+
+def test_node_killed_mid_load_recomputes_identical_tokens(shared, baseline, model, turn_prompts, copied, tmp_path):
     """The only store node is frozen (SIGSTOP: its TCP reads stall) before the engine starts, then SIGKILLed
     once the engine serves, while its loads wait on it. Every page fails; vLLM recomputes (policy "recompute")
-    and the tokens equal the baseline, although the stored pages are corrupted by the test before."""
-    node = cluster.nodes[0]
+    and the tokens equal the baseline."""
+    node = copied.nodes[0]
     log = tmp_path / "engine.log"
-    spec = EngineSpec(model, turn_prompts[1], connector={"master": cluster.master, "transports": "tcp",
+    spec = EngineSpec(model, turn_prompts[1], connector={"master": copied.master, "transports": "tcp",
                                                          "transfer_timeout_ms": 60000})
     box: dict = {}
     runner = threading.Thread(target=lambda: box.update(r=run_fresh(spec, log_path=str(log))), daemon=True)
