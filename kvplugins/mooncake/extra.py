@@ -23,27 +23,19 @@ SHARD_META = "mooncake_shard"     # safetensors metadata entry of a parallel ten
 _MISSING = object()
 
 
-class BufferHandle:
+class BufferHandle(np.ndarray):
     """Mooncake's BufferHandle: an object's bytes in memory this client owns. ``ptr()``: address, ``size()``:
-    bytes; also a buffer (``memoryview(handle)``, ``numpy.asarray(handle)``)."""
+    bytes; also a buffer (``bytes(handle)``, ``memoryview(handle)``, ``numpy.asarray(handle)``), a 1-D uint8
+    array underneath: Python 3.11 has no ``__buffer__`` hook, so the buffer protocol comes from numpy's C type."""
 
-    def __init__(self, data: bytes):
-        self._array = np.frombuffer(bytearray(data), dtype=np.uint8)
+    def __new__(cls, data: bytes) -> "BufferHandle":
+        return np.frombuffer(bytearray(data), dtype=np.uint8).view(cls)
 
     def ptr(self) -> int:
-        return int(self._array.ctypes.data)
+        return int(self.ctypes.data)
 
-    def size(self) -> int:
-        return int(self._array.nbytes)
-
-    def __buffer__(self, flags):
-        return memoryview(self._array)
-
-    def __array__(self, dtype=None, copy=None):
-        return self._array if dtype is None else self._array.astype(dtype)
-
-    def __len__(self) -> int:
-        return self.size()
+    def size(self) -> int:  # type: ignore[override]  # Mooncake's method, not numpy's attribute
+        return int(self.nbytes)
 
 
 class ExtraMethods:
@@ -53,8 +45,11 @@ class ExtraMethods:
     # ---- health --------------------------------------------------------------------------------------
     @pybind
     def get_hostname(self) -> str:
-        """The ``local_hostname`` given to setup ('' before it)."""
-        return self._hostname
+        """This client's segment name, as Mooncake 0.3.13 answers (its segment is named by its host:port): what
+        ``ReplicateConfig.preferred_segment`` takes to keep an object on the caller's own segment. Without a
+        segment (``global_segment_size`` 0) the ``local_hostname`` given to setup; '' before setup."""
+        name = self._client.segment_name if self._client is not None else None
+        return name or self._hostname
 
     @pybind
     def health_check(self) -> int:

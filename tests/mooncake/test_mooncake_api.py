@@ -186,6 +186,7 @@ def mooncake_more_script(store, master: str, fresh) -> None:
     assert store.get("p") == b"abcdef"
     handle = store.get_buffer("u2")
     assert handle.size() == 4 and handle.ptr() != 0
+    assert bytes(handle) == b"four" and memoryview(handle).nbytes == 4 and len(handle) == 4
     assert store.get_buffer("absent") is None
     assert store.batch_remove(["p", "absent"], True) == [0, -704]
     buf = np.zeros(1 << 16, dtype=np.uint8)
@@ -335,6 +336,26 @@ def test_replica_num_places_two_replicas_and_pins_map():
         assert cfg.to_put_config(compat_defaults()).pin == "soft"
         cfg.replica_num = 0
         assert store.put("bad", b"x", cfg) == -600                  # INVALID_PARAMS, not an exception
+        assert store.close() == 0
+
+
+def test_preferred_segment_get_hostname_keeps_the_object_on_the_callers_segment():
+    """Mooncake 0.3.13: get_hostname() is the caller's segment name, and preferred_segment=get_hostname() puts
+    the object there, though another node's segment is emptier."""
+    with store_cluster(nodes=1, segment_size="64MiB") as c:
+        store = MooncakeDistributedStore()
+        assert store.setup("localhost", "", 8 << 20, 1 << 20, "tcp", "", c.master) == 0
+        own = store.get_hostname()
+        ctl = control_client(c.master, 3000)
+        names = [s["name"] for s in ctl.call("status")["segments"]]
+        ctl.close()
+        assert own in names and len(names) == 2
+        cfg = ReplicateConfig()
+        cfg.preferred_segment = own
+        for i in range(4):
+            assert store.put(f"own/{i}", bytes([i]) * 1000, cfg) == 0
+            (replica,) = store.get_replica_desc(f"own/{i}")
+            assert replica.get_memory_descriptor().buffer_descriptor.transport_endpoint == own
         assert store.close() == 0
 
 

@@ -202,11 +202,18 @@ class StoreClient:
         client sees those objects). Raises MasterUnreachable. close() flushes too."""
         self._rpc.flush()
 
+    @property
+    def segment_name(self) -> str | None:
+        """The name of the segment this client contributes (``segment_size`` > 0), as the master lists it and
+        as ``preferred_segment`` takes it; None without one (or once the master drained it)."""
+        segment = self._segment
+        return segment.name if segment is not None else None
+
     def stats(self) -> dict:
         """hits, misses, puts, gets, bytes_put, bytes_got, checksum_errors (replica reads that failed their
         checksum), corrupt_reported, put/get latency p50/p99 (µs), own segment name."""
         return {**self._stats.snapshot(), "master": self.master,
-                "segment": self._segment.name if self._segment else None}
+                "segment": self.segment_name}
 
     def transfer_stats(self) -> dict:
         """The transfer engine's counters: entries and bytes per transport (shm, rdma, tcp), fallbacks between
