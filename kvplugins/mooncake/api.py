@@ -27,9 +27,7 @@ store nodes' disk tier, not the client's.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import functools
 import inspect
 import logging
 import weakref
@@ -58,7 +56,7 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
     def __init__(self):
         self._client = None
         self._hostname, self._bytes_api = "", True
-        self._exit_hook = None                     # the atexit handler that closes a store never closed
+        self._closer = None   # weakref.finalize: closes the StoreClient when this store is collected or at exit
         self._buffers: dict[int, object] = {}      # registered address -> Region
 
     # ---- life cycle --------------------------------------------------------------------------------
@@ -85,8 +83,8 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         ``global_segment_size`` bytes as a segment (0 = none); ``local_buffer_size`` sizes the staging buffer of
         the bytes API (0: no bytes API, its puts answer INVALID_PARAMS and its gets b"", as Mooncake's).
         ``local_hostname``: the address our transfer engine binds (a ":port" is dropped). Returns 0, or a
-        negative code (RPC_FAIL when the master does not answer). The segment is unregistered at interpreter exit
-        if close() was not called."""
+        negative code (RPC_FAIL when the master does not answer). A store never closed unregisters its segment
+        when it is garbage-collected, or at interpreter exit."""
         from kvplugins.config import load
         from kvplugins.store.client import StoreClient
         from kvplugins.store.config import ClientConfig
@@ -104,20 +102,19 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
             self.close()
         self._client = StoreClient(cfg)
         self._hostname, self._bytes_api = local_hostname, local_buffer_size > 0
-        self._exit_hook = functools.partial(_close_at_exit, weakref.ref(self))
-        atexit.register(self._exit_hook)
+        # a store never closed unregisters its segment when it is garbage-collected, or at interpreter exit
+        # (Mooncake's destructor and exit handler do), not after the heartbeat timeout, when puts placed there
+        # would already have failed; the finalizer holds the client, not this store
+        self._closer = weakref.finalize(self, self._client.close)
         return OK
 
     @pybind
     def close(self) -> int:
         """Unregister this client's segment and buffers, disconnect. Returns 0. Idempotent."""
-        client, self._client = self._client, None
-        if self._exit_hook is not None:
-            atexit.unregister(self._exit_hook)
-            self._exit_hook = None
+        closer, self._client, self._closer = self._closer, None, None
         self._buffers.clear()
-        if client is not None:
-            client.close()
+        if closer is not None:
+            closer()          # StoreClient.close, once
         return OK
 
     # ---- bytes API ---------------------------------------------------------------------------------
@@ -317,14 +314,6 @@ def _first_code(errors) -> int:
 
 
 MooncakeDistributedStore.setup.__signature__ = inspect.signature(MooncakeDistributedStore._setup)
-
-
-def _close_at_exit(store_ref) -> None:
-    """atexit: close a store the program never closed, so its segment leaves the master now (Mooncake does
-    this too), not after the heartbeat timeout, when puts placed there would already have failed."""
-    store = store_ref()
-    if store is not None and store._client is not None:
-        store.close()
 
 
 SETUP_KEYS = ("local_hostname", "metadata_server", "global_segment_size", "local_buffer_size", "protocol",

@@ -555,6 +555,44 @@ print("READY", flush=True)
 """
 
 
+GC_SCRIPT = """
+import gc, sys
+from kvplugins.mooncake import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+assert store.setup("localhost", "", 4 << 20, 1 << 20, "tcp", "", sys.argv[1]) == 0
+print("MOUNTED", flush=True)
+sys.stdin.readline()
+del store
+gc.collect()
+print("DROPPED", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_store_collected_without_close_unregisters_its_segment_then():
+    """Mooncake 0.3.13: a store garbage-collected without close() unmounts its segment then (its destructor),
+    while the program goes on, not only at exit."""
+    import subprocess
+    import sys
+    with store_cluster(nodes=1, segment_size="4MiB", master_flags={"heartbeat_timeout_ms": 60000}) as c:
+        ctl = control_client(c.master, 3000)
+        child = subprocess.Popen([sys.executable, "-c", GC_SCRIPT, c.master], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "MOUNTED"
+            assert len(ctl.call("status")["segments"]) == 2
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "DROPPED"
+            assert len(ctl.call("status")["segments"]) == 1      # gone while the program still runs
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.wait(timeout=60) == 0
+        finally:
+            child.kill()
+            ctl.close()
+
+
 def test_exit_without_close_unregisters_the_segment():
     """A Mooncake-style program that exits without close(): its segment leaves the master at exit, so the next
     client's puts never land on a dead segment (issue #19)."""
