@@ -144,6 +144,22 @@ def test_ruff_finds_nothing():
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 
+def test_strict_modules_type_check():
+    """mypy --strict over pyproject's [tool.mypy] files (the wire schemas, the transfer API): no error, no explicit
+    Any (disallow_any_explicit) and no `type: ignore` in them. mypy comes with the test extra."""
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    files = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+    sources = [p for f in files for p in ([root / f] if f.endswith(".py") else sorted((root / f).rglob("*.py")))]
+    assert sources and not [p for p in sources if "type: ignore" in p.read_text()]
+    out = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", "/dev/null"], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "Success" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
+
+
 def test_every_module_is_named_in_the_architecture_map():
     """docs/architecture.md is the map (issue #33): every module under kvplugins/ appears there, by its path under
     kvplugins/ or by its file name in backticks (in its room's row or in "The rest of each room")."""

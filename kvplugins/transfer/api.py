@@ -16,8 +16,13 @@ The shape fits RDMA one-sided READ/WRITE: (local registered region, offset) <-> 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Union
+
+# A transport's endpoint fields (host, port, nics, gid, ...): msgpack scalars or lists of them
+EndpointValue = Union[str, int, float, bool, None, list[Union[str, int, float, bool, None]]]
+Endpoint = dict[str, EndpointValue]
 
 
 @dataclass(frozen=True)
@@ -53,23 +58,26 @@ class SegmentDescriptor:
     endpoint info, and its exported regions. ``to_wire()``/``from_wire()`` give a msgpack-able dict."""
     segment_id: str
     host_id: str
-    transports: dict[str, dict[str, Any]]
+    transports: dict[str, Endpoint]
     regions: tuple[RegionInfo, ...] = field(default_factory=tuple)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> dict[str, object]:
         return {"v": 1, "segment_id": self.segment_id, "host_id": self.host_id, "transports": self.transports,
                 "regions": [_region_row(r) for r in self.regions]}
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> "SegmentDescriptor":
+    def from_wire(cls, d: Mapping[str, object]) -> "SegmentDescriptor":
+        """The descriptor of a to_wire() dict (as a peer sent it). Raises ProtocolError naming what is malformed
+        (the master's schema, store/wire/schema.py Descriptor, checked sizes and types before this)."""
         from kvplugins.errors import ProtocolError
         try:
             if d["v"] != 1:
                 raise ProtocolError(f"segment descriptor version {d['v']!r} unsupported (this build speaks 1)")
-            regions = tuple(_region_info(r) for r in d["regions"])
-            if any(r.shm_path is not None and not isinstance(r.shm_path, str) for r in regions):
-                raise ValueError("a region's shm_path must be a string or None")
-            return cls(str(d["segment_id"]), str(d["host_id"]), dict(d["transports"]), regions)
+            rows, transports = d["regions"], d["transports"]
+            if not isinstance(rows, (list, tuple)) or not isinstance(transports, dict):
+                raise TypeError("regions must be a list and transports a map")
+            regions = tuple(_region_info(r) for r in rows)
+            return cls(str(d["segment_id"]), str(d["host_id"]), dict(transports), regions)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise ProtocolError(f"malformed segment descriptor: {e!r}") from e
 
@@ -81,20 +89,23 @@ class SegmentDescriptor:
         raise OutOfRange(f"segment {self.segment_id} exports no region {region_id}")
 
 
-def _region_row(r: RegionInfo) -> list:
-    row = [r.region_id, r.length, r.shm_path]
+def _region_row(r: RegionInfo) -> list[object]:
+    row: list[object] = [r.region_id, r.length, r.shm_path]
     return row if r.rdma is None else [*row, [r.rdma[0], list(r.rdma[1])]]
 
 
-def _region_info(row) -> RegionInfo:
+def _region_info(row: object) -> RegionInfo:
     """A RegionInfo from a wire row [id, length, shm_path] or [id, length, shm_path, [addr, [rkey, ...]]]."""
-    if len(row) not in (3, 4):
-        raise ValueError(f"a region row has 3 or 4 items, got {len(row)}")
+    if not isinstance(row, (list, tuple)) or len(row) not in (3, 4):
+        raise ValueError(f"a region row is a list of 3 or 4 items, got {row!r:.80}")
     rdma = None
     if len(row) == 4 and row[3] is not None:
         addr, rkeys = row[3]
         rdma = (int(addr), tuple(int(k) for k in rkeys))
-    return RegionInfo(int(row[0]), int(row[1]), row[2], rdma)
+    shm_path = row[2]
+    if shm_path is not None and not isinstance(shm_path, str):
+        raise ValueError("a region's shm_path must be a string or None")
+    return RegionInfo(int(row[0]), int(row[1]), shm_path, rdma)
 
 
 @dataclass(frozen=True)

@@ -47,23 +47,23 @@ OPS = ("info", "put_start", "put_commit", "put_abort", "reserve", "put", "get", 
 # (the {"cols": 1} form: MasterService._get_cols). report_corrupt entries: [key, segment, offset, checksum].
 
 
-def pack(obj) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+def pack(obj: object) -> bytes:
+    return bytes(msgpack.packb(obj, use_bin_type=True))
 
 
-def unpack(body: bytes):
+def unpack(body: bytes) -> object:
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=False)
     except Exception as e:  # noqa: BLE001 - any decoder failure is a malformed frame
         raise ProtocolError(f"frame is not valid msgpack: {e}") from e
 
 
-def frame(obj) -> bytes:
+def frame(obj: object) -> bytes:
     body = pack(obj)
     return HEADER.pack(len(body)) + body
 
 
-def parse_request(msg) -> tuple[int, str, list, dict]:
+def parse_request(msg: object) -> tuple[int, str, list[object], dict[str, object]]:
     """Validate a decoded request body. Raises ProtocolError naming what is wrong."""
     if not isinstance(msg, list) or len(msg) != 5:
         raise ProtocolError(f"request must be a 5-element array, got {type(msg).__name__}")
@@ -76,7 +76,7 @@ def parse_request(msg) -> tuple[int, str, list, dict]:
     return rid, op, entries, opts
 
 
-def parse_response(msg, rid: int):
+def parse_response(msg: object, rid: int) -> tuple[bool, object]:
     """Validate a decoded response to request ``rid``; returns (ok, payload). Raises ProtocolError."""
     if not isinstance(msg, list) or len(msg) != 4 or msg[0] != VERSION:
         raise ProtocolError(f"malformed response from master: {reprlib.repr(msg)}")

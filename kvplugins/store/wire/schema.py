@@ -17,7 +17,10 @@ Two ways in, one set of types: ``Schemas.decode`` (the RPC server: bytes -> type
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+import operator
+import types
+from collections.abc import Callable, Iterable
+from typing import Annotated, Literal, Protocol, Union
 
 import msgspec
 from msgspec import Meta, Raw, Struct
@@ -122,9 +125,11 @@ class Descriptor(Struct, forbid_unknown_fields=True):
                                          Meta(max_length=MAX_TRANSPORT_FIELDS)]], Meta(max_length=8)]
     regions: Annotated[list[DescRegion], Meta(max_length=MAX_DESC_REGIONS)]
 
-    def wire(self) -> dict:
+    def wire(self) -> dict[str, object]:
         """The descriptor as SegmentDescriptor.to_wire() writes it (a region row without RDMA keys has 3 items)."""
         out = msgspec.to_builtins(self)
+        if not isinstance(out, dict):
+            raise TypeError(f"a Descriptor encodes to a map, not {type(out).__name__}")
         out["regions"] = [r[:3] if r[3] is None else r for r in out["regions"]]
         return out
 
@@ -139,38 +144,49 @@ class TierNode(Struct, array_like=True, forbid_unknown_fields=True):
     disk_id: Name = ""
 
 
-def _op_types(key, batch) -> dict:
+def bounded_list(item: object, n: int) -> object:
+    """``Annotated[list[item], Meta(max_length=n)]``, built at run time: ``n`` (and ``item``'s own bounds) are
+    the master's configured limits, so the type cannot be written out in the source."""
+    return operator.getitem(Annotated, (types.GenericAlias(list, (item,)), Meta(max_length=n)))
+
+
+def _row(*items: object) -> object:
+    """``tuple[*items]``, built at run time (an item carries a configured limit: the key type)."""
+    return types.GenericAlias(tuple, items)
+
+
+def _op_types(key: object, batch: Callable[[object], object]) -> dict[str, tuple[object, type[Struct]]]:
     """op -> (entries type, opts type); ``key`` and ``batch(T)`` carry the configured limits."""
     keys, names = batch(key), batch(SegName)
     none = Annotated[list[None], Meta(max_length=0)]
     return {
         "info": (none, NoOpts), "status": (none, NoOpts),
-        "put_start": (batch(tuple[key, Size]), PutStartOpts),
+        "put_start": (batch(_row(key, Size)), PutStartOpts),
         "put_commit": (keys, CommitOpts), "put_abort": (keys, NoOpts),
         "reserve": (Annotated[list[Size], Meta(max_length=64)], ReserveOpts),
-        "put": (batch(tuple[key, Size, U64, Offset]), CommitOpts),
+        "put": (batch(_row(key, Size, U64, Offset)), CommitOpts),
         "get": (keys, GetOpts), "exists": (keys, NoOpts), "exists_prefix": (keys, NoOpts),
         "remove": (keys, NoOpts), "get_size": (keys, NoOpts), "remove_checked": (keys, ForceOpts),
         "remove_by_regex": (Annotated[list[Annotated[str, Meta(max_length=MAX_PATTERN)]],
                                       Meta(min_length=1, max_length=1)], ForceOpts),
         "remove_all": (none, ForceOpts),
-        "report_corrupt": (batch(tuple[key, SegName, Offset, U64]), NoOpts),
+        "report_corrupt": (batch(_row(key, SegName, Offset, U64)), NoOpts),
         "register_segment": (batch(tuple[Descriptor, RegionId, Size]), OwnerOpts),
         "heartbeat": (names, NoOpts), "unregister": (names, OwnerOpts), "describe": (names, NoOpts),
         "drain": (names, NoOpts), "tier_poll": (names, NoOpts),
         "tier_register": (batch(TierNode), MoreOpts),
-        "tier_done": (batch(tuple[Literal["offload", "migrate", "evicted", "corrupt", "missing"], key, bool,
-                                  Detail, U64]), SegmentOpts),
+        "tier_done": (batch(_row(Literal["offload", "migrate", "evicted", "corrupt", "missing"], key, bool,
+                                 Detail, U64)), SegmentOpts),
         "promote_start": (keys, SegmentOpts),
-        "task_create": (batch(tuple[Literal["copy", "move"], key, Name,
-                                    Annotated[list[SegName], Meta(max_length=MAX_TARGETS)]]), NoOpts),
+        "task_create": (batch(_row(Literal["copy", "move"], key, Name,
+                                   Annotated[list[SegName], Meta(max_length=MAX_TARGETS)])), NoOpts),
         "task_query": (batch(tuple[U64, U64]), NoOpts),
-        "promote_commit": (batch(tuple[key, bool, Union[Annotated[str, Meta(max_length=MAX_DETAIL)], None]]),
+        "promote_commit": (batch(_row(key, bool, Union[Annotated[str, Meta(max_length=MAX_DETAIL)], None])),
                            SegmentOpts),
     }
 
 
-def subset(opts, idx):
+def subset(opts: Struct, idx: range | list[int]) -> Struct:
     """``opts`` with its per-entry lists (``xxh3``) cut to the entries ``idx`` (indices, or a range)."""
     sums = getattr(opts, "xxh3", None)
     if sums is None:
@@ -186,19 +202,25 @@ _KEY_AT = {"put_start": 0, "put": 0, "put_commit": None, "put_abort": None, "get
            "tier_done": 1, "promote_start": None, "promote_commit": 0, "task_create": 1}
 
 
+class Limits(Protocol):
+    """The MasterConfig fields the schemas are built from."""
+    max_batch: int
+    max_key_bytes: int
+
+
 class Schemas:
     """The decoders of one master's ops under its MasterConfig limits (max_batch, max_key_bytes)."""
 
     def __init__(self, max_batch: int, max_key_bytes: int):
         self.max_batch, self.max_key_bytes = max_batch, max_key_bytes
         key = Annotated[str, Meta(min_length=1, max_length=max_key_bytes)]
-        self.types = _op_types(key, lambda t: Annotated[list[t], Meta(max_length=max_batch)])
+        self.types = _op_types(key, lambda t: bounded_list(t, max_batch))
         self._envelope = msgspec.msgpack.Decoder(Envelope)
         self._decoders = {op: (msgspec.msgpack.Decoder(e), msgspec.msgpack.Decoder(o))
                           for op, (e, o) in self.types.items()}
 
     @classmethod
-    def of(cls, cfg) -> "Schemas":
+    def of(cls, cfg: Limits) -> "Schemas":
         return cls(cfg.max_batch, cfg.max_key_bytes)
 
     def decode(self, body: bytes, role: str = "admin") -> tuple[int, str, object, object]:
@@ -229,7 +251,7 @@ class Schemas:
         self._check_keys(env.rid, env.op, entries)
         return env.rid, env.op, entries, opts
 
-    def convert(self, op: str, entries, opts: dict) -> tuple[object, object]:
+    def convert(self, op: str, entries: Iterable[object], opts: dict[str, object]) -> tuple[object, object]:
         """The typed (entries, opts) of Python values (in-process callers). Raises ValueError naming the field."""
         types = self.types.get(op)
         if types is None:
@@ -253,14 +275,14 @@ class Schemas:
             text += f" (keys are at most master.max_key_bytes={self.max_key_bytes} bytes)"
         return text
 
-    def _check_keys(self, rid: int, op: str, entries) -> None:
+    def _check_keys(self, rid: int, op: str, entries: object) -> None:
         """Keys within max_key_bytes UTF-8 bytes (msgspec bounded their characters already)."""
-        if op not in _KEY_AT or not entries:
+        if op not in _KEY_AT or not isinstance(entries, list) or not entries:
             return
         at, quarter = _KEY_AT[op], self.max_key_bytes // 4
         keys = entries if at is None else [e[at] for e in entries]
         for j, k in enumerate(keys):
-            if len(k) > quarter and len(k.encode()) > self.max_key_bytes:
+            if isinstance(k, str) and len(k) > quarter and len(k.encode()) > self.max_key_bytes:
                 raise RefusedRequest(rid, f"{op}: entries: key of {len(k.encode())} UTF-8 bytes is longer than "
                                           f"master.max_key_bytes={self.max_key_bytes} - at `$[{j}]`")
 
