@@ -16,7 +16,7 @@ them after the forward). Telemetry: ``get_kv_connector_stats`` / ``build_kv_conn
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,6 +32,7 @@ from vllm.v1.attention.backend import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvplugins.errors import KVPluginsError
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
 from kvplugins.vllm_kv_connector.events import KVPluginsKVEvents
 from kvplugins.vllm_kv_connector.metadata import KVPluginsConnectorMetadata
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvplugins.vllm_kv_connector.scheduler import SchedulerSide
+    from kvplugins.vllm_kv_connector.worker import WorkerSide
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,8 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = VllmConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        self._scheduler = self._worker = None
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             from kvplugins.vllm_kv_connector.scheduler import SchedulerSide
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, cfg)
@@ -74,6 +79,25 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss
 
+    @property
+    def _sched(self) -> "SchedulerSide":
+        if self._scheduler is None:
+            raise KVPluginsError("vLLM called a scheduler hook on the connector's worker role")
+        return self._scheduler
+
+    @property
+    def _work(self) -> "WorkerSide":
+        if self._worker is None:
+            raise KVPluginsError("vLLM called a worker hook on the connector's scheduler role")
+        return self._worker
+
+    def _meta(self) -> KVPluginsConnectorMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVPluginsConnectorMetadata):
+            raise KVPluginsError(f"connector metadata is a {type(meta).__name__}, not this connector's (was it "
+                                 "built by another connector?)")
+        return meta
+
     # -- scheduler side ---------------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -81,76 +105,80 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.prefix_cache = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        return self._sched.num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        self._scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+                                 ) -> None:
+        self._sched.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_meta(scheduler_output)
+        return self._sched.build_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if connector_output.invalid_block_ids:
-            self._scheduler.load_failed(set(connector_output.invalid_block_ids))
+            self._sched.load_failed(set(connector_output.invalid_block_ids))
         if connector_output.failed_recving:
-            self._scheduler.loads_failed(set(connector_output.failed_recving))
+            self._sched.loads_failed(set(connector_output.failed_recving))
         if isinstance(connector_output.kv_cache_events, KVPluginsKVEvents):
-            self._scheduler.add_events(connector_output.kv_cache_events)
+            self._sched.add_events(connector_output.kv_cache_events)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
         return self._scheduler.take_events() if self._scheduler is not None else ()
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.finished(request, block_ids)
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, object] | None]:
+        return self._sched.finished(request, block_ids)
 
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.finished(request, block_ids[0])
+                                    ) -> tuple[bool, dict[str, object] | None]:
+        return self._sched.finished(request, block_ids[0])
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
                                              ) -> None:
-        self._scheduler.set_workers(metadata)
+        self._sched.set_workers(metadata)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self._scheduler.set_workers({(0, tp): meta for tp, meta in metadata.items()})
+        self._sched.set_workers({(0, tp): meta for tp, meta in metadata.items()})
 
     # -- worker side ------------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        self._worker.register(kv_caches)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work.register(kv_caches)
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
-        self._worker.fence(kv_connector_metadata)
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if not isinstance(kv_connector_metadata, KVPluginsConnectorMetadata):
+            raise KVPluginsError(f"handle_preemptions got {type(kv_connector_metadata).__name__} metadata")
+        self._work.fence(kv_connector_metadata)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self._worker.load(self._get_connector_metadata())
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: object) -> None:
+        self._work.load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.wait_layer(layer_name)  # layer_chunks > 1: this layer's chunk; else a no-op (loads are whole)
+        self._work.wait_layer(layer_name)  # layer_chunks > 1: this layer's chunk; else a no-op (loads are whole)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
-                      **kwargs: Any) -> None:
+                      **kwargs: object) -> None:
         return  # whole pages (all layers) are saved in wait_for_save
 
-    def wait_for_save(self):
-        self._worker.save(self._get_connector_metadata())
+    def wait_for_save(self) -> None:
+        self._work.save(self._meta())
 
     def get_kv_connector_kv_cache_events(self) -> "KVPluginsKVEvents | None":
-        return self._worker.events.take() if self._worker.events is not None else None
+        events = self._work.events
+        return events.take() if events is not None else None
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return self._worker.handshake()
+        return self._work.handshake()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.finished(finished_req_ids)
+        return self._work.finished(finished_req_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving = self._worker.finished(finished_req_ids)
-        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), self._worker.take_failed_recving())
+        sending, recving = self._work.finished(finished_req_ids)
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), self._work.take_failed_recving())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors()
+        return self._work.take_load_errors()
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
         elif self._scheduler is not None and self._scheduler.pages is not None:
@@ -158,10 +186,11 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- telemetry --------------------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return (self._scheduler or self._worker).stats.take()
+        side = self._scheduler if self._scheduler is not None else self._work
+        return side.stats.take()
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(cls, data: dict[str, object] | None = None) -> KVConnectorStats | None:
         return KVPluginsStats(data=dict(data or {}))
 
     @classmethod

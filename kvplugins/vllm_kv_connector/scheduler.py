@@ -22,6 +22,7 @@ from kvplugins.vllm_kv_connector.pd import MAILBOX_SLOTS, PARAMS_KEY, handshake_
 from kvplugins.vllm_kv_connector.stats import StatsRecorder
 
 if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -75,7 +76,7 @@ class SchedulerSide:
             if g.state:
                 self._state_uids.setdefault(g.index, []).append(g.uid)
         self._spaces = spaces
-        self.prefix_cache = None  # vLLM's KVCacheManager (bind_kv_cache_manager): failed blocks leave its cache
+        self.prefix_cache: KVCacheManager | None = None  # bind_kv_cache_manager: failed blocks leave its cache
         if cfg.namespace_file:
             _write_namespaces(cfg.namespace_file, spaces, self.hash_block_size, required)
         self.tracked: dict[str, _Tracked] = {}

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
 COUNTERS = {  # data key -> Prometheus help
     "hit_blocks": "pages found in the kvplugins store at lookup",
@@ -97,7 +101,8 @@ class KVPluginsPromMetrics(KVConnectorPromMetrics):
     """``vllm:kvplugins_<counter>`` counters and ``vllm:kvplugins_{load,save,pd_handoff}_seconds`` histograms,
     per engine."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    def __init__(self, vllm_config: "VllmConfig", metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {k: self._per_engine(self._counter_cls(
             name=f"vllm:kvplugins_{k}", documentation=doc, labelnames=labelnames)) for k, doc in COUNTERS.items()}
