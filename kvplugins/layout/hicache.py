@@ -99,19 +99,14 @@ MAX_TRACKED = 1 << 20  # keys remembered for remove_saved (beyond this, older sa
 
 
 class KeyedPageStore(PageStore):
-    """PageStore for string keys with per-page results, a lock around (re)connecting (several engine threads
-    share it), ``call`` for other store operations under the same outage handling, and a record of the keys
-    it stored so ``remove_saved`` can take back exactly this process's pages from a shared pool."""
+    """PageStore for string keys with per-page results, ``call`` for other store operations under the same
+    outage handling (layout/connection.py), and a record of the keys it stored so ``remove_saved`` can take back
+    exactly this process's pages from a shared pool."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._connect_lock = threading.Lock()
         self._saved: set[str] = set()
         self._saved_lock = threading.Lock()
-
-    def _connected(self) -> Any:
-        with self._connect_lock:
-            return super()._connected()
 
     def load_each(self, block_ids: Sequence[int], keys: Sequence[str]) -> list[bool]:
         """Scatter each stored page into its block; True where the bytes landed (False: miss, store down)."""
@@ -159,4 +154,4 @@ class KeyedPageStore(PageStore):
 
     def client_if_connected(self) -> Any:
         """The StoreClient if connected now (never connects), else None."""
-        return self._client
+        return self.conn.current

@@ -2,8 +2,9 @@
 
 PageStore turns (block ids, block hashes) into store calls on whole pages, zero-copy: loads scatter each
 stored object straight into the engine's blocks (``batch_get_into``), saves gather straight from them
-(``batch_put_from``). It survives an unreachable store: the first failure is logged once, every call then
-answers "miss"/"not saved" without touching the network until ``retry_ms`` has passed, then it retries.
+(``batch_put_from``). It survives an unreachable store through its ResilientClient (connection.py, one per
+process, shared with ``share=``): the first failure is logged once, every call then answers "miss"/"not saved"
+without touching the network until ``retry_ms`` has passed, then it retries.
 Never raises a store error into the engine; a load that did not land reports its block ids as failed.
 Thread-safe: several engine threads (e.g. a load thread and a save thread) may share one PageStore.
 
@@ -12,11 +13,10 @@ Source followed: the Mooncake store's batch_get_into/batch_put_from zero-copy co
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import Any, Callable, Sequence
 
 from kvplugins.errors import KVPluginsError, StoreError
+from kvplugins.layout.connection import ResilientClient
 from kvplugins.layout.keys import KeySpace
 from kvplugins.layout.spans import PageLayout, zero_spans
 from kvplugins.layout.staged import StagedPages
@@ -44,23 +44,22 @@ class PageStore:
     def __init__(self, client_factory: Callable[[], Any], keyspace: KeySpace, layout: PageLayout | None = None,
                  required: Sequence[KeySpace] = (), retry_ms: float = 5000, retry_on_load: bool = False,
                  staged: StagedPages | None = None, share: "PageStore | None" = None):
-        self._factory, self.keyspace, self.layout, self.staged = client_factory, keyspace, layout, staged
+        self.keyspace, self.layout, self.staged = keyspace, layout, staged
         self._retry_on_load = retry_on_load
         self._spaces = list(required) or [keyspace]
-        self._retry_s = retry_ms / 1000
-        self._client: Any = None
-        self._down_until = 0.0
-        self._logged_down = False
-        self._state_lock = threading.RLock()  # (re)connect and fail-over may race between engine threads
-        self._owner: PageStore = share._owner if share is not None else self  # whose client this one uses
-        self._views: list[PageStore] = []     # owner only: the PageStores sharing its client
-        if share is not None:
-            with self._owner._state_lock:
-                self._owner._views.append(self)
-                if self._owner._client is not None:
-                    self._register(self._owner._client)
-        self.stats = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "failed_pages": 0, "saved_pages": 0,
-                      "skipped_pages": 0, "store_errors": 0}
+        # one client per process: a PageStore made with share= uses (and never closes) the other's
+        self.conn = share.conn if share is not None else ResilientClient(client_factory, retry_ms,
+                                                                          keyspace.namespace)
+        self._owns_conn = share is None
+        self._stats = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "failed_pages": 0, "saved_pages": 0,
+                       "skipped_pages": 0, "store_errors": 0}
+        self.conn.attach(self._register)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters of this PageStore's pages; ``store_errors``: failures of the client it uses (shared)."""
+        self._stats["store_errors"] = self.conn.errors
+        return self._stats
 
     # -- connection -------------------------------------------------------------------------------------------
     def connect(self) -> bool:
@@ -68,26 +67,7 @@ class PageStore:
         return self._connected() is not None
 
     def _connected(self) -> Any:
-        owner = self._owner
-        with owner._state_lock:
-            return owner._connect_locked()
-
-    def _connect_locked(self) -> Any:
-        if self._client is not None:
-            return self._client
-        if time.monotonic() < self._down_until:
-            return None
-        try:
-            client = self._factory()
-            for pages in (self, *self._views):
-                pages._register(client)
-        except KVPluginsError as e:
-            self._failed(e)
-            return None
-        if self._logged_down:
-            log.warning("kvplugins: store reachable again (%s)", self.keyspace.namespace)
-        self._client, self._logged_down = client, False
-        return client
+        return self.conn.get()
 
     def _register(self, client) -> None:
         """Register this PageStore's KV memory (or its bounce slots) with ``client``."""
@@ -96,22 +76,7 @@ class PageStore:
                 client.register_buffer(addr, length=nbytes)
 
     def _failed(self, err: Exception) -> None:
-        owner = self._owner
-        with owner._state_lock:
-            owner._fail_locked(err)
-
-    def _fail_locked(self, err: Exception) -> None:
-        self.stats["store_errors"] += 1
-        if not self._logged_down:
-            log.warning("kvplugins: store unavailable, serving without it (retry in %.0f s): %s",
-                        self._retry_s, err)
-            self._logged_down = True
-        if self._client is not None:
-            try:
-                self._client.close()
-            except Exception:  # noqa: BLE001 - closing a broken client must not mask the first error
-                pass
-        self._client, self._down_until = None, time.monotonic() + self._retry_s
+        self.conn.failed(err)
 
     def require(self, spaces: Sequence[KeySpace]) -> None:
         """From now on a page is a hit only when it is stored in every one of ``spaces`` (non-empty)."""
@@ -182,9 +147,8 @@ class PageStore:
         return self.layout
 
     def close(self) -> None:
-        if self._owner is self and self._client is not None:
-            self._client.close()
-            self._client = None
+        if self._owns_conn:
+            self.conn.close()
         if self.staged is not None:
             self.staged.close()
 
@@ -203,9 +167,7 @@ def load_pages(parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Seq
         failed = {b for part in parts for b in load_pages([part], block_ids, hashes, after)}
         return [b for b in block_ids if b in failed]
     spans = [sp for part in parts for sp in part._layout().spans_for(block_ids)] if head.staged is None else None
-    if head._owner._client is None and head._retry_on_load:
-        head._owner._down_until = 0.0
-    client = head._connected()
+    client = head.conn.get(now=head._retry_on_load)
     keys = [k for part in parts for k in part.keyspace.keys(hashes)]
     if client is None:          # the store is down: every block fails, and is zeroed like any failed block
         errors: list = [StoreError("the store is unavailable (backing off after a failure)")] * len(keys)
