@@ -4,14 +4,15 @@ opt-in shim that serves it as ``mooncake.store`` (``kvplugins mooncake enable``)
 (MooncakeDistributedStore), ``checks`` (pybind11's argument conversions, ReplicateConfig), ``codes`` (Mooncake's
 ErrorCodes: the one place exceptions become integers), ``extra`` (upsert, BufferHandle, tensors),
 ``tensor_buffers``, ``parallel`` + ``parallel_types`` (unified parallel tensor IO), ``sessions``, ``replicas``,
-``tasks``, ``shim``. Contract and differences: docs/store.md, "Mooncake-compatible API"."""
+``tasks``, ``buffer_pool`` (BufferPool: leases of registered memory), ``shim``. Contract and differences: docs/store.md, "Mooncake-compatible API"."""
 from kvplugins.mooncake.api import MooncakeDistributedStore
+from kvplugins.mooncake.buffer_pool import BufferLease, BufferPool, RegisteredBufferPool
 from kvplugins.mooncake.checks import ObjectDataType, ReplicateConfig, SoftPinAction
 from kvplugins.mooncake.extra import BufferHandle
 from kvplugins.mooncake.parallel_types import ParallelAxis, ReadTarget, TensorParallelism
 from kvplugins.mooncake.replicas import ReplicaStatus
 from kvplugins.mooncake.tasks import QueryTaskResponse, TaskStatus, TaskType
 
-__all__ = ["BufferHandle", "MooncakeDistributedStore", "ObjectDataType", "ParallelAxis", "QueryTaskResponse",
-           "ReadTarget", "ReplicaStatus", "ReplicateConfig", "SoftPinAction", "TaskStatus", "TaskType",
-           "TensorParallelism"]
+__all__ = ["BufferHandle", "BufferLease", "BufferPool", "MooncakeDistributedStore", "ObjectDataType", "ParallelAxis",
+           "QueryTaskResponse", "ReadTarget", "RegisteredBufferPool", "ReplicaStatus", "ReplicateConfig",
+           "SoftPinAction", "TaskStatus", "TaskType", "TensorParallelism"]

@@ -55,15 +55,18 @@ def main() -> None:
             if line.strip() != "setup rc 0":
                 raise SystemExit(f"segment setup failed: {line!r}")
         sys.path[:0] = [str(HERE), str(HERE.parent)]
+        import mooncake.store
         import test_mooncake_api
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         test_mooncake_api.ReplicateConfig = ReplicateConfig      # the script builds Mooncake's own config object
         test_mooncake_api.mooncake_style_script(_Localhost(MooncakeDistributedStore()), MASTER)
         test_mooncake_api.mooncake_more_script(_Localhost(MooncakeDistributedStore()), MASTER,
                                          lambda: _Localhost(MooncakeDistributedStore()))
+        pooled = MooncakeDistributedStore()
+        assert _Localhost(pooled).setup("localhost", META, 0, 16 << 20, "tcp", "", MASTER) == 0
+        test_mooncake_api.mooncake_pool_script(pooled, mooncake.store.BufferPool)
         import test_mooncake_tasks
         test_mooncake_tasks.mooncake_tasks_script(_Localhost(MooncakeDistributedStore()), MASTER, ReplicateConfig)
-        import mooncake.store
         import test_mooncake_parallel
         test_mooncake_parallel.mooncake_parallel_script(_Localhost(MooncakeDistributedStore()), MASTER, mooncake.store)
         print("SCRIPT OK", flush=True)

@@ -168,6 +168,39 @@ def mooncake_style_script(store, master: str) -> None:
     assert store.close() == 0
 
 
+def mooncake_pool_script(store, pool_type) -> None:
+    """Mooncake's BufferPool on a set-up ``store`` (issue #33): leases of registered memory for zero-copy put_from
+    and get_into. Expected values: real Mooncake 0.3.13's (the crosscheck runs this there too)."""
+    import ctypes
+    pool = pool_type(store, max_bytes=1 << 20)
+    first = pool.acquire(1000)
+    assert first.size == 1000 and first.ptr != 0 and len(first.buffer) == 1000
+    ctypes.memmove(first.ptr, b"pool" * 250, 1000)
+    assert store.put_from("pool/1", first.ptr, 1000) == 0                  # registered: zero-copy
+    second = pool.buffer(1000)
+    assert second.ptr != first.ptr
+    assert store.get_into("pool/1", second.ptr, 1000) == 1000 and bytes(second.buffer) == b"pool" * 250
+    old = first.ptr
+    first.release()
+    first.release()                                                         # idempotent
+    assert first.size == 1000
+    with pytest.raises(RuntimeError, match="buffer lease is closed"):
+        first.ptr
+    assert pool.acquire(500).ptr == old                                     # freed space is reused
+    with pytest.raises(TypeError):
+        pool.acquire(-1)
+    with pool.acquire(64) as lease:
+        assert lease.size == 64
+    with pytest.raises(RuntimeError, match="cannot close buffer pool with active leases"):
+        pool.close()
+    second.release()
+    pool.prewarm(65536, 2)
+    pool.close()
+    assert store.remove("pool/1", True) == 0                              # the store as it was
+    with pytest.raises(RuntimeError, match="not initialized"):
+        pool_type(None)
+
+
 def mooncake_more_script(store, master: str, fresh) -> None:
     """More Mooncake-style code (issue #19): the dict setup with size strings, upsert, parts, batch remove,
     BufferHandle reads, soft-pin refusals, tensors. Expected values: real Mooncake 0.3.13's answers (the
@@ -305,6 +338,15 @@ def mooncake_more_script(store, master: str, fresh) -> None:
     assert other.setup("localhost", "http://localhost:8080/metadata", 0, 0, "tcp", "", master) == 0
     assert (other.put("lb0", b"x"), other.get("lb0"), other.put_batch(["lb0"], [b"x"])) == (-600, b"", -600)
     assert other.close() == 0
+
+
+def test_buffer_pool_leases_registered_memory():
+    with store_cluster(nodes=1, segment_size="16MiB") as c:
+        store = MooncakeDistributedStore()
+        assert store.setup("localhost", "", 0, 1 << 20, "tcp", "", c.master) == 0
+        mooncake_pool_script(store, compat.BufferPool)
+        assert compat.RegisteredBufferPool is compat.BufferPool
+        assert store.close() == 0
 
 
 def test_more_mooncake_code_runs_on_our_store():
