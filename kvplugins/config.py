@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import tomllib
 import typing
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
@@ -125,7 +126,6 @@ def _read_file(path: str | os.PathLike) -> dict:
     try:
         if p.suffix == ".json":
             return json.loads(text)
-        import tomllib
         return tomllib.loads(text)
     except Exception as e:  # noqa: BLE001 - any parse error becomes one clear ConfigError
         raise ConfigError(f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from e

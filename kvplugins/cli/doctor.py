@@ -11,6 +11,7 @@ A table (rich) by default, the same facts as JSON with ``--json``. Exit status 0
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 
@@ -37,8 +38,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import json
-
     from kvplugins.transfer.config import TransferConfig
     report = gather(from_args(TransferConfig, args), parse_bytes(args.memlock_need))
     if args.json:

@@ -4,6 +4,8 @@ others, read from it while the move window runs; stop it after ``kvplugins statu
 ``list`` prints the membership as JSON."""
 from __future__ import annotations
 
+import json
+
 
 def add_parser(sub) -> None:
     from kvplugins.store.config import MasterConfig
@@ -18,8 +20,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import json
-
     from kvplugins.errors import ConfigError
     from kvplugins.store.cluster.membership import Membership
     members = Membership(args.master)

@@ -3,6 +3,7 @@ age, disk tier), a totals row, then the master's counters; ``--json`` prints the
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from kvplugins.config import add_arguments, from_args
 
@@ -27,8 +28,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import json
-
     from kvplugins.store import embedded
     from kvplugins.store.config import ClientConfig
     cfg = from_args(ClientConfig, args)

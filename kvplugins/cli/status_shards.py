@@ -3,6 +3,8 @@ objects, segments, bytes used of its DRAM, whether it answered), the membership 
 still on; ``--json`` prints the membership and every shard's raw ``status``."""
 from __future__ import annotations
 
+import json
+
 
 def fetch(master: str, timeout_ms: float) -> dict:
     """{"membership": ..., "shards": {id: status}, "unreachable": {id: why}}. Raises StoreError when etcd does
@@ -28,7 +30,6 @@ def fetch(master: str, timeout_ms: float) -> dict:
 
 
 def run_sharded(master: str, timeout_ms: float, as_json: bool) -> int:
-    import json
     out = fetch(master, timeout_ms)
     if as_json:
         print(json.dumps(out, indent=1))

@@ -3,6 +3,8 @@ disk tier (``--disk-dir``, ``--disk-capacity``); ``kvplugins store --drain --seg
 (kvplugins/store/node/disk/drain.py) and exits when it has left."""
 from __future__ import annotations
 
+import threading
+
 from kvplugins.config import add_arguments, from_args
 
 COMMON = ("master", "segment_size", "host", "disk_dir", "disk_capacity", "metrics_port", "drain", "segment")  # first in --help
@@ -16,8 +18,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import threading
-
     from kvplugins.store import embedded
     from kvplugins.store.node import store_node as node
     from kvplugins.store.config import StoreNodeConfig

@@ -7,6 +7,10 @@ once it is ready.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import threading
 
 from kvplugins.config import add_arguments, from_args
 
@@ -44,10 +48,6 @@ def run(args) -> int:
 
 
 def _serve(mcfg, ncfg, path) -> int:
-    import json
-    import os
-    import threading
-
     from kvplugins.store import embedded
     from kvplugins.store.master.rpc_server import RpcServer
     from kvplugins.store.node.store_node import StoreNode
@@ -90,8 +90,6 @@ def _attach_metrics(server, node):
 
 
 def _detach(args, up, path) -> int:
-    import subprocess
-
     from kvplugins.store import embedded
     argv = embedded.CLI + ["--log-level", args.log_level, "up"] + _given_flags(args) + ["--no-detach"]
     argv += ["--discovery-file", str(path)]

@@ -16,6 +16,7 @@ weights are random with a fixed seed, so every build is identical. float32 keeps
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -110,7 +111,6 @@ def _weights(path: Path, vocab_size: int, seed: int, family: str) -> None:
     model = cls(cfg).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     if family == "lfm2":  # vLLM's Lfm2 reads the conv/block widths that LiquidAI's configs carry and HF's lacks
-        import json
         conf = json.loads((path / "config.json").read_text())
         conf.update(conv_dim=conf["hidden_size"], block_dim=conf["hidden_size"],
                     block_ff_dim=conf["intermediate_size"])

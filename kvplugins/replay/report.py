@@ -1,7 +1,9 @@
 """Results of ``kvplugins replay``: a table, JSON, and the hit-ratio-vs-capacity plot (matplotlib, the plot extra)."""
 from __future__ import annotations
 
+import io
 import json
+import shutil
 import statistics
 
 from kvplugins.config import format_bytes
@@ -44,9 +46,6 @@ def table(rows: list[dict], width: int | None = None) -> str:
     """The rows as two rich tables, rendered to text (what the CLI prints): the hit ratios per configuration,
     then what the hits saved and what the store did; latency percentiles below, for timed runs. ``width``:
     columns (None: the terminal's, at least 80)."""
-    import io
-    import shutil
-
     from rich import box
     from rich.console import Console
     from rich.table import Table

@@ -12,6 +12,7 @@ master's own thread (MasterService.handle / tick):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -136,8 +137,6 @@ class ShardMember:
 def shard_defaults(cfg):
     """``cfg`` (MasterConfig) with an HA shard's etcd prefix defaulted to <cluster prefix>/shard/<id> (its pair
     elects under it)."""
-    import dataclasses
-
     from kvplugins.store.config import MasterConfig
     if cfg.shard and cfg.etcd and cfg.etcd_prefix == MasterConfig.etcd_prefix:
         from kvplugins.store.cluster.membership import parse

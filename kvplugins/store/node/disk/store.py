@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,8 +152,6 @@ def _disk_id(root: Path) -> str:
     """The directory's identity (``ID`` file, made once): how the master recognises this disk after a restart."""
     path = root / "ID"
     if not path.exists():
-        import uuid
-
         from kvplugins.store.process import write_atomic
         write_atomic(path, uuid.uuid4().hex + "\n")
     return path.read_text().strip()
