@@ -7,7 +7,7 @@ the calling (save) thread, then ``batch_put_from`` the slot's pages. Load (``Sta
 filled by ``batch_get_into``, then, on the copy stream after the engine's event, one host-to-device copy of
 the chunk and a scatter of the pages that arrived into their blocks; the calling thread waits for that chunk's
 event, so the blocks hold the bytes before the engine's next forward is enqueued. A page whose transfer failed
-is never scattered. Pages move in chunks of one slot (transfer/bounce.py); no host memory is allocated per page.
+is never scattered. Pages move in chunks of one slot (transfer/staging.py); no host memory is allocated per page.
 
 CPU KV can be staged too (``staging='always'``): the same gather/scatter code runs with torch CPU tensors (the
 slot is then the gather buffer, and there are no streams: every step is synchronous), which is how CI, with
@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from kvplugins.errors import ConfigError, StoreError, TransferFailed
 from kvplugins.layout.spans import PageLayout, Plane
-from kvplugins.transfer.bounce import BouncePool
+from kvplugins.transfer.staging import StagingPool
 
 SLOTS = 4     # concurrent staged batches (an engine's load and save threads, and an inline load), each a chunk
 
@@ -133,7 +133,7 @@ class StagedPages:
                               f"slot); raise bounce_bytes to at least {SLOTS * pb}")
         slot_bytes = self.pages_per_slot * pb
         self._host = self.copier.host_buffer(SLOTS * slot_bytes)
-        self.pool = BouncePool(self._host, SLOTS * slot_bytes, slot_bytes)
+        self.pool = StagingPool(self._host, SLOTS * slot_bytes, slot_bytes)
         self._timeout_s = slot_timeout_s
 
     def regions(self) -> list[tuple[int, int]]:

@@ -1,4 +1,4 @@
-"""Staged pages (layout/staged.py, transfer/bounce.py) on the CPU, against a real store cluster on loopback:
+"""Staged pages (layout/staged.py, transfer/staging.py) on the CPU, against a real store cluster on loopback:
 the same gather/scatter code a CUDA KV cache takes (tests/gpu/ runs it with CUDA tensors where a GPU exists).
 Staged and direct pages are byte-identical and interchangeable; batches larger than a slot move in chunks
 through the bounded pool; a page that fails to load leaves its block untouched; a busy pool is a miss, not a
@@ -14,7 +14,7 @@ from helpers.pages import block_hashes as hashes
 from kvplugins.errors import ConfigError, TransferFailed
 from kvplugins.layout import KeySpace, PageLayout, PageStore
 from kvplugins.layout.staged import SLOTS, StagedPages
-from kvplugins.transfer.bounce import BouncePool
+from kvplugins.transfer.staging import StagingPool
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(120)
@@ -120,12 +120,12 @@ def test_pool_bounds_and_errors_name_the_fix():
     with pytest.raises(ConfigError, match="raise bounce_bytes to at least"):
         StagedPages(layout(kv(None)), PAGE, slot_timeout_s=1)
     with pytest.raises(ConfigError, match="holds no slot"):
-        BouncePool(bytearray(10), 10, 64)
-    pool = BouncePool(torch.empty(3 * 64, dtype=torch.uint8), 3 * 64, 64)
+        StagingPool(bytearray(10), 10, 64)
+    pool = StagingPool(torch.empty(3 * 64, dtype=torch.uint8), 3 * 64, 64)
     got, done = [], threading.Event()
     with pool.slot(1) as a, pool.slot(1) as b, pool.slot(1) as c:
         assert len({a.addr, b.addr, c.addr}) == 3
-        with pytest.raises(TransferFailed, match="no bounce slot free"):
+        with pytest.raises(TransferFailed, match="no staging slot free"):
             with pool.slot(0.05):
                 pass
         threading.Thread(target=lambda: (got.append(pool.slot(5).__enter__()), done.set())).start()

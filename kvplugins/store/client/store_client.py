@@ -31,7 +31,7 @@ from kvplugins.store.client.stats import ClientStats
 from kvplugins.store.config import ClientConfig
 from kvplugins.store.placement import PutConfig, from_client
 from kvplugins.store.client.connect import master_client
-from kvplugins.store.staging import Staging
+from kvplugins.transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
 Span = tuple[int, int]          # (address, nbytes) inside a registered buffer
@@ -63,7 +63,7 @@ class StoreClient:
                                                       rdma_devices=cfg.rdma_devices or None))
         self._descs: dict = {}
         self._buffers: dict[int, object] = {}
-        self._staging = Staging(self._engine, cfg.staging_size)
+        self._staging = StagingPool.registered(self._engine, cfg.staging_size)
         self._slabs = SlabSpace(self._rpc, cfg.slab_bytes, (cfg.transfer_timeout_ms + cfg.rpc_timeout_ms) / 1000) \
             if cfg.slab_bytes and cfg.wait_commit and not self._sharded else None
         self._stats = ClientStats()
@@ -153,8 +153,8 @@ class StoreClient:
         allocate RPC + one transfer batch + one commit RPC). Per key: None or the StoreError. ``config``: as
         put_from."""
         views = [memoryview(d).cast("B") for d in datas]
-        with self._staging.use(sum(v.nbytes for v in views)) as (base, mv):
-            spans, off = [], 0
+        with self._staging.slot(nbytes=sum(v.nbytes for v in views)) as slot:
+            base, mv, spans, off = slot.addr, self._staging.view(slot), [], 0
             for v in views:
                 mv[off:off + v.nbytes] = v
                 spans.append([(base + off, v.nbytes)] if v.nbytes else [])
@@ -166,8 +166,8 @@ class StoreClient:
         keys, t0, lease_t0 = list(keys), time.perf_counter(), time.monotonic()
         found = self._lookup(keys)
         sizes = [v[0] if c == protocol.OK else 0 for c, v in found]
-        with self._staging.use(sum(sizes)) as (base, mv):
-            spans, off = [], 0
+        with self._staging.slot(nbytes=sum(sizes)) as slot:
+            base, mv, spans, off = slot.addr, self._staging.view(slot), [], 0
             for n in sizes:
                 spans.append([(base + off, n)] if n else [])
                 off += n
@@ -216,7 +216,7 @@ class StoreClient:
                 "segment": self.segment_name}
 
     def transfer_stats(self) -> dict:
-        """The transfer engine's counters: entries and bytes per transport (shm, rdma, tcp), fallbacks between
+        """The transfer engine's counters: entries and bytes per transport (shm, cma, rdma, tcp), fallbacks between
         them, errors by type, and the RDMA transport's own (work requests, path failures, QP rebuilds)."""
         return self._engine.stats()
 

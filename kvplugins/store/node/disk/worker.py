@@ -19,6 +19,7 @@ from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError, Transfe
 from kvplugins.store.node.disk.files import CorruptFile, checksum
 from kvplugins.store.wire.protocol import NOT_FOUND, OK
 from kvplugins.store.client.connect import master_client
+from kvplugins.transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
 ANNOUNCE_CHUNK = 20_000       # files per tier_register frame (~1.5 MB)
@@ -30,12 +31,11 @@ class NodeTier:
     def __init__(self, config, engine, segment, master: str, on_exit):
         from kvplugins.store.node.disk.server import OpServer
         from kvplugins.store.node.disk.store import DiskStore
-        from kvplugins.store.staging import Staging
         self.cfg, self.engine, self.segment, self.on_exit = config, engine, segment, on_exit
         self.disk = DiskStore(config.disk_dir, config.disk_capacity) if config.disk_dir else None
         self.rpc = master_client(master, config.rpc_timeout_ms, "node")
         self.mem = engine.memoryview(segment.region)
-        self._staging = Staging(engine, 1 << 20)
+        self._staging = StagingPool.registered(engine, 1 << 20)
         self._lock = threading.Lock()        # guards _lost (the disk store has its own lock)
         self._lost: list = []                # evicted/corrupt files to report
         self.server = OpServer(config.host, {"promote": self.op_promote}, config.promote_limits(),
@@ -169,7 +169,8 @@ class NodeTier:
         if dest not in descs:
             return ["migrate", key, False, f"no descriptor for {dest}", fid]
         try:
-            with self._staging.use(size) as (base, view):
+            with self._staging.slot(nbytes=size) as slot:
+                base, view = slot.addr, self._staging.view(slot)
                 if src >= 0:
                     addr = self.segment.region.addr + src
                 else:
