@@ -95,7 +95,7 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         cfg = dataclasses.replace(load(ClientConfig), master=master_server_addr,
                                   host="127.0.0.1" if host in ("", "localhost") else host,
                                   segment_size=int(global_segment_size),
-                                  transports="shm,rdma,tcp" if protocol == "rdma" else "shm,tcp",
+                                  transports="shm,cma,rdma,tcp" if protocol == "rdma" else "shm,cma,tcp",
                                   rdma_devices=str(rdma_devices or ""),
                                   staging_size=max(int(local_buffer_size), 1 << 20))
         if self._client is not None:

@@ -28,7 +28,7 @@ class HiCacheConfig:
     replicas: int = field(default=1, metadata={"help": "replicas written per page (on distinct segments)"})
     transports: str = field(default="", metadata={
         "help": "transports offered, fastest first; '' = transfer.transports (KVPLUGINS_TRANSFER_TRANSPORTS, "
-                "the file's [transfer] table, else shm,rdma,tcp)"})
+                "the file's [transfer] table, else shm,cma,rdma,tcp)"})
     host: str = field(default="127.0.0.1", metadata={"help": "address this rank's transfer engine binds"})
     retry_ms: int = field(default=5000, metadata={
         "help": "after a store failure, serve without the store (misses) this long before reconnecting"})

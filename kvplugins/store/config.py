@@ -177,7 +177,7 @@ class StoreNodeConfig(_MetricsLimits):
     host: str = field(default="127.0.0.1", metadata={"help": "address the transfer engine binds"})
     transports: str = field(default="", metadata={
         "help": "transports offered, fastest first; '' = transfer.transports (KVPLUGINS_TRANSFER_TRANSPORTS, "
-                "the file's [transfer] table, else shm,rdma,tcp)"})
+                "the file's [transfer] table, else shm,cma,rdma,tcp)"})
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period"})
     rpc_timeout_ms: int = field(default=3000, metadata={"help": "timeout of each master RPC"})
     ready_file: str = field(default="", metadata={"help": "write the segment id here once registered"})
@@ -264,7 +264,7 @@ class ClientConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address this client's transfer engine binds"})
     transports: str = field(default="", metadata={
         "help": "transports offered, fastest first; '' = transfer.transports (KVPLUGINS_TRANSFER_TRANSPORTS, "
-                "the file's [transfer] table, else shm,rdma,tcp)"})
+                "the file's [transfer] table, else shm,cma,rdma,tcp)"})
     rdma_devices: str = field(default="", metadata={
         "help": "RDMA devices of this client's engine, comma list; '' = transfer.rdma_devices (every usable one)"})
     heartbeat_interval_ms: int = field(default=500, metadata={"help": "heartbeat period of the own segment"})

@@ -45,11 +45,13 @@ class Region:
 @dataclass(frozen=True)
 class RegionInfo:
     """A region as peers see it in a SegmentDescriptor. ``rdma``: where an RDMA transport registered it,
-    (address, (rkey per NIC of the endpoint's "nics" list)), for one-sided READ/WRITE; else None."""
+    (address, (rkey per NIC of the endpoint's "nics" list)), for one-sided READ/WRITE; else None. ``addr``: its
+    address in the owner process, for same-host cross-memory-attach copies (transfer/cma.py); else None."""
     region_id: int
     length: int
     shm_path: str | None = None
     rdma: tuple[int, tuple[int, ...]] | None = None
+    addr: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,22 +92,29 @@ class SegmentDescriptor:
 
 
 def _region_row(r: RegionInfo) -> list[object]:
+    """[id, length, shm_path], then [addr, [rkey, ...]] (or None) when RDMA or an address follows, then the
+    address when known: trailing empty items are left off."""
     row: list[object] = [r.region_id, r.length, r.shm_path]
-    return row if r.rdma is None else [*row, [r.rdma[0], list(r.rdma[1])]]
+    if r.rdma is not None or r.addr is not None:
+        row.append(None if r.rdma is None else [r.rdma[0], list(r.rdma[1])])
+    return row if r.addr is None else [*row, r.addr]
 
 
 def _region_info(row: object) -> RegionInfo:
-    """A RegionInfo from a wire row [id, length, shm_path] or [id, length, shm_path, [addr, [rkey, ...]]]."""
-    if not isinstance(row, (list, tuple)) or len(row) not in (3, 4):
-        raise ValueError(f"a region row is a list of 3 or 4 items, got {row!r:.80}")
+    """A RegionInfo from a wire row [id, length, shm_path] with optional [addr, [rkey, ...]] (or None) and
+    address items (_region_row)."""
+    if not isinstance(row, (list, tuple)) or len(row) not in (3, 4, 5):
+        raise ValueError(f"a region row is a list of 3 to 5 items, got {row!r:.80}")
     rdma = None
-    if len(row) == 4 and row[3] is not None:
-        addr, rkeys = row[3]
-        rdma = (int(addr), tuple(int(k) for k in rkeys))
-    shm_path = row[2]
+    if len(row) >= 4 and row[3] is not None:
+        raddr, rkeys = row[3]
+        rdma = (int(raddr), tuple(int(k) for k in rkeys))
+    shm_path, addr = row[2], row[4] if len(row) == 5 else None
     if shm_path is not None and not isinstance(shm_path, str):
         raise ValueError("a region's shm_path must be a string or None")
-    return RegionInfo(int(row[0]), int(row[1]), shm_path, rdma)
+    if addr is not None and (type(addr) is not int or not 0 < addr < 1 << 64):
+        raise ValueError(f"a region's address must be an integer in (0, 2**64), got {addr!r:.40}")
+    return RegionInfo(int(row[0]), int(row[1]), shm_path, rdma, addr)
 
 
 @dataclass(frozen=True)

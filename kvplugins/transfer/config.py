@@ -7,7 +7,7 @@ from kvplugins.config import Bytes, component, parse_bytes
 from kvplugins.errors import ConfigError
 from kvplugins.security.limits import ConnLimits
 
-KNOWN_TRANSPORTS = ("shm", "rdma", "tcp")
+KNOWN_TRANSPORTS = ("shm", "cma", "rdma", "tcp")
 MIN_FRAME = 1 << 20
 
 
@@ -17,9 +17,10 @@ class TransferConfig:
     """Settings of one TransferEngine. Sizes in bytes, times in ms. Invalid values raise ConfigError."""
     host: str = field(default="127.0.0.1", metadata={"help": "address the TCP server binds and advertises"})
     tcp_port: int = field(default=0, metadata={"help": "TCP server port; 0 picks a free port"})
-    transports: str = field(default="shm,rdma,tcp", metadata={
-        "help": "transports offered, fastest first (shm, rdma, tcp); rdma is dropped at start, with one log line "
-                "saying why, where this host has no usable RDMA NIC or no pyverbs"})
+    transports: str = field(default="shm,cma,rdma,tcp", metadata={
+        "help": "transports offered, fastest first (shm, cma, rdma, tcp); cma (same-host copies out of a peer's "
+                "own memory) is dropped where the kernel lacks process_vm_readv, rdma, with one log line saying "
+                "why, where this host has no usable RDMA NIC or no pyverbs"})
     tcp_connections: int = field(default=4, metadata={"help": "TCP connections per peer; a batch spreads over them"})
     max_frame: Bytes = field(default=Bytes(16 << 20), metadata={"help": "largest TCP frame (header + payload)"})
     timeout_ms: float = field(default=5000.0, metadata={"help": "default deadline of one batch"})
@@ -59,7 +60,7 @@ class TransferConfig:
         bad = [n for n in names if n not in KNOWN_TRANSPORTS]
         if not names or bad or len(set(names)) != len(names):
             raise ConfigError(f"transfer transports={self.transports!r}: give a comma list of distinct names "
-                              f"from {', '.join(KNOWN_TRANSPORTS)}, e.g. 'shm,rdma,tcp'")
+                              f"from {', '.join(KNOWN_TRANSPORTS)}, e.g. 'shm,cma,rdma,tcp'")
         if "rdma" in names and "tcp" not in names:
             raise ConfigError(f"transfer transports={self.transports!r}: rdma sets up its queue pairs over the "
                               "tcp transport's server and falls back to it; add tcp, e.g. 'rdma,tcp'")

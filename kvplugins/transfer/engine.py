@@ -42,8 +42,9 @@ class TransferEngine:
         self._closed = False
 
     def _start_transports(self) -> list[Transport]:
-        """The configured transports in preference order; rdma only where probing finds a usable NIC (else
-        one log line says why and routing is unchanged). TCP starts first: rdma sets up over its server."""
+        """The configured transports in preference order; cma only where the kernel has process_vm_readv, rdma
+        only where probing finds a usable NIC (else one log line says why and routing is unchanged). TCP starts
+        first: rdma sets up over its server."""
         names = self.config.transport_list()
         started: dict[str, Transport] = {}
         if "tcp" in names:
@@ -52,6 +53,10 @@ class TransferEngine:
         if "shm" in names:
             from kvplugins.transfer.shm import ShmTransport
             started["shm"] = ShmTransport(self.host_id, self.config.copy_threads)
+        if "cma" in names:
+            from kvplugins.transfer import cma
+            if cma.available():
+                started["cma"] = cma.CmaTransport(self.host_id)
         if "rdma" in names:
             from kvplugins.transfer.rdma import RdmaTransport
             rdma, why = RdmaTransport.probe(self.config, started["tcp"])

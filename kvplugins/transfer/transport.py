@@ -1,4 +1,4 @@
-"""The small interface every transport implements (shm, rdma, tcp).
+"""The small interface every transport implements (shm, cma, rdma, tcp).
 
 A transport moves entries between a local registered region and a peer's exported region, one-sided:
 the peer's CPU does no per-entry work for shm (and would do none for RDMA READ/WRITE); TCP's peer runs a

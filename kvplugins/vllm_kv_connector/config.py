@@ -20,7 +20,7 @@ class VllmConnectorConfig:
     retry_ms: int = field(default=5000, metadata={"help": "after a store failure, serve without it this long"})
     transports: str = field(default="", metadata={
         "help": "transports offered, fastest first; '' = transfer.transports (KVPLUGINS_TRANSFER_TRANSPORTS, "
-                "the file's [transfer] table, else shm,rdma,tcp)"})
+                "the file's [transfer] table, else shm,cma,rdma,tcp)"})
     model_id: str = field(default="", metadata={
         "help": "model name in page keys; '' = vLLM's model path. Set it when hosts load one model from different paths"})
     save: bool = field(default=True, metadata={"help": "save newly computed full pages to the store"})

@@ -15,11 +15,11 @@ import time
 from concurrent.futures import Future
 from dataclasses import asdict, replace
 
-from kvplugins.errors import ConfigError
+from kvplugins.errors import ConfigError, ProtocolError
 from kvplugins.layout import KeySpace, PageLayout, PageStore, Plane, block_dim_of, planes_of
 from kvplugins.layout.shards import HeadShards
 from kvplugins.layout.spans import head_planes
-from kvplugins.vllm_kv_connector import engine, threads
+from kvplugins.vllm_kv_connector import engine, pd, threads
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
 from kvplugins.vllm_kv_connector.events import EventLog
 from kvplugins.vllm_kv_connector.metadata import (Held, KVPluginsConnectorMetadata, PageBatch, RemoteLoad,
@@ -67,7 +67,8 @@ class WorkerSide:
         self._saving: dict[str, Future] = {}            # request id -> its latest save batch
         self._held: dict[str, tuple[Held, float]] = {}  # P/D producer: request -> (hold, first seen, monotonic s)
         self._finished: set[str] = set()                # finished request ids vLLM told us about
-        self._export = self._reader = None              # P/D direct: producer export / consumer reader
+        self._export = self._reader = None              # P/D direct: handover Producer / Consumer
+        self._pd_handshake = None                       # the Producer's Offer, as vLLM carries it
         self._early: KVPluginsConnectorMetadata | None = None  # the step whose async work fence started
         self._idle = self._waiting = False              # metadata.idle / .waiting of this step
         ev = getattr(vllm_config, "kv_events_config", None)
@@ -98,8 +99,7 @@ class WorkerSide:
         threads.run_unpinned(self.pages.connect)  # its transfer engine's server threads inherit the wide mask
         layout = self.layouts[self.groups[0].uid]
         if self.role == "kv_producer" and layout.device == "cpu" and len(self.groups) == 1 and self.pp_size == 1:
-            from kvplugins.vllm_kv_connector.pd import Export
-            self._export = threads.run_unpinned(Export, layout, self.cfg)
+            self._export, self._pd_handshake = threads.run_unpinned(pd.producer, layout, self.cfg)
         elif self.role == "kv_producer" and self.cfg.pd_mode == "direct":
             log.warning("kvplugins: pd_mode=direct reads KV blocks in host memory; this KV cache is on %s, so "
                         "decode gets its KV through the store", layout.device)
@@ -197,8 +197,7 @@ class WorkerSide:
 
     def _reader_for(self):
         if self._reader is None:
-            from kvplugins.vllm_kv_connector.pd import Reader
-            self._reader = Reader(self.layouts[self.groups[0].uid], self.cfg)
+            self._reader = pd.consumer(self.layouts[self.groups[0].uid], self.cfg)
         return self._reader
 
     def _direct_batch(self, batch: PageBatch, remote: RemoteLoad) -> list[int]:
@@ -209,10 +208,11 @@ class WorkerSide:
         direct = 0
         try:
             reader = self._reader_for()
-            failed = (reader.read(src, batch.block_ids, remote.remote_ids, remote.slot, remote.token) if src
+            offer = pd.offer_of(src) if src else None
+            failed = (reader.read(offer, batch.block_ids, remote.remote_ids, remote.slot, remote.token) if offer
                       else list(batch.block_ids))
-            if src:
-                reader.ack(src, remote.slot, remote.token)
+            if offer:
+                reader.ack(offer, remote.slot, remote.token)
             direct = len(batch) - len(failed)
             if failed and self.pages is not None:  # the producer saved its pages too: try the store for the rest
                 failed = self._store_fallback(batch, failed)
@@ -242,13 +242,16 @@ class WorkerSide:
             return
         for rank, src in remote.src.items():
             if int(rank) % self.tp_size == self.tp_rank and src:
-                self._reader_for().ack(src, remote.slot, remote.token)
+                try:
+                    self._reader_for().ack(pd.offer_of(src), remote.slot, remote.token)
+                except ProtocolError as e:
+                    log.warning("kvplugins: not acking producer rank %s: %s", rank, e)
 
     def handshake(self) -> WorkerHandshake:
         """What the scheduler half needs from this worker: its Groups' key spaces and, on a P/D direct
         producer, what decode needs to read its KV (PDHandshake)."""
         return WorkerHandshake(spaces=[[asdict(k) for k in self._parts[g.uid][0]] for g in self.groups],
-                               pd=self._export.handshake if self._export is not None else None)
+                               pd=self._pd_handshake)
 
     # -- saves ------------------------------------------------------------------------------------------------
     def fence(self, meta: KVPluginsConnectorMetadata) -> None:

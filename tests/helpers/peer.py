@@ -26,7 +26,10 @@ def seeded(size: int, seed: int) -> np.ndarray:
     return np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8)
 
 
-def _main(conn, config_kwargs: dict, size: int, seed: int) -> None:
+def _main(conn, config_kwargs: dict, size: int, seed: int, dumpable: bool = True) -> None:
+    if not dumpable:   # prctl(PR_SET_DUMPABLE, 0): only CAP_SYS_PTRACE may now read its memory (cma)
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
     eng = TransferEngine(TransferConfig(**config_kwargs))
     shared = eng.alloc_shared(size)
     eng.memoryview(shared)[:] = seeded(size, seed)
@@ -71,11 +74,14 @@ def _spin(seconds: float) -> None:
 class Peer:
     """A spawned peer process (see module doc). Kill/stop it to test failures; always use as a context."""
 
-    def __init__(self, transports: str = "shm,tcp", size: int = 1 << 20, seed: int = 0, **config):
+    def __init__(self, transports: str = "shm,tcp", size: int = 1 << 20, seed: int = 0, dumpable: bool = True,
+                 **config):
+        """``dumpable=False``: the peer makes itself non-dumpable, so a process without CAP_SYS_PTRACE cannot
+        reach its memory with process_vm_readv (the cma transport's EPERM)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_main, args=(child, {"transports": transports, **config}, size, seed),
-                                daemon=True)
+        self.proc = ctx.Process(target=_main, args=(child, {"transports": transports, **config}, size, seed,
+                                                    dumpable), daemon=True)
         self.proc.start()
         child.close()
         if not self._conn.poll(START_S):

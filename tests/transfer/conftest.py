@@ -1,6 +1,6 @@
 """Shared fixtures: a real peer process per transport (module scope) and a local engine per test.
 
-KVPLUGINS_TEST_TRANSPORTS (default "shm,tcp") picks the transports the suite is parametrized over; the RDMA
+KVPLUGINS_TEST_TRANSPORTS (default "shm,cma,tcp") picks the transports the suite is parametrized over; the RDMA
 guest (tests/rdma/test_guest.py) runs it with "rdma,tcp,shm" on a soft-RoCE device. "rdma" runs with TCP
 configured beside it (its connection set-up path), and each test then checks that RDMA carried its entries:
 the engine has the transport and nothing fell back to TCP.
@@ -12,8 +12,8 @@ import pytest
 from helpers.peer import Peer
 from kvplugins.transfer import TransferConfig, TransferEngine
 
-TRANSPORTS = os.environ.get("KVPLUGINS_TEST_TRANSPORTS", "shm,tcp").split(",")
-CONFIG = {"shm": "shm", "tcp": "tcp", "rdma": "rdma,tcp"}
+TRANSPORTS = os.environ.get("KVPLUGINS_TEST_TRANSPORTS", "shm,cma,tcp").split(",")
+CONFIG = {"shm": "shm", "cma": "cma", "tcp": "tcp", "rdma": "rdma,tcp"}
 PEER_SIZE = 80 << 20
 
 

@@ -21,8 +21,8 @@ def test_absent_rdma_is_one_log_line_and_routing_is_unchanged(caplog):
     assert all(r.rdma is None for r in desc.regions)
 
 
-def test_default_transports_offer_rdma_first_after_shm():
-    assert TransferConfig().transport_list() == ["shm", "rdma", "tcp"]
+def test_default_transports_offer_rdma_first_after_the_same_host_ones():
+    assert TransferConfig().transport_list() == ["shm", "cma", "rdma", "tcp"]
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -106,12 +106,14 @@ class OwnerOpts(Struct, forbid_unknown_fields=True):
 
 
 class DescRegion(Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
-    """One row of a descriptor's region table: [id, length, shm_path] or [..., [addr, [rkey per RDMA NIC]]]."""
+    """One row of a descriptor's region table: [id, length, shm_path], then [addr, [rkey per RDMA NIC]] or None,
+    then the region's address in its owner (the cma transport's), trailing empty items left off."""
     region_id: RegionId
     length: Size
     shm_path: Union[Annotated[str, Meta(max_length=4096)], None]
     rdma: Union[tuple[U64, Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 32)]], Meta(max_length=MAX_NICS)]],
                 None] = None
+    addr: Union[U64, None] = None
 
 
 class Descriptor(Struct, forbid_unknown_fields=True):
@@ -126,11 +128,12 @@ class Descriptor(Struct, forbid_unknown_fields=True):
     regions: Annotated[list[DescRegion], Meta(max_length=MAX_DESC_REGIONS)]
 
     def wire(self) -> dict[str, object]:
-        """The descriptor as SegmentDescriptor.to_wire() writes it (a region row without RDMA keys has 3 items)."""
+        """The descriptor as SegmentDescriptor.to_wire() writes it (trailing empty items of a region row left off)."""
         out = msgspec.to_builtins(self)
         if not isinstance(out, dict):
             raise TypeError(f"a Descriptor encodes to a map, not {type(out).__name__}")
-        out["regions"] = [r[:3] if r[3] is None else r for r in out["regions"]]
+        out["regions"] = [r[:3] if r[3] is None and r[4] is None else r[:4] if r[4] is None else r
+                          for r in out["regions"]]
         return out
 
 
