@@ -20,6 +20,10 @@ from kvplugins.errors import ConfigError
 
 SHOWN = ("host", "tcp_port", "transports", "shm_backend", "rdma_devices")
 MEMLOCK_NEED = "1GiB"
+TRANSPORTS = ("shm", "cma", "rdma", "tcp")
+FIX_CMA = ("allow process_vm_readv/process_vm_writev in the container's seccomp profile (docker: its default "
+           "profile allows them with CAP_SYS_PTRACE: --cap-add SYS_PTRACE)")
+FIX_PTRACE = "sysctl kernel.yama.ptrace_scope=0, or give the engine processes CAP_SYS_PTRACE"
 FIX_SHM = "mount a tmpfs on /dev/shm (docker: --shm-size=8g or --ipc=host), or set transfer shm_backend=memfd"
 FIX_BIND = ("set the transfer host to an address of this machine (--host, KVPLUGINS_TRANSFER_HOST) and tcp_port "
             "to a free port (0 = any)")
@@ -27,7 +31,7 @@ FIX_BIND = ("set the transfer host to an address of this machine (--host, KVPLUG
 
 def add_parser(sub) -> None:
     from kvplugins.transfer.config import TransferConfig
-    p = sub.add_parser("doctor", help="check this host's transports (RDMA, shm, TCP): what works, why not, the fix")
+    p = sub.add_parser("doctor", help="check this host's transports (shm, cma, RDMA, TCP): what works, why not, the fix")
     add_arguments(p, TransferConfig, skip=tuple(f.name for f in dataclasses.fields(TransferConfig)
                                                 if f.name not in SHOWN))
     p.add_argument("--memlock-need", default=MEMLOCK_NEED,
@@ -49,14 +53,14 @@ def run(args) -> int:
 
 
 def gather(cfg, memlock_need: int) -> dict:
-    """The report: {"transports": configured names, "available": usable names, "rdma"|"shm"|"tcp": {"available",
+    """The report: {"transports": configured names, "available": usable names, "shm"|"cma"|"rdma"|"tcp": {"available",
     "configured", "problems": [{"reason", "fix"}], details...}}. Sizes in bytes."""
     out = {"transports": cfg.transport_list(),
            "rdma": rdma_check(getattr(cfg, "rdma_devices", ""), memlock_need),
-           "shm": shm_check(cfg.shm_backend), "tcp": tcp_check(cfg.host, cfg.tcp_port)}
-    for name in ("rdma", "shm", "tcp"):
+           "shm": shm_check(cfg.shm_backend), "cma": cma_check(), "tcp": tcp_check(cfg.host, cfg.tcp_port)}
+    for name in TRANSPORTS:
         out[name]["configured"] = name in out["transports"]
-    out["available"] = [name for name in ("shm", "rdma", "tcp") if out[name]["available"]]
+    out["available"] = [name for name in TRANSPORTS if out[name]["available"]]
     return out
 
 
@@ -99,6 +103,19 @@ def shm_check(backend: str) -> dict:
         problems.append(_problem(f"cannot allocate shared memory with shm_backend={backend} ({e})", FIX_SHM))
     return {"available": not problems, "problems": problems, "backend": backend, "memfd": memfd_error is None,
             "memfd_error": memfd_error, "dev_shm_free": free}
+
+
+def cma_check() -> dict:
+    """Whether cross-memory attach works here (a copy out of this process's own memory) and Yama's ptrace_scope
+    (None: no Yama), which decides whose memory it reaches: at 0 every process of the same user."""
+    from kvplugins.transfer import cma
+    scope, why = cma.ptrace_scope(), cma.self_check()
+    problems = [] if why is None else [_problem(why, FIX_CMA)]
+    if why is None and scope not in (None, 0):
+        problems.append(_problem(f"kernel.yama.ptrace_scope is {scope}: process_vm_readv reaches "
+                                 f"{'only descendants' if scope == 1 else 'no other process'}, so same-host peers "
+                                 "fall back to the next transport (tcp)", FIX_PTRACE))
+    return {"available": not problems, "problems": problems, "ptrace_scope": scope}
 
 
 def tcp_check(host: str, port: int) -> dict:
@@ -156,7 +173,7 @@ def transport_table(report: dict):
     table = Table(title="transports on this host")
     for col in ("transport", "configured", "available", "details"):
         table.add_column(col)
-    for name in ("shm", "rdma", "tcp"):
+    for name in TRANSPORTS:
         r = report[name]
         table.add_row(name, "yes" if r["configured"] else "no", "yes" if r["available"] else "NO", _details(name, r))
     return table
@@ -171,6 +188,9 @@ def _details(name: str, r: dict) -> str:
     if name == "shm":
         free = "absent" if r["dev_shm_free"] is None else f"{format_bytes(r['dev_shm_free'])} free"
         return f"backend {r['backend']}; memfd {'works' if r['memfd'] else 'refused'}; /dev/shm {free}"
+    if name == "cma":
+        scope = "absent (same user)" if r["ptrace_scope"] is None else r["ptrace_scope"]
+        return f"process_vm_readv; Yama ptrace_scope {scope}"
     return f"{r['host']}:{r['port']} {'binds' if r['binds'] else 'does not bind'}"
 
 

@@ -67,6 +67,31 @@ def available() -> bool:
     return _calls() is not None
 
 
+def self_check() -> str | None:
+    """Copy 8 bytes of this process's memory with process_vm_readv: None when it works, else why (e.g. a
+    seccomp profile that refuses the call)."""
+    calls = _calls()
+    if calls is None:
+        return "process_vm_readv is not available on this system"
+    src, dst = np.arange(1, 9, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
+    liov = _iovecs(np.array([dst.ctypes.data], np.uint64), np.array([8], np.uint64))
+    riov = _iovecs(np.array([src.ctypes.data], np.uint64), np.array([8], np.uint64))
+    got = calls[0](os.getpid(), liov.ctypes.data, 1, riov.ctypes.data, 1, 0)
+    if got != 8 or not (dst == src).all():
+        return f"process_vm_readv failed: {os.strerror(ctypes.get_errno()) if got < 0 else f'{got} of 8 bytes'}"
+    return None
+
+
+def ptrace_scope() -> int | None:
+    """Yama's kernel.yama.ptrace_scope (0: any process of the same user; 1: descendants only; 2: admin only;
+    3: none), or None where Yama is absent (the same-user rule alone)."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 class CmaTransport(Transport):
     """Offers {"pid": ..., "start": ...}; reaches an exported region of a peer with our host_id whose descriptor
     gives the region's address, unless the kernel refused this peer before."""

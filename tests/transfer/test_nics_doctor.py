@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvplugins.transfer import nics
+from kvplugins.transfer.cma import ptrace_scope
 
 IB_CLASS = Path("/sys/class/infiniband")
 HAS_RDMA = IB_CLASS.is_dir() and any(IB_CLASS.iterdir())
@@ -260,7 +261,7 @@ def _doctor(*args: str, env_extra: dict | None = None) -> subprocess.CompletedPr
 
 
 @no_rdma
-def test_doctor_names_the_missing_rdma_and_the_working_shm_and_tcp():
+def test_doctor_names_the_missing_rdma_and_the_working_shm_cma_and_tcp():
     text, js = _doctor(), _doctor("--json")
     assert text.returncode == 0 and js.returncode == 0, text.stderr + js.stderr
     report = json.loads(js.stdout)
@@ -272,8 +273,12 @@ def test_doctor_names_the_missing_rdma_and_the_working_shm_and_tcp():
     assert report["shm"]["available"] and report["shm"]["memfd"] and report["shm"]["dev_shm_free"] > 0
     assert report["tcp"] == {"available": True, "problems": [], "host": "127.0.0.1", "port": 0, "binds": True,
                              "configured": True}
-    assert report["available"] == ["shm", "tcp"]
-    assert "available: shm, tcp" in text.stdout
+    scope = ptrace_scope()          # Yama decides whether cma reaches same-user peers: 0 or absent here
+    assert report["cma"]["ptrace_scope"] == scope and report["cma"]["available"] == (scope in (None, 0))
+    assert f"Yama ptrace_scope {'absent (same user)' if scope is None else scope}" in text.stdout
+    want = ["shm", "cma", "tcp"] if scope in (None, 0) else ["shm", "tcp"]
+    assert report["available"] == want
+    assert f"available: {', '.join(want)}" in text.stdout
     assert "backend memfd; memfd works; /dev/shm" in text.stdout and "127.0.0.1:0 binds" in text.stdout
 
 
