@@ -148,11 +148,11 @@ def main() -> int:
     res = {}
     try:
         master = embedded.ensure_running(60, config=up)
-        conn = {"master": master, "staging": args.staging}
+        conn = {"store": {"master": master}, "staging": args.staging}
         runs = [("nc", None), ("cold", conn)]
         warm = [("warm", conn)]          # fresh processes, pages stored; with --staging always, the same pages
         if args.staging == "always":     # loaded without staging, alternating with the staged runs
-            warm.append(("warm_direct", {"master": master, "staging": "never"}))
+            warm.append(("warm_direct", {"store": {"master": master}, "staging": "never"}))
         if args.layer_chunks > 1:        # the same prompts' pages as layer chunks, then sync vs layer-wise loads
             layered = dict(conn, layer_chunks=args.layer_chunks, async_load_tokens=0)
             runs.append(("cold_layered", layered))

@@ -138,39 +138,95 @@ def _unknown(keys, valid, where: str) -> None:
 
 
 def load(cls: type[T], flags: Mapping[str, Any] | None = None, file: str | os.PathLike | None = None,
-         environ: Mapping[str, str] | None = None) -> T:
+         environ: Mapping[str, str] | None = None, defaults: Mapping[str, Any] | None = None,
+         file_extra: Mapping[str, Any] | None = None) -> T:
     """Build ``cls`` with precedence flag > env > file > default.
 
     flags: values from CLI flags or adapter extra-config (None means "not given"); unknown keys raise.
     file: a TOML/JSON file; defaults to env KVPLUGINS_CONFIG. environ: defaults to os.environ.
+    A field whose type is itself a component config (an adapter's ``store``: a ClientConfig) is loaded the same
+    way with that component's own env and file table: its flag is a mapping (or an instance), the parent's
+    file table may hold it as a sub-table (``[vllm.store]``, above ``[client]``), and the parent's default
+    instance supplies the defaults that differ (below the file). ``defaults`` and ``file_extra`` are those two
+    layers (used for such nested loads).
     Raises ConfigError naming the bad value, its source and the valid keys.
     """
     environ = os.environ if environ is None else environ
     types = _types(cls)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    nested = {n for n in fields if _is_component(types[n])}
     values: dict[str, Any] = {}
     file = file or environ.get(CONFIG_FILE_ENV)
+    layers: list[tuple[str, Mapping[str, Any]]] = [("defaults of the parent config", defaults or {})]
     if file:
         section = _read_file(file).get(cls._component, {})
-        _unknown(section, fields, f"config file {file} [{cls._component}]")
-        for k, v in section.items():
-            where = f"config file {file} [{cls._component}] {k}"
-            values[k] = _port(k, _coerce(v, types[k], where), where)
+        layers.append((f"config file {file} [{cls._component}]", section))
+    layers.append((f"config file {file} (the parent's table of {cls._component} settings)", file_extra or {}))
+    for where, layer in layers:     # a nested table in the file is read by _load_nested
+        _unknown(layer, fields, where)
+        values.update(_values({k: v for k, v in layer.items() if k not in nested}, types, nested, where))
     prefix = f"{ENV_PREFIX}{cls._component.upper()}_"
     env_keys = {k[len(prefix):].lower(): k for k in environ if k.startswith(prefix)}
-    _unknown(env_keys, fields, f"environment ({prefix}*)")
+    for n in nested:
+        inner = [var for key, var in env_keys.items() if key.startswith(f"{n}_")]
+        if inner:
+            raise ConfigError(f"environment {inner[0]}: the {n} settings take the {types[n]._component} "
+                              f"variables: {ENV_PREFIX}{types[n]._component.upper()}_<SETTING>")
+    _unknown(env_keys, fields - nested, f"environment ({prefix}*)")
     for k, var in env_keys.items():
         values[k] = _port(k, _coerce(environ[var], types[k], f"env {var}"), f"env {var}")
     flags = {k.replace("-", "_"): v for k, v in (flags or {}).items() if v is not None}
+    for n in nested:
+        inner = sorted(k for k in flags if k not in fields and k in {f.name for f in dataclasses.fields(types[n])})
+        if inner:
+            raise ConfigError(f"{cls._component} options: {', '.join(inner)} belong in the {n} section: write "
+                              f"{{\"{n}\": {{\"{inner[0]}\": ...}}}} (every {types[n]._component} setting is "
+                              f"there)")
     _unknown(flags, fields, f"{cls._component} options")
-    for k, v in flags.items():
-        values[k] = _port(k, _coerce(v, types[k], f"option {k}"), f"option {k}")
+    values.update(_values(flags, types, nested, f"{cls._component} option"))
+    for n in nested:
+        values[n] = _load_nested(cls, n, types[n], values, file, environ)
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"{cls._component} config: {e}") from e
+
+
+def _is_component(typ: Any) -> bool:
+    return isinstance(typ, type) and dataclasses.is_dataclass(typ) and hasattr(typ, "_component")
+
+
+def _values(layer: Mapping[str, Any], types: dict[str, Any], nested: set[str], where: str) -> dict[str, Any]:
+    """A layer's values coerced to the field types; a nested component's value is kept (a mapping or an
+    instance) under its name, for _load_nested."""
+    out: dict[str, Any] = {}
+    for k, v in layer.items():
+        if k in nested:
+            if not isinstance(v, (Mapping, types[k])):
+                raise ConfigError(f"{where} {k}: {v!r:.60} is not a table of {types[k]._component} settings; "
+                                  f"write e.g. {{\"{k}\": {{\"master\": \"host:port\"}}}}")
+            out[k] = v
+        else:
+            out[k] = _port(k, _coerce(v, types[k], f"{where} {k}"), f"{where} {k}")
+    return out
+
+
+def _load_nested(cls: Any, name: str, sub: Any, values: dict[str, Any], file: Any, environ: Mapping[str, str]) -> Any:
+    """Field ``name`` of ``cls`` (component ``sub``): an instance given as is, else loaded with the parent's
+    default instance's differing values below the file, the parent's sub-table above ``[sub]``, the sub's
+    env, then the given mapping."""
+    given = values.get(name)
+    if isinstance(given, sub):
+        return given
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    parent_default = f.default_factory() if f.default_factory is not dataclasses.MISSING else sub()
+    base = sub()
+    differ = {g.name: getattr(parent_default, g.name) for g in dataclasses.fields(sub)
+              if g.init and getattr(parent_default, g.name) != getattr(base, g.name)}
+    sub_file = (_read_file(file).get(cls._component, {}).get(name) or {}) if file else {}
+    return load(sub, flags=given or None, file=file, environ=environ, defaults=differ, file_extra=sub_file)
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
@@ -184,7 +240,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = 
         f"advanced [{cls._component}] settings (also env {ENV_PREFIX}{cls._component.upper()}_*, or the config "
         "file)")
     for f in dataclasses.fields(cls):
-        if not f.init or f.name in skip:
+        if not f.init or f.name in skip or _is_component(types[f.name]):
             continue
         target = parser if common is None or f.name in common else advanced
         default = f.default if f.default is not dataclasses.MISSING else None

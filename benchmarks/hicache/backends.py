@@ -64,8 +64,8 @@ def kvp(mode: str, data_bytes: int, log_dir: Path) -> Iterator[callable]:
     """Our store (kvplugins master + one store node, transports of ``mode``); yields pool -> Attached."""
     with clusters.kvp(mode, data_bytes, log_dir) as t:
         extra = {"backend_name": "kvplugins", "module_path": "kvplugins.sglang_hicache_backend",
-                 "class_name": "KVPluginsHiCacheStorage", "interface_v1": 1, "master": t.cfg["master"],
-                 "transports": t.cfg["transports"]}
+                 "class_name": "KVPluginsHiCacheStorage", "interface_v1": 1, "store": {"master": t.cfg["master"],
+                 "transports": t.cfg["transports"]}}
         yield lambda pool: attach(t.label, "dynamic", extra, pool)
 
 

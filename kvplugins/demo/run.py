@@ -105,7 +105,7 @@ def run(cfg: DemoConfig, say=print) -> DemoResult:
     say(f"model: {model} (random-weight LlamaForCausalLM, {cfg.model_family}, float32)")
     a_prompts, b_prompts = prompts(cfg)
     with _store(cfg.master, say) as master:
-        conn = {"master": master}
+        conn = {"store": {"master": master}}
         spec = dict(model=model, max_tokens=cfg.max_tokens, kv_cache_gib=cfg.kv_cache_gib)
         say("engine A (fresh process, connector): first turns ...")
         a = run_fresh(EngineSpec(prompts=a_prompts, connector=conn, **spec), cfg.engine_timeout_s)

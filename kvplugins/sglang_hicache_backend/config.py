@@ -2,14 +2,18 @@
 and, highest, the keys of ``--hicache-storage-backend-extra-config`` (precedence extra_config > env > file >
 default, by kvplugins.config.load). SGLang's own keys in that JSON (backend_name, module_path, class_name,
 interface_v1) are set aside before loading; any other unknown key raises ConfigError listing the valid keys.
+How a rank reaches the store is one nested ``store`` section, a StoreClient's own ClientConfig (``{"store":
+{"master": "host:port", "segment_size": "4GiB"}}``, env KVPLUGINS_CLIENT_<FIELD>, the file's ``[sglang.store]``
+over ``[client]`` table), the same section the vLLM connector takes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from kvplugins.config import Bytes, component, load, parse_bytes
+from kvplugins.config import component, load
 from kvplugins.errors import ConfigError
+from kvplugins.store.config import ClientConfig
 
 # Keys SGLang's StorageBackendFactory reads from extra_config itself (the "dynamic" backend) — not ours.
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
@@ -19,36 +23,18 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 @dataclass(frozen=True)
 class HiCacheConfig:
     """The kvplugins L3 store as seen from one SGLang rank. Times in ms, sizes in bytes ("4GiB" accepted)."""
-    master: str = field(default="", metadata={
-        "help": "master host:port; '' = the embedded store (a running `kvplugins up`, started if none)"})
-    rpc_timeout_ms: int = field(default=3000, metadata={"help": "timeout of each master RPC"})
-    transfer_timeout_ms: int = field(default=10000, metadata={"help": "timeout of each page transfer batch"})
-    segment_size: Bytes = field(default=Bytes(0), metadata={
-        "help": "DRAM this SGLang rank contributes to the pool; 0 = none (store nodes hold the pages)"})
-    replicas: int = field(default=1, metadata={"help": "replicas written per page (on distinct segments)"})
-    transports: str = field(default="", metadata={
-        "help": "transports offered, fastest first; '' = transfer.transports (KVPLUGINS_TRANSFER_TRANSPORTS, "
-                "the file's [transfer] table, else shm,cma,rdma,tcp)"})
-    host: str = field(default="127.0.0.1", metadata={"help": "address this rank's transfer engine binds"})
+    store: ClientConfig = field(default_factory=ClientConfig, metadata={
+        "help": "the StoreClient's settings (ClientConfig: master, rpc_timeout_ms, transfer_timeout_ms, "
+                "segment_size (DRAM this rank contributes; 0 = none), replicas, host, transports, ...); master "
+                "'' = the embedded store (a running `kvplugins up`, started if none)"})
     retry_ms: int = field(default=5000, metadata={
         "help": "after a store failure, serve without the store (misses) this long before reconnecting"})
     namespace: str = field(default="", metadata={
         "help": "extra tag in every key (isolates tenants or deployments sharing one store)"})
 
     def __post_init__(self):
-        object.__setattr__(self, "segment_size", Bytes(parse_bytes(self.segment_size)))
-        for name in ("rpc_timeout_ms", "transfer_timeout_ms", "retry_ms", "replicas"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"sglang option {name}={getattr(self, name)} must be > 0")
-        if self.segment_size < 0:
-            raise ConfigError(f"sglang option segment_size={self.segment_size} must be >= 0 (0 = none)")
-
-    def client_config(self):
-        """The StoreClient config these settings give (imports the store lazily)."""
-        from kvplugins.store import ClientConfig
-        return ClientConfig(master=self.master, rpc_timeout_ms=self.rpc_timeout_ms,
-                            transfer_timeout_ms=self.transfer_timeout_ms, segment_size=self.segment_size,
-                            replicas=self.replicas, host=self.host, transports=self.transports)
+        if self.retry_ms <= 0:
+            raise ConfigError(f"sglang option retry_ms={self.retry_ms} must be > 0")
 
 
 def from_extra_config(extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
@@ -57,7 +43,8 @@ def from_extra_config(extra_config: Mapping[str, Any] | None, environ: Mapping[s
     Raises ConfigError naming an unknown key and listing the valid ones."""
     ours = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_KEYS}
     valid = [f.name for f in fields(HiCacheConfig)]
-    unknown = sorted(set(ours) - set(valid))
+    client = {f.name for f in fields(ClientConfig)}      # load() names the store section for these
+    unknown = sorted(set(ours) - set(valid) - client)
     if unknown:
         raise ConfigError(f"--hicache-storage-backend-extra-config: unknown key(s) {', '.join(unknown)}; valid keys: "
                           f"{', '.join(valid)} (and SGLang's own: {', '.join(SGLANG_KEYS)})")

@@ -85,7 +85,7 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
 
     def _client(self):
         from kvplugins.store import StoreClient
-        return StoreClient(self.config.client_config())
+        return StoreClient(self.config.store)
 
     def _keyspace(self, pool, io_format: str, name: str = ""):
         sc, kind = self.storage_config, pool_kind(pool)

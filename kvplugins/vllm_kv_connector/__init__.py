@@ -2,7 +2,7 @@
 
     --kv-transfer-config '{"kv_connector":"KVPluginsConnector",
                            "kv_connector_module_path":"kvplugins.vllm_kv_connector",
-                           "kv_role":"kv_both","kv_connector_extra_config":{"master":"HOST:PORT"}}'
+                           "kv_role":"kv_both","kv_connector_extra_config":{"store":{"master":"HOST:PORT"}}}'
 
 Thin: engine types are translated into kvplugins.layout calls (keys, spans, PageStore, the P/D handover) and
 nothing more.

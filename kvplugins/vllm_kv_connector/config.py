@@ -1,5 +1,8 @@
 """Options of the vLLM connector, given as ``kv_connector_extra_config`` (or env KVPLUGINS_VLLM_<FIELD>,
-or the ``[vllm]`` table of the KVPLUGINS_CONFIG file). Precedence: extra_config > env > file > default."""
+or the ``[vllm]`` table of the KVPLUGINS_CONFIG file). Precedence: extra_config > env > file > default.
+How it reaches the store is one nested ``store`` section, a StoreClient's own ClientConfig (extra_config
+``{"store": {"master": "host:port"}}``, env KVPLUGINS_CLIENT_<FIELD>, the file's ``[vllm.store]`` over
+``[client]`` table), so every client setting has one name in every adapter."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,20 +10,18 @@ from typing import Any, Mapping
 
 from kvplugins.config import component, load
 from kvplugins.errors import ConfigError
+from kvplugins.store.config import ClientConfig
 
 
 @component("vllm")
 @dataclass(frozen=True)
 class VllmConnectorConfig:
-    """How the connector reaches the store. Times in milliseconds."""
-    master: str = field(default="", metadata={
-        "help": "master host:port of a store cluster; '' = the embedded store (`kvplugins up`, started if absent)"})
-    rpc_timeout_ms: int = field(default=1000, metadata={"help": "timeout of each master RPC"})
-    transfer_timeout_ms: int = field(default=10000, metadata={"help": "timeout of each page transfer batch"})
+    """How the connector uses the store. Times in milliseconds."""
+    store: ClientConfig = field(default_factory=lambda: ClientConfig(rpc_timeout_ms=1000), metadata={
+        "help": "the StoreClient's settings (ClientConfig: master, rpc_timeout_ms, transfer_timeout_ms, "
+                "transports, ...); master '' = the embedded store (`kvplugins up`, started if absent). The "
+                "connector's default rpc_timeout_ms is 1000 (a step waits at most that for a down master)"})
     retry_ms: int = field(default=5000, metadata={"help": "after a store failure, serve without it this long"})
-    transports: str = field(default="", metadata={
-        "help": "transports offered, fastest first; '' = transfer.transports (KVPLUGINS_TRANSFER_TRANSPORTS, "
-                "the file's [transfer] table, else shm,cma,rdma,tcp)"})
     model_id: str = field(default="", metadata={
         "help": "model name in page keys; '' = vLLM's model path. Set it when hosts load one model from different paths"})
     save: bool = field(default=True, metadata={"help": "save newly computed full pages to the store"})
@@ -54,9 +55,8 @@ class VllmConnectorConfig:
         "help": "write this engine's page-key namespaces here (JSON: rank -> namespace) for tooling; '' = none"})
 
     def __post_init__(self):
-        for name in ("rpc_timeout_ms", "transfer_timeout_ms", "retry_ms"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"kv_connector_extra_config {name}={getattr(self, name)} must be > 0 ms")
+        if self.retry_ms <= 0:
+            raise ConfigError(f"kv_connector_extra_config retry_ms={self.retry_ms} must be > 0 ms")
         if self.pd_mode not in ("store", "direct"):
             raise ConfigError(f"kv_connector_extra_config pd_mode={self.pd_mode!r}: use 'store' or 'direct'")
         if self.pd_wait_ms < 0 or self.pd_hold_ms <= 0:
@@ -80,11 +80,9 @@ class VllmConnectorConfig:
         return load(cls, flags=dict(extra or {}))
 
     def client_factory(self):
-        """() -> StoreClient for this config; with no master the client discovers (or starts) the embedded store
+        """() -> StoreClient of ``store``; with no master the client discovers (or starts) the embedded store
         on first call, as every StoreClient does."""
         def make():
-            from kvplugins.store import ClientConfig, StoreClient
-            return StoreClient(ClientConfig(master=self.master, rpc_timeout_ms=self.rpc_timeout_ms,
-                                            transfer_timeout_ms=self.transfer_timeout_ms,
-                                            transports=self.transports))
+            from kvplugins.store import StoreClient
+            return StoreClient(self.store)
         return make

@@ -51,7 +51,8 @@ def params_of(request) -> dict | None:
 
 
 def _transfer(cfg) -> TransferConfig:
-    return transfer_config(host=cfg.pd_host, transports=cfg.transports, timeout_ms=float(cfg.transfer_timeout_ms))
+    return transfer_config(host=cfg.pd_host, transports=cfg.store.transports,
+                           timeout_ms=float(cfg.store.transfer_timeout_ms))
 
 
 def producer(layout, cfg) -> tuple[Producer, PDHandshake]:

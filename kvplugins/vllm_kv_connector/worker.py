@@ -453,7 +453,8 @@ def _staged(layout: PageLayout, cfg: VllmConnectorConfig, shares: int = 1):
                           "staging='auto' to move its pages through pinned host memory")
     if cfg.staging == "always" or layout.device != "cpu":
         from kvplugins.layout.staged import StagedPages
-        return StagedPages(layout, cfg.bounce_bytes // shares, slot_timeout_s=2 * cfg.transfer_timeout_ms / 1000)
+        return StagedPages(layout, cfg.bounce_bytes // shares,
+                           slot_timeout_s=2 * cfg.store.transfer_timeout_ms / 1000)
     return None
 
 

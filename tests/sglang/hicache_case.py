@@ -29,7 +29,7 @@ def storage_config(master: str | None, *, kind: str = "mha", tp_rank: int = 0, t
     """The HiCacheStorageConfig SGLang builds for one rank; master None = the user's JSON names no master."""
     cfg = {**USER_JSON, "interface_v1": int(v1), "retry_ms": 200, **extra}
     if master is not None:
-        cfg["master"] = master
+        cfg["store"] = {"master": master}
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=kind == "mla", enable_storage_metrics=True,
                                 is_page_first_layout=True, model_name=model, extra_config=cfg)

@@ -85,7 +85,7 @@ def test_factory_builds_backend_from_user_json(cluster):
     case = hc.make_case(cluster.master, "mha", "page_first")
     try:
         assert type(case.backend) is KVPluginsHiCacheStorage
-        assert case.backend.config.master == cluster.master and case.backend.interface_v1
+        assert case.backend.config.store.master == cluster.master and case.backend.interface_v1
         assert case.controller.page_set_func == case.controller._page_set_zero_copy
     finally:
         case.backend.close()
@@ -93,19 +93,19 @@ def test_factory_builds_backend_from_user_json(cluster):
 
 def test_unknown_extra_config_key_lists_valid_keys():
     sc = hc.storage_config("127.0.0.1:1", mastr="typo")
-    with pytest.raises(ConfigError, match="extra-config: unknown key.*mastr.*valid keys: master.*interface_v1"):
+    with pytest.raises(ConfigError, match="extra-config: unknown key.*mastr.*valid keys: .*store.*interface_v1"):
         KVPluginsHiCacheStorage(sc, {})
 
 
 def test_config_precedence_extra_config_over_env_over_file(tmp_path, monkeypatch):
     cfg_file = tmp_path / "kvp.toml"
-    cfg_file.write_text('[sglang]\nrpc_timeout_ms = 111\ntransfer_timeout_ms = 222\nretry_ms = 333\n')
+    cfg_file.write_text('[sglang]\nretry_ms = 333\n[sglang.store]\nrpc_timeout_ms = 111\ntransfer_timeout_ms = 222\n')
     monkeypatch.setenv("KVPLUGINS_CONFIG", str(cfg_file))
-    monkeypatch.setenv("KVPLUGINS_SGLANG_TRANSFER_TIMEOUT_MS", "444")
+    monkeypatch.setenv("KVPLUGINS_CLIENT_TRANSFER_TIMEOUT_MS", "444")
     monkeypatch.setenv("KVPLUGINS_SGLANG_RETRY_MS", "555")
     backend = KVPluginsHiCacheStorage(hc.storage_config("127.0.0.1:1", retry_ms=666), {})
     cfg = backend.config
-    assert (cfg.rpc_timeout_ms, cfg.transfer_timeout_ms, cfg.retry_ms) == (111, 444, 666)
+    assert (cfg.store.rpc_timeout_ms, cfg.store.transfer_timeout_ms, cfg.retry_ms) == (111, 444, 666)
 
 
 def test_construction_needs_no_store():

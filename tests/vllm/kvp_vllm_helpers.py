@@ -93,7 +93,7 @@ def engine_pair(model: str, turn_prompts, master: str, ns_path) -> tuple[dict, d
     import json
 
     from kvplugins.demo.engine import EngineSpec, run_fresh
-    conn = {"master": master, "namespace_file": str(ns_path)}
+    conn = {"store": {"master": master}, "namespace_file": str(ns_path)}
     a = run_fresh(EngineSpec(model, turn_prompts[0], connector=conn))
     b = run_fresh(EngineSpec(model, turn_prompts[1], connector=conn))
     return a, b, json.loads(ns_path.read_text())
@@ -197,7 +197,7 @@ def pd_pair(model: str, master: str, log_dir, prefill_tp: int = 1, decode_env: d
     import threading
 
     from kvplugins.cli.pd_proxy import PDProxyConfig, serve
-    extra = {"master": master, "pd_wait_ms": 30000}
+    extra = {"store": {"master": master}, "pd_wait_ms": 30000}
     prefill = Server(model, {"kv_connector": "KVPluginsConnector", "kv_role": "kv_producer",
                              "kv_connector_extra_config": extra}, log_dir / f"prefill_tp{prefill_tp}.log",
                      tp=prefill_tp)

@@ -35,4 +35,4 @@ def test_unknown_extra_config_key_raises_clearly():
     from kvplugins.vllm_kv_connector import VllmConnectorConfig
     with pytest.raises(ConfigError, match="unknown key.*mastr.*valid keys"):
         VllmConnectorConfig.from_extra_config({"mastr": "x:1"})
-    assert VllmConnectorConfig.from_extra_config({"master": "h:1", "save": "false"}).save is False
+    assert VllmConnectorConfig.from_extra_config({"store": {"master": "h:1"}, "save": "false"}).save is False

@@ -67,7 +67,7 @@ def test_preempted_batch_reloads_from_the_store(shared, baseline, model, turn_pr
     MultiConnector (whose stats lookups go by connector name)."""
     blocks = sum(-(-n // BLOCK) for n in baseline["prompt_tokens"]) + 1
     child = {"kv_connector": "KVPluginsConnector", "kv_role": "kv_both",
-             "kv_connector_extra_config": {"master": cluster.master}}
+             "kv_connector_extra_config": {"store": {"master": cluster.master}}}
     multi = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [child]}}
     r = run_fresh(EngineSpec(model, turn_prompts[1], max_tokens=48, batch=True, num_blocks=blocks,
                              max_model_len=2048, connector={}, transfer=multi))
@@ -84,7 +84,7 @@ def test_page_that_fails_to_load_is_recomputed(shared, baseline, model, turn_pro
         stored = stored_page_keys(client, b, info)
         with restored(client, stored[5:6]):
             replace_pages(client, stored[5:6], object_bytes(info) // 2)  # wrong size: load fails
-            r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master},
+            r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"store": {"master": cluster.master}},
                                      load_failure="recompute"), log_path=str(log))
     assert "1 of" in log.read_text() and "pages failed to load" in log.read_text()
     assert r["tokens"] == baseline["tokens"]
@@ -102,7 +102,7 @@ def test_fail_policy_fails_only_that_request_with_a_clear_error(shared, baseline
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         stored = stored_page_keys(client, b, info)
         with flipped(client, stored[2:3]):  # page 2 of prompt 0
-            r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master},
+            r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"store": {"master": cluster.master}},
                                      load_failure="fail"), timeout_s=240, log_path=str(log))
     text = log.read_text()
     assert r["finish_reasons"] == ["error", "length"]
@@ -119,7 +119,7 @@ def test_corrupted_pages_change_tokens(shared, baseline, model, turn_prompts, cl
         stored = stored_page_keys(client, b, info)
         with restored(client, stored):
             replace_pages(client, stored, object_bytes(info))
-            bad = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master}))
+            bad = run_fresh(EngineSpec(model, turn_prompts[1], connector={"store": {"master": cluster.master}}))
     assert bad["external_hit_tokens"] >= b["external_hit_tokens"]  # B saved its own pages too
     assert bad["tokens"] != baseline["tokens"]
 
@@ -129,7 +129,7 @@ def test_store_down_still_serves_identical_tokens(model, turn_prompts, baseline,
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     log = tmp_path / "engine.log"
-    r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": dead, "rpc_timeout_ms": 300}),
+    r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"store": {"master": dead, "rpc_timeout_ms": 300}}),
                   log_path=str(log))
     assert r["external_hit_tokens"] == 0
     assert r["tokens"] == baseline["tokens"]
@@ -157,8 +157,8 @@ def test_node_killed_mid_load_recomputes_identical_tokens(shared, baseline, mode
     and the tokens equal the baseline."""
     node = copied.nodes[0]
     log = tmp_path / "engine.log"
-    spec = EngineSpec(model, turn_prompts[1], connector={"master": copied.master, "transports": "tcp",
-                                                         "transfer_timeout_ms": 60000})
+    spec = EngineSpec(model, turn_prompts[1], connector={"store": {"master": copied.master, "transports": "tcp",
+                                                                   "transfer_timeout_ms": 60000}})
     box: dict = {}
     runner = threading.Thread(target=lambda: box.update(r=run_fresh(spec, log_path=str(log))), daemon=True)
     node.popen.send_signal(signal.SIGSTOP)

@@ -40,7 +40,7 @@ def scheduler_side(model):
     from kvplugins.vllm_kv_connector.connector import KVPluginsConnector
 
     ktc = KVTransferConfig(kv_connector="KVPluginsConnector", kv_role="kv_both",
-                           kv_connector_extra_config={"master": _dead_master(), "rpc_timeout_ms": 300})
+                           kv_connector_extra_config={"store": {"master": _dead_master(), "rpc_timeout_ms": 300}})
     cfg = EngineArgs(model=model, dtype="float32", block_size=BLOCK, enforce_eager=True, max_model_len=2048,
                      kv_transfer_config=ktc).create_engine_config()
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(cfg.model_config.hf_config.num_hidden_layers)]

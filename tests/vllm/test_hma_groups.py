@@ -58,7 +58,7 @@ def test_keyspaces_of_two_groups_never_share_a_key(vllm_config):
     from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
     from kvplugins.vllm_kv_connector.engine import groups, keyspace
     kv = _config(_attn(), _attn(window=128))
-    cfg = VllmConnectorConfig.from_extra_config({"master": "unused:1"})
+    cfg = VllmConnectorConfig.from_extra_config({"store": {"master": "unused:1"}})
     a, b = (keyspace(vllm_config, kv, cfg, group=g) for g in groups(kv))
     assert a.namespace != b.namespace and a.keys([b"\x01" * 32]) != b.keys([b"\x01" * 32])
 
@@ -77,7 +77,7 @@ def test_mamba_state_group_in_align_mode_needs_only_the_hit_end(vllm_config):
                       mamba_cache_mode="align")
     full, state = groups(_config(_attn(), mamba))
     assert state.state and not full.state and list(state.needed(2, 10)) == [9] and not list(state.needed(2, 2))
-    ks = keyspace(vllm_config, _config(_attn(), mamba), VllmConnectorConfig.from_extra_config({"master": "x:1"}),
+    ks = keyspace(vllm_config, _config(_attn(), mamba), VllmConnectorConfig.from_extra_config({"store": {"master": "x:1"}}),
                   group=state)
     assert ks.page_bytes == 3 * 256 * 4 + 4 * 8 * 16 * 2 and "float32,bfloat16" in ks.kv_dtype
     with pytest.raises(ConfigError, match="group 1 .*mamba_cache_mode='none'.*enable-prefix-caching"):
@@ -101,7 +101,7 @@ def test_layer_chunks_cut_a_group_into_consecutive_layers_with_their_own_keys(vl
     assert [c.layer_names for c in chunks] == [tuple(names[:3]), tuple(names[3:])]
     assert [(c.index, c.uid) for c in chunks] == [(0, 0), (0, 1)]
     assert [c.layer_names for c in groups(kv, layer_chunks=9)] == [(n,) for n in names]  # at most one per layer
-    cfg = VllmConnectorConfig.from_extra_config({"master": "unused:1"})
+    cfg = VllmConnectorConfig.from_extra_config({"store": {"master": "unused:1"}})
     whole, *parts = [keyspace(vllm_config, kv, cfg, group=g) for g in groups(kv) + chunks]
     assert len({whole.namespace, *(p.namespace for p in parts)}) == 3
     assert sum(p.page_bytes for p in parts) == whole.page_bytes

@@ -68,7 +68,7 @@ def test_hybrid_corrupted_window_pages_change_tokens(shared, gemma_baseline, gem
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         assert all(client.batch_exists(keys))  # the window pages B loaded are in the store
         replace_pages(client, keys, object_bytes(info, sliding))
-    bad = run_fresh(EngineSpec(gemma, turn_prompts[1], connector={"master": cluster.master}))
+    bad = run_fresh(EngineSpec(gemma, turn_prompts[1], connector={"store": {"master": cluster.master}}))
     assert bad["external_hit_tokens"] == sum((len(ids) - 1) // BLOCK for ids in b["prompt_token_ids"]) * BLOCK
     assert bad["kvplugins"]["failed_blocks"] == 0  # the random bytes carry their own checksum: they load
     assert bad["tokens"] != gemma_baseline["tokens"]
@@ -82,6 +82,6 @@ def test_hybrid_failed_loads_recompute_identical_tokens(shared, gemma_baseline, 
         keys = stored_group_keys(client, b, info)
         assert len(keys) >= b["external_hit_tokens"] // BLOCK
         with flipped(client, keys):
-            bad = run_fresh(EngineSpec(gemma, turn_prompts[1], connector={"master": cluster.master}))
+            bad = run_fresh(EngineSpec(gemma, turn_prompts[1], connector={"store": {"master": cluster.master}}))
     assert bad["kvplugins"]["failed_blocks"] > 0 and bad["kvplugins"].get("loaded_blocks", 0) == 0
     assert bad["tokens"] == gemma_baseline["tokens"]

@@ -29,7 +29,7 @@ def kv_cache_config(layout: str | None):
 def test_layouts_get_different_namespaces(vllm_config):
     from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
     from kvplugins.vllm_kv_connector.engine import keyspace
-    cfg = VllmConnectorConfig.from_extra_config({"master": "unused:1"})
+    cfg = VllmConnectorConfig.from_extra_config({"store": {"master": "unused:1"}})
     nhd, hnd, hnd_alias, nhd_alias = (keyspace(vllm_config, kv_cache_config(x), cfg)
                                       for x in ("LBNHC", "LBHNC", "HND", "NHD"))
     assert nhd.page_bytes == hnd.page_bytes  # same size, different byte order: only the namespace tells them apart
@@ -43,6 +43,6 @@ def test_unresolved_layout_is_the_backends_preferred_one(vllm_config):
     connector built early agrees with one built after resolution."""
     from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
     from kvplugins.vllm_kv_connector.engine import keyspace
-    cfg = VllmConnectorConfig.from_extra_config({"master": "unused:1"})
+    cfg = VllmConnectorConfig.from_extra_config({"store": {"master": "unused:1"}})
     assert keyspace(vllm_config, kv_cache_config(None), cfg).namespace == \
         keyspace(vllm_config, kv_cache_config("LBHNC"), cfg).namespace

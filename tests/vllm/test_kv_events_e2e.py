@@ -57,7 +57,7 @@ def run_with_events(model, prompts, tmp_path, dtype="float32"):
         ns = tmp_path / "ns.json"
         a = run_fresh(EngineSpec(model, prompts, dtype=dtype, kv_events={
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint},
-            connector={"master": c.master, "namespace_file": str(ns)}))
+            connector={"store": {"master": c.master}, "namespace_file": str(ns)}))
         finish()
         info = json.loads(ns.read_text())
         with StoreClient(ClientConfig(master=c.master)) as client:

@@ -26,7 +26,7 @@ def cluster():
 
 
 def layered(cluster, **more) -> dict:
-    return {"master": cluster.master, "layer_chunks": CHUNKS, "async_load_tokens": 0, **more}
+    return {"store": {"master": cluster.master}, "layer_chunks": CHUNKS, "async_load_tokens": 0, **more}
 
 
 @pytest.fixture(scope="module")

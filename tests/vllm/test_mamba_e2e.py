@@ -32,13 +32,13 @@ def runs(request, turn_prompts, cluster, tmp_path_factory) -> dict:
     from kvplugins.demo.model import ensure_model
     model, dtype = str(ensure_model(family=request.param)), DTYPES[request.param]
     ns = tmp_path_factory.mktemp("ns") / "namespace.json"
-    conn = {"master": cluster.master, "namespace_file": str(ns)}
+    conn = {"store": {"master": cluster.master}, "namespace_file": str(ns)}
     a = run_fresh(EngineSpec(model, turn_prompts[0], connector=conn, dtype=dtype))
     b = run_fresh(EngineSpec(model, turn_prompts[1], connector=conn, dtype=dtype))
     import json
     return dict(baseline=run_fresh(EngineSpec(model, turn_prompts[1], dtype=dtype)), a=a, b=b,
                 info=json.loads(ns.read_text()), spec=EngineSpec(model, turn_prompts[1], dtype=dtype,
-                                                                 connector={"master": cluster.master}))
+                                                                 connector={"store": {"master": cluster.master}}))
 
 
 def _state_space(info) -> dict:
@@ -96,7 +96,7 @@ def test_mamba2_hybrid_maps_vllms_real_state_tensors(turn_prompts, cluster, tmp_
     from kvplugins.errors import KVPluginsError
     model, ns, log = str(ensure_model(family="granite4")), tmp_path / "ns.json", tmp_path / "engine.log"
     with pytest.raises(KVPluginsError, match="engine run failed"):
-        run_fresh(EngineSpec(model, turn_prompts[0][:1], connector={"master": cluster.master,
+        run_fresh(EngineSpec(model, turn_prompts[0][:1], connector={"store": {"master": cluster.master},
                                                                    "namespace_file": str(ns)}), log_path=str(log))
     text = log.read_text()
     assert "kvplugins: 2 KV cache group(s) of 2/2 layers" in text and "IndexError" in text

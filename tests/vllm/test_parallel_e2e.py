@@ -24,7 +24,7 @@ MLA_BLOCK = 16  # vLLM-CPU's MLA decode kernel runs 16-token blocks only (platfo
 
 
 def _pair(model, turn_prompts, master, ns, a_spec: dict, b_spec: dict, block: int = BLOCK):
-    conn = {"master": master, "namespace_file": str(ns)}
+    conn = {"store": {"master": master}, "namespace_file": str(ns)}
     a = run_fresh(EngineSpec(model, turn_prompts[0], connector=conn, block_size=block, **a_spec))
     b = run_fresh(EngineSpec(model, turn_prompts[1], connector=conn, block_size=block, **b_spec))
     return a, b, json.loads(ns.read_text())
@@ -35,7 +35,7 @@ def _corrupted_changes_tokens(model, turn_prompts, master, b, info, spec: dict, 
     with StoreClient(ClientConfig(master=master)) as client:
         stored = stored_page_keys(client, b, info)
         replace_pages(client, stored, object_bytes(info))
-    bad = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": master}, block_size=block, **spec))
+    bad = run_fresh(EngineSpec(model, turn_prompts[1], connector={"store": {"master": master}}, block_size=block, **spec))
     assert bad["external_hit_tokens"] > 0
     assert bad["tokens"] != baseline_tokens
 
@@ -44,7 +44,7 @@ def test_pages_cross_tp_sizes_both_ways(model, turn_prompts, baseline, cluster, 
     """A at TP 2 saves its pages per KV head; B at TP 1 hits every one of them; C at TP 2 then hits every page
     of the next turns, those B wrote at TP 1 included. Tokens equal the TP 1 engine's without the connector;
     pages and bytes are counted once per page, not once per worker; corrupted pages change the tokens."""
-    conn = {"master": cluster.master, "namespace_file": str(tmp_path / "ns.json")}
+    conn = {"store": {"master": cluster.master}, "namespace_file": str(tmp_path / "ns.json")}
     a = run_fresh(EngineSpec(model, turn_prompts[0], connector=conn, tp=2))
     b = run_fresh(EngineSpec(model, turn_prompts[1], connector=conn))
     c = run_fresh(EngineSpec(model, turn_prompts[1], connector=conn, tp=2))
@@ -82,7 +82,7 @@ def test_pipeline_parallel_stages_save_and_load_their_layers(model, turn_prompts
         keys = [k for k, ok in zip(keys, client.batch_exists(keys)) if ok]
         assert len(keys) >= pages
         replace_pages(client, keys, object_bytes(info))
-    bad = run_fresh(EngineSpec(model, turn_prompts[1], connector={"master": cluster.master}, pp=2))
+    bad = run_fresh(EngineSpec(model, turn_prompts[1], connector={"store": {"master": cluster.master}}, pp=2))
     assert bad["external_hit_tokens"] > 0 and bad["tokens"] != baseline["tokens"]
 
 

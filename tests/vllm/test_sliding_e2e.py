@@ -58,7 +58,7 @@ def test_all_sliding_failed_window_loads_recompute_identical_tokens(shared, mist
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         keys = stored_page_keys(client, b, info)
         with flipped(client, keys):
-            bad = run_fresh(EngineSpec(mistral, turn_prompts[1], connector={"master": cluster.master}),
+            bad = run_fresh(EngineSpec(mistral, turn_prompts[1], connector={"store": {"master": cluster.master}}),
                             log_path=str(log))
     stats = bad["kvplugins"]
     assert stats["failed_blocks"] > 0 and stats.get("loaded_blocks", 0) == 0  # every window page failed

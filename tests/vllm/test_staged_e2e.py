@@ -27,7 +27,7 @@ def cluster():
 
 
 def staged(cluster, **more) -> dict:
-    return {"master": cluster.master, "staging": "always", "bounce_bytes": BOUNCE, **more}
+    return {"store": {"master": cluster.master}, "staging": "always", "bounce_bytes": BOUNCE, **more}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_staged_pages_give_external_hits_and_identical_tokens(runs, baseline):
 def test_pages_saved_without_staging_load_staged(model, turn_prompts, baseline, tmp_path):
     """Staged and direct pages are the same bytes under the same keys: a direct save, a staged load."""
     with store_cluster(nodes=1, segment_size="256MiB") as c:
-        run_fresh(EngineSpec(model, turn_prompts[0], connector={"master": c.master, "staging": "never"}))
+        run_fresh(EngineSpec(model, turn_prompts[0], connector={"store": {"master": c.master}, "staging": "never"}))
         b = run_fresh(EngineSpec(model, turn_prompts[1], connector=staged(c)))
         store_log = c.master_proc.log_tail() + c.nodes[0].log_tail()      # (why, if B found no page)
     assert b["external_hit_tokens"] > 1000 and b["kvplugins"]["failed_blocks"] == 0, (b["kvplugins"], store_log)
