@@ -78,7 +78,7 @@ class ReplicaMethods:
         out = {}
         for key, (code, value) in zip(keys, self._c.locate(list(keys))):
             if code == protocol.OK:
-                out[key] = [ReplicaDescriptor(seg, off, value[0]) for seg, _, off in value[1]]
+                out[key] = [ReplicaDescriptor(loc.segment, loc.offset, value.size) for loc in value.replicas]
         return out
 
     @pybind
@@ -122,10 +122,10 @@ class ReplicaMethods:
                 if code != protocol.OK:
                     out[b].append([OBJECT_NOT_FOUND] * max(1, len(n)))
                     continue
-                ok = len(dst) == len(src) == len(n) and all(s + m <= value[0] for s, m in zip(src, n))
+                ok = len(dst) == len(src) == len(n) and all(s + m <= value.size for s, m in zip(src, n))
                 out[b].append(list(n) if ok else [INVALID_PARAMS] * max(1, len(n)))
                 if ok:
-                    locations[len(entries)] = value[1]
+                    locations[len(entries)] = value.replicas
                     entries.append((b, k))
                     spans.append([(buffer_ptrs[b] + d, m) for d, m in zip(dst, n)])
                     offs.append(list(src))

@@ -74,7 +74,7 @@ class SessionMethods:
         for key, (code, value) in zip(keys, self._c.locate(keys)):
             if code == protocol.OK:
                 with lock:
-                    gets[key] = (value[1], value[0], now + value[2] / 1000)
+                    gets[key] = (value.replicas, value.size, now + value.lease_ttl_ms / 1000)
                 out.append(OK)
             else:
                 out.append(code_of(protocol.entry_error(code, key, value)))

@@ -98,7 +98,8 @@ def groups(flat: Flat, todo: dict, descs: dict, failed: dict) -> list:
     ``todo``: key index -> locations to transfer. Keys naming an unknown segment go to ``failed``."""
     by_region: dict[tuple[str, int], list[int]] = {}      # per (segment, region): object offset per key or -1
     for i, locs in todo.items():
-        for seg, region_id, offset in locs:
+        for loc in locs:
+            seg, region_id, offset = loc.segment, loc.region, loc.offset
             if seg not in descs:
                 failed[i] = TransferFailed(f"segment {seg} is gone (node died or unregistered)")
                 continue

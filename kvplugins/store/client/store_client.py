@@ -25,7 +25,8 @@ import numpy as np
 from kvplugins.errors import (BufferNotRegistered, ChecksumMismatch, ConfigError, KeyNotFound, MasterUnreachable,
                               NativeError, PutPending, SizeMismatch, StoreError, TransferError, TransferFailed)
 from kvplugins.store.client import batches, checksum, promote
-from kvplugins.store.wire import protocol
+from kvplugins.store.wire import protocol, replies
+from kvplugins.store.wire.replies import Found, Location
 from kvplugins.store.client.slab import SlabSpace
 from kvplugins.store.client.stats import ClientStats
 from kvplugins.store.config import ClientConfig
@@ -165,7 +166,7 @@ class StoreClient:
         """Per key: the bytes, or the StoreError (KeyNotFound for a miss)."""
         keys, t0, lease_t0 = list(keys), time.perf_counter(), time.monotonic()
         found = self._lookup(keys)
-        sizes = [v[0] if c == protocol.OK else 0 for c, v in found]
+        sizes = [v.size if c == protocol.OK else 0 for c, v in found]
         with self._staging.slot(nbytes=sum(sizes)) as slot:
             base, mv, spans, off = slot.addr, self._staging.view(slot), [], 0
             for n in sizes:
@@ -269,10 +270,12 @@ class StoreClient:
     # whole object) or aborts them; a get session looks objects up once (locate, with a lease) and reads ranges
     # of them (transfer_ranges "read"). Every transfer is one array-form batch per (segment, region).
     def put_start(self, keys: list[str], sizes: list[int], config: PutConfig | None = None) -> list:
-        """Reserve ``keys`` of ``sizes`` bytes: per key [code, locations or why] (store/wire/protocol.py codes;
-        EXISTS for a stored key). Raises MasterUnreachable."""
+        """Reserve ``keys`` of ``sizes`` bytes: per key (code, the replicas' list of Location where code is OK,
+        else why) (store/wire/protocol.py codes; EXISTS for a stored key). Raises MasterUnreachable, StoreError
+        for a malformed answer."""
         cfg = config or self._put_cfg
-        return self._rpc_entries("put_start", [[k, int(n)] for k, n in zip(keys, sizes)], cfg.wire)
+        started = self._rpc_entries("put_start", [[k, int(n)] for k, n in zip(keys, sizes)], cfg.wire)
+        return [(code, replies.locations(value) if code == protocol.OK else value) for code, value in started]
 
     def put_commit(self, keys: list[str]) -> list:
         """Make reserved ``keys`` readable, without checksums: per key [code, detail]."""
@@ -283,12 +286,12 @@ class StoreClient:
         return self._rpc_entries("put_abort", list(keys))
 
     def locate(self, keys: list[str]) -> list:
-        """Where ``keys`` are, with a read lease: per key [code, [size, locations, lease ttl ms, checksum]]
-        (disk-only objects promoted first)."""
+        """Where ``keys`` are, with a read lease: per key (code, a replies.Found where code is OK, else why)
+        (disk-only objects promoted first). Raises MasterUnreachable, StoreError for a malformed answer."""
         return self._lookup(list(keys))
 
     def transfer_ranges(self, kind: str, keys: list[str], spans: list[list[Span]], offsets: list[list[int]],
-                        locations: dict[int, list]) -> list[StoreError | None]:
+                        locations: dict[int, list[Location]]) -> list[StoreError | None]:
         """Write (``kind`` "write") or read each key's spans (address, bytes) at ``offsets`` (bytes) inside the
         object, at ``locations[i]`` (every replica for a write, the first for a read). Per key None or the error
         (a span outside registered memory: BufferNotRegistered; a failed transfer: TransferFailed)."""
@@ -297,7 +300,7 @@ class StoreClient:
         flat.inner = np.fromiter((o for offs in offsets for o in offs), dtype=np.uint64, count=len(flat.lens))
         todo = {i: locs if kind == "write" else locs[:1] for i, locs in locations.items() if out[i] is None}
         failed: dict[int, StoreError] = {}
-        descs = self._descriptors({loc[0] for locs in todo.values() for loc in locs})
+        descs = self._descriptors({loc.segment for locs in todo.values() for loc in locs})
         self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, None)
         for i, err in failed.items():
             out[i] = err
@@ -333,7 +336,7 @@ class StoreClient:
         writes, pending = {}, []
         for i, (code, value) in zip(todo, started):
             if code == protocol.OK:
-                writes[i] = value
+                writes[i] = replies.locations(value)
             elif code == protocol.PENDING:
                 pending.append(i)
             elif code != protocol.EXISTS:
@@ -368,7 +371,7 @@ class StoreClient:
         if placed is None:
             return todo
         slab, offsets = placed
-        writes = {i: [[slab.segment, slab.region_id, off]] for i, off in zip(todo, offsets)}
+        writes = {i: [Location(slab.segment, slab.region_id, off)] for i, off in zip(todo, offsets)}
         sums = checksum.span_sums(flat)
         failed = self._transfer("write", flat, writes, sums)
         if failed:
@@ -378,7 +381,7 @@ class StoreClient:
             return list(failed)
         digests, sent = checksum.digests(flat, ok, sums), time.monotonic()
         try:
-            answers = self._rpc.call("put", [[keys[i], flat.sizes[i], slab.id, writes[i][0][2]] for i in ok],
+            answers = self._rpc.call("put", [[keys[i], flat.sizes[i], slab.id, writes[i][0].offset] for i in ok],
                                      {"xxh3": [digests[i] for i in ok]})
         except StoreError:
             self._slabs.forget()
@@ -431,15 +434,15 @@ class StoreClient:
                 continue
             if code != protocol.OK:
                 out[i] = KeyNotFound(keys[i])
-            elif flat.sizes[i] != value[0]:
-                out[i] = SizeMismatch(f"{keys[i]}: object is {value[0]} bytes, spans hold "
-                                      f"{flat.sizes[i]}; pass spans summing to {value[0]}")
+            elif flat.sizes[i] != value.size:
+                out[i] = SizeMismatch(f"{keys[i]}: object is {value.size} bytes, spans hold "
+                                      f"{flat.sizes[i]}; pass spans summing to {value.size}")
             else:
                 reads[i] = value
         failed, corrupt = self._read_replicas(reads, flat, keys)
         for i, err in failed.items():
             out[i] = err
-        ttl = min((v[2] for v in reads.values()), default=0)
+        ttl = min((v.lease_ttl_ms for v in reads.values()), default=0)
         self._settle_lease(keys, out, list(reads), corrupt, t0, ttl)
         return out, flat.sizes
 
@@ -461,8 +464,8 @@ class StoreClient:
         out: list[StoreError | None] = [None] * len(keys)
         ttl, sizes, names, regions, seg_idx, offs, more, sums, disk = self._rpc.call("get", keys, {"cols": 1})
         if more or disk:
-            found = [disk.get(j, [protocol.NOT_FOUND, None]) if n < 0 else [protocol.OK, [n, more.get(j) or [
-                [names[k], regions[k], off]], ttl, sums[j]]]
+            found = [disk.get(j, [protocol.NOT_FOUND, None]) if n < 0 else [protocol.OK, Found(
+                n, replies.locations(more[j]) if more.get(j) else [Location(names[k], regions[k], off)], ttl, sums[j])]
                 for j, (n, k, off) in enumerate(zip(sizes, seg_idx, offs))]
             return self._read(keys, spans_per_key, found, t0)
         flat = batches.arrays(batches.flatten(self._engine, keys, spans_per_key, out))
@@ -488,24 +491,24 @@ class StoreClient:
         self._settle_lease(keys, out, idx, corrupt, t0, ttl)
         return out, flat.sizes
 
-    def _read_replicas(self, reads: dict, flat, keys) -> tuple[dict[int, StoreError], list]:
+    def _read_replicas(self, reads: dict[int, Found], flat, keys) -> tuple[dict[int, StoreError], list]:
         """Read each object from its first replica; entries that failed (transfer error or checksum mismatch)
         retry on the next replica, one transfer batch per round. Returns (index -> error of the entries no
         replica could serve, the mismatched replicas as report_corrupt entries)."""
         failed: dict[int, StoreError] = {}
         pending, corrupt = dict(reads), []
-        for r in range(max((len(v[1]) for v in reads.values()), default=0)):
-            attempt = {i: v[1][r:r + 1] for i, v in pending.items() if r < len(v[1])}
+        for r in range(max((len(v.replicas) for v in reads.values()), default=0)):
+            attempt = {i: v.replicas[r:r + 1] for i, v in pending.items() if r < len(v.replicas)}
             if not attempt:
                 break
             sums = checksum.span_sums(flat) if self.cfg.verify_checksums else None
             errors = self._transfer("read", flat, attempt, sums)
             if self.cfg.verify_checksums:
-                done = {i: _sum(reads[i]) for i in attempt if i not in errors}
+                done = {i: reads[i].checksum for i in attempt if i not in errors}
                 for i in checksum.mismatched(flat, done, sums):
                     errors[i] = ChecksumMismatch(f"{keys[i]}: bytes read do not match the object's checksum")
-                    seg, _, off = attempt[i][0]
-                    corrupt.append([keys[i], seg, off, _sum(reads[i])])
+                    loc = attempt[i][0]
+                    corrupt.append([keys[i], loc.segment, loc.offset, reads[i].checksum])
             for i in attempt:
                 failed.pop(i, None)
             failed.update(errors)
@@ -526,18 +529,19 @@ class StoreClient:
         self._stats.checksum_failed(len(entries), reported)
 
     def _lookup(self, keys: list[str], found: list | None = None) -> list:
-        """The get answer for ``keys`` (asked now unless ``found`` is given), disk-resident entries (ON_DISK)
-        promoted by the disk tier's client side (kvplugins.store.client.promote.resolve) or, without it, misses."""
+        """The get answer for ``keys`` (asked now unless ``found`` is given) as (code, Found or why) per key,
+        disk-resident entries (ON_DISK) promoted by the disk tier's client side
+        (kvplugins.store.client.promote.resolve) or, without it, misses. Raises StoreError for a malformed one."""
         found = self._rpc_entries("get", keys) if found is None else found
-        if not any(code == protocol.ON_DISK for code, _ in found):
-            return found
-        return promote.resolve(self, keys, found)
+        if any(code == protocol.ON_DISK for code, _ in found):
+            found = promote.resolve(self, keys, found)
+        return [(code, replies.found(value) if code == protocol.OK else value) for code, value in found]
 
     def _transfer(self, kind: str, flat, todo: dict, sums) -> dict[int, StoreError]:
         """One array-form transfer per (segment, region) for keys ``todo`` (index -> locations to use); each
         moved span's xxh3_64 goes to ``sums`` (checksum.span_sums). Returns index -> error."""
         failed: dict[int, StoreError] = {}
-        descs = self._descriptors({loc[0] for locs in todo.values() for loc in locs})
+        descs = self._descriptors({loc.segment for locs in todo.values() for loc in locs})
         return self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, sums)
 
     def _run_groups(self, kind: str, flat, groups: list, failed: dict, sums) -> dict[int, StoreError]:
@@ -573,10 +577,6 @@ def _slab_placed(config: PutConfig) -> bool:
     """Whether a put with ``config`` may go to the client's slab: one replica, no preferred segment, no pin."""
     return config.replicas == 1 and not config.preferred_segment and config.pin == "none"
 
-
-def _sum(value):
-    """The checksum of a get answer's value [size, locations, ttl, checksum] (None if absent)."""
-    return value[3] if len(value) > 3 else None
 
 
 def _raise_first(errors) -> None:

@@ -1,4 +1,5 @@
-"""The store's wire: ``protocol`` (framing, op names, per-entry status codes, the version) and ``schema`` (every
-op's entries, options and replies as typed, range-checked msgspec structs, decoded straight from the wire).
+"""The store's wire: ``protocol`` (framing, op names, per-entry status codes, the version), ``schema`` (every
+op's entries and options as typed, range-checked msgspec structs, decoded straight from the wire) and ``replies``
+(the answers the client acts on, typed the same way).
 Shared by the client, the master and the nodes; imports nothing else of the store."""
-__all__ = ["protocol", "schema"]
+__all__ = ["protocol", "replies", "schema"]
