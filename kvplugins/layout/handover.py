@@ -197,6 +197,7 @@ class Consumer:
     def ack(self, offer: Offer, slot: int, token: int) -> None:
         """Tell the producer its blocks are free (best effort: it frees them after its hold time anyway)."""
         self._ack[0] = token
+        err: Exception | None
         try:
             err = self.engine.write_spans(offer.descriptor, offer.mailbox_region, [self._ack.ctypes.data],
                                           [slot * 8], [8])[0]

@@ -84,14 +84,12 @@ class ReplicaMethods:
     @pybind
     @guard(on_error=lambda *_: [])
     def batch_replica_clear(self, keys: list[str], segment_name: str = "") -> list[str]:
-        """Drop the replicas of ``keys`` whose read lease has ended (all of them, or with ``segment_name`` only
-        objects whose every replica is on that segment); returns the keys cleared."""
-        if segment_name:
-            found = self.batch_get_replica_desc(list(keys))
-            keys = [k for k in keys if k in found and all(
-                r.get_memory_descriptor().buffer_descriptor.transport_endpoint == segment_name for r in found[k])]
-        results = self._call("remove_checked", list(keys), {"force": False})
-        return [k for k, r in zip(keys, results) if r == "removed"]
+        """Drop the replicas of ``keys`` whose read lease has ended: every replica (the object goes), or with
+        ``segment_name`` only the replica on that segment (an object left without one goes); returns the keys
+        cleared. Chosen by the master in one pass, taking no lease (Mooncake 0.3.13 BatchReplicaClear)."""
+        opts = {"force": False, "segment": segment_name} if segment_name else {"force": False}
+        results = self._call("remove_checked", list(keys), opts)
+        return [k for k, r in zip(keys, results) if r in ("removed", "cleared")]
 
     @pybind
     @guard()

@@ -65,6 +65,8 @@ def main() -> None:
         pooled = MooncakeDistributedStore()
         assert _Localhost(pooled).setup("localhost", META, 0, 16 << 20, "tcp", "", MASTER) == 0
         test_mooncake_api.mooncake_pool_script(pooled, mooncake.store.BufferPool)
+        test_mooncake_api.mooncake_replica_clear_script(_Localhost(MooncakeDistributedStore()), MASTER,
+                                                        ReplicateConfig, 10.2)    # its default 10 s read lease
         import test_mooncake_tasks
         test_mooncake_tasks.mooncake_tasks_script(_Localhost(MooncakeDistributedStore()), MASTER, ReplicateConfig)
         import test_mooncake_parallel

@@ -2,6 +2,7 @@
 types of the installed Mooncake (0.3.13, read from its pybind signatures), a Mooncake-style script run against
 our real store processes with Mooncake's documented return codes, and the admin ops behind it."""
 import re
+import time
 
 import numpy as np
 import pytest
@@ -362,6 +363,34 @@ def test_mooncake_script_runs_on_our_store():
         ctl.close()
 
 
+def mooncake_replica_clear_script(store, master: str, config_cls, lease_s: float) -> None:
+    """batch_replica_clear as Mooncake 0.3.13 answers it (tests/mooncake/mooncake_crosscheck.py runs this on the
+    real wheel and master, whose read lease is 10 s): with segment_name only the replica there goes and the object
+    stays readable from the other; a leased object is skipped; choosing takes no lease. Needs two segments."""
+    assert store.setup("localhost", "", 0, 1 << 20, "tcp", "", master) == 0
+    cfg = config_cls()
+    cfg.replica_num = 2
+    assert store.put("rc/1", b"a" * 1000, cfg) == 0 and store.put("rc/2", b"b" * 1000, cfg) == 0
+    first, second = (r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                     for r in store.get_replica_desc("rc/1"))           # a read lease, as a get takes
+    assert store.batch_replica_clear(["rc/1"], first) == []            # leased: kept
+    time.sleep(lease_s)
+    assert store.batch_replica_clear(["rc/1", "rc/2", "absent"], first) == ["rc/1", "rc/2"]
+    assert store.batch_replica_clear(["rc/1"], first) == []            # none left there
+    assert store.get("rc/1") == b"a" * 1000 and store.get("rc/2") == b"b" * 1000
+    assert [r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for r in store.get_replica_desc("rc/1")] == [second]
+    time.sleep(lease_s)
+    assert store.batch_replica_clear(["rc/1"], second) == ["rc/1"] and store.is_exist("rc/1") == 0
+    assert store.batch_replica_clear(["rc/2"]) == ["rc/2"] and store.is_exist("rc/2") == 0   # every replica
+    assert store.close() == 0
+
+
+def test_batch_replica_clear_with_a_segment_drops_only_that_replica():
+    with store_cluster(nodes=2, segment_size="4MiB", master_flags={"lease_ttl_ms": 1500}) as c:
+        mooncake_replica_clear_script(MooncakeDistributedStore(), c.master, ReplicateConfig, 1.6)
+
+
 def test_replica_num_places_two_replicas_and_pins_map():
     with store_cluster(nodes=2, segment_size="4MiB") as c:
         store = MooncakeDistributedStore()
@@ -419,6 +448,32 @@ def test_errors_are_codes_before_setup_and_when_master_is_down(monkeypatch):
     assert store.setup("localhost", "", 0, 1 << 20, "ib", "", master) == -600
 
 
+def test_remove_checked_of_one_segment_frees_that_replica_after_its_lease():
+    from kvplugins.store.config import MasterConfig
+    from kvplugins.store.master.service import MasterService
+    from kvplugins.store.wire.protocol import OK
+    now = [100.0]
+    m = MasterService(MasterConfig(lease_ttl_ms=1000), clock=lambda: now[0])
+    segs = []
+    for i in range(2):
+        wire = {"v": 1, "segment_id": f"s{i}", "host_id": f"h{i}", "transports": {}, "regions": [[1, 4096, None]]}
+        [(code, name)] = m.handle("register_segment", [[wire, 1, 4096]], {})
+        segs.append(name)
+    assert m.handle("put_start", [["k", 100]], {"replicas": 2})[0][0] == OK
+    assert m.handle("put_commit", ["k"], {})[0][0] == OK
+    [(code, [size, replicas, ttl, _])] = m.handle("get", ["k"], {})              # a reader's lease
+    assert sorted(r[0] for r in replicas) == sorted(segs)
+    assert m.handle("remove_checked", ["k"], {"segment": segs[0]}) == ["leased"]
+    now[0] += 1.5
+    assert m.handle("remove_checked", ["k", "zz"], {"segment": segs[0]}) == ["cleared", "missing"]
+    assert [r[0] for r in m.handle("get", ["k"], {})[0][1][1]] == [segs[1]]
+    m.tick()
+    assert m.segments.get(segs[0]).used == 0                                     # no lease on the dropped bytes
+    now[0] += 1.5
+    assert m.handle("remove_checked", ["k"], {"segment": segs[0]}) == ["elsewhere"]
+    assert m.handle("remove_checked", ["k"], {"segment": segs[1]}) == ["removed"] and len(m.table) == 0
+
+
 def test_admin_ops_honour_leases():
     from kvplugins.store.config import MasterConfig
     from kvplugins.store.master.service import MasterService
@@ -472,7 +527,7 @@ def test_same_script_gives_the_same_codes_on_real_mooncake():
     proc = subprocess.Popen(["unshare", "-n", sys.executable, str(Path(__file__).with_name("mooncake_crosscheck.py"))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)          # Mooncake's processes too (same session)

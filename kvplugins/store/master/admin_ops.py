@@ -58,7 +58,8 @@ def ops(service) -> dict:
     """name -> fn(entries, opts, now) for MasterService's dispatcher (entries/opts as kvplugins.store.wire.schema)."""
     return {
         "get_size": lambda entries, opts, now: get_size(service, entries),
-        "remove_checked": lambda entries, opts, now: remove_checked(service, entries, opts.force, now),
+        "remove_checked": lambda entries, opts, now: remove_checked(service, entries, opts.force, now,
+                                                                    opts.segment),
         "remove_by_regex": lambda entries, opts, now: remove_by_regex(service, entries[0], opts.force),
         "remove_all": lambda entries, opts, now: Scan(service, opts.force, lambda key: True),
     }
@@ -73,8 +74,10 @@ def get_size(service, keys: list) -> list:
     return out
 
 
-def remove_checked(service, keys: list, force: bool, now: float) -> list:
-    """Per key "removed", "missing" (no complete object) or "leased" (a read lease runs and not ``force``)."""
+def remove_checked(service, keys: list, force: bool, now: float, segment: str = "") -> list:
+    """Per key "removed", "missing" (no complete object) or "leased" (a read lease runs and not ``force``).
+    With ``segment``, only the object's replicas on that segment go (MasterService.clear_replicas): "cleared"
+    when other replicas remain, "removed" when none does, "elsewhere" when it has none there."""
     out = []
     for key in keys:
         obj = service.table.get(key)
@@ -82,6 +85,8 @@ def remove_checked(service, keys: list, force: bool, now: float) -> list:
             out.append("missing")
         elif obj.leased(now) and not force:
             out.append("leased")
+        elif segment:
+            out.append(service.clear_replicas(obj, segment, now))
         else:
             out.append("removed" if _remove(service, [key], now) else "missing")
     return out

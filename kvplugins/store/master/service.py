@@ -349,6 +349,24 @@ class MasterService:
             self.zombies.add(until, [(seg, off) for off in offsets])
         return sum(seg.allocator.size_at(off) for off in offsets)
 
+    def clear_replicas(self, obj: Object, segment: str, now: float) -> str:
+        """Drop ``obj``'s replicas on segment ``segment`` (Mooncake's BatchReplicaClear with a segment name):
+        their space is freed once the object's read lease ends; an object left without a replica is removed.
+        Returns "cleared" (other replicas remain), "removed" or "elsewhere" (no replica on that segment)."""
+        mine = [r for r in obj.replicas if r[0] == segment]
+        if not mine:
+            return "elsewhere"
+        if len(mine) == len(obj.replicas):
+            self.drop(obj, now)
+            self.counters["removes"] += 1
+            return "removed"
+        obj.replicas = [r for r in obj.replicas if r[0] != segment]
+        seg = self.segments.get(segment)
+        if seg is not None:
+            self.zombies.add(max(obj.lease_until, now), [(seg, off) for _, off in mine])
+        self.journal.replicas_changed([obj])
+        return "cleared"
+
     def _drop_replica(self, obj: Object, name: str, off: int, now: float) -> None:
         if len(obj.replicas) == 1:
             self.drop(obj, now, reason="corrupt")

@@ -88,6 +88,12 @@ class ForceOpts(Struct, forbid_unknown_fields=True):
     force: bool = False
 
 
+class RemoveCheckedOpts(Struct, forbid_unknown_fields=True):
+    """remove_checked: ``force`` past read leases; ``segment``: only the replicas on that segment ('' = all)."""
+    force: bool = False
+    segment: Name = ""
+
+
 class MoreOpts(Struct, forbid_unknown_fields=True):
     more: Union[bool, Literal[0, 1]] = False
 
@@ -169,7 +175,7 @@ def _op_types(key: object, batch: Callable[[object], object]) -> dict[str, tuple
         "reserve": (Annotated[list[Size], Meta(max_length=64)], ReserveOpts),
         "put": (batch(_row(key, Size, U64, Offset)), CommitOpts),
         "get": (keys, GetOpts), "exists": (keys, NoOpts), "exists_prefix": (keys, NoOpts),
-        "remove": (keys, NoOpts), "get_size": (keys, NoOpts), "remove_checked": (keys, ForceOpts),
+        "remove": (keys, NoOpts), "get_size": (keys, NoOpts), "remove_checked": (keys, RemoveCheckedOpts),
         "remove_by_regex": (Annotated[list[Annotated[str, Meta(max_length=MAX_PATTERN)]],
                                       Meta(min_length=1, max_length=1)], ForceOpts),
         "remove_all": (none, ForceOpts),
