@@ -22,6 +22,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kvplugins.demo.conversation import corpus
+
 MODEL_DIR_NAME = "demo-model-v1"
 FAMILY_DIRS = {"llama": MODEL_DIR_NAME, "llama-wide": "demo-llama-wide-v1", "gemma3": "demo-gemma3-v1",
                "lfm2": "demo-lfm2-v1",
@@ -45,7 +47,6 @@ def _tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from kvplugins.demo.conversation import corpus
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.normalizer = normalizers.NFKC()

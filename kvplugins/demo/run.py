@@ -19,9 +19,11 @@ from pathlib import Path
 from statistics import median
 
 from kvplugins.config import component
-from kvplugins.errors import ConfigError
 from kvplugins.demo import conversation
 from kvplugins.demo.engine import EngineSpec, run_fresh
+from kvplugins.demo.model import FAMILY_DIRS, ensure_model
+from kvplugins.errors import ConfigError
+from kvplugins.store import UpConfig, embedded
 
 
 @component("demo")
@@ -42,7 +44,6 @@ class DemoConfig:
     engine_timeout_s: int = field(default=300, metadata={"help": "limit of each engine run (s)"})
 
     def __post_init__(self):
-        from kvplugins.demo.model import FAMILY_DIRS
         if self.model_family not in ("llama", "llama-wide") or self.model_family not in FAMILY_DIRS:
             raise ConfigError(f"--model-family {self.model_family!r}: use llama-wide (the default) or llama")
         if self.conversations < 1 or self.history_turns < 1 or self.max_tokens < 1:
@@ -100,7 +101,6 @@ def prompts(cfg: DemoConfig) -> tuple[list[str], list[str]]:
 
 def run(cfg: DemoConfig, say=print) -> DemoResult:
     """Run the three engines against the store; ``say`` gets progress lines."""
-    from kvplugins.demo.model import ensure_model
     model = str(ensure_model(cfg.model_dir or None, family=cfg.model_family))
     say(f"model: {model} (random-weight LlamaForCausalLM, {cfg.model_family}, float32)")
     a_prompts, b_prompts = prompts(cfg)
@@ -127,7 +127,6 @@ class _store:
         if self.master:
             self.say(f"store: master {self.master}")
             return self.master
-        from kvplugins.store import UpConfig, embedded
         self.tmp = tempfile.TemporaryDirectory(prefix="kvp-demo-")
         up = UpConfig(discovery_file=str(Path(self.tmp.name, "up.json")))
         address = embedded.ensure_running(config=up)

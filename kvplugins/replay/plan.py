@@ -13,7 +13,9 @@ from kvplugins.errors import ConfigError
 from kvplugins.replay import report, shapes, synth, trace
 from kvplugins.replay.caches import reference_hit_ratio
 from kvplugins.replay.config import ReplayConfig, capacity_blocks
+from kvplugins.replay.pool import PoolOps, private_store
 from kvplugins.replay.runner import Plan, replay
+from kvplugins.store import ClientConfig, StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +121,6 @@ def execute(cfg: ReplayConfig, path: str | None, say=print) -> list[dict]:
 
 
 def _one(cfg: ReplayConfig, p: Plan, reqs: list, sz: Sizes):
-    from kvplugins.replay.pool import PoolOps, private_store
-    from kvplugins.store import ClientConfig, StoreClient
     bar = _progress(cfg, p, len(reqs))
     try:
         def run(master: str):

@@ -18,6 +18,7 @@ from pathlib import Path
 import xxhash
 
 from kvplugins.errors import StoreError
+from kvplugins.store.embedded import CLI, wait_ready
 
 LEASE_TTL_MS = 100     # a private store's read lease: replayed reads take well under this
 # An as-fast-as-possible replay compresses the trace's hours into seconds, so a grace measured in wall time would
@@ -30,7 +31,6 @@ def private_store(segment_bytes: int, grace_ms: int, lease_ttl_ms: int = LEASE_T
     """Yield the master address of a fresh embedded store with one ``segment_bytes`` segment (default
     watermarks: eviction from 95% down to 85%, LRU) and an eviction grace of ``grace_ms`` (-1 = the lease).
     Raises StoreError if it does not start in 30 s."""
-    from kvplugins.store.embedded import CLI, wait_ready
     with tempfile.TemporaryDirectory(prefix="kvp-replay-") as tmp:
         path = Path(tmp) / "up.json"
         env = {**os.environ, "KVPLUGINS_UP_DISCOVERY_FILE": str(path)}

@@ -6,13 +6,13 @@ these fields (kvplugins.config). Times are in milliseconds, sizes in bytes (``By
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-
 import re
+from dataclasses import dataclass, field
 
 from kvplugins.config import Bytes, component, parse_bytes
 from kvplugins.errors import ConfigError
-
+from kvplugins.security.limits import ConnLimits
+from kvplugins.store.placement import from_client
 
 SHARD_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -37,7 +37,6 @@ class _MetricsLimits:
 
     def metrics_limits(self):
         """The metrics endpoint's ConnLimits (one request per connection: no idle time between requests)."""
-        from kvplugins.security.limits import ConnLimits
         return ConnLimits(self.metrics_max_connections, self.metrics_max_connections_per_peer, 0.0,
                           self.metrics_timeout_ms / 1000)
 
@@ -161,7 +160,6 @@ class MasterConfig(_MetricsLimits):
 
     def conn_limits(self):
         """The raw RPC endpoint's kvplugins.security.limits.ConnLimits."""
-        from kvplugins.security.limits import ConnLimits
         return ConnLimits(self.max_connections, self.max_connections_per_peer, self.idle_timeout_ms / 1000,
                           self.frame_timeout_ms / 1000, self.max_connections_per_identity)
 
@@ -237,7 +235,6 @@ class StoreNodeConfig(_MetricsLimits):
 
     def promote_limits(self):
         """The disk-tier promote endpoint's kvplugins.security.limits.ConnLimits."""
-        from kvplugins.security.limits import ConnLimits
         return ConnLimits(self.promote_max_connections, self.promote_max_connections_per_peer,
                           self.promote_idle_timeout_ms / 1000, self.promote_frame_timeout_ms / 1000)
 
@@ -286,7 +283,6 @@ class ClientConfig:
         _sizes(self)
         if self.replicas < 1:
             raise ConfigError(f"replicas={self.replicas} must be >= 1")
-        from kvplugins.store.placement import from_client
         from_client(self)           # validates pin / pin_ttl_ms (raises ConfigError)
         if self.rpc_timeout_ms <= 0 or self.transfer_timeout_ms <= 0:
             raise ConfigError("rpc_timeout_ms and transfer_timeout_ms must be > 0 ms")

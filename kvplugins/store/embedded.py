@@ -17,7 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvplugins.config import load
 from kvplugins.errors import MasterUnreachable, StoreError
+from kvplugins.store.client.rpc import RawRpcClient
 from kvplugins.store.config import UpConfig
 
 SGLANG_FLAGS = ("--enable-hierarchical-cache --hicache-storage-backend dynamic --hicache-storage-backend-extra-config "
@@ -31,7 +33,6 @@ CLI = [sys.executable, "-c", "import sys; from kvplugins.cli import main; sys.ex
 def discovery_path(config: UpConfig | None = None) -> Path:
     """Where ``kvplugins up`` writes (and adapters read) the discovery file."""
     if config is None:
-        from kvplugins.config import load
         config = load(UpConfig)
     if config.discovery_file:
         return Path(config.discovery_file)
@@ -54,7 +55,6 @@ def discover(timeout_ms: float = 1000, config: UpConfig | None = None) -> str | 
     info = read_discovery(discovery_path(config))
     if info is None:
         return None
-    from kvplugins.store.client.rpc import RawRpcClient
     rpc = RawRpcClient(info["master"], timeout_ms)
     try:
         rpc.call("info")

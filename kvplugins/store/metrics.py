@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+from kvplugins.errors import StoreError
 from kvplugins.security.limits import ConnLimits, GuardedServerMixIn
+from kvplugins.store.client.connect import control_client
+from kvplugins.store.wire import protocol
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,6 @@ class MasterMetrics:
         """Loop thread: take a fresh snapshot for the collector (no-op without an endpoint)."""
         if self.endpoint is None:
             return
-        from kvplugins.store.wire import protocol
         service = self._server.service
         try:
             status = protocol.unpack(protocol.pack(service.handle("status", [], {})))   # deep private copy
@@ -147,8 +149,6 @@ class NodeMetrics:
             return st
 
     def _ask_master(self) -> dict | None:
-        from kvplugins.errors import StoreError
-        from kvplugins.store.client.connect import control_client
         try:
             if self._rpc is None:
                 self._rpc = control_client(self.master, self.timeout_ms)

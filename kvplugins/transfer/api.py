@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Union
 
+from kvplugins.errors import OutOfRange, ProtocolError
+
 # A transport's endpoint fields (host, port, nics, gid, ...): msgpack scalars or lists of them
 EndpointValue = Union[str, int, float, bool, None, list[Union[str, int, float, bool, None]]]
 Endpoint = dict[str, EndpointValue]
@@ -71,7 +73,6 @@ class SegmentDescriptor:
     def from_wire(cls, d: Mapping[str, object]) -> "SegmentDescriptor":
         """The descriptor of a to_wire() dict (as a peer sent it). Raises ProtocolError naming what is malformed
         (the master's schema, store/wire/schema.py Descriptor, checked sizes and types before this)."""
-        from kvplugins.errors import ProtocolError
         try:
             if d["v"] != 1:
                 raise ProtocolError(f"segment descriptor version {d['v']!r} unsupported (this build speaks 1)")
@@ -87,7 +88,6 @@ class SegmentDescriptor:
         for r in self.regions:
             if r.region_id == region_id:
                 return r
-        from kvplugins.errors import OutOfRange
         raise OutOfRange(f"segment {self.segment_id} exports no region {region_id}")
 
 

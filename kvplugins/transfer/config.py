@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvplugins.config import Bytes, component, parse_bytes
+from kvplugins.config import Bytes, component, load, parse_bytes
 from kvplugins.errors import ConfigError
 from kvplugins.security.limits import ConnLimits
 
@@ -111,7 +111,6 @@ def transfer_config(**given) -> TransferConfig:
     an operator sets e.g. transports or rdma_devices once for nodes, clients and adapters. A given ``""`` is
     unset (a component's setting left empty: the transfer setting applies), so a component's default never
     overrides the environment or the file. Raises ConfigError."""
-    from kvplugins.config import load
     return load(TransferConfig, {k: v for k, v in given.items() if v != ""})
 
 

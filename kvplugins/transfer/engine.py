@@ -14,11 +14,15 @@ from typing import Any
 import numpy as np
 
 from kvplugins.errors import OutOfRange, TransferError, TransferFailed
-from kvplugins.transfer import shmem
+from kvplugins.transfer import cma, shmem
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor, TransferRequest
 from kvplugins.transfer.config import TransferConfig
 from kvplugins.transfer.memory import RegionTable, buffer_span, view_of
+from kvplugins.transfer.rdma import RdmaTransport
 from kvplugins.transfer.routing import Router
+from kvplugins.transfer.shm import ShmTransport
+from kvplugins.transfer.spans import as_u64
+from kvplugins.transfer.tcp import TcpTransport
 from kvplugins.transfer.transport import Op, Transport
 
 log = logging.getLogger("kvplugins.transfer")
@@ -48,17 +52,13 @@ class TransferEngine:
         names = self.config.transport_list()
         started: dict[str, Transport] = {}
         if "tcp" in names:
-            from kvplugins.transfer.tcp import TcpTransport
             started["tcp"] = TcpTransport(self.config, self._regions)
         if "shm" in names:
-            from kvplugins.transfer.shm import ShmTransport
             started["shm"] = ShmTransport(self.host_id, self.config.copy_threads)
         if "cma" in names:
-            from kvplugins.transfer import cma
             if cma.available():
                 started["cma"] = cma.CmaTransport(self.host_id)
         if "rdma" in names:
-            from kvplugins.transfer.rdma import RdmaTransport
             rdma, why = RdmaTransport.probe(self.config, started["tcp"])
             if rdma is None:         # once per process: a replay starts an engine per capacity, a test dozens
                 (log.info if why not in _ABSENT_LOGGED else log.debug)("rdma transport absent: %s", why)
@@ -168,7 +168,6 @@ class TransferEngine:
     def spans_registered(self, local_addrs, lengths) -> np.ndarray:
         """Per span (1-D integer arrays of addresses and byte lengths): whether it lies inside one registered
         region (numpy bool array; empty spans count as registered)."""
-        from kvplugins.transfer.spans import as_u64
         addrs, lens = as_u64(local_addrs, "local_addrs"), as_u64(lengths, "lengths")
         index = self._regions.index
         ok = (index.locate(addrs, lens) >= 0) | (lens == 0)

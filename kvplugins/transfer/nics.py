@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvplugins.config import format_bytes
+
 SYSFS = "/sys"
 ROCE_V2, ROCE_V1, IB = "RoCE v2", "RoCE v1", "IB"
 ETHERNET, INFINIBAND = "Ethernet", "InfiniBand"
@@ -332,7 +334,6 @@ def memlock_problem(min_bytes: int, *, limit: tuple[int, int] | None = None,
     soft, hard = memlock_limit() if limit is None else limit
     if soft == UNLIMITED or soft >= min_bytes or (has_ipc_lock() if ipc_lock is None else ipc_lock):
         return None
-    from kvplugins.config import format_bytes
     hard_text = "" if hard == soft else f" (hard {'unlimited' if hard == UNLIMITED else format_bytes(hard)})"
     return (f"RLIMIT_MEMLOCK {format_bytes(soft)}{hard_text} is below the {format_bytes(min_bytes)} to register "
             f"for RDMA: {MEMLOCK_FIX}")

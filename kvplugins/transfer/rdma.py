@@ -33,6 +33,7 @@ from kvplugins.errors import TransferError, TransferFailed
 from kvplugins.transfer import rdma_verbs as verbs
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
 from kvplugins.transfer.config import TransferConfig
+from kvplugins.transfer.nics import discover
 from kvplugins.transfer.rdma_paths import Path, PathStats, numa_of, pair, stripe
 from kvplugins.transfer.rdma_qps import QpPool
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
@@ -62,7 +63,6 @@ class RdmaTransport(Transport):
         _, why = verbs.import_pyverbs()
         if why:
             return None, why
-        from kvplugins.transfer.nics import discover
         wanted = [d.strip() for d in config.rdma_devices.split(",") if d.strip()] or None
         found = discover(wanted)
         usable = [n for n in found.nics if n.usable]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvplugins.errors import TransferError
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
+from kvplugins.transfer.spans import as_list
 
 if TYPE_CHECKING:
     from kvplugins.transfer.spans import SpanBatch
@@ -77,7 +78,6 @@ class Transport(ABC):
     def transfer_spans(self, op: Op, batch: "SpanBatch", deadline: Deadline) -> list[TransferError | None] | None:
         """The array form (spans.py): move every span of ``batch``; None when all succeeded, else one status
         per span. Default: one Entry per span through transfer(); transports override it to skip that."""
-        from kvplugins.transfer.spans import as_list
         entries = [Entry(reg, a, batch.remote, batch.info, r, n, batch.pins) for reg, a, r, n in zip(
             batch.regions, as_list(batch.addrs), as_list(batch.roffs), as_list(batch.lens))]
         return self.transfer(op, entries, deadline)

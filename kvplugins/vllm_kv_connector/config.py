@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from kvplugins.config import component, load
 from kvplugins.errors import ConfigError
+from kvplugins.store import StoreClient
 from kvplugins.store.config import ClientConfig
 
 
@@ -83,6 +84,5 @@ class VllmConnectorConfig:
         """() -> StoreClient of ``store``; with no master the client discovers (or starts) the embedded store
         on first call, as every StoreClient does."""
         def make():
-            from kvplugins.store import StoreClient
             return StoreClient(self.store)
         return make

@@ -15,8 +15,9 @@ import threading
 import time
 
 from kvplugins.errors import MasterUnreachable, StoreError
-from kvplugins.store.wire.protocol import NOT_LEADER
 from kvplugins.store.client.rpc import RawRpcClient, ZmqRpcClient
+from kvplugins.store.cluster.etcd import Etcd, parse_endpoint
+from kvplugins.store.wire.protocol import NOT_LEADER
 
 BACKOFF_S = 0.05
 DEFAULT_PREFIX = "/kvplugins/default"
@@ -28,7 +29,6 @@ ONCE_PER_LEADER = frozenset({"put_start", "reserve"})
 
 class _EtcdFinder:
     def __init__(self, address: str, timeout_ms: float, role: str = "client"):     # (etcd: no master role)
-        from kvplugins.store.cluster.etcd import Etcd, parse_endpoint
         endpoints, prefix = parse_endpoint(address)
         self.etcd = Etcd(",".join(f"http://{h}:{p}" for h, p in endpoints), timeout_s=min(2.0, timeout_ms / 1000))
         self.key = (prefix or DEFAULT_PREFIX) + "/leader"

@@ -13,9 +13,11 @@ import socket
 import threading
 import time
 
+import zmq
+
 from kvplugins import security
 from kvplugins.errors import ConfigError, Forbidden, MasterUnreachable, ProtocolError, StoreError
-from kvplugins.security import handshake
+from kvplugins.security import curve, handshake
 from kvplugins.security.roles import FORBIDDEN
 from kvplugins.store.wire import protocol
 from kvplugins.transfer.sockio import reusable
@@ -180,9 +182,6 @@ class ZmqRpcClient(_Base):
 
     def __init__(self, endpoint: str, timeout_ms: float, role: str = "client"):
         super().__init__(endpoint, timeout_ms, role)
-        import zmq
-
-        from kvplugins.security import curve
         self._zmq, self._curve = zmq, curve
         self._ctx = zmq.Context.instance()
         self._sock = self._monitor = None

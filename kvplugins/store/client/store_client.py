@@ -22,16 +22,34 @@ import time
 
 import numpy as np
 
-from kvplugins.errors import (BufferNotRegistered, ChecksumMismatch, ConfigError, KeyNotFound, MasterUnreachable,
-                              NativeError, PutPending, SizeMismatch, StoreError, TransferError, TransferFailed)
+from kvplugins.config import load
+from kvplugins.errors import (
+    BufferNotRegistered,
+    ChecksumMismatch,
+    ConfigError,
+    KeyNotFound,
+    MasterUnreachable,
+    NativeError,
+    PutPending,
+    SizeMismatch,
+    StoreError,
+    TransferError,
+    TransferFailed,
+)
+from kvplugins.security import roles
+from kvplugins.store import embedded
 from kvplugins.store.client import batches, checksum, promote
-from kvplugins.store.wire import protocol, replies
-from kvplugins.store.wire.replies import Found, Location
+from kvplugins.store.client.connect import master_client
 from kvplugins.store.client.slab import SlabSpace
 from kvplugins.store.client.stats import ClientStats
-from kvplugins.store.config import ClientConfig
+from kvplugins.store.config import ClientConfig, StoreNodeConfig
+from kvplugins.store.node.disk.worker import NodeTier
+from kvplugins.store.node.segment import OwnedSegment
 from kvplugins.store.placement import PutConfig, from_client
-from kvplugins.store.client.connect import master_client
+from kvplugins.store.wire import protocol, replies
+from kvplugins.store.wire.replies import Found, Location
+from kvplugins.transfer import SegmentDescriptor, TransferEngine
+from kvplugins.transfer.config import transfer_config
 from kvplugins.transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
@@ -43,15 +61,11 @@ class StoreClient:
     Raises MasterUnreachable if the master does not answer ``info`` within ``rpc_timeout_ms``. Thread-safe."""
 
     def __init__(self, config: ClientConfig | None = None):
-        from kvplugins.config import load
-        from kvplugins.transfer import TransferEngine
-        from kvplugins.transfer.config import transfer_config
         self.cfg = cfg = config or load(ClientConfig)
         self._put_cfg = from_client(cfg)
         if cfg.master:
             self.master = cfg.master
         else:
-            from kvplugins.store import embedded
             self.master = embedded.ensure_running(cfg.embedded_start_timeout_ms / 1000)
         self._sharded = self.master.startswith("shards://")     # kvplugins/store/cluster: no slabs, no columns
         if self._sharded and cfg.segment_size:
@@ -80,7 +94,6 @@ class StoreClient:
 
     def _own_segment(self, cfg: ClientConfig) -> None:
         """Register ``segment_size`` bytes as this client's segment, with its command link (_command_link)."""
-        from kvplugins.store.node.segment import OwnedSegment
         self._segment_rpc = master_client(self.master, cfg.rpc_timeout_ms, "node")   # needs a node credential
         self._segment = OwnedSegment(self._engine, cfg.segment_size, self._segment_rpc, cfg.heartbeat_interval_ms)
         self._segment_link = _command_link(cfg, self._engine, self._segment, self.master, self._segment_drained)
@@ -256,7 +269,6 @@ class StoreClient:
         the role it needs (security/roles.py): admin ops on an admin connection opened on first use, the rest on
         this client's connection. Returns the op's payload. Raises Forbidden (this process's credential lacks
         the role), MasterUnreachable, StoreError (the master refused the request)."""
-        from kvplugins.security import roles
         if roles.needed(op) != "admin":
             return self._rpc.call(op, entries, opts)
         with self._admin_lock:
@@ -565,7 +577,6 @@ class StoreClient:
         return failed
 
     def _descriptors(self, names: set[str]) -> dict:
-        from kvplugins.transfer import SegmentDescriptor
         missing = [n for n in names if n not in self._descs]
         for name, (code, wire) in zip(missing, self._rpc_entries("describe", missing)):
             if code == protocol.OK:
@@ -589,8 +600,6 @@ def _command_link(cfg: ClientConfig, engine, segment, master: str, on_exit):
     """The command link of a client's own segment (a store node's NodeTier, without a disk): replica copy/move
     tasks whose source is this segment (master/replica_tasks.py) and a drain of it run through it, polled every
     ``segment_poll_ms``. A drain's end calls ``on_exit`` (the client unregisters the segment and goes on)."""
-    from kvplugins.store.config import StoreNodeConfig
-    from kvplugins.store.node.disk.worker import NodeTier
     node = StoreNodeConfig(master=master, segment_size=cfg.segment_size, host=cfg.host,
                            rpc_timeout_ms=cfg.rpc_timeout_ms, disk_poll_ms=cfg.segment_poll_ms, prefault=False)
     return NodeTier(node, engine, segment, master, on_exit=on_exit)

@@ -21,6 +21,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvplugins.store.master.batches import Deferred
+from kvplugins.transfer import TransferConfig, TransferEngine
+from kvplugins.transfer.api import SegmentDescriptor, TransferRequest
 
 log = logging.getLogger(__name__)
 PROBE_BYTES = 4096
@@ -41,7 +43,6 @@ class Prober:
         return self._pool.submit(self._probe, wire, region_id, offset, nbytes)
 
     def _probe(self, wire: dict, region_id: int, offset: int, nbytes: int) -> str | None:
-        from kvplugins.transfer.api import SegmentDescriptor, TransferRequest
         try:
             engine, region, buf = self._started()
             remote = SegmentDescriptor.from_wire(wire)
@@ -64,7 +65,6 @@ class Prober:
     def _started(self):
         with self._lock:
             if self._engine is None:
-                from kvplugins.transfer import TransferConfig, TransferEngine
                 self._engine = TransferEngine(TransferConfig(host=self._host, transports="shm,tcp",
                                                              timeout_ms=self.timeout_ms, workers=1))
                 self._buf = bytearray(2 * PROBE_BYTES)

@@ -34,6 +34,9 @@ import logging
 import time
 
 import msgspec
+import zmq
+
+from kvplugins.security.curve import server_socket
 
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -104,9 +107,6 @@ class EventPublisher(NoEvents):
 
     def __init__(self, ctx, secret, endpoint: str, replay_endpoint: str, topic: str = "kvplugins",
                  buffer: int = 10000):
-        import zmq
-
-        from kvplugins.security.curve import server_socket
         self._zmq = zmq
         self._topic = topic.encode()
         self._pub = ctx.socket(zmq.PUB)

@@ -50,14 +50,15 @@ from kvplugins.security.curve import CurveServer, caller_of
 from kvplugins.security.limits import AcceptBackoff, ConnGate
 from kvplugins.security.roles import FORBIDDEN
 from kvplugins.security.secret import proved_identity
-from kvplugins.store.wire import protocol
 from kvplugins.store.config import MasterConfig
-from kvplugins.store.master.ha import group_commit
 from kvplugins.store.master.admin_ops import Scan
 from kvplugins.store.master.admission import Prober
 from kvplugins.store.master.batches import Deferred
+from kvplugins.store.master.events import EventPublisher
+from kvplugins.store.master.ha import group_commit
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.metrics import MasterMetrics
+from kvplugins.store.wire import protocol
 from kvplugins.store.wire.schema import RefusedRequest, Schemas
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,6 @@ class RpcServer:
         """The KV event publisher (master/events.py) when events_port >= 0, installed in the service; else None."""
         if config.events_port < 0:
             return None
-        from kvplugins.store.master.events import EventPublisher
         ep = EventPublisher(self._ctx, self._secret, _zmq_bind(config.host, config.events_port),
                             _zmq_bind(config.host, config.events_replay_port), config.events_topic,
                             config.events_buffer)

@@ -17,9 +17,10 @@ import logging
 import threading
 
 from kvplugins.errors import StoreError
+from kvplugins.store.cluster.membership import ClusterState, Membership, parse
+from kvplugins.store.config import MasterConfig
 from kvplugins.store.wire.protocol import WRONG_SHARD
 from kvplugins.store.wire.schema import subset
-from kvplugins.store.cluster.membership import ClusterState, Membership
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
@@ -137,9 +138,7 @@ class ShardMember:
 def shard_defaults(cfg):
     """``cfg`` (MasterConfig) with an HA shard's etcd prefix defaulted to <cluster prefix>/shard/<id> (its pair
     elects under it)."""
-    from kvplugins.store.config import MasterConfig
     if cfg.shard and cfg.etcd and cfg.etcd_prefix == MasterConfig.etcd_prefix:
-        from kvplugins.store.cluster.membership import parse
         cfg = dataclasses.replace(cfg, etcd_prefix=f"{parse(cfg.cluster)[1]}/shard/{cfg.shard}")
     return cfg
 

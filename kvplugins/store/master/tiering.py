@@ -21,9 +21,17 @@ import heapq
 from itertools import islice
 
 from kvplugins.store.master import drain
+from kvplugins.store.master.disk_state import (
+    FLIGHT_TIMEOUT_S,
+    POLL_BATCH,
+    TTL_MARGIN_S,
+    Copy,
+    DiskNode,
+    Flight,
+    raw_allocator,
+)
+from kvplugins.store.master.eviction import victims
 from kvplugins.store.master.replica_tasks import ReplicaTasks
-from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, POLL_BATCH, TTL_MARGIN_S, Copy, DiskNode, \
-    Flight, raw_allocator
 from kvplugins.store.wire.protocol import EXISTS, NOT_FOUND, OK, ON_DISK, STORE_FULL
 
 COUNTERS = ("offloads", "offload_failures", "offload_deferred", "promotions", "promote_failures", "disk_hits",
@@ -374,7 +382,6 @@ class Tiering:
     def alloc_on(self, seg, alloc, size: int, now: float) -> int | None:
         """An offset of ``size`` bytes from ``alloc`` (segment ``seg``'s allocator), evicting only ``seg``'s own
         LRU objects (those already on disk first: freeing them loses nothing); None when nothing there can go."""
-        from kvplugins.store.master.eviction import victims
         while (off := alloc.alloc(size)) is None:
             found = list(islice(victims(self.service.table, now, self.service.grace_cutoff(now), seg.name),
                                 CLEAN_SCAN))

@@ -10,10 +10,15 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvplugins.store.config import StoreNodeConfig
-from kvplugins.store.process import write_atomic
 from kvplugins.store.client.connect import control_client
+from kvplugins.store.config import StoreNodeConfig
+from kvplugins.store.metrics import serve_node
+from kvplugins.store.node.disk.worker import NodeTier
+from kvplugins.store.node.extents import ShardedSegments
 from kvplugins.store.node.segment import OwnedSegment
+from kvplugins.store.process import write_atomic
+from kvplugins.transfer import TransferEngine
+from kvplugins.transfer.config import transfer_config
 
 log = logging.getLogger(__name__)
 
@@ -24,14 +29,10 @@ class StoreNode:
     Raises MasterUnreachable if the master does not answer within ``rpc_timeout_ms``."""
 
     def __init__(self, config: StoreNodeConfig, master: str, on_drained=lambda: None):
-        from kvplugins.store.node.disk.worker import NodeTier
-        from kvplugins.transfer import TransferEngine
-        from kvplugins.transfer.config import transfer_config
         self.cfg, self.master = config, master
         self.engine = TransferEngine(transfer_config(host=config.host, transports=config.transports))
         self.segment = self.tier = self._rpc = None
         if master.startswith("shards://"):       # extents over the shards' masters (node/extents.py)
-            from kvplugins.store.node.extents import ShardedSegments
             try:
                 self.segment = ShardedSegments(self.engine, master, config.segment_size, config.shard_extents, config)
             except BaseException:
@@ -67,7 +68,6 @@ def serve(config: StoreNodeConfig, master: str, stop: threading.Event) -> None:
     disk = f", disk tier {config.disk_dir} ({config.disk_capacity} bytes)" if config.disk_dir else ""
     print(f"kvplugins store: segment {node.segment.name} ({config.segment_size} bytes{disk}) -> master {master}",
           flush=True)
-    from kvplugins.store.metrics import serve_node
     exporter = serve_node(node, config)          # /metrics if metrics_port >= 0
     try:
         while not stop.wait(0.5):      # short waits keep signal handlers responsive

@@ -6,22 +6,23 @@ import json
 import logging
 import uuid
 
+from kvplugins.store.cluster.etcd import Etcd, parse_endpoint
+from kvplugins.store.master.ha.election import Elector
+from kvplugins.store.master.ha.journal import EtcdJournal
+from kvplugins.store.master.ha.leader import LeaderGuard
+from kvplugins.store.master.rpc_server import RpcServer
+from kvplugins.store.master.shard import start_shard
+from kvplugins.store.process import stop_on_signals, write_atomic
+
 log = logging.getLogger(__name__)
 
 
 def serve(cfg) -> int:
     """Run an HA master until SIGTERM/SIGINT (a leader then hands over at once). Raises StoreError if etcd
     does not answer at start."""
-    from kvplugins.store.master.ha.election import Elector
-    from kvplugins.store.cluster.etcd import Etcd
-    from kvplugins.store.master.ha.journal import EtcdJournal
-    from kvplugins.store.master.ha.leader import LeaderGuard
-    from kvplugins.store.master.rpc_server import RpcServer
-    from kvplugins.store.process import stop_on_signals, write_atomic
     etcd = Etcd(cfg.etcd)
     etcd.get(cfg.etcd_prefix.rstrip("/") + "/leader")          # fail fast with a clear error if etcd is down
     journal = EtcdJournal(etcd, cfg.etcd_prefix)
-    from kvplugins.store.master.shard import start_shard
     guard = LeaderGuard(cfg, journal, shard=start_shard(cfg, ha_address(cfg)))
     server = RpcServer(cfg, service=guard)
     value = json.dumps({"raw": server.address, "zmq": server.zmq_endpoint, "id": uuid.uuid4().hex}).encode()
@@ -43,6 +44,5 @@ def serve(cfg) -> int:
 
 def ha_address(cfg) -> str:
     """The address clients dial to follow this cluster's leader: etcd://host:port[,host:port]/prefix."""
-    from kvplugins.store.cluster.etcd import parse_endpoint
     endpoints, _ = parse_endpoint(cfg.etcd)
     return "etcd://" + ",".join(f"{h}:{p}" for h, p in endpoints) + cfg.etcd_prefix.rstrip("/")

@@ -23,6 +23,7 @@ import logging
 
 from kvplugins.errors import KVPluginsError
 from kvplugins.store.master.allocator import reserve
+from kvplugins.store.master.replica_tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,6 @@ def hold_flights(service, flights: list, now: float) -> int:
 def restore_tasks(service, tasks: list, now: float) -> int:
     """Load journaled replica tasks [((hi, lo), kind, key, source, targets, status, created ms, updated ms,
     message, dest)] (EtcdJournal.load_tasks, oldest update first) into ``service``; returns how many."""
-    from kvplugins.store.master.replica_tasks import Task
     tasks_of, until = service.tiering.tasks, now + service.cfg.put_timeout_ms / 1000
     for tid, kind, key, source, targets, status, created, updated, message, dest in tasks:
         task = Task(tid, kind, key, None, source, list(targets), status, created, updated, message)

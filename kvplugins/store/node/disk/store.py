@@ -19,6 +19,7 @@ from pathlib import Path
 from kvplugins.errors import KeyNotFound, StoreError
 from kvplugins.store.node.disk import files
 from kvplugins.store.node.disk.files import CorruptFile
+from kvplugins.store.process import write_atomic
 
 log = logging.getLogger(__name__)
 COUNTERS = ("writes", "reads", "deletes", "evicted", "corrupt", "write_errors")
@@ -152,6 +153,5 @@ def _disk_id(root: Path) -> str:
     """The directory's identity (``ID`` file, made once): how the master recognises this disk after a restart."""
     path = root / "ID"
     if not path.exists():
-        from kvplugins.store.process import write_atomic
         write_atomic(path, uuid.uuid4().hex + "\n")
     return path.read_text().strip()

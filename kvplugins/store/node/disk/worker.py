@@ -16,9 +16,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError, TransferError
-from kvplugins.store.node.disk.files import CorruptFile, checksum
-from kvplugins.store.wire.protocol import NOT_FOUND, OK
 from kvplugins.store.client.connect import master_client
+from kvplugins.store.node.disk.files import CorruptFile, checksum
+from kvplugins.store.node.disk.server import OpServer
+from kvplugins.store.node.disk.store import DiskStore
+from kvplugins.store.wire.protocol import NOT_FOUND, OK
+from kvplugins.transfer import SegmentDescriptor
 from kvplugins.transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
@@ -29,8 +32,6 @@ class NodeTier:
     """``segment``: the node's OwnedSegment; ``on_exit()``: called once the master says the drain is done."""
 
     def __init__(self, config, engine, segment, master: str, on_exit):
-        from kvplugins.store.node.disk.server import OpServer
-        from kvplugins.store.node.disk.store import DiskStore
         self.cfg, self.engine, self.segment, self.on_exit = config, engine, segment, on_exit
         self.disk = DiskStore(config.disk_dir, config.disk_capacity) if config.disk_dir else None
         self.rpc = master_client(master, config.rpc_timeout_ms, "node")
@@ -163,7 +164,6 @@ class NodeTier:
         """Write object ``key`` (``src``: its offset in this segment, -1: from this node's disk) to ``dest`` at
         ``off``, unless more than ``ttl_ms`` passed since the poll (its flight is over: the space may be another
         object's by now). -> ["migrate", key, ok, detail, fid]."""
-        from kvplugins.transfer import SegmentDescriptor
         if (time.monotonic() - self._polled) * 1000 > ttl_ms:
             return ["migrate", key, False, "expired before it ran", fid]
         if dest not in descs:
