@@ -31,6 +31,8 @@ import dataclasses
 import inspect
 import logging
 import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from kvplugins.errors import BufferNotRegistered, ConfigError, StoreError
 from kvplugins.mooncake import checks
@@ -46,6 +48,10 @@ from kvplugins.mooncake.tasks import TaskMethods
 from kvplugins.mooncake.tensor_buffers import TensorBufferMethods
 from kvplugins.transfer.memory import view_of
 
+if TYPE_CHECKING:
+    from kvplugins.store.client.store_client import StoreClient
+    from kvplugins.store.placement import PutConfig
+
 log = logging.getLogger(__name__)
 DEFAULT = checks.DEFAULT        # a method's default ReplicateConfig (Mooncake's: a default-built one)
 
@@ -53,14 +59,15 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
                                ParallelMethods):
     """Mooncake's store client API on a kvplugins StoreClient (thread-safe like it). Call ``setup`` first."""
 
-    def __init__(self):
-        self._client = None
+    def __init__(self) -> None:
+        self._client: StoreClient | None = None
         self._hostname, self._bytes_api = "", True
-        self._closer = None   # weakref.finalize: closes the StoreClient when this store is collected or at exit
+        # weakref.finalize: closes the StoreClient when this store is collected or at exit
+        self._closer: weakref.finalize[[], MooncakeDistributedStore] | None = None
         self._buffers: dict[int, object] = {}      # registered address -> Region
 
     # ---- life cycle --------------------------------------------------------------------------------
-    def setup(self, *args, **kwargs) -> int:
+    def setup(self, *args: object, **kwargs: object) -> int:
         """Mooncake's two overloads: ``setup(local_hostname, metadata_server, global_segment_size,
         local_buffer_size, protocol, rdma_devices, master_server_addr, ...)`` (see _setup) or
         ``setup(config: dict)`` with the same names as keys (sizes may be strings: "16MB" = 16 MiB, as
@@ -70,7 +77,7 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         return self._setup(*args, **kwargs)
 
     @guard()
-    def _setup_dict(self, config: dict) -> int:
+    def _setup_dict(self, config: dict[str, object]) -> int:
         return self._setup(**_setup_kwargs(config))
 
     @pybind
@@ -85,7 +92,7 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         ``local_hostname``: the address our transfer engine binds (a ":port" is dropped). Returns 0, or a
         negative code (RPC_FAIL when the master does not answer). A store never closed unregisters its segment
         when it is garbage-collected, or at interpreter exit."""
-        from kvplugins.config import load
+        from kvplugins.config import Bytes, load
         from kvplugins.store.client import StoreClient
         from kvplugins.store.config import ClientConfig
         if protocol not in ("tcp", "rdma"):
@@ -94,10 +101,10 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         host = local_hostname.rsplit(":", 1)[0] if local_hostname.count(":") == 1 else local_hostname
         cfg = dataclasses.replace(load(ClientConfig), master=master_server_addr,
                                   host="127.0.0.1" if host in ("", "localhost") else host,
-                                  segment_size=int(global_segment_size),
+                                  segment_size=Bytes(int(global_segment_size)),
                                   transports="shm,cma,rdma,tcp" if protocol == "rdma" else "shm,cma,tcp",
                                   rdma_devices=str(rdma_devices or ""),
-                                  staging_size=max(int(local_buffer_size), 1 << 20))
+                                  staging_size=Bytes(max(int(local_buffer_size), 1 << 20)))
         if self._client is not None:
             self.close()
         self._client = StoreClient(cfg)
@@ -210,7 +217,7 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         self._copy_into(keys, ptrs, caps, sorted(copy), out)
         return out
 
-    def _copy_into(self, keys, ptrs, caps, idx: list[int], out: list[int]) -> None:
+    def _copy_into(self, keys: list[str], ptrs: list[int], caps: list[int], idx: list[int], out: list[int]) -> None:
         """get_into of memory that was never registered: read through the staging buffer, then copy (as Mooncake
         does over TCP). Sets ``out[i]`` to the bytes copied or a code."""
         if idx:
@@ -258,24 +265,24 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
 
     # ---- internals ---------------------------------------------------------------------------------
     @property
-    def _c(self):
+    def _c(self) -> StoreClient:
         if self._client is None:
             raise StoreError("MooncakeDistributedStore: call setup(...) first")
         return self._client
 
     @property
-    def _cb(self):
+    def _cb(self) -> StoreClient:
         """The client, for the bytes API (copies through the local buffer): refused without one."""
         if not self._bytes_api:
             raise ConfigError("setup(local_buffer_size=0): the bytes API (put, get, tensors) needs a local buffer; "
                               "use put_from/get_into, or set local_buffer_size > 0")
         return self._c
 
-    def _put_cfg(self, config: ReplicateConfig):
+    def _put_cfg(self, config: ReplicateConfig) -> PutConfig | None:
         from kvplugins.store.placement import from_client
         return None if config is DEFAULT else config.to_put_config(from_client(self._c.cfg))
 
-    def _call(self, op: str, entries: list, opts: dict | None = None):
+    def _call(self, op: str, entries: list[object], opts: dict[str, object] | None = None):
         """One master op (the admin ops of store/master/admin_ops.py), as the role it needs."""
         return self._c.master_call(op, entries, opts)
 
@@ -284,7 +291,7 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         found = self._call("get_size", list(keys))
         return [size if code == FOUND else OBJECT_NOT_FOUND for code, size in found]
 
-    def _count(self, op: str, entries: list, force: bool) -> int:
+    def _count(self, op: str, entries: list[object], force: bool) -> int:
         from kvplugins.store.wire.protocol import OK as DONE
         code, value = self._call(op, entries, {"force": bool(force)})
         if code != DONE:
@@ -309,7 +316,7 @@ def _copy_out(addr: int, value: bytes, capacity: int) -> int:
     return len(value)
 
 
-def _first_code(errors) -> int:
+def _first_code(errors: Iterable[BaseException | None]) -> int:
     return next((code_of(e) for e in errors if e is not None), OK)
 
 
@@ -321,14 +328,15 @@ SETUP_KEYS = ("local_hostname", "metadata_server", "global_segment_size", "local
               "enable_client_http_server", "client_http_port")
 
 
-def _setup_kwargs(config: dict) -> dict:
+def _setup_kwargs(config: dict[str, object]) -> dict[str, object]:
     """Mooncake's dict form of setup -> keyword arguments (ipc_socket_path is accepted and ignored); sizes may be
     strings as Mooncake's parser reads them (checks.byte_size)."""
     unknown = set(config) - set(SETUP_KEYS) - {"ipc_socket_path"}
     if unknown or "local_hostname" not in config:
         raise ConfigError(f"setup dict: unknown keys {sorted(unknown)} or no local_hostname; valid: {SETUP_KEYS}")
-    out = {"metadata_server": "", "global_segment_size": 16 << 20, "local_buffer_size": 16 << 20,
-           "protocol": "tcp", "rdma_devices": "", "master_server_addr": ""}
+    out: dict[str, object] = {"metadata_server": "", "global_segment_size": 16 << 20,
+                              "local_buffer_size": 16 << 20, "protocol": "tcp", "rdma_devices": "",
+                              "master_server_addr": ""}
     out.update((k, v) for k, v in config.items() if k in SETUP_KEYS)
     for name in ("global_segment_size", "local_buffer_size"):
         if isinstance(out[name], str):
@@ -336,7 +344,7 @@ def _setup_kwargs(config: dict) -> dict:
     return out
 
 
-def _warn_ignored(engine, ssd, tenant, http) -> None:
+def _warn_ignored(engine: object, ssd: bool, tenant: str, http: bool) -> None:
     for cond, what in ((engine is not None, "engine: our client runs its own transfer engine"),
                        (ssd, "enable_ssd_offload: the disk tier lives on store nodes (--disk-dir)"),
                        (tenant != "default", f"tenant_id {tenant!r}: one namespace per master"),

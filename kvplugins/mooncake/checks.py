@@ -17,10 +17,19 @@ convert mode, as the wheel's bindings use them):
 from __future__ import annotations
 
 import enum
+import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, ParamSpec
 
 from kvplugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvplugins.store.placement import PutConfig
+
+Convert = Callable[[str, object], object]               # an argument's conversion: (its name, value) -> value
+ConvertEach = Callable[[str, Iterable[object]], object]  # the same of each element of a ``*args``
+P = ParamSpec("P")
 
 
 def u64(name: str, value, optional: bool = False):
@@ -110,8 +119,8 @@ def _owner(name: str) -> str:
     return name if "(" in name or "." in name else f"ReplicateConfig.{name}"
 
 
-def instance_of(cls):
-    def convert(name: str, value):
+def instance_of(cls: type) -> Convert:
+    def convert(name: str, value: object) -> object:
         if not isinstance(value, cls) and value is not DEFAULT:
             raise TypeError(f"{name} = {value!r:.80}: needs a {cls.__name__} (as Mooncake's binding; None is refused)")
         return value
@@ -124,7 +133,8 @@ def same_length(*lists) -> None:
         raise ValueError(f"keys, buffer pointers and sizes must have the same length, got {[len(x) for x in lists]}")
 
 
-def check_call(fn, sig, casts: dict, args: tuple, kwargs: dict):
+def check_call(fn: Callable[P, object], sig: inspect.Signature, casts: dict[str, Convert | ConvertEach],
+               args: tuple[object, ...], kwargs: dict[str, object]) -> inspect.BoundArguments:
     """Bind ``args``/``kwargs`` to ``sig`` (the method's signature) and convert each argument named in ``casts``
     (name -> converter). Raises TypeError as pybind11 does for a missing, unknown or mistyped argument."""
     method = fn.__name__.lstrip("_")
@@ -204,7 +214,7 @@ class ReplicateConfig:
     def __init__(self):
         self.preferred_segments, self.preferred_nof_segments = [], []      # a list of its own per config
 
-    def to_put_config(self, defaults):
+    def to_put_config(self, defaults: PutConfig) -> PutConfig:
         """The PutConfig (store/placement.py) of this config; ``defaults``: the client's default PutConfig.
         Raises ConfigError for a bad value."""
         from kvplugins.store.placement import PutConfig
@@ -244,7 +254,10 @@ class _Default:
         return "<default ReplicateConfig>"
 
 
-DEFAULT = _Default()
+if TYPE_CHECKING:
+    DEFAULT: ReplicateConfig    # to a type checker, what it stands for: a config with every default (`is` tests it)
+else:
+    DEFAULT = _Default()
 _SIZE = re.compile(r"\s*(\d+)\s*([kmgt]?b?)\s*", re.I)
 _UNIT = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30,
          "t": 1 << 40, "tb": 1 << 40}

@@ -46,7 +46,7 @@ def batch_get(store: KeyedPageStore, space: KeySpace, keys: Sequence[str], targe
     return out
 
 
-def batch_set(store: KeyedPageStore, space: KeySpace, keys: Sequence[str], values: Sequence[Any]) -> bool:
+def batch_set(store: KeyedPageStore, space: KeySpace, keys: Sequence[str], values: object) -> bool:
     """Store each flat page tensor under its key (existing keys are kept); True if all are stored now.
     Never raises: a failure is logged and gives False."""
     names = space.keys(key_bytes(keys))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, List, Optional
+from typing import List, Optional, Protocol
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -34,12 +34,22 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvplugins.layout.hicache import KeyedPageStore, hicache_keyspace, key_bytes
+from kvplugins.layout.keys import KeySpace
 from kvplugins.sglang_hicache_backend import legacy, pools_v2
 from kvplugins.sglang_hicache_backend.config import from_extra_config
 from kvplugins.sglang_hicache_backend.metrics import Metrics
 from kvplugins.sglang_hicache_backend.pool import meta_layout, page_bytes, page_starts, page_tokens, pool_kind
 
 log = logging.getLogger(__name__)
+NOT_ATTACHED = ("KVPluginsHiCacheStorage: no host pool registered yet (SGLang calls register_mem_pool_host before "
+                "any page I/O)")
+
+
+class HostPool(Protocol):
+    """What this module reads of an SGLang host pool (HostKVCache, or a v2 side pool) itself; pool.py the rest."""
+    layout: str
+
+    def get_size_per_token(self) -> int: ...
 
 
 class KVPluginsHiCacheStorage(HiCacheStorage):
@@ -47,27 +57,27 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
     see kvplugins/sglang_hicache_backend/config.py). kwargs: extra factory arguments (unused).
     Raises ConfigError for an unknown extra-config key or a bad value. Never needs the store to be up."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict[str, object]] = None) -> None:
         self.storage_config = storage_config
         extra = storage_config.extra_config or {}
         self.config = from_extra_config(extra)
         self.interface_v1 = bool(extra.get("interface_v1", 0))
         self.is_writer = storage_config.is_storage_writer
-        self.mem_pool_host = None
+        self.mem_pool_host: HostPool | None = None
         self._pages: KeyedPageStore | None = None      # v1 namespace, zero-copy
-        self._flat = None                               # legacy namespace (flat page tensors)
-        self._side: dict[str, tuple[Any, KeyedPageStore]] = {}  # v2: pool name -> (host pool, its pages)
+        self._flat: KeySpace | None = None              # legacy namespace (flat page tensors)
+        self._side: dict[str, tuple[HostPool, KeyedPageStore]] = {}  # v2: pool name -> (host pool, its pages)
         self._metrics = Metrics(storage_config.enable_storage_metrics)
 
     # ---- host pools ------------------------------------------------------------------------------------
-    def register_mem_pool_host(self, mem_pool_host):
+    def register_mem_pool_host(self, mem_pool_host: HostPool) -> None:
         super().register_mem_pool_host(mem_pool_host)
         v1, flat = (self._keyspace(mem_pool_host, fmt) for fmt in ("v1", "flat"))
         self.close()                                    # a re-attach replaces the previous pool's connection
         self._pages = KeyedPageStore(self._client, v1, meta_layout(mem_pool_host), retry_ms=self.config.retry_ms)
         self._flat, self._side = flat, {}
 
-    def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+    def register_mem_host_pool_v2(self, host_pool: HostPool, host_pool_name: object) -> None:
         """A hybrid model's host pool by name (SGLang PoolName: kv, swa, mamba, indexer, draft...). The KV anchor
         keeps its v1 pages; any other pool gets its own key space (the name in it) on the KV pool's client.
         Raises ConfigError for a pool without host memory, RuntimeError before register_mem_pool_host."""
@@ -83,11 +93,11 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         if self._pages is not None and not self._pages.connect():
             log.warning("kvplugins: store not reachable at attach; HiCache L3 serves misses until it is")
 
-    def _client(self):
+    def _client(self) -> object:
         from kvplugins.store import StoreClient
         return StoreClient(self.config.store)
 
-    def _keyspace(self, pool, io_format: str, name: str = ""):
+    def _keyspace(self, pool: HostPool, io_format: str, name: str = "") -> KeySpace:
         sc, kind = self.storage_config, pool_kind(pool)
         extra = f"ns={self.config.namespace};cp{sc.attn_cp_rank}/{sc.attn_cp_size};dcp{sc.dcp_rank}/{sc.dcp_size}"
         size = page_bytes(pool) if io_format == "v1" else pool.get_size_per_token() * page_tokens(pool)
@@ -99,9 +109,14 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
 
     def _store(self) -> KeyedPageStore:
         if self._pages is None:
-            raise RuntimeError("KVPluginsHiCacheStorage: no host pool registered yet (SGLang calls "
-                               "register_mem_pool_host before any page I/O)")
+            raise RuntimeError(NOT_ATTACHED)
         return self._pages
+
+    def _flat_space(self) -> KeySpace:
+        """The legacy key space (set with the v1 pages by register_mem_pool_host)."""
+        if self._flat is None:
+            raise RuntimeError(NOT_ATTACHED)
+        return self._flat
 
     # ---- zero-copy (v1) ----------------------------------------------------------------------------------
     def batch_get_v1(
@@ -192,44 +207,44 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
     def get(
         self,
         key: str,
-        target_location: Optional[Any] = None,
-        target_sizes: Optional[Any] = None,
+        target_location: object = None,
+        target_sizes: object = None,
     ) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
 
     def batch_get(
         self,
         keys: List[str],
-        target_locations: Optional[Any] = None,
-        target_sizes: Optional[Any] = None,
-    ) -> List[torch.Tensor | None] | int:
+        target_locations: object = None,
+        target_sizes: object = None,
+    ) -> List[torch.Tensor | None]:
         """Each stored page copied into ``target_locations[i]`` (a flat tensor of the page's bytes), or None."""
-        return legacy.batch_get(self._store(), self._flat, keys, target_locations)
+        return legacy.batch_get(self._store(), self._flat_space(), keys, target_locations)
 
     def set(
         self,
         key: str,
-        value: Optional[Any] = None,
-        target_location: Optional[Any] = None,
-        target_sizes: Optional[Any] = None,
+        value: object = None,
+        target_location: object = None,
+        target_sizes: object = None,
     ) -> bool:
         return self.batch_set([key], [value])
 
     def batch_set(
         self,
         keys: List[str],
-        values: Optional[Any] = None,
-        target_locations: Optional[Any] = None,
-        target_sizes: Optional[Any] = None,
+        values: object = None,
+        target_locations: object = None,
+        target_sizes: object = None,
     ) -> bool:
         """Store flat page tensors; True if every page is stored. Never raises a store error."""
         if not self.is_writer:
             return True
-        return legacy.batch_set(self._store(), self._flat, keys, values)
+        return legacy.batch_set(self._store(), self._flat_space(), keys, values)
 
     # ---- lookups -------------------------------------------------------------------------------------------
-    def _lookup_space(self):
-        return self._store().keyspace if self.interface_v1 else self._flat
+    def _lookup_space(self) -> KeySpace:
+        return self._store().keyspace if self.interface_v1 else self._flat_space()
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -246,7 +261,7 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         if self._pages is not None:
             self._pages.remove_saved()
 
-    def get_stats(self):
+    def get_stats(self) -> object:
         """SGLang StorageMetrics (pages and GB/s per prefetch/backup batch since the last call) plus the store
         client's counters: hits, misses, bytes_put, bytes_got, put/get batch latency p50/p99 (µs)."""
         client = self._pages.client_if_connected() if self._pages is not None else None
@@ -261,6 +276,6 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
             self._pages.close()
 
 
-def _name(value) -> str:
+def _name(value: object) -> str:
     """An SGLang str enum (PoolName, PoolHitPolicy) or plain string, as its string value."""
     return str(getattr(value, "value", value))
