@@ -4,7 +4,7 @@ with Linux ``process_vm_readv`` / ``process_vm_writev``, so no thread of the pee
 It reaches memory the shm transport cannot: a peer's ordinary registered memory (vLLM's KV tensors, a plain
 numpy array), which has no shared-memory file to hand over. The peer publishes its pid and the process's start
 time (``/proc/<pid>/stat`` field 22) in its endpoint, and each exported region's address (``RegionInfo.addr``);
-a batch checks the start time before it copies and the peer's pidfd after, so a pid reused by another process
+a batch checks the start time before it copies and the peer's pidfd after (peers.py, shared with shm.py), so a pid reused by another process
 never moves a byte and a peer that died mid-batch fails the batch (TransferFailed). The kernel checks the rest:
 the same user (or CAP_SYS_PTRACE) and a ptrace policy that allows it (Yama ``ptrace_scope`` 0); an EPERM marks
 the peer unreachable for this transport (one warning), and the router falls back to the next one (rdma, tcp).
@@ -21,7 +21,6 @@ import errno
 import functools
 import logging
 import os
-import select
 import threading
 from dataclasses import replace
 from typing import Any
@@ -30,7 +29,8 @@ import numpy as np
 
 from kvplugins.errors import OutOfRange, TransferError, TransferFailed
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
-from kvplugins.transfer.spans import SpanBatch, as_list
+from kvplugins.transfer.peers import PeerWatch, start_time
+from kvplugins.transfer.spans import SpanBatch
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
 log = logging.getLogger("kvplugins.transfer")
@@ -49,17 +49,6 @@ def _calls() -> tuple[Any, Any] | None:
         fn.restype = ctypes.c_ssize_t
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
     return fns
-
-
-def start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` in clock ticks after boot (/proc/<pid>/stat field 22), or None when
-    there is no such process. With the pid it names one process for the life of the boot."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(b")") + 2:].split()[19])   # fields after "(comm)" start at field 3
 
 
 def available() -> bool:
@@ -103,7 +92,7 @@ class CmaTransport(Transport):
         self._start = start_time(self._pid)
         self._lock = threading.Lock()
         self._denied: dict[str, str] = {}                 # segment -> why the kernel refused it
-        self._pidfds: dict[str, tuple[int, Any]] = {}     # segment -> (pidfd or -1, its poll object)
+        self._peers = PeerWatch(self.name)
 
     def endpoint(self) -> dict[str, Any]:
         return {"pid": self._pid, "start": self._start}
@@ -138,7 +127,7 @@ class CmaTransport(Transport):
         if base is None:
             return [OutOfRange(f"region {batch.info.region_id} of {batch.remote.segment_id} has no address")] \
                 * len(batch)
-        local = np.asarray(as_list(batch.addrs) if isinstance(batch.addrs, list) else batch.addrs, np.uint64)
+        local = np.asarray(batch.addrs, dtype=np.uint64)
         remote = np.asarray(batch.roffs, dtype=np.uint64) + np.uint64(base)
         err = self._copy(op, batch.remote, local, remote, np.asarray(batch.lens, dtype=np.uint64))
         return None if err is None else [err] * len(batch)
@@ -148,9 +137,10 @@ class CmaTransport(Transport):
         """Every span between local and the peer's memory; None, or the TransferFailed of the whole group."""
         ep = peer.transports["cma"]
         pid = ep["pid"] if isinstance(ep["pid"], int) else 0    # reaches() checked it is an int
-        poller = self._pidfd(peer.segment_id, pid, ep["start"])
-        if isinstance(poller, TransferFailed):
-            return poller
+        try:
+            self._peers.check(peer.segment_id, pid, ep["start"])
+        except TransferFailed as e:
+            return e
         calls = _calls()
         if calls is None:
             return TransferFailed("process_vm_readv is not available on this system")
@@ -162,10 +152,7 @@ class CmaTransport(Transport):
             got = fn(pid, liov.ctypes.data, hi - lo, riov.ctypes.data, hi - lo, 0)
             if got != want:
                 return self._failed(peer, pid, got, want, ctypes.get_errno())
-        if poller is not None and poller.poll(0):
-            self._forget(peer.segment_id)
-            return TransferFailed(f"cma peer {peer.segment_id} (pid {pid}) exited during the transfer")
-        return None
+        return self._peers.exited(peer.segment_id, pid)
 
     def _failed(self, peer: SegmentDescriptor, pid: int, got: int, want: int, err: int) -> TransferFailed:
         if got >= 0:
@@ -177,58 +164,14 @@ class CmaTransport(Transport):
                 self._denied[peer.segment_id] = why
             log.warning("cma: the kernel refuses access to pid %d (%s: another user, or Yama ptrace_scope > 0); "
                      "its segment %s is reached by the next transport", pid, why, peer.segment_id)
-        if err == errno.ESRCH:
-            self._forget(peer.segment_id)
         return TransferFailed(f"cma peer {peer.segment_id} (pid {pid}): {why}")
-
-    def _pidfd(self, segment_id: str, pid: int, start: object) -> Any:
-        """A poll object on a pidfd of the peer (readable once it exits), opened once after checking that
-        ``pid`` is still the process that published ``start``; None where the kernel has no pidfd; a
-        TransferFailed when the peer is gone or its pid now names another process."""
-        with self._lock:
-            got = self._pidfds.get(segment_id)
-        if got is not None:
-            return got[1] if got[1] is None or not got[1].poll(0) else self._gone(segment_id, pid)
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError as e:
-            if e.errno != errno.ENOSYS:
-                return TransferFailed(f"cma peer {segment_id} (pid {pid}) is gone: {e.strerror}")
-            fd, poller = -1, None
-        else:
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-        if start_time(pid) != start:        # checked after pidfd_open: the pidfd then names that process
-            if fd >= 0:
-                os.close(fd)
-            return self._gone(segment_id, pid)
-        with self._lock:
-            got = self._pidfds.setdefault(segment_id, (fd, poller))
-        if got[0] != fd and fd >= 0:
-            os.close(fd)
-        return got[1]
-
-    def _gone(self, segment_id: str, pid: int) -> TransferFailed:
-        self._forget(segment_id)
-        return TransferFailed(f"cma peer {segment_id} (pid {pid}) has exited")
-
-    def _forget(self, segment_id: str) -> None:
-        with self._lock:
-            fd, _ = self._pidfds.pop(segment_id, (-1, None))
-        if fd >= 0:
-            os.close(fd)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"denied_peers": len(self._denied)} if self._denied else {}
 
     def close(self) -> None:
-        with self._lock:
-            fds = [fd for fd, _ in self._pidfds.values()]
-            self._pidfds.clear()
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
+        self._peers.close()
 
 
 def _iovecs(addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:

@@ -7,9 +7,7 @@ per batch with a pidfd, so a dead peer gives TransferFailed rather than writes i
 """
 from __future__ import annotations
 
-import errno
 import os
-import select
 import threading
 from typing import Any
 
@@ -19,6 +17,7 @@ from kvplugins import native
 from kvplugins.errors import TransferError, TransferFailed
 from kvplugins.transfer import fdpass
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
+from kvplugins.transfer.peers import PeerWatch
 from kvplugins.transfer.shmem import Mapping, map_fd
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
@@ -35,7 +34,7 @@ class ShmTransport(Transport):
         self._threads = copy_threads or min(4, len(os.sched_getaffinity(0)))
         self._lock = threading.Lock()
         self._maps: dict[tuple[str, int], Mapping] = {}
-        self._pidfds: dict[str, tuple[int, Any]] = {}     # segment -> (pidfd or -1, its poll object)
+        self._peers = PeerWatch(self.name)                # a pidfd per peer: a dead one fails its batches
         self._server: fdpass.FdServer | None = None       # hands our shared regions out; started by share()
 
     def endpoint(self) -> dict[str, Any]:
@@ -120,34 +119,11 @@ class ShmTransport(Transport):
         return pin, m.addr
 
     def _check_alive(self, remote: SegmentDescriptor) -> None:
-        pid = remote.transports["shm"]["pid"]
-        poller = self._pidfd(remote.segment_id, pid)
-        alive = os.path.exists(f"/proc/{pid}") if poller is None else not poller.poll(0)
-        if not alive:
-            self._forget(remote.segment_id)
-            raise TransferFailed(f"shm peer {remote.segment_id} (pid {pid}) has exited")
-
-    def _pidfd(self, segment_id: str, pid: int):
-        """A poll object on a pidfd of the peer (readable once it exits), opened once; None where the kernel
-        has no pidfd. poll, not select: fds above FD_SETSIZE are fine."""
-        with self._lock:
-            got = self._pidfds.get(segment_id)
-        if got is not None:
-            return got[1]
         try:
-            fd = os.pidfd_open(pid)
-        except OSError as e:
-            if e.errno != errno.ENOSYS:
-                raise TransferFailed(f"shm peer {segment_id} (pid {pid}) is gone: {e.strerror}") from e
-            fd, poller = -1, None
-        else:
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-        with self._lock:
-            got = self._pidfds.setdefault(segment_id, (fd, poller))
-        if got[0] != fd and fd >= 0:
-            os.close(fd)
-        return got[1]
+            self._peers.check(remote.segment_id, remote.transports["shm"]["pid"])
+        except TransferFailed:
+            self._forget(remote.segment_id)
+            raise
 
     def _forget(self, segment_id: str) -> None:
         """Unmap a dead peer's regions (its memory is freed once nobody maps it)."""
@@ -158,15 +134,12 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            maps, fds = list(self._maps.values()), list(self._pidfds.values())
+            maps = list(self._maps.values())
             self._maps.clear()
-            self._pidfds.clear()
             server, self._server = self._server, None
         if server is not None:
             server.close()
         for m in maps:
             m.close()
-        for fd, _ in fds:
-            if fd >= 0:
-                os.close(fd)
+        self._peers.close()
 

@@ -14,7 +14,7 @@ import pytest
 from helpers.peer import PLAIN_SIZE, Peer, digest
 from kvplugins.errors import TransferFailed
 from kvplugins.transfer import TransferConfig, TransferEngine
-from kvplugins.transfer.cma import start_time
+from kvplugins.transfer.peers import start_time
 
 
 @pytest.fixture
