@@ -18,6 +18,7 @@ opened a new connection for every op.
 
   .venv/bin/python benchmarks/auth_cost.py [--iters 200] [--json .bench/auth.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,11 +58,14 @@ def median_us(fn, iters: int) -> float:
 def op_latencies(cfg: dict, iters: int) -> dict[str, float]:
     from kvplugins.store.client import StoreClient
     from kvplugins.store.config import ClientConfig
+
     client = StoreClient(ClientConfig(**cfg))
     small, big = os.urandom(4096), [os.urandom(1 << 20) for _ in range(32)]
     try:
-        out = {"put_4KiB_us": median_us(lambda i: client.put(f"s{i}", small), iters),
-               "get_4KiB_us": median_us(lambda i: _same(client.get(f"s{i}"), small), iters)}
+        out = {
+            "put_4KiB_us": median_us(lambda i: client.put(f"s{i}", small), iters),
+            "get_4KiB_us": median_us(lambda i: _same(client.get(f"s{i}"), small), iters),
+        }
         puts, gets = [], []
         # each batch is removed after its get; its bytes return when its readers' leases end (~1 s)
         for i in range(max(10, iters // 10)):
@@ -96,6 +100,7 @@ def handshake_us(master: str, iters: int) -> dict[str, float]:
     """Median connect + authenticate (client role) to the master's raw endpoint, and a bare connect."""
     from kvplugins import security
     from kvplugins.security import handshake
+
     secret = security.resolve()
     host, port = master.rsplit(":", 1)
 
@@ -106,11 +111,13 @@ def handshake_us(master: str, iters: int) -> dict[str, float]:
         s = socket.create_connection((host, int(port)), timeout=5)
         handshake.client(s, secret, time.monotonic() + 5, f"master {master}", role="client")
         s.close()
+
     return {"connect_us": median_us(bare, iters), "connect_auth_us": median_us(authed, iters)}
 
 
 def role_check_ns() -> float:
     from kvplugins.security import roles
+
     n = 200_000
     return min(timeit.repeat(lambda: roles.refusal("get", "client"), number=n, repeat=5)) / n * 1e9
 
@@ -118,6 +125,7 @@ def role_check_ns() -> float:
 def zmq_rtt_us(iters: int) -> dict[str, float]:
     """256 B request/reply over loopback: plain zmq and CURVE (keys made here)."""
     import zmq
+
     out = {}
     for curve in (False, True):
         ctx = zmq.Context()
@@ -135,6 +143,7 @@ def zmq_rtt_us(iters: int) -> dict[str, float]:
             while not stop.is_set():
                 if srv.poll(100):
                     srv.send_multipart(srv.recv_multipart())
+
         t = threading.Thread(target=echo)
         t.start()
         msg = os.urandom(256)
@@ -142,6 +151,7 @@ def zmq_rtt_us(iters: int) -> dict[str, float]:
         def rtt(_):
             cli.send(msg)
             assert cli.recv() == msg
+
         rtt(0)  # the handshake
         out["zmq_curve_rtt_us" if curve else "zmq_plain_rtt_us"] = median_us(rtt, iters)
         stop.set()
@@ -155,15 +165,22 @@ def zmq_rtt_us(iters: int) -> dict[str, float]:
 def report(r: dict) -> str:
     hs = r["connect_auth_us"] - r["connect_us"]
     check = r["role_check_ns"] / 1000
-    rows = [("one 4 KiB put", r["put_4KiB_us"]), ("one 4 KiB get", r["get_4KiB_us"]),
-            ("32 x 1 MiB put", r["put_1MiBx32_us"]), ("32 x 1 MiB get", r["get_1MiBx32_us"])]
-    lines = [f"CPU: {r['cpu']}; {r['iters']} iterations; medians",
-             f"handshake: connect + authenticate {r['connect_auth_us']:.0f} us, bare connect {r['connect_us']:.0f} us "
-             f"-> {hs:.0f} us once per connection; role check {r['role_check_ns']:.0f} ns per op",
-             f"zmq control plane, 256 B round trip: plain {r['zmq_plain_rtt_us']:.0f} us, CURVE "
-             f"{r['zmq_curve_rtt_us']:.0f} us", "",
-             "| op | median | auth share, kept connection | auth share, a new connection per op |",
-             "|---|---|---|---|"]
+    rows = [
+        ("one 4 KiB put", r["put_4KiB_us"]),
+        ("one 4 KiB get", r["get_4KiB_us"]),
+        ("32 x 1 MiB put", r["put_1MiBx32_us"]),
+        ("32 x 1 MiB get", r["get_1MiBx32_us"]),
+    ]
+    lines = [
+        f"CPU: {r['cpu']}; {r['iters']} iterations; medians",
+        f"handshake: connect + authenticate {r['connect_auth_us']:.0f} us, bare connect {r['connect_us']:.0f} us "
+        f"-> {hs:.0f} us once per connection; role check {r['role_check_ns']:.0f} ns per op",
+        f"zmq control plane, 256 B round trip: plain {r['zmq_plain_rtt_us']:.0f} us, CURVE "
+        f"{r['zmq_curve_rtt_us']:.0f} us",
+        "",
+        "| op | median | auth share, kept connection | auth share, a new connection per op |",
+        "|---|---|---|---|",
+    ]
     for name, us in rows:
         lines.append(f"| {name} | {us:.0f} us | {100 * check / us:.4f}% | {100 * (hs + check) / us:.1f}% |")
     return "\n".join(lines)
@@ -176,8 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvp-auth-") as d, clusters.kvp("shm", 256 << 20, Path(d)) as target:
         master = target.cfg["master"]
-        r = {"cpu": cpu_model(), "iters": args.iters, **op_latencies(target.cfg, args.iters),
-             **handshake_us(master, args.iters), "role_check_ns": role_check_ns(), **zmq_rtt_us(args.iters)}
+        r = {
+            "cpu": cpu_model(),
+            "iters": args.iters,
+            **op_latencies(target.cfg, args.iters),
+            **handshake_us(master, args.iters),
+            "role_check_ns": role_check_ns(),
+            **zmq_rtt_us(args.iters),
+        }
     print(report(r))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

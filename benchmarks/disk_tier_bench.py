@@ -10,6 +10,7 @@ and single DRAM hits. Every get is checked byte for byte. Use ``--disk-dir`` on 
 
   .venv/bin/python benchmarks/disk_tier_bench.py --disk-dir /nvme/kvp-bench --sizes 64KiB,1MiB
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,12 +58,43 @@ def cluster(disk_dir: Path, segment_size: str, tmp: Path, threads: str = "4"):
                 return path.read_text().strip()
             time.sleep(0.02)
         raise RuntimeError(f"{path} never appeared; logs in {tmp}")
+
     try:
-        spawn(["master", "--port", "0", "--port-file", str(tmp / "port"), "--high-watermark", "0.5",
-               "--low-watermark", "0.25", "--lease-ttl-ms", "500"], "master")
+        spawn(
+            [
+                "master",
+                "--port",
+                "0",
+                "--port-file",
+                str(tmp / "port"),
+                "--high-watermark",
+                "0.5",
+                "--low-watermark",
+                "0.25",
+                "--lease-ttl-ms",
+                "500",
+            ],
+            "master",
+        )
         master = wait(tmp / "port")
-        spawn(["store", "--master", master, "--segment-size", segment_size, "--disk-dir", str(disk_dir),
-               "--disk-capacity", "64GiB", "--disk-threads", threads, "--ready-file", str(tmp / "ready")], "node")
+        spawn(
+            [
+                "store",
+                "--master",
+                master,
+                "--segment-size",
+                segment_size,
+                "--disk-dir",
+                str(disk_dir),
+                "--disk-capacity",
+                "64GiB",
+                "--disk-threads",
+                threads,
+                "--ready-file",
+                str(tmp / "ready"),
+            ],
+            "node",
+        )
         wait(tmp / "ready")
         yield master
     finally:
@@ -89,7 +121,7 @@ def run_size(client, size: int, n: int, samples: int) -> dict:
     keys = [f"{size}/{i}" for i in range(n)]
     rpc = client._rpc
     before = rpc.call("status")
-    for j in range(0, n, 32):       # up to 95% of the segment: over high, so the sweep offloads down to low
+    for j in range(0, n, 32):  # up to 95% of the segment: over high, so the sweep offloads down to low
         batch = range(j, min(n, j + 32))
         errs = client.batch_put_from([keys[i] for i in batch], [[(a + i * size, size)] for i in batch])
         assert errs == [None] * len(batch), errs
@@ -109,28 +141,36 @@ def run_size(client, size: int, n: int, samples: int) -> dict:
             t = time.perf_counter()
             client.get_into(keys[i], [(b, size)])
             times.append(time.perf_counter() - t)
-            assert np.array_equal(dst[:size], src[i * size:(i + 1) * size]), f"wrong bytes for {keys[i]}"
+            assert np.array_equal(dst[:size], src[i * size : (i + 1) * size]), f"wrong bytes for {keys[i]}"
         return times
 
-    promote = single(on_disk[:len(on_disk) // 2])
+    promote = single(on_disk[: len(on_disk) // 2])
     hit = single(in_dram)
     batches, misses = [], 0
-    rest = on_disk[len(on_disk) // 2:]
+    rest = on_disk[len(on_disk) // 2 :]
     for j in range(0, len(rest) - 31, 32):
-        idx = rest[j:j + 32]
+        idx = rest[j : j + 32]
         t = time.perf_counter()
         errs = client.batch_get_into([keys[i] for i in idx], [[(b + k * size, size)] for k in range(32)])
         batches.append(time.perf_counter() - t)
-        misses += sum(e is not None for e in errs)      # DRAM full of leased objects: the promotion misses
+        misses += sum(e is not None for e in errs)  # DRAM full of leased objects: the promotion misses
         for k, i in enumerate(idx):
-            assert errs[k] is not None or np.array_equal(dst[k * size:(k + 1) * size], src[i * size:(i + 1) * size])
+            assert errs[k] is not None or np.array_equal(dst[k * size : (k + 1) * size], src[i * size : (i + 1) * size])
     client.batch_remove(keys)
-    while rpc.call("status")["zombies"]:        # removed objects free their DRAM when the readers' leases end
+    while rpc.call("status")["zombies"]:  # removed objects free their DRAM when the readers' leases end
         time.sleep(0.05)
-    return {"size": size, "objects": n, "offloaded": offloaded, "dropped": n - len(on_disk) - len(in_dram),
-            "offload_s": round(took, 3), "offload_MBps": round(offloaded * size / took / 1e6, 1),
-            "promote_get_us": _pcts(promote), "dram_get_us": _pcts(hit), "promote_batch32_ms": _pcts(batches, 1e3),
-            "batch_misses": misses}
+    return {
+        "size": size,
+        "objects": n,
+        "offloaded": offloaded,
+        "dropped": n - len(on_disk) - len(in_dram),
+        "offload_s": round(took, 3),
+        "offload_MBps": round(offloaded * size / took / 1e6, 1),
+        "promote_get_us": _pcts(promote),
+        "dram_get_us": _pcts(hit),
+        "promote_batch32_ms": _pcts(batches, 1e3),
+        "batch_misses": misses,
+    }
 
 
 def _pcts(times, scale=1e6) -> dict:
@@ -143,10 +183,12 @@ def _pcts(times, scale=1e6) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvp-disk-bench-") as tmp:
-        disk = Path(args.disk_dir or tmp) / f"kvp-disk-bench-{os.getpid()}"      # fresh: no files announced
+        disk = Path(args.disk_dir or tmp) / f"kvp-disk-bench-{os.getpid()}"  # fresh: no files announced
         results = []
-        with cluster(disk, args.segment_size, Path(tmp), args.disk_threads) as master, \
-                StoreClient(ClientConfig(master=master, rpc_timeout_ms=10000)) as client:
+        with (
+            cluster(disk, args.segment_size, Path(tmp), args.disk_threads) as master,
+            StoreClient(ClientConfig(master=master, rpc_timeout_ms=10000)) as client,
+        ):
             for size in [parse_bytes(s) for s in args.sizes.split(",")]:
                 n = args.objects or int(0.95 * parse_bytes(args.segment_size)) // size
                 results.append(run_size(client, size, n, args.samples))

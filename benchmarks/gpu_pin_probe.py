@@ -8,6 +8,7 @@ sees the bytes a D2H copy wrote. Prints one line per case; GB = 1e9 bytes, media
 
   python3 benchmarks/gpu_pin_probe.py
 """
+
 import json
 import mmap
 import os
@@ -21,8 +22,10 @@ N = 1 << 30
 
 def bench(dev: torch.Tensor, host: torch.Tensor, label: str, reps: int = 10) -> None:
     out = {}
-    for name, fn in (("d2h", lambda: host.copy_(dev, non_blocking=True)),
-                     ("h2d", lambda: dev.copy_(host, non_blocking=True))):
+    for name, fn in (
+        ("d2h", lambda: host.copy_(dev, non_blocking=True)),
+        ("h2d", lambda: dev.copy_(host, non_blocking=True)),
+    ):
         fn()
         torch.cuda.synchronize()
         ts = []
@@ -44,7 +47,7 @@ def main() -> None:
     os.ftruncate(fd, N)
     mm = mmap.mmap(fd, N, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     arr = np.frombuffer(mm, dtype=np.uint8)
-    arr[::4096] = 0                                      # fault the pages in
+    arr[::4096] = 0  # fault the pages in
     host = torch.from_numpy(arr)
     bench(dev, host, "memfd MAP_SHARED, not registered")
     cudart = torch.cuda.cudart()

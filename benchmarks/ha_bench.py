@@ -10,6 +10,7 @@ below 1 when several clients commit in the same loop turn of the master. The sam
 
   .venv/bin/python benchmarks/ha_bench.py --clients 8 --puts 50
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,22 +70,53 @@ def _processes(tmp: Path, etcd: bool):
             binary = shutil.which("etcd") or "/usr/bin/etcd"
             client, peer = _port(), _port()
             url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
-            procs.append(subprocess.Popen(
-                [binary, "--name", "b", "--data-dir", str(tmp / "etcd"), "--listen-client-urls", url,
-                 "--advertise-client-urls", url, "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls",
-                 peer_url, "--initial-cluster", f"b={peer_url}", "--log-level", "warn", "--logger", "zap"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        binary,
+                        "--name",
+                        "b",
+                        "--data-dir",
+                        str(tmp / "etcd"),
+                        "--listen-client-urls",
+                        url,
+                        "--advertise-client-urls",
+                        url,
+                        "--listen-peer-urls",
+                        peer_url,
+                        "--initial-advertise-peer-urls",
+                        peer_url,
+                        "--initial-cluster",
+                        f"b={peer_url}",
+                        "--log-level",
+                        "warn",
+                        "--logger",
+                        "zap",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
             _wait("etcd", lambda: b"true" in urllib.request.urlopen(url + "/health", timeout=1).read(), procs[-1])
             master_flags = ["--etcd", url, "--etcd-prefix", "/bench"]
         port_file = tmp / "master.port"
-        procs.append(subprocess.Popen(CLI + ["master", "--port-file", str(port_file)] + master_flags,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                CLI + ["master", "--port-file", str(port_file)] + master_flags,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         raw = _wait("master", lambda: port_file.read_text().strip(), procs[-1])
         address = f"etcd://{url.removeprefix('http://')}/bench" if etcd else raw
         ready = tmp / "node.ready"
-        procs.append(subprocess.Popen(CLI + ["store", "--master", address, "--segment-size", "256MiB",
-                                             "--ready-file", str(ready)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                CLI + ["store", "--master", address, "--segment-size", "256MiB", "--ready-file", str(ready)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         _wait("store node", lambda: ready.read_text().strip(), procs[-1])
         yield address, url
     finally:
@@ -123,9 +155,13 @@ def run(address: str, url: str, args, size: int) -> dict:
     for c in clients:
         c.close()
     lat.sort()
-    return {"puts_per_s": round(len(data) / elapsed), "put_p50_us": round(statistics.median(lat) * 1e6),
-            "put_p99_us": round(lat[int(len(lat) * 0.99) - 1] * 1e6),
-            "etcd_writes_per_put": round(writes / len(data), 2) if url else None, "wrong_or_lost": len(wrong)}
+    return {
+        "puts_per_s": round(len(data) / elapsed),
+        "put_p50_us": round(statistics.median(lat) * 1e6),
+        "put_p99_us": round(lat[int(len(lat) * 0.99) - 1] * 1e6),
+        "etcd_writes_per_put": round(writes / len(data), 2) if url else None,
+        "wrong_or_lost": len(wrong),
+    }
 
 
 def main(argv=None) -> int:

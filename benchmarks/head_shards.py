@@ -9,6 +9,7 @@ master, one node, loopback shm) holds the pages; the KV is a torch tensor per la
 
     .venv/bin/python benchmarks/head_shards.py [--heads 8] [--layers 24] [--pages 64] [--repeat 15]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,20 +49,31 @@ def main() -> int:
     layers = [torch.randn(blocks, args.heads, args.block, 2 * args.head_dim) for _ in range(args.layers)]
     page = args.layers * args.heads * args.block * 2 * args.head_dim * 4
     with store_cluster(nodes=1, segment_size=f"{max(64, 3 * args.pages * page >> 20)}MiB") as c:
+
         def factory():
             return StoreClient(ClientConfig(master=c.master, rpc_timeout_ms=5000))
+
         parts: list[PageStore] = []
         for h in range(args.heads):
             lay = PageLayout([p for t in layers for p in head_planes(t, 0, args.heads, h)])
-            ks = KeySpace(model="bench", kv_dtype="float32", block_size=args.block, layer_group="all", tp_rank=h,
-                          tp_size=args.heads, page_bytes=lay.page_bytes)
+            ks = KeySpace(
+                model="bench",
+                kv_dtype="float32",
+                block_size=args.block,
+                layer_group="all",
+                tp_rank=h,
+                tp_size=args.heads,
+                page_bytes=lay.page_bytes,
+            )
             parts.append(PageStore(factory, ks, lay, share=parts[0] if parts else None))
         ids, hashes = list(range(args.pages)), [i.to_bytes(4, "big") * 8 for i in range(args.pages)]
         assert save_pages(parts, ids, hashes)[0] == args.pages
-        cases = {"one batch for all heads (load_pages)": lambda: load_pages(parts, ids, hashes),
-                 "one batch per head (before)": lambda: [p.load(ids, hashes) for p in parts]}
+        cases = {
+            "one batch for all heads (load_pages)": lambda: load_pages(parts, ids, hashes),
+            "one batch per head (before)": lambda: [p.load(ids, hashes) for p in parts],
+        }
         times: dict[str, list[float]] = {k: [] for k in cases}
-        for _ in range(args.repeat):          # interleaved, so drift hits both alike
+        for _ in range(args.repeat):  # interleaved, so drift hits both alike
             for name, fn in cases.items():
                 t0 = time.perf_counter()
                 failed = fn()
@@ -70,8 +82,10 @@ def main() -> int:
         for p in parts:
             p.close()
     nbytes = args.pages * page
-    print(f"{args.pages} pages x {args.heads} heads x {args.layers} layers ({nbytes / 2**20:.0f} MiB per batch), "
-          f"{args.repeat} rounds, CPU: {cpu_model()}")
+    print(
+        f"{args.pages} pages x {args.heads} heads x {args.layers} layers ({nbytes / 2**20:.0f} MiB per batch), "
+        f"{args.repeat} rounds, CPU: {cpu_model()}"
+    )
     print("| load | median ms | GB/s | vs one batch |")
     print("|---|---|---|---|")
     first = statistics.median(next(iter(times.values())))

@@ -18,6 +18,7 @@ Servers: kvplugins master + one store node (shm, and TCP forced), mooncake_maste
 benchmarks/storebench/clusters.py; the SGLang-side clients live in this process like an SGLang rank's backend.
 SGLang's mooncake backend refuses MHA layer_first (its multi-buffer path is MLA-only): that cell reads n/a.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,15 +48,20 @@ import hicache_pools  # noqa: E402
 from hicache import backends  # noqa: E402
 
 GEOMETRY = dict(layers=32, heads=8, head_dim=128, page_size=64, dtype=torch.bfloat16)
-PAGE_BYTES = 2 * 32 * 8 * 128 * 2 * 64          # K+V, layers, heads, head dim, bf16, tokens: 8 MiB
+PAGE_BYTES = 2 * 32 * 8 * 128 * 2 * 64  # K+V, layers, heads, head dim, bf16, tokens: 8 MiB
 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pages", type=int, default=16, help="pages per batch (8 MiB each)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per backend, op and layout")
-    p.add_argument("--warmup", type=int, default=None, help="untimed (verified) rounds first, per backend; "
-                   "default: enough to write our segment once, as a long-running engine has (store_bench does so)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed (verified) rounds first, per backend; "
+        "default: enough to write our segment once, as a long-running engine has (store_bench does so)",
+    )
     p.add_argument("--layouts", default="page_first,layer_first")
     p.add_argument("--no-mooncake", action="store_true", help="skip Mooncake (no root / netns needed)")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -65,8 +71,10 @@ def parse(argv=None) -> argparse.Namespace:
 
 def digests(pool, first: int, pages: int) -> list[str]:
     ps = pool.page_size
-    return [hashlib.sha256(pool.get_data_page((first + i) * ps).contiguous().view(torch.uint8).numpy()).hexdigest()
-            for i in range(pages)]
+    return [
+        hashlib.sha256(pool.get_data_page((first + i) * ps).contiguous().view(torch.uint8).numpy()).hexdigest()
+        for i in range(pages)
+    ]
 
 
 def one_round(att, reader, keys, idx, expect, first) -> dict:
@@ -113,7 +121,7 @@ def run_layout(layout: str, args, factories: dict) -> list[dict]:
         reader.close()
         rows.append(summarize(layout, label, samples[label], pages, page_bytes))
     pairs.clear()
-    gc.collect()          # backends' native clients go away while their servers still run
+    gc.collect()  # backends' native clients go away while their servers still run
     return rows
 
 
@@ -121,8 +129,13 @@ def summarize(layout, label, samples, pages, page_bytes) -> dict:
     errors = [s["error"] for s in samples if "error" in s]
     if errors:
         return {"layout": layout, "backend": label, "error": errors[0]}
-    row = {"layout": layout, "backend": label, "verified": all(s["verified"] for s in samples),
-           "page_bytes": page_bytes, "pages": pages}
+    row = {
+        "layout": layout,
+        "backend": label,
+        "verified": all(s["verified"] for s in samples),
+        "page_bytes": page_bytes,
+        "pages": pages,
+    }
     for op in ("set", "get"):
         t = statistics.median(s[f"{op}_s"] for s in samples)
         row[f"{op}_pages_s"], row[f"{op}_GBps"] = pages / t, pages * page_bytes / t / 1e9
@@ -135,8 +148,10 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             out.append(f"| {r['layout']} | {r['backend']} | n/a | n/a | n/a | n/a | {r['error'][:80]} |")
         else:
-            out.append(f"| {r['layout']} | {r['backend']} | {r['set_pages_s']:.1f} | {r['set_GBps']:.2f} | "
-                       f"{r['get_pages_s']:.1f} | {r['get_GBps']:.2f} | {r['verified']} |")
+            out.append(
+                f"| {r['layout']} | {r['backend']} | {r['set_pages_s']:.1f} | {r['set_GBps']:.2f} | "
+                f"{r['get_pages_s']:.1f} | {r['get_GBps']:.2f} | {r['verified']} |"
+            )
     return "\n".join(out)
 
 
@@ -149,15 +164,19 @@ def ratios(rows: list[dict]) -> list[str]:
         for other in ("file", "file-cold", "mooncake-tcp"):
             o = by.get((layout, other))
             if o:
-                out.append(f"{layout} {label} / {other}: set x{r['set_GBps'] / o['set_GBps']:.2f}, "
-                           f"get x{r['get_GBps'] / o['get_GBps']:.2f}")
+                out.append(
+                    f"{layout} {label} / {other}: set x{r['set_GBps'] / o['set_GBps']:.2f}, "
+                    f"get x{r['get_GBps'] / o['get_GBps']:.2f}"
+                )
     return out
 
 
 def git_rev() -> str:
     """Short commit of the checkout, with "+dirty" if it has uncommitted changes."""
+
     def git(*a):
         return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout.strip()
+
     return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--", "kvplugins") else "")
 
 
@@ -165,11 +184,14 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.warmup is None:
         batch = args.pages * PAGE_BYTES
-        args.warmup = -(-max(512 << 20, 4 * batch) // batch)      # our segment (storebench.clusters.kvp) / batch
+        args.warmup = -(-max(512 << 20, 4 * batch) // batch)  # our segment (storebench.clusters.kvp) / batch
     if not args.no_mooncake and not netns.inside():
         return netns.run_inside([str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])])
-    run = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_rev(),
-           "load_start": os.getloadavg()[0]}
+    run = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git": git_rev(),
+        "load_start": os.getloadavg()[0],
+    }
     with contextlib.ExitStack() as stack:
         log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hicache-bench-")))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -177,14 +199,26 @@ def main(argv=None) -> int:
         for layout in args.layouts.split(","):
             rows += run_layout_with_servers(layout, args, log_dir)
     run["load_end"] = os.getloadavg()[0]
-    print(f"{run['date']} kvplugins {run['git']}, 1-min load {run['load_start']:.1f} -> {run['load_end']:.1f}, "
-          f"{args.pages} pages x {args.rounds} rounds after {args.warmup} warm-up rounds")
+    print(
+        f"{run['date']} kvplugins {run['git']}, 1-min load {run['load_start']:.1f} -> {run['load_end']:.1f}, "
+        f"{args.pages} pages x {args.rounds} rounds after {args.warmup} warm-up rounds"
+    )
     print(table(rows))
     print("\n".join(ratios(rows)))
     if args.json:
-        args.json.write_text(json.dumps({**run, "geometry": {k: str(v) for k, v in GEOMETRY.items()},
-                                         "pages": args.pages, "rounds": args.rounds,
-                                         "warmup": args.warmup, "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    **run,
+                    "geometry": {k: str(v) for k, v in GEOMETRY.items()},
+                    "pages": args.pages,
+                    "rounds": args.rounds,
+                    "warmup": args.warmup,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     return 0 if all(r.get("verified", True) for r in rows) else 1
 
 
@@ -193,10 +227,12 @@ def run_layout_with_servers(layout: str, args, log_dir: Path) -> list[dict]:
     which are never read again); Mooncake's segment holds every round (its put fails rather than waits when full)."""
     batch = args.pages * PAGE_BYTES
     with contextlib.ExitStack() as stack:
-        factories = {"kvp-shm": stack.enter_context(backends.kvp("shm", batch, log_dir)),
-                     "kvp-tcp": stack.enter_context(backends.kvp("tcp", batch, log_dir)),
-                     "file": stack.enter_context(backends.file(log_dir)),
-                     "file-cold": stack.enter_context(backends.file(log_dir, cold=True))}
+        factories = {
+            "kvp-shm": stack.enter_context(backends.kvp("shm", batch, log_dir)),
+            "kvp-tcp": stack.enter_context(backends.kvp("tcp", batch, log_dir)),
+            "file": stack.enter_context(backends.file(log_dir)),
+            "file-cold": stack.enter_context(backends.file(log_dir, cold=True)),
+        }
         if not args.no_mooncake:
             rounds = args.warmup + args.rounds
             factories["mooncake-tcp"] = stack.enter_context(backends.mooncake(rounds * batch, log_dir))

@@ -11,6 +11,7 @@ batch_put_from), checking every key's result. Reports the master process's RSS g
 /proc before and after the puts) and the client's puts/s. Our master is `kvplugins master`; Mooncake's is
 `mooncake_master` 0.3.13 (its metadata lives in the master; its HTTP metadata server runs in the same process).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ SIZE, BATCH = 64, 1000
 
 
 def measure(target, n: int, key_bytes: int) -> dict:
-    buf = np.arange(SIZE * BATCH, dtype=np.uint64).view(np.uint8)[:SIZE * BATCH].copy()
+    buf = np.arange(SIZE * BATCH, dtype=np.uint64).view(np.uint8)[: SIZE * BATCH].copy()
     client = open_client(target.backend, target.cfg, buf)
     try:
         ks = make_keys(n, key_bytes)
@@ -40,14 +41,19 @@ def measure(target, n: int, key_bytes: int) -> dict:
         before = rss(target.master_pid)
         t0 = time.perf_counter()
         for i in range(0, n, BATCH):
-            client.bind("put", ks[i:i + BATCH], SIZE)()
+            client.bind("put", ks[i : i + BATCH], SIZE)()
         put_s = time.perf_counter() - t0
         time.sleep(0.5)
         grown = rss(target.master_pid) - before
     finally:
         client.close()
-    return {"store": target.label, "objects": n, "bytes_per_object": round(grown / n),
-            "master_rss_mib": round(rss(target.master_pid) / 2**20), "puts_per_s": round(n / put_s)}
+    return {
+        "store": target.label,
+        "objects": n,
+        "bytes_per_object": round(grown / n),
+        "master_rss_mib": round(rss(target.master_pid) / 2**20),
+        "puts_per_s": round(n / put_s),
+    }
 
 
 def main(argv=None) -> int:
@@ -62,7 +68,8 @@ def main(argv=None) -> int:
     if "mooncake" in stores and not netns.inside():
         return netns.run_inside([str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])])
     from moe_bench import cpu_model
-    room = a.objects * SIZE * 2           # segment bytes: twice the data (allocation rounding, no eviction)
+
+    room = a.objects * SIZE * 2  # segment bytes: twice the data (allocation rounding, no eviction)
     # Mooncake's segment: its puts failed with -200 (no space) at 1.32 M objects in a 1.34 GB segment, so it
     # gets ~1.1 KiB of segment per object (it mounts it without touching it: RSS only where objects land).
     mooncake_room = max(room, a.objects * 1100)
@@ -70,13 +77,18 @@ def main(argv=None) -> int:
     print("| store | objects | master RSS growth per object (bytes) | master RSS MiB | client puts/s |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="kvp-master-mem-") as d:
-        starts = {"kvp": lambda: clusters.kvp("tcp", room // 4, Path(d)),
-                  "mooncake": lambda: clusters.mooncake(mooncake_room // 2, Path(d))}
+        starts = {
+            "kvp": lambda: clusters.kvp("tcp", room // 4, Path(d)),
+            "mooncake": lambda: clusters.mooncake(mooncake_room // 2, Path(d)),
+        }
         for start in (starts[name] for name in stores):
             with start() as target:
                 r = measure(target, a.objects, a.key_bytes)
-            print(f"| {r['store']} | {r['objects']:,} | {r['bytes_per_object']} | {r['master_rss_mib']} | "
-                  f"{r['puts_per_s']:,} |", flush=True)
+            print(
+                f"| {r['store']} | {r['objects']:,} | {r['bytes_per_object']} | {r['master_rss_mib']} | "
+                f"{r['puts_per_s']:,} |",
+                flush=True,
+            )
     return 0
 
 

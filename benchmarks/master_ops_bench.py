@@ -10,6 +10,7 @@ new/old (< 1: the change made the master cheaper). Issue #11 asked this of the t
 runs this tree with the KV event publisher on (master/events.py, each op's events encoded and published) and off,
 the same way (on/off > 1: what events cost per key).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,17 @@ def measure(batch: int, iters: int, events: bool = False) -> dict:
 
     from kvplugins.store.config import MasterConfig
     from kvplugins.store.master.rpc_server import RpcServer
+
     size = 1 << 30
     server = RpcServer(MasterConfig(metrics_port=-1, events_port=0 if events else -1))
     publish = server.service.events.flush
-    wire = {"v": 1, "segment_id": "bench", "host_id": "h", "transports": {"tcp": {"host": "127.0.0.1", "port": 1}},
-            "regions": [[0, size, None]]}
+    wire = {
+        "v": 1,
+        "segment_id": "bench",
+        "host_id": "h",
+        "transports": {"tcp": {"host": "127.0.0.1", "port": 1}},
+        "regions": [[0, size, None]],
+    }
     rid = iter(range(1, 1 << 62))
 
     def answer(op, entries, opts=None) -> None:
@@ -43,9 +50,12 @@ def measure(batch: int, iters: int, events: bool = False) -> dict:
     best: dict[str, float] = {}
     for it in range(iters):
         keys = [f"bench/{it}/{i:08d}" for i in range(batch)]
-        steps = [("put_start", [[k, 4096] for k in keys], {}),
-                 ("put_commit", keys, {"xxh3": [(i * 0x9E3779B97F4A7C15) % (1 << 64) for i in range(batch)]}),
-                 ("get", keys, {"cols": 1}), ("remove", keys, {})]
+        steps = [
+            ("put_start", [[k, 4096] for k in keys], {}),
+            ("put_commit", keys, {"xxh3": [(i * 0x9E3779B97F4A7C15) % (1 << 64) for i in range(batch)]}),
+            ("get", keys, {"cols": 1}),
+            ("remove", keys, {}),
+        ]
         for op, entries, opts in steps:
             body = msgpack.packb([1, next(rid), op, entries, opts], use_bin_type=True)
             t0 = time.perf_counter_ns()
@@ -63,10 +73,11 @@ def wire_decode() -> dict:
     import timeit
 
     from kvplugins.transfer import wire
+
     out = {}
     for n in (1, 32, 1024):
         frame = wire.encode_request(wire.OP_READ, 7, [(1, i * 4096, 4096) for i in range(n)])
-        header = frame[wire.PREFIX.size:]
+        header = frame[wire.PREFIX.size :]
         reps = max(10, 20_000 // n)
         t = min(timeit.repeat(lambda: wire.decode_request(header, 0, 1 << 40), number=reps, repeat=5))
         out[f"wire_req_{n}"] = t / reps / n * 1e9
@@ -83,26 +94,41 @@ def main(argv=None) -> None:
     ap.add_argument("--events", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child:          # import kvplugins from PYTHONPATH, not the editable install's redirect
+    if args.child:  # import kvplugins from PYTHONPATH, not the editable install's redirect
         sys.meta_path[:] = [f for f in sys.meta_path if "Redirecting" not in type(f).__name__]
         print(json.dumps(measure(args.batch, args.iters, args.events)))
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if args.vs_events:          # (tree, events) per column; "new"/"old" keep the ratio's meaning: on / off
+    if args.vs_events:  # (tree, events) per column; "new"/"old" keep the ratio's meaning: on / off
         trees = {"new": (here, True), "old": (here, False)}
     else:
         trees = {"new": (here, False)} | ({"old": (os.path.abspath(args.vs_tree), False)} if args.vs_tree else {})
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(args.rounds):
         for name, (tree, events) in trees.items():
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--batch", str(args.batch),
-                                  "--iters", str(args.iters)] + (["--events"] if events else []),
-                                 env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, check=True,
-                                 cwd=tree)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--child",
+                    "--batch",
+                    str(args.batch),
+                    "--iters",
+                    str(args.iters),
+                ]
+                + (["--events"] if events else []),
+                env={**os.environ, "PYTHONPATH": tree},
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=tree,
+            )
             runs[name].append(json.loads(out.stdout))
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"CPU: {cpu}; batch {args.batch} keys; median of {args.rounds} rounds of best-of-{args.iters} "
-          "(ns per key or entry)" + ("; new = KV events on, old = off" if args.vs_events else ""))
+    print(
+        f"CPU: {cpu}; batch {args.batch} keys; median of {args.rounds} rounds of best-of-{args.iters} "
+        "(ns per key or entry)" + ("; new = KV events on, old = off" if args.vs_events else "")
+    )
     print(f"{'op':12} " + " ".join(f"{n:>10}" for n in trees) + ("   new/old" if "old" in trees else ""))
     for op in runs["new"][0]:
         med = {n: statistics.median(r[op] for r in runs[n]) for n in trees}

@@ -11,6 +11,7 @@ ask for). Reports the process RSS growth per object (the native table with its i
 allocator's offset map), the table's own byte count, master-side puts/s, and exists / get key-ops/s (best of 5
 passes of 20 batches). Keys look like an engine's: a model prefix and a hex block hash (``--key-bytes`` long).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,15 +43,16 @@ def keys(n: int, key_bytes: int) -> list[str]:
 def measure(n: int, batch: int, key_bytes: int) -> dict:
     from kvplugins.store.config import MasterConfig
     from kvplugins.store.master.service import MasterService
+
     m = MasterService(MasterConfig(metrics_port=-1, alloc_align=64, heartbeat_timeout_ms=10**9))
-    size = 2 * n * 64        # half full at the end: below the high watermark, so nothing is evicted
+    size = 2 * n * 64  # half full at the end: below the high watermark, so nothing is evicted
     wire = {"v": 1, "segment_id": "s", "host_id": "h", "transports": {}, "regions": [[1, size, None]]}
     m.handle("register_segment", [[wire, 1, size]], {})
     ks = keys(n, key_bytes)
     base = rss_bytes()
     t0 = time.perf_counter()
     for i in range(0, n, batch):
-        chunk = ks[i:i + batch]
+        chunk = ks[i : i + batch]
         m.handle("put_start", [[k, 64] for k in chunk], {})
         m.handle("put_commit", chunk, {})
     put_s = time.perf_counter() - t0
@@ -58,8 +60,12 @@ def measure(n: int, batch: int, key_bytes: int) -> dict:
     if len(m.table) != n:
         raise SystemExit(f"the table holds {len(m.table)} of {n} objects (evicted: {m.counters['evictions']})")
     rng = random.Random(1)
-    out = {"objects": n, "bytes_per_object": round(grown / n), "rss_mib": round(rss_bytes() / 2**20),
-           "puts_per_s": round(n / put_s)}
+    out = {
+        "objects": n,
+        "bytes_per_object": round(grown / n),
+        "rss_mib": round(rss_bytes() / 2**20),
+        "puts_per_s": round(n / put_s),
+    }
     for name, op, opts in (("exists", "exists", {}), ("get", "get", {}), ("get_cols", "get", {"cols": 1})):
         best = 0.0
         for _ in range(5):
@@ -84,17 +90,28 @@ def main() -> int:
         print(json.dumps(measure(a.child, a.batch, a.key_bytes)))
         return 0
     from benchmarks.moe_bench import cpu_model
+
     print(f"CPU: {cpu_model()}; batches of {a.batch}; keys of {a.key_bytes} bytes; 64-byte objects\n")
-    print("| objects | bytes per object (RSS growth) | of which the native table | process RSS MiB | master puts/s "
-          "| exists key-ops/s | get key-ops/s | get (cols) key-ops/s |")
+    print(
+        "| objects | bytes per object (RSS growth) | of which the native table | process RSS MiB | master puts/s "
+        "| exists key-ops/s | get key-ops/s | get (cols) key-ops/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for n in (int(x) for x in a.objects.split(",")):
-        r = json.loads(subprocess.run([sys.executable, __file__, "--child", str(n), "--batch", str(a.batch),
-                                       "--key-bytes", str(a.key_bytes)], check=True, capture_output=True,
-                                      text=True).stdout)
-        print(f"| {n:,} | {r['bytes_per_object']} | {r['table_bytes_per_object']} | {r['rss_mib']} | "
-              f"{r['puts_per_s']:,} | {r['exists_key_ops_per_s']:,} | {r['get_key_ops_per_s']:,} | "
-              f"{r['get_cols_key_ops_per_s']:,} |", flush=True)
+        r = json.loads(
+            subprocess.run(
+                [sys.executable, __file__, "--child", str(n), "--batch", str(a.batch), "--key-bytes", str(a.key_bytes)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+        )
+        print(
+            f"| {n:,} | {r['bytes_per_object']} | {r['table_bytes_per_object']} | {r['rss_mib']} | "
+            f"{r['puts_per_s']:,} | {r['exists_key_ops_per_s']:,} | {r['get_key_ops_per_s']:,} | "
+            f"{r['get_cols_key_ops_per_s']:,} |",
+            flush=True,
+        )
     return 0
 
 

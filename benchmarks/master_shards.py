@@ -16,6 +16,7 @@ key-ops/s as one client sees them.
 ``--failover``: 3 shards, s0 an HA pair; 20,000 objects; SIGKILL s0's leader, then time until a get of s0's
 keys answers again, and check the other shards' gets meanwhile.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,6 +46,7 @@ def masters(n_shards: int, per_shard_bytes: int, tmp: Path, ha_first: bool = Fal
     from tests.helpers.cluster import _env, _spawn, _wait_file
     from tests.helpers.etcd import etcd_server
     from kvplugins.store.cluster.membership import Membership
+
     with etcd_server() as etcd:
         cluster = "shards://" + etcd.url.removeprefix("http://") + "/bench"
         procs: dict = {}
@@ -57,13 +59,17 @@ def masters(n_shards: int, per_shard_bytes: int, tmp: Path, ha_first: bool = Fal
                     if ha_first and i == 0:
                         flags += ["--etcd", etcd.url]
                     pf = tmp / f"m{i}-{j}.port"
-                    p = _spawn(["master", "--port", "0", "--port-file", str(pf)] + flags, tmp / f"m{i}-{j}.log",
-                               _env(tmp))
+                    p = _spawn(
+                        ["master", "--port", "0", "--port-file", str(pf)] + flags, tmp / f"m{i}-{j}.log", _env(tmp)
+                    )
                     p.address = _wait_file(p, pf, f"master s{i}")
                     procs.setdefault(f"s{i}", []).append(p)
                 if n_shards > 1 or ha_first:
-                    _wait(lambda: f"s{i}" in Membership(cluster).read().members
-                          and not Membership(cluster).read().unswept())
+                    _wait(
+                        lambda: (
+                            f"s{i}" in Membership(cluster).read().members and not Membership(cluster).read().unswept()
+                        )
+                    )
             address = cluster if n_shards > 1 or ha_first else procs["s0"][0].address
             _register(address, per_shard_bytes)
             yield address, procs, etcd.url
@@ -85,6 +91,7 @@ def _register(address: str, size: int) -> None:
     """One byte-less segment of ``size`` per master (registered by RPC; never heart-beats: timeout 10^9 ms)."""
     from kvplugins.store.client.connect import master_client
     from kvplugins.store.cluster.membership import Membership
+
     addrs = Membership(address).read().members if address.startswith("shards://") else {"s0": address}
     for sid, addr in addrs.items():
         rpc = master_client(addr, 10_000)
@@ -97,9 +104,12 @@ def _register(address: str, size: int) -> None:
 
 def measure(n_shards: int, n: int, key_bytes: int) -> dict:
     from kvplugins.store.client.connect import master_client
-    per_shard = int(2 * n * SIZE / n_shards * 1.3) + (1 << 20)     # the largest share + slack: nothing evicted
-    with tempfile.TemporaryDirectory(prefix="kvp-shards-bench-") as d, \
-            masters(n_shards, per_shard, Path(d)) as (address, procs, _):
+
+    per_shard = int(2 * n * SIZE / n_shards * 1.3) + (1 << 20)  # the largest share + slack: nothing evicted
+    with (
+        tempfile.TemporaryDirectory(prefix="kvp-shards-bench-") as d,
+        masters(n_shards, per_shard, Path(d)) as (address, procs, _),
+    ):
         pids = [ps[0].popen.pid for ps in procs.values()]
         rpc = master_client(address, 60_000)
         before = sum(rss_bytes(p) for p in pids)
@@ -119,8 +129,15 @@ def measure(n_shards: int, n: int, key_bytes: int) -> dict:
         rng = random.Random(1)
         rates = {op: _best(rpc, op, n, key_bytes, rng) for op in ("exists", "get")}
         rpc.close()
-    return {"masters": n_shards, "objects": n, "per_master": counts, "bytes_per_object": round(grown / n),
-            "rss_mib": round((before + grown) / 2**20), "puts_per_s": round(n / put_s), **rates}
+    return {
+        "masters": n_shards,
+        "objects": n,
+        "per_master": counts,
+        "bytes_per_object": round(grown / n),
+        "rss_mib": round((before + grown) / 2**20),
+        "puts_per_s": round(n / put_s),
+        **rates,
+    }
 
 
 def _best(rpc, op: str, n: int, key_bytes: int, rng) -> int:
@@ -139,6 +156,7 @@ def _best(rpc, op: str, n: int, key_bytes: int, rng) -> int:
 def _counts(address: str) -> dict:
     from kvplugins.store.client.connect import master_client
     from kvplugins.store.cluster.membership import Membership
+
     addrs = Membership(address).read().members if address.startswith("shards://") else {"s0": address}
     out = {}
     for sid, addr in sorted(addrs.items()):
@@ -153,13 +171,16 @@ def failover(n: int = 20_000) -> dict:
     from kvplugins.store.client.connect import master_client
     from kvplugins.store.cluster.membership import Membership
     from tests.helpers.shards import leads
-    with tempfile.TemporaryDirectory(prefix="kvp-shards-fo-") as d, \
-            masters(3, 4 * n * SIZE, Path(d), ha_first=True) as (address, procs, _):
+
+    with (
+        tempfile.TemporaryDirectory(prefix="kvp-shards-fo-") as d,
+        masters(3, 4 * n * SIZE, Path(d), ha_first=True) as (address, procs, _),
+    ):
         rpc = master_client(address, 10_000)
         ks = [key(j) for j in range(n)]
         for i in range(0, n, BATCH):
-            rpc.call("put_start", [[k, SIZE] for k in ks[i:i + BATCH]])
-            rpc.call("put_commit", ks[i:i + BATCH])
+            rpc.call("put_start", [[k, SIZE] for k in ks[i : i + BATCH]])
+            rpc.call("put_commit", ks[i : i + BATCH])
         ring = Membership(address).read().ring
         mine = [k for k in ks if ring.owner(k) == "s0"][:BATCH]
         others = [k for k in ks if ring.owner(k) != "s0"][:BATCH]
@@ -177,29 +198,37 @@ def failover(n: int = 20_000) -> dict:
                 raise SystemExit("s0's keys did not come back within 60 s")
         back = time.monotonic() - t0
         rpc.close()
-    return {"routed_around_s": round(back, 2), "others_all_found": other_ok,
-            "others_worst_batch_ms": round(other_worst * 1000, 1)}
+    return {
+        "routed_around_s": round(back, 2),
+        "others_all_found": other_ok,
+        "others_worst_batch_ms": round(other_worst * 1000, 1),
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--objects", default="10000000,40000000", help="objects per run, comma list (paired with "
-                    "--shards)")
+    ap.add_argument("--objects", default="10000000,40000000", help="objects per run, comma list (paired with --shards)")
     ap.add_argument("--shards", default="1,4", help="masters per run, comma list (1 = one plain master)")
     ap.add_argument("--key-bytes", type=int, default=48)
     ap.add_argument("--failover", action="store_true", help="also time routing around a dead shard master")
     a = ap.parse_args(argv)
     from moe_bench import cpu_model
+
     runs = list(zip([int(s) for s in a.shards.split(",")], [int(n) for n in a.objects.split(",")]))
     print(f"CPU: {cpu_model()}; {SIZE}-byte objects, {a.key_bytes}-byte keys, batches of {BATCH}, over RPC\n")
-    print("| masters | objects | per master | RSS growth per object (bytes) | masters' RSS MiB | puts/s | "
-          "exists key-ops/s | get key-ops/s |")
+    print(
+        "| masters | objects | per master | RSS growth per object (bytes) | masters' RSS MiB | puts/s | "
+        "exists key-ops/s | get key-ops/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for shards, n in runs:
         r = measure(shards, n, a.key_bytes)
         per = " / ".join(f"{v:,}" for v in r["per_master"].values())
-        print(f"| {shards} | {n:,} | {per} | {r['bytes_per_object']} | {r['rss_mib']:,} | {r['puts_per_s']:,} | "
-              f"{r['exists']:,} | {r['get']:,} |", flush=True)
+        print(
+            f"| {shards} | {n:,} | {per} | {r['bytes_per_object']} | {r['rss_mib']:,} | {r['puts_per_s']:,} | "
+            f"{r['exists']:,} | {r['get']:,} |",
+            flush=True,
+        )
     if a.failover:
         print(f"\nfailover: {failover()}")
     return 0

@@ -16,6 +16,7 @@ forward. Routing is uniform random, new per iteration, so decode reads weights f
 the caches). Each backend runs alone in its own process. "idle CPU" is what that process burns in the second
 after its last forward. Prints a markdown table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,9 @@ from benchmarks.moe import backends  # noqa: E402
 
 CONFIGS = {  # name: (E, H, I, top-k)
     "bench": (64, 2048, 768, 8),
-    "dsv2lite": (64, 2048, 1408, 6),   # DeepSeek-V2-Lite
-    "qwen3": (128, 2048, 768, 8),      # Qwen3-30B-A3B
-    "tiny": (8, 256, 128, 2),          # smoke test only (tests/kt/test_kt_bench.py)
+    "dsv2lite": (64, 2048, 1408, 6),  # DeepSeek-V2-Lite
+    "qwen3": (128, 2048, 768, 8),  # Qwen3-30B-A3B
+    "tiny": (8, 256, 128, 2),  # smoke test only (tests/kt/test_kt_bench.py)
 }
 DECODE_T, PREFILL_T = (1, 4), (128, 512)
 
@@ -108,6 +109,7 @@ def build(label, fmt, w, K, threads):
 def idle_cpu(seconds=1.0) -> float:
     """CPU seconds per second this process burns while nothing is submitted (kt-kernel issue #1836)."""
     import resource
+
     time.sleep(0.1)
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     time.sleep(seconds)
@@ -131,8 +133,17 @@ def worker(name, label, fmt, args) -> dict:
         touched = sum(len(ids.unique()) for ids, _ in routes[2:]) / n
         gbs = backends.weight_bytes(fmt, touched, H, I) / dt / 1e9
         dec = T in DECODE_T
-        rows.append([f"{name} E={E}", label, T, f"{dt * 1e3:.2f}", round(gbs, 1) if dec else "",
-                     "", _gflops(T * K * 6 * H * I / dt / 1e9)])
+        rows.append(
+            [
+                f"{name} E={E}",
+                label,
+                T,
+                f"{dt * 1e3:.2f}",
+                round(gbs, 1) if dec else "",
+                "",
+                _gflops(T * K * 6 * H * I / dt / 1e9),
+            ]
+        )
     idle = f"{100 * idle_cpu():.0f}%"
     return {"bw": bw, "rows": [r + [idle] for r in rows]}
 
@@ -140,10 +151,24 @@ def worker(name, label, fmt, args) -> dict:
 def run_isolated(name, label, fmt, args) -> dict:
     import json
     import subprocess
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{name}|{label}|{fmt}",
-           "--threads", str(args.threads), *(["--cpu-time"] if args.cpu_time else []),
-           "--max-experts", str(args.max_experts), "--bw-gib", str(args.bw_gib),
-           "--decode-iters", str(args.decode_iters), "--prefill-iters", str(args.prefill_iters)]
+
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        f"{name}|{label}|{fmt}",
+        "--threads",
+        str(args.threads),
+        *(["--cpu-time"] if args.cpu_time else []),
+        "--max-experts",
+        str(args.max_experts),
+        "--bw-gib",
+        str(args.bw_gib),
+        "--decode-iters",
+        str(args.decode_iters),
+        "--prefill-iters",
+        str(args.prefill_iters),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     last = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith('{"bw"')), "")  # kt-kernel prints too
     if r.returncode != 0 or not last:
@@ -184,11 +209,18 @@ def main(argv=None) -> int:
     p.add_argument("--decode-iters", type=int, default=30)
     p.add_argument("--prefill-iters", type=int, default=3)
     p.add_argument("--no-kt", action="store_true", help="skip kt-kernel")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="time forwards by process CPU time, not wall time (per-core efficiency on a busy machine; "
-                        "use with --threads 1)")
-    p.add_argument("--rounds", type=int, default=1, help="run every backend this many times, interleaved; each "
-                   "cell reports the round with the median time")
+    p.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time forwards by process CPU time, not wall time (per-core efficiency on a busy machine; "
+        "use with --threads 1)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every backend this many times, interleaved; each cell reports the round with the median time",
+    )
     p.add_argument("--bw-gib", type=float, default=1.0, help="GiB the read-bandwidth probe sums (workers: half)")
     p.add_argument("--isas", default="auto", help="kvplugins kernel tiers to run, e.g. avx512_bf16,avx512,avx2")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -196,14 +228,22 @@ def main(argv=None) -> int:
     args.formats = args.formats.split(",")
     if args.worker:
         import json
+
         print(json.dumps(worker(*args.worker.split("|"), args)))
         return 0
     bw = read_bandwidth(args.threads, args.bw_gib, _clock(args))
     from kvplugins.kt_expert_backend import native
-    print(f"CPU: {cpu_model()}; kvplugins tiers here: {', '.join(native.supported_isas())}; auto picks "
-          f"{native.describe_isa()}", flush=True)
-    print(f"read bandwidth (torch.sum, {args.threads} threads): {bw / 1e9:.1f} GB/s; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+
+    print(
+        f"CPU: {cpu_model()}; kvplugins tiers here: {', '.join(native.supported_isas())}; auto picks "
+        f"{native.describe_isa()}",
+        flush=True,
+    )
+    print(
+        f"read bandwidth (torch.sum, {args.threads} threads): {bw / 1e9:.1f} GB/s; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+        flush=True,
+    )
     runs = {}  # (config, backend) -> one result per round
     for rnd in range(args.rounds):  # rounds interleave the backends: a burst of load hits one round, not one backend
         for name in args.configs.split(","):
@@ -224,13 +264,17 @@ def main(argv=None) -> int:
     for results in runs.values():
         good = [r for r in results if r[0][2] != "-"] or results[:1]  # a failed round has one "unavailable" row
         rows += [median_row(by_round) for by_round in zip(*good)]
-    print("\n| config | backend | T | ms | GB/s | % of read BW | GFLOP/s | idle CPU |\n|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| config | backend | T | ms | GB/s | % of read BW | GFLOP/s | idle CPU |\n|---|---|---|---|---|---|---|---|"
+    )
     for r in rows:
         if r[4] != "":
             r[5] = f"{100 * r[4] * 1e9 / bw:.0f}%"
         print("| " + " | ".join(map(str, r)) + " |")
-    print(f"\nread bandwidth: best torch.sum over this run, {args.threads} threads: {bw / 1e9:.1f} GB/s; "
-          f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"\nread bandwidth: best torch.sum over this run, {args.threads} threads: {bw / 1e9:.1f} GB/s; "
+        f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     return 0
 
 

@@ -9,6 +9,7 @@ block of forwards each (the order alternates per block), so both see the same pa
 Prints, per config and T, each backend's median forward time and the median and range of the per-block ratio
 torch/kvplugins (> 1: kvplugins faster). One thread each; kvplugins bf16 through KTMoEWrapper.forward.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ def block_medians(fns, x, routes, blocks):
     res = {name: [] for name in fns}
     names = list(fns)
     for b in range(blocks):
-        for name in (names if b % 2 else names[::-1]):
+        for name in names if b % 2 else names[::-1]:
             ts = []
             for ids, w in routes:
                 t = time.perf_counter()
@@ -48,8 +49,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-experts", type=int, default=64)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    print("| config | T | kvplugins bf16 ms | torch bf16 ms | torch/kvplugins per block: median (range) |\n"
-          "|---|---|---|---|---|")
+    print(
+        "| config | T | kvplugins bf16 ms | torch bf16 ms | torch/kvplugins per block: median (range) |\n"
+        "|---|---|---|---|---|"
+    )
     for name in args.configs.split(","):
         E, H, I, K, w, g = experts(name, args.max_experts)
         fns = {"kvplugins": backends.kvplugins_backend("bf16", w, K, 1), "torch": backends.torch_backend(w)}
@@ -60,9 +63,12 @@ def main(argv=None) -> int:
             x = torch.randn(T, H, generator=g).to(torch.bfloat16)
             res = block_medians(fns, x, routes, args.blocks)
             ratios = sorted(t / k for t, k in zip(res["torch"], res["kvplugins"]))
-            print(f"| {name} E={E} | {T} | {statistics.median(res['kvplugins']) * 1e3:.1f} | "
-                  f"{statistics.median(res['torch']) * 1e3:.1f} | {statistics.median(ratios):.2f} "
-                  f"({ratios[0]:.2f}-{ratios[-1]:.2f}) |", flush=True)
+            print(
+                f"| {name} E={E} | {T} | {statistics.median(res['kvplugins']) * 1e3:.1f} | "
+                f"{statistics.median(res['torch']) * 1e3:.1f} | {statistics.median(ratios):.2f} "
+                f"({ratios[0]:.2f}-{ratios[-1]:.2f}) |",
+                flush=True,
+            )
     return 0
 
 

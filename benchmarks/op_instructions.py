@@ -10,6 +10,7 @@ excluded. ``--master`` also runs the master under callgrind and reports its inst
 (its idle loop's ticks during the run included). Needs ``valgrind`` (apt). Counts are of user-space instructions
 only: the kernel's socket and scheduler work is not in them. Prints one JSON line per (op, side).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,6 +55,7 @@ def client(master: str, transports: str, op: str, n: int) -> None:
     import numpy as np
 
     from kvplugins.store import ClientConfig, StoreClient
+
     with StoreClient(ClientConfig(master=master, transports=transports)) as c:
         buf = np.zeros(4 * OBJECT_BYTES, dtype=np.uint8)
         c.register_buffer(buf)
@@ -66,7 +68,7 @@ def client(master: str, transports: str, op: str, n: int) -> None:
                 c.get_into(keys[i % KEYS], dst)
             elif op == "put":
                 c.put_from(f"oi/{os.getpid()}/p{i}", src)
-            else:       # the bare lookup RPC a get starts with (the client's private RPC client: diagnostics)
+            else:  # the bare lookup RPC a get starts with (the client's private RPC client: diagnostics)
                 c._rpc.call("get", [keys[i % KEYS]])
 
 
@@ -79,23 +81,55 @@ def run(args) -> list[dict]:
         for n in (0, args.n):
             procs = []
             mlog = work / f"master-{op}-{n}.log"
-            m = subprocess.Popen((_callgrind(work / "m.cg") if args.master else []) + [
-                exe, "master", "--host", "127.0.0.1", "--port", "0", "--port-file", str(work / f"m-{op}-{n}")],
-                stdout=subprocess.DEVNULL, stderr=mlog.open("w"))
+            m = subprocess.Popen(
+                (_callgrind(work / "m.cg") if args.master else [])
+                + [exe, "master", "--host", "127.0.0.1", "--port", "0", "--port-file", str(work / f"m-{op}-{n}")],
+                stdout=subprocess.DEVNULL,
+                stderr=mlog.open("w"),
+            )
             procs.append(m)
             try:
                 addr = _wait_text(work / f"m-{op}-{n}", m)
-                node = subprocess.Popen([exe, "store", "--master", addr, "--segment-size", str(64 << 20), "--host",
-                                         "127.0.0.1", "--transports", args.transports, "--ready-file",
-                                         str(work / f"r-{op}-{n}")], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+                node = subprocess.Popen(
+                    [
+                        exe,
+                        "store",
+                        "--master",
+                        addr,
+                        "--segment-size",
+                        str(64 << 20),
+                        "--host",
+                        "127.0.0.1",
+                        "--transports",
+                        args.transports,
+                        "--ready-file",
+                        str(work / f"r-{op}-{n}"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
                 procs.append(node)
                 _wait_text(work / f"r-{op}-{n}", node)
                 clog = work / f"client-{op}-{n}.log"
                 with clog.open("w") as f:
-                    subprocess.run(_callgrind(work / "c.cg") + [sys.executable, __file__, "--child", addr,
-                                   "--transports", args.transports, "--ops", op, "-n", str(n)],
-                                   stdout=subprocess.DEVNULL, stderr=f, check=True)
+                    subprocess.run(
+                        _callgrind(work / "c.cg")
+                        + [
+                            sys.executable,
+                            __file__,
+                            "--child",
+                            addr,
+                            "--transports",
+                            args.transports,
+                            "--ops",
+                            op,
+                            "-n",
+                            str(n),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=f,
+                        check=True,
+                    )
                 totals["client"].append(_total(clog))
             finally:
                 for p in reversed(procs):
@@ -105,8 +139,15 @@ def run(args) -> list[dict]:
                 totals["master"].append(_total(mlog))
         for side, (zero, full) in totals.items():
             if side == "client" or args.master:
-                rows.append({"op": op, "side": side, "transports": args.transports, "n": args.n,
-                             "instructions_per_op": round((full - zero) / args.n)})
+                rows.append(
+                    {
+                        "op": op,
+                        "side": side,
+                        "transports": args.transports,
+                        "n": args.n,
+                        "instructions_per_op": round((full - zero) / args.n),
+                    }
+                )
     return rows
 
 

@@ -15,6 +15,7 @@ tests/vllm/test_parallel_e2e.py and docs/benchmarks.md).
 
     .venv/bin/python benchmarks/parallel_keyspace.py
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from kvplugins.layout.shards import rank_heads
 class Shape:
     name: str
     layers: int
-    kv_heads: int          # 0 for MLA (one latent per token, the same on every rank)
+    kv_heads: int  # 0 for MLA (one latent per token, the same on every rank)
     token_bytes_per_layer: int  # bytes of one token's KV in one layer, all heads (K and V, or the latent)
     block: int
 
@@ -35,26 +36,56 @@ class Shape:
         return self.layers * self.token_bytes_per_layer * self.block
 
 
-SHAPES = [Shape("DeepSeek-V3 (MLA)", 61, 0, (512 + 64) * 2, 64),
-          Shape("Llama-3-70B (GQA, 8 KV heads)", 80, 8, 2 * 8 * 128 * 2, 16)]
+SHAPES = [
+    Shape("DeepSeek-V3 (MLA)", 61, 0, (512 + 64) * 2, 64),
+    Shape("Llama-3-70B (GQA, 8 KV heads)", 80, 8, 2 * 8 * 128 * 2, 16),
+]
 
 
 def spaces(shape: Shape, tp: int, per_rank: bool) -> dict[int, list[KeySpace]]:
     """TP rank -> the key spaces it writes (ours, or ``per_rank``: the connector before issue #32)."""
     page = shape.page_bytes()
-    base = KeySpace(model=shape.name, kv_dtype="bfloat16", block_size=shape.block, layer_group="all", tp_rank=0,
-                    tp_size=1, page_bytes=page)
+    base = KeySpace(
+        model=shape.name,
+        kv_dtype="bfloat16",
+        block_size=shape.block,
+        layer_group="all",
+        tp_rank=0,
+        tp_size=1,
+        page_bytes=page,
+    )
     out = {}
     for r in range(tp):
         if per_rank:
-            out[r] = [KeySpace(**{**base.__dict__, "tp_rank": r, "tp_size": tp, "page_bytes": page // tp
-                                  if shape.kv_heads else page})]
-        elif not shape.kv_heads:              # MLA: one space, TP rank 0 writes
+            out[r] = [
+                KeySpace(
+                    **{
+                        **base.__dict__,
+                        "tp_rank": r,
+                        "tp_size": tp,
+                        "page_bytes": page // tp if shape.kv_heads else page,
+                    }
+                )
+            ]
+        elif not shape.kv_heads:  # MLA: one space, TP rank 0 writes
             out[r] = [base] if r == 0 else []
-        else:                                 # one space per KV head; a replica rank writes nothing
+        else:  # one space per KV head; a replica rank writes nothing
             h = rank_heads(r, tp, shape.kv_heads)
-            out[r] = [KeySpace(**{**base.__dict__, "tp_rank": h.first + j, "tp_size": shape.kv_heads,
-                                  "page_bytes": page // shape.kv_heads}) for j in range(h.count)] if h.writes else []
+            out[r] = (
+                [
+                    KeySpace(
+                        **{
+                            **base.__dict__,
+                            "tp_rank": h.first + j,
+                            "tp_size": shape.kv_heads,
+                            "page_bytes": page // shape.kv_heads,
+                        }
+                    )
+                    for j in range(h.count)
+                ]
+                if h.writes
+                else []
+            )
     return out
 
 
@@ -64,15 +95,37 @@ def row(shape: Shape, tp: int) -> list[str]:
     pool = sum(k.page_bytes for k in {k for ks in ours.values() for k in ks}) / tokens
     pool_before = sum(k.page_bytes for k in {k for ks in before.values() for k in ks}) / tokens
     objects = rank_heads(0, tp, shape.kv_heads).count if shape.kv_heads else 1
-    lmcache = shape.page_bytes() / tokens     # MLA: first rank only; GQA: each rank its heads' share
+    lmcache = shape.page_bytes() / tokens  # MLA: first rank only; GQA: each rank its heads' share
     readable = "any TP" if not shape.kv_heads else f"TP dividing {shape.kv_heads} or a multiple of it"
-    return [shape.name, str(tp), f"{pool:,.0f}", f"{pool_before:,.0f}", f"{lmcache:,.0f}", f"{pool:,.0f}",
-            f"{pool_before:,.0f}", str(objects), "1", readable, f"TP {tp} only"]
+    return [
+        shape.name,
+        str(tp),
+        f"{pool:,.0f}",
+        f"{pool_before:,.0f}",
+        f"{lmcache:,.0f}",
+        f"{pool:,.0f}",
+        f"{pool_before:,.0f}",
+        str(objects),
+        "1",
+        readable,
+        f"TP {tp} only",
+    ]
 
 
 def main() -> None:
-    head = ["model", "TP", "pool B/token (ours)", "before #32", "LMCache", "write B/prefilled token (ours)",
-            "before #32", "objects/page/rank (ours)", "before #32", "readable at (ours)", "before #32"]
+    head = [
+        "model",
+        "TP",
+        "pool B/token (ours)",
+        "before #32",
+        "LMCache",
+        "write B/prefilled token (ours)",
+        "before #32",
+        "objects/page/rank (ours)",
+        "before #32",
+        "readable at (ours)",
+        "before #32",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for shape in SHAPES:

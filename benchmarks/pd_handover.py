@@ -9,6 +9,7 @@ ordinary numpy memory (as vLLM's KV tensors: no shm file), exports them and hold
 per page count the median ms of a read and GB/s for cma and tcp, and their ratio; one JSON line each with
 --json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,12 @@ SLOT, TOKEN = 1, 4242
 
 def _kv(layers: int, block_bytes: int, seed: int | None) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, 255, size=(2, BLOCKS, block_bytes), dtype=np.uint8) if seed is not None
-            else np.zeros((2, BLOCKS, block_bytes), dtype=np.uint8) for _ in range(layers)]
+    return [
+        rng.integers(0, 255, size=(2, BLOCKS, block_bytes), dtype=np.uint8)
+        if seed is not None
+        else np.zeros((2, BLOCKS, block_bytes), dtype=np.uint8)
+        for _ in range(layers)
+    ]
 
 
 def _producer(conn, layers: int, block_bytes: int) -> None:
@@ -63,7 +68,7 @@ def main() -> None:
                 consumer = Consumer(layout, TransferConfig(transports=f"shm,{path}"), wait_ms=1000)
                 ids = list(range(pages))
                 times = []
-                for _ in range(args.repeat + 1):          # the first read connects / opens the pidfd: not counted
+                for _ in range(args.repeat + 1):  # the first read connects / opens the pidfd: not counted
                     t0 = time.perf_counter()
                     if consumer.read(offer, ids, ids, SLOT, TOKEN):
                         raise SystemExit(f"{path}: a read failed")
@@ -73,9 +78,12 @@ def main() -> None:
                 ms = statistics.median(times[1:]) * 1000
                 row[f"{path}_ms"], row[f"{path}_GBps"] = round(ms, 3), round(pages * layout.page_bytes / ms / 1e6, 2)
             row["cma_vs_tcp_time"] = round(row["cma_ms"] / row["tcp_ms"], 3)
-            print(json.dumps(row) if args.json else
-                  f"{pages:>4} pages of {layout.page_bytes >> 10} KiB: cma {row['cma_ms']} ms ({row['cma_GBps']} GB/s), "
-                  f"tcp {row['tcp_ms']} ms ({row['tcp_GBps']} GB/s), cma/tcp time {row['cma_vs_tcp_time']}")
+            print(
+                json.dumps(row)
+                if args.json
+                else f"{pages:>4} pages of {layout.page_bytes >> 10} KiB: cma {row['cma_ms']} ms ({row['cma_GBps']} GB/s), "
+                f"tcp {row['tcp_ms']} ms ({row['tcp_GBps']} GB/s), cma/tcp time {row['cma_vs_tcp_time']}"
+            )
     finally:
         parent.send("exit")
         proc.join(10)

@@ -7,6 +7,7 @@ so compare only the ratios):
     bash ci/rxe-guest.sh --nics 1 -- .venv/bin/python benchmarks/rdma_bench.py --json '$RXE_GUEST_OUT/rdma.json'
 perftest's "MB/sec" is 2^20 bytes per second (perftest_parameters.c: format_factor 0x100000); so is ours here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ from kvplugins.transfer.nics import discover
 
 MIB = 1 << 20
 PEER_BYTES = 64 * MIB
-SMALL, SMALL_N, SMALL_STRIDE = 4096, 1024, 8192      # the per-work-request CPU case: scattered 4 KiB reads
+SMALL, SMALL_N, SMALL_STRIDE = 4096, 1024, 8192  # the per-work-request CPU case: scattered 4 KiB reads
 
 
 def _peer(conn, host: str) -> None:
@@ -41,8 +42,20 @@ def _peer(conn, host: str) -> None:
 
 def perftest(tool: str, nic, size: int, iters: int) -> float:
     """One perftest run on ``nic`` over its own address: MB/sec average (bw tools) or t_typical µs (lat)."""
-    args = [tool, "-d", nic.name, "-i", str(nic.port), "-x", str(nic.gid_index), "-s", str(size), "-n", str(iters),
-            "-F"]
+    args = [
+        tool,
+        "-d",
+        nic.name,
+        "-i",
+        str(nic.port),
+        "-x",
+        str(nic.gid_index),
+        "-s",
+        str(size),
+        "-n",
+        str(iters),
+        "-F",
+    ]
     server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(1.0)
     client = subprocess.run(args + [nic.ipv4.split("/")[0]], capture_output=True, text=True, timeout=600)
@@ -50,7 +63,7 @@ def perftest(tool: str, nic, size: int, iters: int) -> float:
     row = [ln.split() for ln in client.stdout.splitlines() if re.match(rf"\s*{size}\s+{iters}\s", ln)]
     if not row:
         raise RuntimeError(f"{tool} printed no result:\n{client.stdout}\n{client.stderr}")
-    return float(row[0][3] if tool.endswith("_bw") else row[0][4])   # BW average[MB/sec] | t_typical[usec]
+    return float(row[0][3] if tool.endswith("_bw") else row[0][4])  # BW average[MB/sec] | t_typical[usec]
 
 
 class Ours:
@@ -107,32 +120,46 @@ def main() -> None:
     args = p.parse_args()
     nics = [n for n in discover().nics if n.usable]
     if not nics:
-        raise SystemExit(f"no usable RDMA NIC ({discover().reason}); run it in the soft-RoCE guest: "
-                         "bash ci/rxe-guest.sh -- .venv/bin/python benchmarks/rdma_bench.py")
+        raise SystemExit(
+            f"no usable RDMA NIC ({discover().reason}); run it in the soft-RoCE guest: "
+            "bash ci/rxe-guest.sh -- .venv/bin/python benchmarks/rdma_bench.py"
+        )
     nic, ours = nics[0], Ours(args.host)
-    rows: dict[str, list[float]] = {k: [] for k in ("ib_read_bw", "ib_write_bw", "ib_read_lat", "read", "write",
-                                                     "lat")}
+    rows: dict[str, list[float]] = {k: [] for k in ("ib_read_bw", "ib_write_bw", "ib_read_lat", "read", "write", "lat")}
     try:
-        ours.batch(True, 32, MIB, MIB)                                       # connect QPs, warm up
+        ours.batch(True, 32, MIB, MIB)  # connect QPs, warm up
         for _ in range(args.rounds):
             rows["ib_read_bw"].append(perftest("ib_read_bw", nic, MIB, 64))
             rows["read"].append(32 / ours.batch(True, 32, MIB, MIB))
             rows["ib_write_bw"].append(perftest("ib_write_bw", nic, MIB, 64))
             rows["write"].append(32 / ours.batch(False, 32, MIB, MIB))
             rows["ib_read_lat"].append(perftest("ib_read_lat", nic, SMALL, 500))
-            rows["lat"].append(statistics.median(ours.batch(True, 1, SMALL, SMALL) * 1e6
-                                                 for _ in range(args.lat_samples)))
-        cpu = {"4KiB_scattered": ours.cpu_per_wr(3, SMALL_N, SMALL, SMALL_STRIDE),
-               "1MiB": ours.cpu_per_wr(3, 32, MIB, MIB)}
+            rows["lat"].append(
+                statistics.median(ours.batch(True, 1, SMALL, SMALL) * 1e6 for _ in range(args.lat_samples))
+            )
+        cpu = {
+            "4KiB_scattered": ours.cpu_per_wr(3, SMALL_N, SMALL, SMALL_STRIDE),
+            "1MiB": ours.cpu_per_wr(3, 32, MIB, MIB),
+        }
     finally:
         ours.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
-    result = {"cpu": cpu_model(), "host_cpu": os.environ.get("RXE_HOST_CPU", ""), "kernel": platform.release(), "nic": nic.name, "mtu": nic.active_mtu,
-              "rounds": args.rounds, "medians": med, "samples": rows,
-              "ratios": {"read_vs_ib_read_bw": med["read"] / med["ib_read_bw"],
-                         "write_vs_ib_write_bw": med["write"] / med["ib_write_bw"],
-                         "lat_vs_ib_read_lat": med["lat"] / med["ib_read_lat"]},
-              "cpu_us_per_wr": cpu}
+    result = {
+        "cpu": cpu_model(),
+        "host_cpu": os.environ.get("RXE_HOST_CPU", ""),
+        "kernel": platform.release(),
+        "nic": nic.name,
+        "mtu": nic.active_mtu,
+        "rounds": args.rounds,
+        "medians": med,
+        "samples": rows,
+        "ratios": {
+            "read_vs_ib_read_bw": med["read"] / med["ib_read_bw"],
+            "write_vs_ib_write_bw": med["write"] / med["ib_write_bw"],
+            "lat_vs_ib_read_lat": med["lat"] / med["ib_read_lat"],
+        },
+        "cpu_us_per_wr": cpu,
+    }
     _report(result)
     if args.json:
         path = os.path.expandvars(args.json)
@@ -143,11 +170,14 @@ def main() -> None:
 
 def _report(r: dict) -> None:
     m, q = r["medians"], r["ratios"]
-    print(f"CPU {r['cpu']} (host: {r['host_cpu'] or 'unknown'}) | kernel {r['kernel']} | {r['nic']} MTU {r['mtu']} | medians of {r['rounds']} rounds")
+    print(
+        f"CPU {r['cpu']} (host: {r['host_cpu'] or 'unknown'}) | kernel {r['kernel']} | {r['nic']} MTU {r['mtu']} | medians of {r['rounds']} rounds"
+    )
     print(f"{'case':34} {'ours':>10} {'perftest':>10} {'ratio':>7}")
     print(f"{'READ 32 x 1 MiB (MiB/s)':34} {m['read']:10.1f} {m['ib_read_bw']:10.1f} {q['read_vs_ib_read_bw']:7.2f}")
-    print(f"{'WRITE 32 x 1 MiB (MiB/s)':34} {m['write']:10.1f} {m['ib_write_bw']:10.1f} "
-          f"{q['write_vs_ib_write_bw']:7.2f}")
+    print(
+        f"{'WRITE 32 x 1 MiB (MiB/s)':34} {m['write']:10.1f} {m['ib_write_bw']:10.1f} {q['write_vs_ib_write_bw']:7.2f}"
+    )
     print(f"{'single 4 KiB read p50 (us)':34} {m['lat']:10.1f} {m['ib_read_lat']:10.1f} {q['lat_vs_ib_read_lat']:7.2f}")
     for case, c in r["cpu_us_per_wr"].items():
         print(f"CPU us per posted work request, {case}: user {c['user']:.1f}, system {c['system']:.1f}")

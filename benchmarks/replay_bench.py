@@ -9,6 +9,7 @@ embedded store), 8 per-instance LRU caches of capacity/8 each (round robin), and
 instance in front of the pool). Prints a markdown table: our hit ratio next to a plain prefix-LRU of the same
 capacity, and the store's sustained puts/s and gets/s over the replay (as fast as possible, one client).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,10 @@ def main() -> int:
         ref = r["reference_lru_hit_ratio"]
         diff = "-" if ref is None else f"{100 * (r['hit_ratio'] - ref):+.1f}"
         cap = r["pool_blocks"] or r["local_blocks_per_instance"] * r["instances"]
-        print(f"| {r['config']} | {cap:,} | {r['hit_ratio']:.3f} | {'-' if ref is None else f'{ref:.3f}'} | {diff} "
-              f"| {r['puts_per_s'] or '-'} | {r['gets_per_s'] or '-'} |")
+        print(
+            f"| {r['config']} | {cap:,} | {r['hit_ratio']:.3f} | {'-' if ref is None else f'{ref:.3f}'} | {diff} "
+            f"| {r['puts_per_s'] or '-'} | {r['gets_per_s'] or '-'} |"
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ case also measures two floors in the same run: memcpy and a plain C loopback TCP
   .venv/bin/python benchmarks/store_bench.py --quick               # smoke run (seconds)
 See benchmarks/README.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,19 +37,30 @@ REPO = Path(__file__).resolve().parent.parent
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--vs", choices=("none", "mooncake"), default="none", help="also run Mooncake (TCP), side by side")
-    p.add_argument("--ours", default="shm,tcp",
-                   help="our transport modes to run, comma-separated: shm, tcp (both: shm,tcp), or '' for none")
+    p.add_argument(
+        "--ours",
+        default="shm,tcp",
+        help="our transport modes to run, comma-separated: shm, tcp (both: shm,tcp), or '' for none",
+    )
     p.add_argument("--quick", action="store_true", help="short smoke run: 4KiB and 1MiB, batches 1 and 32, few iters")
     p.add_argument("--sizes", help="object sizes, e.g. 4KiB,64KiB,1MiB,16MiB")
     p.add_argument("--batches", help="batch sizes, e.g. 1,32,128")
-    p.add_argument("--max-batch-bytes", default="512MiB", help="skip cases above this many bytes per batch "
-                   "(default 512MiB: 16MiB x 128 = 2GiB is skipped; each store then needs ~3x that in RAM)")
+    p.add_argument(
+        "--max-batch-bytes",
+        default="512MiB",
+        help="skip cases above this many bytes per batch "
+        "(default 512MiB: 16MiB x 128 = 2GiB is skipped; each store then needs ~3x that in RAM)",
+    )
     p.add_argument("--bytes-per-case", default="2GiB", help="iterations per case ~ this / batch bytes")
     p.add_argument("--min-iters", type=int, default=10)
     p.add_argument("--max-iters", type=int, default=300)
     p.add_argument("--warmup", type=int, default=3, help="untimed (but verified) rounds per case")
-    p.add_argument("--sequential", action="store_true", help="run the stores one after another instead of "
-                   "interleaved case by case (less memory: one store at a time; ratios more exposed to load drift)")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="run the stores one after another instead of "
+        "interleaved case by case (less memory: one store at a time; ratios more exposed to load drift)",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any worker may take to answer")
     p.add_argument("--json", help="write machine-readable results here")
     p.add_argument("--log-dir", help="worker and server logs (default .bench/logs-<pid>)")
@@ -65,8 +77,15 @@ def build_cases(args) -> list[workload.Case]:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else workload.BATCHES
     if min(sizes) < 32:
         raise SystemExit(f"--sizes: {min(sizes)} bytes is too small; objects must be >= 32 bytes (stamped ends)")
-    return workload.plan(sizes, batches, parse_bytes(args.max_batch_bytes), parse_bytes(args.bytes_per_case),
-                         args.min_iters, args.max_iters, args.warmup)
+    return workload.plan(
+        sizes,
+        batches,
+        parse_bytes(args.max_batch_bytes),
+        parse_bytes(args.bytes_per_case),
+        args.min_iters,
+        args.max_iters,
+        args.warmup,
+    )
 
 
 def _targets(args, max_batch: int, log_dir: Path):
@@ -103,13 +122,16 @@ def run_group(starters, cases, log_dir: Path, timeout_s: float, errors: list[str
         for start in starters:
             with _recorded(errors):
                 target = stack.enter_context(start())
-                session = stack.enter_context(contextlib.closing(Session(target, biggest.batch_bytes, log_dir,
-                                                                         timeout_s)))
+                session = stack.enter_context(
+                    contextlib.closing(Session(target, biggest.batch_bytes, log_dir, timeout_s))
+                )
                 session.prefault(biggest)
                 sessions.append(session)
         for case in cases:
-            _say(f"-- {case.name}: {case.skipped or f'{case.iters} rounds'} on "
-                 f"{', '.join(s.target.label for s in sessions)}")
+            _say(
+                f"-- {case.name}: {case.skipped or f'{case.iters} rounds'} on "
+                f"{', '.join(s.target.label for s in sessions)}"
+            )
             for session in list(sessions):
                 if not _recorded_call(errors, lambda: rows.extend(session.run_case(case))):
                     sessions.remove(session)
@@ -142,9 +164,11 @@ def _say(text: str) -> None:
 def _git_rev() -> str | None:
     """HEAD of the checkout, with "+dirty" if tracked files differ from it (the run measured the work tree)."""
     import subprocess
+
     try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--", "kvplugins"]).returncode
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -158,12 +182,20 @@ def meta(argv: list[str]) -> dict:
         with contextlib.suppress(md.PackageNotFoundError):
             return md.version(dist)
         return None
-    return {"command": shlex.join(["python", "benchmarks/store_bench.py", *argv]),
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
-            "machine": platform.machine(), "kernel": platform.release(), "python": platform.python_version(),
-            "kvplugins": version("kvplugins"), "git": _git_rev(),
-            "mooncake": version("mooncake-transfer-engine-non-cuda"), "netns": os.environ.get(netns.ENV),
-            "loadavg_at_start": os.getloadavg()}
+
+    return {
+        "command": shlex.join(["python", "benchmarks/store_bench.py", *argv]),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "kvplugins": version("kvplugins"),
+        "git": _git_rev(),
+        "mooncake": version("mooncake-transfer-engine-non-cuda"),
+        "netns": os.environ.get(netns.ENV),
+        "loadavg_at_start": os.getloadavg(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,15 +217,21 @@ def _main(argv: list[str]) -> int:
     result = {"meta": meta(argv), **run_all(args, cases, log_dir)}
     verified = [r for r in result["rows"] if not r["skipped"]]
     result["meta"]["loadavg_at_end"] = os.getloadavg()
-    result["verified"] = {"objects": sum(r["verified_objects"] for r in verified if r["op"] == "get"),
-                          "bytes": sum(r["verified_bytes"] for r in verified if r["op"] == "get"),
-                          "mismatches": sum("BytesMismatch" in e for e in result["errors"])}
+    result["verified"] = {
+        "objects": sum(r["verified_objects"] for r in verified if r["op"] == "get"),
+        "bytes": sum(r["verified_bytes"] for r in verified if r["op"] == "get"),
+        "mismatches": sum("BytesMismatch" in e for e in result["errors"]),
+    }
     print(tables(result["rows"]))
     m = result["meta"]
-    print(f"\nload average (1 min) at start {m['loadavg_at_start'][0]:.2f}, at end {m['loadavg_at_end'][0]:.2f}; "
-          f"{m['cpus']} CPUs; kvplugins {m['git']}")
-    print(f"verified: {result['verified']['objects']} objects, {result['verified']['bytes']:,} bytes read back "
-          f"equal to what was written; logs in {log_dir}")
+    print(
+        f"\nload average (1 min) at start {m['loadavg_at_start'][0]:.2f}, at end {m['loadavg_at_end'][0]:.2f}; "
+        f"{m['cpus']} CPUs; kvplugins {m['git']}"
+    )
+    print(
+        f"verified: {result['verified']['objects']} objects, {result['verified']['bytes']:,} bytes read back "
+        f"equal to what was written; logs in {log_dir}"
+    )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -6,6 +6,7 @@ whose xxh3-64 must equal the written bytes.
 
   .venv/bin/python benchmarks/transfer_bench.py [--sizes 4KiB,1MiB] [--batches 1,32,128] [--iters 200]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,16 +36,23 @@ def peer(nbytes: int, transports: str) -> None:
 
 def run_transport(transports: str, cases: list[tuple[int, int]], iters: int) -> list[dict]:
     nbytes = max(s * b for s, b in cases)
-    proc = subprocess.Popen([sys.executable, __file__, "--peer", str(nbytes), "--transports", transports],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--peer", str(nbytes), "--transports", transports],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         remote = SegmentDescriptor.from_wire(json.loads(proc.stdout.readline()))
         with TransferEngine(TransferConfig(transports=transports)) as eng:
             src, dst = np.empty(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
             fill_random(src, seed=7)
             regions = eng.register(src), eng.register(dst)
-            return [row for size, batch in cases
-                    for row in _case(eng, regions, (src, dst), remote, size, batch, iters, transports)]
+            return [
+                row
+                for size, batch in cases
+                for row in _case(eng, regions, (src, dst), remote, size, batch, iters, transports)
+            ]
     finally:
         proc.stdin.close()
         proc.wait(10)
@@ -62,8 +70,14 @@ def _case(eng, regions, bufs, remote, size, batch, iters, transports) -> list[di
             times.append(time.perf_counter() - t0)
             if any(errs):
                 raise SystemExit(f"{transports} {op} {size_label(size)}x{batch}: {next(e for e in errs if e)}")
-        rows.append({"transports": transports, "op": op, "case": f"{size_label(size)}x{batch}",
-                     **summarize(times[2:], batch, size * batch)})
+        rows.append(
+            {
+                "transports": transports,
+                "op": op,
+                "case": f"{size_label(size)}x{batch}",
+                **summarize(times[2:], batch, size * batch),
+            }
+        )
     if checksums(bufs[0], size, batch) != checksums(bufs[1], size, batch):
         raise SystemExit(f"{transports} {size_label(size)}x{batch}: read-back bytes differ from written bytes")
     return rows
@@ -86,8 +100,10 @@ def main() -> int:
     print("| transports | case | op | p50 / p99 per batch µs | per op p50 µs | GB/s |\n|---|---|---|---|---|---|")
     for r in rows:
         b = r["batch_us"]
-        print(f"| {r['transports']} | {r['case']} | {r['op']} | {b['p50']:.1f} / {b['p99']:.1f} | "
-              f"{r['op_us']['p50']:.2f} | {r['gbps']:.2f} |")
+        print(
+            f"| {r['transports']} | {r['case']} | {r['op']} | {b['p50']:.1f} / {b['p99']:.1f} | "
+            f"{r['op_us']['p50']:.2f} | {r['gbps']:.2f} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

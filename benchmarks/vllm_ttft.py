@@ -38,6 +38,7 @@ TTFT and the connector's own load time (load_ms: the sum of its load batches, wa
     .venv/bin/python benchmarks/vllm_ttft.py [--sizes 1024,4096,8192] [--batch 4] [--out 32] [--staging always]
                                              [--tp 2] [--json F]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,9 +54,17 @@ from statistics import median
 
 from kvplugins.demo.engine import EngineSpec, omp_bind, run_fresh
 
-SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-             num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-             tie_word_embeddings=True)
+SHAPE = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 
 
 # vLLM-CPU reserves CPUs for its scheduler process, one more when a kv_transfer_config is set
@@ -64,15 +73,31 @@ SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_
 SAME_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-GEMMA3_SHAPE = dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
-                    num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
-                    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3, max_position_embeddings=32768,
-                    tie_word_embeddings=True)
-LFM2_SHAPE = dict(hidden_size=1024, intermediate_size=6656, num_hidden_layers=16, num_attention_heads=16,
-                  num_key_value_heads=8, conv_L_cache=3, max_position_embeddings=32768, tie_word_embeddings=True,
-                  layer_types=[("full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv") for i in range(16)])
-MODEL_DIRS = {"qwen2": "bench-qwen2.5-0.5b-shape", "gemma3": "bench-gemma3-270m-shape",
-              "lfm2": "bench-lfm2-350m-shape"}
+GEMMA3_SHAPE = dict(
+    hidden_size=640,
+    intermediate_size=2048,
+    num_hidden_layers=18,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+)
+LFM2_SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=6656,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    conv_L_cache=3,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+    layer_types=[("full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv") for i in range(16)],
+)
+MODEL_DIRS = {"qwen2": "bench-qwen2.5-0.5b-shape", "gemma3": "bench-gemma3-270m-shape", "lfm2": "bench-lfm2-350m-shape"}
 
 
 def build_model(path: Path, family: str = "qwen2") -> Path:
@@ -84,6 +109,7 @@ def build_model(path: Path, family: str = "qwen2") -> Path:
     import transformers as tf
 
     from kvplugins.demo.model import ensure_model
+
     tok = tf.AutoTokenizer.from_pretrained(ensure_model())
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=path.parent))
     torch.manual_seed(0)
@@ -115,21 +141,41 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4, help="prompts in the throughput batch (1K tokens each)")
     ap.add_argument("--out", type=int, default=32, help="output tokens of each throughput prompt")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--family", default="qwen2", choices=sorted(MODEL_DIRS),
-                    help="model shape: qwen2 (full attention), gemma3 (hybrid: sliding window + full) or lfm2 "
-                         "(hybrid: convolution state + full)")
+    ap.add_argument(
+        "--family",
+        default="qwen2",
+        choices=sorted(MODEL_DIRS),
+        help="model shape: qwen2 (full attention), gemma3 (hybrid: sliding window + full) or lfm2 "
+        "(hybrid: convolution state + full)",
+    )
     ap.add_argument("--repeat", type=int, default=3, help="interleaved throughput rounds (one engine per side each)")
     ap.add_argument("--batches", type=int, default=3, help="throughput batches per engine (new prompts each)")
     ap.add_argument("--skip-ttft", action="store_true", help="only the 0%%-hit throughput comparison")
-    ap.add_argument("--staging", default="auto", choices=("auto", "always"),
-                    help="the connector's staging (always: bounce CPU KV too, and add a warm run without it)")
-    ap.add_argument("--layer-chunks", type=int, default=1,
-                    help="also compare synchronous whole-page loads with layer-wise ones of this many chunks")
-    ap.add_argument("--warm-repeat", type=int, default=1,
-                    help="warm engines per side (fresh processes, alternating with warm_direct); medians reported")
-    ap.add_argument("--tp", type=int, default=1,
-                    help="tensor-parallel size of every engine (issue #32: pages stored per KV head; TP workers "
-                         "share this host's CPUs)")
+    ap.add_argument(
+        "--staging",
+        default="auto",
+        choices=("auto", "always"),
+        help="the connector's staging (always: bounce CPU KV too, and add a warm run without it)",
+    )
+    ap.add_argument(
+        "--layer-chunks",
+        type=int,
+        default=1,
+        help="also compare synchronous whole-page loads with layer-wise ones of this many chunks",
+    )
+    ap.add_argument(
+        "--warm-repeat",
+        type=int,
+        default=1,
+        help="warm engines per side (fresh processes, alternating with warm_direct); medians reported",
+    )
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size of every engine (issue #32: pages stored per KV head; TP workers "
+        "share this host's CPUs)",
+    )
     ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -137,11 +183,21 @@ def main() -> int:
     cache.mkdir(parents=True, exist_ok=True)
     model = str(build_model(cache / MODEL_DIRS[args.family], args.family))
     from transformers import AutoTokenizer
+
     vocab = len(AutoTokenizer.from_pretrained(model))
     ttft_prompts = prompts(sizes, vocab, seed=1)
-    base = dict(model=model, dtype=args.dtype, kv_cache_gib=4, max_model_len=max(sizes) + 64, block_size=32,
-                max_num_batched_tokens=max(sizes) + 64, env=SAME_CPUS, tp=args.tp)
+    base = dict(
+        model=model,
+        dtype=args.dtype,
+        kv_cache_gib=4,
+        max_model_len=max(sizes) + 64,
+        block_size=32,
+        max_num_batched_tokens=max(sizes) + 64,
+        env=SAME_CPUS,
+        tp=args.tp,
+    )
     from kvplugins.store import UpConfig, embedded
+
     tmp = tempfile.mkdtemp(prefix="kvp-bench-")
     up = UpConfig(discovery_file=str(Path(tmp, "up.json")))
     os.environ["KVPLUGINS_STORE_SEGMENT_SIZE"] = "1GiB"  # the segment of the `kvplugins up` started below
@@ -150,10 +206,10 @@ def main() -> int:
         master = embedded.ensure_running(60, config=up)
         conn = {"store": {"master": master}, "staging": args.staging}
         runs = [("nc", None), ("cold", conn)]
-        warm = [("warm", conn)]          # fresh processes, pages stored; with --staging always, the same pages
-        if args.staging == "always":     # loaded without staging, alternating with the staged runs
+        warm = [("warm", conn)]  # fresh processes, pages stored; with --staging always, the same pages
+        if args.staging == "always":  # loaded without staging, alternating with the staged runs
             warm.append(("warm_direct", {"store": {"master": master}, "staging": "never"}))
-        if args.layer_chunks > 1:        # the same prompts' pages as layer chunks, then sync vs layer-wise loads
+        if args.layer_chunks > 1:  # the same prompts' pages as layer chunks, then sync vs layer-wise loads
             layered = dict(conn, layer_chunks=args.layer_chunks, async_load_tokens=0)
             runs.append(("cold_layered", layered))
             warm = [("warm_sync", dict(conn, async_load_tokens=0)), ("warm_layered", layered)]
@@ -165,19 +221,34 @@ def main() -> int:
                 res.setdefault(f"{name}_runs", []).append(t["ttft_ms"])
                 kvp = t.get("kvplugins", {})  # the connector's own load time, summed over the run (warm-up included)
                 res.setdefault(f"{name}_load_ms", []).append(1000 * kvp.get("load_seconds_sum", 0.0))
-                res[name] = {"ttft_ms": [median(x) for x in zip(*res[f"{name}_runs"])],
-                             "hits": t["external_hit_tokens"], "load_ms": median(res[f"{name}_load_ms"])}
-                print(name, json.dumps({"ttft_ms": t["ttft_ms"], "hits": t["external_hit_tokens"],
-                                        "load_ms": res[f"{name}_load_ms"][-1], "loads": kvp.get("load_seconds", 0)}),
-                      flush=True)
+                res[name] = {
+                    "ttft_ms": [median(x) for x in zip(*res[f"{name}_runs"])],
+                    "hits": t["external_hit_tokens"],
+                    "load_ms": median(res[f"{name}_load_ms"]),
+                }
+                print(
+                    name,
+                    json.dumps(
+                        {
+                            "ttft_ms": t["ttft_ms"],
+                            "hits": t["external_hit_tokens"],
+                            "load_ms": res[f"{name}_load_ms"][-1],
+                            "loads": kvp.get("load_seconds", 0),
+                        }
+                    ),
+                    flush=True,
+                )
         store_pid = int(embedded.read_discovery(embedded.discovery_path(up))["pid"])
         for i in range(args.repeat):  # interleaved, alternating order, so load drift hits both sides alike
             sides = (("nc", None), ("conn", conn)) if i % 2 == 0 else (("conn", conn), ("nc", None))
             for name, c in sides:
-                batches = [prompts([1024] * args.batch, vocab, seed=10_000 + 1000 * i + 10 * j + (name == "conn"))
-                           for j in range(args.batches)]  # new prompts everywhere (not seed 1: TTFT's): 0% hits
-                r = overhead_run(dict(base, kv_cache_gib=1, connector=c, batches=batches, out=args.out,
-                                          store_pid=store_pid))
+                batches = [
+                    prompts([1024] * args.batch, vocab, seed=10_000 + 1000 * i + 10 * j + (name == "conn"))
+                    for j in range(args.batches)
+                ]  # new prompts everywhere (not seed 1: TTFT's): 0% hits
+                r = overhead_run(
+                    dict(base, kv_cache_gib=1, connector=c, batches=batches, out=args.out, store_pid=store_pid)
+                )
                 res.setdefault(f"rounds_{name}", []).append(r)
                 print(name, "round", i, json.dumps(r), flush=True)
     finally:  # stop our `kvplugins up`, also when it came up too late for ensure_running
@@ -206,48 +277,65 @@ def report(res: dict, sizes: list[int], args) -> None:
             st, di = res["warm"]["ttft_ms"][i], res["warm_direct"]["ttft_ms"][i]
             print(f"| {n} | {st:.0f} | {di:.0f} | {st / di:.3f} |")
     if "warm_layered" in res:
-        print(f"TTFT medians of {args.warm_repeat} fresh engines per side, alternating; load_ms: the connector's "
-              "load batches (sum, median over engines)")
-        print(f"| prompt tokens | warm sync TTFT ms | warm layer-wise ({args.layer_chunks} chunks) TTFT ms | "
-              "layer-wise / sync | load ms sync | load ms layer-wise |")
+        print(
+            f"TTFT medians of {args.warm_repeat} fresh engines per side, alternating; load_ms: the connector's "
+            "load batches (sum, median over engines)"
+        )
+        print(
+            f"| prompt tokens | warm sync TTFT ms | warm layer-wise ({args.layer_chunks} chunks) TTFT ms | "
+            "layer-wise / sync | load ms sync | load ms layer-wise |"
+        )
         print("|---|---|---|---|---|---|")
         for i, n in enumerate(sizes):
             sy, la = res["warm_sync"], res["warm_layered"]
-            print(f"| {n} | {sy['ttft_ms'][i]:.0f} | {la['ttft_ms'][i]:.0f} | {la['ttft_ms'][i] / sy['ttft_ms'][i]:.3f}"
-                  f" | {sy['load_ms']:.0f} | {la['load_ms']:.0f} |")
+            print(
+                f"| {n} | {sy['ttft_ms'][i]:.0f} | {la['ttft_ms'][i]:.0f} | {la['ttft_ms'][i] / sy['ttft_ms'][i]:.3f}"
+                f" | {sy['load_ms']:.0f} | {la['load_ms']:.0f} |"
+            )
     if "rounds_nc" in res:
         print(overhead_summary(res, args))
 
 
 def overhead_summary(res: dict, args) -> str:
     """Medians of tokens per wall second and per CPU second, per side, and the median per-round ratio."""
+
     def per(rounds, key):  # per batch rates, and each round's median
         rates = [[b["tokens"] / b[key] for b in r["batches"]] for r in rounds]
         return [x for r in rates for x in r], [median(r) for r in rates]
-    lines = [f"0% hits: {args.repeat} interleaved rounds x {args.batches} batches of {args.batch} x 1K prompts + "
-             f"{args.out} output tokens; external hits {[r['external_hit_tokens'] for r in res['rounds_conn']]}"]
+
+    lines = [
+        f"0% hits: {args.repeat} interleaved rounds x {args.batches} batches of {args.batch} x 1K prompts + "
+        f"{args.out} output tokens; external hits {[r['external_hit_tokens'] for r in res['rounds_conn']]}"
+    ]
     for key, what in (("wall_s", "tokens per wall s"), ("cpu_s", "tokens per CPU s")):
         nc, nc_rounds = per(res["rounds_nc"], key)
         c, c_rounds = per(res["rounds_conn"], key)
         ratios = [b / a for a, b in zip(nc_rounds, c_rounds)]
-        lines.append(f"{what}: no connector median {median(nc):.0f} (range {min(nc):.0f}-{max(nc):.0f}), connector "
-                     f"median {median(c):.0f} (range {min(c):.0f}-{max(c):.0f}): {100 * (1 - median(c) / median(nc)):+.1f}% "
-                     f"overhead; per-round connector/no-connector {[round(x, 3) for x in ratios]}, median "
-                     f"{median(ratios):.3f}")
+        lines.append(
+            f"{what}: no connector median {median(nc):.0f} (range {min(nc):.0f}-{max(nc):.0f}), connector "
+            f"median {median(c):.0f} (range {min(c):.0f}-{max(c):.0f}): {100 * (1 - median(c) / median(nc)):+.1f}% "
+            f"overhead; per-round connector/no-connector {[round(x, 3) for x in ratios]}, median "
+            f"{median(ratios):.3f}"
+        )
     return "\n".join(lines)
 
 
 def overhead_run(spec: dict, timeout_s: float = 1800) -> dict:
     """One engine in a fresh process (``--overhead-child``) running ``spec["batches"]``; its result dict."""
     import subprocess
+
     with tempfile.TemporaryDirectory(prefix="kvp-overhead-") as tmp:
         spec_file, out_file, log = Path(tmp, "spec.json"), Path(tmp, "out.json"), Path(tmp, "engine.log")
         spec_file.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec["kv_cache_gib"]), **omp_bind(spec["tp"]),
-               **spec["env"]}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec["kv_cache_gib"]), **omp_bind(spec["tp"]), **spec["env"]}
         with open(log, "w") as fh:
-            proc = subprocess.Popen([sys.executable, __file__, "--overhead-child", str(spec_file), str(out_file)],
-                                    stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--overhead-child", str(spec_file), str(out_file)],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
             try:
                 proc.wait(timeout=timeout_s)
             finally:
@@ -268,13 +356,24 @@ def overhead_child(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     from kvplugins.demo.engine import CONNECTOR, WARMUP
+
     spec = json.loads(Path(spec_path).read_text())
     kwargs = {}
     if spec["connector"] is not None:
         kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": spec["connector"]}
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], block_size=spec["block_size"], enforce_eager=True,
-              max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-              max_num_seqs=4, seed=0, disable_log_stats=False, tensor_parallel_size=spec["tp"], **kwargs)
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        block_size=spec["block_size"],
+        enforce_eager=True,
+        max_model_len=spec["max_model_len"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
+        max_num_seqs=4,
+        seed=0,
+        disable_log_stats=False,
+        tensor_parallel_size=spec["tp"],
+        **kwargs,
+    )
     llm.generate([WARMUP], SamplingParams(max_tokens=2), use_tqdm=False)
     params = SamplingParams(temperature=0.0, max_tokens=spec["out"], ignore_eos=True)
     out = {"batches": []}
@@ -284,8 +383,9 @@ def overhead_child(spec_path: str, out_path: str) -> None:
         wall, (e1, s1) = time.perf_counter() - t0, tree_cpu_s(spec["store_pid"])
         tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
         out["batches"].append({"wall_s": wall, "cpu_s": e1 - e0 + s1 - s0, "store_cpu_s": s1 - s0, "tokens": tokens})
-    out["external_hit_tokens"] = int(sum(getattr(m, "value", 0) for m in llm.get_metrics()
-                                         if m.name == "vllm:external_prefix_cache_hits"))
+    out["external_hit_tokens"] = int(
+        sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+    )
     Path(out_path).write_text(json.dumps(out))
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's slow teardown; the parent kills the process group
@@ -310,6 +410,7 @@ def tree_cpu_s(extra_pid: int) -> tuple[float, float]:
         todo += kids
     hz = os.sysconf("SC_CLK_TCK")
     return sum(stat[p][1] for p in mine) / hz, stat.get(extra_pid, (0, 0))[1] / hz
+
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--overhead-child"]:

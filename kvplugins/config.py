@@ -9,6 +9,7 @@ A config file (TOML or JSON) is named by ``--config`` or ``KVPLUGINS_CONFIG``; i
 component, ``[store]``, ``[master]``, ... Unknown keys in a file, unknown ``KVPLUGINS_<NAME>_*`` env vars
 and unparsable values raise ConfigError naming the value, where it came from, and the valid choices.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,22 @@ class Bytes(int):
     """A size in bytes; parses "4GiB", "512MiB", "4096", "1.5GB"."""
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
-          "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -57,11 +72,13 @@ def format_bytes(n: float) -> str:
 
 def component(name: str):
     """Class decorator: mark a frozen dataclass as the config of component ``name`` (env KVPLUGINS_<NAME>_*)."""
+
     def wrap(cls):
         if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
             raise TypeError(f"{cls.__name__} must be a frozen dataclass")
         cls._component = name
         return cls
+
     return wrap
 
 
@@ -122,13 +139,17 @@ def _read_file(path: str | os.PathLike) -> dict:
     try:
         text = p.read_text()
     except OSError as e:
-        raise ConfigError(f"config file {str(p)!r} cannot be read ({e.strerror}); fix {CONFIG_FILE_ENV} or --config") from e
+        raise ConfigError(
+            f"config file {str(p)!r} cannot be read ({e.strerror}); fix {CONFIG_FILE_ENV} or --config"
+        ) from e
     try:
         if p.suffix == ".json":
             return json.loads(text)
         return tomllib.loads(text)
     except Exception as e:  # noqa: BLE001 - any parse error becomes one clear ConfigError
-        raise ConfigError(f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}") from e
+        raise ConfigError(
+            f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {e}"
+        ) from e
 
 
 def _unknown(keys, valid, where: str) -> None:
@@ -137,9 +158,14 @@ def _unknown(keys, valid, where: str) -> None:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(bad)}; valid keys: {', '.join(sorted(valid))}")
 
 
-def load(cls: type[T], flags: Mapping[str, Any] | None = None, file: str | os.PathLike | None = None,
-         environ: Mapping[str, str] | None = None, defaults: Mapping[str, Any] | None = None,
-         file_extra: Mapping[str, Any] | None = None) -> T:
+def load(
+    cls: type[T],
+    flags: Mapping[str, Any] | None = None,
+    file: str | os.PathLike | None = None,
+    environ: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    file_extra: Mapping[str, Any] | None = None,
+) -> T:
     """Build ``cls`` with precedence flag > env > file > default.
 
     flags: values from CLI flags or adapter extra-config (None means "not given"); unknown keys raise.
@@ -162,16 +188,18 @@ def load(cls: type[T], flags: Mapping[str, Any] | None = None, file: str | os.Pa
         section = _read_file(file).get(cls._component, {})
         layers.append((f"config file {file} [{cls._component}]", section))
     layers.append((f"config file {file} (the parent's table of {cls._component} settings)", file_extra or {}))
-    for where, layer in layers:     # a nested table in the file is read by _load_nested
+    for where, layer in layers:  # a nested table in the file is read by _load_nested
         _unknown(layer, fields, where)
         values.update(_values({k: v for k, v in layer.items() if k not in nested}, types, nested, where))
     prefix = f"{ENV_PREFIX}{cls._component.upper()}_"
-    env_keys = {k[len(prefix):].lower(): k for k in environ if k.startswith(prefix)}
+    env_keys = {k[len(prefix) :].lower(): k for k in environ if k.startswith(prefix)}
     for n in nested:
         inner = [var for key, var in env_keys.items() if key.startswith(f"{n}_")]
         if inner:
-            raise ConfigError(f"environment {inner[0]}: the {n} settings take the {types[n]._component} "
-                              f"variables: {ENV_PREFIX}{types[n]._component.upper()}_<SETTING>")
+            raise ConfigError(
+                f"environment {inner[0]}: the {n} settings take the {types[n]._component} "
+                f"variables: {ENV_PREFIX}{types[n]._component.upper()}_<SETTING>"
+            )
     _unknown(env_keys, fields - nested, f"environment ({prefix}*)")
     for k, var in env_keys.items():
         values[k] = _port(k, _coerce(environ[var], types[k], f"env {var}"), f"env {var}")
@@ -179,9 +207,11 @@ def load(cls: type[T], flags: Mapping[str, Any] | None = None, file: str | os.Pa
     for n in nested:
         inner = sorted(k for k in flags if k not in fields and k in {f.name for f in dataclasses.fields(types[n])})
         if inner:
-            raise ConfigError(f"{cls._component} options: {', '.join(inner)} belong in the {n} section: write "
-                              f"{{\"{n}\": {{\"{inner[0]}\": ...}}}} (every {types[n]._component} setting is "
-                              f"there)")
+            raise ConfigError(
+                f"{cls._component} options: {', '.join(inner)} belong in the {n} section: write "
+                f'{{"{n}": {{"{inner[0]}": ...}}}} (every {types[n]._component} setting is '
+                f"there)"
+            )
     _unknown(flags, fields, f"{cls._component} options")
     values.update(_values(flags, types, nested, f"{cls._component} option"))
     for n in nested:
@@ -205,8 +235,10 @@ def _values(layer: Mapping[str, Any], types: dict[str, Any], nested: set[str], w
     for k, v in layer.items():
         if k in nested:
             if not isinstance(v, (Mapping, types[k])):
-                raise ConfigError(f"{where} {k}: {v!r:.60} is not a table of {types[k]._component} settings; "
-                                  f"write e.g. {{\"{k}\": {{\"master\": \"host:port\"}}}}")
+                raise ConfigError(
+                    f"{where} {k}: {v!r:.60} is not a table of {types[k]._component} settings; "
+                    f'write e.g. {{"{k}": {{"master": "host:port"}}}}'
+                )
             out[k] = v
         else:
             out[k] = _port(k, _coerce(v, types[k], f"{where} {k}"), f"{where} {k}")
@@ -223,22 +255,31 @@ def _load_nested(cls: Any, name: str, sub: Any, values: dict[str, Any], file: An
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     parent_default = f.default_factory() if f.default_factory is not dataclasses.MISSING else sub()
     base = sub()
-    differ = {g.name: getattr(parent_default, g.name) for g in dataclasses.fields(sub)
-              if g.init and getattr(parent_default, g.name) != getattr(base, g.name)}
+    differ = {
+        g.name: getattr(parent_default, g.name)
+        for g in dataclasses.fields(sub)
+        if g.init and getattr(parent_default, g.name) != getattr(base, g.name)
+    }
     sub_file = (_read_file(file).get(cls._component, {}).get(name) or {}) if file else {}
     return load(sub, flags=given or None, file=file, environ=environ, defaults=differ, file_extra=sub_file)
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
-                  common: tuple[str, ...] | None = None) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), common: tuple[str, ...] | None = None
+) -> None:
     """Add ``--field-name`` flags for every field of ``cls``; each flag's default is None (= not given)
     and its help shows the dataclass default and the env var, so defaults live only in the dataclass. With
     ``common``, those fields are listed first (the parser's options) and the others under a group of their own
     after them ("advanced [component] settings"), so ``--help`` starts with what most runs set."""
     types = _types(cls)
-    advanced = parser if common is None else parser.add_argument_group(
-        f"advanced [{cls._component}] settings (also env {ENV_PREFIX}{cls._component.upper()}_*, or the config "
-        "file)")
+    advanced = (
+        parser
+        if common is None
+        else parser.add_argument_group(
+            f"advanced [{cls._component}] settings (also env {ENV_PREFIX}{cls._component.upper()}_*, or the config "
+            "file)"
+        )
+    )
     for f in dataclasses.fields(cls):
         if not f.init or f.name in skip or _is_component(types[f.name]):
             continue
@@ -247,7 +288,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = 
         shown = format_bytes(default) if types[f.name] is Bytes and default is not None else default
         help_ = f"{f.metadata.get('help', '')} (default: {shown}; env {env_name(cls, f.name)})".strip()
         flag = "--" + f.name.replace("_", "-")
-        if types[f.name] is bool and f.name.startswith("no_"):      # --no-pool, never --no-no-pool
+        if types[f.name] is bool and f.name.startswith("no_"):  # --no-pool, never --no-no-pool
             target.add_argument(flag, dest=f.name, default=None, action="store_const", const=True, help=help_)
         elif types[f.name] is bool:
             target.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_)

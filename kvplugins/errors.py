@@ -19,6 +19,7 @@ KVPluginsError
     ├── SizeMismatch
     └── MasterUnreachable  names the address and the timeout
 """
+
 from __future__ import annotations
 
 
@@ -103,5 +104,8 @@ class MasterUnreachable(StoreError):
     def __init__(self, address: str, timeout_ms: float, detail: str = ""):
         self.address, self.timeout_ms = address, timeout_ms
         msg = f"master {address} did not answer within {timeout_ms:g} ms"
-        super().__init__(msg + (f": {detail}" if detail else "") +
-                         "; check that `kvplugins master` (or `kvplugins up`) runs there, or raise the timeout")
+        super().__init__(
+            msg
+            + (f": {detail}" if detail else "")
+            + "; check that `kvplugins master` (or `kvplugins up`) runs there, or raise the timeout"
+        )

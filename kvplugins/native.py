@@ -2,6 +2,7 @@
 
 Native failures become kvplugins exceptions here and nowhere else. Blocking native calls release the GIL.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,8 +24,9 @@ def copy(dst_addr: int, src_addr: int, nbytes: int) -> None:
         _mod().copy(dst_addr, src_addr, nbytes)
 
 
-def copy_batch(dst_addrs, src_addrs, lengths, threads: int = 1, digests: np.ndarray | None = None,
-               isa: str = "auto") -> None:
+def copy_batch(
+    dst_addrs, src_addrs, lengths, threads: int = 1, digests: np.ndarray | None = None, isa: str = "auto"
+) -> None:
     """Copy span i: ``lengths[i]`` bytes from ``src_addrs[i]`` to ``dst_addrs[i]`` (uint64 sequences).
 
     Spans must not overlap. With threads > 1 and >= 4 MiB in all, the copy is split across threads.
@@ -33,9 +35,13 @@ def copy_batch(dst_addrs, src_addrs, lengths, threads: int = 1, digests: np.ndar
     destination right after it is copied); threads then take whole spans. ``isa``: the xxh3 tier, ``auto``
     or one of hash_tiers(). Raises NativeError if the sequences differ in length or ``isa`` is not supported.
     """
-    if type(dst_addrs) is list and type(src_addrs) is list and type(lengths) is list \
-            and len(dst_addrs) == len(src_addrs) == len(lengths):
-        d, s, n = np.array((dst_addrs, src_addrs, lengths), dtype=np.uint64)    # a small batch: one conversion
+    if (
+        type(dst_addrs) is list
+        and type(src_addrs) is list
+        and type(lengths) is list
+        and len(dst_addrs) == len(src_addrs) == len(lengths)
+    ):
+        d, s, n = np.array((dst_addrs, src_addrs, lengths), dtype=np.uint64)  # a small batch: one conversion
     else:
         d = np.ascontiguousarray(dst_addrs, dtype=np.uint64)
         s = np.ascontiguousarray(src_addrs, dtype=np.uint64)

@@ -6,6 +6,7 @@ How: the shim package lives in a directory of our own inside site-packages, put 
 unless ``force`` (then the shim shadows it), and ``disable`` deletes the .pth and the shim directory (refusing a
 directory without our marker), which brings the real one back.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,10 +23,10 @@ class Status:
     shim: "Shim"
     enabled: bool
     site_dir: str
-    real: str | None          # where a real installation of the package is, if any
+    real: str | None  # where a real installation of the package is, if any
 
     @property
-    def real_kt_kernel(self) -> str | None:     # the kt shim's name for it (kept for its callers)
+    def real_kt_kernel(self) -> str | None:  # the kt shim's name for it (kept for its callers)
         return self.real
 
     def describe(self) -> str:
@@ -39,11 +40,12 @@ class Status:
 @dataclass(frozen=True)
 class Shim:
     """One shim: package ``package`` (files: path inside it -> source; each starts with the marker line)."""
-    name: str                 # the CLI word: kvplugins NAME enable
-    package: str              # the import name it provides
-    dist: str                 # the real distribution's name, for messages (pip uninstall DIST)
-    effect: str               # what enabling does, for status
-    files: tuple              # ((relative path, source), ...)
+
+    name: str  # the CLI word: kvplugins NAME enable
+    package: str  # the import name it provides
+    dist: str  # the real distribution's name, for messages (pip uninstall DIST)
+    effect: str  # what enabling does, for status
+    files: tuple  # ((relative path, source), ...)
 
     @property
     def marker(self) -> str:
@@ -65,15 +67,17 @@ class Shim:
         spec = importlib.util.find_spec(self.package)
         if spec is None:
             return None
-        paths = [Path(p) for p in (spec.submodule_search_locations or [])] or \
-            ([Path(spec.origin).parent] if spec.origin else [])
+        paths = [Path(p) for p in (spec.submodule_search_locations or [])] or (
+            [Path(spec.origin).parent] if spec.origin else []
+        )
         real = [p for p in paths if p.parent.name != self.shim_dir]
         return str(real[0]) if real else None
 
     def status(self, site_dir: Path | None = None) -> Status:
         site_dir = Path(site_dir or default_site_dir())
         enabled = (site_dir / self.pth).exists() and all(
-            (site_dir / self.shim_dir / self.package / rel).exists() for rel, _ in self.files)
+            (site_dir / self.shim_dir / self.package / rel).exists() for rel, _ in self.files
+        )
         return Status(self, enabled, str(site_dir), self.real(site_dir))
 
     def enable(self, site_dir: Path | None = None, force: bool = False) -> Status:
@@ -81,9 +85,11 @@ class Shim:
         site_dir = Path(site_dir or default_site_dir())
         real = self.real(site_dir)
         if real and not force:
-            raise ConfigError(f"a real {self.dist} is installed at {real}; the kvplugins shim would shadow it. "
-                              f"Uninstall it (pip uninstall {self.dist}) or run `kvplugins {self.name} enable "
-                              f"--force` (`kvplugins {self.name} disable` brings it back)")
+            raise ConfigError(
+                f"a real {self.dist} is installed at {real}; the kvplugins shim would shadow it. "
+                f"Uninstall it (pip uninstall {self.dist}) or run `kvplugins {self.name} enable "
+                f"--force` (`kvplugins {self.name} disable` brings it back)"
+            )
         pkg = site_dir / self.shim_dir / self.package
         pkg.mkdir(parents=True, exist_ok=True)
         for rel, source in self.files:
@@ -109,11 +115,15 @@ def default_site_dir() -> Path:
 
 def add_commands(subparsers, shim_name: str, package_text: str) -> None:
     """The enable / disable / status subcommands of ``kvplugins SHIM_NAME`` (--site-dir; --force on enable)."""
-    for name, help_ in (("enable", f"make {package_text} use kvplugins"), ("disable", f"remove the {shim_name} shim"),
-                        ("status", "show the shim state")):
+    for name, help_ in (
+        ("enable", f"make {package_text} use kvplugins"),
+        ("disable", f"remove the {shim_name} shim"),
+        ("status", "show the shim state"),
+    ):
         c = subparsers.add_parser(name, help=help_)
-        where = {"enable": "to install the shim into", "disable": "to remove the shim from",
-                 "status": "to look in"}[name]
+        where = {"enable": "to install the shim into", "disable": "to remove the shim from", "status": "to look in"}[
+            name
+        ]
         c.add_argument("--site-dir", help=f"site-packages {where} (default: this interpreter's)")
         if name == "enable":
             c.add_argument("--force", action="store_true", help=f"shadow a real installation of {package_text}")

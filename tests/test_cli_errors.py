@@ -4,6 +4,7 @@ The cases the issue found, as a user types them (real `kvplugins` processes), an
 flag of every subcommand (int, float or byte size, found from the config dataclasses behind the flags) given a
 value that is not a number answers one line naming the flag or the value, exit 2, before anything starts. Output
 into a closed pipe ends quietly."""
+
 import contextlib
 import importlib
 import io
@@ -47,11 +48,12 @@ def test_the_reported_errors_are_one_line(args):
 @pytest.mark.parametrize("args", [("up", "--help"), ("doctor",), ("replay", "--synth", "--dry-run")])
 def test_output_into_a_closed_pipe_ends_quietly(args):
     """The reader left before the command wrote (`| head` done): no BrokenPipeError, no 'Exception ignored'."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvplugins.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvplugins.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     proc.stdout.close()
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) in (0, 1) and err == ""     # (rich ends a broken console with status 1)
+    assert proc.wait(timeout=120) in (0, 1) and err == ""  # (rich ends a broken console with status 1)
 
 
 def _config_types() -> dict[str, type]:
@@ -94,15 +96,17 @@ def _not_a_number(text: str) -> bool:
 
 
 @settings(max_examples=300, deadline=None)
-@given(flag=st.sampled_from(FLAGS),
-       value=st.text(st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=12).filter(_not_a_number))
+@given(
+    flag=st.sampled_from(FLAGS),
+    value=st.text(st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=12).filter(_not_a_number),
+)
 def test_a_non_number_for_any_typed_flag_is_one_line(flag, value):
     cmd, option = flag
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
             code = main([cmd, f"{option}={value}"])
-        except SystemExit as e:            # argparse's own errors (Parser.error): exit 2 as well
+        except SystemExit as e:  # argparse's own errors (Parser.error): exit 2 as well
             code = e.code
     lines = err.getvalue().strip().splitlines()
     assert code == 2 and len(lines) == 1 and "Traceback" not in err.getvalue(), (flag, value, err.getvalue())
@@ -126,5 +130,5 @@ def test_help_lists_common_flags_first_and_no_foreign_or_doubled_ones():
     options = re.findall(r"^  (--[a-z-]+)", master, re.M)
     assert options[0] == "--host" and options.index("--port") < options.index("--max-connections")
     assert "advanced [master] settings" in master
-    assert "--drain" not in up and "--segment " not in up and "--segment-size" in up      # store --drain's flags
+    assert "--drain" not in up and "--segment " not in up and "--segment-size" in up  # store --drain's flags
     assert "--no-no-pool" not in replay and "--as-fast-as-possible" not in replay and "--no-pool" in replay

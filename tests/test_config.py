@@ -1,4 +1,5 @@
 """The one precedence order (flag > env > file > default) and loud rejection of bad values."""
+
 import argparse
 import dataclasses
 
@@ -27,9 +28,9 @@ def test_precedence_flag_over_env_over_file(tmp_path):
     f.write_text('[demo_cfg]\nmaster = "file:1"\nreplicas = 3\nsegment_size = "2GiB"\n')
     env = {"KVPLUGINS_DEMO_CFG_MASTER": "env:2", "KVPLUGINS_DEMO_CFG_TIMEOUT_MS": "750"}
     cfg = load(Cfg, {"master": "flag:3", "replicas": None}, file=f, environ=env)
-    assert cfg.master == "flag:3"          # flag beats env and file
-    assert cfg.timeout_ms == 750.0         # env beats default
-    assert cfg.replicas == 3               # file beats default; a None flag means "not given"
+    assert cfg.master == "flag:3"  # flag beats env and file
+    assert cfg.timeout_ms == 750.0  # env beats default
+    assert cfg.replicas == 3  # file beats default; a None flag means "not given"
     assert cfg.segment_size == 2 << 30
 
 
@@ -39,12 +40,15 @@ def test_config_file_from_env(tmp_path):
     assert load(Cfg, environ={"KVPLUGINS_CONFIG": str(f)}).contribute is True
 
 
-@pytest.mark.parametrize("env, needle", [
-    ({"KVPLUGINS_DEMO_CFG_REPLICAS": "three"}, "KVPLUGINS_DEMO_CFG_REPLICAS"),
-    ({"KVPLUGINS_DEMO_CFG_CONTRIBUTE": "maybe"}, "true/false"),
-    ({"KVPLUGINS_DEMO_CFG_SEGMENT_SIZE": "4 parsecs"}, "4GiB"),
-    ({"KVPLUGINS_DEMO_CFG_MASTR": "x"}, "valid keys: contribute, master"),
-])
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"KVPLUGINS_DEMO_CFG_REPLICAS": "three"}, "KVPLUGINS_DEMO_CFG_REPLICAS"),
+        ({"KVPLUGINS_DEMO_CFG_CONTRIBUTE": "maybe"}, "true/false"),
+        ({"KVPLUGINS_DEMO_CFG_SEGMENT_SIZE": "4 parsecs"}, "4GiB"),
+        ({"KVPLUGINS_DEMO_CFG_MASTR": "x"}, "valid keys: contribute, master"),
+    ],
+)
 def test_bad_env_values_are_rejected_loudly(env, needle):
     with pytest.raises(ConfigError, match=needle):
         load(Cfg, environ=env)
@@ -78,7 +82,9 @@ def test_non_frozen_config_is_refused():
         component("x")(dataclasses.dataclass(type("X", (), {"__annotations__": {"a": int}, "a": 1})))
 
 
-@pytest.mark.parametrize("text, n", [("4096", 4096), ("64KiB", 65536), ("4GiB", 4 << 30), ("1.5GB", 1500000000), (7, 7)])
+@pytest.mark.parametrize(
+    "text, n", [("4096", 4096), ("64KiB", 65536), ("4GiB", 4 << 30), ("1.5GB", 1500000000), (7, 7)]
+)
 def test_parse_bytes(text, n):
     assert parse_bytes(text) == n
 

@@ -1,6 +1,7 @@
 """Each HiCache L3 backend the benchmark compares, built and attached the way SGLang 0.5.23 does, with the page IO
 helper its controller would pick (``attach_storage_backend``): zero-copy v1 for kvplugins (interface_v1) and
 mooncake, the generic flat-page path for file. Servers come from benchmarks/storebench/clusters.py."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,11 +23,12 @@ ZERO_COPY = ("kvp-shm", "kvp-tcp", "mooncake-tcp")
 @dataclass
 class Attached:
     """A backend attached to a host pool, driven through the controller's own page IO helpers."""
+
     label: str
     backend: object
     pool: object
     ctl: HiCacheController
-    after_set: Callable[[], None] | None = None     # untimed, between a round's set and its get
+    after_set: Callable[[], None] | None = None  # untimed, between a round's set and its get
 
     def set(self, keys: list[str], idx: torch.Tensor) -> bool:
         return bool(self.ctl.page_set_func(keys, idx))
@@ -42,9 +44,19 @@ class Attached:
 
 
 def storage_config(extra: dict | None) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                                model_name="meta-llama/Meta-Llama-3-8B", extra_config=extra)
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="meta-llama/Meta-Llama-3-8B",
+        extra_config=extra,
+    )
 
 
 def attach(label: str, name: str, extra: dict | None, pool) -> Attached:
@@ -63,9 +75,13 @@ def attach(label: str, name: str, extra: dict | None, pool) -> Attached:
 def kvp(mode: str, data_bytes: int, log_dir: Path) -> Iterator[callable]:
     """Our store (kvplugins master + one store node, transports of ``mode``); yields pool -> Attached."""
     with clusters.kvp(mode, data_bytes, log_dir) as t:
-        extra = {"backend_name": "kvplugins", "module_path": "kvplugins.sglang_hicache_backend",
-                 "class_name": "KVPluginsHiCacheStorage", "interface_v1": 1, "store": {"master": t.cfg["master"],
-                 "transports": t.cfg["transports"]}}
+        extra = {
+            "backend_name": "kvplugins",
+            "module_path": "kvplugins.sglang_hicache_backend",
+            "class_name": "KVPluginsHiCacheStorage",
+            "interface_v1": 1,
+            "store": {"master": t.cfg["master"], "transports": t.cfg["transports"]},
+        }
         yield lambda pool: attach(t.label, "dynamic", extra, pool)
 
 
@@ -79,7 +95,7 @@ def file(log_dir: Path, cold: bool = False) -> Iterator[callable]:
     directory = log_dir / label
 
     def make(pool) -> Attached:
-        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(directory)   # read by HiCacheFile.__init__
+        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(directory)  # read by HiCacheFile.__init__
         att = attach(label, "file", None, pool)
         if cold:
             att.after_set = lambda: drop_page_cache(directory)
@@ -88,7 +104,7 @@ def file(log_dir: Path, cold: bool = False) -> Iterator[callable]:
     try:
         yield make
     finally:
-        shutil.rmtree(directory, ignore_errors=True)          # GBs of page files per layout
+        shutil.rmtree(directory, ignore_errors=True)  # GBs of page files per layout
 
 
 def drop_page_cache(directory: Path) -> None:
@@ -107,7 +123,13 @@ def mooncake(data_bytes: int, log_dir: Path) -> Iterator[callable]:
     """SGLang's MooncakeStore (TCP) on mooncake_master + one segment process (inside the private netns)."""
     with clusters.mooncake(data_bytes, log_dir) as t:
         os.environ["MC_TCP_BIND_ADDRESS"] = t.env["MC_TCP_BIND_ADDRESS"]
-        extra = {"master_server_address": t.cfg["master"], "metadata_server": t.cfg["metadata"],
-                 "global_segment_size": 0, "protocol": "tcp", "device_name": "", "local_hostname": t.cfg["host"],
-                 "check_server": False}
+        extra = {
+            "master_server_address": t.cfg["master"],
+            "metadata_server": t.cfg["metadata"],
+            "global_segment_size": 0,
+            "protocol": "tcp",
+            "device_name": "",
+            "local_hostname": t.cfg["host"],
+            "check_server": False,
+        }
         yield lambda pool: attach(t.label, "mooncake", extra, pool)

@@ -7,6 +7,7 @@
   buffers) is dropped, and KT_FORCE_SYNC_SUBMIT=1 selects kt-kernel's synchronous (non-CUDA-stream) path.
 - torch: the HF-style per-expert loop in bf16 (oneDNN matmuls), the reference dense implementation.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -36,11 +37,22 @@ def weight_bytes(fmt: str, E_touched: int, H: int, I: int, group: int = 128) -> 
 
 def kvplugins_backend(fmt, w, K, threads):
     from kvplugins.kt_expert_backend import KTMoEWrapper
+
     gate, up, down = w
     E, I, H = gate.shape
-    m = KTMoEWrapper(layer_idx=0, num_experts=E, num_experts_per_tok=K, hidden_size=H, moe_intermediate_size=I,
-                     num_gpu_experts=0, cpuinfer_threads=threads, threadpool_count=1, weight_path="",
-                     chunked_prefill_size=1024, method=METHODS[fmt])
+    m = KTMoEWrapper(
+        layer_idx=0,
+        num_experts=E,
+        num_experts_per_tok=K,
+        hidden_size=H,
+        moe_intermediate_size=I,
+        num_gpu_experts=0,
+        cpuinfer_threads=threads,
+        threadpool_count=1,
+        weight_path="",
+        chunked_prefill_size=1024,
+        method=METHODS[fmt],
+    )
     m.load_weights_from_tensors(gate, up, down, torch.arange(E))
     return lambda x, ids, wt: m.forward(x, ids, wt, None)
 
@@ -56,6 +68,7 @@ def _kt_import():
         if not isinstance(fn, functools.partial):
             setattr(torch, name, functools.partial(_no_pin, fn))
     from kt_kernel import KTMoEWrapper
+
     return KTMoEWrapper
 
 
@@ -72,12 +85,28 @@ def kt_backend(fmt, w, K, threads, layer_idx):
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # up to 1.1 GB per run (bf16 safetensors, kt's dumps)
     if fmt == "bf16":  # kt-kernel's BF16 path reads HF-style safetensors (BF16SafeTensorLoader)
         from safetensors.torch import save_file
-        save_file({f"model.layers.{layer_idx}.mlp.experts.{e}.{n}_proj.weight": t[e].contiguous()
-                   for e in range(E) for n, t in (("gate", gate), ("up", up), ("down", down))},
-                  f"{tmp}/model.safetensors")
-    m = KT(layer_idx=layer_idx, num_experts=E, num_experts_per_tok=K, hidden_size=H, moe_intermediate_size=I,
-           gpu_experts_mask=None, cpuinfer_threads=threads, threadpool_count=1, weight_path=tmp,
-           chunked_prefill_size=1024, method=METHODS[fmt])
+
+        save_file(
+            {
+                f"model.layers.{layer_idx}.mlp.experts.{e}.{n}_proj.weight": t[e].contiguous()
+                for e in range(E)
+                for n, t in (("gate", gate), ("up", up), ("down", down))
+            },
+            f"{tmp}/model.safetensors",
+        )
+    m = KT(
+        layer_idx=layer_idx,
+        num_experts=E,
+        num_experts_per_tok=K,
+        hidden_size=H,
+        moe_intermediate_size=I,
+        gpu_experts_mask=None,
+        cpuinfer_threads=threads,
+        threadpool_count=1,
+        weight_path=tmp,
+        chunked_prefill_size=1024,
+        method=METHODS[fmt],
+    )
     if fmt == "bf16":
         m.load_weights(torch.arange(E))
     else:
@@ -96,4 +125,5 @@ def torch_backend(w):
             h = torch.nn.functional.silu(xe @ gate[e].T) * (xe @ up[e].T)
             out.index_add_(0, t, (h @ down[e].T).float() * wt[t, k, None])
         return out.to(torch.bfloat16)
+
     return run

@@ -5,6 +5,7 @@ buffers are; a hot-cache memcpy of a 32 MiB batch ran about 1.7x faster on Zen 5
 bytes over one plain loopback TCP connection between two native threads: kvplugins.transfer.native_tcp).
 Their rows have the stores' row shape (put and get carry the same samples) so report.py tables them beside us.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,7 +18,7 @@ from storebench.report import summarize
 from storebench.workload import Case
 
 MEMCPY, LOOPBACK = "memcpy", "c-tcp-loopback"
-ROTATE = 256 << 20    # bytes each memcpy buffer cycles over: well above a last-level cache
+ROTATE = 256 << 20  # bytes each memcpy buffer cycles over: well above a last-level cache
 
 
 def rows(case: Case) -> list[dict]:
@@ -28,16 +29,30 @@ def rows(case: Case) -> list[dict]:
     out = []
     for label, seconds in ((MEMCPY, _memcpy(n, rounds)), (LOOPBACK, native_tcp.loopback_baseline(n, rounds))):
         for op in ("put", "get"):
-            out.append({"target": label, "store": "baseline", "mode": label, "op": op, "size": case.size,
-                        "batch": case.batch, "case": case.name, "batch_bytes": n, "iters": len(seconds),
-                        "warmup": 1, **summarize(seconds, case.batch, n), "verified_objects": 0,
-                        "verified_bytes": 0, "skipped": ""})
+            out.append(
+                {
+                    "target": label,
+                    "store": "baseline",
+                    "mode": label,
+                    "op": op,
+                    "size": case.size,
+                    "batch": case.batch,
+                    "case": case.name,
+                    "batch_bytes": n,
+                    "iters": len(seconds),
+                    "warmup": 1,
+                    **summarize(seconds, case.batch, n),
+                    "verified_objects": 0,
+                    "verified_bytes": 0,
+                    "skipped": "",
+                }
+            )
     return out
 
 
 def _memcpy(n: int, rounds: int) -> list[float]:
     slots = max(2, ROTATE // n)
-    src = np.ones(slots * n, dtype=np.uint8)                # faulted in: written once
+    src = np.ones(slots * n, dtype=np.uint8)  # faulted in: written once
     dst = np.ones(slots * n, dtype=np.uint8)
     out = []
     for r in range(rounds):

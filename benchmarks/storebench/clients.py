@@ -1,6 +1,7 @@
 """One adapter per store, used inside a worker process. ``bind(op, keys, size)`` returns a zero-argument call
 that does exactly one store call (single form for one key, batch form otherwise) on the registered buffer and
 raises OpFailed unless every key succeeded; argument lists are built before timing starts, for both stores."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,12 @@ class KvpClient:
 
     def __init__(self, cfg: dict, buf: np.ndarray | None):
         from kvplugins.store import ClientConfig, StoreClient
-        self.client = StoreClient(ClientConfig(master=cfg["master"], transports=cfg["transports"],
-                                               rpc_timeout_ms=cfg.get("rpc_timeout_ms", 10000)))
+
+        self.client = StoreClient(
+            ClientConfig(
+                master=cfg["master"], transports=cfg["transports"], rpc_timeout_ms=cfg.get("rpc_timeout_ms", 10000)
+            )
+        )
         self.buf = buf
         if buf is not None:
             self.client.register_buffer(buf)
@@ -57,9 +62,11 @@ class MooncakeClient:
     def __init__(self, cfg: dict, buf: np.ndarray | None, segment_bytes: int = 0):
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", cfg["host"])  # else it looks for a non-loopback LAN address
         from mooncake.store import MooncakeDistributedStore
+
         self.store = MooncakeDistributedStore()
-        rc = self.store.setup(cfg["host"], cfg["metadata"], segment_bytes, cfg.get("local_buffer", 16 << 20),
-                              "tcp", "", cfg["master"])
+        rc = self.store.setup(
+            cfg["host"], cfg["metadata"], segment_bytes, cfg.get("local_buffer", 16 << 20), "tcp", "", cfg["master"]
+        )
         if rc != 0:
             raise OpFailed(f"mooncake setup failed rc={rc} (master {cfg['master']}, metadata {cfg['metadata']})")
         self.buf = buf

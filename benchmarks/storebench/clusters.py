@@ -1,5 +1,6 @@
 """Each store's server processes, as context managers yielding a ``Target``: what writer and reader workers need
 (backend name, server addresses, environment). Everything binds 127.0.0.1; everything is stopped on exit."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,6 +30,7 @@ KVP_RPC_TIMEOUT_MS = 10000
 @dataclass(frozen=True)
 class Target:
     """A running store: ``label`` names the table column (e.g. kvp-shm, mooncake-tcp)."""
+
     label: str
     store: str
     mode: str
@@ -37,7 +39,7 @@ class Target:
     lease_ms: int
     cfg: dict
     env: dict = field(default_factory=dict)
-    master_pid: int = 0         # the metadata server's process (master_memory.py reads its RSS)
+    master_pid: int = 0  # the metadata server's process (master_memory.py reads its RSS)
 
 
 def _bin(name: str) -> str:
@@ -81,14 +83,32 @@ def kvp(mode: str, max_batch: int, log_dir: Path) -> Iterator[Target]:
     port_file, ready_file = log_dir / f"kvp-{mode}-master.port", log_dir / f"kvp-{mode}-store.ready"
     for f in (port_file, ready_file):
         f.unlink(missing_ok=True)
-    with _popen([exe, "master", "--host", HOST, "--port", "0", "--port-file", str(port_file),
-                 "--lease-ttl-ms", str(lease_ms)],
-                log_dir / f"kvp-{mode}-master.log", env) as master:
+    with _popen(
+        [exe, "master", "--host", HOST, "--port", "0", "--port-file", str(port_file), "--lease-ttl-ms", str(lease_ms)],
+        log_dir / f"kvp-{mode}-master.log",
+        env,
+    ) as master:
         addr = _wait_file(port_file, master)
-        with _popen([exe, "store", "--master", addr, "--segment-size", str(segment_bytes), "--host", HOST,
-                     "--transports", transports, "--ready-file", str(ready_file),
-                     "--rpc-timeout-ms", str(KVP_RPC_TIMEOUT_MS)],
-                    log_dir / f"kvp-{mode}-store.log", env) as node:
+        with _popen(
+            [
+                exe,
+                "store",
+                "--master",
+                addr,
+                "--segment-size",
+                str(segment_bytes),
+                "--host",
+                HOST,
+                "--transports",
+                transports,
+                "--ready-file",
+                str(ready_file),
+                "--rpc-timeout-ms",
+                str(KVP_RPC_TIMEOUT_MS),
+            ],
+            log_dir / f"kvp-{mode}-store.log",
+            env,
+        ) as node:
             _wait_file(ready_file, node)
             cfg = {"master": addr, "transports": transports}
             yield Target(f"kvp-{mode}", "kvp", mode, "kvp", segment_bytes, lease_ms, cfg, env, master.pid)
@@ -104,15 +124,35 @@ def mooncake(max_batch: int, log_dir: Path) -> Iterator[Target]:
         raise SystemExit("refusing to start Mooncake outside a private network namespace; use --vs mooncake")
     rpc, http, metrics = free_port(), free_port(), free_port()
     env = dict(os.environ, MC_TCP_BIND_ADDRESS=HOST)
-    args = [_bin("mooncake_master"), f"--rpc_port={rpc}", f"--rpc_address={HOST}",
-            "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
-            f"--http_metadata_server_host={HOST}", f"--metrics_port={metrics}", "--enable_metric_reporting=false"]
+    args = [
+        _bin("mooncake_master"),
+        f"--rpc_port={rpc}",
+        f"--rpc_address={HOST}",
+        "--enable_http_metadata_server=true",
+        f"--http_metadata_server_port={http}",
+        f"--http_metadata_server_host={HOST}",
+        f"--metrics_port={metrics}",
+        "--enable_metric_reporting=false",
+    ]
     cfg = {"host": HOST, "master": f"{HOST}:{rpc}", "metadata": f"http://{HOST}:{http}/metadata"}
     with _popen(args, log_dir / "mooncake-master.log", env) as master:
         wait_port(HOST, rpc, 30, master)
         wait_port(HOST, http, 30, master)
-        seg = Worker("mooncake-segment", ["--backend", "mooncake", "--role", "segment", "--config",
-                                          _json(cfg), "--segment-bytes", str(segment_bytes)], env, log_dir)
+        seg = Worker(
+            "mooncake-segment",
+            [
+                "--backend",
+                "mooncake",
+                "--role",
+                "segment",
+                "--config",
+                _json(cfg),
+                "--segment-bytes",
+                str(segment_bytes),
+            ],
+            env,
+            log_dir,
+        )
         try:
             yield Target("mooncake-tcp", "mooncake", "tcp", "mooncake", segment_bytes, 0, cfg, env, master.pid)
         finally:
@@ -121,4 +161,5 @@ def mooncake(max_batch: int, log_dir: Path) -> Iterator[Target]:
 
 def _json(obj) -> str:
     import json
+
     return json.dumps(obj)

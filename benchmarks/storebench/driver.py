@@ -3,6 +3,7 @@ driver compares their per-object checksums, then the reader removes the keys. On
 
 Several stores can run interleaved (case by case: store A, B, C, then the next case), so a change of machine
 load during the run hits every store alike and the ratios stay fair on a noisy machine."""
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,7 @@ class SpaceGate:
 
     def __init__(self, target: Target):
         self.budget, self.lease_s = target.segment_bytes * 3 // 4, target.lease_ms / 1000 + 0.05
-        self.zombies: list[tuple[float, int]] = []     # (free at, bytes)
+        self.zombies: list[tuple[float, int]] = []  # (free at, bytes)
 
     def wait_for(self, nbytes: int) -> None:
         while True:
@@ -50,8 +51,9 @@ class Session:
         args = ["--backend", target.backend, "--config", json.dumps(target.cfg), "--buffer-bytes", str(buffer_bytes)]
         try:
             for role in ("writer", "reader"):
-                self.workers[role] = Worker(f"{target.label}-{role}", [*args, "--role", role], target.env,
-                                            log_dir, timeout_s)
+                self.workers[role] = Worker(
+                    f"{target.label}-{role}", [*args, "--role", role], target.env, log_dir, timeout_s
+                )
         except BaseException:
             self.close()
             raise
@@ -73,9 +75,18 @@ class Session:
                 times["put"].append(put_s)
                 times["get"].append(get_s)
         verified = (case.warmup + case.iters) * case.batch
-        return [{**self._key(case, op), "iters": len(ts), "warmup": case.warmup,
-                 **summarize(ts, case.batch, case.batch_bytes), "verified_objects": verified,
-                 "verified_bytes": verified * case.size, "skipped": ""} for op, ts in times.items()]
+        return [
+            {
+                **self._key(case, op),
+                "iters": len(ts),
+                "warmup": case.warmup,
+                **summarize(ts, case.batch, case.batch_bytes),
+                "verified_objects": verified,
+                "verified_bytes": verified * case.size,
+                "skipped": "",
+            }
+            for op, ts in times.items()
+        ]
 
     def _round(self, case: Case, r: int, tag: str = "") -> tuple[float, float]:
         """Writer puts a batch, reader gets it, checksums must match, reader removes it. Returns (put_s, get_s)."""
@@ -87,16 +98,26 @@ class Session:
         get = reader.call({"op": "get", "keys": keys, "size": case.size})
         if get["sums"] != put["sums"]:
             bad = [k for k, a, b in zip(keys, put["sums"], get["sums"]) if a != b]
-            raise BytesMismatch(f"{self.target.label} {case.name}: reader got wrong bytes for {len(bad)} of "
-                                f"{len(keys)} objects, first {bad[0]!r}")
+            raise BytesMismatch(
+                f"{self.target.label} {case.name}: reader got wrong bytes for {len(bad)} of "
+                f"{len(keys)} objects, first {bad[0]!r}"
+            )
         reader.call({"op": "remove", "keys": keys})
         self.gate.removed(leased_at, case.batch_bytes)
         return put["t"], get["t"]
 
     def _key(self, case: Case, op: str) -> dict:
         t = self.target
-        return {"target": t.label, "store": t.store, "mode": t.mode, "op": op, "size": case.size,
-                "batch": case.batch, "case": case.name, "batch_bytes": case.batch_bytes}
+        return {
+            "target": t.label,
+            "store": t.store,
+            "mode": t.mode,
+            "op": op,
+            "size": case.size,
+            "batch": case.batch,
+            "case": case.name,
+            "batch_bytes": case.batch_bytes,
+        }
 
     def stats(self) -> dict:
         return {role: w.call({"op": "stats"})["stats"] for role, w in self.workers.items()}

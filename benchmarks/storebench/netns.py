@@ -1,6 +1,7 @@
 """A private network namespace for the run: Mooncake's master and HTTP metadata server bind 0.0.0.0, so they
 (and, for fairness, our store) only ever run inside ``kvpbench-<pid>`` with just ``lo`` up. Needs root and
 ``ip`` (iproute2). The namespace and every process left in it are removed on exit."""
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,10 @@ def run_inside(argv: list[str]) -> int:
 def interrupt_on_signals() -> None:
     """SIGTERM and SIGINT raise KeyboardInterrupt, so ``finally`` blocks stop servers and remove the namespace
     (also when started in the background, where SIGINT is ignored by default)."""
+
     def _raise(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise)
 

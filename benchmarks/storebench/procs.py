@@ -1,4 +1,5 @@
 """Worker processes speaking one JSON object per line, and loopback port helpers. Never blocks without a limit."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,13 @@ class Worker:
         self.log_path = log_dir / f"{name}.log"
         env = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH_DIR), env.get("PYTHONPATH", "")])))
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "storebench.worker", *args], env=env,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "storebench.worker", *args],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+            )
         self.ready = self._read_reply()
 
     def call(self, cmd: dict) -> dict:

@@ -5,6 +5,7 @@ Ratio = ours / Mooncake throughput of the same case and op = Mooncake's p50 batc
 A "floor" target compares ours with a baseline row of the same run (storebench/baselines.py): ours throughput /
 the baseline's, e.g. 0.7 = 70% of memcpy.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,9 +32,12 @@ def summarize(seconds: list[float], batch: int, batch_bytes: int) -> dict:
     """Per batch and per op (batch time / batch) p50/p99/mean in µs, and GB/s (1e9 B/s) at the p50."""
     us = np.asarray(seconds) * 1e6
     p50, p99 = float(np.percentile(us, 50)), float(np.percentile(us, 99))
-    return {"batch_us": {"p50": p50, "p99": p99, "mean": float(us.mean()), "min": float(us.min())},
-            "op_us": {"p50": p50 / batch, "p99": p99 / batch},
-            "gbps": batch_bytes / (p50 * 1e-6) / 1e9, "ops_per_s": batch / (p50 * 1e-6)}
+    return {
+        "batch_us": {"p50": p50, "p99": p99, "mean": float(us.mean()), "min": float(us.min())},
+        "op_us": {"p50": p50 / batch, "p99": p99 / batch},
+        "gbps": batch_bytes / (p50 * 1e-6) / 1e9,
+        "ops_per_s": batch / (p50 * 1e-6),
+    }
 
 
 def _index(rows: list[dict]) -> dict:
@@ -46,8 +50,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     for (label, case, op), r in idx.items():
         mc = idx.get((MC, case, op))
         if label in OURS and mc:
-            out.append({"target": label, "case": case, "op": op,
-                        "ratio": mc["batch_us"]["p50"] / r["batch_us"]["p50"]})
+            out.append({"target": label, "case": case, "op": op, "ratio": mc["batch_us"]["p50"] / r["batch_us"]["p50"]})
     return out
 
 
@@ -93,17 +96,25 @@ def tables(rows: list[dict]) -> str:
     idx = _index(rows)
     keys = list(dict.fromkeys((r["case"], r["op"]) for r in rows))
     skipped = {(r["case"], r["op"]): r["skipped"] for r in rows if r["skipped"]}
-    lat = ["| case | op | " + " | ".join(f"{l} µs per batch p50 / p99 (per op p50 / p99)" for l in labels) + " |",
-           "|---|---|" + "---|" * len(labels)]
+    lat = [
+        "| case | op | " + " | ".join(f"{l} µs per batch p50 / p99 (per op p50 / p99)" for l in labels) + " |",
+        "|---|---|" + "---|" * len(labels),
+    ]
     compared = [l for l in OURS if l in labels and MC in labels]
-    thr = ["| case | op | " + " | ".join([f"{l} GB/s" for l in labels] + [f"{l}/mooncake" for l in compared]) + " |",
-           "|---|---|" + "---|" * (len(labels) + len(compared))]
+    thr = [
+        "| case | op | " + " | ".join([f"{l} GB/s" for l in labels] + [f"{l}/mooncake" for l in compared]) + " |",
+        "|---|---|" + "---|" * (len(labels) + len(compared)),
+    ]
     for case, op in keys:
         cells, gb = [], []
         for l in labels:
             r = idx.get((l, case, op))
-            cells.append(f"{_fmt_us(r['batch_us']['p50'])} / {_fmt_us(r['batch_us']['p99'])} "
-                         f"({_fmt_us(r['op_us']['p50'])} / {_fmt_us(r['op_us']['p99'])})" if r else "skipped")
+            cells.append(
+                f"{_fmt_us(r['batch_us']['p50'])} / {_fmt_us(r['batch_us']['p99'])} "
+                f"({_fmt_us(r['op_us']['p50'])} / {_fmt_us(r['op_us']['p99'])})"
+                if r
+                else "skipped"
+            )
             gb.append(f"{r['gbps']:.3f}" if r else "skipped")
         rat = [_ratio_cell(idx, l, case, op) for l in compared]
         lat.append(f"| {case} | {op} | " + " | ".join(cells) + " |")
@@ -111,9 +122,19 @@ def tables(rows: list[dict]) -> str:
     tgt = ["| target | op | result |", "|---|---|---|"]
     tgt += [f"| {t['target']} | {t['op']} | {_verdict(t)} |" for t in targets(rows)]
     notes = [f"- {c} {o}: {why}" for (c, o), why in skipped.items() if o == "put"]
-    return "\n".join(["### Latency", *lat, "", "### Throughput (GB/s at p50) and ratio ours/Mooncake "
-                      "(>1: ours faster)", *thr, "", "### Targets (issues #2, #13)", *tgt,
-                      *(["", "Skipped:", *notes] if notes else [])])
+    return "\n".join(
+        [
+            "### Latency",
+            *lat,
+            "",
+            "### Throughput (GB/s at p50) and ratio ours/Mooncake (>1: ours faster)",
+            *thr,
+            "",
+            "### Targets (issues #2, #13)",
+            *tgt,
+            *(["", "Skipped:", *notes] if notes else []),
+        ]
+    )
 
 
 def _ratio_cell(idx: dict, label: str, case: str, op: str) -> str:

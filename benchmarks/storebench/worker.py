@@ -7,6 +7,7 @@ stderr first, so native libraries that print cannot corrupt the protocol). Comma
   {"op": "remove", "keys": [...]}, {"op": "stats"}, {"op": "exit"}
 Any failure answers {"error": "..."}; the driver stops the run (speed never hides a failed op).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ def _handle(client, buf, cmd: dict) -> dict:
             stamp(buf, size, len(keys), cmd["round"])
             sums = checksums(buf, size, len(keys))
         else:
-            buf[:size * len(keys)] = 0
+            buf[: size * len(keys)] = 0
         call = client.bind(op, keys, size)
         t0 = time.perf_counter()
         call()

@@ -5,6 +5,7 @@ holds random bytes; before each put the writer stamps every object with (iterati
 reader that got a stale or partial object sees a different xxh3-64 checksum. The reader zeroes its buffer
 before each get.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,6 +26,7 @@ _STAMP = struct.Struct("<QQ")
 @dataclass(frozen=True)
 class Case:
     """One row: ``batch`` objects of ``size`` bytes per put/get call; ``iters`` timed rounds after ``warmup``."""
+
     size: int
     batch: int
     iters: int = 0
@@ -44,8 +46,9 @@ def size_label(n: int) -> str:
     return f"{n // MiB}MiB" if n >= MiB else f"{n // KiB}KiB"
 
 
-def plan(sizes, batches, max_batch_bytes: int, bytes_per_case: int, min_iters: int, max_iters: int,
-         warmup: int) -> list[Case]:
+def plan(
+    sizes, batches, max_batch_bytes: int, bytes_per_case: int, min_iters: int, max_iters: int, warmup: int
+) -> list[Case]:
     """Every size x batch; a case over ``max_batch_bytes`` is kept as skipped (with the reason) so the table shows it.
     Iterations: ``bytes_per_case / batch_bytes`` clamped to [min_iters, max_iters]."""
     cases = []
@@ -67,7 +70,7 @@ def fill_random(buf: np.ndarray, seed: int) -> None:
     step = 64 * MiB
     for off in range(0, buf.nbytes, step):
         n = min(step, buf.nbytes - off)
-        buf[off:off + n] = np.frombuffer(rng.bytes(n), dtype=np.uint8)
+        buf[off : off + n] = np.frombuffer(rng.bytes(n), dtype=np.uint8)
 
 
 def stamp(buf: np.ndarray, size: int, count: int, round_id: int) -> None:
@@ -75,11 +78,11 @@ def stamp(buf: np.ndarray, size: int, count: int, round_id: int) -> None:
     view = memoryview(buf).cast("B")
     for j in range(count):
         tag = _STAMP.pack(round_id, j)
-        view[j * size:j * size + 16] = tag
-        view[(j + 1) * size - 16:(j + 1) * size] = tag
+        view[j * size : j * size + 16] = tag
+        view[(j + 1) * size - 16 : (j + 1) * size] = tag
 
 
 def checksums(buf: np.ndarray, size: int, count: int) -> list[int]:
     """xxh3-64 of each of the first ``count`` objects of ``size`` bytes."""
     view = memoryview(buf).cast("B")
-    return [xxhash.xxh3_64_intdigest(view[j * size:(j + 1) * size]) for j in range(count)]
+    return [xxhash.xxh3_64_intdigest(view[j * size : (j + 1) * size]) for j in range(count)]

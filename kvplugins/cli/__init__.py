@@ -1,5 +1,6 @@
 """The ``kvplugins`` command. Each subcommand lives in its own module here, exposing
 ``add_parser(subparsers)`` and ``run(args) -> int``; this file only dispatches."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,21 @@ import sys
 
 from kvplugins.errors import KVPluginsError
 
-COMMANDS = ("master", "store", "up", "status", "shard", "events", "demo", "kt", "mooncake", "pd-proxy", "doctor",
-            "replay", "credential")  # module: name with "-" -> "_"
+COMMANDS = (
+    "master",
+    "store",
+    "up",
+    "status",
+    "shard",
+    "events",
+    "demo",
+    "kt",
+    "mooncake",
+    "pd-proxy",
+    "doctor",
+    "replay",
+    "credential",
+)  # module: name with "-" -> "_"
 
 
 class Parser(argparse.ArgumentParser):
@@ -29,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         importlib.import_module(f"kvplugins.cli.{name.replace('-', '_')}").add_parser(sub)
     from kvplugins.security.cli import add_flags
-    add_flags(sub)                               # --token-file on master, store, up, status
-    for p in sub.choices.values():               # a usage line of 40 flags hides the command: --help lists them
+
+    add_flags(sub)  # --token-file on master, store, up, status
+    for p in sub.choices.values():  # a usage line of 40 flags hides the command: --help lists them
         if len(p._actions) > 12 and p.usage is None:
             positionals = " ".join(a.metavar or a.dest for a in p._actions if not a.option_strings)
             p.usage = f"%(prog)s [options] {positionals}".rstrip()
@@ -45,22 +60,26 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from kvplugins.security.cli import apply
-        apply(args)                              # the shared secret: flag > env > file, handed to every component
+
+        apply(args)  # the shared secret: flag > env > file, handed to every component
         status = int(importlib.import_module(f"kvplugins.cli.{args.command.replace('-', '_')}").run(args) or 0)
-        sys.stdout.flush()                       # here, so a closed pipe is caught below, not at exit
+        sys.stdout.flush()  # here, so a closed pipe is caught below, not at exit
         return status
     except KVPluginsError as e:
         print(f"kvplugins {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:                     # the reader left (| head): stop writing, quietly
+    except BrokenPipeError:  # the reader left (| head): stop writing, quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:  # noqa: BLE001 - a command never ends in a traceback; DEBUG logs it
         logging.getLogger("kvplugins").debug("kvplugins %s failed", args.command, exc_info=True)
-        print(f"kvplugins {args.command}: error: {type(e).__name__}: {e} (a bug if the cause is not named here: "
-              f"rerun with --log-level DEBUG for the traceback and report it)", file=sys.stderr)
+        print(
+            f"kvplugins {args.command}: error: {type(e).__name__}: {e} (a bug if the cause is not named here: "
+            f"rerun with --log-level DEBUG for the traceback and report it)",
+            file=sys.stderr,
+        )
         return 1
 
 

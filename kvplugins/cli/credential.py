@@ -8,6 +8,7 @@ as its ``KVPLUGINS_AUTH_TOKEN_FILE``. Nothing in it yields the secret, a higher 
 The master bounds each name's share (pending puts and bytes, segments, connections: master/quotas.py), so give
 each engine or node its own name; without ``--name`` a random one is chosen and printed.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,13 @@ import secrets
 def add_parser(sub) -> None:
     p = sub.add_parser("credential", help="issue a client, node or admin credential derived from the secret")
     from kvplugins.security.roles import MASTER_ROLES
+
     p.add_argument("--role", required=True, choices=MASTER_ROLES, help="the role it gives")
-    p.add_argument("--name", default="", help="the identity the master bounds (1-64 of A-Z a-z 0-9 . _ -); "
-                                              "default: <role>-<8 random hex digits>")
+    p.add_argument(
+        "--name",
+        default="",
+        help="the identity the master bounds (1-64 of A-Z a-z 0-9 . _ -); default: <role>-<8 random hex digits>",
+    )
     p.add_argument("--out", required=True, help="file to write (created mode 0600; an existing file is kept)")
 
 
@@ -28,6 +33,7 @@ def run(args) -> int:
     from kvplugins.security import resolve_server
     from kvplugins.security.curve import server_keys
     from kvplugins.security.secret import issue_credential
+
     secret = resolve_server("kvplugins credential")
     name = args.name or f"{args.role}-{secrets.token_hex(4)}"
     text = issue_credential(secret, args.role, name, server_keys(secret)[0])
@@ -39,6 +45,8 @@ def run(args) -> int:
         raise ConfigError(f"--out {args.out!r} cannot be created ({e.strerror}); name a writable path") from e
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    print(f"wrote the {args.role} credential {args.role}:{name} to {args.out} (from {secret.source}); give it to the "
-          f"process as KVPLUGINS_AUTH_TOKEN_FILE={args.out}")
+    print(
+        f"wrote the {args.role} credential {args.role}:{name} to {args.out} (from {secret.source}); give it to the "
+        f"process as KVPLUGINS_AUTH_TOKEN_FILE={args.out}"
+    )
     return 0

@@ -2,6 +2,7 @@
 ``{"seq", "ts", "type", "key", "medium", "reason"}``. ``--replay-from SEQ`` first prints the buffered batches from
 SEQ on (the replay window), then follows the live stream; ``--count N`` stops after N events. The endpoints come
 from the master's ``info`` answer (the master needs ``--events-port``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ SHOWN = ("master", "rpc_timeout_ms")
 
 def add_parser(sub) -> None:
     from kvplugins.store.config import ClientConfig
+
     p = sub.add_parser("events", help="print the store's KV events (stored, evicted, removed, offloaded)")
     add_arguments(p, ClientConfig, skip=tuple(f.name for f in dataclasses.fields(ClientConfig) if f.name not in SHOWN))
     p.add_argument("--replay-from", type=int, default=-1, help="first replay the buffered batches from this seq")
@@ -33,6 +35,7 @@ def run(args) -> int:
     from kvplugins.store import embedded
     from kvplugins.store.config import ClientConfig
     from kvplugins.store.client.connect import master_client
+
     cfg = from_args(ClientConfig, args)
     master = embedded.resolve_master(cfg.master)
     rpc = master_client(master, cfg.rpc_timeout_ms)
@@ -45,7 +48,7 @@ def run(args) -> int:
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    client_socket(sub, resolve())                # the event sockets are CURVE servers (master/events.py)
+    client_socket(sub, resolve())  # the event sockets are CURVE servers (master/events.py)
     sub.connect(info["events"])
     printer = _Printer(args.count)
     try:
@@ -66,6 +69,7 @@ def _replay(ctx, endpoint: str, start: int, printer: "_Printer", timeout_ms: flo
 
     from kvplugins.security import resolve
     from kvplugins.security.curve import client_socket
+
     req = ctx.socket(zmq.DEALER)
     client_socket(req, resolve())
     req.connect(endpoint)
@@ -87,6 +91,7 @@ class _Printer:
         import msgspec
 
         from kvplugins.store.master.events import EventBatch
+
         self._dec = msgspec.msgpack.Decoder(EventBatch)
         self._left = count or -1
         self._last = -1
@@ -97,14 +102,25 @@ class _Printer:
 
     def batch(self, seq_bytes: bytes, payload: bytes) -> None:
         seq = int.from_bytes(seq_bytes, "big", signed=True)
-        if seq <= self._last:          # replayed, then seen live again
+        if seq <= self._last:  # replayed, then seen live again
             return
         self._last = seq
         b = self._dec.decode(payload)
         for ev in b.events:
             if self._left == 0:
                 return
-            print(json.dumps({"seq": seq, "ts": b.ts, "type": type(ev).__name__, "key": ev.block_hashes[0].decode(),
-                              "medium": ev.medium, "reason": ev.reason}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "seq": seq,
+                        "ts": b.ts,
+                        "type": type(ev).__name__,
+                        "key": ev.block_hashes[0].decode(),
+                        "medium": ev.medium,
+                        "reason": ev.reason,
+                    }
+                ),
+                flush=True,
+            )
             self._left -= 1
         sys.stdout.flush()

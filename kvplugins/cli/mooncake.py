@@ -1,25 +1,33 @@
 """``kvplugins mooncake``: run code written for Mooncake's store on a kvplugins store.
 
-    kvplugins mooncake enable [--force]   install the mooncake.store shim (refuses over a real Mooncake unless --force)
-    kvplugins mooncake disable            remove it
-    kvplugins mooncake status             shim state
+kvplugins mooncake enable [--force]   install the mooncake.store shim (refuses over a real Mooncake unless --force)
+kvplugins mooncake disable            remove it
+kvplugins mooncake status             shim state
 """
+
 from __future__ import annotations
 
 
 def add_parser(sub) -> None:
     from kvplugins.shims import add_commands
+
     p = sub.add_parser("mooncake", help="make `import mooncake.store` use kvplugins' store: enable/disable/status")
-    add_commands(p.add_subparsers(dest="mooncake_command", metavar="MOONCAKE_COMMAND", required=True), "mooncake",
-                 "`from mooncake.store import ...`")
+    add_commands(
+        p.add_subparsers(dest="mooncake_command", metavar="MOONCAKE_COMMAND", required=True),
+        "mooncake",
+        "`from mooncake.store import ...`",
+    )
 
 
 def run(args) -> int:
     from kvplugins.shims import run_command
     from kvplugins.mooncake.shim import SHIM
+
     st = run_command(SHIM, args.mooncake_command, args)
     print(st.describe())
     if st.enabled:
-        print("point the Mooncake config's master_server_address at a kvplugins master (host:port, etcd://..., "
-              "shards://...); metadata_server is not used")
+        print(
+            "point the Mooncake config's master_server_address at a kvplugins master (host:port, etcd://..., "
+            "shards://...); metadata_server is not used"
+        )
     return 0

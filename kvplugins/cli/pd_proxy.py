@@ -8,6 +8,7 @@ kv_producer``) with ``max_tokens=1``, no streaming and ``kv_transfer_params={"do
 paths (``GET /v1/models``, ``/health``, ``/metrics``) go to a decode instance. Standard library only (runs
 where vLLM is not installed). The listening port is printed (and written to ``--port-file``).
 """
+
 from __future__ import annotations
 
 import http.client
@@ -29,6 +30,7 @@ GENERATE = ("/v1/completions", "/v1/chat/completions")
 @dataclass(frozen=True)
 class PDProxyConfig:
     """``kvplugins pd-proxy`` options. URLs: http://host:port of vLLM OpenAI servers."""
+
     prefill: str = field(default="", metadata={"help": "comma list of prefill (kv_producer) base URLs"})
     decode: str = field(default="", metadata={"help": "comma list of decode (kv_consumer) base URLs"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
@@ -40,8 +42,10 @@ class PDProxyConfig:
         for name in ("prefill", "decode"):
             urls = _urls(getattr(self, name))
             if not urls:
-                raise ConfigError(f"pd-proxy --{name} is empty: give the base URL(s) of the {name} instance(s), "
-                                  "e.g. http://127.0.0.1:8100")
+                raise ConfigError(
+                    f"pd-proxy --{name} is empty: give the base URL(s) of the {name} instance(s), "
+                    "e.g. http://127.0.0.1:8100"
+                )
             bad = [u for u in urls if urllib.parse.urlsplit(u).scheme != "http" or not urllib.parse.urlsplit(u).port]
             if bad:
                 raise ConfigError(f"pd-proxy --{name} {bad}: use http://HOST:PORT")
@@ -123,7 +127,9 @@ def make_handler(up: _Upstreams):
                 resp = up.open(prefill, "POST", self.path, json.dumps(prefill_body(body)).encode(), hdrs)
                 answer = resp.read()
                 if resp.status != 200:
-                    return self._error(resp.status, f"prefill instance {prefill}: {answer[:500].decode(errors='replace')}")
+                    return self._error(
+                        resp.status, f"prefill instance {prefill}: {answer[:500].decode(errors='replace')}"
+                    )
                 params = json.loads(answer).get("kv_transfer_params")
                 body = {**body, "kv_transfer_params": params} if params else body
                 self._relay(up.open(decode, "POST", self.path, json.dumps(body).encode(), hdrs))

@@ -4,6 +4,7 @@ Writes the discovery file (kvplugins/store/embedded.py), prints the SGLang and v
 SIGTERM/SIGINT and removes the discovery file on exit. ``--detach`` starts it in the background and returns
 once it is ready.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,13 +15,24 @@ import threading
 
 from kvplugins.config import add_arguments, from_args
 
-NODE_SKIP = ("master", "host", "ready_file", "metrics_port", "metrics_host", "metrics_max_connections",
-             "metrics_max_connections_per_peer", "metrics_timeout_ms",   # one endpoint: the master's
-             "drain", "segment", "drain_timeout_ms")                      # `kvplugins store --drain`'s, not up's
+NODE_SKIP = (
+    "master",
+    "host",
+    "ready_file",
+    "metrics_port",
+    "metrics_host",
+    "metrics_max_connections",
+    "metrics_max_connections_per_peer",
+    "metrics_timeout_ms",  # one endpoint: the master's
+    "drain",
+    "segment",
+    "drain_timeout_ms",
+)  # `kvplugins store --drain`'s, not up's
 
 
 def _classes():
     from kvplugins.store.config import MasterConfig, StoreNodeConfig, UpConfig
+
     return MasterConfig, StoreNodeConfig, UpConfig
 
 
@@ -35,6 +47,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from kvplugins.store import embedded
+
     master_cls, node_cls, up_cls = _classes()
     up = from_args(up_cls, args)
     path = embedded.discovery_path(up)
@@ -52,6 +65,7 @@ def _serve(mcfg, ncfg, path) -> int:
     from kvplugins.store.master.rpc_server import RpcServer
     from kvplugins.store.node.store_node import StoreNode
     from kvplugins.store.process import stop_on_signals, write_atomic
+
     server = RpcServer(mcfg)
     loop = threading.Thread(target=server.serve_forever, name="kvp-master", daemon=True)
     loop.start()
@@ -60,8 +74,12 @@ def _serve(mcfg, ncfg, path) -> int:
     node = StoreNode(ncfg, server.address)
     node_metrics = _attach_metrics(server, node)
     try:
-        write_atomic(path, json.dumps({"master": server.address, "zmq": server.zmq_endpoint, "pid": os.getpid(),
-                                       "segment": node.segment.name}))
+        write_atomic(
+            path,
+            json.dumps(
+                {"master": server.address, "zmq": server.zmq_endpoint, "pid": os.getpid(), "segment": node.segment.name}
+            ),
+        )
         if mcfg.port_file:
             write_atomic(mcfg.port_file, server.address + "\n")
         metrics = f"; metrics {server.metrics.endpoint.url}" if server.metrics.endpoint else ""
@@ -84,6 +102,7 @@ def _attach_metrics(server, node):
     if server.metrics.endpoint is None:
         return None
     from kvplugins.store.metrics import NodeMetrics
+
     nm = NodeMetrics(node, server.address)
     nm.attach(server.metrics.endpoint)
     return nm
@@ -91,15 +110,16 @@ def _attach_metrics(server, node):
 
 def _detach(args, up, path) -> int:
     from kvplugins.store import embedded
+
     argv = embedded.CLI + ["--log-level", args.log_level, "up"] + _given_flags(args) + ["--no-detach"]
     argv += ["--discovery-file", str(path)]
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{path}.log", "ab") as log:
-        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     info = embedded.wait_ready(path, child.pid, up.ready_timeout_ms / 1000, lambda: child.poll() is None)
-    print(embedded.flags_text(info["master"]) + f"(pid {child.pid}; discovery file {path}; log {path}.log)",
-          flush=True)
+    print(embedded.flags_text(info["master"]) + f"(pid {child.pid}; discovery file {path}; log {path}.log)", flush=True)
     return 0
 
 

@@ -8,6 +8,7 @@ runs: a later engine can only reuse KV through the store. Result fields: ``token
 ``wall_s`` (seconds of each generate call), ``preemptions`` (vllm:num_preemptions), ``finish_reasons``, ``kvplugins`` (the connector's ``vllm:kvplugins_*``
 counters as vLLM's Prometheus metrics show them, name without prefix -> value).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,10 @@ from pathlib import Path
 from kvplugins.errors import KVPluginsError
 
 WARMUP = "User: Thanks. Assistant:"  # shorter than one block: nothing of it is saved or loaded
-CONNECTOR = {"kv_connector": "KVPluginsConnector", "kv_role": "kv_both"}  # by name: the vllm.general_plugins entry point
+CONNECTOR = {
+    "kv_connector": "KVPluginsConnector",
+    "kv_role": "kv_both",
+}  # by name: the vllm.general_plugins entry point
 
 
 @dataclass
@@ -33,6 +37,7 @@ class EngineSpec:
     kv_cache_gib: VLLM_CPU_KVCACHE_SPACE (GiB). block_size: tokens per KV block (a multiple of 32 on CPU).
     load_failure: vLLM's kv_load_failure_policy for pages that fail to load ("recompute" or "fail").
     tp, pp: tensor- and pipeline-parallel sizes (vLLM-CPU runs each rank as a worker process)."""
+
     model: str
     prompts: list[str]
     max_tokens: int = 16
@@ -42,9 +47,9 @@ class EngineSpec:
     max_model_len: int = 8192
     load_failure: str = "recompute"
     env: dict = field(default_factory=dict)
-    batch: bool = False           # all prompts in one generate call (lets vLLM batch and preempt them)
+    batch: bool = False  # all prompts in one generate call (lets vLLM batch and preempt them)
     max_num_seqs: int = 4
-    num_blocks: int = 0           # KV blocks (vLLM num_gpu_blocks_override); 0 = from kv_cache_gib
+    num_blocks: int = 0  # KV blocks (vLLM num_gpu_blocks_override); 0 = from kv_cache_gib
     transfer: dict = field(default_factory=dict)  # more kv_transfer_config fields (e.g. kv_connector, kv_role)
     kv_events: dict = field(default_factory=dict)  # vLLM's kv_events_config (e.g. a zmq publisher); {} = none
     dtype: str = "float32"
@@ -59,12 +64,21 @@ def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = N
     with tempfile.TemporaryDirectory(prefix="kvp-engine-") as tmp:
         spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_file.write_text(json.dumps(asdict(spec)))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}", **omp_bind(spec.tp * spec.pp),
-               **spec.env}
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}",
+            **omp_bind(spec.tp * spec.pp),
+            **spec.env,
+        }
         log = Path(log_path) if log_path else Path(tmp, "engine.log")
         with open(log, "w") as fh:
-            proc = subprocess.Popen([sys.executable, "-m", "kvplugins.demo.engine", str(spec_file), str(out_file)],
-                                    stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvplugins.demo.engine", str(spec_file), str(out_file)],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired as e:
@@ -113,26 +127,39 @@ def _child(spec: EngineSpec) -> dict:
     if spec.kv_events:
         kwargs["kv_events_config"] = spec.kv_events
     if spec.connector is not None:
-        kwargs["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": spec.connector,
-                                        "kv_load_failure_policy": spec.load_failure, **spec.transfer}
+        kwargs["kv_transfer_config"] = {
+            **CONNECTOR,
+            "kv_connector_extra_config": spec.connector,
+            "kv_load_failure_policy": spec.load_failure,
+            **spec.transfer,
+        }
     if spec.tp * spec.pp > 1:
-        kwargs.update(tensor_parallel_size=spec.tp, pipeline_parallel_size=spec.pp,
-                      distributed_executor_backend="mp")
+        kwargs.update(tensor_parallel_size=spec.tp, pipeline_parallel_size=spec.pp, distributed_executor_backend="mp")
     eager = spec.pp == 1
     if not eager:  # vLLM-CPU 0.32 sizes a later PP stage's input buffers only in its compile warm-up (cpu_worker.
         # determine_available_memory -> warming_up_model; with enforce_eager the stage asserts on its first
         # step): torch.compile with the eager backend runs that warm-up without Inductor's build
         kwargs["compilation_config"] = {"mode": 1, "backend": "eager"}
-    llm = LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, max_model_len=spec.max_model_len,
-              enforce_eager=eager, max_num_seqs=spec.max_num_seqs, seed=0, disable_log_stats=False, **kwargs)
+    llm = LLM(
+        model=spec.model,
+        dtype=spec.dtype,
+        block_size=spec.block_size,
+        max_model_len=spec.max_model_len,
+        enforce_eager=eager,
+        max_num_seqs=spec.max_num_seqs,
+        seed=0,
+        disable_log_stats=False,
+        **kwargs,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
     llm.generate([WARMUP], SamplingParams(max_tokens=2), use_tqdm=False)  # first-run costs off the TTFTs
     result = {"tokens": [], "prompt_tokens": [], "prompt_token_ids": [], "ttft_ms": [], "finish_reasons": []}
     groups = [spec.prompts] if spec.batch else [[p] for p in spec.prompts]
     for group in groups:
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} if isinstance(p, list) else p for p in group], params,
-                            use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} if isinstance(p, list) else p for p in group], params, use_tqdm=False
+        )
         wall = time.perf_counter() - t0
         result.setdefault("wall_s", []).append(wall)
         for out in outs:

@@ -9,6 +9,7 @@ is under half of C's. The model is a random-weight Llama wide enough (hidden 102
 prompt's prefill costs what it costs on a CPU (about 6.5 s for 1,700 tokens on 2 vCPU), so the TTFT ratio shows
 what the store saves; ``--model-family llama`` is the tests' tiny one.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,13 +31,23 @@ from kvplugins.store import UpConfig, embedded
 @dataclass(frozen=True)
 class DemoConfig:
     """``kvplugins demo`` options."""
-    master: str = field(default="", metadata={"help": "store master host:port; '' = a private `kvplugins up` "
-                                                      "started for the demo and stopped at its end"})
-    model_family: str = field(default="llama-wide", metadata={
-        "help": "random-weight model to build: llama-wide (hidden 1024, 8 layers: prefill dominates) or llama "
-                "(the tests' tiny one)"})
-    model_dir: str = field(default="", metadata={
-        "help": "model directory; '' = ~/.cache/kvplugins/demo-<family>-v1 (built on first use)"})
+
+    master: str = field(
+        default="",
+        metadata={
+            "help": "store master host:port; '' = a private `kvplugins up` started for the demo and stopped at its end"
+        },
+    )
+    model_family: str = field(
+        default="llama-wide",
+        metadata={
+            "help": "random-weight model to build: llama-wide (hidden 1024, 8 layers: prefill dominates) or llama "
+            "(the tests' tiny one)"
+        },
+    )
+    model_dir: str = field(
+        default="", metadata={"help": "model directory; '' = ~/.cache/kvplugins/demo-<family>-v1 (built on first use)"}
+    )
     conversations: int = field(default=2, metadata={"help": "conversations (one prompt each per engine)"})
     history_turns: int = field(default=2, metadata={"help": "earlier turns in engine A's prompts (2 = ~1,200 tokens)"})
     max_tokens: int = field(default=16, metadata={"help": "greedy tokens generated per prompt"})
@@ -50,7 +61,7 @@ class DemoConfig:
             raise ConfigError("--conversations, --history-turns and --max-tokens must be >= 1")
 
 
-WIN = 0.5    # PASS needs the warm TTFT under half the cold one
+WIN = 0.5  # PASS needs the warm TTFT under half the cold one
 
 
 @dataclass
@@ -58,7 +69,7 @@ class DemoResult:
     a: dict
     b: dict
     c: dict
-    block_size: int = 32       # tokens per KV block (EngineSpec.block_size)
+    block_size: int = 32  # tokens per KV block (EngineSpec.block_size)
 
     @property
     def same_tokens(self) -> bool:
@@ -81,11 +92,13 @@ class DemoResult:
         blocks, nbytes, secs = kv.get("loaded_blocks", 0), kv.get("loaded_bytes", 0), kv.get("load_seconds_sum", 0)
         per_token = f"{nbytes / (blocks * self.block_size) / 1024:.0f} KiB" if blocks else "-"
         rate = f"{nbytes / secs / 1e9:.2f} GB/s" if secs else "-"
-        return (f"{'PASS' if self.ok else 'FAIL'}: {b['external_hit_tokens']:,} of {sum(b['prompt_tokens']):,} "
-                f"prompt tokens reused from the store; greedy tokens identical in {same} of {len(b['tokens'])} "
-                f"prompts; TTFT warm/cold {self.ttft_ratio:.3f} ({median(b['ttft_ms']):,.0f} vs "
-                f"{median(self.c['ttft_ms']):,.0f} ms, median; goal < {WIN}); KV {per_token} per token; "
-                f"store load {rate}")
+        return (
+            f"{'PASS' if self.ok else 'FAIL'}: {b['external_hit_tokens']:,} of {sum(b['prompt_tokens']):,} "
+            f"prompt tokens reused from the store; greedy tokens identical in {same} of {len(b['tokens'])} "
+            f"prompts; TTFT warm/cold {self.ttft_ratio:.3f} ({median(b['ttft_ms']):,.0f} vs "
+            f"{median(self.c['ttft_ms']):,.0f} ms, median; goal < {WIN}); KV {per_token} per token; "
+            f"store load {rate}"
+        )
 
 
 def prompts(cfg: DemoConfig) -> tuple[list[str], list[str]]:
@@ -95,7 +108,7 @@ def prompts(cfg: DemoConfig) -> tuple[list[str], list[str]]:
     for seed in range(cfg.conversations):
         h = conversation.turns(k + 2, seed=seed)
         a.append(conversation.prompt(h[:k], h[k][0]))
-        b.append(conversation.prompt(h[:k + 1], h[k + 1][0]))
+        b.append(conversation.prompt(h[: k + 1], h[k + 1][0]))
     return a, b
 
 
@@ -150,7 +163,9 @@ def report(res: DemoResult) -> str:
     for i, (n, cold, warm) in enumerate(zip(res.b["prompt_tokens"], res.c["ttft_ms"], res.b["ttft_ms"])):
         same = res.b["tokens"][i] == res.c["tokens"][i]
         lines.append(f"{i:>6} {n:>7} {cold:>13.1f} {warm:>13.1f} {str(same):>12}")
-    lines.append(f"engine B external-hit tokens: {res.b['external_hit_tokens']} "
-                 f"(of {sum(res.b['prompt_tokens'])} prompt tokens; engine A had {res.a['external_hit_tokens']})")
+    lines.append(
+        f"engine B external-hit tokens: {res.b['external_hit_tokens']} "
+        f"(of {sum(res.b['prompt_tokens'])} prompt tokens; engine A had {res.a['external_hit_tokens']})"
+    )
     lines.append(f"greedy tokens of B (store) == C (no connector): {res.same_tokens}")
     return "\n".join(lines)

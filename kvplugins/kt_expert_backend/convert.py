@@ -4,6 +4,7 @@
 Expert tensors recognised: per-expert ``layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` (Qwen2/3-MoE,
 DeepSeek-V2/V3) and fused ``layers.L.mlp.experts.{gate_up_proj,down_proj}`` (transformers 5 layout).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,6 +38,7 @@ class _Index:
 
     def __init__(self, hf_dir: Path):
         from safetensors import safe_open
+
         files = sorted(hf_dir.glob("*.safetensors"))
         if not files:
             raise ConfigError(f"{hf_dir} has no *.safetensors files")
@@ -45,6 +47,7 @@ class _Index:
 
     def get(self, key: str):
         import torch
+
         t = self.where[key].get_tensor(key)
         scale_key = key + "_scale_inv" if not key.endswith(".weight") else key[: -len(".weight")] + ".weight_scale_inv"
         if t.dtype == torch.float8_e4m3fn:
@@ -74,8 +77,9 @@ def _expert_mats(index: _Index, layer: int, kind: str, e: int, prefix: dict, int
     return {"gate": gu[:inter], "up": gu[inter:], "down": index.get(f"{p}layers.{layer}.mlp.experts.down_proj")[e]}
 
 
-def convert(hf_dir, out_dir, method: str, group: int = 128, threadpool_count: int = 1,
-            progress: bool = True) -> weights.Meta:
+def convert(
+    hf_dir, out_dir, method: str, group: int = 128, threadpool_count: int = 1, progress: bool = True
+) -> weights.Meta:
     """Convert every MoE layer's routed experts. method: bf16 | int8 | int4. Returns the written Meta.
     threadpool_count is accepted for kt-kernel CLI parity: NUMA placement happens at load (first touch)."""
     try:
@@ -83,8 +87,10 @@ def convert(hf_dir, out_dir, method: str, group: int = 128, threadpool_count: in
         import torch  # noqa: F401
         from tqdm import tqdm
     except ImportError as e:
-        raise ConfigError(f"`kvplugins kt convert` needs torch, safetensors and tqdm ({e}); install them into this "
-                          "environment (SGLang installs all three)") from e
+        raise ConfigError(
+            f"`kvplugins kt convert` needs torch, safetensors and tqdm ({e}); install them into this "
+            "environment (SGLang installs all three)"
+        ) from e
     if method not in native.FORMATS:
         raise ConfigError(f"--method {method!r} is not one of {', '.join(native.FORMATS)}")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)

@@ -5,6 +5,7 @@ protected for any token of the batch runs now for every token routed to it; the 
 deferred: layer L computes them after its immediate part and their sum is added to layer L+1's output. The last
 layer defers nothing (SGLang passes d = 0 there).
 """
+
 from __future__ import annotations
 
 
@@ -12,6 +13,7 @@ def split(ids, weights, num_experts: int, deferred: int):
     """ids [T, K] int64, weights [T, K] (any one device) -> (immediate_ids, deferred_ids), each [T, K] with -1
     where not run, on that device; no host synchronization (CUDA-graph capturable)."""
     import torch
+
     K = ids.shape[1]
     protected_k = max(0, min(K - int(deferred), K))
     if protected_k == K:

@@ -12,6 +12,7 @@ permission for tile data); a named tier the CPU lacks is refused (never SIGILL).
 never picked by ``auto``): the amx tier's code with its tile instructions done in scalar C++, so CI checks its
 packing and tiling on CPUs without AMX.
 """
+
 from __future__ import annotations
 
 from kvplugins.errors import ConfigError, NativeError
@@ -71,8 +72,10 @@ def resolve_isa(name: str) -> str:
     if name not in ISAS and name != EMULATED:
         raise ConfigError(f"isa {name!r} is not one of auto, {', '.join(ISAS)}")
     if not _mod().isa_supported(_index(name)):
-        raise ConfigError(f"this CPU cannot run the {name} kernels (best here: {best_isa()}: {best_isa_reason()}); "
-                          f"use isa=auto or one of {', '.join(supported_isas())} (KVPLUGINS_KT_ISA)")
+        raise ConfigError(
+            f"this CPU cannot run the {name} kernels (best here: {best_isa()}: {best_isa_reason()}); "
+            f"use isa=auto or one of {', '.join(supported_isas())} (KVPLUGINS_KT_ISA)"
+        )
     return name
 
 
@@ -94,8 +97,10 @@ def _call_arrays(fn, name, *args):
     try:
         return _call(fn, *args)
     except TypeError as e:
-        raise ConfigError(f"{name}: pass C-contiguous CPU arrays of the documented dtypes (x bf16 or float32, ids "
-                          f"int64, weights and out float32), e.g. .contiguous() tensors: {e}") from e
+        raise ConfigError(
+            f"{name}: pass C-contiguous CPU arrays of the documented dtypes (x bf16 or float32, ids "
+            f"int64, weights and out float32), e.g. .contiguous() tensors: {e}"
+        ) from e
 
 
 class Pool:
@@ -104,10 +109,18 @@ class Pool:
     for its job for up to ``wait_spin_us`` µs, then sleeps. Node CPUs are read from ``node_root``/node<N>/cpulist
     (sysfs; tests pass a fake topology)."""
 
-    def __init__(self, threads: int, subpools: int = 1, nodes: list[int] | None = None, spin_us: int = 200,
-                 node_root: str = NODE_ROOT, wait_spin_us: int = 0):
-        self._p = _call(_mod().Pool, int(threads), int(subpools), list(nodes or []), int(spin_us),
-                        int(wait_spin_us), str(node_root))
+    def __init__(
+        self,
+        threads: int,
+        subpools: int = 1,
+        nodes: list[int] | None = None,
+        spin_us: int = 200,
+        node_root: str = NODE_ROOT,
+        wait_spin_us: int = 0,
+    ):
+        self._p = _call(
+            _mod().Pool, int(threads), int(subpools), list(nodes or []), int(spin_us), int(wait_spin_us), str(node_root)
+        )
 
     @property
     def threads(self) -> int:
@@ -133,8 +146,15 @@ class Layer:
         m = _mod()
         self.format, self.isa, self.group = fmt, resolve_isa(isa), int(group)
         self.experts, self.hidden, self.inter = int(experts), int(hidden), int(inter)
-        self._l = _call(m.Layer, m.Format(FORMATS.index(fmt)), self.experts, self.hidden, self.inter,
-                        self.group, m.Isa(_index(self.isa)))
+        self._l = _call(
+            m.Layer,
+            m.Format(FORMATS.index(fmt)),
+            self.experts,
+            self.hidden,
+            self.inter,
+            self.group,
+            m.Isa(_index(self.isa)),
+        )
         self._last = None  # (pool, ticket) of the newest queued job: the weights must outlive it
 
     def __del__(self):
@@ -155,6 +175,7 @@ class Layer:
         ``scale`` is None for bf16."""
         if scale is None:
             import numpy as np
+
             scale = np.zeros((0, 0), np.float32)
         _call(self._l.set_quantized, pool._p, int(expert), PROJ[proj], q, scale)
 
@@ -190,6 +211,7 @@ def quantize(fmt: str, weight, group: int = 128):
 def dequantize(fmt: str, q, scale, group: int = 128):
     """Inverse of quantize() as float32 numpy [N, K] (for references and tests)."""
     import numpy as np
+
     if fmt == "bf16":
         return (np.asarray(q, np.uint16).astype(np.uint32) << 16).view(np.float32)
     if fmt == "int8":
@@ -214,8 +236,9 @@ class HostJob:
     may change between runs, never their addresses. Raises ConfigError for bad shapes or dtypes."""
 
     def __init__(self, layer: Layer, pool: Pool, x, ids, weights, skip, out, accumulate: bool, keep):
-        self._j = _call_arrays(_mod().HostJob, "HostJob", layer._l, pool._p, x, ids, weights, skip, out,
-                               bool(accumulate), keep)
+        self._j = _call_arrays(
+            _mod().HostJob, "HostJob", layer._l, pool._p, x, ids, weights, skip, out, bool(accumulate), keep
+        )
         self.handle = int(self._j.handle)
 
     def take_error(self) -> str:

@@ -17,6 +17,7 @@ On the CPU (``KTConfig.staging='always'``) the same buffers, jobs and host funct
 Source followed: kt-kernel 0.7.2 ``kt_kernel/experts_base.py`` (KExpertsCPUBuffer, submit_with_cuda_stream /
 sync_with_cuda_stream) and SGLang 0.5.23 ``kt_ep_wrapper.py`` (the stream it passes).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -57,6 +58,7 @@ class CudaOrder:
 
     def retire_event(self):
         import torch
+
         ev = torch.cuda.Event()
         ev.record()
         return ev
@@ -68,8 +70,10 @@ def _cudart():
             return ctypes.CDLL(name)
         except OSError:
             continue
-    raise ConfigError("CPU experts for a CUDA caller need the CUDA runtime (libcudart) that torch loads; install "
-                      "a CUDA build of torch, or run the model on the CPU")
+    raise ConfigError(
+        "CPU experts for a CUDA caller need the CUDA runtime (libcudart) that torch loads; install "
+        "a CUDA build of torch, or run the model on the CPU"
+    )
 
 
 @dataclass
@@ -77,6 +81,7 @@ class Buffers:
     """One batch size's fixed host buffers, two slots each: x [T, H] (bf16 or float32), now/later [T, K] int64,
     w [T, K] float32, out [T, H] float32 (pinned on CUDA), out_dev [T, H] in the caller's dtype on its device;
     ``jobs``: (layer index, slot, kind) -> the HostJob bound to them."""
+
     x: list
     now: list
     later: list
@@ -91,20 +96,24 @@ class StreamState:
     """The engine's stream-path state (shared by every layer, like kt-kernel's KExpertsCPUBuffer): buffers per
     batch size, buffers being retired (freed once the stream passed ``event``), and per batch size the deferred
     job waiting for its target layer."""
-    sizes: dict = field(default_factory=dict)      # key -> Buffers
-    retired: list = field(default_factory=list)    # (event or None, Buffers)
-    deferred: dict = field(default_factory=dict)   # T -> (target layer index, HostJob)
+
+    sizes: dict = field(default_factory=dict)  # key -> Buffers
+    retired: list = field(default_factory=list)  # (event or None, Buffers)
+    deferred: dict = field(default_factory=dict)  # T -> (target layer index, HostJob)
 
 
 def order_for(device, cuda_stream):
     """The ordering of a caller on ``device``: CudaOrder (its stream, else torch's current one) or HostOrder."""
     if device.type == "cuda":
         import torch
+
         return CudaOrder(cuda_stream if cuda_stream is not None else torch.cuda.current_stream(device).cuda_stream)
     if device.type == "cpu":
         return HostOrder()
-    raise ConfigError(f"hidden_states on {device}: the kvplugins kt backend serves CPU and CUDA callers; run the "
-                      "model on CUDA or the CPU")
+    raise ConfigError(
+        f"hidden_states on {device}: the kvplugins kt backend serves CPU and CUDA callers; run the "
+        "model on CUDA or the CPU"
+    )
 
 
 class StreamPath:
@@ -117,6 +126,7 @@ class StreamPath:
 
     def submit(self, hidden_states, topk_ids, topk_weights, cuda_stream) -> None:
         import torch
+
         w, eng = self.w, self.w.engine
         x = hidden_states.reshape(-1, w.hidden_size)
         T = x.shape[0]
@@ -151,7 +161,7 @@ class StreamPath:
         if prev is not None:
             order.host_fn(self._wait_fn, prev.handle)
         order.host_fn(self._wait_fn, job.handle)
-        if isinstance(order, HostOrder):            # the work is done now: report a failure at once
+        if isinstance(order, HostOrder):  # the work is done now: report a failure at once
             _raise_failed(self.w.layer_idx, job, prev)
         out = bufs.out_dev[slot]
         out.copy_(bufs.out[slot], non_blocking=True)
@@ -168,8 +178,15 @@ class StreamPath:
             w = self.w
             x = bufs.x[slot]
             arrays = (numpy_view(x), numpy_view(ids), numpy_view(bufs.w[slot]), numpy_view(out))
-            job = bufs.jobs[key] = native.HostJob(w.layer, w.engine.pool, *arrays[:3], w.skip_mask, arrays[3],
-                                                  accumulate, (x, ids, bufs.w[slot], out, arrays))
+            job = bufs.jobs[key] = native.HostJob(
+                w.layer,
+                w.engine.pool,
+                *arrays[:3],
+                w.skip_mask,
+                arrays[3],
+                accumulate,
+                (x, ids, bufs.w[slot], out, arrays),
+            )
         return job
 
     def _buffers(self, torch, st: StreamState, x, T: int, order) -> Buffers:
@@ -189,9 +206,15 @@ class StreamPath:
 
         def host(shape, dtype, fill=0):
             return [torch.full(shape, fill, dtype=dtype, pin_memory=pin) for _ in range(2)]
-        bufs = st.sizes[key] = Buffers(host((T, H), xd), host((T, K), torch.int64, -1), host((T, K), torch.int64, -1),
-                                       host((T, K), torch.float32), host((T, H), torch.float32),
-                                       [torch.empty((T, H), dtype=x.dtype, device=x.device) for _ in range(2)])
+
+        bufs = st.sizes[key] = Buffers(
+            host((T, H), xd),
+            host((T, K), torch.int64, -1),
+            host((T, K), torch.int64, -1),
+            host((T, K), torch.float32),
+            host((T, H), torch.float32),
+            [torch.empty((T, H), dtype=x.dtype, device=x.device) for _ in range(2)],
+        )
         return bufs
 
 
@@ -208,4 +231,5 @@ def numpy_view(t):
     buffer protocol, several µs per array cheaper than torch's Python-level ``__dlpack__``: a decode forward
     passes five arrays."""
     import torch
+
     return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()

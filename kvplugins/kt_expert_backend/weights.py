@@ -8,6 +8,7 @@
 
 gate/up are [I, H], down is [H, I] (rows = output channels), as native.quantize() returns them.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,10 @@ def read_meta(root) -> Meta:
     try:
         d = json.loads(p.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"--kt-weight-path {str(root)!r} has no {META}: it is not `kvplugins kt convert` output; "
-                          f"run `kvplugins kt convert --input HF_DIR --output {root} --method int8`") from None
+        raise ConfigError(
+            f"--kt-weight-path {str(root)!r} has no {META}: it is not `kvplugins kt convert` output; "
+            f"run `kvplugins kt convert --input HF_DIR --output {root} --method int8`"
+        ) from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{p} cannot be read: {e}") from e
     if d.get("version") != 1:
@@ -59,6 +62,7 @@ def write_meta(root, meta: Meta) -> None:
 def save_layer(root, layer: int, tensors: dict) -> None:
     """tensors: name -> numpy array; written atomically (tmp + rename)."""
     from safetensors.numpy import save_file
+
     final = layer_file(root, layer)
     tmp = final.with_suffix(".tmp")
     save_file(tensors, str(tmp))
@@ -70,6 +74,7 @@ class LayerReader:
 
     def __init__(self, root, layer: int):
         from safetensors import safe_open
+
         path = layer_file(root, layer)
         if not path.exists():
             raise ConfigError(f"{path} is missing: layer {layer} was not converted into {root}")

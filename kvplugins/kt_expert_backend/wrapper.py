@@ -8,6 +8,7 @@ stream-ordered path instead (stream.py: pinned per-batch-size buffers and host f
 blocking the host, safe under CUDA graph capture); ``KTConfig.staging='always'`` sends CPU callers there too.
 Source followed: kt_kernel/experts_base.py (BaseMoEWrapper) of kt-kernel 0.7.2.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,13 +32,28 @@ class _CaptureSizes:
 class KTMoEWrapper:
     """Routed experts of one MoE layer on the CPU (see module docstring). Raises ConfigError on bad arguments."""
 
-    def __init__(self, layer_idx: int, num_experts: int, num_experts_per_tok: int, hidden_size: int,
-                 moe_intermediate_size: int, gpu_experts_mask=None, cpuinfer_threads: int = 1,
-                 threadpool_count: int = 1, weight_path: Optional[str] = None, chunked_prefill_size: int = 8192,
-                 cpu_save: bool = False, max_deferred_experts_per_token: Optional[int] = None,
-                 method: str = "AMXINT4", numa_nodes: Optional[List[int]] = None, mode: str = "inference",
-                 num_gpu_experts: Optional[int] = None, **kt_extra):
+    def __init__(
+        self,
+        layer_idx: int,
+        num_experts: int,
+        num_experts_per_tok: int,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        gpu_experts_mask=None,
+        cpuinfer_threads: int = 1,
+        threadpool_count: int = 1,
+        weight_path: Optional[str] = None,
+        chunked_prefill_size: int = 8192,
+        cpu_save: bool = False,
+        max_deferred_experts_per_token: Optional[int] = None,
+        method: str = "AMXINT4",
+        numa_nodes: Optional[List[int]] = None,
+        mode: str = "inference",
+        num_gpu_experts: Optional[int] = None,
+        **kt_extra,
+    ):
         import torch
+
         if mode != "inference":
             raise ConfigError(f"mode={mode!r}: the kvplugins kt backend serves inference only")
         for k in _UNSUPPORTED_NONZERO:
@@ -51,19 +67,28 @@ class KTMoEWrapper:
         self.weight_path, self.chunked_prefill_size, self.cpu_save = weight_path, int(chunked_prefill_size), cpu_save
         self.max_deferred_experts_per_token = int(max_deferred_experts_per_token or 0)
         if not 0 <= self.max_deferred_experts_per_token < self.num_experts_per_tok:
-            raise ConfigError(f"max_deferred_experts_per_token={max_deferred_experts_per_token} must be in "
-                              f"[0, num_experts_per_tok={num_experts_per_tok})")
+            raise ConfigError(
+                f"max_deferred_experts_per_token={max_deferred_experts_per_token} must be in "
+                f"[0, num_experts_per_tok={num_experts_per_tok})"
+            )
         self.gpu_experts_mask = _gpu_mask(torch, self.num_experts, gpu_experts_mask, num_gpu_experts)
         self.num_gpu_experts = int(self.gpu_experts_mask.sum())
         # uint8 [experts]: 1 where the GPU computes the expert, so the CPU kernels skip it
         self.skip_mask = self.gpu_experts_mask.to(torch.uint8).numpy()
-        self.engine = Engines.get(cpuinfer_threads, threadpool_count, numa_nodes, self.cfg.spin_us, self.cfg.numa_sysfs,
-                                  self.cfg.sync_spin_us)
+        self.engine = Engines.get(
+            cpuinfer_threads, threadpool_count, numa_nodes, self.cfg.spin_us, self.cfg.numa_sysfs, self.cfg.sync_spin_us
+        )
         group = self.cfg.int4_group
         if self.method.format == "int4" and (self.hidden_size % group or self.moe_intermediate_size % group):
             group = 64  # the shape does not divide by the configured group; load_weights takes the file's
-        self.layer = native.Layer(self.method.format, self.num_experts, self.hidden_size,
-                                  self.moe_intermediate_size, group=group, isa=self.cfg.isa)
+        self.layer = native.Layer(
+            self.method.format,
+            self.num_experts,
+            self.hidden_size,
+            self.moe_intermediate_size,
+            group=group,
+            isa=self.cfg.isa,
+        )
         self._inflight = None
         self._stream = StreamPath(self, lambda: set(_CaptureSizes.sizes))
 
@@ -72,6 +97,7 @@ class KTMoEWrapper:
         """Quantize online from bf16/fp16/fp32 tensors: gate/up [E, I, H], down [E, H, I], indexed by logical
         expert; physical slot p gets logical expert map[p]. GPU-assigned slots are not loaded."""
         import torch
+
         for p in self._cpu_slots():
             e = self._logical(physical_to_logical_map_cpu, p)
             for name, w in (("gate", gate_proj), ("up", up_proj), ("down", down_proj)):
@@ -88,11 +114,19 @@ class KTMoEWrapper:
         want = (self.method.format, self.num_experts, self.hidden_size, self.moe_intermediate_size)
         have = (meta.format, meta.num_experts, meta.hidden_size, meta.moe_intermediate_size)
         if want != have:
-            raise ConfigError(f"{self.weight_path} holds (format, experts, H, I) = {have}, but --kt-method "
-                              f"{self.method.name} and the model need {want}; re-run `kvplugins kt convert`")
+            raise ConfigError(
+                f"{self.weight_path} holds (format, experts, H, I) = {have}, but --kt-method "
+                f"{self.method.name} and the model need {want}; re-run `kvplugins kt convert`"
+            )
         if meta.format == "int4" and meta.group != self.layer.group:
-            self.layer = native.Layer("int4", self.num_experts, self.hidden_size, self.moe_intermediate_size,
-                                      group=meta.group, isa=self.cfg.isa)
+            self.layer = native.Layer(
+                "int4",
+                self.num_experts,
+                self.hidden_size,
+                self.moe_intermediate_size,
+                group=meta.group,
+                isa=self.cfg.isa,
+            )
         reader = weights.LayerReader(self.weight_path, self.layer_idx)
         for p in self._cpu_slots():
             e = self._logical(physical_to_logical_map_cpu, p)
@@ -119,13 +153,16 @@ class KTMoEWrapper:
         """submit_forward; ``borrow``: CPU inputs already in the kernels' dtypes are read in place, not copied
         (only when nothing reads them after sync_forward returns: forward() without expert deferral)."""
         import torch
+
         take = _cpu_view if borrow else _cpu_copy
         if self._inflight is not None or self._stream.inflight:
             raise ConfigError(f"layer {self.layer_idx}: submit_forward called twice without sync_forward")
         x = hidden_states.reshape(-1, self.hidden_size)
         if x.shape[0] > self.chunked_prefill_size:
-            raise ConfigError(f"{x.shape[0]} tokens exceed chunked_prefill_size={self.chunked_prefill_size}; "
-                              "raise --chunked-prefill-size or send smaller chunks")
+            raise ConfigError(
+                f"{x.shape[0]} tokens exceed chunked_prefill_size={self.chunked_prefill_size}; "
+                "raise --chunked-prefill-size or send smaller chunks"
+            )
         if x.device.type != "cpu" or self.cfg.staging == "always":
             return self._stream.submit(hidden_states, topk_ids, topk_weights, cuda_stream)
         x = take(torch, x, torch.bfloat16 if x.dtype != torch.float32 else torch.float32)
@@ -136,8 +173,12 @@ class KTMoEWrapper:
         with eng.lock:
             prev = eng.pending.pop(self.layer_idx, None)
             if prev is not None and tuple(prev.out.shape) != (x.shape[0], self.hidden_size):
-                log.warning("layer %d: dropping deferred experts of a %s batch (now %d tokens)",
-                            self.layer_idx, tuple(prev.out.shape), x.shape[0])
+                log.warning(
+                    "layer %d: dropping deferred experts of a %s batch (now %d tokens)",
+                    self.layer_idx,
+                    tuple(prev.out.shape),
+                    x.shape[0],
+                )
                 pool.wait(prev.ticket)  # its arrays must outlive its job
                 prev = None
             out = prev.out if prev is not None else torch.empty(x.shape[0], self.hidden_size)
@@ -168,8 +209,7 @@ class KTMoEWrapper:
     def forward(self, hidden_states, topk_ids, topk_weights, cuda_stream=None):
         """submit_forward + sync_forward. Without expert deferral nothing reads the inputs after it returns, so
         CPU inputs already in bf16/fp32, int64 ids and fp32 weights are read in place (no copies)."""
-        self._submit(hidden_states, topk_ids, topk_weights, cuda_stream,
-                     borrow=not self.max_deferred_experts_per_token)
+        self._submit(hidden_states, topk_ids, topk_weights, cuda_stream, borrow=not self.max_deferred_experts_per_token)
         return self.sync_forward(hidden_states, cuda_stream)
 
     def __del__(self):
@@ -208,6 +248,7 @@ def _cpu_copy(torch, t, dtype):
     if t.device.type != "cpu" or t.dtype != dtype:
         return t.to(device="cpu", dtype=dtype, copy=True)
     import numpy as np
+
     c = torch.from_numpy(np.array(_np(t)))
     return c.view(torch.bfloat16) if dtype == torch.bfloat16 else c
 
@@ -218,8 +259,10 @@ def _gpu_mask(torch, num_experts: int, mask, num_gpu_experts):
         if m.numel() != num_experts:
             raise ConfigError(f"gpu_experts_mask has {m.numel()} entries; need num_experts={num_experts}")
         if num_gpu_experts is not None and int(num_gpu_experts) not in (0, int(m.sum())):
-            raise ConfigError(f"num_gpu_experts={num_gpu_experts} disagrees with gpu_experts_mask "
-                              f"({int(m.sum())} experts on the GPU); pass one of them")
+            raise ConfigError(
+                f"num_gpu_experts={num_gpu_experts} disagrees with gpu_experts_mask "
+                f"({int(m.sum())} experts on the GPU); pass one of them"
+            )
         return m.clone()
     n = int(num_gpu_experts or 0)
     if not 0 <= n <= num_experts:

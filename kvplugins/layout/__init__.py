@@ -7,9 +7,19 @@ Engine-independent (no vLLM or SGLang imports):
   keys.py   a collision-free key per page: a namespace hashed from everything that shapes the page bytes
             (model, KV dtype, block size, layer group, TP rank/size, page bytes) + the engine's block hash.
 """
+
 from kvplugins.layout.keys import KeySpace, loadable_pages, page_hashes
 from kvplugins.layout.pages import PageStore
 from kvplugins.layout.spans import PageLayout, Plane, Span, block_dim_of, planes_of
 
-__all__ = ["KeySpace", "PageLayout", "PageStore", "Plane", "Span", "block_dim_of", "loadable_pages", "page_hashes",
-           "planes_of"]
+__all__ = [
+    "KeySpace",
+    "PageLayout",
+    "PageStore",
+    "Plane",
+    "Span",
+    "block_dim_of",
+    "loadable_pages",
+    "page_hashes",
+    "planes_of",
+]

@@ -14,6 +14,7 @@ A ResilientClient wraps a client factory. Lifecycle, in call order:
   4. ``close()``            close the client (the one owner of the ResilientClient calls it).
 Thread-safe: engine threads (load, save, lookups) share one. ``errors``: failures counted so far.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,7 @@ from typing import Any, Callable
 
 from kvplugins.errors import KVPluginsError
 
-log = logging.getLogger("kvplugins.layout.pages")   # the page stores' log: operators grep one logger
+log = logging.getLogger("kvplugins.layout.pages")  # the page stores' log: operators grep one logger
 
 
 class ResilientClient:

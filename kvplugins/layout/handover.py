@@ -17,6 +17,7 @@ The transfer core picks the path per read: same host, cma (process_vm_readv: no 
 rdma or tcp. Mailbox layout (uint64 words): [0, SLOTS) ack words (written by decode), [SLOTS, 2*SLOTS) lease
 words (written by the producer). Source followed: vLLM's NIXL connector P/D flow (read, not copied).
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,6 +41,7 @@ MAX_PLANES = 1 << 16  # planes one offer may list (layers x K/V planes)
 class RemotePlane:
     """One producer KV plane as decode reads it: block ``b`` is ``block_bytes`` at ``offset + b * block_stride``
     of exported region ``region_id`` (bytes)."""
+
     region_id: int
     offset: int
     block_stride: int
@@ -50,15 +52,18 @@ class RemotePlane:
 class Offer:
     """What a producer worker exports: its transfer engine's descriptor, its KV planes in page order, and its
     mailbox region. ``to_wire()`` gives a JSON- and msgpack-able dict; ``from_wire`` checks one a peer sent."""
+
     descriptor: SegmentDescriptor
     planes: tuple[RemotePlane, ...]
     mailbox_region: int
     slots: int = MAILBOX_SLOTS
 
     def to_wire(self) -> dict[str, object]:
-        return {"descriptor": self.descriptor.to_wire(),
-                "planes": [[p.region_id, p.offset, p.block_stride, p.block_bytes] for p in self.planes],
-                "mailbox": [self.mailbox_region, self.slots]}
+        return {
+            "descriptor": self.descriptor.to_wire(),
+            "planes": [[p.region_id, p.offset, p.block_stride, p.block_bytes] for p in self.planes],
+            "mailbox": [self.mailbox_region, self.slots],
+        }
 
     @classmethod
     def from_wire(cls, d: object) -> "Offer":
@@ -128,18 +133,29 @@ class Consumer:
         try:
             seen = self._wait_lease(offer, slot, token)
             if seen is not None:
-                log.warning("kvplugins: the producer did not hold the blocks of token %d within %.0f ms "
-                            "(released after its hold time, or a restarted producer; %s): not reading them",
-                            token, self._wait_s * 1000, seen)
+                log.warning(
+                    "kvplugins: the producer did not hold the blocks of token %d within %.0f ms "
+                    "(released after its hold time, or a restarted producer; %s): not reading them",
+                    token,
+                    self._wait_s * 1000,
+                    seen,
+                )
                 return list(local_ids)
             t0 = time.monotonic()
             failed = self._read(offer, local_ids, remote_ids)
             if failed:
-                log.warning("kvplugins: direct read of %d pages: %d failed after %.0f ms", len(local_ids),
-                            len(failed), (time.monotonic() - t0) * 1000)
+                log.warning(
+                    "kvplugins: direct read of %d pages: %d failed after %.0f ms",
+                    len(local_ids),
+                    len(failed),
+                    (time.monotonic() - t0) * 1000,
+                )
             if self._lease_word(offer, slot) != (token, None):
-                log.warning("kvplugins: the producer no longer holds the blocks of token %d (released after its "
-                            "hold time): its bytes are not used", token)
+                log.warning(
+                    "kvplugins: the producer no longer holds the blocks of token %d (released after its "
+                    "hold time): its bytes are not used",
+                    token,
+                )
                 return list(local_ids)
             return failed
         except (KVPluginsError, KeyError, TypeError, ValueError) as e:
@@ -164,8 +180,10 @@ class Consumer:
     def _read(self, offer: Offer, local_ids: list[int], remote_ids: list[int]) -> list[int]:
         mine = self.layout.planes
         if len(offer.planes) != len(mine) or any(p.block_bytes != q.block_bytes for p, q in zip(offer.planes, mine)):
-            raise ConfigError(f"producer KV planes {[p.block_bytes for p in offer.planes]} B differ from this "
-                              f"engine's {[q.block_bytes for q in mine]} B")
+            raise ConfigError(
+                f"producer KV planes {[p.block_bytes for p in offer.planes]} B differ from this "
+                f"engine's {[q.block_bytes for q in mine]} B"
+            )
         by_region: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
         for i, (lb, rb) in enumerate(zip(local_ids, remote_ids)):
             for p, q in zip(offer.planes, mine):
@@ -177,21 +195,24 @@ class Consumer:
         failed: set[int] = set()
         first = None
         for region, (a, o, n, page) in by_region.items():
-            errors = self.engine.read_spans(offer.descriptor, region, np.array(a, np.uint64),
-                                            np.array(o, np.uint64), np.array(n, np.uint64))
+            errors = self.engine.read_spans(
+                offer.descriptor, region, np.array(a, np.uint64), np.array(o, np.uint64), np.array(n, np.uint64)
+            )
             bad = [j for j, e in enumerate(errors) if e is not None]
             failed.update(page[j] for j in bad)
             first = first or (errors[bad[0]] if bad else None)
         if failed:
-            log.warning("kvplugins: %d of %d pages failed to read from the producer: %r", len(failed),
-                        len(local_ids), first)
+            log.warning(
+                "kvplugins: %d of %d pages failed to read from the producer: %r", len(failed), len(local_ids), first
+            )
         return [local_ids[i] for i in sorted(failed)]
 
     def _lease_word(self, offer: Offer, slot: int) -> tuple[int, object]:
         """(lease word of ``slot`` in the producer's mailbox, read error or None)."""
         self._ack[1] = 0
-        err = self.engine.read_spans(offer.descriptor, offer.mailbox_region, [self._ack.ctypes.data + 8],
-                                     [(MAILBOX_SLOTS + slot) * 8], [8])[0]
+        err = self.engine.read_spans(
+            offer.descriptor, offer.mailbox_region, [self._ack.ctypes.data + 8], [(MAILBOX_SLOTS + slot) * 8], [8]
+        )[0]
         return int(self._ack[1]), err
 
     def ack(self, offer: Offer, slot: int, token: int) -> None:
@@ -199,9 +220,10 @@ class Consumer:
         self._ack[0] = token
         err: Exception | None
         try:
-            err = self.engine.write_spans(offer.descriptor, offer.mailbox_region, [self._ack.ctypes.data],
-                                          [slot * 8], [8])[0]
-        except (KVPluginsError, ValueError) as e:       # a closed engine, a negative slot
+            err = self.engine.write_spans(
+                offer.descriptor, offer.mailbox_region, [self._ack.ctypes.data], [slot * 8], [8]
+            )[0]
+        except (KVPluginsError, ValueError) as e:  # a closed engine, a negative slot
             err = e
         if err is not None:
             log.warning("kvplugins: ack to the producer failed (it frees the blocks after its hold time): %r", err)

@@ -13,6 +13,7 @@ The key namespace is ``keys.KeySpace`` (one hash over everything that shapes the
 fills it in for a HiCache pool. Source followed: SGLang 0.5.23 ``HiCacheStorage`` v1 interface and
 ``HostKVCache.get_page_buffer_meta`` (pointers in page order, the same count per page).
 """
+
 from __future__ import annotations
 
 import threading
@@ -30,13 +31,16 @@ def page_spans(ptrs: Sequence[int], sizes: Sequence[int], num_pages: int) -> lis
     """Split a batch's flat ``(ptrs, sizes)`` (bytes) into ``num_pages`` span lists, adjacent runs merged.
     Raises ConfigError if the lists differ in length or do not divide evenly into pages."""
     if len(ptrs) != len(sizes) or num_pages <= 0 or len(ptrs) % num_pages:
-        raise ConfigError(f"buffer metadata of {len(ptrs)} pointers / {len(sizes)} sizes does not split into "
-                          f"{num_pages} pages; the host pool's page size and the key count disagree")
+        raise ConfigError(
+            f"buffer metadata of {len(ptrs)} pointers / {len(sizes)} sizes does not split into "
+            f"{num_pages} pages; the host pool's page size and the key count disagree"
+        )
     import numpy as np
+
     per = len(ptrs) // num_pages
     p = np.asarray(ptrs, dtype=np.uint64).reshape(num_pages, per)
     n = np.asarray(sizes, dtype=np.uint64).reshape(num_pages, per)
-    if not (p[:, :-1] + n[:, :-1] == p[:, 1:]).any():       # the usual case: no piece continues the previous
+    if not (p[:, :-1] + n[:, :-1] == p[:, 1:]).any():  # the usual case: no piece continues the previous
         return [list(zip(a, b)) for a, b in zip(p.tolist(), n.tolist())]
     return [_merged(a, b) for a, b in zip(p.tolist(), n.tolist())]
 
@@ -78,16 +82,37 @@ class MetaLayout:
         return list(self._regions)
 
 
-def hicache_keyspace(*, model: str, kv_dtype: str, page_size: int, page_bytes: int, pool: str, layout: str,
-                     tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, shared_across_tp: bool,
-                     io_format: str, extra: str = "") -> KeySpace:
+def hicache_keyspace(
+    *,
+    model: str,
+    kv_dtype: str,
+    page_size: int,
+    page_bytes: int,
+    pool: str,
+    layout: str,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    shared_across_tp: bool,
+    io_format: str,
+    extra: str = "",
+) -> KeySpace:
     """The key space of one HiCache pool shard. pool: "mha" / "mla"; layout: the host layout (its bytes
     order differs); io_format: "v1" (buffer-metadata order) or "flat" (the legacy flat page tensor).
     shared_across_tp: every TP rank holds the same bytes (MLA), so the TP rank is left out of the names."""
     rank, size = (0, 1) if shared_across_tp else (tp_rank, tp_size)
     group = f"sglang-hicache:{pool}:{layout}:{io_format}:pp{pp_rank}/{pp_size}"
-    return KeySpace(model=model, kv_dtype=kv_dtype, block_size=page_size, layer_group=group, tp_rank=rank,
-                    tp_size=size, page_bytes=page_bytes, extra=extra)
+    return KeySpace(
+        model=model,
+        kv_dtype=kv_dtype,
+        block_size=page_size,
+        layer_group=group,
+        tp_rank=rank,
+        tp_size=size,
+        page_bytes=page_bytes,
+        extra=extra,
+    )
 
 
 def key_bytes(keys: Sequence[str]) -> list[bytes]:

@@ -6,6 +6,7 @@ layer names), TP rank and TP world size, page bytes, and a free-form ``extra`` (
 algorithm). The block hash is the engine's content hash of the token prefix ending at that block
 (vLLM: ``request.block_hashes``, chained, so a key names a whole prefix, not just one block's tokens).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,6 +23,7 @@ KEY_FORMAT = 1  # bump when the page byte layout changes
 class KeySpace:
     """Everything that must match for two engines to share a page. Sizes: block_size in tokens,
     page_bytes in bytes. layer_group: a stable description of the layers in one page (e.g. their names)."""
+
     model: str
     kv_dtype: str
     block_size: int
@@ -60,7 +62,7 @@ def page_hashes(block_hashes: Sequence[bytes], hash_block_size: int, block_size:
     if hash_block_size <= 0 or block_size % hash_block_size:
         raise ConfigError(f"block size {block_size} is not a multiple of the hash block size {hash_block_size}")
     step = block_size // hash_block_size
-    return list(block_hashes[step - 1::step])
+    return list(block_hashes[step - 1 :: step])
 
 
 def loadable_pages(num_tokens: int, block_size: int) -> int:

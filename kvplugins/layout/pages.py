@@ -10,6 +10,7 @@ Thread-safe: several engine threads (e.g. a load thread and a save thread) may s
 
 Source followed: the Mooncake store's batch_get_into/batch_put_from zero-copy contract (docs/store.md).
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,18 +42,32 @@ class PageStore:
     KV cache groups); its memory is registered with that client too. Only the first PageStore closes the client.
     """
 
-    def __init__(self, client_factory: Callable[[], Any], keyspace: KeySpace, layout: PageLayout | None = None,
-                 required: Sequence[KeySpace] = (), retry_ms: float = 5000, retry_on_load: bool = False,
-                 staged: StagedPages | None = None, share: "PageStore | None" = None):
+    def __init__(
+        self,
+        client_factory: Callable[[], Any],
+        keyspace: KeySpace,
+        layout: PageLayout | None = None,
+        required: Sequence[KeySpace] = (),
+        retry_ms: float = 5000,
+        retry_on_load: bool = False,
+        staged: StagedPages | None = None,
+        share: "PageStore | None" = None,
+    ):
         self.keyspace, self.layout, self.staged = keyspace, layout, staged
         self._retry_on_load = retry_on_load
         self._spaces = list(required) or [keyspace]
         # one client per process: a PageStore made with share= uses (and never closes) the other's
-        self.conn = share.conn if share is not None else ResilientClient(client_factory, retry_ms,
-                                                                          keyspace.namespace)
+        self.conn = share.conn if share is not None else ResilientClient(client_factory, retry_ms, keyspace.namespace)
         self._owns_conn = share is None
-        self._stats = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "failed_pages": 0, "saved_pages": 0,
-                       "skipped_pages": 0, "store_errors": 0}
+        self._stats = {
+            "lookups": 0,
+            "hit_pages": 0,
+            "loaded_pages": 0,
+            "failed_pages": 0,
+            "saved_pages": 0,
+            "skipped_pages": 0,
+            "store_errors": 0,
+        }
         self.conn.attach(self._register)
 
     @property
@@ -154,8 +169,9 @@ class PageStore:
 
 
 # -- pages stored as one object per part (per KV head: layout/shards.py), one batch RPC for all parts ----------
-def load_pages(parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Sequence[bytes],
-               after: Any = None) -> list[int]:
+def load_pages(
+    parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None
+) -> list[int]:
     """PageStore.load for pages stored as one object per part (each part: its key space and its layout of the
     blocks; all parts share one client, ``share=``): one ``batch_get_into`` for every part's objects. A block
     fails when any of its objects fails; only the failed objects' bytes are zeroed. Staged parts move part by
@@ -169,33 +185,38 @@ def load_pages(parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Seq
     spans = [sp for part in parts for sp in part._layout().spans_for(block_ids)] if head.staged is None else None
     client = head.conn.get(now=head._retry_on_load)
     keys = [k for part in parts for k in part.keyspace.keys(hashes)]
-    if client is None:          # the store is down: every block fails, and is zeroed like any failed block
+    if client is None:  # the store is down: every block fails, and is zeroed like any failed block
         errors: list = [StoreError("the store is unavailable (backing off after a failure)")] * len(keys)
     else:
         try:
-            errors = client.batch_get_into(keys, spans) if spans is not None else \
-                head.staged.load(client, keys, block_ids, after)
+            errors = (
+                client.batch_get_into(keys, spans)
+                if spans is not None
+                else head.staged.load(client, keys, block_ids, after)
+            )
         except KVPluginsError as e:
             head._failed(e)
             errors = [e] * len(keys)
-        except BaseException:   # unexpected: what landed is unknown, so no block keeps it
+        except BaseException:  # unexpected: what landed is unknown, so no block keeps it
             if spans is not None:
                 zero_spans([sp for block in spans for sp in block])
             raise
-    if spans is not None:       # bytes read in place that failed (store down, checksum, size): none stay
+    if spans is not None:  # bytes read in place that failed (store down, checksum, size): none stay
         zero_spans([sp for block, err in zip(spans, errors) if err is not None for sp in block])
     n = len(block_ids)
     failed = [b for i, b in enumerate(block_ids) if any(errors[j * n + i] is not None for j in range(len(parts)))]
-    if failed and client is not None:   # a store that is down was logged once, by _failed
-        log.warning("kvplugins: %d of %d pages failed to load: %s", len(failed), n,
-                    next(e for e in errors if e is not None))
+    if failed and client is not None:  # a store that is down was logged once, by _failed
+        log.warning(
+            "kvplugins: %d of %d pages failed to load: %s", len(failed), n, next(e for e in errors if e is not None)
+        )
     head.stats["loaded_pages"] += n - len(failed)
     head.stats["failed_pages"] += len(failed)
     return failed
 
 
-def save_pages(parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Sequence[bytes],
-               after: Any = None) -> tuple[int, list]:
+def save_pages(
+    parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None
+) -> tuple[int, list]:
     """PageStore.save_held for pages stored as one object per part (see load_pages): one ``batch_exists`` and
     one ``batch_put_from`` for every part's missing objects. A page is held when every part's object is; it
     counts as written when it is held and this call wrote some of its objects. Staged parts move part by part."""
@@ -214,14 +235,17 @@ def save_pages(parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Seq
     keys = [k for part in parts for k in part.keyspace.keys(hashes)]
     try:
         present = list(client.batch_exists(keys))
-        todo = [x for x, p in enumerate(present) if not p]           # object x: part x // n, page x % n
+        todo = [x for x, p in enumerate(present) if not p]  # object x: part x // n, page x % n
         head.stats["skipped_pages"] += sum(all(present[j * n + i] for j in range(len(parts))) for i in range(n))
         if not todo:
             return 0, [True] * n
         ids = [block_ids[x % n] for x in todo]
         todo_keys = [keys[x] for x in todo]
-        errors = client.batch_put_from(todo_keys, _spans_of(layouts, todo, n, ids)) if head.staged is None \
+        errors = (
+            client.batch_put_from(todo_keys, _spans_of(layouts, todo, n, ids))
+            if head.staged is None
             else head.staged.save(client, todo_keys, ids, after)
+        )
     except KVPluginsError as e:
         head._failed(e)
         return 0, [False] * n

@@ -12,6 +12,7 @@ page instead of one, all of a batch's in one RPC. A head's part of a block must 
 Source followed: Mooncake's TP-sharded store layouts in vLLM 0.32 (``mooncake/store``: LBHNC objects per store
 TP shard) and SGLang HiCache's ``page_head`` layout; here the shard is always one KV head.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from kvplugins.layout.pages import PageStore, load_pages, save_pages
 class RankHeads:
     """The KV heads TP rank ``rank`` holds: ``first .. first + count - 1`` of ``heads``. ``writes``: False for a
     replica of a head another rank writes (TP > heads: vLLM gives each head to ``tp / heads`` ranks)."""
+
     first: int
     count: int
     heads: int

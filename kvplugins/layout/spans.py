@@ -12,6 +12,7 @@ contiguous run of ``block_bytes`` bytes at ``base + b * block_stride``. Examples
 A page (block ``b`` of every layer, "page-first") is the concatenation of each plane's run in plane order,
 so a page object in the store is ``sum(plane.block_bytes)`` bytes. Adjacent runs are merged into one span.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -33,6 +34,7 @@ class Plane:
     directly; device planes are staged through host memory (layout/staged.py). source: the tensor or array
     the plane was cut from (kept for staging; not part of equality).
     """
+
     base: int
     block_stride: int
     block_bytes: int
@@ -44,8 +46,10 @@ class Plane:
         if self.block_bytes <= 0 or self.num_blocks <= 0:
             raise ConfigError(f"plane {self}: block_bytes and num_blocks must be > 0")
         if self.num_blocks > 1 and abs(self.block_stride) < self.block_bytes:
-            raise ConfigError(f"plane {self}: block_stride {self.block_stride} B < block_bytes "
-                              f"{self.block_bytes} B, so blocks overlap; describe the tensor with its block dim")
+            raise ConfigError(
+                f"plane {self}: block_stride {self.block_stride} B < block_bytes "
+                f"{self.block_bytes} B, so blocks overlap; describe the tensor with its block dim"
+            )
 
 
 def _geometry(t: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int, str]:
@@ -73,13 +77,15 @@ def planes_of(tensor: Any, block_dim: int = 0) -> list[Plane]:
     addr, shape, strides, item, device = _geometry(tensor)
     if not 0 <= block_dim < len(shape):
         raise ConfigError(f"block_dim {block_dim} out of range for a tensor of shape {shape}")
-    inner = shape[block_dim + 1:]
+    inner = shape[block_dim + 1 :]
     expect = item  # the dims after the block dim, in memory order (any permutation), must tile one dense run
-    for stride, size in sorted((st, sz) for sz, st in zip(inner, strides[block_dim + 1:]) if sz != 1):
+    for stride, size in sorted((st, sz) for sz, st in zip(inner, strides[block_dim + 1 :]) if sz != 1):
         if stride != expect:
-            raise ConfigError(f"KV tensor shape {shape} strides {strides} B: the dims after block dim "
-                              f"{block_dim} do not form one dense run of bytes, so a block is not contiguous "
-                              "(e.g. a layout with heads outside blocks); this layout is not supported")
+            raise ConfigError(
+                f"KV tensor shape {shape} strides {strides} B: the dims after block dim "
+                f"{block_dim} do not form one dense run of bytes, so a block is not contiguous "
+                "(e.g. a layout with heads outside blocks); this layout is not supported"
+            )
         expect *= size
     block_bytes = math.prod(inner) * item
     outer = shape[:block_dim]
@@ -100,9 +106,9 @@ def head_planes(tensor: Any, block_dim: int, heads: int, head: int) -> list[Plan
     dims = [d for d in range(block_dim + 1, len(shape)) if shape[d] == heads]
     if not dims or not hasattr(tensor, "select") or not 0 <= head < heads:
         return None
-    if math.prod(shape[block_dim + 1:dims[0]]) > 2:  # only K/V may sit between blocks and heads: NHD's
-        return None                                    # tokens there would cut a head into a run per token
-    view = tensor.select(dims[0], head)          # dims between the block dim and the head dim become planes
+    if math.prod(shape[block_dim + 1 : dims[0]]) > 2:  # only K/V may sit between blocks and heads: NHD's
+        return None  # tokens there would cut a head into a run per token
+    view = tensor.select(dims[0], head)  # dims between the block dim and the head dim become planes
     view = view.movedim(block_dim, dims[0] - 1)  # (e.g. K/V inside a block): move the block dim after them
     try:
         return planes_of(view, dims[0] - 1)
@@ -184,10 +190,17 @@ class PageLayout:
         the memory to register with a transfer engine (one registration per range). Raises ConfigError for
         device memory (staged instead: layout/staged.py)."""
         if self.device != "cpu":
-            raise ConfigError(f"KV memory on {self.device} cannot be registered with the transfer core; "
-                              "stage it through host memory (PageStore(staging=...))")
-        ranges = sorted((p.base + min(0, (p.num_blocks - 1) * p.block_stride),
-                         abs((p.num_blocks - 1) * p.block_stride) + p.block_bytes) for p in self.planes)
+            raise ConfigError(
+                f"KV memory on {self.device} cannot be registered with the transfer core; "
+                "stage it through host memory (PageStore(staging=...))"
+            )
+        ranges = sorted(
+            (
+                p.base + min(0, (p.num_blocks - 1) * p.block_stride),
+                abs((p.num_blocks - 1) * p.block_stride) + p.block_bytes,
+            )
+            for p in self.planes
+        )
         out: list[list[int]] = []
         for a, n in ranges:
             if out and a <= out[-1][0] + out[-1][1]:

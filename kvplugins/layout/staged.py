@@ -15,6 +15,7 @@ no GPU, runs every staged path. Source followed: vLLM 0.32 offloading connector'
 (vllm/v1/kv_offload/worker/cpu_gpu.py: a dedicated stream, one event per transfer) and Mooncake's
 ``register_buffer`` contract (the store moves bytes between registered host memory only).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,7 @@ from kvplugins.errors import ConfigError, StoreError, TransferFailed
 from kvplugins.layout.spans import PageLayout, Plane
 from kvplugins.transfer.staging import StagingPool
 
-SLOTS = 4     # concurrent staged batches (an engine's load and save threads, and an inline load), each a chunk
+SLOTS = 4  # concurrent staged batches (an engine's load and save threads, and an inline load), each a chunk
 
 
 class DeviceCopier:
@@ -34,18 +35,23 @@ class DeviceCopier:
 
     def __init__(self, layout: PageLayout):
         import torch
+
         self._torch, self.page_bytes = torch, layout.page_bytes
         self.device = torch.device(layout.device)
         self._stream = None
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
-                raise ConfigError(f"KV tensors on {layout.device}, but this torch {torch.__version__} has no CUDA "
-                                  "device; install the CUDA build of torch the engine uses, or keep the KV cache "
-                                  "on the CPU")
+                raise ConfigError(
+                    f"KV tensors on {layout.device}, but this torch {torch.__version__} has no CUDA "
+                    "device; install the CUDA build of torch the engine uses, or keep the KV cache "
+                    "on the CPU"
+                )
             self._stream = torch.cuda.Stream(device=self.device)
         elif self.device.type != "cpu":
-            raise ConfigError(f"KV tensors on {layout.device}: pages are staged from CUDA or CPU memory only; run "
-                              "the engine on CUDA or CPU, or leave the kvplugins connector out for this device")
+            raise ConfigError(
+                f"KV tensors on {layout.device}: pages are staged from CUDA or CPU memory only; run "
+                "the engine on CUDA or CPU, or leave the kvplugins connector out for this device"
+            )
         offsets = [sum(p.block_bytes for p in layout.planes[:i]) for i in range(len(layout.planes))]
         self._views = [(_block_view(torch, p), off, p.block_bytes) for p, off in zip(layout.planes, offsets)]
 
@@ -56,10 +62,12 @@ class DeviceCopier:
         pinned = self.device.type == "cuda"
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         if pinned and not buf.is_pinned():
-            raise ConfigError(f"could not page-lock {nbytes} B of bounce memory; raise the memlock limit "
-                              "(ulimit -l) or lower bounce_bytes")
+            raise ConfigError(
+                f"could not page-lock {nbytes} B of bounce memory; raise the memlock limit "
+                "(ulimit -l) or lower bounce_bytes"
+            )
         if not pinned:
-            buf.zero_()     # commit the pages now, not during the first load (page-locked memory already is)
+            buf.zero_()  # commit the pages now, not during the first load (page-locked memory already is)
         return buf
 
     def mark(self) -> Any:
@@ -75,12 +83,12 @@ class DeviceCopier:
         """Pages ``block_ids`` -> ``host`` (uint8, at least len(block_ids) * page_bytes), page i at i * page_bytes.
         Returns once the bytes are in ``host``."""
         torch, n, pb = self._torch, len(block_ids), self.page_bytes
-        rows = host[:n * pb].view(n, pb)
+        rows = host[: n * pb].view(n, pb)
         with self._on_stream(after) as done:
             idx = torch.as_tensor(list(block_ids), dtype=torch.long).to(self.device, non_blocking=True)
             out = rows if self._stream is None else torch.empty((n, pb), dtype=torch.uint8, device=self.device)
             for view, off, bb in self._views:
-                out[:, off:off + bb] = view.index_select(0, idx)
+                out[:, off : off + bb] = view.index_select(0, idx)
             if out is not rows:
                 rows.copy_(out, non_blocking=True)
         done()
@@ -91,12 +99,12 @@ class DeviceCopier:
         torch, pb = self._torch, self.page_bytes
         count = max(rows) + 1
         with self._on_stream(after) as done:
-            src = host[:count * pb].view(count, pb).to(self.device, non_blocking=True)
+            src = host[: count * pb].view(count, pb).to(self.device, non_blocking=True)
             if list(rows) != list(range(count)):
                 src = src.index_select(0, torch.as_tensor(list(rows), dtype=torch.long).to(self.device))
             idx = torch.as_tensor(list(block_ids), dtype=torch.long).to(self.device, non_blocking=True)
             for view, off, bb in self._views:
-                view.index_copy_(0, idx, src[:, off:off + bb])
+                view.index_copy_(0, idx, src[:, off : off + bb])
         done()
 
     @contextlib.contextmanager
@@ -129,8 +137,10 @@ class StagedPages:
         pb = self.page_bytes = layout.page_bytes
         self.pages_per_slot = bounce_bytes // SLOTS // pb
         if self.pages_per_slot < 1:
-            raise ConfigError(f"bounce_bytes={bounce_bytes} holds fewer than {SLOTS} pages of {pb} B (one per "
-                              f"slot); raise bounce_bytes to at least {SLOTS * pb}")
+            raise ConfigError(
+                f"bounce_bytes={bounce_bytes} holds fewer than {SLOTS} pages of {pb} B (one per "
+                f"slot); raise bounce_bytes to at least {SLOTS * pb}"
+            )
         slot_bytes = self.pages_per_slot * pb
         self._host = self.copier.host_buffer(SLOTS * slot_bytes)
         self.pool = StagingPool(self._host, SLOTS * slot_bytes, slot_bytes)
@@ -144,31 +154,35 @@ class StagedPages:
 
     def load(self, client, keys: Sequence[str], block_ids: Sequence[int], after: Any = None) -> list:
         """Page ``keys[i]`` into block ``block_ids[i]``; per page None or the StoreError (its block untouched)."""
+
         def move(slot, host, ks, ids):
             errs = client.batch_get_into(ks, self._spans(slot, len(ks)))
             rows = [j for j, e in enumerate(errs) if e is None]
             if rows:
                 self.copier.scatter([ids[j] for j in rows], host, rows, after)
             return errs
+
         return self._chunked(keys, block_ids, move)
 
     def save(self, client, keys: Sequence[str], block_ids: Sequence[int], after: Any = None) -> list:
         """Store block ``block_ids[i]``'s page under ``keys[i]``; per page None or the StoreError."""
+
         def move(slot, host, ks, ids):
             self.copier.gather(ids, host, after)
             return client.batch_put_from(ks, self._spans(slot, len(ks)))
+
         return self._chunked(keys, block_ids, move)
 
     def _chunked(self, keys, block_ids, move) -> list:
         out: list[StoreError | None] = []
         step = self.pages_per_slot
         for i in range(0, len(keys), step):
-            ks, ids = list(keys[i:i + step]), list(block_ids[i:i + step])
+            ks, ids = list(keys[i : i + step]), list(block_ids[i : i + step])
             try:
                 with self.pool.slot(self._timeout_s) as slot:
                     start = slot.index * self.pool.slot_bytes
-                    out += move(slot, self._host[start:start + self.pool.slot_bytes], ks, ids)
-            except TransferFailed as e:        # no slot came free: these pages are not moved (a miss)
+                    out += move(slot, self._host[start : start + self.pool.slot_bytes], ks, ids)
+            except TransferFailed as e:  # no slot came free: these pages are not moved (a miss)
                 out += [e] * len(ks)
         return out
 

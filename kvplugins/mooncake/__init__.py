@@ -5,6 +5,7 @@ opt-in shim that serves it as ``mooncake.store`` (``kvplugins mooncake enable``)
 ErrorCodes: the one place exceptions become integers), ``extra`` (upsert, BufferHandle, tensors),
 ``tensor_buffers``, ``parallel`` + ``parallel_types`` (unified parallel tensor IO), ``sessions``, ``replicas``,
 ``tasks``, ``buffer_pool`` (BufferPool: leases of registered memory), ``shim``. Contract and differences: docs/store.md, "Mooncake-compatible API"."""
+
 from kvplugins.mooncake.api import MooncakeDistributedStore
 from kvplugins.mooncake.buffer_pool import BufferLease, BufferPool, RegisteredBufferPool
 from kvplugins.mooncake.checks import ObjectDataType, ReplicateConfig, SoftPinAction
@@ -13,6 +14,20 @@ from kvplugins.mooncake.parallel_types import ParallelAxis, ReadTarget, TensorPa
 from kvplugins.mooncake.replicas import ReplicaStatus
 from kvplugins.mooncake.tasks import QueryTaskResponse, TaskStatus, TaskType
 
-__all__ = ["BufferHandle", "BufferLease", "BufferPool", "MooncakeDistributedStore", "ObjectDataType", "ParallelAxis",
-           "QueryTaskResponse", "ReadTarget", "RegisteredBufferPool", "ReplicaStatus", "ReplicateConfig",
-           "SoftPinAction", "TaskStatus", "TaskType", "TensorParallelism"]
+__all__ = [
+    "BufferHandle",
+    "BufferLease",
+    "BufferPool",
+    "MooncakeDistributedStore",
+    "ObjectDataType",
+    "ParallelAxis",
+    "QueryTaskResponse",
+    "ReadTarget",
+    "RegisteredBufferPool",
+    "ReplicaStatus",
+    "ReplicateConfig",
+    "SoftPinAction",
+    "TaskStatus",
+    "TaskType",
+    "TensorParallelism",
+]

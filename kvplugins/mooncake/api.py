@@ -25,6 +25,7 @@ live on the master and nodes); ``protocol`` "rdma" offers shm, rdma and tcp (``r
 without a usable NIC RDMA is absent and tcp carries the bytes), "tcp" offers shm and tcp; the SSD offload is the
 store nodes' disk tier, not the client's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,16 @@ from kvplugins.errors import BufferNotRegistered, ConfigError, StoreError
 from kvplugins.mooncake import checks
 from kvplugins.mooncake.checks import Buffer, ReplicateConfig
 from kvplugins.mooncake.checks import same_length as _same_length
-from kvplugins.mooncake.codes import (INVALID_PARAMS, OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, OK, guard, per_key,
-                                       code_of, pybind)
+from kvplugins.mooncake.codes import (
+    INVALID_PARAMS,
+    OBJECT_HAS_LEASE,
+    OBJECT_NOT_FOUND,
+    OK,
+    guard,
+    per_key,
+    code_of,
+    pybind,
+)
 from kvplugins.mooncake.extra import ExtraMethods
 from kvplugins.mooncake.replicas import ReplicaMethods
 from kvplugins.mooncake.parallel import ParallelMethods
@@ -53,10 +62,12 @@ if TYPE_CHECKING:
     from kvplugins.store.placement import PutConfig
 
 log = logging.getLogger(__name__)
-DEFAULT = checks.DEFAULT        # a method's default ReplicateConfig (Mooncake's: a default-built one)
+DEFAULT = checks.DEFAULT  # a method's default ReplicateConfig (Mooncake's: a default-built one)
 
-class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, TensorBufferMethods, TaskMethods,
-                               ParallelMethods):
+
+class MooncakeDistributedStore(
+    ExtraMethods, SessionMethods, ReplicaMethods, TensorBufferMethods, TaskMethods, ParallelMethods
+):
     """Mooncake's store client API on a kvplugins StoreClient (thread-safe like it). Call ``setup`` first."""
 
     def __init__(self) -> None:
@@ -64,7 +75,7 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         self._hostname, self._bytes_api = "", True
         # weakref.finalize: closes the StoreClient when this store is collected or at exit
         self._closer: weakref.finalize[[], MooncakeDistributedStore] | None = None
-        self._buffers: dict[int, object] = {}      # registered address -> Region
+        self._buffers: dict[int, object] = {}  # registered address -> Region
 
     # ---- life cycle --------------------------------------------------------------------------------
     def setup(self, *args: object, **kwargs: object) -> int:
@@ -82,10 +93,22 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
 
     @pybind
     @guard()
-    def _setup(self, local_hostname: str, metadata_server: str, global_segment_size: int, local_buffer_size: int,
-               protocol: str, rdma_devices: str, master_server_addr: str, engine: object = None,
-               enable_ssd_offload: bool = False, ssd_offload_path: str = "", tenant_id: str = "default",
-               enable_client_http_server: bool = False, client_http_port: int = 9300) -> int:
+    def _setup(
+        self,
+        local_hostname: str,
+        metadata_server: str,
+        global_segment_size: int,
+        local_buffer_size: int,
+        protocol: str,
+        rdma_devices: str,
+        master_server_addr: str,
+        engine: object = None,
+        enable_ssd_offload: bool = False,
+        ssd_offload_path: str = "",
+        tenant_id: str = "default",
+        enable_client_http_server: bool = False,
+        client_http_port: int = 9300,
+    ) -> int:
         """Connect to the master at ``master_server_addr`` ('' = the embedded `kvplugins up`) and contribute
         ``global_segment_size`` bytes as a segment (0 = none); ``local_buffer_size`` sizes the staging buffer of
         the bytes API (0: no bytes API, its puts answer INVALID_PARAMS and its gets b"", as Mooncake's).
@@ -95,16 +118,20 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         from kvplugins.config import Bytes, load
         from kvplugins.store.client import StoreClient
         from kvplugins.store.config import ClientConfig
+
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"protocol={protocol!r}: use 'tcp' or 'rdma'")
         _warn_ignored(engine, enable_ssd_offload, tenant_id, enable_client_http_server)
         host = local_hostname.rsplit(":", 1)[0] if local_hostname.count(":") == 1 else local_hostname
-        cfg = dataclasses.replace(load(ClientConfig), master=master_server_addr,
-                                  host="127.0.0.1" if host in ("", "localhost") else host,
-                                  segment_size=Bytes(int(global_segment_size)),
-                                  transports="shm,cma,rdma,tcp" if protocol == "rdma" else "shm,cma,tcp",
-                                  rdma_devices=str(rdma_devices or ""),
-                                  staging_size=Bytes(max(int(local_buffer_size), 1 << 20)))
+        cfg = dataclasses.replace(
+            load(ClientConfig),
+            master=master_server_addr,
+            host="127.0.0.1" if host in ("", "localhost") else host,
+            segment_size=Bytes(int(global_segment_size)),
+            transports="shm,cma,rdma,tcp" if protocol == "rdma" else "shm,cma,tcp",
+            rdma_devices=str(rdma_devices or ""),
+            staging_size=Bytes(max(int(local_buffer_size), 1 << 20)),
+        )
         if self._client is not None:
             self.close()
         self._client = StoreClient(cfg)
@@ -121,7 +148,7 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         closer, self._client, self._closer = self._closer, None, None
         self._buffers.clear()
         if closer is not None:
-            closer()          # StoreClient.close, once
+            closer()  # StoreClient.close, once
         return OK
 
     # ---- bytes API ---------------------------------------------------------------------------------
@@ -186,8 +213,9 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
 
     @pybind
     @guard(on_error=per_key)
-    def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                       config: ReplicateConfig = DEFAULT) -> list[int]:
+    def batch_put_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig = DEFAULT
+    ) -> list[int]:
         """Per key 0 or a negative code; one allocate + one transfer + one commit for the batch."""
         _same_length(keys, buffer_ptrs, sizes)
         keys, cfg = list(keys), self._put_cfg(config)
@@ -206,8 +234,10 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
         """Per key the bytes read or a negative code: one size lookup, then one read batch."""
         _same_length(keys, buffer_ptrs, sizes)
         keys, ptrs, caps = list(keys), [int(p) for p in buffer_ptrs], list(sizes)
-        out = [n if n <= cap else INVALID_PARAMS          # Mooncake: "User buffer too small"
-               for n, cap in zip(self._sizes(keys), caps)]
+        out = [
+            n if n <= cap else INVALID_PARAMS  # Mooncake: "User buffer too small"
+            for n, cap in zip(self._sizes(keys), caps)
+        ]
         todo = [i for i, n in enumerate(out) if n >= 0]
         errs = self._c.batch_get_into([keys[i] for i in todo], [[(ptrs[i], out[i])] for i in todo])
         copy = {i for i, err in zip(todo, errs) if isinstance(err, BufferNotRegistered) and _plausible(ptrs[i], out[i])}
@@ -274,12 +304,15 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
     def _cb(self) -> StoreClient:
         """The client, for the bytes API (copies through the local buffer): refused without one."""
         if not self._bytes_api:
-            raise ConfigError("setup(local_buffer_size=0): the bytes API (put, get, tensors) needs a local buffer; "
-                              "use put_from/get_into, or set local_buffer_size > 0")
+            raise ConfigError(
+                "setup(local_buffer_size=0): the bytes API (put, get, tensors) needs a local buffer; "
+                "use put_from/get_into, or set local_buffer_size > 0"
+            )
         return self._c
 
     def _put_cfg(self, config: ReplicateConfig) -> PutConfig | None:
         from kvplugins.store.placement import from_client
+
         return None if config is DEFAULT else config.to_put_config(from_client(self._c.cfg))
 
     def _call(self, op: str, entries: list[object], opts: dict[str, object] | None = None):
@@ -288,11 +321,13 @@ class MooncakeDistributedStore(ExtraMethods, SessionMethods, ReplicaMethods, Ten
 
     def _sizes(self, keys: list[str]) -> list[int]:
         from kvplugins.store.wire.protocol import OK as FOUND
+
         found = self._call("get_size", list(keys))
         return [size if code == FOUND else OBJECT_NOT_FOUND for code, size in found]
 
     def _count(self, op: str, entries: list[object], force: bool) -> int:
         from kvplugins.store.wire.protocol import OK as DONE
+
         code, value = self._call(op, entries, {"force": bool(force)})
         if code != DONE:
             raise ValueError(value)
@@ -323,9 +358,20 @@ def _first_code(errors: Iterable[BaseException | None]) -> int:
 MooncakeDistributedStore.setup.__signature__ = inspect.signature(MooncakeDistributedStore._setup)
 
 
-SETUP_KEYS = ("local_hostname", "metadata_server", "global_segment_size", "local_buffer_size", "protocol",
-              "rdma_devices", "master_server_addr", "enable_ssd_offload", "ssd_offload_path", "tenant_id",
-              "enable_client_http_server", "client_http_port")
+SETUP_KEYS = (
+    "local_hostname",
+    "metadata_server",
+    "global_segment_size",
+    "local_buffer_size",
+    "protocol",
+    "rdma_devices",
+    "master_server_addr",
+    "enable_ssd_offload",
+    "ssd_offload_path",
+    "tenant_id",
+    "enable_client_http_server",
+    "client_http_port",
+)
 
 
 def _setup_kwargs(config: dict[str, object]) -> dict[str, object]:
@@ -334,9 +380,14 @@ def _setup_kwargs(config: dict[str, object]) -> dict[str, object]:
     unknown = set(config) - set(SETUP_KEYS) - {"ipc_socket_path"}
     if unknown or "local_hostname" not in config:
         raise ConfigError(f"setup dict: unknown keys {sorted(unknown)} or no local_hostname; valid: {SETUP_KEYS}")
-    out: dict[str, object] = {"metadata_server": "", "global_segment_size": 16 << 20,
-                              "local_buffer_size": 16 << 20, "protocol": "tcp", "rdma_devices": "",
-                              "master_server_addr": ""}
+    out: dict[str, object] = {
+        "metadata_server": "",
+        "global_segment_size": 16 << 20,
+        "local_buffer_size": 16 << 20,
+        "protocol": "tcp",
+        "rdma_devices": "",
+        "master_server_addr": "",
+    }
     out.update((k, v) for k, v in config.items() if k in SETUP_KEYS)
     for name in ("global_segment_size", "local_buffer_size"):
         if isinstance(out[name], str):
@@ -345,9 +396,11 @@ def _setup_kwargs(config: dict[str, object]) -> dict[str, object]:
 
 
 def _warn_ignored(engine: object, ssd: bool, tenant: str, http: bool) -> None:
-    for cond, what in ((engine is not None, "engine: our client runs its own transfer engine"),
-                       (ssd, "enable_ssd_offload: the disk tier lives on store nodes (--disk-dir)"),
-                       (tenant != "default", f"tenant_id {tenant!r}: one namespace per master"),
-                       (http, "enable_client_http_server: metrics are on the master and nodes (--metrics-port)")):
+    for cond, what in (
+        (engine is not None, "engine: our client runs its own transfer engine"),
+        (ssd, "enable_ssd_offload: the disk tier lives on store nodes (--disk-dir)"),
+        (tenant != "default", f"tenant_id {tenant!r}: one namespace per master"),
+        (http, "enable_client_http_server: metrics are on the master and nodes (--metrics-port)"),
+    ):
         if cond:
             log.warning("MooncakeDistributedStore.setup: %s", what)

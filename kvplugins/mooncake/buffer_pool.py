@@ -17,6 +17,7 @@ release when it may block (``block``, default ``block_on_exhaustion``) for up to
 ``default_timeout``; None: no limit), else raises RuntimeError naming the bound. ``min_size_class`` and
 ``max_size_class`` are accepted for compatibility (the 512-byte granule replaces size classes).
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-GRANULE = 512                 # lease sizes round up to this (Mooncake packs a 1000-byte and a 64-byte lease 1 KiB apart)
+GRANULE = 512  # lease sizes round up to this (Mooncake packs a 1000-byte and a 64-byte lease 1 KiB apart)
 
 
 class _Region:
@@ -40,7 +41,7 @@ class _Region:
     def carve(self, need: int) -> int | None:
         for i, (off, length) in enumerate(self.free):
             if length >= need:
-                self.free[i:i + 1] = [(off + need, length - need)] if length > need else []
+                self.free[i : i + 1] = [(off + need, length - need)] if length > need else []
                 return off
         return None
 
@@ -75,7 +76,7 @@ class BufferLease:
     @property
     def buffer(self) -> memoryview:
         self._check()
-        return memoryview(self._region.array[self._offset:self._offset + self._size])
+        return memoryview(self._region.array[self._offset : self._offset + self._size])
 
     def release(self) -> None:
         self._release()
@@ -94,9 +95,19 @@ class BufferLease:
 class BufferPool:
     """Leases of registered memory for ``store`` (see the module docstring for the arguments)."""
 
-    def __init__(self, store: Any, max_bytes: int = 0, min_size_class: int = 65536, max_size_class: int | None = None,
-                 alignment: int = 8 << 20, block_on_exhaustion: bool = True, default_timeout: float | None = None,
-                 max_regions: int | None = None, prewarm_size: int | None = None, prewarm_count: int = 0):
+    def __init__(
+        self,
+        store: Any,
+        max_bytes: int = 0,
+        min_size_class: int = 65536,
+        max_size_class: int | None = None,
+        alignment: int = 8 << 20,
+        block_on_exhaustion: bool = True,
+        default_timeout: float | None = None,
+        max_regions: int | None = None,
+        prewarm_size: int | None = None,
+        prewarm_count: int = 0,
+    ):
         if store is None or not hasattr(store, "health_check") or store.health_check() == 1:
             raise RuntimeError("MooncakeDistributedStore is not initialized")
         if int(alignment) <= 0 or int(max_bytes) < 0:
@@ -128,10 +139,12 @@ class BufferPool:
                     return BufferLease(self, got[0], got[1], size, need)
                 left = None if deadline is None else deadline - time.monotonic()
                 if not may_block or (left is not None and left <= 0):
-                    raise RuntimeError(f"buffer pool exhausted: no room for {size} bytes within max_bytes="
-                                       f"{self.max_bytes} / max_regions={self.max_regions} ({len(self._regions)} "
-                                       f"regions of {self.alignment} B, {self._active} leases out); release "
-                                       "leases or raise the bounds")
+                    raise RuntimeError(
+                        f"buffer pool exhausted: no room for {size} bytes within max_bytes="
+                        f"{self.max_bytes} / max_regions={self.max_regions} ({len(self._regions)} "
+                        f"regions of {self.alignment} B, {self._active} leases out); release "
+                        "leases or raise the bounds"
+                    )
                 self._cond.wait(left)
 
     buffer = acquire
@@ -158,8 +171,9 @@ class BufferPool:
                 return region, off
         size = -(-need // self.alignment) * self.alignment
         used = sum(r.size for r in self._regions)
-        if (self.max_bytes and self._regions and used + size > -(-self.max_bytes // self.alignment) * self.alignment) \
-                or (self.max_regions is not None and len(self._regions) >= self.max_regions):
+        if (
+            self.max_bytes and self._regions and used + size > -(-self.max_bytes // self.alignment) * self.alignment
+        ) or (self.max_regions is not None and len(self._regions) >= self.max_regions):
             return None
         region = _Region(size)
         if self._store.register_buffer(region.addr, size) != 0:

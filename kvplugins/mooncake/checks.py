@@ -14,6 +14,7 @@ convert mode, as the wheel's bindings use them):
 - list[...]: any sequence but str/bytes (a tuple too), each element converted;
 - a ReplicateConfig argument: a ReplicateConfig (not None).
 """
+
 from __future__ import annotations
 
 import enum
@@ -27,7 +28,7 @@ from kvplugins.errors import ConfigError
 if TYPE_CHECKING:
     from kvplugins.store.placement import PutConfig
 
-Convert = Callable[[str, object], object]               # an argument's conversion: (its name, value) -> value
+Convert = Callable[[str, object], object]  # an argument's conversion: (its name, value) -> value
 ConvertEach = Callable[[str, Iterable[object]], object]  # the same of each element of a ``*args``
 P = ParamSpec("P")
 
@@ -37,11 +38,14 @@ def u64(name: str, value, optional: bool = False):
         return None
     kind = type(value)
     ok = not isinstance(value, (float, str, bytes, bytearray)) and (
-        hasattr(kind, "__index__") or hasattr(kind, "__int__"))
+        hasattr(kind, "__index__") or hasattr(kind, "__int__")
+    )
     number = int(value) if ok else None
     if number is None or not 0 <= number < 1 << 64:
-        raise TypeError(f"{_owner(name)} = {value!r:.80}: needs an unsigned 64-bit integer"
-                        f"{' or None' if optional else ''} (as Mooncake's binding)")
+        raise TypeError(
+            f"{_owner(name)} = {value!r:.80}: needs an unsigned 64-bit integer"
+            f"{' or None' if optional else ''} (as Mooncake's binding)"
+        )
     return number
 
 
@@ -49,7 +53,8 @@ def i32(name: str, value) -> int:
     """pybind11's C++ int: anything with ``__index__`` or ``__int__`` except float, str and bytes, in 32 bits."""
     kind = type(value)
     ok = not isinstance(value, (float, str, bytes, bytearray)) and (
-        hasattr(kind, "__index__") or hasattr(kind, "__int__"))
+        hasattr(kind, "__index__") or hasattr(kind, "__int__")
+    )
     number = int(value) if ok else None
     if number is None or not -(1 << 31) <= number < 1 << 31:
         raise TypeError(f"{_owner(name)} = {value!r:.80}: needs a 32-bit integer (as Mooncake's binding)")
@@ -59,8 +64,10 @@ def i32(name: str, value) -> int:
 def uuid_pair(name: str, value) -> tuple[int, int]:
     """Mooncake's UUID argument: a sequence of exactly two unsigned 64-bit ints (a tuple or a list)."""
     if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence) or len(value) != 2:
-        raise TypeError(f"{_owner(name)} = {value!r:.80}: needs a task id, a pair of unsigned 64-bit integers "
-                        "(as Mooncake's binding)")
+        raise TypeError(
+            f"{_owner(name)} = {value!r:.80}: needs a task id, a pair of unsigned 64-bit integers "
+            "(as Mooncake's binding)"
+        )
     return u64(name, value[0]), u64(name, value[1])
 
 
@@ -89,18 +96,23 @@ def texts(name: str, value, optional: bool = False):
 def member(enum_type):
     def convert(name: str, value):
         if not isinstance(value, enum_type):
-            raise TypeError(f"{_owner(name)} = {value!r:.80}: needs a {enum_type.__name__} member "
-                            f"({', '.join(m.name for m in enum_type)})")
+            raise TypeError(
+                f"{_owner(name)} = {value!r:.80}: needs a {enum_type.__name__} member "
+                f"({', '.join(m.name for m in enum_type)})"
+            )
         return value
+
     return convert
 
 
 def listed(convert, what: str):
     """The converter of a list of ``what``: any sequence but a string, each element through ``convert``."""
+
     def convert_list(name: str, value):
         if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
             raise TypeError(f"{_owner(name)} = {value!r:.80}: needs a list of {what} (as Mooncake's binding)")
         return [convert(name, v) for v in value]
+
     return convert_list
 
 
@@ -109,8 +121,9 @@ def buffer(name: str, value):
     try:
         memoryview(value)
     except TypeError:
-        raise TypeError(f"{name} = {value!r:.80}: needs a buffer (bytes, bytearray, memoryview, numpy array; "
-                        "as Mooncake's binding)") from None
+        raise TypeError(
+            f"{name} = {value!r:.80}: needs a buffer (bytes, bytearray, memoryview, numpy array; as Mooncake's binding)"
+        ) from None
     return value
 
 
@@ -124,6 +137,7 @@ def instance_of(cls: type) -> Convert:
         if not isinstance(value, cls) and value is not DEFAULT:
             raise TypeError(f"{name} = {value!r:.80}: needs a {cls.__name__} (as Mooncake's binding; None is refused)")
         return value
+
     return convert
 
 
@@ -133,16 +147,22 @@ def same_length(*lists) -> None:
         raise ValueError(f"keys, buffer pointers and sizes must have the same length, got {[len(x) for x in lists]}")
 
 
-def check_call(fn: Callable[P, object], sig: inspect.Signature, casts: dict[str, Convert | ConvertEach],
-               args: tuple[object, ...], kwargs: dict[str, object]) -> inspect.BoundArguments:
+def check_call(
+    fn: Callable[P, object],
+    sig: inspect.Signature,
+    casts: dict[str, Convert | ConvertEach],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+) -> inspect.BoundArguments:
     """Bind ``args``/``kwargs`` to ``sig`` (the method's signature) and convert each argument named in ``casts``
     (name -> converter). Raises TypeError as pybind11 does for a missing, unknown or mistyped argument."""
     method = fn.__name__.lstrip("_")
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as e:
-        raise TypeError(f"{method}(): incompatible function arguments ({e}); the supported form is "
-                        f"{method}{sig}") from None
+        raise TypeError(
+            f"{method}(): incompatible function arguments ({e}); the supported form is {method}{sig}"
+        ) from None
     for name, convert in casts.items():
         if name in bound.arguments:
             bound.arguments[name] = convert(f"{method}(): {name}", bound.arguments[name])
@@ -167,6 +187,7 @@ class Typed:
 
 class SoftPinAction(enum.IntEnum):
     """Mooncake's ReplicateConfig.soft_pin_action."""
+
     PRESERVE = 0
     ENABLE = 1
     DISABLE = 2
@@ -174,6 +195,7 @@ class SoftPinAction(enum.IntEnum):
 
 class ObjectDataType(enum.IntEnum):
     """Mooncake's ReplicateConfig.data_type (accepted, not used)."""
+
     UNKNOWN = 0
     KVCACHE = 1
     TENSOR = 2
@@ -194,9 +216,21 @@ class ReplicateConfig:
     first ``preferred_segments``. The others are accepted for compatibility and ignored. ``with_soft_pin`` is
     ours (Mooncake 0.3.13 has no such attribute): the same as soft_pin_action = ENABLE."""
 
-    __slots__ = ("_replica_num", "_with_hard_pin", "_with_soft_pin", "_soft_pin_action", "_soft_pin_ttl_ms",
-                 "_preferred_segment", "_preferred_segments", "_prefer_alloc_in_same_node",
-                 "_preferred_nof_segments", "_nof_replica_num", "_dfs_replica_num", "_group_ids", "_data_type")
+    __slots__ = (
+        "_replica_num",
+        "_with_hard_pin",
+        "_with_soft_pin",
+        "_soft_pin_action",
+        "_soft_pin_ttl_ms",
+        "_preferred_segment",
+        "_preferred_segments",
+        "_prefer_alloc_in_same_node",
+        "_preferred_nof_segments",
+        "_nof_replica_num",
+        "_dfs_replica_num",
+        "_group_ids",
+        "_data_type",
+    )
     replica_num = Typed(u64, 1)
     with_hard_pin = Typed(boolean, False)
     with_soft_pin = Typed(boolean, False)
@@ -212,39 +246,55 @@ class ReplicateConfig:
     data_type = Typed(member(ObjectDataType), ObjectDataType.UNKNOWN)
 
     def __init__(self):
-        self.preferred_segments, self.preferred_nof_segments = [], []      # a list of its own per config
+        self.preferred_segments, self.preferred_nof_segments = [], []  # a list of its own per config
 
     def to_put_config(self, defaults: PutConfig) -> PutConfig:
         """The PutConfig (store/placement.py) of this config; ``defaults``: the client's default PutConfig.
         Raises ConfigError for a bad value."""
         from kvplugins.store.placement import PutConfig
+
         soft = self.with_soft_pin or self.soft_pin_action == SoftPinAction.ENABLE
         if self.soft_pin_ttl_ms is not None and not soft:
-            raise ConfigError(f"soft_pin_ttl_ms={self.soft_pin_ttl_ms} with soft_pin_action="
-                              f"{self.soft_pin_action.name}: a soft-pin TTL needs soft_pin_action = "
-                              "SoftPinAction.ENABLE (Mooncake: -600)")
+            raise ConfigError(
+                f"soft_pin_ttl_ms={self.soft_pin_ttl_ms} with soft_pin_action="
+                f"{self.soft_pin_action.name}: a soft-pin TTL needs soft_pin_action = "
+                "SoftPinAction.ENABLE (Mooncake: -600)"
+            )
         pin = "hard" if self.with_hard_pin else "soft" if soft else "none"
-        return PutConfig(replicas=self.replica_num, pin=pin,
-                         preferred_segment=self.preferred_segment or next(iter(self.preferred_segments), ""),
-                         pin_ttl_ms=self.soft_pin_ttl_ms or defaults.pin_ttl_ms)
+        return PutConfig(
+            replicas=self.replica_num,
+            pin=pin,
+            preferred_segment=self.preferred_segment or next(iter(self.preferred_segments), ""),
+            pin_ttl_ms=self.soft_pin_ttl_ms or defaults.pin_ttl_ms,
+        )
 
     def __repr__(self) -> str:
-        return (f"ReplicateConfig(replica_num={self.replica_num}, with_hard_pin={self.with_hard_pin}, "
-                f"with_soft_pin={self.with_soft_pin}, preferred_segment={self.preferred_segment!r})")
+        return (
+            f"ReplicateConfig(replica_num={self.replica_num}, with_hard_pin={self.with_hard_pin}, "
+            f"with_soft_pin={self.with_soft_pin}, preferred_segment={self.preferred_segment!r})"
+        )
 
 
 # Annotation names of the API's parameters that are not Python types (the methods' modules import them, so a
 # type checker and linter know them; pybind checks by the annotation's text, ARGS below).
-I32 = int          # a C int32 argument: range-checked as pybind11 does
-Buffer = object    # anything with the buffer protocol (bytes, bytearray, memoryview, numpy arrays), not str
+I32 = int  # a C int32 argument: range-checked as pybind11 does
+Buffer = object  # anything with the buffer protocol (bytes, bytearray, memoryview, numpy arrays), not str
 
 # Converters of method arguments by annotation (api.py annotates parameters with these names).
-ARGS = {"str": text, "int": u64, "I32": i32, "bool": boolean, "tuple[int, int]": uuid_pair, "Buffer": buffer,
-        "list[str]": listed(text, "str"),
-        "list[int]": listed(u64, "int"), "list[Buffer]": listed(buffer, "buffer"),
-        "list[list[int]]": listed(listed(u64, "int"), "list of int"),
-        "list[list[str]]": listed(listed(text, "str"), "list of str"),
-        "list[list[list[int]]]": listed(listed(listed(u64, "int"), "list of int"), "list of lists of int")}
+ARGS = {
+    "str": text,
+    "int": u64,
+    "I32": i32,
+    "bool": boolean,
+    "tuple[int, int]": uuid_pair,
+    "Buffer": buffer,
+    "list[str]": listed(text, "str"),
+    "list[int]": listed(u64, "int"),
+    "list[Buffer]": listed(buffer, "buffer"),
+    "list[list[int]]": listed(listed(u64, "int"), "list of int"),
+    "list[list[str]]": listed(listed(text, "str"), "list of str"),
+    "list[list[list[int]]]": listed(listed(listed(u64, "int"), "list of int"), "list of lists of int"),
+}
 
 
 class _Default:
@@ -255,12 +305,22 @@ class _Default:
 
 
 if TYPE_CHECKING:
-    DEFAULT: ReplicateConfig    # to a type checker, what it stands for: a config with every default (`is` tests it)
+    DEFAULT: ReplicateConfig  # to a type checker, what it stands for: a config with every default (`is` tests it)
 else:
     DEFAULT = _Default()
 _SIZE = re.compile(r"\s*(\d+)\s*([kmgt]?b?)\s*", re.I)
-_UNIT = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30, "gb": 1 << 30,
-         "t": 1 << 40, "tb": 1 << 40}
+_UNIT = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+}
 
 
 def byte_size(name: str, text: str) -> int:
@@ -268,6 +328,8 @@ def byte_size(name: str, text: str) -> int:
     unit B/KB/MB/GB/TB in any case, binary (16MB = 16 MiB), spaces allowed. Raises ConfigError otherwise."""
     m = _SIZE.fullmatch(text)
     if not m:
-        raise ConfigError(f"{name}={text!r}: write a size as Mooncake reads it, e.g. 16777216, '16MB' or '16 MB' "
-                          "(binary units; MiB is not accepted)")
+        raise ConfigError(
+            f"{name}={text!r}: write a size as Mooncake reads it, e.g. 16777216, '16MB' or '16 MB' "
+            "(binary units; MiB is not accepted)"
+        )
     return int(m.group(1)) * _UNIT[m.group(2).lower()]

@@ -2,6 +2,7 @@
 Mooncake-compatible layer (api.py, extra.py) answers integer codes, as Mooncake's Python API does.
 ``pybind`` checks a call's arguments first, as Mooncake's pybind11 binding does: a missing, unknown or mistyped
 argument raises TypeError (checks.py), it never becomes a code."""
+
 from __future__ import annotations
 
 import functools
@@ -10,8 +11,17 @@ import logging
 from collections.abc import Callable, Sized
 from typing import Concatenate, ParamSpec, Protocol, TypeVar, overload
 
-from kvplugins.errors import (BufferNotRegistered, ConfigError, KeyNotFound, KVPluginsError, MasterUnreachable,
-                              PutPending, SizeMismatch, StoreFull, TransferError)
+from kvplugins.errors import (
+    BufferNotRegistered,
+    ConfigError,
+    KeyNotFound,
+    KVPluginsError,
+    MasterUnreachable,
+    PutPending,
+    SizeMismatch,
+    StoreFull,
+    TransferError,
+)
 from kvplugins.mooncake import checks
 
 log = logging.getLogger("kvplugins.mooncake.api")
@@ -49,6 +59,7 @@ def pybind(fn: Callable[P, R]) -> Callable[P, R]:
     def method(*args: P.args, **kwargs: P.kwargs) -> R:
         bound = checks.check_call(fn, sig, casts, args, kwargs)
         return fn(*bound.args, **bound.kwargs)
+
     return method
 
 
@@ -66,11 +77,18 @@ def code_of(err: BaseException | None, *_: object) -> int:
     """The Mooncake ErrorCode value for one of our errors (None -> 0)."""
     if err is None:
         return OK
-    for cls, code in ((KeyNotFound, OBJECT_NOT_FOUND), (StoreFull, NO_AVAILABLE_HANDLE),
-                      (PutPending, REPLICA_IS_NOT_READY), (MasterUnreachable, RPC_FAIL),
-                      (BufferNotRegistered, INVALID_PARAMS),
-                      (SizeMismatch, INVALID_PARAMS), (ConfigError, INVALID_PARAMS), (ValueError, INVALID_PARAMS),
-                      (TypeError, INVALID_PARAMS), (TransferError, TRANSFER_FAIL)):
+    for cls, code in (
+        (KeyNotFound, OBJECT_NOT_FOUND),
+        (StoreFull, NO_AVAILABLE_HANDLE),
+        (PutPending, REPLICA_IS_NOT_READY),
+        (MasterUnreachable, RPC_FAIL),
+        (BufferNotRegistered, INVALID_PARAMS),
+        (SizeMismatch, INVALID_PARAMS),
+        (ConfigError, INVALID_PARAMS),
+        (ValueError, INVALID_PARAMS),
+        (TypeError, INVALID_PARAMS),
+        (TransferError, TRANSFER_FAIL),
+    ):
         if isinstance(err, cls):
             return code
     return INTERNAL_ERROR
@@ -88,6 +106,7 @@ def guard() -> Guard[int]: ...
 def guard(on_error: Callable[..., E]) -> Guard[E]: ...
 def guard(on_error: Callable[..., object] = code_of) -> Guard[object]:
     """Run the method; an exception becomes ``on_error(exception, *args)`` (its code by default)."""
+
     def wrap(fn: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], object]:
         @functools.wraps(fn)
         def method(self: S, /, *args: P.args, **kwargs: P.kwargs) -> object:
@@ -96,7 +115,9 @@ def guard(on_error: Callable[..., object] = code_of) -> Guard[object]:
             except (KVPluginsError, ValueError, TypeError, OSError) as e:
                 log.warning("%s failed: %s", fn.__name__, e)
                 return on_error(e, *args)
+
         return method
+
     return wrap
 
 

@@ -8,6 +8,7 @@ Mooncake stores its own TensorMetadata header instead, so a tensor written by on
 other, but nothing shares a store between them. Codes and argument checks as api.py (codes.py).
 Signatures follow the wheel's pybind docstrings (tests/store/test_mooncake_api.py compares them).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ from kvplugins.mooncake.codes import OK, guard, per_key, code_of, log, pybind
 from kvplugins.mooncake.checks import DEFAULT, I32, Buffer, ReplicateConfig
 
 TENSOR_NAME = "tensor"
-SHARD_META = "mooncake_shard"     # safetensors metadata entry of a parallel tensor's shard (tensor_bytes)
+SHARD_META = "mooncake_shard"  # safetensors metadata entry of a parallel tensor's shard (tensor_bytes)
 _MISSING = object()
 
 
@@ -68,6 +69,7 @@ class ExtraMethods:
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
         """Per key 0, OBJECT_NOT_FOUND or OBJECT_HAS_LEASE (a read lease runs and not ``force``); one RPC."""
         from kvplugins.mooncake.codes import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND
+
         results = self._call("remove_checked", list(keys), {"force": bool(force)})
         return [{"removed": OK, "leased": OBJECT_HAS_LEASE}.get(r, OBJECT_NOT_FOUND) for r in results]
 
@@ -95,8 +97,9 @@ class ExtraMethods:
 
     @pybind
     @guard(on_error=per_key)
-    def batch_upsert_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                          config: ReplicateConfig = DEFAULT) -> list[int]:
+    def batch_upsert_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], config: ReplicateConfig = DEFAULT
+    ) -> list[int]:
         """Per key 0 or a negative code: one remove RPC, then batch_put_from."""
         self._replaceable(keys)
         return self.batch_put_from(keys, buffer_ptrs, sizes, config)
@@ -114,13 +117,18 @@ class ExtraMethods:
         return self.upsert(key, b"".join(memoryview(a).cast("B") for a in args), config)
 
     def _replaceable(self, keys: list[str]) -> None:
-        self._c.batch_remove(list(keys))            # a missing key is fine: upsert then inserts
+        self._c.batch_remove(list(keys))  # a missing key is fine: upsert then inserts
 
     # ---- several buffers per object (scatter/gather, zero-copy) --------------------------------------------
     @pybind
     @guard(on_error=per_key)
-    def batch_put_from_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
-                                     all_sizes: list[list[int]], config: ReplicateConfig = DEFAULT) -> list[int]:
+    def batch_put_from_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        config: ReplicateConfig = DEFAULT,
+    ) -> list[int]:
         """Store, per key, the concatenation of its buffers (registered memory: one transfer batch for all).
         Per key 0 or a negative code (INVALID_PARAMS for memory that was never registered)."""
         spans = _spans(keys, all_buffer_ptrs, all_sizes)
@@ -128,17 +136,23 @@ class ExtraMethods:
 
     @pybind
     @guard(on_error=per_key)
-    def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
-                                     all_sizes: list[list[int]], prefer_alloc_in_same_node: bool = False) -> list[int]:
+    def batch_get_into_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        prefer_alloc_in_same_node: bool = False,
+    ) -> list[int]:
         """Scatter each object over its buffers in order; their sizes must add up to the object's size (any split).
         Per key the bytes read, or a negative code: INVALID_PARAMS when they add up to less, TRANSFER_FAIL when
         to more (both as Mooncake 0.3.13 answers)."""
         from kvplugins.mooncake.codes import INVALID_PARAMS, TRANSFER_FAIL
+
         spans = _spans(keys, all_buffer_ptrs, all_sizes)
         out, todo = list(self._sizes(list(keys))), []
         for i, (n, key_spans) in enumerate(zip(out, spans)):
             held = sum(size for _, size in key_spans)
-            if n >= 0:                  # Mooncake: the sizes must add up to the object's (more: TRANSFER_FAIL)
+            if n >= 0:  # Mooncake: the sizes must add up to the object's (more: TRANSFER_FAIL)
                 out[i] = INVALID_PARAMS if held < n else TRANSFER_FAIL if held > n else n
                 todo += [i] if held == n else []
         errs = self._c.batch_get_into([keys[i] for i in todo], [spans[i] for i in todo])
@@ -198,8 +212,9 @@ class ExtraMethods:
 
     @pybind
     @guard(on_error=per_key)
-    def batch_upsert_pub_tensor(self, keys: list[str], tensors_list: list,
-                                config: ReplicateConfig = DEFAULT) -> list[int]:
+    def batch_upsert_pub_tensor(
+        self, keys: list[str], tensors_list: list, config: ReplicateConfig = DEFAULT
+    ) -> list[int]:
         return self._put_tensors(keys, tensors_list, config, upsert=True)
 
     @pybind
@@ -222,6 +237,7 @@ class ExtraMethods:
         if tensor is None:
             raise KeyNotFound(key)
         from safetensors.torch import save_file
+
         save_file({key: tensor}, str(file_name if file_name is not None else key))
         return OK
 
@@ -233,6 +249,7 @@ class ExtraMethods:
         if file_name is _MISSING:
             raise TypeError("load_tensor_from_safetensor(): incompatible function arguments: file_name is required")
         from safetensors.torch import load_file
+
         try:
             tensors = load_file(file_name)
         except (OSError, ValueError) as e:
@@ -247,27 +264,43 @@ class ExtraMethods:
 
     # ---- tensor parallelism: shard i of a tensor lives under "{key}_tp_{i}" (Mooncake's key names) ---------
     @pybind
-    def put_tensor_with_tp(self, key: str, tensor: object, tp_rank: I32 = 0, tp_size: I32 = 1,
-                           split_dim: I32 = 0) -> int:
+    def put_tensor_with_tp(
+        self, key: str, tensor: object, tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0
+    ) -> int:
         """Store ``tensor`` split evenly along ``split_dim`` into ``tp_size`` shards, shard i under "{key}_tp_{i}"
         (tp_size <= 1: the whole tensor under ``key``). ``tp_rank`` is accepted as in Mooncake (every shard is
         written). 0, or INVALID_PARAMS when the dimension does not split evenly (as Mooncake)."""
         return self.batch_pub_tensor_with_tp([key], [tensor], DEFAULT, tp_rank, tp_size, split_dim)[0]
 
     @pybind
-    def pub_tensor_with_tp(self, key: str, tensor: object, config: ReplicateConfig = DEFAULT, tp_rank: I32 = 0,
-                           tp_size: I32 = 1, split_dim: I32 = 0) -> int:
+    def pub_tensor_with_tp(
+        self,
+        key: str,
+        tensor: object,
+        config: ReplicateConfig = DEFAULT,
+        tp_rank: I32 = 0,
+        tp_size: I32 = 1,
+        split_dim: I32 = 0,
+    ) -> int:
         return self.batch_pub_tensor_with_tp([key], [tensor], config, tp_rank, tp_size, split_dim)[0]
 
     @pybind
-    def batch_put_tensor_with_tp(self, base_keys: list[str], tensors_list: list, tp_rank: I32 = 0,
-                                 tp_size: I32 = 1, split_dim: I32 = 0) -> list[int]:
+    def batch_put_tensor_with_tp(
+        self, base_keys: list[str], tensors_list: list, tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0
+    ) -> list[int]:
         return self.batch_pub_tensor_with_tp(base_keys, tensors_list, DEFAULT, tp_rank, tp_size, split_dim)
 
     @pybind
     @guard(on_error=per_key)
-    def batch_pub_tensor_with_tp(self, base_keys: list[str], tensors_list: list, config: ReplicateConfig = DEFAULT,
-                                 tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0) -> list[int]:
+    def batch_pub_tensor_with_tp(
+        self,
+        base_keys: list[str],
+        tensors_list: list,
+        config: ReplicateConfig = DEFAULT,
+        tp_rank: I32 = 0,
+        tp_size: I32 = 1,
+        split_dim: I32 = 0,
+    ) -> list[int]:
         """Per base key 0 or the first negative code of its shards (one put batch for every shard)."""
         if tp_size <= 1:
             return self._put_tensors(base_keys, tensors_list, config, upsert=False)
@@ -278,7 +311,7 @@ class ExtraMethods:
                 shards.append(shard)
                 metas.append({"g": list(tensor.shape), "axes": [["tp", i, tp_size, split_dim % tensor.dim(), 0]]})
         codes = self._put_tensors(keys, shards, config, upsert=False, metas=metas)
-        return [next((c for c in codes[j * tp_size:(j + 1) * tp_size] if c != OK), OK) for j in range(len(base_keys))]
+        return [next((c for c in codes[j * tp_size : (j + 1) * tp_size] if c != OK), OK) for j in range(len(base_keys))]
 
     @pybind
     def get_tensor_with_tp(self, key: str, tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0) -> object:
@@ -309,22 +342,25 @@ def _tp_shards(tensor, tp_size: int, split_dim: int) -> list:
     """``tensor`` cut along ``split_dim`` into ``tp_size`` equal shards. Raises ValueError for a non-tensor, a bad
     dimension or one that does not split evenly (Mooncake 0.3.13 answers INVALID_PARAMS for those)."""
     import torch
+
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{type(tensor).__name__} is not a torch.Tensor")
     if not -tensor.dim() <= split_dim < tensor.dim():
         raise ValueError(f"split_dim={split_dim} is not a dimension of a {tensor.dim()}-d tensor")
     d = tensor.shape[split_dim]
     if d % tp_size:
-        raise ValueError(f"dimension {split_dim} of size {d} does not split evenly over tp_size={tp_size} "
-                         "(Mooncake refuses it too)")
+        raise ValueError(
+            f"dimension {split_dim} of size {d} does not split evenly over tp_size={tp_size} (Mooncake refuses it too)"
+        )
     return list(tensor.split(d // tp_size, dim=split_dim))
 
 
 def _spans(keys, ptrs, sizes) -> list[list[tuple[int, int]]]:
     """Per key its (address, bytes) spans. Raises ValueError when the lists do not line up."""
     if not len(keys) == len(ptrs) == len(sizes) or any(len(p) != len(n) for p, n in zip(ptrs, sizes)):
-        raise ValueError("keys, all_buffer_ptrs and all_sizes must line up (one list of buffers per key, one size "
-                         "per buffer)")
+        raise ValueError(
+            "keys, all_buffer_ptrs and all_sizes must line up (one list of buffers per key, one size per buffer)"
+        )
     return [list(zip(p, n)) for p, n in zip(ptrs, sizes)]
 
 
@@ -334,10 +370,12 @@ def tensor_bytes(tensor, meta: dict | None = None) -> bytes:
     kept in the safetensors metadata. Raises ValueError for anything but a tensor (INVALID_PARAMS)."""
     import torch
     from safetensors.torch import save
+
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{type(tensor).__name__} is not a torch.Tensor")
-    return save({TENSOR_NAME: tensor.detach().to("cpu").contiguous()},
-                metadata={SHARD_META: json.dumps(meta)} if meta else None)
+    return save(
+        {TENSOR_NAME: tensor.detach().to("cpu").contiguous()}, metadata={SHARD_META: json.dumps(meta)} if meta else None
+    )
 
 
 def _tensor_or_none(data: bytes):
@@ -347,11 +385,12 @@ def _tensor_or_none(data: bytes):
 def tensor_and_meta(data) -> tuple:
     """(tensor, shard description or None) of stored tensor bytes; (None, None) for bytes that are not one."""
     from safetensors.torch import load
+
     try:
         data = bytes(data)
         tensor = load(data).get(TENSOR_NAME)
-        n = int.from_bytes(data[:8], "little")          # safetensors: u64 header length, then the JSON header
-        meta = json.loads(data[8:8 + n]).get("__metadata__", {}).get(SHARD_META)
+        n = int.from_bytes(data[:8], "little")  # safetensors: u64 header length, then the JSON header
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__", {}).get(SHARD_META)
         return tensor, None if meta is None else json.loads(meta)
     except Exception as e:  # noqa: BLE001 - bytes that are not a stored tensor: a miss, as Mooncake's None
         _log_failure("get_tensor", e)

@@ -30,13 +30,26 @@ Reads (``target`` a ReadTarget; None = as stored):
 description, a rebuilt whole tensor's plain header, or a re-sliced shard's requested axes) and return a tensor
 viewing it; None when the buffer is not inside registered memory or too small.
 """
+
 from __future__ import annotations
 
 from kvplugins.errors import StoreError
 from kvplugins.mooncake.codes import INVALID_PARAMS, OK, guard, code_of, log, pybind
 from kvplugins.mooncake.extra import tensor_and_meta, tensor_bytes
-from kvplugins.mooncake.parallel_types import (Axis, axes_of, canonical, manifest, manifest_key, read_manifest,
-                                                   shard_key, target_of, tp_axis, with_tp, writer_key, writer_of)
+from kvplugins.mooncake.parallel_types import (
+    Axis,
+    axes_of,
+    canonical,
+    manifest,
+    manifest_key,
+    read_manifest,
+    shard_key,
+    target_of,
+    tp_axis,
+    with_tp,
+    writer_key,
+    writer_of,
+)
 from kvplugins.mooncake.tensor_buffers import HEADER_BYTES, dtype_code, from_buffer, into_buffer, parse
 from kvplugins.mooncake.checks import DEFAULT, ReplicateConfig
 from kvplugins.transfer.memory import view_of
@@ -57,61 +70,108 @@ class ParallelMethods:
     # ---- writes ------------------------------------------------------------------------------------------------
     @pybind
     @guard(on_error=lambda *_: INVALID_PARAMS)
-    def put_tensor_with_parallelism(self, key: str, tensor: object, parallelism: object = None,
-                                    config: ReplicateConfig = DEFAULT, writer_partition: object = None) -> int:
+    def put_tensor_with_parallelism(
+        self,
+        key: str,
+        tensor: object,
+        parallelism: object = None,
+        config: ReplicateConfig = DEFAULT,
+        writer_partition: object = None,
+    ) -> int:
         """Store ``tensor`` (torch, CPU) as the shard ``parallelism`` names, or a ``writer_partition`` slice of
         it (module doc). 0 or -600."""
         return self._write([key], [tensor], [parallelism], [writer_partition], config, upsert=False)[0]
 
     @pybind
     @guard(on_error=lambda *_: INVALID_PARAMS)
-    def upsert_tensor_with_parallelism(self, key: str, tensor: object, parallelism: object = None,
-                                       config: ReplicateConfig = DEFAULT, writer_partition: object = None) -> int:
+    def upsert_tensor_with_parallelism(
+        self,
+        key: str,
+        tensor: object,
+        parallelism: object = None,
+        config: ReplicateConfig = DEFAULT,
+        writer_partition: object = None,
+    ) -> int:
         return self._write([key], [tensor], [parallelism], [writer_partition], config, upsert=True)[0]
 
     @pybind
     @guard(on_error=_codes)
-    def batch_put_tensor_with_parallelism(self, keys: list[str], tensors_list: list, parallelisms: object = None,
-                                          config: ReplicateConfig = DEFAULT,
-                                          writer_partitions: object = None) -> list[int]:
+    def batch_put_tensor_with_parallelism(
+        self,
+        keys: list[str],
+        tensors_list: list,
+        parallelisms: object = None,
+        config: ReplicateConfig = DEFAULT,
+        writer_partitions: object = None,
+    ) -> list[int]:
         return self._batch_write(keys, tensors_list, parallelisms, writer_partitions, config, upsert=False)
 
     @pybind
     @guard(on_error=_codes)
-    def batch_upsert_tensor_with_parallelism(self, keys: list[str], tensors_list: list, parallelisms: object = None,
-                                             config: ReplicateConfig = DEFAULT,
-                                             writer_partitions: object = None) -> list[int]:
+    def batch_upsert_tensor_with_parallelism(
+        self,
+        keys: list[str],
+        tensors_list: list,
+        parallelisms: object = None,
+        config: ReplicateConfig = DEFAULT,
+        writer_partitions: object = None,
+    ) -> list[int]:
         return self._batch_write(keys, tensors_list, parallelisms, writer_partitions, config, upsert=True)
 
     @pybind
     @guard(on_error=lambda *_: INVALID_PARAMS)
-    def put_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int, parallelism: object = None,
-                                         config: ReplicateConfig = DEFAULT, writer_partition: object = None) -> int:
+    def put_tensor_with_parallelism_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism: object = None,
+        config: ReplicateConfig = DEFAULT,
+        writer_partition: object = None,
+    ) -> int:
         """As put_tensor_with_parallelism, the whole tensor read from a buffer in Mooncake's layout (exactly
         header + data bytes); with TP every TP rank's slice is stored."""
-        return self._batch_from([key], [buffer_ptr], [size], _one(parallelism), _one(writer_partition), config,
-                                False)[0]
+        return self._batch_from([key], [buffer_ptr], [size], _one(parallelism), _one(writer_partition), config, False)[
+            0
+        ]
 
     @pybind
     @guard(on_error=lambda *_: INVALID_PARAMS)
-    def upsert_tensor_with_parallelism_from(self, key: str, buffer_ptr: int, size: int, parallelism: object = None,
-                                            config: ReplicateConfig = DEFAULT,
-                                            writer_partition: object = None) -> int:
-        return self._batch_from([key], [buffer_ptr], [size], _one(parallelism), _one(writer_partition), config,
-                                True)[0]
+    def upsert_tensor_with_parallelism_from(
+        self,
+        key: str,
+        buffer_ptr: int,
+        size: int,
+        parallelism: object = None,
+        config: ReplicateConfig = DEFAULT,
+        writer_partition: object = None,
+    ) -> int:
+        return self._batch_from([key], [buffer_ptr], [size], _one(parallelism), _one(writer_partition), config, True)[0]
 
     @pybind
     @guard(on_error=_codes)
-    def batch_put_tensor_with_parallelism_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                                               parallelisms: object = None, config: ReplicateConfig = DEFAULT,
-                                               writer_partitions: object = None) -> list[int]:
+    def batch_put_tensor_with_parallelism_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        parallelisms: object = None,
+        config: ReplicateConfig = DEFAULT,
+        writer_partitions: object = None,
+    ) -> list[int]:
         return self._batch_from(keys, buffer_ptrs, sizes, parallelisms, writer_partitions, config, False)
 
     @pybind
     @guard(on_error=_codes)
-    def batch_upsert_tensor_with_parallelism_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                                                  parallelisms: object = None, config: ReplicateConfig = DEFAULT,
-                                                  writer_partitions: object = None) -> list[int]:
+    def batch_upsert_tensor_with_parallelism_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        parallelisms: object = None,
+        config: ReplicateConfig = DEFAULT,
+        writer_partitions: object = None,
+    ) -> list[int]:
         return self._batch_from(keys, buffer_ptrs, sizes, parallelisms, writer_partitions, config, True)
 
     # ---- reads -------------------------------------------------------------------------------------------------
@@ -136,15 +196,19 @@ class ParallelMethods:
 
     @pybind
     @guard(on_error=_nones)
-    def batch_get_tensor_with_parallelism_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                                               targets: object = None) -> list:
+    def batch_get_tensor_with_parallelism_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], targets: object = None
+    ) -> list:
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [None] * len(keys)
         targets = _per_item(targets, len(keys), "targets")
         out = []
         for key, ptr, size, target in zip(keys, buffer_ptrs, sizes, targets):
-            tensor, meta = (None, None) if target is _BAD or not self._registered(ptr, size) else \
-                self._read(key, target, fallback=False)
+            tensor, meta = (
+                (None, None)
+                if target is _BAD or not self._registered(ptr, size)
+                else self._read(key, target, fallback=False)
+            )
             out.append(None if tensor is None else into_buffer(tensor, ptr, size, meta))
         return out
 
@@ -192,13 +256,16 @@ class ParallelMethods:
         tensors = [_exact_or_none(p, s) for p, s in zip(ptrs, sizes)]
         if parallelisms is None and writers is None:
             if any(t is None for t in tensors):
-                return [INVALID_PARAMS] * n     # the plain path refuses the whole batch, as Mooncake
+                return [INVALID_PARAMS] * n  # the plain path refuses the whole batch, as Mooncake
             return self._put_tensors(list(keys), tensors, config, upsert)
         ps = _per_item(parallelisms, n, "parallelisms")
         ws = _per_item(writers, n, "writer_partitions")
-        return [INVALID_PARAMS if p is _BAD or w is _BAD or t is None else
-                self._write([k], [t], [p], [w], config, upsert, every_rank=True)[0]
-                for k, t, p, w in zip(keys, tensors, ps, ws)]
+        return [
+            INVALID_PARAMS
+            if p is _BAD or w is _BAD or t is None
+            else self._write([k], [t], [p], [w], config, upsert, every_rank=True)[0]
+            for k, t, p, w in zip(keys, tensors, ps, ws)
+        ]
 
     # ---- read plans --------------------------------------------------------------------------------------------
     def _get(self, key: str):
@@ -277,6 +344,7 @@ class ParallelMethods:
         """The whole tensor from [(key, the axes its shard must carry)] in rank order, concatenated along ``dim``
         (one batch read), or None when one is missing or does not fit (``shape``: the expected whole, or None)."""
         import torch
+
         parts = []
         for (tensor, meta), (_, axes) in zip(self._get_many([k for k, _ in shards]), shards):
             if tensor is None or not _axes_equal(meta, axes):
@@ -317,6 +385,7 @@ def _per_item(values, n: int, name: str) -> list:
 def _plan(key: str, tensor, parallelism, writer, every_rank: bool) -> list:
     """[(store key, tensor or manifest bytes, meta)] of one write. Raises ValueError (-600)."""
     import torch
+
     if parallelism is not None and writer is not None:
         raise ValueError("give parallelism or writer_partition, not both")
     if not isinstance(tensor, torch.Tensor):
@@ -328,32 +397,46 @@ def _plan(key: str, tensor, parallelism, writer, every_rank: bool) -> list:
     if writer is not None:
         axis = writer_of(writer)
         _check_split(tensor, axis)
-        return [(writer_key(key, axis), _slice(tensor, axis), _meta(tensor.shape, (axis,))),
-                (manifest_key(key, writer=True), _manifest(tensor, axis), None)]
+        return [
+            (writer_key(key, axis), _slice(tensor, axis), _meta(tensor.shape, (axis,))),
+            (manifest_key(key, writer=True), _manifest(tensor, axis), None),
+        ]
     axes = axes_of(parallelism)
     tp = tp_axis(axes)
     if tp is None:
         return [(shard_key(key, axes), tensor, _meta(tensor.shape, axes))]
-    if every_rank:                      # the _from forms: the buffer is the whole tensor, every TP rank stored
+    if every_rank:  # the _from forms: the buffer is the whole tensor, every TP rank stored
         _check_split(tensor, tp)
-        return [(shard_key(key, with_tp(axes, r, tp.size)), _slice(tensor, Axis("tp", r, tp.size, tp.split_dim)),
-                 _meta(tensor.shape, with_tp(axes, r, tp.size))) for r in range(tp.size)]
-    if len(axes) == 1:                  # the tensor is this rank's shard
+        return [
+            (
+                shard_key(key, with_tp(axes, r, tp.size)),
+                _slice(tensor, Axis("tp", r, tp.size, tp.split_dim)),
+                _meta(tensor.shape, with_tp(axes, r, tp.size)),
+            )
+            for r in range(tp.size)
+        ]
+    if len(axes) == 1:  # the tensor is this rank's shard
         if not 0 <= tp.split_dim < tensor.dim():
             raise ValueError(f"split_dim={tp.split_dim} is not a dimension of a {tensor.dim()}-d tensor")
         shape = list(tensor.shape)
         shape[tp.split_dim] *= tp.size
-        return [(shard_key(key, axes), tensor, _meta(shape, axes)), (manifest_key(key), _manifest(tensor, tp, shape),
-                                                                     None)]
+        return [
+            (shard_key(key, axes), tensor, _meta(shape, axes)),
+            (manifest_key(key), _manifest(tensor, tp, shape), None),
+        ]
     _check_split(tensor, tp)
-    return [(shard_key(key, axes), _slice(tensor, tp), _meta(tensor.shape, axes)),
-            (manifest_key(key), _manifest(tensor, tp), None)]
+    return [
+        (shard_key(key, axes), _slice(tensor, tp), _meta(tensor.shape, axes)),
+        (manifest_key(key), _manifest(tensor, tp), None),
+    ]
 
 
 def _check_split(tensor, axis: Axis) -> None:
     if not 0 <= axis.split_dim < tensor.dim() or tensor.shape[axis.split_dim] % axis.size:
-        raise ValueError(f"split_dim={axis.split_dim} of a tensor of shape {tuple(tensor.shape)} does not split "
-                         f"evenly over {axis.size} (Mooncake supports uniform sharding only)")
+        raise ValueError(
+            f"split_dim={axis.split_dim} of a tensor of shape {tuple(tensor.shape)} does not split "
+            f"evenly over {axis.size} (Mooncake supports uniform sharding only)"
+        )
 
 
 def _slice(tensor, axis: Axis):

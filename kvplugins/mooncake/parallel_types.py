@@ -13,6 +13,7 @@ A TP-containing write also stores ``{key}__parallelism_manifest`` (a writer: ``{
 magic "WMAN" (LE u32 0x574d414e), version 1, header size 96, dtype, ndim, split_dim, shard count, 0, 4 zero bytes,
 global shape (8 x i64, -1 past ndim) — the bytes Mooncake stores.
 """
+
 from __future__ import annotations
 
 import struct
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from kvplugins.mooncake.checks import Typed, i32, text
 
-KINDS = ("dp", "tp", "ep", "pp")             # canonical key order; Mooncake's header codes DP=0 TP=1 EP=2 PP=3
+KINDS = ("dp", "tp", "ep", "pp")  # canonical key order; Mooncake's header codes DP=0 TP=1 EP=2 PP=3
 MODES = ("as_stored", "shard", "full")
 MAX_AXES = 4
 MANIFEST = struct.Struct("<IHHiiiii4x8q")
@@ -34,6 +35,7 @@ def _opt_i32(name, value):
 class ParallelAxis:
     """One parallel axis of a tensor shard (Mooncake's ParallelAxis; fields set as attributes, the constructor
     takes no argument). ``kind`` is checked only when a call uses it."""
+
     __slots__ = ("_kind", "_rank", "_size", "_split_dim", "_expert_id", "_stage_id")
     kind = Typed(text, "")
     rank = Typed(i32, 0)
@@ -46,6 +48,7 @@ class ParallelAxis:
 class TensorParallelism:
     """The axes that identify a shard (Mooncake's TensorParallelism). ``axes`` reads as a new list each time, as on
     Mooncake (append to a copy and assign it back)."""
+
     __slots__ = ("_axes",)
 
     def __init__(self):
@@ -68,6 +71,7 @@ class TensorParallelism:
 class ReadTarget:
     """What a read wants (Mooncake's ReadTarget): ``mode`` "as_stored" (default), "shard" or "full" (any case;
     another string raises RuntimeError as on Mooncake), ``parallelism`` a TensorParallelism or None."""
+
     __slots__ = ("_mode", "_parallelism")
 
     def __init__(self):
@@ -101,7 +105,7 @@ class Axis:
     rank: int
     size: int
     split_dim: int | None = None
-    extra: int | None = None          # expert_id (ep) or stage_id (pp)
+    extra: int | None = None  # expert_id (ep) or stage_id (pp)
 
     def suffix(self) -> str:
         tag = {"tp": "_sd", "ep": "_eid", "pp": "_sid"}.get(self.kind, "")
@@ -142,8 +146,13 @@ def _axis(a) -> Axis:
         raise ValueError(f"axis {kind}: split_dim={sd} (a TP axis needs a split_dim, the others take none)")
     if kind == "ep" and eid is None or kind == "pp" and sid is None:
         raise ValueError(f"axis {kind}: needs {'expert_id' if kind == 'ep' else 'stage_id'}")
-    return Axis(kind, rank, size, None if sd is None else int(sd),
-                int(eid) if kind == "ep" else int(sid) if kind == "pp" else None)
+    return Axis(
+        kind,
+        rank,
+        size,
+        None if sd is None else int(sd),
+        int(eid) if kind == "ep" else int(sid) if kind == "pp" else None,
+    )
 
 
 def writer_of(partition) -> Axis:

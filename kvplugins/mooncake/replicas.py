@@ -7,6 +7,7 @@ A descriptor names our location: ``transport_endpoint`` is the segment name (`kv
 ``buffer_address`` the object's offset inside that segment's region (Mooncake: the owner's virtual address),
 ``size`` the object's bytes.
 """
+
 from __future__ import annotations
 
 import enum
@@ -19,6 +20,7 @@ from kvplugins.mooncake.checks import DEFAULT, ReplicateConfig
 
 class ReplicaStatus(enum.IntEnum):
     """Mooncake's ReplicaStatus (every replica a get returns is COMPLETE)."""
+
     UNDEFINED = 0
     INITIALIZED = 1
     PROCESSING = 2
@@ -93,18 +95,31 @@ class ReplicaMethods:
 
     @pybind
     @guard()
-    def put_from_with_metadata(self, key: str, buffer_ptr: int, metadata_buffer_ptr: int, size: int,
-                               metadata_size: int, config: ReplicateConfig = DEFAULT) -> int:
+    def put_from_with_metadata(
+        self,
+        key: str,
+        buffer_ptr: int,
+        metadata_buffer_ptr: int,
+        size: int,
+        metadata_size: int,
+        config: ReplicateConfig = DEFAULT,
+    ) -> int:
         """Store ``metadata_size`` bytes at ``metadata_buffer_ptr`` followed by ``size`` bytes at ``buffer_ptr``
         as one object (registered memory, zero-copy). 0 or a negative code."""
-        return self.batch_put_from_multi_buffers([key], [[metadata_buffer_ptr, buffer_ptr]],
-                                                 [[metadata_size, size]], config)[0]
+        return self.batch_put_from_multi_buffers(
+            [key], [[metadata_buffer_ptr, buffer_ptr]], [[metadata_size, size]], config
+        )[0]
 
     @pybind
     @guard(on_error=lambda err, ptrs=(), keys=(), *_: [[[code_of(err)] for _ in ks] for ks in keys])
-    def get_into_ranges(self, buffer_ptrs: list[int], all_keys: list[list[str]],
-                        all_dst_offsets: list[list[list[int]]], all_src_offsets: list[list[list[int]]],
-                        all_sizes: list[list[list[int]]]) -> list[list[list[int]]]:
+    def get_into_ranges(
+        self,
+        buffer_ptrs: list[int],
+        all_keys: list[list[str]],
+        all_dst_offsets: list[list[list[int]]],
+        all_src_offsets: list[list[list[int]]],
+        all_sizes: list[list[list[int]]],
+    ) -> list[list[list[int]]]:
         """For buffer b and its keys k, copy object bytes [src, src + size) to buffer_ptrs[b] + dst, range by
         range. Per range the bytes copied, or a code (OBJECT_NOT_FOUND, INVALID_PARAMS past the object's end);
         one lookup and one transfer batch for everything."""

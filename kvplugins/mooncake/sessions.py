@@ -10,6 +10,7 @@ with no session, or a range past the object's end, answers INVALID_PARAMS: each 
 answered it (tests/store/test_mooncake_api.py). A session's objects are committed without a checksum (no one holds
 the whole object); a get session whose lease ran out looks its object up again before reading.
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,13 +28,14 @@ class SessionMethods:
 
     def _sessions(self):
         if not hasattr(self, "_session_state"):
-            self._session_state = ({}, {}, threading.Lock())   # put: key -> (locations, size); get: key -> ...
+            self._session_state = ({}, {}, threading.Lock())  # put: key -> (locations, size); get: key -> ...
         return self._session_state
 
     @pybind
     @guard(on_error=per_key)
-    def batch_put_session_start(self, keys: list[str], sizes: list[int],
-                                config: ReplicateConfig = DEFAULT) -> list[int]:
+    def batch_put_session_start(
+        self, keys: list[str], sizes: list[int], config: ReplicateConfig = DEFAULT
+    ) -> list[int]:
         puts, _, lock = self._sessions()
         cfg = self._put_cfg(config)
         out = []
@@ -43,14 +45,22 @@ class SessionMethods:
                     puts[key] = (value, int(size))
                 out.append(OK)
             else:
-                out.append(OBJECT_ALREADY_EXISTS if code == protocol.EXISTS else
-                           code_of(protocol.entry_error(code, key, value)))
+                out.append(
+                    OBJECT_ALREADY_EXISTS
+                    if code == protocol.EXISTS
+                    else code_of(protocol.entry_error(code, key, value))
+                )
         return out
 
     @pybind
     @guard(on_error=per_key)
-    def batch_put_from_multi_buffer_ranges(self, keys: list[str], all_buffer_ptrs: list[list[int]],
-                                           all_sizes: list[list[int]], all_dst_offsets: list[list[int]]) -> list[int]:
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        all_dst_offsets: list[list[int]],
+    ) -> list[int]:
         puts, _, lock = self._sessions()
         with lock:
             known = [puts.get(k) for k in keys]
@@ -82,18 +92,24 @@ class SessionMethods:
 
     @pybind
     @guard(on_error=per_key)
-    def batch_get_into_multi_buffer_ranges(self, keys: list[str], all_buffer_ptrs: list[list[int]],
-                                           all_sizes: list[list[int]], all_src_offsets: list[list[int]]) -> list[int]:
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        all_src_offsets: list[list[int]],
+    ) -> list[int]:
         _, gets, lock = self._sessions()
         with lock:
             known = [gets.get(k) for k in keys]
         stale = [k for k, s in zip(keys, known) if s is not None and time.monotonic() > s[2]]
-        if stale:                                   # the lease ran out: look them up again
+        if stale:  # the lease ran out: look them up again
             self.batch_get_session_start(stale)
             with lock:
                 known = [gets.get(k) for k in keys]
-        return self._ranges("read", keys, [None if s is None else s[:2] for s in known], all_buffer_ptrs,
-                            all_sizes, all_src_offsets)
+        return self._ranges(
+            "read", keys, [None if s is None else s[:2] for s in known], all_buffer_ptrs, all_sizes, all_src_offsets
+        )
 
     @pybind
     @guard()
@@ -109,8 +125,14 @@ class SessionMethods:
         with lock:
             mine = [k for k in keys if puts.pop(k, None) is not None]
         codes = dict(zip(mine, (c for c, _ in rpc(mine))))
-        return [INVALID_PARAMS if k not in codes else OK if codes[k] == protocol.OK else code_of(
-            protocol.entry_error(codes[k], k, "session expired")) for k in keys]
+        return [
+            INVALID_PARAMS
+            if k not in codes
+            else OK
+            if codes[k] == protocol.OK
+            else code_of(protocol.entry_error(codes[k], k, "session expired"))
+            for k in keys
+        ]
 
     def _ranges(self, kind: str, keys, known, ptrs, sizes, offsets) -> list[int]:
         """Per key the bytes moved, or INVALID_PARAMS (no session, lists that do not line up, a range past the

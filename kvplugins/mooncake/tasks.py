@@ -4,6 +4,7 @@ mooncake_master answered them (tests/store/test_mooncake_api.py, mooncake_tasks_
 an unknown target or a move from a segment without the replica -600, an unknown task id -1400; a failed create
 answers the id (0, 0). Segment names are the ``transport_endpoint`` of get_replica_desc (`kvplugins status`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -16,18 +17,23 @@ TASK_NOT_FOUND = -1400
 UNAVAILABLE_IN_CURRENT_STATUS = -1010
 UNAVAILABLE_IN_CURRENT_MODE = -1011
 NO_TASK = (0, 0)
-CODES = {protocol.NOT_FOUND: OBJECT_NOT_FOUND, protocol.INVALID: INVALID_PARAMS,
-         protocol.NOT_NOW: UNAVAILABLE_IN_CURRENT_STATUS}
+CODES = {
+    protocol.NOT_FOUND: OBJECT_NOT_FOUND,
+    protocol.INVALID: INVALID_PARAMS,
+    protocol.NOT_NOW: UNAVAILABLE_IN_CURRENT_STATUS,
+}
 
 
 class TaskType(enum.IntEnum):
     """Mooncake's TaskType."""
+
     REPLICA_COPY = 0
     REPLICA_MOVE = 1
 
 
 class TaskStatus(enum.IntEnum):
     """Mooncake's TaskStatus."""
+
     PENDING = 0
     PROCESSING = 1
     SUCCESS = 2
@@ -39,6 +45,7 @@ class QueryTaskResponse:
     """Mooncake's QueryTaskResponse. ``assigned_client``: a UUID derived from ``assigned_segment``, the segment
     whose process runs the copy (Mooncake: the id of the client owning the source segment); times are ms since
     the epoch."""
+
     id: tuple[int, int]
     type: TaskType
     status: TaskStatus
@@ -76,8 +83,9 @@ class TaskMethods:
         if code != protocol.OK:
             return None, TASK_NOT_FOUND
         hi, lo, kind, status, created, updated, segment, message = row
-        return QueryTaskResponse((hi, lo), TaskType[kind], TaskStatus[status], created, updated,
-                                 _client_id(segment), segment, message), OK
+        return QueryTaskResponse(
+            (hi, lo), TaskType[kind], TaskStatus[status], created, updated, _client_id(segment), segment, message
+        ), OK
 
     def _create(self, kind: str, key: str, source: str, targets: list[str]) -> tuple:
         if self._sharded():
@@ -98,5 +106,6 @@ class TaskMethods:
 
 def _client_id(segment: str) -> tuple[int, int]:
     import xxhash
+
     h = xxhash.xxh3_128_intdigest(segment.encode())
-    return h >> 64, h & (2 ** 64 - 1)
+    return h >> 64, h & (2**64 - 1)

@@ -18,6 +18,7 @@ upsert and TP variants), a mixin of api.MooncakeDistributedStore, and the buffer
 
 The store itself keeps tensors as safetensors bytes; this layout exists only in the caller's buffers.
 """
+
 from __future__ import annotations
 
 import struct
@@ -29,8 +30,23 @@ from kvplugins.transfer.memory import view_of
 HEADER_BYTES = 304
 MAGIC = b"NOOM"
 MAX_DIMS = 8
-MOONCAKE_DTYPES = ("float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-                   "bool", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+MOONCAKE_DTYPES = (
+    "float32",
+    "float64",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "bool",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
 _FIXED = struct.Struct("<4sHHIiQQQ")
 _AXIS = struct.Struct("<iiiiiiq")
 AXIS_KINDS = ("dp", "tp", "ep", "pp")
@@ -44,8 +60,16 @@ def header(tensor, meta: dict | None = None) -> bytes:
     if tensor.dim() > MAX_DIMS:
         raise ValueError(f"a tensor of {tensor.dim()} dimensions has no Mooncake tensor layout (at most {MAX_DIMS})")
     local = _shape(tensor.shape)
-    fixed = _FIXED.pack(MAGIC, 1, HEADER_BYTES, code, tensor.dim(), 1 if meta else 0, HEADER_BYTES,
-                        tensor.numel() * tensor.element_size())
+    fixed = _FIXED.pack(
+        MAGIC,
+        1,
+        HEADER_BYTES,
+        code,
+        tensor.dim(),
+        1 if meta else 0,
+        HEADER_BYTES,
+        tensor.numel() * tensor.element_size(),
+    )
     head = fixed + (_shape(meta["g"]) + local + _axis_block(meta["axes"], tensor.shape) if meta else local + local)
     return head + bytes(HEADER_BYTES - len(head))
 
@@ -75,6 +99,7 @@ def parse(buf: memoryview):
     """(torch dtype, local shape, data offset, data bytes) from a buffer in the layout. Raises ValueError for a
     buffer that is not one (bad magic, dtype, dimensions, or sizes that do not fit ``len(buf)``)."""
     import torch
+
     if len(buf) < HEADER_BYTES:
         raise ValueError(f"a {len(buf)}-byte buffer cannot hold Mooncake's {HEADER_BYTES}-byte tensor header")
     magic, _, _, dtype, ndim, _, offset, nbytes = _FIXED.unpack_from(buf, 0)
@@ -86,8 +111,9 @@ def parse(buf: memoryview):
     for d in shape:
         n *= d
     if offset + nbytes > len(buf) or n * dt.itemsize != nbytes or any(d < 0 for d in shape):
-        raise ValueError(f"tensor header of shape {shape} and {nbytes} data bytes does not fit a {len(buf)}-byte "
-                         "buffer")
+        raise ValueError(
+            f"tensor header of shape {shape} and {nbytes} data bytes does not fit a {len(buf)}-byte buffer"
+        )
     return dt, shape, offset, nbytes
 
 
@@ -95,19 +121,21 @@ def from_buffer(ptr: int, size: int):
     """The tensor in the buffer at ``ptr`` (``size`` bytes, Mooncake's layout), viewing that memory. Raises
     ValueError when the buffer does not hold one."""
     import torch
+
     if ptr <= 0:
         raise ValueError(f"buffer address {ptr:#x} is not valid memory")
     buf = view_of(ptr, size)
     dtype, shape, offset, nbytes = parse(buf)
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buf[offset:offset + nbytes], dtype=dtype).reshape(shape)
+    return torch.frombuffer(buf[offset : offset + nbytes], dtype=dtype).reshape(shape)
 
 
 def into_buffer(tensor, ptr: int, size: int, meta: dict | None = None):
     """Write ``tensor`` into the buffer at ``ptr`` in Mooncake's layout (``meta``: as header); returns a tensor
     viewing its data there, or None when it does not fit in ``size`` bytes (or has no Mooncake dtype)."""
     import torch
+
     try:
         head = header(tensor, meta)
     except ValueError:
@@ -156,37 +184,51 @@ class TensorBufferMethods:
     @guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
     def batch_get_tensor_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list:
         same_length(keys, buffer_ptrs, sizes)
-        return [None if t is None else into_buffer(t, p, n)
-                for t, p, n in zip(self.batch_get_tensor(list(keys)), buffer_ptrs, sizes)]
+        return [
+            None if t is None else into_buffer(t, p, n)
+            for t, p, n in zip(self.batch_get_tensor(list(keys)), buffer_ptrs, sizes)
+        ]
 
     @pybind
     @guard()
-    def put_tensor_with_tp_from(self, key: str, buffer_ptr: int, size: int, tp_rank: I32 = 0, tp_size: I32 = 1,
-                                split_dim: I32 = 0) -> int:
+    def put_tensor_with_tp_from(
+        self, key: str, buffer_ptr: int, size: int, tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0
+    ) -> int:
         """put_tensor_with_tp of the whole tensor held in the buffer."""
         return self.put_tensor_with_tp(key, from_buffer(buffer_ptr, size), tp_rank, tp_size, split_dim)
 
     @pybind
     @guard(on_error=per_key)
-    def batch_put_tensor_with_tp_from(self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                                      tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0) -> list[int]:
+    def batch_put_tensor_with_tp_from(
+        self,
+        base_keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        tp_rank: I32 = 0,
+        tp_size: I32 = 1,
+        split_dim: I32 = 0,
+    ) -> list[int]:
         same_length(base_keys, buffer_ptrs, sizes)
-        return [self.put_tensor_with_tp_from(k, p, n, tp_rank, tp_size, split_dim)
-                for k, p, n in zip(base_keys, buffer_ptrs, sizes)]
+        return [
+            self.put_tensor_with_tp_from(k, p, n, tp_rank, tp_size, split_dim)
+            for k, p, n in zip(base_keys, buffer_ptrs, sizes)
+        ]
 
     @pybind
-    def get_tensor_with_tp_into(self, key: str, buffer_ptr: int, size: int, tp_rank: I32 = 0, tp_size: I32 = 1,
-                                split_dim: I32 = 0) -> object:
+    def get_tensor_with_tp_into(
+        self, key: str, buffer_ptr: int, size: int, tp_rank: I32 = 0, tp_size: I32 = 1, split_dim: I32 = 0
+    ) -> object:
         """Shard ``tp_rank`` (get_tensor_with_tp) written into the buffer, its header describing the shard; a
         tensor viewing it, or None."""
         return self.batch_get_tensor_with_tp_into([key], [buffer_ptr], [size], tp_rank, tp_size)[0]
 
     @pybind
     @guard(on_error=lambda err, keys=(), *_: [None] * len(keys))
-    def batch_get_tensor_with_tp_into(self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int],
-                                      tp_rank: I32 = 0, tp_size: I32 = 1) -> list:
+    def batch_get_tensor_with_tp_into(
+        self, base_keys: list[str], buffer_ptrs: list[int], sizes: list[int], tp_rank: I32 = 0, tp_size: I32 = 1
+    ) -> list:
         same_length(base_keys, buffer_ptrs, sizes)
-        found = self._get_many([k if tp_size <= 1 else f"{k}_tp_{tp_rank}" for k in base_keys])   # parallel.py
+        found = self._get_many([k if tp_size <= 1 else f"{k}_tp_{tp_rank}" for k in base_keys])  # parallel.py
         return [None if t is None else into_buffer(t, p, n, meta) for (t, meta), p, n in zip(found, buffer_ptrs, sizes)]
 
     def _tensors_from(self, keys, ptrs, sizes, upsert: bool) -> list[int]:
@@ -197,4 +239,3 @@ class TensorBufferMethods:
         except ValueError:
             return [INVALID_PARAMS] * len(keys)
         return self._put_tensors(list(keys), tensors, DEFAULT, upsert)
-

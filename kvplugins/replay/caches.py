@@ -4,6 +4,7 @@ An instance's own cache is an LRU of blocks, as an engine's host cache (SGLang H
 keeps them. It lives in the replay process: it models what each engine holds for itself, in front of (or instead
 of) the shared pool, which is always the real store.
 """
+
 from __future__ import annotations
 
 import zlib

@@ -1,4 +1,5 @@
 """``kvplugins replay``'s one config (flag > env KVPLUGINS_REPLAY_* > file [replay] > default)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,38 +13,65 @@ ROUTINGS = ("round_robin", "session", "prefix_aware")
 @component("replay")
 @dataclass(frozen=True)
 class ReplayConfig:
-    model_shape: str = field(default="llama3-8b", metadata={
-        "help": "KV shape that sizes each block: llama3-8b, llama3-70b, qwen3-30b-a3b or deepseek-v3"})
+    model_shape: str = field(
+        default="llama3-8b",
+        metadata={"help": "KV shape that sizes each block: llama3-8b, llama3-70b, qwen3-30b-a3b or deepseek-v3"},
+    )
     layers: int = field(default=0, metadata={"help": "explicit shape instead of --model-shape: layers (> 0)"})
     kv_heads: int = field(default=0, metadata={"help": "explicit shape: KV heads"})
     head_dim: int = field(default=0, metadata={"help": "explicit shape: head dim"})
     kv_dtype: str = field(default="", metadata={"help": "explicit shape: KV dtype ('' = bfloat16)"})
     block_tokens: int = field(default=512, metadata={"help": "tokens per trace block (FAST'25: 512)"})
-    scale: int = field(default=0, metadata={
-        "help": "stored objects are the full-scale block bytes / scale (rounded up to 64 B); 0 = auto: ~4 KiB"})
-    pool_capacity: str = field(default="20000", metadata={
-        "help": "shared pool size: blocks (20000) or full-scale bytes (1.2TB); the store's segment holds it"})
-    sweep: str = field(default="", metadata={
-        "help": "comma list of pool capacities to replay (each in --pool-capacity's units) for the plot"})
+    scale: int = field(
+        default=0,
+        metadata={
+            "help": "stored objects are the full-scale block bytes / scale (rounded up to 64 B); 0 = auto: ~4 KiB"
+        },
+    )
+    pool_capacity: str = field(
+        default="20000",
+        metadata={"help": "shared pool size: blocks (20000) or full-scale bytes (1.2TB); the store's segment holds it"},
+    )
+    sweep: str = field(
+        default="",
+        metadata={"help": "comma list of pool capacities to replay (each in --pool-capacity's units) for the plot"},
+    )
     instances: int = field(default=1, metadata={"help": "engine instances the requests are routed to"})
-    local_capacity: str = field(default="0", metadata={
-        "help": "each instance's own LRU cache in front of the pool: blocks or full-scale bytes; 0 = none"})
+    local_capacity: str = field(
+        default="0",
+        metadata={"help": "each instance's own LRU cache in front of the pool: blocks or full-scale bytes; 0 = none"},
+    )
     no_pool: bool = field(default=False, metadata={"help": "local caches only, no shared pool"})
-    routing: str = field(default="round_robin", metadata={
-        "help": "round_robin, session (sticky per session id, else per the first 4 blocks) or prefix_aware "
-                "(the instance with the longest local hit)"})
-    realtime: bool = field(default=False, metadata={
-        "help": "issue requests at the trace's arrival times / --speed, reporting put/get latency percentiles "
-                "(default: as fast as possible)"})
+    routing: str = field(
+        default="round_robin",
+        metadata={
+            "help": "round_robin, session (sticky per session id, else per the first 4 blocks) or prefix_aware "
+            "(the instance with the longest local hit)"
+        },
+    )
+    realtime: bool = field(
+        default=False,
+        metadata={
+            "help": "issue requests at the trace's arrival times / --speed, reporting put/get latency percentiles "
+            "(default: as fast as possible)"
+        },
+    )
     speed: float = field(default=1.0, metadata={"help": "realtime: the trace's clock runs this many times faster"})
-    master: str = field(default="", metadata={
-        "help": "replay against this running master (host:port); '' = a private embedded store per capacity"})
+    master: str = field(
+        default="",
+        metadata={"help": "replay against this running master (host:port); '' = a private embedded store per capacity"},
+    )
     limit: int = field(default=0, metadata={"help": "replay only the first N requests (0 = all)"})
-    prefill_tok_s: float = field(default=0.0, metadata={
-        "help": "prefill throughput (tokens/s) of one instance, for the GPU-time estimate; 0 = not estimated"})
+    prefill_tok_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "prefill throughput (tokens/s) of one instance, for the GPU-time estimate; 0 = not estimated"
+        },
+    )
     json: str = field(default="", metadata={"help": "also write the results as JSON to this file ('-' = stdout)"})
-    plot: str = field(default="", metadata={
-        "help": "write hit ratio vs pool capacity to this PNG (needs the plot extra: matplotlib)"})
+    plot: str = field(
+        default="", metadata={"help": "write hit ratio vs pool capacity to this PNG (needs the plot extra: matplotlib)"}
+    )
     dry_run: bool = field(default=False, metadata={"help": "print what the run would need and stop"})
     progress: bool = field(default=True, metadata={"help": "a progress bar over the requests (stderr)"})
     synth: bool = field(default=False, metadata={"help": "replay a generated trace (the --synth-* flags)"})
@@ -72,10 +100,18 @@ class ReplayConfig:
         if self.no_pool and not self.local_capacity.strip("0 "):
             raise ConfigError("--no-pool needs --local-capacity > 0: without either there is no cache to replay")
 
-
     def _check_synth(self) -> None:
-        positive = ("synth_requests", "synth_rate", "synth_turns", "synth_system_tokens", "synth_doc_tokens",
-                    "synth_input_tokens", "synth_output_tokens", "synth_docs", "synth_system_prompts")
+        positive = (
+            "synth_requests",
+            "synth_rate",
+            "synth_turns",
+            "synth_system_tokens",
+            "synth_doc_tokens",
+            "synth_input_tokens",
+            "synth_output_tokens",
+            "synth_docs",
+            "synth_system_prompts",
+        )
         for name in positive:
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):

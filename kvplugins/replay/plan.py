@@ -1,5 +1,6 @@
 """What one ``kvplugins replay`` run does: load (or generate) the trace, size objects, build the configurations
 (one, or three per capacity with ``--sweep``), replay each against a store, and report."""
+
 from __future__ import annotations
 
 import logging
@@ -25,6 +26,7 @@ AUTO_OBJECT_BYTES = 4096
 @dataclass(frozen=True)
 class Sizes:
     """Full-scale bytes of one block, the divisor, and the bytes of each stored object (a multiple of 64)."""
+
     block_bytes: int
     scale: int
     object_bytes: int
@@ -67,7 +69,7 @@ def requests_of(cfg: ReplayConfig, path: str | None) -> list:
         reqs = synth.generate(cfg)
         if cfg.synth_out:
             trace.write(cfg.synth_out, reqs)
-        return reqs[:cfg.limit] if cfg.limit else reqs
+        return reqs[: cfg.limit] if cfg.limit else reqs
     if not path:
         raise ConfigError("give a trace file (FAST'25 or kvplugins JSONL), or --synth to generate one")
     return trace.load(path, cfg.limit)
@@ -76,14 +78,18 @@ def requests_of(cfg: ReplayConfig, path: str | None) -> list:
 def dry_run(cfg: ReplayConfig, reqs: list, sz: Sizes, todo: list[Plan]) -> str:
     blocks = sum(len(r.blocks) for r in reqs)
     unique = len({b for r in reqs for b in r.blocks})
-    lines = [f"{len(reqs):,} requests, {blocks:,} block lookups, {unique:,} distinct blocks; block = "
-             f"{format_bytes(sz.block_bytes)} at full scale, stored as {sz.object_bytes} B (scale 1/{sz.scale})"]
+    lines = [
+        f"{len(reqs):,} requests, {blocks:,} block lookups, {unique:,} distinct blocks; block = "
+        f"{format_bytes(sz.block_bytes)} at full scale, stored as {sz.object_bytes} B (scale 1/{sz.scale})"
+    ]
     for p in todo:
         pool = p.pool_blocks * sz.object_bytes
         local = p.local_blocks * p.instances
-        lines.append(f"  {p.label}: pool {p.pool_blocks:,} blocks = {format_bytes(p.pool_blocks * sz.block_bytes)} "
-                     f"full scale, a {format_bytes(pool)} segment here; local {local:,} blocks in all"
-                     + ("" if not p.pool_blocks or cfg.master else f"; peak memory here ~{format_bytes(2 * pool)}"))
+        lines.append(
+            f"  {p.label}: pool {p.pool_blocks:,} blocks = {format_bytes(p.pool_blocks * sz.block_bytes)} "
+            f"full scale, a {format_bytes(pool)} segment here; local {local:,} blocks in all"
+            + ("" if not p.pool_blocks or cfg.master else f"; peak memory here ~{format_bytes(2 * pool)}")
+        )
     return "\n".join(lines)
 
 
@@ -107,15 +113,25 @@ def execute(cfg: ReplayConfig, path: str | None, say=print) -> list[dict]:
             ref = reference_hit_ratio(reqs, p.local_blocks * p.instances, p.instances)
         rows.append(report.row(res, sz.block_bytes, ref, cfg.prefill_tok_s))
     say(report.table(rows))
-    meta = {"trace": os.path.basename(path) if path else "synthetic", "requests": len(reqs), "block_bytes": sz.block_bytes,
-            "object_bytes": sz.object_bytes, "scale": sz.scale, "model_shape": cfg.model_shape}
+    meta = {
+        "trace": os.path.basename(path) if path else "synthetic",
+        "requests": len(reqs),
+        "block_bytes": sz.block_bytes,
+        "object_bytes": sz.object_bytes,
+        "scale": sz.scale,
+        "model_shape": cfg.model_shape,
+    }
     if cfg.json:
         report.write_json(rows, meta, cfg.json)
         if cfg.json != "-":
             log.info("results as JSON: %s", os.path.abspath(cfg.json))
     if cfg.plot:
-        report.plot(rows, sz.block_bytes, cfg.plot, f"{meta['trace']}: {len(reqs):,} requests, "
-                    f"{cfg.model_shape} blocks of {cfg.block_tokens} tokens")
+        report.plot(
+            rows,
+            sz.block_bytes,
+            cfg.plot,
+            f"{meta['trace']}: {len(reqs):,} requests, {cfg.model_shape} blocks of {cfg.block_tokens} tokens",
+        )
         log.info("plot of hit ratio vs capacity: %s", os.path.abspath(cfg.plot))
     return rows
 
@@ -123,11 +139,15 @@ def execute(cfg: ReplayConfig, path: str | None, say=print) -> list[dict]:
 def _one(cfg: ReplayConfig, p: Plan, reqs: list, sz: Sizes):
     bar = _progress(cfg, p, len(reqs))
     try:
+
         def run(master: str):
             def make_pool(ns: str):
-                return PoolOps(StoreClient(ClientConfig(master=master, slab_bytes=0)), ns, sz.object_bytes,
-                               timed=bool(p.speed))
+                return PoolOps(
+                    StoreClient(ClientConfig(master=master, slab_bytes=0)), ns, sz.object_bytes, timed=bool(p.speed)
+                )
+
             return replay(reqs, p, make_pool, bar[1] if bar else None)
+
         if not p.pool_blocks:
             return replay(reqs, p, lambda ns: None, bar[1] if bar else None)
         if cfg.master:
@@ -145,6 +165,7 @@ def _progress(cfg: ReplayConfig, p: Plan, total: int):
         return None
     from rich.console import Console
     from rich.progress import Progress
+
     prog = Progress(console=Console(stderr=True), transient=True)
     task = prog.add_task(f"{p.label}, pool {p.pool_blocks}", total=total)
     prog.start()

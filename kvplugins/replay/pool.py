@@ -6,6 +6,7 @@ connector does per request: a ``batch_exists_prefix`` lookup, a ``batch_get`` of
 refreshes the objects' recency in the master's LRU), and a ``batch_put`` of the blocks computed by prefill.
 Every stored object starts with the xxh64 of its key, so a get that returns another object's bytes is counted.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,7 +21,7 @@ import xxhash
 from kvplugins.errors import StoreError
 from kvplugins.store.embedded import CLI, wait_ready
 
-LEASE_TTL_MS = 100     # a private store's read lease: replayed reads take well under this
+LEASE_TTL_MS = 100  # a private store's read lease: replayed reads take well under this
 # An as-fast-as-possible replay compresses the trace's hours into seconds, so a grace measured in wall time would
 # protect thousands of requests' blocks from eviction: it runs with none. Realtime keeps the lease as the grace.
 START_TIMEOUT_S = 30.0
@@ -34,11 +35,26 @@ def private_store(segment_bytes: int, grace_ms: int, lease_ttl_ms: int = LEASE_T
     with tempfile.TemporaryDirectory(prefix="kvp-replay-") as tmp:
         path = Path(tmp) / "up.json"
         env = {**os.environ, "KVPLUGINS_UP_DISCOVERY_FILE": str(path)}
-        args = ["up", "--port", "0", "--segment-size", str(segment_bytes), "--lease-ttl-ms", str(lease_ttl_ms),
-                "--eviction-grace-ms", str(grace_ms)]
+        args = [
+            "up",
+            "--port",
+            "0",
+            "--segment-size",
+            str(segment_bytes),
+            "--lease-ttl-ms",
+            str(lease_ttl_ms),
+            "--eviction-grace-ms",
+            str(grace_ms),
+        ]
         with open(Path(tmp) / "up.log", "wb") as log:
-            proc = subprocess.Popen(CLI + args, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                CLI + args,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
             try:
                 info = wait_ready(path, proc.pid, START_TIMEOUT_S, lambda: proc.poll() is None)

@@ -11,6 +11,7 @@ Hits count blocks of that stored prefix only: a block stored after a missing one
 Two modes: as fast as possible (one thread, the hit ratio and the store's throughput), and realtime (arrivals at
 the trace's timestamps / speed, one worker thread and client per instance, each op's latency recorded).
 """
+
 from __future__ import annotations
 
 import queue
@@ -27,6 +28,7 @@ class Plan:
     """One configuration: ``label``; the pool's capacity in blocks (0 = no pool); each instance's local capacity
     in blocks (0 = none); ``instances``; ``routing``; tokens per block; realtime ``speed`` (0 = as fast as
     possible)."""
+
     label: str
     pool_blocks: int
     local_blocks: int
@@ -39,6 +41,7 @@ class Plan:
 @dataclass
 class Result:
     """Counts of one replay. Blocks and tokens are the trace's (full scale); ``seconds`` is wall time."""
+
     plan: Plan
     requests: int = 0
     blocks: int = 0
@@ -101,7 +104,8 @@ def replay(requests, plan: Plan, make_pool, progress=None) -> Result:
         else:
             for req in requests:
                 insts[router.pick(req, [i.local for i in insts] if plan.local_blocks else None)].serve(
-                    req, res, plan.block_tokens, lock)
+                    req, res, plan.block_tokens, lock
+                )
                 if progress:
                     progress(1)
     finally:
@@ -132,13 +136,12 @@ def _realtime(requests, plan: Plan, insts, router, res: Result, lock, progress) 
         while (req := queues[i].get()) is not None:
             try:
                 insts[i].serve(req, res, plan.block_tokens, lock)
-            except BaseException as e:      # noqa: BLE001 - handed to the dispatcher, re-raised there
+            except BaseException as e:  # noqa: BLE001 - handed to the dispatcher, re-raised there
                 errors.append(e)
             if progress:
                 progress(1)
 
-    workers = [threading.Thread(target=work, args=(i,), name=f"kvp-replay-{i}", daemon=True)
-               for i in range(len(insts))]
+    workers = [threading.Thread(target=work, args=(i,), name=f"kvp-replay-{i}", daemon=True) for i in range(len(insts))]
     for w in workers:
         w.start()
     start, first = time.perf_counter(), requests[0].timestamp_ms if requests else 0.0

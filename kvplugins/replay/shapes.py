@@ -4,6 +4,7 @@ Shapes follow each model's Hugging Face ``config.json``: Llama-3-8B (32 layers, 
 Llama-3-70B (80, 8, 128), Qwen3-30B-A3B (48, 4, 128), DeepSeek-V3 (61 layers of MLA: one latent of
 kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per token and layer, no separate K and V).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "f
 @dataclass(frozen=True)
 class Shape:
     """layers, kv_heads x head_dim per K and per V (or ``latent`` values per token and layer for MLA), dtype."""
+
     layers: int
     kv_heads: int = 0
     head_dim: int = 0
@@ -40,13 +42,17 @@ def resolve(name: str, layers: int = 0, kv_heads: int = 0, head_dim: int = 0, dt
     """The named shape, or an explicit one when ``layers`` > 0. Raises ConfigError naming the choices."""
     if layers > 0:
         if kv_heads <= 0 or head_dim <= 0:
-            raise ConfigError(f"an explicit model shape needs --kv-heads and --head-dim > 0 (got {kv_heads}, "
-                              f"{head_dim}) with --layers {layers}")
+            raise ConfigError(
+                f"an explicit model shape needs --kv-heads and --head-dim > 0 (got {kv_heads}, "
+                f"{head_dim}) with --layers {layers}"
+            )
         dtype = dtype or "bfloat16"
         if dtype not in DTYPE_BYTES:
             raise ConfigError(f"--kv-dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         return Shape(layers, kv_heads, head_dim, dtype)
     if name not in SHAPES:
-        raise ConfigError(f"--model-shape {name!r} is not one of {', '.join(SHAPES)}; or give --layers, "
-                          "--kv-heads, --head-dim and --kv-dtype")
+        raise ConfigError(
+            f"--model-shape {name!r} is not one of {', '.join(SHAPES)}; or give --layers, "
+            "--kv-heads, --head-dim and --kv-dtype"
+        )
     return SHAPES[name]

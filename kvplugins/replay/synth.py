@@ -7,6 +7,7 @@ lengths). A request's prompt is system prompt + document + the earlier turns + t
 ``block_tokens`` whose ids chain over the prefix (equal ids mean an equal prefix, as in the FAST'25 trace), so
 sessions share their system prompt and document blocks and each turn reuses the whole previous conversation.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,19 +39,21 @@ def generate(cfg) -> list[Request]:
 
 
 def _session(rng: random.Random, cfg, sid: int, start_s: float, zipf: list[float]) -> list[Request]:
-    segments = []                                   # (content id, tokens) of the conversation so far
+    segments = []  # (content id, tokens) of the conversation so far
     if rng.random() < cfg.synth_system_share:
         segments.append((f"sys{rng.randrange(max(cfg.synth_system_prompts, 1))}", cfg.synth_system_tokens))
     if cfg.synth_docs and rng.random() < cfg.synth_doc_share:
         segments.append((f"doc{rng.choices(range(len(zipf)), zipf)[0]}", cfg.synth_doc_tokens))
-    turns = 1 + int(math.log(1 - rng.random()) / math.log(1 - 1 / max(cfg.synth_turns, 1.0))) \
-        if cfg.synth_turns > 1 else 1
+    turns = (
+        1 + int(math.log(1 - rng.random()) / math.log(1 - 1 / max(cfg.synth_turns, 1.0))) if cfg.synth_turns > 1 else 1
+    )
     out, t = [], start_s
     for k in range(turns):
         segments.append((f"s{sid}u{k}", _lognormal(rng, cfg.synth_input_tokens)))
         reply = _lognormal(rng, cfg.synth_output_tokens)
-        out.append(Request(t * 1000, sum(n for _, n in segments), reply, tuple(_blocks(segments, cfg.block_tokens)),
-                           f"s{sid}"))
+        out.append(
+            Request(t * 1000, sum(n for _, n in segments), reply, tuple(_blocks(segments, cfg.block_tokens)), f"s{sid}")
+        )
         segments.append((f"s{sid}a{k}", reply))
         t += rng.expovariate(1 / THINK_S)
     return out

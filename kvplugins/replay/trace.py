@@ -9,6 +9,7 @@ tokens, "block_hashes": ["<hex>", ...], "session_id": "..."}`` where ``block_has
 block hashes (vLLM's or SGLang's page hashes, any string) and ``session_id`` is optional (session routing).
 Either format may carry ``session_id``. Requests are replayed in timestamp order (stable for equal times).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ from kvplugins.errors import TraceError
 class Request:
     """One request: arrival ``timestamp_ms`` (ms), ``input_length`` and ``output_length`` (tokens), its prompt's
     ``blocks`` (block ids in order: int or str) and an optional ``session`` id."""
+
     timestamp_ms: float
     input_length: int
     output_length: int
@@ -64,8 +66,7 @@ def parse(line: str, where: str) -> Request:
     if field is None:
         raise TraceError(f"{where}: missing field 'hash_ids' (FAST'25) or 'block_hashes' (kvplugins format)")
     blocks = obj[field]
-    if not isinstance(blocks, list) or not all(isinstance(b, (int, str)) and not isinstance(b, bool)
-                                               for b in blocks):
+    if not isinstance(blocks, list) or not all(isinstance(b, (int, str)) and not isinstance(b, bool) for b in blocks):
         raise TraceError(f"{where}: field {field!r} must be a list of block ids (integers or strings)")
     session = obj.get("session_id")
     return Request(ts, inp, out, tuple(blocks), None if session is None else str(session))
@@ -93,8 +94,12 @@ def write(path: str | Path, requests: list[Request]) -> None:
     """Write requests in the FAST'25 format (with ``session_id`` where known): what ``--synth`` saves."""
     with Path(path).open("w", encoding="utf-8") as f:
         for r in requests:
-            obj = {"timestamp": round(r.timestamp_ms, 3), "input_length": r.input_length,
-                   "output_length": r.output_length, "hash_ids": list(r.blocks)}
+            obj = {
+                "timestamp": round(r.timestamp_ms, 3),
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.blocks),
+            }
             if r.session is not None:
                 obj["session_id"] = r.session
             f.write(json.dumps(obj) + "\n")

@@ -11,10 +11,33 @@
 Shared memory (same host) is protected by file permissions: segments are 0600 memfd / /dev/shm files.
 Nothing here pickles; no wire of kvplugins carries pickle (tests/store/test_no_pickle.py).
 """
+
 from kvplugins.security.handshake import MAGIC, ServerHandshake, check_refused
 from kvplugins.security.refusals import RefusalLog
-from kvplugins.security.secret import AuthConfig, Credential, Secret, is_loopback, load_secret, require_for_bind, \
-    require, resolve, resolve_server
+from kvplugins.security.secret import (
+    AuthConfig,
+    Credential,
+    Secret,
+    is_loopback,
+    load_secret,
+    require_for_bind,
+    require,
+    resolve,
+    resolve_server,
+)
 
-__all__ = ["AuthConfig", "Credential", "MAGIC", "RefusalLog", "Secret", "ServerHandshake", "check_refused",
-           "is_loopback", "load_secret", "require", "require_for_bind", "resolve", "resolve_server"]
+__all__ = [
+    "AuthConfig",
+    "Credential",
+    "MAGIC",
+    "RefusalLog",
+    "Secret",
+    "ServerHandshake",
+    "check_refused",
+    "is_loopback",
+    "load_secret",
+    "require",
+    "require_for_bind",
+    "resolve",
+    "resolve_server",
+]

@@ -4,6 +4,7 @@ The command's components (RpcServer, TransferEngine, the RPC clients) and the pr
 --detach``) read the secret from the environment (kvplugins.security.resolve); ``apply`` resolves flag > env >
 config file once and exports the result there, so a flag given here wins everywhere in that command.
 """
+
 from __future__ import annotations
 
 import os

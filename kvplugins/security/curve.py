@@ -14,6 +14,7 @@ per message needs our own replay protection.
 
 Refused peers never reach the ROUTER; a socket monitor logs each failed handshake with the peer's address.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,7 @@ from kvplugins.security.secret import HOW, Credential, Secret, credential_curve_
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
-FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-          | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 def server_keys(secret: Secret) -> tuple[bytes, bytes]:
@@ -46,8 +46,10 @@ def client_keys(keys: Secret | Credential, role: str) -> tuple[bytes, bytes]:
     ``keys`` has no key for ``role``."""
     private = keys.curve_secret(role)
     if private is None:
-        raise Forbidden(f"the master's control plane as {role} needs the cluster secret or a {role} credential; "
-                        f"{keys.source} gives the {keys.role} role only")
+        raise Forbidden(
+            f"the master's control plane as {role} needs the cluster secret or a {role} credential; "
+            f"{keys.source} gives the {keys.role} role only"
+        )
     return zmq.curve_public(private), private
 
 
@@ -82,8 +84,10 @@ def client_monitor(sock: zmq.Socket) -> zmq.Socket:
 
 
 def refused_error(endpoint: str) -> AuthError:
-    return AuthError(f"master control plane {endpoint} refused the connection (CURVE handshake failed): this "
-                     f"process's shared secret is missing or differs from the master's; {HOW}")
+    return AuthError(
+        f"master control plane {endpoint} refused the connection (CURVE handshake failed): this "
+        f"process's shared secret is missing or differs from the master's; {HOW}"
+    )
 
 
 def caller_of(frame: zmq.Frame) -> tuple[str, str]:
@@ -107,8 +111,9 @@ class CurveServer:
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind(ZAP_ENDPOINT)
         self._roles = {client_keys(secret, r)[0]: r.encode() for r in MASTER_ROLES}
-        self._roles.update({zmq.curve_public(credential_curve_secret(secret, r)): f"{r}:*".encode()
-                            for r in MASTER_ROLES})
+        self._roles.update(
+            {zmq.curve_public(credential_curve_secret(secret, r)): f"{r}:*".encode() for r in MASTER_ROLES}
+        )
         server_socket(router, secret)
         self._router, self.refusals = router, RefusalLog()
         self._monitor = router.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | FAILED)
@@ -128,7 +133,7 @@ class CurveServer:
 
     def _watch(self) -> None:
         peers: dict[int, str] = {}
-        failed: list[str] = []            # libzmq reports a failed handshake, then the DISCONNECTED of its fd
+        failed: list[str] = []  # libzmq reports a failed handshake, then the DISCONNECTED of its fd
         poller = zmq.Poller()
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._zap, zmq.POLLIN)
@@ -146,8 +151,9 @@ class CurveServer:
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 peer = peers.pop(ev["value"], "?:?")
                 if failed:
-                    self.refusals.refused("zmq control-plane connection", peer,
-                                          f"{failed.pop(0)}: missing or wrong shared secret")
+                    self.refusals.refused(
+                        "zmq control-plane connection", peer, f"{failed.pop(0)}: missing or wrong shared secret"
+                    )
 
     def close(self) -> None:
         self._stop.set()
@@ -171,6 +177,8 @@ def _peer_of(fd: int) -> str:
 
 
 def _describe(ev: dict) -> str:
-    kind = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error (no CURVE, or a different server key)",
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed"}.get(ev["event"], "handshake failed")
+    kind = {
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error (no CURVE, or a different server key)",
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication failed",
+    }.get(ev["event"], "handshake failed")
     return f"{kind} (code {ev['value']:#x})"

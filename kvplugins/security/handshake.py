@@ -18,6 +18,7 @@ labels keep one side's answer from being reflected as the other's, MACs are comp
 that sends anything else first (a frame, a pickle) gets REFUSED(NOT_AUTHENTICATED) and is closed unserved.
 This authenticates; it does not encrypt (operations.md, Security).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -36,11 +37,13 @@ MSG = struct.Struct("<4sBBBB32s32s")
 HELLO, CHALLENGE, PROOF, ACCEPTED, REFUSED = 1, 2, 3, 4, 5
 BAD_PROOF, NOT_AUTHENTICATED, BAD_MESSAGE, BAD_ROLE = 1, 2, 3, 4
 _ZERO = bytes(32)
-DEADLINE_S = 5.0      # a connection must finish the handshake this soon after it opened (then it is dropped)
-_REASONS = {BAD_PROOF: "its shared secret differs from this process's",
-            NOT_AUTHENTICATED: "it requires authentication and this process has no shared secret configured",
-            BAD_MESSAGE: "the authentication exchange was malformed (a different kvplugins version?)",
-            BAD_ROLE: "it serves no connection of the role this process claimed"}
+DEADLINE_S = 5.0  # a connection must finish the handshake this soon after it opened (then it is dropped)
+_REASONS = {
+    BAD_PROOF: "its shared secret differs from this process's",
+    NOT_AUTHENTICATED: "it requires authentication and this process has no shared secret configured",
+    BAD_MESSAGE: "the authentication exchange was malformed (a different kvplugins version?)",
+    BAD_ROLE: "it serves no connection of the role this process claimed",
+}
 
 
 def message(kind: int, nonce: bytes = _ZERO, mac: bytes = _ZERO, reason: int = 0, name: bytes = b"") -> bytes:
@@ -81,7 +84,7 @@ class ServerHandshake:
     def feed(self, buf: bytearray) -> tuple[bytes, bool | None]:
         """Consume handshake messages from the front of ``buf``. Returns (bytes to send, outcome): outcome
         None = send and wait for more, True = authenticated (frames follow), False = refused (send, then close)."""
-        if buf[:4] != MAGIC[:len(buf[:4])]:
+        if buf[:4] != MAGIC[: len(buf[:4])]:
             return self._refuse(NOT_AUTHENTICATED, "it sent data without authenticating")
         if len(buf) < MSG.size:
             return b"", None
@@ -89,8 +92,8 @@ class ServerHandshake:
         n = n if kind == HELLO else 0
         if len(buf) < MSG.size + n:
             return b"", None
-        name = bytes(buf[MSG.size:MSG.size + n])
-        del buf[:MSG.size + n]
+        name = bytes(buf[MSG.size : MSG.size + n])
+        del buf[: MSG.size + n]
         if kind == REFUSED and version == VERSION:
             return self._refuse(BAD_PROOF, "wrong shared secret (it rejected this server's proof)")
         if version != VERSION or kind != self._want:
@@ -101,9 +104,15 @@ class ServerHandshake:
             if key is None:
                 return self._refuse(BAD_ROLE, f"it claimed role {role}; this endpoint serves {', '.join(self._roles)}")
             if name:
-                if role == "data" or not isinstance(self._keys, Secret) or not NAME.fullmatch(name.decode("ascii", "replace")):
-                    return self._refuse(BAD_MESSAGE, f"it claimed role {role} under the name {name[:64]!r}, which "
-                                                     "this endpoint does not serve")
+                if (
+                    role == "data"
+                    or not isinstance(self._keys, Secret)
+                    or not NAME.fullmatch(name.decode("ascii", "replace"))
+                ):
+                    return self._refuse(
+                        BAD_MESSAGE,
+                        f"it claimed role {role} under the name {name[:64]!r}, which this endpoint does not serve",
+                    )
                 self.name, key = name.decode(), named_key(key, name.decode())
             self._cn, self._want, self._key, self.role = nonce, PROOF, key, role
             out = message(CHALLENGE, self._sn, _mac(key, b"S", self._cn, self._sn))
@@ -129,8 +138,9 @@ def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, label + b"".join(parts), "sha256").digest()
 
 
-def serve_blocking(sock: socket.socket, keys: Secret | Credential, timeout_s: float,
-                   roles: tuple[str, ...] = ("data",)) -> str | None:
+def serve_blocking(
+    sock: socket.socket, keys: Secret | Credential, timeout_s: float, roles: tuple[str, ...] = ("data",)
+) -> str | None:
     """Run the server side on a blocking socket (a transfer or disk-tier peer: role data). Returns None when
     authenticated, else the refusal reason (the refusal was sent; the caller logs and closes). Raises
     OSError/TimeoutError (peer gone or silent)."""
@@ -138,7 +148,7 @@ def serve_blocking(sock: socket.socket, keys: Secret | Credential, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     while True:
         sock.settimeout(max(0.001, deadline - time.monotonic()))
-        chunk = sock.recv(MSG.size - len(buf))     # never past a message: frames follow
+        chunk = sock.recv(MSG.size - len(buf))  # never past a message: frames follow
         if not chunk:
             raise ConnectionError("peer closed the connection during authentication")
         buf += chunk
@@ -151,8 +161,9 @@ def serve_blocking(sock: socket.socket, keys: Secret | Credential, timeout_s: fl
             return hs.reason
 
 
-def client(sock: socket.socket, keys: Secret | Credential, deadline: float, peer: str, role: str = "data",
-           refused=None) -> None:
+def client(
+    sock: socket.socket, keys: Secret | Credential, deadline: float, peer: str, role: str = "data", refused=None
+) -> None:
     """Authenticate a freshly connected blocking socket to ``peer`` (e.g. "master 10.0.0.1:5555") as ``role``
     by ``deadline`` (time.monotonic()); on failure the socket is closed. ``refused(data) -> Exception | None``
     decodes what a server sends instead of a handshake message (its own refusal frame: over a connection cap)
@@ -161,8 +172,10 @@ def client(sock: socket.socket, keys: Secret | Credential, deadline: float, peer
     try:
         key = keys.key(role)
         if key is None:
-            raise Forbidden(f"connecting to {peer} as {role} needs the cluster secret or a {role} credential; "
-                            f"{keys.source} gives the {keys.role} role only")
+            raise Forbidden(
+                f"connecting to {peer} as {role} needs the cluster secret or a {role} credential; "
+                f"{keys.source} gives the {keys.role} role only"
+            )
         name = keys.name.encode() if role == keys.role else b""
         _client(sock, key, RANK[role], name, deadline, peer, refused)
     except BaseException:
@@ -178,11 +191,13 @@ def _client(sock: socket.socket, key: bytes, role: int, name: bytes, deadline: f
         raise refusal_error(peer, reason)
     if kind != CHALLENGE or not hmac.compare_digest(mac, _mac(key, b"S", cn, sn)):
         try:
-            _send(sock, message(REFUSED, reason=BAD_PROOF), deadline)   # so the server logs the refusal too
+            _send(sock, message(REFUSED, reason=BAD_PROOF), deadline)  # so the server logs the refusal too
         except OSError:
             pass
-        raise AuthError(f"{peer} could not prove it holds this process's shared secret (its secret differs, or it "
-                        f"is not a kvplugins peer); {HOW}")
+        raise AuthError(
+            f"{peer} could not prove it holds this process's shared secret (its secret differs, or it "
+            f"is not a kvplugins peer); {HOW}"
+        )
     _send(sock, message(PROOF, mac=_mac(key, b"C", sn, cn)), deadline)
     kind, reason, _, _ = _receive(sock, deadline, peer, refused)
     if kind != ACCEPTED:
@@ -200,15 +215,19 @@ def _receive(sock: socket.socket, deadline: float, peer: str, refused) -> tuple[
         sock.settimeout(_left(deadline))
         chunk = sock.recv(MSG.size - len(buf))
         if not chunk:
-            raise AuthError(f"{peer} closed the connection during authentication: it has no shared secret "
-                            f"configured (or is not a kvplugins peer); {HOW}")
+            raise AuthError(
+                f"{peer} closed the connection during authentication: it has no shared secret "
+                f"configured (or is not a kvplugins peer); {HOW}"
+            )
         buf += chunk
-        if buf[:4] != MAGIC[:len(buf[:4])]:
+        if buf[:4] != MAGIC[: len(buf[:4])]:
             err = refused(_rest(sock, buf, deadline)) if refused is not None else None
             if err is not None:
                 raise err
-            raise AuthError(f"{peer} answered the authentication with something else: it has no shared secret "
-                            f"configured (or is not a kvplugins peer); {HOW}")
+            raise AuthError(
+                f"{peer} answered the authentication with something else: it has no shared secret "
+                f"configured (or is not a kvplugins peer); {HOW}"
+            )
     magic, version, kind, reason, _, nonce, mac = MSG.unpack(buf)
     return (kind, reason, nonce, mac) if version == VERSION else (REFUSED, BAD_MESSAGE, nonce, mac)
 

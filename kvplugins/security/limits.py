@@ -15,6 +15,7 @@ Lifecycle, per server:
 
 Every class here is thread-safe; one instance per server, never module state.
 """
+
 from __future__ import annotations
 
 import errno
@@ -38,6 +39,7 @@ class ConnLimits:
     peer host (0 = unlimited); ``idle_timeout_s``: a connection with no request for this long is closed (0 =
     never); ``frame_timeout_s``: a frame (or handshake) started must complete within this (slowloris);
     ``max_per_identity``: open connections per named credential (``role:name``; 0 = unlimited)."""
+
     max_connections: int = 4096
     max_per_peer: int = 1024
     idle_timeout_s: float = 600.0
@@ -68,15 +70,21 @@ class ConnGate:
         with self._lock:
             n, k = self._per_host.get(host, 0), self._per_identity.get(identity, 0)
             if lim.max_connections and self.total >= lim.max_connections:
-                reason = (f"{self.what} has {self.total} connections open, its limit "
-                          f"({self.prefix}max_connections={lim.max_connections}); retry later or raise it")
+                reason = (
+                    f"{self.what} has {self.total} connections open, its limit "
+                    f"({self.prefix}max_connections={lim.max_connections}); retry later or raise it"
+                )
             elif lim.max_per_peer and n >= lim.max_per_peer:
-                reason = (f"{host} has {n} connections open to {self.what}, the per-peer limit "
-                          f"({self.prefix}max_connections_per_peer={lim.max_per_peer}); close some or raise it")
+                reason = (
+                    f"{host} has {n} connections open to {self.what}, the per-peer limit "
+                    f"({self.prefix}max_connections_per_peer={lim.max_per_peer}); close some or raise it"
+                )
             elif identity and lim.max_per_identity and k >= lim.max_per_identity:
-                reason = (f"credential {identity} has {k} connections open to {self.what}, the per-identity limit "
-                          f"({self.prefix}max_connections_per_identity={lim.max_per_identity}); close some, raise "
-                          "it, or give each process its own credential (kvplugins credential --name)")
+                reason = (
+                    f"credential {identity} has {k} connections open to {self.what}, the per-identity limit "
+                    f"({self.prefix}max_connections_per_identity={lim.max_per_identity}); close some, raise "
+                    "it, or give each process its own credential (kvplugins credential --name)"
+                )
             else:
                 self._per_host[host] = n + 1
                 if identity:
@@ -112,8 +120,8 @@ class AcceptBackoff:
         self.what, self.first_s, self.max_s, self.log_interval_s = what, first_s, max_s, log_interval_s
         self._lock = threading.Lock()
         self._pause = 0.0
-        self._last_log: dict[int | None, float] = {}     # errno -> monotonic s of its last line
-        self._hidden: dict[int | None, int] = {}         # errno -> failures not logged since that line
+        self._last_log: dict[int | None, float] = {}  # errno -> monotonic s of its last line
+        self._hidden: dict[int | None, int] = {}  # errno -> failures not logged since that line
         self.failures = 0
 
     @staticmethod
@@ -133,9 +141,14 @@ class AcceptBackoff:
                 return self._pause
             hidden, self._hidden[code], self._last_log[code] = self._hidden.get(code, 0), 0, now
         more = f" ({hidden} more since the last line)" if hidden else ""
-        log.warning("%s: accept failed (%s); established connections keep being served, accepting again in "
-                    "%.0f ms%s; raise the descriptor limit (ulimit -n) or lower max_connections", self.what,
-                    err.strerror or err, self._pause * 1000, more)
+        log.warning(
+            "%s: accept failed (%s); established connections keep being served, accepting again in "
+            "%.0f ms%s; raise the descriptor limit (ulimit -n) or lower max_connections",
+            self.what,
+            err.strerror or err,
+            self._pause * 1000,
+            more,
+        )
         return self._pause
 
     def ok(self) -> None:
@@ -163,7 +176,7 @@ class Refuser:
         (in the background). Never raises; ``sock`` belongs to the Refuser afterwards."""
         try:
             sock.setblocking(False)
-            _drain(sock)                  # bytes the peer already sent (its first request)
+            _drain(sock)  # bytes the peer already sent (its first request)
             sock.send(message)
             sock.shutdown(socket.SHUT_WR)
         except OSError:
@@ -183,7 +196,7 @@ class Refuser:
             try:
                 self._thread = threading.Thread(target=self._run, name="kvp-refuser", daemon=True)
                 self._thread.start()
-            except RuntimeError:          # can't start new thread: resources ran out, close at once
+            except RuntimeError:  # can't start new thread: resources ran out, close at once
                 self._thread = None
                 return False
         return True
@@ -191,7 +204,7 @@ class Refuser:
     def _run(self) -> None:
         try:
             sel = selectors.DefaultSelector()
-        except OSError:                   # no descriptor for the selector: hold nothing
+        except OSError:  # no descriptor for the selector: hold nothing
             sel = None
         held: dict[socket.socket, float] = {}
         while True:
@@ -275,6 +288,7 @@ class GuardedServerMixIn:
       handler times its frames itself (``count_idle`` / ``count_slow`` keep the numbers);
     * ``close_connections()`` ends every open connection (server_close never waits on a thread a peer holds).
     """
+
     block_on_close = False
     daemon_threads = True
 
@@ -287,20 +301,24 @@ class GuardedServerMixIn:
         self.refuser = Refuser(what)
         self.refusals = RefusalLog()
         self._guard_lock = threading.Lock()
-        self._open: dict = {}                    # socket -> (monotonic s its request started or None, peer)
+        self._open: dict = {}  # socket -> (monotonic s its request started or None, peer)
         self.closed_idle = self.closed_slow = 0
 
     def guard_stats(self) -> dict[str, int]:
         """Connections open; refused over a cap; accept() failures survived; closed idle; closed slow."""
         with self._guard_lock:
-            return {"connections": self.gate.total, "refused": self.gate.refused,
-                    "accept_failures": self.backoff.failures, "closed_idle": self.closed_idle,
-                    "closed_slow": self.closed_slow}
+            return {
+                "connections": self.gate.total,
+                "refused": self.gate.refused,
+                "accept_failures": self.backoff.failures,
+                "closed_idle": self.closed_idle,
+                "closed_slow": self.closed_slow,
+            }
 
     def get_request(self):
         try:
             got = super().get_request()
-        except OSError as e:                     # serve_forever skips this round and polls again
+        except OSError as e:  # serve_forever skips this round and polls again
             if e.errno != errno.ECONNABORTED:
                 time.sleep(self.backoff.failed(e))
             raise
@@ -317,7 +335,7 @@ class GuardedServerMixIn:
             self._open[request] = (time.monotonic() if self._timed_reads else None, client_address)
         try:
             super().process_request(request, client_address)
-        except RuntimeError as e:                # can't start new thread: refuse this connection only
+        except RuntimeError as e:  # can't start new thread: refuse this connection only
             with self._guard_lock:
                 self._open.pop(request, None)
             self.gate.release(client_address)
@@ -332,7 +350,7 @@ class GuardedServerMixIn:
             self.gate.release(client_address)
 
     def shutdown_request(self, request) -> None:
-        with self._guard_lock:                   # forgotten before it closes: the sweep never touches a reused fd
+        with self._guard_lock:  # forgotten before it closes: the sweep never touches a reused fd
             self._open.pop(request, None)
         super().shutdown_request(request)
 
@@ -341,8 +359,9 @@ class GuardedServerMixIn:
         anything else is logged with its traceback. The server keeps serving."""
         err = sys.exc_info()[1]
         if isinstance(err, TimeoutError):
-            self.count_slow(client_address, "a receive or send made no progress within "
-                            f"{self.limits.frame_timeout_s * 1000:g} ms")
+            self.count_slow(
+                client_address, f"a receive or send made no progress within {self.limits.frame_timeout_s * 1000:g} ms"
+            )
         elif isinstance(err, OSError):
             log.debug("%s: connection from %s ended: %s", self.guard_what, client_address, err)
         else:

@@ -1,5 +1,6 @@
 """Logging of refused peers: one warning line per peer host and interval, so a misconfigured client retrying
 in a loop cannot flood the log (the suppressed count is reported with the next line)."""
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,7 @@ class RefusalLog:
     def __init__(self, interval_s: float = 10.0):
         self.interval_s = interval_s
         self._lock = threading.Lock()
-        self._last: dict[tuple, tuple[float, int]] = {}   # (host, what, reason) -> (last line's time, suppressed)
+        self._last: dict[tuple, tuple[float, int]] = {}  # (host, what, reason) -> (last line's time, suppressed)
         self.count = 0
 
     def refused(self, what: str, peer, reason: str) -> None:
@@ -31,7 +32,7 @@ class RefusalLog:
                 self._last[key] = (last, hidden + 1)
                 return
             self._last[key] = (now, 0)
-            if len(self._last) > 4096:               # bounded: forget the oldest hosts
+            if len(self._last) > 4096:  # bounded: forget the oldest hosts
                 for key in sorted(self._last, key=lambda k: self._last[k][0])[:1024]:
                     del self._last[key]
         more = f" ({hidden} more like it from {host} not logged)" if hidden else ""

@@ -13,17 +13,42 @@ master rights. Which role a process claims: StoreClient ``client`` (its segment'
 role; a role credential (``kvplugins credential``) only its own. Mooncake has no roles (any client may mount,
 unmount and remove anything); Redis ACL categories and Ceph capabilities are the anchors.
 """
+
 from __future__ import annotations
 
 ROLES = ("data", "client", "node", "admin")
-MASTER_ROLES = ROLES[1:]           # the roles a master serves and a credential can give
+MASTER_ROLES = ROLES[1:]  # the roles a master serves and a credential can give
 RANK = {role: rank for rank, role in enumerate(ROLES)}
-FORBIDDEN = "forbidden: "          # prefix of a master's refusal for an op outside the connection's role
+FORBIDDEN = "forbidden: "  # prefix of a master's refusal for an op outside the connection's role
 
-_CLIENT = ("info", "status", "put_start", "put_commit", "put_abort", "reserve", "put", "get", "exists",
-           "exists_prefix", "remove", "get_size", "remove_checked", "report_corrupt", "describe", "task_query")
-_NODE = ("register_segment", "heartbeat", "unregister", "tier_register", "tier_poll", "tier_done",
-         "promote_start", "promote_commit")
+_CLIENT = (
+    "info",
+    "status",
+    "put_start",
+    "put_commit",
+    "put_abort",
+    "reserve",
+    "put",
+    "get",
+    "exists",
+    "exists_prefix",
+    "remove",
+    "get_size",
+    "remove_checked",
+    "report_corrupt",
+    "describe",
+    "task_query",
+)
+_NODE = (
+    "register_segment",
+    "heartbeat",
+    "unregister",
+    "tier_register",
+    "tier_poll",
+    "tier_done",
+    "promote_start",
+    "promote_commit",
+)
 _ADMIN = ("drain", "remove_by_regex", "remove_all", "task_create")
 OP_ROLE = {**dict.fromkeys(_CLIENT, "client"), **dict.fromkeys(_NODE, "node"), **dict.fromkeys(_ADMIN, "admin")}
 
@@ -38,5 +63,7 @@ def refusal(op: str, role: str) -> str | None:
     need = needed(op)
     if RANK.get(role, -1) >= RANK[need]:
         return None
-    return (f"{FORBIDDEN}{op} needs the {need} role; this connection authenticated as {role} (give the process the "
-            f"cluster secret or a {need} credential: kvplugins credential --role {need} --out FILE)")
+    return (
+        f"{FORBIDDEN}{op} needs the {need} role; this connection authenticated as {role} (give the process the "
+        f"cluster secret or a {need} credential: kvplugins credential --role {need} --out FILE)"
+    )

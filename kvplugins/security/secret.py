@@ -15,6 +15,7 @@ nothing in a credential yields the secret, another role's key or another name's.
 key with HMAC-SHA256 challenges (handshake.py) and the zmq control plane uses CURVE keys derived from them
 (curve.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,11 +36,14 @@ from kvplugins.security.roles import MASTER_ROLES
 
 log = logging.getLogger("kvplugins.security")
 MIN_SECRET = 16
-NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")     # a credential's name: the identity the master bounds
-NEW_SECRET = ("python -c 'import secrets; print(secrets.token_hex(32))' > /etc/kvplugins/token && "
-              "chmod 600 /etc/kvplugins/token")
-HOW = ("give every master, node and client of the cluster the same secret: KVPLUGINS_AUTH_TOKEN_FILE=<file> "
-       "(or --token-file, or token_file in the [auth] table of the config file)")
+NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a credential's name: the identity the master bounds
+NEW_SECRET = (
+    "python -c 'import secrets; print(secrets.token_hex(32))' > /etc/kvplugins/token && chmod 600 /etc/kvplugins/token"
+)
+HOW = (
+    "give every master, node and client of the cluster the same secret: KVPLUGINS_AUTH_TOKEN_FILE=<file> "
+    "(or --token-file, or token_file in the [auth] table of the config file)"
+)
 
 
 @component("auth")
@@ -48,11 +52,20 @@ class AuthConfig:
     """The shared secret or a role credential (env KVPLUGINS_AUTH_TOKEN / KVPLUGINS_AUTH_TOKEN_FILE). Empty = the
     per-user default secret (default_secret_path()), which is enough while every endpoint binds a loopback
     address; a cluster across hosts configures one secret on all of them."""
-    token: str = field(default="", metadata={
-        "help": "the shared secret itself (prefer token_file: a value in the environment or on a command line "
-                "is visible to other processes of the same user)"})
-    token_file: str = field(default="", metadata={
-        "help": "file holding the shared secret or a role credential (kvplugins credential; keep it mode 0600)"})
+
+    token: str = field(
+        default="",
+        metadata={
+            "help": "the shared secret itself (prefer token_file: a value in the environment or on a command line "
+            "is visible to other processes of the same user)"
+        },
+    )
+    token_file: str = field(
+        default="",
+        metadata={
+            "help": "file holding the shared secret or a role credential (kvplugins credential; keep it mode 0600)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.token and self.token_file:
@@ -62,14 +75,16 @@ class AuthConfig:
 class Secret:
     """The cluster's shared secret (at least MIN_SECRET bytes): it gives every role. Its value is never printed;
     ``source`` says where it came from, ``auto`` whether it is the per-user default (one host only)."""
+
     __slots__ = ("_key", "source", "auto")
     role = "admin"
-    name = ""            # a secret holder is the cluster itself: no per-identity bounds apply to it
+    name = ""  # a secret holder is the cluster itself: no per-identity bounds apply to it
 
     def __init__(self, key: bytes, source: str, auto: bool = False):
         if len(key) < MIN_SECRET:
-            raise ConfigError(f"the shared secret from {source} has {len(key)} bytes; use at least {MIN_SECRET}, "
-                              f"e.g. {NEW_SECRET}")
+            raise ConfigError(
+                f"the shared secret from {source} has {len(key)} bytes; use at least {MIN_SECRET}, e.g. {NEW_SECRET}"
+            )
         self._key, self.source, self.auto = key, source, auto
 
     def key(self, role: str) -> bytes:
@@ -102,16 +117,23 @@ class Credential:
     ``role`` and the roles below it only where a server derives them from this key, as the identity
     ``role:name``; it cannot be turned into the secret, a higher role's key or another name's. Parsed from the
     JSON ``issue_credential`` wrote."""
+
     __slots__ = ("role", "name", "_key", "_data", "_curve", "curve_server", "source")
     auto = False
 
-    def __init__(self, role: str, name: str, key: bytes, data: bytes, curve: bytes, curve_server: bytes,
-                 source: str):
-        if role not in MASTER_ROLES or not NAME.fullmatch(name) or len(key) != 32 or len(data) != 32 \
-                or len(curve) != 40:
-            raise ConfigError(f"the role credential from {source} is malformed (role {role!r}, name {name!r}); "
-                              "issue a new one with: kvplugins credential --role client|node|admin --name NAME "
-                              "--out FILE")
+    def __init__(self, role: str, name: str, key: bytes, data: bytes, curve: bytes, curve_server: bytes, source: str):
+        if (
+            role not in MASTER_ROLES
+            or not NAME.fullmatch(name)
+            or len(key) != 32
+            or len(data) != 32
+            or len(curve) != 40
+        ):
+            raise ConfigError(
+                f"the role credential from {source} is malformed (role {role!r}, name {name!r}); "
+                "issue a new one with: kvplugins credential --role client|node|admin --name NAME "
+                "--out FILE"
+            )
         self.role, self.name, self._key, self._data = role, name, key, data
         self._curve, self.curve_server, self.source = curve, curve_server, source
 
@@ -128,11 +150,20 @@ class Credential:
     def parse(cls, text: bytes, source: str) -> "Credential":
         try:
             d = json.loads(text)
-            return cls(d["role"], d["name"], bytes.fromhex(d["key"]), bytes.fromhex(d["data_key"]),
-                       d["curve_key"].encode(), d["master_curve_key"].encode(), source)
+            return cls(
+                d["role"],
+                d["name"],
+                bytes.fromhex(d["key"]),
+                bytes.fromhex(d["data_key"]),
+                d["curve_key"].encode(),
+                d["master_curve_key"].encode(),
+                source,
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{source} is neither a shared secret nor a role credential ({e}); issue one with: "
-                              "kvplugins credential --role client|node|admin --name NAME --out FILE") from e
+            raise ConfigError(
+                f"{source} is neither a shared secret nor a role credential ({e}); issue one with: "
+                "kvplugins credential --role client|node|admin --name NAME --out FILE"
+            ) from e
 
     def __repr__(self) -> str:
         return f"Credential({self.role}:{self.name}, from {self.source})"
@@ -146,6 +177,7 @@ def named_key(role_key: bytes, name: str) -> bytes:
 def derive_curve(role_key: bytes, label: bytes) -> bytes:
     """A z85 CURVE secret key derived one-way from ``role_key`` for ``label``."""
     from zmq.utils import z85
+
     return z85.encode(hmac.new(role_key, label, hashlib.sha256).digest())
 
 
@@ -183,10 +215,20 @@ def issue_credential(secret: Secret, role: str, name: str, curve_server: bytes) 
         raise ConfigError(f"role {role!r} is not one of client, node, admin")
     if not NAME.fullmatch(name):
         raise ConfigError(f"credential name {name!r} must be 1-64 of A-Z a-z 0-9 . _ - (e.g. engine-a)")
-    return json.dumps({"kvplugins_credential": 2, "role": role, "name": name,
-                       "key": secret.identity_key(role, name).hex(), "data_key": secret.key("data").hex(),
-                       "curve_key": credential_curve_secret(secret, role).decode(),
-                       "master_curve_key": curve_server.decode()}) + "\n"
+    return (
+        json.dumps(
+            {
+                "kvplugins_credential": 2,
+                "role": role,
+                "name": name,
+                "key": secret.identity_key(role, name).hex(),
+                "data_key": secret.key("data").hex(),
+                "curve_key": credential_curve_secret(secret, role).decode(),
+                "master_curve_key": curve_server.decode(),
+            }
+        )
+        + "\n"
+    )
 
 
 def default_secret_path() -> Path | None:
@@ -221,7 +263,7 @@ def default_secret() -> Secret | None:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32) + "\n")
         try:
-            os.link(tmp, path)            # atomic and never replaces: concurrent first processes agree
+            os.link(tmp, path)  # atomic and never replaces: concurrent first processes agree
         except FileExistsError:
             pass
         finally:
@@ -238,9 +280,11 @@ def _read_default(path: Path) -> Secret:
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise ConfigError(f"the per-user shared secret {path} is owned by uid {st.st_uid} with mode "
-                              f"{st.st_mode & 0o777:o}; it must be this user's (uid {os.getuid()}) and mode 0600: "
-                              f"chmod 600 {path} (or remove it; the next kvplugins process makes a new one)")
+            raise ConfigError(
+                f"the per-user shared secret {path} is owned by uid {st.st_uid} with mode "
+                f"{st.st_mode & 0o777:o}; it must be this user's (uid {os.getuid()}) and mode 0600: "
+                f"chmod 600 {path} (or remove it; the next kvplugins process makes a new one)"
+            )
         return Secret(f.read().strip(), f"the per-user secret {path}", auto=True)
 
 
@@ -259,11 +303,14 @@ def load_secret(config: AuthConfig | None = None, warn: bool = False) -> Secret 
             mode = os.fstat(f.fileno()).st_mode
             key = f.read().strip()
     except OSError as e:
-        raise ConfigError(f"auth token_file {cfg.token_file!r} cannot be read ({e.strerror}); "
-                          f"fix KVPLUGINS_AUTH_TOKEN_FILE / --token-file, or create it: {NEW_SECRET}") from e
+        raise ConfigError(
+            f"auth token_file {cfg.token_file!r} cannot be read ({e.strerror}); "
+            f"fix KVPLUGINS_AUTH_TOKEN_FILE / --token-file, or create it: {NEW_SECRET}"
+        ) from e
     if warn and mode & 0o077:
-        log.warning("auth token_file %s is readable by other users (mode %o); chmod 600 it",
-                    cfg.token_file, mode & 0o777)
+        log.warning(
+            "auth token_file %s is readable by other users (mode %o); chmod 600 it", cfg.token_file, mode & 0o777
+        )
     source = f"auth token_file {cfg.token_file}"
     return Credential.parse(key, source) if key.startswith(b"{") else Secret(key, source)
 
@@ -279,8 +326,10 @@ def require(what: str) -> Secret | Credential:
     authenticate its peers. Raises ConfigError naming the fix when there is none."""
     keys = load_secret()
     if keys is None:
-        raise ConfigError(f"{what} has no shared secret: none is configured and the per-user default "
-                          f"{default_secret_path()} cannot be created; {HOW}")
+        raise ConfigError(
+            f"{what} has no shared secret: none is configured and the per-user default "
+            f"{default_secret_path()} cannot be created; {HOW}"
+        )
     return keys
 
 
@@ -291,8 +340,9 @@ def resolve_server(what: str) -> Secret:
     secret = require(what)
     if isinstance(secret, Secret):
         return secret
-    raise ConfigError(f"{what} needs the cluster's shared secret, but {secret.source} is a {secret.role} role "
-                      f"credential; {HOW}")
+    raise ConfigError(
+        f"{what} needs the cluster's shared secret, but {secret.source} is a {secret.role} role credential; {HOW}"
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -315,6 +365,8 @@ def require_for_bind(host: str, secret: Secret | Credential | None, what: str) -
     """Refuse to bind a non-loopback ``host`` without a configured secret (the per-user default reaches no other
     host). ``what`` names the setting (e.g. "master --host"). Raises ConfigError naming the value and the fix."""
     if (secret is None or secret.auto) and not is_loopback(host):
-        raise ConfigError(f"{what}={host!r} is not a loopback address and no shared secret is configured, so anyone "
-                          f"who reaches it could read or overwrite the store; {HOW} (create one with: {NEW_SECRET}), "
-                          "or bind 127.0.0.1")
+        raise ConfigError(
+            f"{what}={host!r} is not a loopback address and no shared secret is configured, so anyone "
+            f"who reaches it could read or overwrite the store; {HOW} (create one with: {NEW_SECRET}), "
+            "or bind 127.0.0.1"
+        )

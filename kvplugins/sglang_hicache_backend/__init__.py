@@ -8,6 +8,7 @@ Importing this package imports SGLang and torch (only SGLang imports it). Files:
 config.py (extra-config keys), pool.py (reading a host pool), legacy.py (flat-tensor API), metrics.py.
 See docs/sglang.md.
 """
+
 from kvplugins.sglang_hicache_backend.storage import KVPluginsHiCacheStorage
 
 __all__ = ["KVPluginsHiCacheStorage"]

@@ -4,6 +4,7 @@ Used when ``interface_v1`` is off (the controller's ``_generic_page_get``/``_gen
 host pool's ``get_data_page(index, flat=True)`` tensor, stored under the "flat" key space, whose byte order
 differs from the zero-copy objects for layer_first pools — so the two never share keys.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 def _bytes_view(t: Any) -> memoryview:
     """The bytes of a CPU tensor (made contiguous) as a read-only memoryview."""
     import torch
+
     return memoryview(t.detach().contiguous().view(torch.uint8).numpy()).cast("B")
 
 
@@ -25,6 +27,7 @@ def batch_get(store: KeyedPageStore, space: KeySpace, keys: Sequence[str], targe
     """Each stored page copied into ``targets[i]`` (a flat CPU tensor of the page's size) and returned; None for
     a miss, a size mismatch, or an unreachable store. targets None: new uint8 tensors are returned."""
     import torch
+
     names = space.keys(key_bytes(keys))
     datas = store.call(lambda c: c.batch_get(names), [None] * len(names))
     out = []
@@ -37,8 +40,12 @@ def batch_get(store: KeyedPageStore, space: KeySpace, keys: Sequence[str], targe
         if dst is None:
             out.append(src)
         elif dst.numel() * dst.element_size() != src.numel():
-            log.warning("kvplugins: page %s is %d B, the target holds %d B; treated as a miss", keys[i],
-                        src.numel(), dst.numel() * dst.element_size())
+            log.warning(
+                "kvplugins: page %s is %d B, the target holds %d B; treated as a miss",
+                keys[i],
+                src.numel(),
+                dst.numel() * dst.element_size(),
+            )
             out.append(None)
         else:
             dst.view(torch.uint8).view(-1).copy_(src)

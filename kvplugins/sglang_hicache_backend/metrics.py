@@ -5,11 +5,12 @@ backup_bandwidth in GB/s per batch; drained on each call, as SGLang's collector 
 attribute ``kvplugins``: the StoreClient's hits, misses, bytes_put, bytes_got, put/get batch p50/p99 (µs) and
 the page store's counters (saved, skipped, loaded, failed pages, store errors).
 """
+
 from __future__ import annotations
 
 import threading
 
-MAX_SAMPLES = 4096   # per list between two get_stats calls (SGLang drains them; this bounds memory if it does not)
+MAX_SAMPLES = 4096  # per list between two get_stats calls (SGLang drains them; this bounds memory if it does not)
 
 
 class Metrics:
@@ -39,6 +40,7 @@ class Metrics:
 
     def snapshot(self, client_stats: dict, page_stats: dict):
         from sglang.srt.observability.metrics_collector import StorageMetrics
+
         with self._lock:
             lists = {k: v for k, v in self._lists.items()}
             self._lists = {k: [] for k in self._lists}

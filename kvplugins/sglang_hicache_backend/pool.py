@@ -4,6 +4,7 @@ Only the pool's public surface is used: ``kv_buffer`` / ``get_hybrid_pool_buffer
 ``get_page_buffer_meta(indices)`` (pointers + sizes per page, in the pool's own order), ``page_size``,
 ``logical_page_size``, ``layout``, ``dtype`` (source: SGLang 0.5.23 ``mem_cache/pool_host``).
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -13,7 +14,7 @@ from kvplugins.layout.hicache import MetaLayout, Span
 
 
 def pool_kind(pool: Any) -> str:
-    """"mla" for MLA host pools (one latent row per token), else "mha"."""
+    """ "mla" for MLA host pools (one latent row per token), else "mha"."""
     return "mla" if hasattr(pool, "kv_lora_rank") else "mha"
 
 
@@ -26,8 +27,10 @@ def host_buffers(pool: Any) -> list[Span]:
         tensors += list(get_hybrid())
     tensors = [t for t in tensors if t is not None]
     if not tensors:
-        raise ConfigError(f"SGLang host pool {type(pool).__name__} has no KV buffer (a logical-only anchor "
-                          "pool); kvplugins needs a pool with host KV memory (MHA or MLA host pools)")
+        raise ConfigError(
+            f"SGLang host pool {type(pool).__name__} has no KV buffer (a logical-only anchor "
+            "pool); kvplugins needs a pool with host KV memory (MHA or MLA host pools)"
+        )
     for t in tensors:
         if str(t.device) != "cpu":
             raise ConfigError(f"host pool buffer on {t.device}: kvplugins maps CPU (host) memory only")
@@ -45,14 +48,17 @@ def page_starts(pool: Any, host_indices: Any, num_keys: int) -> list[int]:
     step = page_tokens(pool)
     n = int(host_indices.numel())
     if n != num_keys * step:
-        raise ValueError(f"host_indices holds {n} token slots for {num_keys} keys; expected "
-                         f"{num_keys} x page size {step} = {num_keys * step}")
+        raise ValueError(
+            f"host_indices holds {n} token slots for {num_keys} keys; expected "
+            f"{num_keys} x page size {step} = {num_keys * step}"
+        )
     return [int(i) for i in host_indices[::step].tolist()]
 
 
 def meta_layout(pool: Any) -> MetaLayout:
     """A layout whose block ids are page start indices; spans come from ``get_page_buffer_meta``."""
     import torch
+
     step = page_tokens(pool)
     offsets = torch.arange(step, dtype=torch.int64)
 
@@ -66,5 +72,6 @@ def meta_layout(pool: Any) -> MetaLayout:
 def page_bytes(pool: Any) -> int:
     """Bytes of one page object in buffer-metadata order (sum of one page's sizes)."""
     import torch
+
     _, sizes = pool.get_page_buffer_meta(torch.arange(page_tokens(pool), dtype=torch.int64))
     return int(sum(sizes))

@@ -12,6 +12,7 @@ missing page; a ``TRAILING_PAGES`` pool with N keys allows a length p only if pa
 (N = 1 for Mamba state, the window for SWA). The KV hit is the longest length every pool allows; the lengths all
 pools allow are returned too (``restorable_prefix_pages``), since a trailing pool's set has holes.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -27,7 +28,7 @@ def allowed_lengths(policy: str, trailing: int, stored: Sequence[bool]) -> set[i
         return set(range(1, n + 1))
     if policy == TRAILING_PAGES:
         need = max(1, trailing)
-        return {p for p in range(1, len(stored) + 1) if all(stored[max(0, p - need):p])}
+        return {p for p in range(1, len(stored) + 1) if all(stored[max(0, p - need) : p])}
     raise ValueError(f"hit policy {policy!r}: kvplugins serves all_pages and trailing_pages pools")
 
 

@@ -18,6 +18,7 @@ Source followed: SGLang 0.5.23 ``mem_cache/hicache_storage.py`` (HiCacheStorage 
 PoolTransferResult), ``managers/cache_controller.py`` and ``mem_cache/hybrid_cache/hybrid_cache_controller.py``
 (how the prefetch/backup threads call it).
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,12 +42,14 @@ from kvplugins.sglang_hicache_backend.metrics import Metrics
 from kvplugins.sglang_hicache_backend.pool import meta_layout, page_bytes, page_starts, page_tokens, pool_kind
 
 log = logging.getLogger(__name__)
-NOT_ATTACHED = ("KVPluginsHiCacheStorage: no host pool registered yet (SGLang calls register_mem_pool_host before "
-                "any page I/O)")
+NOT_ATTACHED = (
+    "KVPluginsHiCacheStorage: no host pool registered yet (SGLang calls register_mem_pool_host before any page I/O)"
+)
 
 
 class HostPool(Protocol):
     """What this module reads of an SGLang host pool (HostKVCache, or a v2 side pool) itself; pool.py the rest."""
+
     layout: str
 
     def get_size_per_token(self) -> int: ...
@@ -64,8 +67,8 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         self.interface_v1 = bool(extra.get("interface_v1", 0))
         self.is_writer = storage_config.is_storage_writer
         self.mem_pool_host: HostPool | None = None
-        self._pages: KeyedPageStore | None = None      # v1 namespace, zero-copy
-        self._flat: KeySpace | None = None              # legacy namespace (flat page tensors)
+        self._pages: KeyedPageStore | None = None  # v1 namespace, zero-copy
+        self._flat: KeySpace | None = None  # legacy namespace (flat page tensors)
         self._side: dict[str, tuple[HostPool, KeyedPageStore]] = {}  # v2: pool name -> (host pool, its pages)
         self._metrics = Metrics(storage_config.enable_storage_metrics)
 
@@ -73,7 +76,7 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: HostPool) -> None:
         super().register_mem_pool_host(mem_pool_host)
         v1, flat = (self._keyspace(mem_pool_host, fmt) for fmt in ("v1", "flat"))
-        self.close()                                    # a re-attach replaces the previous pool's connection
+        self.close()  # a re-attach replaces the previous pool's connection
         self._pages = KeyedPageStore(self._client, v1, meta_layout(mem_pool_host), retry_ms=self.config.retry_ms)
         self._flat, self._side = flat, {}
 
@@ -85,8 +88,12 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         if host_pool is self.mem_pool_host:
             return
         space = self._keyspace(host_pool, "v1", name)
-        self._side[name] = (host_pool, KeyedPageStore(self._client, space, meta_layout(host_pool),
-                                                      retry_ms=self.config.retry_ms, share=self._store()))
+        self._side[name] = (
+            host_pool,
+            KeyedPageStore(
+                self._client, space, meta_layout(host_pool), retry_ms=self.config.retry_ms, share=self._store()
+            ),
+        )
 
     def on_host_pools_registered(self) -> None:
         """Connect now and register the host KV memory (a store that is down is retried on use)."""
@@ -95,17 +102,28 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
 
     def _client(self) -> object:
         from kvplugins.store import StoreClient
+
         return StoreClient(self.config.store)
 
     def _keyspace(self, pool: HostPool, io_format: str, name: str = "") -> KeySpace:
         sc, kind = self.storage_config, pool_kind(pool)
         extra = f"ns={self.config.namespace};cp{sc.attn_cp_rank}/{sc.attn_cp_size};dcp{sc.dcp_rank}/{sc.dcp_size}"
         size = page_bytes(pool) if io_format == "v1" else pool.get_size_per_token() * page_tokens(pool)
-        return hicache_keyspace(model=sc.model_name or "", kv_dtype=str(getattr(pool, "dtype", "state")),
-                                page_size=page_tokens(pool), page_bytes=size, pool=f"{kind}:{name}" if name else kind,
-                                layout=pool.layout, tp_rank=sc.tp_rank,
-                                tp_size=sc.tp_size, pp_rank=sc.pp_rank, pp_size=sc.pp_size,
-                                shared_across_tp=kind == "mla", io_format=io_format, extra=extra)
+        return hicache_keyspace(
+            model=sc.model_name or "",
+            kv_dtype=str(getattr(pool, "dtype", "state")),
+            page_size=page_tokens(pool),
+            page_bytes=size,
+            pool=f"{kind}:{name}" if name else kind,
+            layout=pool.layout,
+            tp_rank=sc.tp_rank,
+            tp_size=sc.tp_size,
+            pp_rank=sc.pp_rank,
+            pp_size=sc.pp_size,
+            shared_across_tp=kind == "mla",
+            io_format=io_format,
+            extra=extra,
+        )
 
     def _store(self) -> KeyedPageStore:
         if self._pages is None:
@@ -157,8 +175,12 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         return ok
 
     # ---- interface v2 (hybrid models: side pools) -----------------------------------------------------------
-    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
-                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+    def batch_exists_v2(
+        self,
+        keys: List[str],
+        pool_transfers: Optional[List[PoolTransfer]] = None,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> PoolTransferResult:
         """The longest KV prefix of ``keys`` (page hashes) every transfer's pool can restore under its hit policy,
         each pool's own boundary (and "kv"), and every restorable length. One exists RPC per pool; a store that
         is down is a miss (0). Raises ValueError for a BLOCK_GROUPS pool (not supported)."""
@@ -173,14 +195,16 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         hit, per_pool, restorable = pools_v2.combine(kv, lengths)
         return PoolTransferResult(hit, {"kv": kv, **per_pool}, restorable)
 
-    def batch_get_v2(self, transfers: List[PoolTransfer],
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+    def batch_get_v2(
+        self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> dict[str, List[bool]]:
         """Scatter each transfer's pages (``keys[i]`` -> the page at ``host_indices``) into its pool; True per page
         that landed. A pool never registered, or inconsistent indices, read as all False (logged)."""
         return {_name(t.name): self._side_io(t, "load") for t in transfers}
 
-    def batch_set_v2(self, transfers: List[PoolTransfer],
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+    def batch_set_v2(
+        self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> dict[str, List[bool]]:
         """Store each transfer's pages from its pool (stored ones skipped); True per page stored. Never raises:
         SGLang skips the KV backup after a raising batch_set_v2. Non-writer ranks skip pools shared across TP
         (MLA), and write per-rank ones (Mamba state is TP-sharded)."""
@@ -190,8 +214,12 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         keys = list(t.keys or ())
         side = self._side.get(_name(t.name))
         if side is None:
-            log.warning("kvplugins: %s of %d pages of pool %s, which was never registered: refused", op, len(keys),
-                        _name(t.name))
+            log.warning(
+                "kvplugins: %s of %d pages of pool %s, which was never registered: refused",
+                op,
+                len(keys),
+                _name(t.name),
+            )
             return [False] * len(keys)
         pool, pages = side
         if op == "save" and not self.is_writer and pool_kind(pool) == "mla":
@@ -249,9 +277,7 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def batch_exists(
-        self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None
-    ) -> int:
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Number of consecutive stored pages from the start of ``keys``, in one RPC; 0 if the store is down."""
         return self._store().stored_prefix_in(self._lookup_space(), keys)
 
@@ -265,8 +291,9 @@ class KVPluginsHiCacheStorage(HiCacheStorage):
         """SGLang StorageMetrics (pages and GB/s per prefetch/backup batch since the last call) plus the store
         client's counters: hits, misses, bytes_put, bytes_got, put/get batch latency p50/p99 (µs)."""
         client = self._pages.client_if_connected() if self._pages is not None else None
-        return self._metrics.snapshot(client.stats() if client is not None else {},
-                                      self._pages.stats if self._pages is not None else {})
+        return self._metrics.snapshot(
+            client.stats() if client is not None else {}, self._pages.stats if self._pages is not None else {}
+        )
 
     def close(self) -> None:
         """Disconnect from the store (idempotent)."""

@@ -7,13 +7,18 @@ node/        a store node contributing one segment (and the segment a client may
 disk/, ha/, shard/   the disk tier, HA on etcd, hash-sharded masters; embedded.py `kvplugins up`.
 Names load lazily so ``import kvplugins.store`` stays cheap (no zmq, no transfer engine).
 """
+
 from __future__ import annotations
 
 from kvplugins.lazy import lazy
 
-_LAZY = {"StoreClient": "kvplugins.store.client", "ClientConfig": "kvplugins.store.config",
-         "MasterConfig": "kvplugins.store.config", "StoreNodeConfig": "kvplugins.store.config",
-         "UpConfig": "kvplugins.store.config"}
+_LAZY = {
+    "StoreClient": "kvplugins.store.client",
+    "ClientConfig": "kvplugins.store.config",
+    "MasterConfig": "kvplugins.store.config",
+    "StoreNodeConfig": "kvplugins.store.config",
+    "UpConfig": "kvplugins.store.config",
+}
 __all__ = list(_LAZY)
 
 __getattr__ = lazy(__name__, _LAZY)

@@ -6,6 +6,7 @@ Discovery file: ``UpConfig.discovery_file`` (env KVPLUGINS_UP_DISCOVERY_FILE), e
 ``$XDG_RUNTIME_DIR/kvplugins/up.json``, else ``<tempdir>/kvplugins-<uid>/up.json``. JSON:
 ``{"master": "host:port", "zmq": "tcp://...", "pid": N, "segment": name}``; removed when ``up`` exits.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -22,11 +23,15 @@ from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.store.client.rpc import RawRpcClient
 from kvplugins.store.config import UpConfig
 
-SGLANG_FLAGS = ("--enable-hierarchical-cache --hicache-storage-backend dynamic --hicache-storage-backend-extra-config "
-                "'{\"backend_name\":\"kvplugins\",\"module_path\":\"kvplugins.sglang_hicache_backend\","
-                "\"class_name\":\"KVPluginsHiCacheStorage\",\"interface_v1\":1}'")
-VLLM_FLAGS = ("--kv-transfer-config '{\"kv_connector\":\"KVPluginsConnector\","
-              "\"kv_connector_module_path\":\"kvplugins.vllm_kv_connector\",\"kv_role\":\"kv_both\"}'")
+SGLANG_FLAGS = (
+    "--enable-hierarchical-cache --hicache-storage-backend dynamic --hicache-storage-backend-extra-config "
+    '\'{"backend_name":"kvplugins","module_path":"kvplugins.sglang_hicache_backend",'
+    '"class_name":"KVPluginsHiCacheStorage","interface_v1":1}\''
+)
+VLLM_FLAGS = (
+    '--kv-transfer-config \'{"kv_connector":"KVPluginsConnector",'
+    '"kv_connector_module_path":"kvplugins.vllm_kv_connector","kv_role":"kv_both"}\''
+)
 CLI = [sys.executable, "-c", "import sys; from kvplugins.cli import main; sys.exit(main())"]
 
 
@@ -44,7 +49,7 @@ def discovery_path(config: UpConfig | None = None) -> Path:
 def read_discovery(path: Path) -> dict | None:
     try:
         info = json.loads(path.read_text())
-        os.kill(int(info["pid"]), 0)           # the process is alive
+        os.kill(int(info["pid"]), 0)  # the process is alive
         return info
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -77,8 +82,13 @@ def ensure_running(timeout_s: float = 30.0, config: UpConfig | None = None) -> s
             return address
         env = {**os.environ, "KVPLUGINS_UP_DISCOVERY_FILE": str(path)}
         try:
-            proc = subprocess.run(CLI + ["up", "--detach", "--ready-timeout-ms", str(int(timeout_s * 1000))],
-                                  env=env, capture_output=True, text=True, timeout=timeout_s + 5)
+            proc = subprocess.run(
+                CLI + ["up", "--detach", "--ready-timeout-ms", str(int(timeout_s * 1000))],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s + 5,
+            )
         except subprocess.TimeoutExpired:
             proc = None
         address = discover(config=config)
@@ -103,8 +113,7 @@ def wait_ready(path: Path, pid: int, timeout_s: float, alive) -> dict:
 
 def flags_text(master: str) -> str:
     """The exact SGLang and vLLM flags that use this store."""
-    return (f"kvplugins store ready: master {master}\n\nSGLang:\n  {SGLANG_FLAGS}\n\n"
-            f"vLLM:\n  {VLLM_FLAGS}\n")
+    return f"kvplugins store ready: master {master}\n\nSGLang:\n  {SGLANG_FLAGS}\n\nvLLM:\n  {VLLM_FLAGS}\n"
 
 
 def resolve_master(address: str) -> str:

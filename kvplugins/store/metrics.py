@@ -14,6 +14,7 @@ HTTP thread's collector only reads the latest snapshot reference. A node's colle
 ``status`` op over its own control connection, at most once per ``NODE_CACHE_S``, and reads the node's own
 (immutable or thread-safe) fields.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,23 @@ NODE_CACHE_S = 1.0
 METRICS_LIMITS = ConnLimits(max_connections=64, max_per_peer=16, idle_timeout_s=0.0, frame_timeout_s=10.0)
 # Disk-tier numbers whose key holds one of these words are counters (*_total), other numbers gauges (the
 # master's Tiering names its counters exactly, through ``Tiering.counters``; node stats go by these words).
-TIER_COUNTER_WORDS = ("offload", "promot", "error", "evict", "hit", "miss", "corrupt", "lost", "migrat", "drain",
-                      "fail", "deferred", "writes", "reads", "deletes")
+TIER_COUNTER_WORDS = (
+    "offload",
+    "promot",
+    "error",
+    "evict",
+    "hit",
+    "miss",
+    "corrupt",
+    "lost",
+    "migrat",
+    "drain",
+    "fail",
+    "deferred",
+    "writes",
+    "reads",
+    "deletes",
+)
 
 
 class OpTimer:
@@ -66,12 +82,12 @@ class OpTimer:
 
 @dataclass(frozen=True)
 class MasterSnapshot:
-    status: dict | None   # the ``status`` op's answer (a private copy); None on an HA standby
-    counters: tuple       # names of the service's monotonically increasing counters
-    ops: dict             # op -> (count per bucket..., count beyond the last bound, sum of seconds)
+    status: dict | None  # the ``status`` op's answer (a private copy); None on an HA standby
+    counters: tuple  # names of the service's monotonically increasing counters
+    ops: dict  # op -> (count per bucket..., count beyond the last bound, sum of seconds)
     bounds: tuple
-    tier_counters: tuple = ()    # names of the disk tier's counters (Tiering.counters), if it has any
-    server: dict | None = None   # RpcServer.guard_stats(): connections, refusals, accept failures, internal errors
+    tier_counters: tuple = ()  # names of the disk tier's counters (Tiering.counters), if it has any
+    server: dict | None = None  # RpcServer.guard_stats(): connections, refusals, accept failures, internal errors
 
 
 class MasterMetrics:
@@ -84,8 +100,9 @@ class MasterMetrics:
         port = getattr(config, "metrics_port", -1)
         if port >= 0:
             limits = config.metrics_limits() if hasattr(config, "metrics_limits") else None
-            self.endpoint = Endpoint(getattr(config, "metrics_host", "127.0.0.1"), port, "master", limits,
-                                     "master.metrics_")
+            self.endpoint = Endpoint(
+                getattr(config, "metrics_host", "127.0.0.1"), port, "master", limits, "master.metrics_"
+            )
             self.endpoint.registry.register(_Collector(self._families))
             self.publish()
 
@@ -95,14 +112,20 @@ class MasterMetrics:
             return
         service = self._server.service
         try:
-            status = protocol.unpack(protocol.pack(service.handle("status", [], {})))   # deep private copy
-        except ValueError:             # an HA standby refuses every op: it reports only that it does not lead
+            status = protocol.unpack(protocol.pack(service.handle("status", [], {})))  # deep private copy
+        except ValueError:  # an HA standby refuses every op: it reports only that it does not lead
             status = None
         except Exception:  # noqa: BLE001 - metrics must never stop the master's loop
             log.exception("metrics snapshot failed; serving the previous one")
             return
-        self.snapshot = MasterSnapshot(status, tuple(service.counters), self.timer.snapshot(), self.timer.bounds,
-                                       tuple(getattr(service.tiering, "counters", ())), self._server.guard_stats())
+        self.snapshot = MasterSnapshot(
+            status,
+            tuple(service.counters),
+            self.timer.snapshot(),
+            self.timer.bounds,
+            tuple(getattr(service.tiering, "counters", ())),
+            self._server.guard_stats(),
+        )
 
     def close(self) -> None:
         if self.endpoint is not None:
@@ -120,7 +143,7 @@ class NodeMetrics:
         self.node, self.master, self.timeout_ms = node, master, timeout_ms
         self._cached: tuple[float, dict | None] = (0.0, None)
         self._rpc = None
-        self._lock = threading.Lock()      # scrapes may run concurrently (one HTTP thread each)
+        self._lock = threading.Lock()  # scrapes may run concurrently (one HTTP thread each)
         self.endpoint = None
 
     def serve(self, host: str, port: int, limits: ConnLimits | None = None) -> "NodeMetrics":
@@ -153,7 +176,7 @@ class NodeMetrics:
             if self._rpc is None:
                 self._rpc = control_client(self.master, self.timeout_ms)
             st = self._rpc.call("status")
-        except StoreError as e:       # MasterUnreachable included: the node still reports what it knows
+        except StoreError as e:  # MasterUnreachable included: the node still reports what it knows
             log.debug("metrics: master status unavailable: %s", e)
             st = None
         return st
@@ -172,17 +195,23 @@ class Endpoint:
     served. ``config_prefix`` names the limits' config keys in refusals ("store.metrics_"). Raises OSError if
     the port is taken."""
 
-    def __init__(self, host: str, port: int, what: str, limits: ConnLimits | None = None,
-                 config_prefix: str = "metrics_"):
+    def __init__(
+        self, host: str, port: int, what: str, limits: ConnLimits | None = None, config_prefix: str = "metrics_"
+    ):
         from prometheus_client import CollectorRegistry, ProcessCollector
         from prometheus_client.exposition import make_wsgi_app
+
         self.registry = CollectorRegistry(auto_describe=False)
         ProcessCollector(namespace="kvplugins", registry=self.registry)
         limits = limits or METRICS_LIMITS
         self._httpd = _HttpServer(host, port, limits, f"the metrics endpoint of {what}", config_prefix)
         self._httpd.set_app(make_wsgi_app(self.registry))
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvp-metrics", daemon=True,
-                                        kwargs={"poll_interval": min(0.5, max(0.01, limits.frame_timeout_s / 4))})
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            name="kvp-metrics",
+            daemon=True,
+            kwargs={"poll_interval": min(0.5, max(0.01, limits.frame_timeout_s / 4))},
+        )
         self._thread.start()
         self.url = f"http://{host}:{self._httpd.server_port}/metrics"
         log.info("%s: metrics on %s", what, self.url)
@@ -204,15 +233,16 @@ class Endpoint:
 
 class _Handler(WSGIRequestHandler):
     """One scrape per connection, timed by the server's limits; logs nothing per request."""
+
     server: "_HttpServer"
 
     def setup(self) -> None:
-        self.timeout = self.server.limits.frame_timeout_s        # each receive and write (sendall: in total)
+        self.timeout = self.server.limits.frame_timeout_s  # each receive and write (sendall: in total)
         super().setup()
 
     def parse_request(self) -> bool:
         ok = super().parse_request()
-        self.server.request_read(self.request)                  # headers read: no longer a slowloris suspect
+        self.server.request_read(self.request)  # headers read: no longer a slowloris suspect
         return ok
 
     def log_message(self, format, *args) -> None:  # noqa: A002 - the stdlib's signature
@@ -221,11 +251,11 @@ class _Handler(WSGIRequestHandler):
 
 class _HttpServer(GuardedServerMixIn, ThreadingMixIn, WSGIServer):
     """wsgiref's server with connection limits (GuardedServerMixIn) and the address family ``host`` needs."""
-    request_queue_size = 128      # socketserver's 5 would drop scrapes under a burst before they are counted
+
+    request_queue_size = 128  # socketserver's 5 would drop scrapes under a burst before they are counted
 
     def __init__(self, host: str, port: int, limits: ConnLimits, what: str, config_prefix: str):
-        self.address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                 flags=socket.AI_PASSIVE)[0][0]
+        self.address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         self.guard(limits, what, config_prefix, _refusal, timed_reads=True)
         super().__init__((host, port), _Handler)
 
@@ -233,8 +263,10 @@ class _HttpServer(GuardedServerMixIn, ThreadingMixIn, WSGIServer):
 def _refusal(reason: str) -> bytes:
     """The HTTP answer of an over-limit scraper: 503 with the reason as text."""
     body = f"connection refused: {reason}\n".encode()
-    return (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
+    return (
+        b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+    ) + body
 
 
 class _Collector:
@@ -248,16 +280,24 @@ class _Collector:
 # ---- series ------------------------------------------------------------------------------------------
 def master_families(snap: MasterSnapshot) -> list:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     st = snap.status
-    out = [GaugeMetricFamily("kvplugins_master_leader", "1 if this master serves (always 1 without HA), 0 on an "
-                             "HA standby", value=0 if st is None else 1)] + _guard_families(snap.server)
+    out = [
+        GaugeMetricFamily(
+            "kvplugins_master_leader",
+            "1 if this master serves (always 1 without HA), 0 on an HA standby",
+            value=0 if st is None else 1,
+        )
+    ] + _guard_families(snap.server)
     if st is None:
         return out + [_latency_family(snap)]
-    for name, key, doc in (("capacity_bytes", "bytes_total", "DRAM of all registered segments"),
-                           ("used_bytes", "bytes_used", "allocated bytes (objects, pending puts, zombies)"),
-                           ("objects", "objects", "objects in the table (pending included)"),
-                           ("pending_objects", "pending", "puts started, not committed"),
-                           ("zombie_ranges", "zombies", "removed objects whose space waits for a lease")):
+    for name, key, doc in (
+        ("capacity_bytes", "bytes_total", "DRAM of all registered segments"),
+        ("used_bytes", "bytes_used", "allocated bytes (objects, pending puts, zombies)"),
+        ("objects", "objects", "objects in the table (pending included)"),
+        ("pending_objects", "pending", "puts started, not committed"),
+        ("zombie_ranges", "zombies", "removed objects whose space waits for a lease"),
+    ):
         out.append(GaugeMetricFamily(f"kvplugins_master_{name}", doc, value=st.get(key, 0)))
     out.append(GaugeMetricFamily("kvplugins_master_segments", "registered segments", value=len(st["segments"])))
     out += _segment_families(st["segments"])
@@ -271,18 +311,30 @@ def master_families(snap: MasterSnapshot) -> list:
 def _guard_families(server: dict | None) -> list:
     """The raw endpoint's limits at work (master/rpc_server.py, issue #11)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     if not server:
         return []
-    errors = CounterMetricFamily("kvplugins_master_internal_errors", "unexpected exceptions contained by the "
-                                 "master's loop, by subsystem (op, connection, tick, sweep, ...)", labels=["subsystem"])
+    errors = CounterMetricFamily(
+        "kvplugins_master_internal_errors",
+        "unexpected exceptions contained by the master's loop, by subsystem (op, connection, tick, sweep, ...)",
+        labels=["subsystem"],
+    )
     for name, n in sorted(server["internal_errors"].items()):
         errors.add_metric([name], n)
-    return [errors,
-            GaugeMetricFamily("kvplugins_master_connections", "raw RPC connections open", value=server["connections"]),
-            CounterMetricFamily("kvplugins_master_connections_refused", "raw RPC connections refused over "
-                                "max_connections / max_connections_per_peer", value=server["refused"]),
-            CounterMetricFamily("kvplugins_master_accept_failures", "accept() failures (EMFILE, ENFILE, ...) "
-                                "survived by pausing", value=server["accept_failures"])]
+    return [
+        errors,
+        GaugeMetricFamily("kvplugins_master_connections", "raw RPC connections open", value=server["connections"]),
+        CounterMetricFamily(
+            "kvplugins_master_connections_refused",
+            "raw RPC connections refused over max_connections / max_connections_per_peer",
+            value=server["refused"],
+        ),
+        CounterMetricFamily(
+            "kvplugins_master_accept_failures",
+            "accept() failures (EMFILE, ENFILE, ...) survived by pausing",
+            value=server["accept_failures"],
+        ),
+    ]
 
 
 MASTER_KEYS = {"segments", "objects", "pending", "zombies", "bytes_used", "bytes_total"}
@@ -290,14 +342,20 @@ MASTER_KEYS = {"segments", "objects", "pending", "zombies", "bytes_used", "bytes
 
 def _segment_families(segments: list) -> list:
     from prometheus_client.core import GaugeMetricFamily
-    fams = {k: GaugeMetricFamily(f"kvplugins_segment_{name}", doc, labels=["segment", "host"])
-            for k, name, doc in (("size", "capacity_bytes", "segment size"),
-                                 ("used", "used_bytes", "allocated bytes in the segment"),
-                                 ("objects", "objects", "objects with a replica in the segment"),
-                                 ("free_blocks", "free_blocks", "free-list blocks (fragmentation)"),
-                                 ("largest_free", "largest_free_bytes", "largest free block"))}
-    age = GaugeMetricFamily("kvplugins_segment_heartbeat_age_seconds", "time since the last heartbeat",
-                            labels=["segment", "host"])
+
+    fams = {
+        k: GaugeMetricFamily(f"kvplugins_segment_{name}", doc, labels=["segment", "host"])
+        for k, name, doc in (
+            ("size", "capacity_bytes", "segment size"),
+            ("used", "used_bytes", "allocated bytes in the segment"),
+            ("objects", "objects", "objects with a replica in the segment"),
+            ("free_blocks", "free_blocks", "free-list blocks (fragmentation)"),
+            ("largest_free", "largest_free_bytes", "largest free block"),
+        )
+    }
+    age = GaugeMetricFamily(
+        "kvplugins_segment_heartbeat_age_seconds", "time since the last heartbeat", labels=["segment", "host"]
+    )
     for s in segments:
         labels = [s["name"], s.get("host_id", "")]
         for k, fam in fams.items():
@@ -315,6 +373,7 @@ def _numbers(prefix: str, items: dict, what: str, counters: set = frozenset()) -
     """One series per numeric value: a counter if its key is in ``counters`` or names an event
     (TIER_COUNTER_WORDS), else a gauge."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
     out = []
     for key, value in items.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -329,9 +388,12 @@ def _numbers(prefix: str, items: dict, what: str, counters: set = frozenset()) -
 
 def _latency_family(snap: MasterSnapshot):
     from prometheus_client.core import HistogramMetricFamily
-    fam = HistogramMetricFamily("kvplugins_master_op_latency_seconds",
-                                "time the master spent dispatching one batch op (per RPC, not per key)",
-                                labels=["op"])
+
+    fam = HistogramMetricFamily(
+        "kvplugins_master_op_latency_seconds",
+        "time the master spent dispatching one batch op (per RPC, not per key)",
+        labels=["op"],
+    )
     for op, h in sorted(snap.ops.items()):
         n = len(snap.bounds)
         cum, buckets = 0, []
@@ -348,6 +410,7 @@ def node_families(node, status: dict | None) -> list:
     ``kvplugins_node_master_up`` says whether it did. Disk-tier numbers from the node's ``tier.stats()``
     (kvplugins/store/node/disk/worker.py) if it has one."""
     from prometheus_client.core import GaugeMetricFamily
+
     seg = node.segment
     labels = ["segment"]
     out = []
@@ -363,8 +426,9 @@ def node_families(node, status: dict | None) -> list:
     if mine is not None:
         gauge("used_bytes", "allocated bytes in this node's segment", mine["used"])
         gauge("objects", "objects with a replica in this node's segment", mine["objects"])
-        gauge("heartbeat_age_seconds", "age of this node's last heartbeat at the master",
-              mine["heartbeat_age_ms"] / 1000)
+        gauge(
+            "heartbeat_age_seconds", "age of this node's last heartbeat at the master", mine["heartbeat_age_ms"] / 1000
+        )
     out += _disk_families(node)
     return out
 
@@ -383,4 +447,5 @@ def serve_node(node, config) -> NodeMetrics | None:
         return None
     limits = config.metrics_limits() if hasattr(config, "metrics_limits") else None
     return NodeMetrics(node, node.master, config.rpc_timeout_ms).serve(
-        getattr(config, "metrics_host", "127.0.0.1"), port, limits)
+        getattr(config, "metrics_host", "127.0.0.1"), port, limits
+    )

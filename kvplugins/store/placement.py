@@ -11,6 +11,7 @@ ClientConfig defaults (``replicas``, ``preferred_segment``, ``pin``, ``pin_ttl_m
 The config applies to objects the put creates; a put of an existing key stays a no-op. Follows Mooncake's
 ReplicateConfig (replica_num, preferred_segment, with_soft_pin) plus a hard pin.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,12 +20,13 @@ from functools import cached_property
 from kvplugins.errors import ConfigError
 
 PINS = ("none", "soft", "hard")
-PIN_CODES = {"none": 0, "soft": 1, "hard": 2}    # metadata.Object.pin
+PIN_CODES = {"none": 0, "soft": 1, "hard": 2}  # metadata.Object.pin
 
 
 @dataclass(frozen=True)
 class PutConfig:
     """Placement of one put call (see the module docstring). Raises ConfigError for a bad value."""
+
     replicas: int = 1
     preferred_segment: str = ""
     pin: str = "none"
@@ -54,6 +56,6 @@ class PutConfig:
 
 def from_client(cfg) -> PutConfig:
     """The default PutConfig of a ClientConfig ``cfg``."""
-    return PutConfig(replicas=cfg.replicas, preferred_segment=cfg.preferred_segment, pin=cfg.pin,
-                     pin_ttl_ms=cfg.pin_ttl_ms)
-
+    return PutConfig(
+        replicas=cfg.replicas, preferred_segment=cfg.preferred_segment, pin=cfg.pin, pin_ttl_ms=cfg.pin_ttl_ms
+    )

@@ -1,4 +1,5 @@
 """Process plumbing shared by the store's servers: atomic port/ready/discovery files, clean stop on signals."""
+
 from __future__ import annotations
 
 import os

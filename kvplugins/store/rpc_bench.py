@@ -4,6 +4,7 @@ Starts a real ``kvplugins master`` process on 127.0.0.1:0 and times ``exists`` o
 batch op) over the raw framed socket and over zmq DEALER->ROUTER, from this process. Prints p50/p99 in µs.
 The numbers in docs/store.md come from this script.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -14,6 +14,7 @@ Lifecycle of a TransferEngine (one per process), in call order:
 Always safe: ``descriptor()``, ``stats()``. A batch mutates only the destination bytes of its entries.
 The shape fits RDMA one-sided READ/WRITE: (local registered region, offset) <-> (remote region id, offset).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ class Region:
     exported: whether remote peers may read/write it through this engine's servers.
     readonly: the memory is read-only (e.g. ``bytes``): it can be a write source, never a destination.
     """
+
     region_id: int
     addr: int
     length: int
@@ -49,6 +51,7 @@ class RegionInfo:
     """A region as peers see it in a SegmentDescriptor. ``rdma``: where an RDMA transport registered it,
     (address, (rkey per NIC of the endpoint's "nics" list)), for one-sided READ/WRITE; else None. ``addr``: its
     address in the owner process, for same-host cross-memory-attach copies (transfer/cma.py); else None."""
+
     region_id: int
     length: int
     shm_path: str | None = None
@@ -60,14 +63,20 @@ class RegionInfo:
 class SegmentDescriptor:
     """What a process exports: host identity, the transports it offers (fastest first) with their
     endpoint info, and its exported regions. ``to_wire()``/``from_wire()`` give a msgpack-able dict."""
+
     segment_id: str
     host_id: str
     transports: dict[str, Endpoint]
     regions: tuple[RegionInfo, ...] = field(default_factory=tuple)
 
     def to_wire(self) -> dict[str, object]:
-        return {"v": 1, "segment_id": self.segment_id, "host_id": self.host_id, "transports": self.transports,
-                "regions": [_region_row(r) for r in self.regions]}
+        return {
+            "v": 1,
+            "segment_id": self.segment_id,
+            "host_id": self.host_id,
+            "transports": self.transports,
+            "regions": [_region_row(r) for r in self.regions],
+        }
 
     @classmethod
     def from_wire(cls, d: Mapping[str, object]) -> "SegmentDescriptor":
@@ -121,6 +130,7 @@ def _region_info(row: object) -> RegionInfo:
 class TransferRequest:
     """One entry of a batch: ``length`` bytes between local (region, offset) and remote (segment, region, offset).
     For a write the local side is the source; for a read it is the destination."""
+
     local: Region
     local_offset: int
     remote: SegmentDescriptor

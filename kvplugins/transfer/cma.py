@@ -14,6 +14,7 @@ using its descriptor (as with RDMA MRs; the P/D handover checks its lease word a
 One system call per 1024 spans (IOV_MAX), the iovec arrays built with numpy; ctypes releases the GIL.
 Source followed: process_vm_readv(2); the CMA path of UCX and Open MPI's ``smsc/cma`` (read, not copied).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -84,6 +85,7 @@ def ptrace_scope() -> int | None:
 class CmaTransport(Transport):
     """Offers {"pid": ..., "start": ...}; reaches an exported region of a peer with our host_id whose descriptor
     gives the region's address, unless the kernel refused this peer before."""
+
     name = "cma"
 
     def __init__(self, host_id: str):
@@ -91,7 +93,7 @@ class CmaTransport(Transport):
         self._pid = os.getpid()
         self._start = start_time(self._pid)
         self._lock = threading.Lock()
-        self._denied: dict[str, str] = {}                 # segment -> why the kernel refused it
+        self._denied: dict[str, str] = {}  # segment -> why the kernel refused it
         self._peers = PeerWatch(self.name)
 
     def endpoint(self) -> dict[str, Any]:
@@ -102,9 +104,15 @@ class CmaTransport(Transport):
 
     def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
         ep = remote.transports.get("cma")
-        return remote.host_id == self._host_id and isinstance(region.addr, int) and isinstance(ep, dict) \
-            and type(ep.get("pid")) is int and ep["pid"] > 0 and type(ep.get("start")) is int \
+        return (
+            remote.host_id == self._host_id
+            and isinstance(region.addr, int)
+            and isinstance(ep, dict)
+            and type(ep.get("pid")) is int
+            and ep["pid"] > 0
+            and type(ep.get("start")) is int
             and remote.segment_id not in self._denied
+        )
 
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
         status: list[TransferError | None] = [None] * len(entries)
@@ -125,18 +133,20 @@ class CmaTransport(Transport):
         """The whole span batch to one remote region: one system call per IOV_MAX spans."""
         base = batch.info.addr
         if base is None:
-            return [OutOfRange(f"region {batch.info.region_id} of {batch.remote.segment_id} has no address")] \
-                * len(batch)
+            return [OutOfRange(f"region {batch.info.region_id} of {batch.remote.segment_id} has no address")] * len(
+                batch
+            )
         local = np.asarray(batch.addrs, dtype=np.uint64)
         remote = np.asarray(batch.roffs, dtype=np.uint64) + np.uint64(base)
         err = self._copy(op, batch.remote, local, remote, np.asarray(batch.lens, dtype=np.uint64))
         return None if err is None else [err] * len(batch)
 
-    def _copy(self, op: Op, peer: SegmentDescriptor, local: np.ndarray, remote: np.ndarray,
-              lens: np.ndarray) -> TransferError | None:
+    def _copy(
+        self, op: Op, peer: SegmentDescriptor, local: np.ndarray, remote: np.ndarray, lens: np.ndarray
+    ) -> TransferError | None:
         """Every span between local and the peer's memory; None, or the TransferFailed of the whole group."""
         ep = peer.transports["cma"]
-        pid = ep["pid"] if isinstance(ep["pid"], int) else 0    # reaches() checked it is an int
+        pid = ep["pid"] if isinstance(ep["pid"], int) else 0  # reaches() checked it is an int
         try:
             self._peers.check(peer.segment_id, pid, ep["start"])
         except TransferFailed as e:
@@ -156,14 +166,21 @@ class CmaTransport(Transport):
 
     def _failed(self, peer: SegmentDescriptor, pid: int, got: int, want: int, err: int) -> TransferFailed:
         if got >= 0:
-            return TransferFailed(f"cma peer {peer.segment_id} (pid {pid}): short copy, {got} of {want} bytes "
-                                  "(a region smaller than its descriptor says?)")
+            return TransferFailed(
+                f"cma peer {peer.segment_id} (pid {pid}): short copy, {got} of {want} bytes "
+                "(a region smaller than its descriptor says?)"
+            )
         why = f"{os.strerror(err)} (errno {errno.errorcode.get(err, err)})"
         if err == errno.EPERM:
             with self._lock:
                 self._denied[peer.segment_id] = why
-            log.warning("cma: the kernel refuses access to pid %d (%s: another user, or Yama ptrace_scope > 0); "
-                     "its segment %s is reached by the next transport", pid, why, peer.segment_id)
+            log.warning(
+                "cma: the kernel refuses access to pid %d (%s: another user, or Yama ptrace_scope > 0); "
+                "its segment %s is reached by the next transport",
+                pid,
+                why,
+                peer.segment_id,
+            )
         return TransferFailed(f"cma peer {peer.segment_id} (pid {pid}): {why}")
 
     def stats(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 See kvplugins/transfer/api.py for the lifecycle. Routing and fallback between transports: routing.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,7 +27,7 @@ from kvplugins.transfer.tcp import TcpTransport
 from kvplugins.transfer.transport import Op, Transport
 
 log = logging.getLogger("kvplugins.transfer")
-_ABSENT_LOGGED: set[str] = set()     # reasons "rdma transport absent" was logged for (at INFO once, then DEBUG)
+_ABSENT_LOGGED: set[str] = set()  # reasons "rdma transport absent" was logged for (at INFO once, then DEBUG)
 
 
 class TransferEngine:
@@ -60,7 +61,7 @@ class TransferEngine:
                 started["cma"] = cma.CmaTransport(self.host_id)
         if "rdma" in names:
             rdma, why = RdmaTransport.probe(self.config, started["tcp"])
-            if rdma is None:         # once per process: a replay starts an engine per capacity, a test dozens
+            if rdma is None:  # once per process: a replay starts an engine per capacity, a test dozens
                 (log.info if why not in _ABSENT_LOGGED else log.debug)("rdma transport absent: %s", why)
                 _ABSENT_LOGGED.add(why)
             else:
@@ -89,7 +90,7 @@ class TransferEngine:
         mapping = shmem.allocate(nbytes, self.config.shm_backend, populate)
         region = self._added(self._regions.add(mapping.addr, nbytes, mapping, mapping.path, export))
         for t in self._transports:
-            t.share(region, mapping)           # the shm transport hands it to same-host peers as an fd
+            t.share(region, mapping)  # the shm transport hands it to same-host peers as an fd
         return region
 
     def _added(self, region: Region) -> Region:
@@ -101,8 +102,12 @@ class TransferEngine:
         """A 1-D byte view of local ``region`` (length ``region.length``), writable unless region.readonly.
         alloc_shared memory stays mapped while the view lives; other memory is the caller's to keep."""
         pin = self._regions.pin(region)
-        if isinstance(pin, np.ndarray) and pin.dtype == np.uint8 and pin.ctypes.data == region.addr \
-                and pin.nbytes == region.length:
+        if (
+            isinstance(pin, np.ndarray)
+            and pin.dtype == np.uint8
+            and pin.ctypes.data == region.addr
+            and pin.nbytes == region.length
+        ):
             return memoryview(pin)  # e.g. alloc_shared memory: the view keeps the mapping alive
         view = view_of(region.addr, region.length)
         return view.toreadonly() if region.readonly else view
@@ -143,8 +148,16 @@ class TransferEngine:
         """Copy each request's remote bytes into its local region; statuses as batch_write."""
         return self._router.run(Op.READ, reqs, self._timeout(timeout_ms))
 
-    def write_spans(self, remote: SegmentDescriptor, remote_region: int, local_addrs, remote_offsets, lengths,
-                    timeout_ms: float | None = None, digests=None) -> list[TransferError | None]:
+    def write_spans(
+        self,
+        remote: SegmentDescriptor,
+        remote_region: int,
+        local_addrs,
+        remote_offsets,
+        lengths,
+        timeout_ms: float | None = None,
+        digests=None,
+    ) -> list[TransferError | None]:
         """Array form of batch_write for one remote region: span j copies ``lengths[j]`` bytes from local
         address ``local_addrs[j]`` (inside any registered region) to offset ``remote_offsets[j]`` of region
         ``remote_region`` of ``remote``. The three are 1-D integer sequences/arrays of equal length (bytes;
@@ -155,15 +168,25 @@ class TransferEngine:
         are hashed from local memory after the move); spans are then not coalesced, and a failed span's entry
         is meaningless. Raises ValueError for arrays of different lengths, a bad ``digests`` or timeout,
         OutOfRange for negative values, TransferFailed if closed."""
-        return self._router.run_spans(Op.WRITE, remote, remote_region, local_addrs, remote_offsets, lengths,
-                                      self._timeout(timeout_ms), digests)
+        return self._router.run_spans(
+            Op.WRITE, remote, remote_region, local_addrs, remote_offsets, lengths, self._timeout(timeout_ms), digests
+        )
 
-    def read_spans(self, remote: SegmentDescriptor, remote_region: int, local_addrs, remote_offsets, lengths,
-                   timeout_ms: float | None = None, digests=None) -> list[TransferError | None]:
+    def read_spans(
+        self,
+        remote: SegmentDescriptor,
+        remote_region: int,
+        local_addrs,
+        remote_offsets,
+        lengths,
+        timeout_ms: float | None = None,
+        digests=None,
+    ) -> list[TransferError | None]:
         """Array form of batch_read: span j copies remote bytes into local address ``local_addrs[j]``
         (writable registered memory). As write_spans otherwise (``digests`` hash the bytes read)."""
-        return self._router.run_spans(Op.READ, remote, remote_region, local_addrs, remote_offsets, lengths,
-                                      self._timeout(timeout_ms), digests)
+        return self._router.run_spans(
+            Op.READ, remote, remote_region, local_addrs, remote_offsets, lengths, self._timeout(timeout_ms), digests
+        )
 
     def spans_registered(self, local_addrs, lengths) -> np.ndarray:
         """Per span (1-D integer arrays of addresses and byte lengths): whether it lies inside one registered

@@ -16,6 +16,7 @@ seals (the posix backend) is not handed out: peers reach it over TCP.
 Wire: the peer sends the region id (u64 LE); the owner answers the region's length (u64 LE, 0 = unknown region)
 with the fd attached, or 0 and no fd.
 """
+
 from __future__ import annotations
 
 import array
@@ -37,7 +38,7 @@ NAME = re.compile(r"kvp-fd-[0-9]{1,10}-[0-9a-f]{16}")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 TIMEOUT_S = 2.0
 _U64 = struct.Struct("<Q")
-_CRED = struct.Struct("3i")           # struct ucred: pid, uid, gid
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def peer_cred(sock: socket.socket) -> tuple[int, int]:
@@ -55,7 +56,7 @@ def sealed(fd: int) -> bool:
     """Whether ``fd`` is shared memory that can be neither shrunk nor grown."""
     try:
         return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
-    except OSError:             # not shmem (a regular file, a pipe...)
+    except OSError:  # not shmem (a regular file, a pipe...)
         return False
 
 
@@ -64,7 +65,7 @@ class FdServer:
 
     def __init__(self):
         self.name = f"kvp-fd-{os.getpid()}-{secrets.token_hex(8)}"
-        self._fds: dict[int, tuple[int, int]] = {}          # region id -> (fd, length)
+        self._fds: dict[int, tuple[int, int]] = {}  # region id -> (fd, length)
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._sock.bind("\0" + self.name)
@@ -88,7 +89,7 @@ class FdServer:
             return
         self._stop = True
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)       # wakes accept()
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
         except OSError:
             pass
         self._thread.join(timeout=5)
@@ -111,7 +112,7 @@ class FdServer:
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(TIMEOUT_S)
         if peer_cred(conn)[1] != os.getuid():
-            return                                      # another user: nothing, not even an answer
+            return  # another user: nothing, not even an answer
         request = recv_exact(conn, _U64.size)
         with self._lock:
             got = self._fds.get(_U64.unpack(request)[0])
@@ -133,14 +134,20 @@ def fetch(name: str, pid: int, region_id: int, length: int) -> int:
             s.connect("\0" + name)
             who = peer_cred(s)
             if who != (pid, os.getuid()):
-                raise TransferFailed(f"fd socket {name} is served by pid {who[0]} uid {who[1]}, not the peer's pid "
-                                     f"{pid} under this uid {os.getuid()}")
+                raise TransferFailed(
+                    f"fd socket {name} is served by pid {who[0]} uid {who[1]}, not the peer's pid "
+                    f"{pid} under this uid {os.getuid()}"
+                )
             s.sendall(_U64.pack(region_id))
             data, anc, _, _ = s.recvmsg(_U64.size, socket.CMSG_SPACE(4))
         except OSError as e:
             raise TransferFailed(f"fd socket {name} of pid {pid}: {e}") from e
-    fds = [fd for level, kind, raw in anc if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-           for fd in array.array("i", raw[:len(raw) - len(raw) % 4])]
+    fds = [
+        fd
+        for level, kind, raw in anc
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+        for fd in array.array("i", raw[: len(raw) - len(raw) % 4])
+    ]
     if len(data) != _U64.size or len(fds) != 1:
         for fd in fds:
             os.close(fd)
@@ -150,11 +157,16 @@ def fetch(name: str, pid: int, region_id: int, length: int) -> int:
 
 def _checked(fd: int, length: int, pid: int, region_id: int) -> int:
     st = os.fstat(fd)
-    why = ("it is not a regular file" if not stat.S_ISREG(st.st_mode) else
-           "it is not memory sealed against shrinking (a memfd with F_SEAL_SHRINK | F_SEAL_GROW)" if not sealed(fd)
-           else f"it has {st.st_size} bytes, the descriptor says {length}" if st.st_size < length else "")
+    why = (
+        "it is not a regular file"
+        if not stat.S_ISREG(st.st_mode)
+        else "it is not memory sealed against shrinking (a memfd with F_SEAL_SHRINK | F_SEAL_GROW)"
+        if not sealed(fd)
+        else f"it has {st.st_size} bytes, the descriptor says {length}"
+        if st.st_size < length
+        else ""
+    )
     if why:
         os.close(fd)
         raise TransferFailed(f"pid {pid} handed an fd for region {region_id} that cannot be mapped: {why}")
     return fd
-

@@ -1,4 +1,5 @@
 """Local memory: turning buffers into (address, length) and the table of registered regions."""
+
 from __future__ import annotations
 
 import bisect
@@ -43,8 +44,10 @@ def _is_torch(mem: Any) -> bool:
 
 def _torch_span(t: Any) -> tuple[int, int, bool]:
     if t.device.type != "cpu":
-        raise TypeError(f"register(tensor on {t.device}): device memory is not registered by this build (a dmabuf "
-                        "MR for GPUDirect RDMA is not implemented); stage it through a registered host buffer")
+        raise TypeError(
+            f"register(tensor on {t.device}): device memory is not registered by this build (a dmabuf "
+            "MR for GPUDirect RDMA is not implemented); stage it through a registered host buffer"
+        )
     if not t.is_contiguous():
         raise TypeError("register(tensor, contiguous=False): pass a contiguous CPU tensor (use .contiguous())")
     return int(t.data_ptr()), int(t.numel() * t.element_size()), False
@@ -58,8 +61,10 @@ def _buffer_span(mem: Any) -> tuple[int, int, bool]:
     try:
         view = memoryview(mem)
     except TypeError:
-        raise TypeError(f"register({type(mem).__name__}): pass a numpy array, torch CPU tensor, "
-                        "memoryview/bytearray or an int address with length=") from None
+        raise TypeError(
+            f"register({type(mem).__name__}): pass a numpy array, torch CPU tensor, "
+            "memoryview/bytearray or an int address with length="
+        ) from None
     if not view.contiguous:
         raise TypeError("register(memoryview): the buffer is not contiguous")
     arr = np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8)
@@ -69,7 +74,8 @@ def _buffer_span(mem: Any) -> tuple[int, int, bool]:
 # PyMemoryView_FromMemory: a view over raw memory without creating a ctypes array type per length
 # (``c_char * n`` costs ~10 us for each new n and caches every type forever).
 _FROM_MEMORY = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
-    ("PyMemoryView_FromMemory", ctypes.pythonapi))
+    ("PyMemoryView_FromMemory", ctypes.pythonapi)
+)
 _PYBUF_WRITE = 0x200
 
 
@@ -107,7 +113,7 @@ class _Index:
             return np.full(len(addrs), -1, dtype=np.int64)
         safe = np.maximum(idx, 0)
         ends = self.np_ends[safe]
-        ok = (idx >= 0) & (addrs <= ends) & (lengths <= ends - np.minimum(addrs, ends))   # no uint64 wrap
+        ok = (idx >= 0) & (addrs <= ends) & (lengths <= ends - np.minimum(addrs, ends))  # no uint64 wrap
         return np.where(ok, idx, -1)
 
 
@@ -137,13 +143,21 @@ class RegionTable:
             with self._lock:
                 if entry in self._watchers:
                     self._watchers.remove(entry)
+
         return unwatch
 
     def _reindex(self) -> None:
         self.index = _Index([r for r, _ in self._regions.values()])
 
-    def add(self, addr: int, length: int, owner: Any, shm_path: str | None = None, export: bool = False,
-            readonly: bool = False) -> Region:
+    def add(
+        self,
+        addr: int,
+        length: int,
+        owner: Any,
+        shm_path: str | None = None,
+        export: bool = False,
+        readonly: bool = False,
+    ) -> Region:
         with self._lock:
             region = Region(next(self._ids), addr, length, shm_path, bool(export), bool(readonly))
             self._regions[region.region_id] = (region, owner)
@@ -221,8 +235,14 @@ def _pin(owner: Any) -> Any:
 
 def span_addr(region: Region, offset: int, length: int, side: str) -> int:
     """Address of [offset, offset+length) inside ``region``. Raises OutOfRange naming ``side``."""
-    if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0 \
-            or offset + length > region.length:
-        raise OutOfRange(f"{side} region {region.region_id} (length {region.length}): "
-                         f"offset {offset} + length {length} is outside it")
+    if (
+        not (isinstance(offset, int) and isinstance(length, int))
+        or offset < 0
+        or length < 0
+        or offset + length > region.length
+    ):
+        raise OutOfRange(
+            f"{side} region {region.region_id} (length {region.length}): "
+            f"offset {offset} + length {length} is outside it"
+        )
     return region.addr + offset

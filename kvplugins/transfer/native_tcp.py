@@ -2,6 +2,7 @@
 transport's frame loops. Native failures become kvplugins exceptions here and nowhere else; every blocking
 native call releases the GIL.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -12,7 +13,7 @@ from kvplugins.errors import NativeError, ProtocolError, TransferFailed
 from kvplugins.security.limits import ConnLimits
 from kvplugins.transfer.api import Region
 
-CLOSED, PROTOCOL, SLOW, IDLE, ERROR = range(5)      # why the native server closed a connection
+CLOSED, PROTOCOL, SLOW, IDLE, ERROR = range(5)  # why the native server closed a connection
 OK, SERVER, FAILED, RETRY, AUTH, TIMEOUT = range(6)  # per-span outcome of a client batch (native/src/tcp/client.h)
 
 
@@ -30,8 +31,9 @@ class Server:
     the exception's text as the logged reason."""
 
     def __init__(self, max_frame: int, limits: ConnLimits, threads: int, control: Callable[[int, bytes, int], bytes]):
-        self._srv = _mod().Server(int(max_frame), float(limits.frame_timeout_s), float(limits.idle_timeout_s),
-                                  int(threads), control)
+        self._srv = _mod().Server(
+            int(max_frame), float(limits.frame_timeout_s), float(limits.idle_timeout_s), int(threads), control
+        )
 
     def add_region(self, region: Region, pin: Any) -> None:
         """Serve exported ``region``; ``pin`` (an object keeping its memory mapped) is held until the region is
@@ -69,15 +71,27 @@ class Client:
     def __init__(self):
         self._c = _mod().Client()
 
-    def transfer(self, op: int, fds: list[int], reused: list[bool], addrs, regions, offs, lens, limit: int,
-                 max_frame: int, timeout_s: float) -> tuple[bytes, list[tuple[int, str]], list[int]]:
+    def transfer(
+        self,
+        op: int,
+        fds: list[int],
+        reused: list[bool],
+        addrs,
+        regions,
+        offs,
+        lens,
+        limit: int,
+        max_frame: int,
+        timeout_s: float,
+    ) -> tuple[bytes, list[tuple[int, str]], list[int]]:
         """Move span j: ``lens[j]`` bytes between local ``addrs[j]`` and (``regions[j]``, ``offs[j]``) of the
         peer (uint64 sequences). Returns (per-span outcome codes OK/SERVER/FAILED/RETRY as bytes, [(span, text)]
         for the spans not OK, per-connection broken flags: close those)."""
         arr = [np.ascontiguousarray(a, dtype=np.uint64) for a in (addrs, regions, offs, lens)]
         try:
-            return self._c.transfer(op, fds, [1 if r else 0 for r in reused], *arr, int(limit), int(max_frame),
-                                    float(timeout_s))
+            return self._c.transfer(
+                op, fds, [1 if r else 0 for r in reused], *arr, int(limit), int(max_frame), float(timeout_s)
+            )
         except ValueError as e:
             raise NativeError(str(e)) from None
 

@@ -12,6 +12,7 @@ Sources followed (the same facts ``ibv_devinfo -v`` prints):
   active MTU (an ``ibv_mtu`` enum, 1..5 = 256..4096 bytes), LID and link layer — what ``ibv_devinfo`` reports;
 * iproute2 (``ip -j -4 addr show``) for the netdev's IPv4 address and prefix length.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,27 +31,30 @@ from kvplugins.config import format_bytes
 SYSFS = "/sys"
 ROCE_V2, ROCE_V1, IB = "RoCE v2", "RoCE v1", "IB"
 ETHERNET, INFINIBAND = "Ethernet", "InfiniBand"
-UNLIMITED = -1                    # memlock_limit()'s value for RLIM_INFINITY
-CAP_IPC_LOCK = 14                 # capability bit: lock memory past RLIMIT_MEMLOCK (linux/capability.h)
+UNLIMITED = -1  # memlock_limit()'s value for RLIM_INFINITY
+CAP_IPC_LOCK = 14  # capability bit: lock memory past RLIMIT_MEMLOCK (linux/capability.h)
 V4_MAPPED = "0000:0000:0000:0000:0000:ffff:"
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 PCI_ADDRESS = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 # pyverbs enums (rdma-core verbs.h): ibv_port_state, ibv_mtu, IBV_LINK_LAYER_*; names as the kernel's sysfs "state"
 PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
-LINK_LAYERS = {0: INFINIBAND, 1: INFINIBAND, 2: ETHERNET}   # 0 = unspecified, reported as InfiniBand
+LINK_LAYERS = {0: INFINIBAND, 1: INFINIBAND, 2: ETHERNET}  # 0 = unspecified, reported as InfiniBand
 
 FIX_PYVERBS = "bash ci/install.sh (installs Debian's python3-pyverbs and links it into the venv)"
-FIX_DRIVER = ("load the driver (mlx5_ib, or soft-RoCE: modprobe rdma_rxe && rdma link add rxe0 type rxe "
-              "netdev eth0)")
+FIX_DRIVER = "load the driver (mlx5_ib, or soft-RoCE: modprobe rdma_rxe && rdma link add rxe0 type rxe netdev eth0)"
 FIX_NAMES = "set transfer rdma_devices to names listed by `ibv_devices` (or leave it empty for every device)"
-FIX_OPEN = ("modprobe ib_uverbs and make /dev/infiniband/uverbs* readable and writable (in docker: "
-            "--device=/dev/infiniband)")
-FIX_LINK = ("bring the link up: `ip link set {netdev} up` and check the cable and switch for RoCE; a running subnet "
-            "manager (opensm) for InfiniBand")
+FIX_OPEN = (
+    "modprobe ib_uverbs and make /dev/infiniband/uverbs* readable and writable (in docker: --device=/dev/infiniband)"
+)
+FIX_LINK = (
+    "bring the link up: `ip link set {netdev} up` and check the cable and switch for RoCE; a running subnet "
+    "manager (opensm) for InfiniBand"
+)
 FIX_ADDRESS = "give the netdev an IP address (ip addr add ADDRESS/PREFIX dev {netdev}): RoCE GIDs are made from it"
 MEMLOCK_FIX = (
-    "raise it (ulimit -l unlimited, or LimitMEMLOCK=infinity in the systemd unit, or --ulimit memlock=-1 in docker)")
+    "raise it (ulimit -l unlimited, or LimitMEMLOCK=infinity in the systemd unit, or --ulimit memlock=-1 in docker)"
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Nic:
     only from a sysfs-only discovery), ``speed_gbps`` in Gbit/s (sysfs ``rate``: width x lane speed; rxe
     reports a nominal 2.5), ``ipv4`` "a.b.c.d/prefix" of ``netdev``, ``numa_node`` -1 when unknown, ``pci`` the
     PCI address ("0000:3b:00.0") or None."""
+
     name: str
     port: int
     state: str
@@ -88,6 +93,7 @@ class Nic:
 class Discovery:
     """What discover() found. ``reason``/``fix``: why no NIC is usable and what to do (None when one is);
     ``notes``: devices left out and why (e.g. one that cannot be opened), while others may still be usable."""
+
     nics: tuple[Nic, ...]
     reason: str | None
     fix: str | None
@@ -99,8 +105,9 @@ class Discovery:
         return tuple(n for n in self.nics if n.usable)
 
 
-def discover(devices: Sequence[str] | str | None = None, *, sysfs: str | os.PathLike = SYSFS,
-             verbs: bool = True) -> Discovery:
+def discover(
+    devices: Sequence[str] | str | None = None, *, sysfs: str | os.PathLike = SYSFS, verbs: bool = True
+) -> Discovery:
     """Every port of the RDMA devices under ``<sysfs>/class/infiniband`` (only those named in ``devices``, a
     sequence or comma list of names; None or empty = all). ``verbs``: also open each device with pyverbs for the
     port attributes (state, active MTU, LID, link layer); False reads sysfs only (active_mtu 0), which is what
@@ -137,8 +144,10 @@ def _why_unusable(nics: list[Nic], notes: tuple[str, ...]) -> tuple[str | None, 
     active = [n for n in nics if n.state == "ACTIVE"]
     where = ", ".join(f"{n.name}/{n.port} (netdev {n.netdev or 'unknown'})" for n in active)
     only = " (only a link-local GID)" if any(_link_local(n.gid) for n in active) else ""
-    return (f"no RoCE GID from an IP address on {where}: the netdev has no IP address{only}",
-            FIX_ADDRESS.format(netdev=_netdevs(active)))
+    return (
+        f"no RoCE GID from an IP address on {where}: the netdev has no IP address{only}",
+        FIX_ADDRESS.format(netdev=_netdevs(active)),
+    )
 
 
 def _netdevs(nics: list[Nic]) -> str:
@@ -177,8 +186,7 @@ def _port(sysfs: Path, name: str, port: int) -> Nic:
     pci, numa = _placement(sysfs, name, netdev)
     state = (_read(pdir / "state") or "UNKNOWN").split(":")[-1].strip()
     lid = _read(pdir / "lid") or "0"
-    return Nic(name, port, state, link, index, gid, gtype, int(lid, 16), 0, netdev, None, numa, pci,
-               _rate(pdir))
+    return Nic(name, port, state, link, index, gid, gtype, int(lid, 16), 0, netdev, None, numa, pci, _rate(pdir))
 
 
 def choose_gid(port_dir: Path, link_layer: str) -> tuple[int, str, str, str | None]:
@@ -255,13 +263,19 @@ def ipv4_addresses() -> dict[str, list[str]]:
     """netdev -> its IPv4 addresses as "a.b.c.d/prefix", from ``ip -j -4 addr show``; {} where iproute2 is
     missing or fails."""
     try:
-        out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10,
-                             check=True).stdout
+        out = subprocess.run(
+            ["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
         links = json.loads(out or "[]")
     except (OSError, subprocess.SubprocessError, ValueError):
         return {}
-    return {link["ifname"]: [f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", ())
-                             if a.get("family") == "inet"] for link in links if "ifname" in link}
+    return {
+        link["ifname"]: [
+            f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", ()) if a.get("family") == "inet"
+        ]
+        for link in links
+        if "ifname" in link
+    }
 
 
 def _with_ipv4(nics: list[Nic]) -> list[Nic]:
@@ -301,9 +315,13 @@ def _query_ports(context, name: str, ports: list[Nic]) -> list[Nic]:
 
 
 def _port_attrs(nic: Nic, attr) -> Nic:
-    return dataclasses.replace(nic, state=PORT_STATES.get(attr.state, str(attr.state)), lid=int(attr.lid),
-                               active_mtu=MTU_BYTES.get(attr.active_mtu, 0),
-                               link_layer=LINK_LAYERS.get(attr.link_layer, nic.link_layer))
+    return dataclasses.replace(
+        nic,
+        state=PORT_STATES.get(attr.state, str(attr.state)),
+        lid=int(attr.lid),
+        active_mtu=MTU_BYTES.get(attr.active_mtu, 0),
+        link_layer=LINK_LAYERS.get(attr.link_layer, nic.link_layer),
+    )
 
 
 # -- memory locking -------------------------------------------------------------------------------------
@@ -326,8 +344,9 @@ def has_ipc_lock(status: str = "/proc/self/status") -> bool:
         return os.geteuid() == 0
 
 
-def memlock_problem(min_bytes: int, *, limit: tuple[int, int] | None = None,
-                    ipc_lock: bool | None = None) -> str | None:
+def memlock_problem(
+    min_bytes: int, *, limit: tuple[int, int] | None = None, ipc_lock: bool | None = None
+) -> str | None:
     """Why RDMA cannot register ``min_bytes`` bytes here, with the fix; None when it can (the soft limit is
     unlimited or at least ``min_bytes``, or the process has CAP_IPC_LOCK, as root normally does). ``limit``
     (soft, hard bytes; -1 unlimited) and ``ipc_lock`` default to this process's (memlock_limit, has_ipc_lock)."""
@@ -335,5 +354,7 @@ def memlock_problem(min_bytes: int, *, limit: tuple[int, int] | None = None,
     if soft == UNLIMITED or soft >= min_bytes or (has_ipc_lock() if ipc_lock is None else ipc_lock):
         return None
     hard_text = "" if hard == soft else f" (hard {'unlimited' if hard == UNLIMITED else format_bytes(hard)})"
-    return (f"RLIMIT_MEMLOCK {format_bytes(soft)}{hard_text} is below the {format_bytes(min_bytes)} to register "
-            f"for RDMA: {MEMLOCK_FIX}")
+    return (
+        f"RLIMIT_MEMLOCK {format_bytes(soft)}{hard_text} is below the {format_bytes(min_bytes)} to register "
+        f"for RDMA: {MEMLOCK_FIX}"
+    )

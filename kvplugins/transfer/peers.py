@@ -5,6 +5,7 @@ reads, and (with the start time it published) a pid reused by another process is
 One pidfd per segment, opened on first use and kept (poll, not select: fds above FD_SETSIZE are fine); where the
 kernel has no pidfd (ENOSYS), /proc/<pid> tells whether the process exists.
 """
+
 from __future__ import annotations
 
 import errno
@@ -23,7 +24,7 @@ def start_time(pid: int) -> int | None:
             stat = f.read()
     except OSError:
         return None
-    return int(stat[stat.rindex(b")") + 2:].split()[19])   # fields after "(comm)" start at field 3
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])  # fields after "(comm)" start at field 3
 
 
 class PeerWatch:
@@ -32,7 +33,7 @@ class PeerWatch:
     def __init__(self, name: str):
         self._name = name
         self._lock = threading.Lock()
-        self._pidfds: dict[str, tuple[int, select.poll | None]] = {}   # segment -> (pidfd or -1, its poll object)
+        self._pidfds: dict[str, tuple[int, select.poll | None]] = {}  # segment -> (pidfd or -1, its poll object)
 
     def check(self, segment_id: str, pid: int, start: object = None) -> None:
         """Raise TransferFailed unless process ``pid`` of segment ``segment_id`` is alive and, with ``start``,
@@ -79,7 +80,7 @@ class PeerWatch:
             raise self._gone(segment_id, pid, "has exited")
         with self._lock:
             got = self._pidfds.setdefault(segment_id, (fd, poller))
-        if got[0] != fd and fd >= 0:        # another thread opened one first
+        if got[0] != fd and fd >= 0:  # another thread opened one first
             os.close(fd)
         return got[1]
 

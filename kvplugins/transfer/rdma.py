@@ -21,6 +21,7 @@ Lifecycle (within a TransferEngine, kvplugins/transfer/api.py):
 A batch mutates only its entries' destination bytes. ``endpoint``, ``reaches`` and ``stats`` are always safe.
 Device memory (a CUDA tensor) cannot be registered yet: TransferEngine.register refuses it (memory.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,6 +45,7 @@ log = logging.getLogger("kvplugins.transfer.rdma")
 @dataclass(frozen=True)
 class _Piece:
     """Coalesced entries ``first..last`` (inclusive): ``length`` bytes at local addr <-> remote addr."""
+
     first: int
     last: int
     laddr: int
@@ -55,6 +57,7 @@ class _Piece:
 
 class RdmaTransport(Transport):
     """One-sided READ/WRITE to peers that offer "rdma" and export the region with rkeys (module doc)."""
+
     name = "rdma"
 
     @classmethod
@@ -75,9 +78,9 @@ class RdmaTransport(Transport):
         self._nics = [verbs.Nic(n) for n in nics]
         self._stats = PathStats(config.rdma_probe_ms / 1000)
         self._lock = threading.Lock()
-        self._keys: dict[int, tuple[int, list]] = {}        # region id -> (access, MR per NIC)
+        self._keys: dict[int, tuple[int, list]] = {}  # region id -> (access, MR per NIC)
         self._numa: dict[int, int] = {}
-        self._pairs: dict[tuple, list[Path]] = {}             # a peer's subnets -> paths (a few peers' worth)
+        self._pairs: dict[tuple, list[Path]] = {}  # a peer's subnets -> paths (a few peers' worth)
         self._qps = QpPool(config, tcp, self._nics, self._stats)
         log.info("rdma transport on %s", ", ".join(f"{n.info.name} (GID {n.info.gid})" for n in self._nics))
 
@@ -85,9 +88,14 @@ class RdmaTransport(Transport):
     def endpoint(self) -> dict[str, Any]:
         """The NICs peers connect to, as parallel lists: names, GIDs, LIDs, MTUs (bytes), subnets, NUMA nodes."""
         infos = [n.info for n in self._nics]
-        return {"nics": [i.name for i in infos], "gids": [i.gid for i in infos], "lids": [i.lid for i in infos],
-                "mtus": [i.active_mtu for i in infos], "nets": [i.ipv4 or "" for i in infos],
-                "numa": [i.numa_node for i in infos]}
+        return {
+            "nics": [i.name for i in infos],
+            "gids": [i.gid for i in infos],
+            "lids": [i.lid for i in infos],
+            "mtus": [i.active_mtu for i in infos],
+            "nets": [i.ipv4 or "" for i in infos],
+            "numa": [i.numa_node for i in infos],
+        }
 
     def add_region(self, region: Region) -> None:
         """Register ``region`` as an MR on every NIC. Where one NIC refuses it (e.g. ENOMEM over RLIMIT_MEMLOCK),
@@ -97,9 +105,15 @@ class RdmaTransport(Transport):
             try:
                 mrs.append(nic.register(region.addr, region.length, access))
             except Exception as e:  # noqa: BLE001 - PyverbsRDMAError and kin: TCP serves this region
-                log.warning("rdma: could not register region %d (%d bytes) on %s: %s; run `kvplugins doctor` "
-                            "(RLIMIT_MEMLOCK); TCP serves it", region.region_id, region.length, nic.info.name, e)
-                for done in self._nics[:len(mrs)]:
+                log.warning(
+                    "rdma: could not register region %d (%d bytes) on %s: %s; run `kvplugins doctor` "
+                    "(RLIMIT_MEMLOCK); TCP serves it",
+                    region.region_id,
+                    region.length,
+                    nic.info.name,
+                    e,
+                )
+                for done in self._nics[: len(mrs)]:
                     done.deregister(region.addr, region.length, access)
                 return
         with self._lock:
@@ -124,6 +138,7 @@ class RdmaTransport(Transport):
     @staticmethod
     def _access(region: Region) -> int:
         import pyverbs.enums as e
+
         if region.readonly:
             return e.IBV_ACCESS_REMOTE_READ if region.exported else 0
         remote = e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE if region.exported else 0
@@ -174,9 +189,14 @@ class RdmaTransport(Transport):
                 continue
             raddr = e.remote_region.rdma[0] + e.remote_offset
             last = out[-1] if out else None
-            if last and last.last == k - 1 and last.region_id == e.local.region_id and \
-                    last.laddr + last.length == e.local_addr and last.raddr + last.length == raddr and \
-                    last.rkeys == e.remote_region.rdma[1]:
+            if (
+                last
+                and last.last == k - 1
+                and last.region_id == e.local.region_id
+                and last.laddr + last.length == e.local_addr
+                and last.raddr + last.length == raddr
+                and last.rkeys == e.remote_region.rdma[1]
+            ):
                 out[-1] = replace(last, last=k, length=last.length + e.length)
             else:
                 out.append(_Piece(k, k, e.local_addr, e.local.region_id, raddr, e.remote_region.rdma[1], e.length))
@@ -207,8 +227,9 @@ class RdmaTransport(Transport):
         ep, up = self._qps.endpoint(seg), self._qps.nics_up
         paths = [p for p in (self._paths(ep) if ep else []) if up[p.local] and self._stats.up((seg, p.local, p.remote))]
         regions = {p.region_id for p in pieces}
-        near = [p for p in paths if all(self._numa.get(r, -1) in (-1, self._nics[p.local].info.numa_node)
-                                        for r in regions)]
+        near = [
+            p for p in paths if all(self._numa.get(r, -1) in (-1, self._nics[p.local].info.numa_node) for r in regions)
+        ]
         return near or paths
 
     def _round(self, op: Op, seg: str, pieces: list[_Piece], paths: list[Path], deadline: Deadline):
@@ -228,8 +249,9 @@ class RdmaTransport(Transport):
                 continue
             held += [((seg, path), q) for q in qps]
             for j, q in enumerate(qps):
-                works.append((path, verbs.Work(q, [self._chunk(p, path) for p in mine[j::len(qps)]]),
-                              mine[j::len(qps)]))
+                works.append(
+                    (path, verbs.Work(q, [self._chunk(p, path) for p in mine[j :: len(qps)]]), mine[j :: len(qps)])
+                )
         start = time.monotonic()
         posted = verbs.run(op is Op.READ, [w for _, w, _ in works], deadline.at, self._cfg.rdma_signal_every)
         self._stats.add("wrs", posted)
@@ -253,26 +275,34 @@ class RdmaTransport(Transport):
         moved: dict[Path, list] = {}
         for path, w, mine in works:
             acc = moved.setdefault(path, [0, start])
-            acc[0] += sum(c.length for c in w.chunks[:w.done])
+            acc[0] += sum(c.length for c in w.chunks[: w.done])
             acc[1] = max(acc[1], w.finished_at or time.monotonic())
             if w.error:
-                done = {id(c) for c in w.chunks[:w.done]}
+                done = {id(c) for c in w.chunks[: w.done]}
                 failed += [p for p, c in zip(mine, w.chunks) if id(c) not in done]
                 why = f"{self._nics[path.local].info.name}: {w.error}"
                 if path not in bad:
                     bad.add(path)
                     self._stats.failed((seg, path.local, path.remote))
-                    log.warning("rdma path %s -> %s of %s failed (%s); retrying its work on another path",
-                                self._nics[path.local].info.name, path.remote, seg, w.error)
+                    log.warning(
+                        "rdma path %s -> %s of %s failed (%s); retrying its work on another path",
+                        self._nics[path.local].info.name,
+                        path.remote,
+                        seg,
+                        w.error,
+                    )
         for path, (nbytes, end) in moved.items():
-            self._stats.sample((seg, path.local, path.remote), f"{self._nics[path.local].info.name}->{path.remote}",
-                               nbytes, end - start)
+            self._stats.sample(
+                (seg, path.local, path.remote),
+                f"{self._nics[path.local].info.name}->{path.remote}",
+                nbytes,
+                end - start,
+            )
         return failed, why, bad
 
     def _chunk(self, p: _Piece, path: Path) -> verbs.Chunk:
         mr = self._keys[p.region_id][1][path.local]
-        return verbs.Chunk(p.laddr, mr.lkey, p.raddr, p.rkeys[path.remote],
-                           p.length)
+        return verbs.Chunk(p.laddr, mr.lkey, p.raddr, p.rkeys[path.remote], p.length)
 
     def stats(self) -> dict[str, Any]:
         """wrs posted, path_failures, qp_rebuilds, striped_batches, path_mbps (measured MB/s per peer and path),

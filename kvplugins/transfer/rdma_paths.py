@@ -7,6 +7,7 @@ any (``numa_of``), else by all. Striping: bytes are shared in proportion to each
 throughput (an exponential moving average of bytes per second per path, kept as telemetry), seeded from the
 link speed. A path that fails is down until ``probe_s`` later; the transport's prober brings it back.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -16,13 +17,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-_EWMA = 0.3             # weight of the newest throughput sample
+_EWMA = 0.3  # weight of the newest throughput sample
 _MIN_SAMPLE = 256 << 10  # bytes a path must move in a batch for its throughput sample to count
 
 
 @dataclass(frozen=True)
 class Path:
     """Local NIC index ``local`` (into the transport's NIC list) to the peer's NIC index ``remote``."""
+
     local: int
     remote: int
 
@@ -118,7 +120,7 @@ def stripe(lengths: list[int], weights: list[float]) -> list[int]:
     return out
 
 
-_MPOL_F_NODE, _MPOL_F_ADDR, _SYS_GET_MEMPOLICY = 1, 2, 239   # x86_64 get_mempolicy(2)
+_MPOL_F_NODE, _MPOL_F_ADDR, _SYS_GET_MEMPOLICY = 1, 2, 239  # x86_64 get_mempolicy(2)
 
 
 def numa_of(addr: int) -> int:
@@ -129,8 +131,14 @@ def numa_of(addr: int) -> int:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         node = ctypes.c_int(-1)
-        rc = libc.syscall(_SYS_GET_MEMPOLICY, ctypes.byref(node), None, ctypes.c_ulong(0),
-                          ctypes.c_void_p(addr), ctypes.c_ulong(_MPOL_F_NODE | _MPOL_F_ADDR))
+        rc = libc.syscall(
+            _SYS_GET_MEMPOLICY,
+            ctypes.byref(node),
+            None,
+            ctypes.c_ulong(0),
+            ctypes.c_void_p(addr),
+            ctypes.c_ulong(_MPOL_F_NODE | _MPOL_F_ADDR),
+        )
         return node.value if rc == 0 else -1
     except (OSError, AttributeError):
         return -1

@@ -7,6 +7,7 @@ connection; the peer's ``serve_connect`` creates and connects its QP and answers
 then connects to. A QP is used by one batch at a time (``acquire``/``release``); a dead one is closed on release
 and rebuilt by the prober (up to REBUILD_TRIES times, one per rdma_probe_ms).
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,9 +24,9 @@ from kvplugins.transfer.rdma_paths import Path, PathStats
 from kvplugins.transfer.transport import Deadline
 
 log = logging.getLogger("kvplugins.transfer.rdma")
-MAX_SERVED_QPS = 4096     # queue pairs this process keeps for its peers; the oldest is closed past it
-MAX_PEERS = 1024          # peers whose queue pairs are pooled; the least recently used is forgotten past it
-REBUILD_TRIES = 5         # background rebuilds of a peer's path before giving up (a batch reconnects on demand)
+MAX_SERVED_QPS = 4096  # queue pairs this process keeps for its peers; the oldest is closed past it
+MAX_PEERS = 1024  # peers whose queue pairs are pooled; the least recently used is forgotten past it
+REBUILD_TRIES = 5  # background rebuilds of a peer's path before giving up (a batch reconnects on demand)
 _CONNECT_MS = 5000.0
 
 
@@ -37,12 +38,12 @@ class QpPool:
         self._token = secrets.token_hex(8)
         self._lock = threading.Condition()
         self._pools: dict[tuple, list[verbs.QueuePair]] = {}  # (segment, path) -> idle QPs
-        self._counts: dict[tuple, int] = {}                   # (segment, path) -> QPs existing
+        self._counts: dict[tuple, int] = {}  # (segment, path) -> QPs existing
         self._peers: OrderedDict[str, tuple[dict, dict]] = OrderedDict()  # segment -> (tcp, rdma endpoints)
-        self._rebuild: dict[tuple, int] = {}                  # (segment, path) -> failed rebuild attempts
+        self._rebuild: dict[tuple, int] = {}  # (segment, path) -> failed rebuild attempts
         self._served: OrderedDict[tuple, verbs.QueuePair] = OrderedDict()
         self._closed = threading.Event()
-        self.nics_up = [True] * len(nics)                     # port ACTIVE, per NIC (refreshed by the prober)
+        self.nics_up = [True] * len(nics)  # port ACTIVE, per NIC (refreshed by the prober)
         tcp.server.set_control("rdma", self.serve_connect)
         self._thread = threading.Thread(target=self._prober, name="kvp-rdma-probe", daemon=True)
         self._thread.start()
@@ -91,9 +92,10 @@ class QpPool:
                     self._counts[key] -= 1
                 break
         if not got and not why:
-            with self._lock:   # every QP of the path is busy in another batch: wait for one
-                self._lock.wait_for(lambda: self._pools.get(key) or self._closed.is_set(),
-                                    timeout=max(0.0, deadline.remaining()))
+            with self._lock:  # every QP of the path is busy in another batch: wait for one
+                self._lock.wait_for(
+                    lambda: self._pools.get(key) or self._closed.is_set(), timeout=max(0.0, deadline.remaining())
+                )
                 got = [self._pools[key].pop()] if self._pools.get(key) else []
             why = "" if got else "every queue pair of the path stayed busy until the deadline"
         return got, why

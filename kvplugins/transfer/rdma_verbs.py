@@ -14,6 +14,7 @@ returned as failed for the caller to retry elsewhere.
 Sources: ibv_post_send(3), ibv_poll_cq(3), ibv_modify_qp(3) (RC INIT -> RTR -> RTS attributes as in
 rdma-core's libibverbs/examples/rc_pingpong.c), pyverbs qp.pyx / wr.pyx / cq.pyx.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -24,8 +25,8 @@ from typing import Any
 
 from kvplugins.transfer.nics import MTU_BYTES
 
-MTU_ENUM = {b: e for e, b in MTU_BYTES.items()}              # bytes -> enum ibv_mtu
-_QP_TIMEOUT, _RETRY, _RNR_RETRY, _RD_ATOMIC = 14, 7, 7, 16     # 4.096 us * 2^14 = 67 ms per try, 7 tries
+MTU_ENUM = {b: e for e, b in MTU_BYTES.items()}  # bytes -> enum ibv_mtu
+_QP_TIMEOUT, _RETRY, _RNR_RETRY, _RD_ATOMIC = 14, 7, 7, 16  # 4.096 us * 2^14 = 67 ms per try, 7 tries
 
 
 def import_pyverbs() -> tuple[Any, str | None]:
@@ -33,6 +34,7 @@ def import_pyverbs() -> tuple[Any, str | None]:
     try:
         import pyverbs.enums as e
         import pyverbs.qp  # noqa: F401  - the modules run() needs, imported once here
+
         return e, None
     except ImportError as ex:
         return None, f"pyverbs is not importable ({ex})"
@@ -41,6 +43,7 @@ def import_pyverbs() -> tuple[Any, str | None]:
 @dataclass(frozen=True)
 class Chunk:
     """One work request: ``length`` bytes (<= 1 GiB) between local (addr, lkey) and remote (addr, rkey)."""
+
     laddr: int
     lkey: int
     raddr: int
@@ -57,16 +60,18 @@ class Nic:
     def __init__(self, info):
         import pyverbs.device as d
         from pyverbs.pd import PD
+
         self.info = info
         self.ctx = d.Context(name=info.name)
         self.pd = PD(self.ctx)
         self._lock = threading.Lock()
-        self._mrs: dict[tuple[int, int, int], list] = {}   # (addr, length, access) -> [MR, refs]
+        self._mrs: dict[tuple[int, int, int], list] = {}  # (addr, length, access) -> [MR, refs]
 
     def register(self, addr: int, length: int, access: int):
         """The MR of [addr, addr+length) with ``access`` (ibv_access_flags), registered once and shared by
         later identical registrations (refcounted). Raises PyverbsRDMAError (e.g. ENOMEM over RLIMIT_MEMLOCK)."""
         from pyverbs.mr import MR
+
         key = (addr, length, access)
         with self._lock:
             hit = self._mrs.get(key)
@@ -88,6 +93,7 @@ class Nic:
     def port_active(self) -> bool:
         """Whether the port is ACTIVE now (one query_port verb)."""
         import pyverbs.enums as e
+
         try:
             return self.ctx.query_port(self.info.port).state == e.IBV_PORT_ACTIVE
         except Exception:  # noqa: BLE001 - a device gone away reads as down
@@ -110,6 +116,7 @@ class QueuePair:
         import pyverbs.enums as e
         from pyverbs.cq import CQ
         from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+
         self.nic, self.depth = nic, depth
         self.cq = CQ(nic.ctx, depth + 1, None, None, 0)
         cap = QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
@@ -132,6 +139,7 @@ class QueuePair:
         import pyverbs.enums as e
         from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr
+
         n = self.nic.info
         attr = QPAttr(qp_state=e.IBV_QPS_RTR)
         attr.path_mtu = MTU_ENUM[min(n.active_mtu, int(remote["mtu"]))]
@@ -150,6 +158,7 @@ class QueuePair:
         """Move the QP to the error state (outstanding work is flushed, the NIC stops touching its memory)."""
         import pyverbs.enums as e
         from pyverbs.qp import QPAttr
+
         self.dead = True
         try:
             self.qp.modify(QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
@@ -167,6 +176,7 @@ class QueuePair:
 @dataclass
 class Work:
     """The chunks one QP runs in a batch, and how far it got: ``done`` chunks confirmed, ``posted`` posted."""
+
     qp: QueuePair
     chunks: list[Chunk]
     done: int = 0
@@ -181,6 +191,7 @@ def run(op_read: bool, works: list[Work], deadline_at: float, signal_every: int)
     (time.monotonic()). A QP that fails (error completion, post refused, deadline) is killed and its
     unconfirmed chunks land in ``work.failed`` with ``work.error``. Returns the work requests posted."""
     import pyverbs.enums as e
+
     opcode = e.IBV_WR_RDMA_READ if op_read else e.IBV_WR_RDMA_WRITE
     live, posted, idle = [w for w in works if w.chunks], 0, 0
     while live:
@@ -197,19 +208,20 @@ def run(op_read: bool, works: list[Work], deadline_at: float, signal_every: int)
                 _fail(w, "no completion before the deadline")
             break
         idle += 1
-        time.sleep(0 if idle < 64 else min(5e-4, 1e-5 * (idle - 63)))   # yield the GIL, then back off
+        time.sleep(0 if idle < 64 else min(5e-4, 1e-5 * (idle - 63)))  # yield the GIL, then back off
     return posted
 
 
 def _post(w: Work, opcode: int, signal_every: int, e) -> int:
     """Post the next chain of w's chunks that fits its send queue; returns how many were posted."""
     from pyverbs.wr import SGE, SendWR
+
     room = w.qp.depth - (w.posted - w.done)
     end = min(len(w.chunks), w.posted + room)
     if end <= w.posted or w.qp.dead:
         return 0
     head = prev = None
-    keep = []                                   # the SendWR/SGE objects must live until post_send returns
+    keep = []  # the SendWR/SGE objects must live until post_send returns
     for k in range(w.posted, end):
         c = w.chunks[k]
         sge = SGE(c.laddr, c.length, c.lkey)
@@ -253,10 +265,18 @@ def _poll(w: Work, e) -> bool:
 
 def _fail(w: Work, why: str) -> None:
     w.error = w.error or why
-    w.failed = w.chunks[w.done:]
+    w.failed = w.chunks[w.done :]
     w.qp.kill()
 
 
-_WC_NAMES = {1: "local length error", 2: "local QP operation error", 4: "local protection error",
-             5: "flushed", 9: "remote invalid request", 10: "remote access error", 11: "remote operation error",
-             12: "transport retry counter exceeded", 13: "RNR retry counter exceeded"}
+_WC_NAMES = {
+    1: "local length error",
+    2: "local QP operation error",
+    4: "local protection error",
+    5: "flushed",
+    9: "remote invalid request",
+    10: "remote access error",
+    11: "remote operation error",
+    12: "transport retry counter exceeded",
+    13: "RNR retry counter exceeded",
+}

@@ -4,6 +4,7 @@ Each entry goes to the first transport (in config order, fastest first) that bot
 reaches the remote region. Entries failing with TransferFailed are retried on their next candidate;
 each fallback is counted and logged once per (transport, reason). OutOfRange is final.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,7 +40,7 @@ class Router:
         deadline = Deadline(timeout_ms)
         status: list[TransferError | None] = [None] * len(reqs)
         pending: dict[int, tuple[Entry, list[Transport]]] = {}
-        pins: dict[int, Any] = {}       # per batch: local region id -> pin
+        pins: dict[int, Any] = {}  # per batch: local region id -> pin
         remotes: dict[tuple, tuple] = {}  # per batch: (descriptor, region id) -> (RegionInfo, candidates)
         for i, req in enumerate(reqs):
             try:
@@ -55,8 +56,17 @@ class Router:
         self._count(op, status)
         return status
 
-    def run_spans(self, op: Op, remote: SegmentDescriptor, region_id: int, addrs, roffs, lens,
-                  timeout_ms: float, digests: np.ndarray | None = None) -> list[TransferError | None]:
+    def run_spans(
+        self,
+        op: Op,
+        remote: SegmentDescriptor,
+        region_id: int,
+        addrs,
+        roffs,
+        lens,
+        timeout_ms: float,
+        digests: np.ndarray | None = None,
+    ) -> list[TransferError | None]:
         """The array form (spans.py): every span between local memory and region ``region_id`` of ``remote``.
         ``digests``: filled with each moved span's xxh3_64 (TransferEngine.write_spans): by the transport in its
         copy pass where the first candidate can (``hashes_in_copy``; spans then stay uncoalesced), else natively
@@ -67,31 +77,47 @@ class Router:
         if not small:
             addrs, roffs, lens = as_u64(addrs, "local_addrs"), as_u64(roffs, "remote_offsets"), as_u64(lens, "lengths")
         if not len(addrs) == len(roffs) == len(lens):
-            raise ValueError(f"local_addrs, remote_offsets and lengths differ in length "
-                             f"({len(addrs)}, {len(roffs)}, {len(lens)}); pass one value per span")
+            raise ValueError(
+                f"local_addrs, remote_offsets and lengths differ in length "
+                f"({len(addrs)}, {len(roffs)}, {len(lens)}); pass one value per span"
+            )
         status: list[TransferError | None] = [None] * len(lens)
         try:
             info, cands = self._remote(remote, int(region_id))
         except TransferError as e:
             status = [e] * len(lens)
             cands = []
-        if digests is not None and (not isinstance(digests, np.ndarray) or digests.dtype != np.uint64
-                                    or digests.shape != (len(lens),) or not digests.flags.writeable):
-            raise ValueError(f"digests must be a writable uint64 array of {len(lens)} (one per span), got "
-                             f"{type(digests).__name__} {getattr(digests, 'dtype', '')} {getattr(digests, 'shape', '')}")
+        if digests is not None and (
+            not isinstance(digests, np.ndarray)
+            or digests.dtype != np.uint64
+            or digests.shape != (len(lens),)
+            or not digests.flags.writeable
+        ):
+            raise ValueError(
+                f"digests must be a writable uint64 array of {len(lens)} (one per span), got "
+                f"{type(digests).__name__} {getattr(digests, 'dtype', '')} {getattr(digests, 'shape', '')}"
+            )
         if cands:
-            fused = digests is not None and cands[0].hashes_in_copy     # hash per span: do not coalesce
+            fused = digests is not None and cands[0].hashes_in_copy  # hash per span: do not coalesce
             batch, valid, group = (prepare_small if small else prepare)(
-                self._regions, remote, info, addrs, roffs, lens, op is Op.WRITE, status, not fused)
+                self._regions, remote, info, addrs, roffs, lens, op is Op.WRITE, status, not fused
+            )
             if batch is not None:
-                if fused:       # every span valid: the transport hashes straight into the caller's array
+                if fused:  # every span valid: the transport hashes straight into the caller's array
                     batch.digests = digests if len(valid) == len(lens) else np.zeros(len(batch), dtype=np.uint64)
                 merged = self._spans_rounds(op, batch, cands, deadline)
                 if digests is not None and not (batch.hashed and batch.digests is digests):
                     vi = np.asarray(valid, dtype=np.int64)
-                    digests[vi] = batch.digests if batch.hashed else native.hash_keys(
-                        np.asarray(addrs, dtype=np.uint64)[vi], np.asarray(lens, dtype=np.uint64)[vi],
-                        np.arange(len(vi)), len(vi))
+                    digests[vi] = (
+                        batch.digests
+                        if batch.hashed
+                        else native.hash_keys(
+                            np.asarray(addrs, dtype=np.uint64)[vi],
+                            np.asarray(lens, dtype=np.uint64)[vi],
+                            np.arange(len(vi)),
+                            len(vi),
+                        )
+                    )
                 if merged.count(None) != len(merged):
                     for j, g in zip(valid, group):
                         status[j] = merged[g]
@@ -105,8 +131,12 @@ class Router:
         for k, transport in enumerate(cands):
             res = self._transfer_spans(transport, op, part, deadline)
             failed = [] if res is None else [j for j, e in enumerate(res) if e is not None]
-            self._record(transport.name, len(part) - len(failed),
-                         part.nbytes() - sum(int(part.lens[j]) for j in failed), len(failed))
+            self._record(
+                transport.name,
+                len(part) - len(failed),
+                part.nbytes() - sum(int(part.lens[j]) for j in failed),
+                len(failed),
+            )
             retry = []
             for j in failed:
                 out[todo[j]] = res[j]
@@ -116,7 +146,7 @@ class Router:
                 break
             self._fallback(transport.name, cands[k + 1].name, res[retry[0]])
             todo, part = [todo[j] for j in retry], part.subset(retry)
-            batch.hashed = False            # a retried part moved on another transport: hash locally
+            batch.hashed = False  # a retried part moved on another transport: hash locally
             for i in todo:
                 out[i] = None
         return out
@@ -135,24 +165,29 @@ class Router:
         try:
             local_off, remote_off, length = map(operator.index, (req.local_offset, req.remote_offset, req.length))
         except TypeError:
-            raise OutOfRange(f"offsets and length must be integers, got {req.local_offset!r}, "
-                             f"{req.remote_offset!r}, {req.length!r}") from None
+            raise OutOfRange(
+                f"offsets and length must be integers, got {req.local_offset!r}, {req.remote_offset!r}, {req.length!r}"
+            ) from None
         key = req.local.region_id
         pin = pins[key] if key in pins else pins.setdefault(key, self._regions.pin(req.local))
         addr = span_addr(req.local, local_off, length, "local")
         rkey = (id(req.remote), req.remote_region)
         info, cands = remotes.get(rkey) or remotes.setdefault(rkey, self._remote(req.remote, req.remote_region))
         if remote_off < 0 or remote_off + length > info.length:
-            raise OutOfRange(f"remote region {info.region_id} of {req.remote.segment_id} (length {info.length}): "
-                             f"offset {remote_off} + length {length} is outside it")
+            raise OutOfRange(
+                f"remote region {info.region_id} of {req.remote.segment_id} (length {info.length}): "
+                f"offset {remote_off} + length {length} is outside it"
+            )
         return Entry(req.local, addr, req.remote, info, remote_off, length, pin), cands
 
     def _remote(self, remote: SegmentDescriptor, region_id: int) -> tuple[RegionInfo, list[Transport]]:
         info = remote.region(region_id)
         cands = [t for t in self._transports if t.name in remote.transports and t.reaches(remote, info)]
         if not cands:
-            raise TransferFailed(f"no common transport with {remote.segment_id}: this engine offers "
-                                 f"{[t.name for t in self._transports]}, the peer {list(remote.transports)}")
+            raise TransferFailed(
+                f"no common transport with {remote.segment_id}: this engine offers "
+                f"{[t.name for t in self._transports]}, the peer {list(remote.transports)}"
+            )
         return info, cands
 
     def _round(self, op: Op, pending: dict, status: list, deadline: Deadline) -> dict:

@@ -5,6 +5,7 @@ path a descriptor named; this process hands its own alloc_shared memory out the 
 per entry via the native ``copy_batch`` (GIL released); no socket on the data path. Peer liveness is checked
 per batch with a pidfd, so a dead peer gives TransferFailed rather than writes into memory nobody reads.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,6 +26,7 @@ from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 class ShmTransport(Transport):
     """Offers {"pid": ..., "fd_socket": ...}; reaches a region when the peer has our host_id, an fd socket and the
     region has shm_path (it lives in shared memory)."""
+
     name = "shm"
     hashes_in_copy = True
 
@@ -34,8 +36,8 @@ class ShmTransport(Transport):
         self._threads = copy_threads or min(4, len(os.sched_getaffinity(0)))
         self._lock = threading.Lock()
         self._maps: dict[tuple[str, int], Mapping] = {}
-        self._peers = PeerWatch(self.name)                # a pidfd per peer: a dead one fails its batches
-        self._server: fdpass.FdServer | None = None       # hands our shared regions out; started by share()
+        self._peers = PeerWatch(self.name)  # a pidfd per peer: a dead one fails its batches
+        self._server: fdpass.FdServer | None = None  # hands our shared regions out; started by share()
 
     def endpoint(self) -> dict[str, Any]:
         return {"pid": os.getpid(), **({"fd_socket": self._server.name} if self._server else {})}
@@ -55,9 +57,15 @@ class ShmTransport(Transport):
 
     def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
         ep = remote.transports.get("shm")
-        return remote.host_id == self._host_id and isinstance(region.shm_path, str) and bool(region.shm_path) \
-            and isinstance(ep, dict) and type(ep.get("pid")) is int and ep["pid"] > 0 \
+        return (
+            remote.host_id == self._host_id
+            and isinstance(region.shm_path, str)
+            and bool(region.shm_path)
+            and isinstance(ep, dict)
+            and type(ep.get("pid")) is int
+            and ep["pid"] > 0
             and isinstance(ep.get("fd_socket"), str)
+        )
 
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
         status: list[TransferError | None] = [None] * len(entries)
@@ -142,4 +150,3 @@ class ShmTransport(Transport):
         for m in maps:
             m.close()
         self._peers.close()
-

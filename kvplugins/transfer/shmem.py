@@ -5,6 +5,7 @@ allocation), which made the first copy into a new segment run at a fifth of memc
 populates its allocation up front (MADV_POPULATE_WRITE, Linux >= 5.14: the memory is committed when the segment
 starts, or allocate raises), and a peer's mapping is populated by a background thread after it is opened.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,8 +23,8 @@ import numpy as np
 from kvplugins.transfer import fdpass
 
 log = logging.getLogger("kvplugins.transfer")
-MADV_POPULATE_WRITE = 23      # linux/mman.h (5.14); not exported by Python 3.11's mmap module
-_POPULATE_CHUNK = 64 << 20    # a background populate takes the region in steps this big
+MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14); not exported by Python 3.11's mmap module
+_POPULATE_CHUNK = 64 << 20  # a background populate takes the region in steps this big
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,8 +74,9 @@ class Mapping:
         let go of the memory. Failures only log: a page not populated faults on first use as before."""
         pin = self.array
         if pin is not None:
-            threading.Thread(target=_populate_chunks, args=(pin, self.path), daemon=True,
-                             name="kvp-shm-populate").start()
+            threading.Thread(
+                target=_populate_chunks, args=(pin, self.path), daemon=True, name="kvp-shm-populate"
+            ).start()
 
     def close(self) -> None:
         """Unmap now, or, while a pin (``array``) or view is still held, once the last one goes."""
@@ -123,10 +125,10 @@ def _populate_chunks(pin: np.ndarray, path: str) -> None:
 
 def _mapped(fd: int, nbytes: int, path: str, unlink: str | None, populate: bool) -> Mapping:
     try:
-        os.fchmod(fd, 0o600)     # owner only (a memfd starts 0777): other users can neither read nor write it
+        os.fchmod(fd, 0o600)  # owner only (a memfd starts 0777): other users can neither read nor write it
         os.ftruncate(fd, nbytes)
         if unlink is None:
-            fdpass.seal(fd)      # a peer's mapping can never be cut short under it (SIGBUS)
+            fdpass.seal(fd)  # a peer's mapping can never be cut short under it (SIGBUS)
         m = Mapping(fd, nbytes, path, unlink=unlink)
     except BaseException:
         os.close(fd)
@@ -138,8 +140,11 @@ def _mapped(fd: int, nbytes: int, path: str, unlink: str | None, populate: bool)
             populate_pages(m.addr, nbytes)
     except OSError as e:
         m.close()
-        raise OSError(e.errno, f"cannot commit {nbytes} bytes of shared memory ({e.strerror}); "
-                               "lower the segment or buffer size, or free memory") from e
+        raise OSError(
+            e.errno,
+            f"cannot commit {nbytes} bytes of shared memory ({e.strerror}); "
+            "lower the segment or buffer size, or free memory",
+        ) from e
     return m
 
 

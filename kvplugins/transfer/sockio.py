@@ -6,6 +6,7 @@ with ``deadline`` (time.monotonic() seconds) a loop also stops once the deadline
 trickling bytes cannot stretch a transfer past about twice its timeout. Errors: TimeoutError, OSError;
 a peer closing mid-message raises ConnectionError.
 """
+
 from __future__ import annotations
 
 import select
@@ -35,7 +36,7 @@ class _Cursor:
         while j < end and total < CALL_BYTES:
             total += len(self.views[j])
             j += 1
-        return self.views[self.i:j]
+        return self.views[self.i : j]
 
     def advance(self, done: int) -> None:
         views = self.views
@@ -46,7 +47,7 @@ class _Cursor:
             views[self.i] = views[self.i][done:]
 
     def left(self) -> int:
-        return sum(len(v) for v in self.views[self.i:])
+        return sum(len(v) for v in self.views[self.i :])
 
 
 def _check(deadline: float | None) -> None:

@@ -6,6 +6,7 @@ Python work per entry. Spans that are contiguous on both sides (and in the same 
 coalesced into one before they reach a transport (a batch of consecutive pages becomes one copy / one
 TCP entry); a coalesced span's status is the status of every span in it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
 from kvplugins.transfer.memory import RegionTable
 
 
-SMALL = 8     # batches up to this many spans take the pure-Python path (numpy calls cost ~1 us each)
+SMALL = 8  # batches up to this many spans take the pure-Python path (numpy calls cost ~1 us each)
 
 
 @dataclass
@@ -29,6 +30,7 @@ class SpanBatch:
     the local memory mapped while the batch runs. ``digests``: set (uint64 array, one per span, spans not
     coalesced) when the caller wants each span's xxh3_64 and the transport hashes while it copies
     (``Transport.hashes_in_copy``); it fills them and sets ``hashed`` (the router hashes otherwise)."""
+
     remote: SegmentDescriptor
     info: RegionInfo
     addrs: np.ndarray
@@ -44,9 +46,16 @@ class SpanBatch:
 
     def subset(self, idx: list[int]) -> "SpanBatch":
         a, r, n = as_list(self.addrs), as_list(self.roffs), as_list(self.lens)
-        return SpanBatch(self.remote, self.info, [a[i] for i in idx], [r[i] for i in idx], [n[i] for i in idx],
-                         [self.regions[i] for i in idx], self.pins,
-                         None if self.digests is None else np.zeros(len(idx), dtype=np.uint64))
+        return SpanBatch(
+            self.remote,
+            self.info,
+            [a[i] for i in idx],
+            [r[i] for i in idx],
+            [n[i] for i in idx],
+            [self.regions[i] for i in idx],
+            self.pins,
+            None if self.digests is None else np.zeros(len(idx), dtype=np.uint64),
+        )
 
     def nbytes(self) -> int:
         return sum(self.lens) if isinstance(self.lens, list) else int(self.lens.sum())
@@ -62,8 +71,17 @@ def is_small(*seqs) -> bool:
     return all(type(s) is list and len(s) <= SMALL for s in seqs)
 
 
-def prepare_small(regions: RegionTable, remote: SegmentDescriptor, info: RegionInfo, addrs: list, roffs: list,
-                  lens: list, readonly_ok: bool, status: list, coalesce: bool = True) -> tuple[SpanBatch | None, list, list]:
+def prepare_small(
+    regions: RegionTable,
+    remote: SegmentDescriptor,
+    info: RegionInfo,
+    addrs: list,
+    roffs: list,
+    lens: list,
+    readonly_ok: bool,
+    status: list,
+    coalesce: bool = True,
+) -> tuple[SpanBatch | None, list, list]:
     """prepare() for a few spans given as int lists, without numpy; same results."""
     index = regions.index
     a_out, r_out, n_out, regs, valid, group = [], [], [], [], [], []
@@ -101,26 +119,36 @@ def as_u64(values, name: str) -> np.ndarray:
     return arr.astype(np.uint64, copy=False)
 
 
-def prepare(regions: RegionTable, remote: SegmentDescriptor, info: RegionInfo, addrs, roffs, lens,
-            readonly_ok: bool, status: list, coalesce: bool = True) -> tuple[SpanBatch | None, np.ndarray, np.ndarray]:
+def prepare(
+    regions: RegionTable,
+    remote: SegmentDescriptor,
+    info: RegionInfo,
+    addrs,
+    roffs,
+    lens,
+    readonly_ok: bool,
+    status: list,
+    coalesce: bool = True,
+) -> tuple[SpanBatch | None, np.ndarray, np.ndarray]:
     """Validate spans; set ``status[j]`` (OutOfRange) for bad ones. Returns (batch of the valid non-empty spans,
     coalesced unless ``coalesce`` is False, or None; their original indices; the batch span of each of them)."""
-    index = regions.index                      # one snapshot for the whole batch
+    index = regions.index  # one snapshot for the whole batch
     local_idx, table = index.locate(addrs, lens), index.regions
-    for j in np.flatnonzero((local_idx < 0) & (lens > 0)).tolist():   # overlapping registrations, or none
+    for j in np.flatnonzero((local_idx < 0) & (lens > 0)).tolist():  # overlapping registrations, or none
         reg = index.find(int(addrs[j]), int(lens[j]))
         if reg is not None:
             local_idx[j] = table.index(reg)
     size = np.uint64(info.length)
-    bad_remote = (roffs > size) | (lens > size - np.minimum(roffs, size))      # no uint64 wrap
+    bad_remote = (roffs > size) | (lens > size - np.minimum(roffs, size))  # no uint64 wrap
     for j in np.flatnonzero(((local_idx < 0) & (lens > 0)) | bad_remote).tolist():
         status[j] = _span_error(remote, info, int(addrs[j]), int(roffs[j]), int(lens[j]))
     valid = np.flatnonzero((local_idx >= 0) & ~bad_remote & (lens > 0))
     if not readonly_ok:
         ro = [j for j in valid.tolist() if table[local_idx[j]].readonly]
         for j in ro:
-            status[j] = OutOfRange(f"local region {table[local_idx[j]].region_id} is read-only; "
-                                   "read into writable memory")
+            status[j] = OutOfRange(
+                f"local region {table[local_idx[j]].region_id} is read-only; read into writable memory"
+            )
         if ro:
             valid = np.setdiff1d(valid, np.asarray(ro, dtype=np.int64))
     if not len(valid):
@@ -134,12 +162,17 @@ def prepare(regions: RegionTable, remote: SegmentDescriptor, info: RegionInfo, a
     merged = np.add.reduceat(n, first) if len(first) < len(n) else n
     used = [table[i] for i in li[first].tolist()]
     pins = [regions.pin(reg) for reg in {id(reg): reg for reg in used}.values()]
-    return (SpanBatch(remote, info, a[first], r[first], merged.astype(np.uint64), used, pins), valid.tolist(),
-            group.tolist())
+    return (
+        SpanBatch(remote, info, a[first], r[first], merged.astype(np.uint64), used, pins),
+        valid.tolist(),
+        group.tolist(),
+    )
 
 
 def _span_error(remote: SegmentDescriptor, info: RegionInfo, addr: int, roff: int, n: int) -> TransferError:
     if roff + n > info.length:
-        return OutOfRange(f"remote region {info.region_id} of {remote.segment_id} (length {info.length}): "
-                          f"offset {roff} + length {n} is outside it")
+        return OutOfRange(
+            f"remote region {info.region_id} of {remote.segment_id} (length {info.length}): "
+            f"offset {roff} + length {n} is outside it"
+        )
     return OutOfRange(f"local span [{addr:#x}, +{n}) lies in no registered region; register it first")

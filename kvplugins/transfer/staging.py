@@ -15,6 +15,7 @@ Lifecycle: construct -> ``with pool.slot(timeout_s, nbytes) as slot:`` (blocks w
 batch larger than a fixed slot is moved in slot-sized chunks by the caller) -> ``close()``. Thread-safe: several
 threads take slots concurrently; a slot is theirs alone until the ``with`` block ends.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Slot:
     """``nbytes`` bytes of host memory at ``addr`` (index ``index`` of its pool)."""
+
     index: int
     addr: int
     nbytes: int
@@ -49,8 +51,10 @@ class StagingPool:
 
     def __init__(self, memory: Any, nbytes: int, slot_bytes: int):
         if slot_bytes <= 0 or nbytes < slot_bytes:
-            raise ConfigError(f"staging memory of {nbytes} B holds no slot of {slot_bytes} B; raise the bounce "
-                              f"size (bounce_bytes) to at least {max(slot_bytes, 1)} B")
+            raise ConfigError(
+                f"staging memory of {nbytes} B holds no slot of {slot_bytes} B; raise the bounce "
+                f"size (bounce_bytes) to at least {max(slot_bytes, 1)} B"
+            )
         self.slot_bytes = slot_bytes
         self._engine: TransferEngine | None = None
         self._region: Region | None = None
@@ -86,8 +90,10 @@ class StagingPool:
         try:
             i = self._free.get(timeout=timeout_s)
         except queue.Empty:
-            raise TransferFailed(f"no staging slot free within {timeout_s:g} s ({len(self.slots)} slots of "
-                                 f"{self.slot_bytes} B all in use)") from None
+            raise TransferFailed(
+                f"no staging slot free within {timeout_s:g} s ({len(self.slots)} slots of "
+                f"{self.slot_bytes} B all in use)"
+            ) from None
         try:
             if nbytes > self.slot_bytes:
                 self._grow(nbytes)
@@ -100,13 +106,14 @@ class StagingPool:
         if not isinstance(self._memory, np.ndarray):
             raise TypeError("view() needs a pool over numpy memory; index the caller's own tensor instead")
         start = slot.index * self.slot_bytes
-        return memoryview(self._memory[start:start + self.slot_bytes])
+        return memoryview(self._memory[start : start + self.slot_bytes])
 
     def _grow(self, nbytes: int) -> None:
         """Reallocate the one slot of a ``registered`` pool (its caller holds that slot, so nobody uses it)."""
         if self._engine is None:
-            raise ValueError(f"{nbytes} B do not fit a staging slot of {self.slot_bytes} B; move them in "
-                             "slot-sized chunks")
+            raise ValueError(
+                f"{nbytes} B do not fit a staging slot of {self.slot_bytes} B; move them in slot-sized chunks"
+            )
         size = self.slot_bytes
         while size < nbytes:
             size *= 2
@@ -121,6 +128,6 @@ class StagingPool:
         the bounce form unregisters ``regions()`` first)."""
         if self._engine is not None and self._region is not None:
             with contextlib.suppress(queue.Empty):
-                self._free.get(timeout=30)          # let a bytes call still running finish with the memory
+                self._free.get(timeout=30)  # let a bytes call still running finish with the memory
             self._engine.unregister(self._region)
         self._region = self._memory = None

@@ -8,6 +8,7 @@ land with readv straight in it. A pooled connection is checked for a close by th
 before reuse, and one the server had closed anyway is replaced transparently (its spans retried once on a new
 connection); a server over its connection caps refuses with a reason, raised as TransferFailed.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -34,13 +35,15 @@ MIN_PIECE = 1 << 20  # smallest frame worth another connection (native/src/tcp/c
 
 class TcpTransport(Transport):
     """Offers {"host", "port", "max_frame"} of its server; reaches every peer offering a valid tcp endpoint."""
+
     name = "tcp"
 
     def __init__(self, config: TransferConfig, regions: RegionTable):
         self._cfg = config
-        self._secret = security.require("the TCP transfer server")   # every peer authenticates (role data)
-        self._server = TcpServer(config.host, config.tcp_port, regions, config.max_frame, config.server_limits(),
-                                 secret=self._secret)
+        self._secret = security.require("the TCP transfer server")  # every peer authenticates (role data)
+        self._server = TcpServer(
+            config.host, config.tcp_port, regions, config.max_frame, config.server_limits(), secret=self._secret
+        )
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
         self._native = native_tcp.Client()
@@ -53,8 +56,13 @@ class TcpTransport(Transport):
 
     def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
         ep = remote.transports.get("tcp")
-        return isinstance(ep, dict) and isinstance(ep.get("host"), str) and _is_int(ep.get("port")) \
-            and 0 < ep["port"] < 65536 and _is_int(ep.get("max_frame", 0))
+        return (
+            isinstance(ep, dict)
+            and isinstance(ep.get("host"), str)
+            and _is_int(ep.get("port"))
+            and 0 < ep["port"] < 65536
+            and _is_int(ep.get("max_frame", 0))
+        )
 
     def transfer(self, op: Op, entries: list[Entry], deadline: Deadline) -> list[TransferError | None]:
         status: list[TransferError | None] = [None] * len(entries)
@@ -65,12 +73,17 @@ class TcpTransport(Transport):
 
         def run(indexes: list[int]) -> None:
             ep = entries[indexes[0]].remote.transports["tcp"]
-            cols = [[entries[i].local_addr for i in indexes], [entries[i].remote_region.region_id for i in indexes],
-                    [entries[i].remote_offset for i in indexes], [entries[i].length for i in indexes]]
+            cols = [
+                [entries[i].local_addr for i in indexes],
+                [entries[i].remote_region.region_id for i in indexes],
+                [entries[i].remote_offset for i in indexes],
+                [entries[i].length for i in indexes],
+            ]
             got = self._batch(op, ep, *cols, deadline)
             if got is not None:
                 for i, s in zip(indexes, got):
                     status[i] = s
+
         jobs = list(groups.values())
         futures = [self._peers_io.submit(run, ix) for ix in jobs[1:]]
         if jobs:
@@ -105,8 +118,9 @@ class TcpTransport(Transport):
                 return None
         return status
 
-    def _attempt(self, op: Op, peer: tuple[str, int], cols: list, limit: int, deadline: Deadline,
-                 fresh: bool) -> tuple[list | None, list[int]]:
+    def _attempt(
+        self, op: Op, peer: tuple[str, int], cols: list, limit: int, deadline: Deadline, fresh: bool
+    ) -> tuple[list | None, list[int]]:
         """One native call over ``want`` connections: (statuses or None, spans worth a retry on fresh ones)."""
         n = len(cols[3])
         conns: list[tuple[socket.socket, bool]] = []
@@ -117,8 +131,15 @@ class TcpTransport(Transport):
             for sock, _ in conns:
                 self._release(peer, sock)
             return [_failure(peer, e, deadline)] * n, []
-        codes, bad, broken = self._native.transfer(int(op), [s.fileno() for s, _ in conns], [r for _, r in conns],
-                                                   *cols, limit, self._cfg.max_frame, max(0.0, deadline.remaining()))
+        codes, bad, broken = self._native.transfer(
+            int(op),
+            [s.fileno() for s, _ in conns],
+            [r for _, r in conns],
+            *cols,
+            limit,
+            self._cfg.max_frame,
+            max(0.0, deadline.remaining()),
+        )
         for (sock, _), b in zip(conns, broken):
             if b:
                 sock.close()
@@ -246,16 +267,18 @@ def _auth_refused(peer: tuple[str, int], prefix_hex: str, deadline: Deadline) ->
         handshake.check_refused(bytes.fromhex(prefix_hex), "the peer")
     except AuthError as e:
         return _failure(peer, e, deadline)
-    return TransferFailed(f"tcp peer {peer[0]}:{peer[1]} failed: ProtocolError: bad frame magic (an authentication "
-                          f"handshake: the peer has a shared secret, this process has none)")
+    return TransferFailed(
+        f"tcp peer {peer[0]}:{peer[1]} failed: ProtocolError: bad frame magic (an authentication "
+        f"handshake: the peer has a shared secret, this process has none)"
+    )
 
 
 def _refusal_frame(data: bytes) -> TransferFailed | None:
     """The TransferFailed naming the reason when ``data`` (sent instead of a handshake message) is the server's
     refusal frame (over a connection cap, tcp_server.py), else None."""
     try:
-        hlen, _ = wire.parse_prefix(data[:wire.PREFIX.size], 1 << 20)
-        _check_refused(data[wire.PREFIX.size:wire.PREFIX.size + hlen])
+        hlen, _ = wire.parse_prefix(data[: wire.PREFIX.size], 1 << 20)
+        _check_refused(data[wire.PREFIX.size : wire.PREFIX.size + hlen])
     except TransferFailed as e:
         return e
     except (ProtocolError, ValueError):

@@ -19,6 +19,7 @@ Limits (issue #11; ``ConnLimits`` from TransferConfig.server_limits(), kvplugins
   the handshake) started must arrive within ``frame_timeout_s`` and a reply must be taken within it too, else
   the connection is closed (slowloris, a peer that does not read).
 """
+
 from __future__ import annotations
 
 import errno
@@ -38,7 +39,7 @@ from kvplugins.transfer import native_tcp, wire
 from kvplugins.transfer.memory import RegionTable
 
 log = logging.getLogger("kvplugins.transfer.tcp")
-REFUSAL_ID = 0          # the request id of a refusal frame (clients number their requests from 1)
+REFUSAL_ID = 0  # the request id of a refusal frame (clients number their requests from 1)
 EVENT_POLL_S = 0.5
 
 
@@ -48,8 +49,16 @@ class TcpServer:
     core, at most 4). With ``secret`` every connection must pass the handshake (kvplugins/security/handshake.py)
     before its first frame; a non-loopback ``host`` without one raises ConfigError."""
 
-    def __init__(self, host: str, port: int, regions: RegionTable, max_frame: int, limits: ConnLimits,
-                 secret: Secret | None = None, threads: int = 0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        regions: RegionTable,
+        max_frame: int,
+        limits: ConnLimits,
+        secret: Secret | None = None,
+        threads: int = 0,
+    ):
         require_for_bind(host, secret, "transfer host (store/client --host, KVPLUGINS_TRANSFER_HOST)")
         self._max_frame, self._limits = max_frame, limits
         self._frame_timeout = limits.frame_timeout_s
@@ -61,12 +70,11 @@ class TcpServer:
         self._backoff = AcceptBackoff(what)
         self._refuser = Refuser(what)
         self._lock = threading.Lock()
-        self._peers: dict[int, Any] = {}          # native connection id -> peer address
+        self._peers: dict[int, Any] = {}  # native connection id -> peer address
         self._closed_idle = self._closed_slow = 0
         self._closed = False
         self._controls: dict[str, Callable[[dict, Any], dict]] = {}
-        self._native = native_tcp.Server(max_frame, limits, threads or min(4, os.cpu_count() or 1),
-                                         _weak_control(self))
+        self._native = native_tcp.Server(max_frame, limits, threads or min(4, os.cpu_count() or 1), _weak_control(self))
         self._unwatch = regions.watch(self._native.add_region, self._native.remove_region)
         self._events = threading.Thread(target=self._event_loop, name=f"kvp-tcp-events-{self.port}", daemon=True)
         self._events.start()
@@ -83,9 +91,13 @@ class TcpServer:
     def stats(self) -> dict[str, int]:
         """Connections open now; refused (over a cap); accept() failures survived; closed idle; closed slow."""
         with self._lock:
-            return {"connections": self._gate.total, "refused": self._gate.refused,
-                    "accept_failures": self._backoff.failures, "closed_idle": self._closed_idle,
-                    "closed_slow": self._closed_slow}
+            return {
+                "connections": self._gate.total,
+                "refused": self._gate.refused,
+                "accept_failures": self._backoff.failures,
+                "closed_idle": self._closed_idle,
+                "closed_slow": self._closed_slow,
+            }
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -94,7 +106,7 @@ class TcpServer:
             except OSError as e:
                 if self._closed:
                     return
-                if e.errno != errno.ECONNABORTED:      # a peer gone before accept: just take the next one
+                if e.errno != errno.ECONNABORTED:  # a peer gone before accept: just take the next one
                     time.sleep(self._backoff.failed(e))  # EMFILE...: wait for descriptors, serve the rest
                 continue
             self._backoff.ok()
@@ -113,7 +125,7 @@ class TcpServer:
             return
         try:
             threading.Thread(target=self._authenticate, args=(conn, addr), name="kvp-tcp-auth", daemon=True).start()
-        except RuntimeError as e:                       # can't start new thread: refuse, keep serving the rest
+        except RuntimeError as e:  # can't start new thread: refuse, keep serving the rest
             self._gate.release(addr)
             reason = f"the transfer server on port {self.port} has no thread to serve it ({e}); retry later"
             self._refusals.refused("transfer connection", addr, reason)
@@ -127,7 +139,7 @@ class TcpServer:
                 return
             try:
                 cid = self._native.adopt(conn.detach())
-            except KVPluginsError:                      # closed meanwhile (the native side closed the fd)
+            except KVPluginsError:  # closed meanwhile (the native side closed the fd)
                 self._gate.release(addr)
                 return
             self._peers[cid] = addr
@@ -162,8 +174,9 @@ class TcpServer:
         kind = req.control["kind"]
         handler = self._controls.get(kind)
         if handler is None:
-            return wire.encode_response(req.req_id, [f"no {kind!r} control here (that transport is not "
-                                                     f"offered by this process)"], 0)
+            return wire.encode_response(
+                req.req_id, [f"no {kind!r} control here (that transport is not offered by this process)"], 0
+            )
         try:
             return wire.encode_response(req.req_id, [None], 0, handler(req.control, addr))
         except (KVPluginsError, ValueError) as e:
@@ -188,13 +201,20 @@ class TcpServer:
             log.warning("closing transfer connection from %s: %s", addr, reason)
         elif kind == native_tcp.SLOW:
             self._slow_count()
-            self._refusals.refused("transfer connection", addr, f"a frame (or its reply) did not complete within "
-                                   f"{self._frame_timeout * 1000:g} ms (transfer.frame_timeout_ms); closed")
+            self._refusals.refused(
+                "transfer connection",
+                addr,
+                f"a frame (or its reply) did not complete within "
+                f"{self._frame_timeout * 1000:g} ms (transfer.frame_timeout_ms); closed",
+            )
         elif kind == native_tcp.IDLE:
             with self._lock:
                 self._closed_idle += 1
-            log.debug("closing transfer connection from %s: no request for %g ms (transfer.idle_timeout_ms)",
-                      addr, self._limits.idle_timeout_s * 1000)
+            log.debug(
+                "closing transfer connection from %s: no request for %g ms (transfer.idle_timeout_ms)",
+                addr,
+                self._limits.idle_timeout_s * 1000,
+            )
         elif reason:
             log.debug("transfer connection from %s ended: %s", addr, reason)
 
@@ -229,6 +249,7 @@ def _weak_control(server: TcpServer):
         if method is None:
             raise ProtocolError("the transfer server is closed")
         return method(cid, header, payload_len)
+
     return control
 
 
@@ -241,5 +262,5 @@ def _drain(conn: socket.socket, limit: int) -> None:
         deadline, left = time.monotonic() + 1.0, limit
         while left > 0 and time.monotonic() < deadline and (got := conn.recv(min(left, 1 << 16))):
             left -= len(got)
-    except OSError:                 # the peer went quiet or away: it had its answer
+    except OSError:  # the peer went quiet or away: it had its answer
         pass

@@ -9,6 +9,7 @@ publishes what peers need (GID, QP info, per-region rkey + address), and each En
 Region (for its lkey) and the remote RegionInfo + offset (for the rkey), so transfer() can post one
 one-sided READ/WRITE work request per entry and wait for completions until the deadline.
 """
+
 from __future__ import annotations
 
 import enum
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 class Op(enum.IntEnum):
     """Direction of a batch: WRITE = local -> remote, READ = remote -> local."""
+
     WRITE = 1
     READ = 2
 
@@ -36,6 +38,7 @@ class Entry:
     """One validated batch entry. ``local_addr`` lies inside ``local`` (a registered Region, so an RDMA
     transport can find its memory key); the remote side is (segment, region id, offset). ``pin`` keeps
     the local memory mapped while the entry is in flight."""
+
     local: Region
     local_addr: int
     remote: SegmentDescriptor
@@ -59,8 +62,9 @@ class Deadline:
 
 class Transport(ABC):
     """One way to move bytes. Implementations are thread-safe: batches may run concurrently."""
+
     name: str = ""
-    hashes_in_copy: bool = False     # transfer_spans fills batch.digests (and sets batch.hashed) when asked
+    hashes_in_copy: bool = False  # transfer_spans fills batch.digests (and sets batch.hashed) when asked
 
     @abstractmethod
     def endpoint(self) -> dict[str, Any]:
@@ -78,8 +82,10 @@ class Transport(ABC):
     def transfer_spans(self, op: Op, batch: "SpanBatch", deadline: Deadline) -> list[TransferError | None] | None:
         """The array form (spans.py): move every span of ``batch``; None when all succeeded, else one status
         per span. Default: one Entry per span through transfer(); transports override it to skip that."""
-        entries = [Entry(reg, a, batch.remote, batch.info, r, n, batch.pins) for reg, a, r, n in zip(
-            batch.regions, as_list(batch.addrs), as_list(batch.roffs), as_list(batch.lens))]
+        entries = [
+            Entry(reg, a, batch.remote, batch.info, r, n, batch.pins)
+            for reg, a, r, n in zip(batch.regions, as_list(batch.addrs), as_list(batch.roffs), as_list(batch.lens))
+        ]
         return self.transfer(op, entries, deadline)
 
     def add_region(self, region: Region) -> None:

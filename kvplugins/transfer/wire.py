@@ -20,6 +20,7 @@ The data path encodes and decodes these frames natively (native/src/tcp/wire.cpp
 against this module in tests/transfer/test_native_tcp.py). Python uses this module for control requests and
 their responses, refusals, and as the specification.
 """
+
 from __future__ import annotations
 
 import struct
@@ -37,7 +38,7 @@ MAGIC = b"KVPT"
 PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 256 << 10
 MAX_ENTRIES = 4096
-MAX_STATUS = 4096             # characters of one entry's error text in a response
+MAX_STATUS = 4096  # characters of one entry's error text in a response
 OP_WRITE, OP_READ, OP_RESP, OP_CONTROL = 1, 2, 3, 4
 MAX_CONTROL_FIELDS, MAX_CONTROL_LIST = 32, 64
 _U32, _U63 = (1 << 32) - 1, (1 << 63) - 1
@@ -47,6 +48,7 @@ _U32, _U63 = (1 << 32) - 1, (1 << 63) - 1
 class Request:
     """A decoded request: ``entries`` is a tuple of (region_id, offset, length); ``control`` the body of an
     OP_CONTROL request (then entries is empty)."""
+
     op: int
     req_id: int
     entries: tuple[tuple[int, int, int], ...]
@@ -87,8 +89,11 @@ def parse_prefix(prefix: bytes | memoryview, max_frame: int) -> tuple[int, int]:
     """(header_len, payload_len) of a 16-byte prefix. Raises ProtocolError on bad magic or sizes."""
     magic, hlen, plen = PREFIX.unpack(prefix)
     if magic != MAGIC:
-        hint = " (an authentication handshake: the peer has a shared secret, this process has none)" \
-            if magic == b"KVPA" else ""
+        hint = (
+            " (an authentication handshake: the peer has a shared secret, this process has none)"
+            if magic == b"KVPA"
+            else ""
+        )
         raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}){hint}")
     if not 0 < hlen <= MAX_HEADER:
         raise ProtocolError(f"header length {hlen} outside 1..{MAX_HEADER}")
@@ -97,12 +102,23 @@ def parse_prefix(prefix: bytes | memoryview, max_frame: int) -> tuple[int, int]:
     return hlen, plen
 
 
-_Entries = Annotated[list[tuple[Annotated[int, Meta(ge=0, le=_U32)], Annotated[int, Meta(ge=0, le=_U63)],
-                                 Annotated[int, Meta(ge=0, le=_U63)]]], Meta(min_length=1, max_length=MAX_ENTRIES)]
+_Entries = Annotated[
+    list[
+        tuple[
+            Annotated[int, Meta(ge=0, le=_U32)],
+            Annotated[int, Meta(ge=0, le=_U63)],
+            Annotated[int, Meta(ge=0, le=_U63)],
+        ]
+    ],
+    Meta(min_length=1, max_length=MAX_ENTRIES),
+]
 _Scalar = Union[Annotated[str, Meta(max_length=256)], int, float, bool, None]
-_Control = Annotated[dict[Annotated[str, Meta(max_length=32)],
-                          Union[_Scalar, Annotated[list[_Scalar], Meta(max_length=MAX_CONTROL_LIST)]]],
-                     Meta(max_length=MAX_CONTROL_FIELDS)]
+_Control = Annotated[
+    dict[
+        Annotated[str, Meta(max_length=32)], Union[_Scalar, Annotated[list[_Scalar], Meta(max_length=MAX_CONTROL_LIST)]]
+    ],
+    Meta(max_length=MAX_CONTROL_FIELDS),
+]
 
 
 class _RequestHeader(msgspec.Struct, forbid_unknown_fields=True):
@@ -137,7 +153,7 @@ def _decode(decoder, header: bytes | memoryview, what: str):
     naming the field."""
     try:
         obj = decoder.decode(header)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:   # (bad UTF-8 key; ~1000-deep nesting)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:  # (bad UTF-8 key; ~1000-deep nesting)
         raise ProtocolError(f"malformed {what} header: {e}") from None
     if obj.v != VERSION:
         raise ProtocolError(f"unknown wire version {obj.v!r} (this build speaks {VERSION})")
@@ -148,7 +164,7 @@ def decode_request(header: bytes | memoryview, payload_len: int, max_frame: int)
     """Validate and decode a request header. Raises ProtocolError."""
     try:
         obj = _decode(_REQUEST, header, "request")
-    except ProtocolError as e:          # op 4 fails the data request's `op` range: a control request, or bad
+    except ProtocolError as e:  # op 4 fails the data request's `op` range: a control request, or bad
         if "at `$.op`" not in str(e):
             raise
         try:

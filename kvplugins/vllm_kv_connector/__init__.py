@@ -11,6 +11,7 @@ the physical KV layout), config.py (``kv_connector_extra_config`` options), meta
 pd.py (P/D params and handshake over layout/handover.py), stats.py (metrics), threads.py (where worker threads
 run), plugin.py (the ``vllm.general_plugins`` entry point). Importing this package imports vLLM.
 """
+
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
 from kvplugins.vllm_kv_connector.connector import KVPluginsConnector, KVPluginsConnectorMetadata
 

@@ -13,6 +13,7 @@ them after the forward). Telemetry: ``get_kv_connector_stats`` / ``build_kv_conn
 ``update_connector_output`` -> ``take_events`` (scheduler). Source followed: vLLM 0.32 KVConnectorBase_V1
 (vllm/distributed/kv_transfer/kv_connector/v1/base.py) and the model runner's connector mixin.
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,9 +71,11 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             from kvplugins.vllm_kv_connector.scheduler import SchedulerSide
+
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, cfg)
         else:
             from kvplugins.vllm_kv_connector.worker import WorkerSide
+
             self._worker = WorkerSide(vllm_config, kv_cache_config, cfg)
 
     @property
@@ -94,8 +97,10 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
     def _meta(self) -> KVPluginsConnectorMetadata:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVPluginsConnectorMetadata):
-            raise KVPluginsError(f"connector metadata is a {type(meta).__name__}, not this connector's (was it "
-                                 "built by another connector?)")
+            raise KVPluginsError(
+                f"connector metadata is a {type(meta).__name__}, not this connector's (was it "
+                "built by another connector?)"
+            )
         return meta
 
     # -- scheduler side ---------------------------------------------------------------------------------------
@@ -107,8 +112,7 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._sched.num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
-                                 ) -> None:
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self._sched.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -128,12 +132,14 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, object] | None]:
         return self._sched.finished(request, block_ids)
 
-    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, object] | None]:
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, object] | None]:
         return self._sched.finished(request, block_ids[0])
 
-    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
-                                             ) -> None:
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
         self._sched.set_workers(metadata)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -154,8 +160,9 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._work.wait_layer(layer_name)  # layer_chunks > 1: this layer's chunk; else a no-op (loads are whole)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
-                      **kwargs: object) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: object
+    ) -> None:
         return  # whole pages (all layers) are saved in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -194,7 +201,11 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
         return KVPluginsStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type["PromMetric"], type["PromMetricT"]],
-                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
-                           ) -> KVConnectorPromMetrics | None:
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
         return KVPluginsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,4 +1,5 @@
 """vLLM config -> the engine-independent description kvplugins.layout needs (KeySpace, layer order)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -30,11 +31,12 @@ class Group:
     ``replicated``: every TP rank holds the same bytes (MLA's latent KV): its key space leaves the TP rank and
     size out, TP rank 0 writes, every rank reads, so the pool holds one copy at any TP size (as SGLang HiCache's
     MLA writer rank and LMCache's first-rank MLA save)."""
+
     index: int
     layer_names: tuple[str, ...]
     spec: Any
     window_blocks: int = 0
-    uid: int = 0        # position in the connector's list (keys its PageStore and PageBatch.groups)
+    uid: int = 0  # position in the connector's list (keys its PageStore and PageBatch.groups)
     state: bool = False
     replicated: bool = False
 
@@ -49,6 +51,7 @@ def groups(kv_cache_config: "KVCacheConfig", layer_chunks: int = 1) -> list[Grou
     chunks of consecutive layers (see Group). Raises ConfigError naming any other kind (chunked local
     attention), a Mamba group outside "align" mode (the fix: prefix caching on), or differing block sizes."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+
     out, other = [], []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
@@ -59,14 +62,18 @@ def groups(kv_cache_config: "KVCacheConfig", layer_chunks: int = 1) -> list[Grou
         elif isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
             out.append(Group(i, tuple(g.layer_names), spec, window_blocks=1, state=True))
         elif isinstance(spec, MambaSpec):
-            raise ConfigError(f"KVPluginsConnector: KV cache group {i} is {spec.mamba_type} state with "
-                              f"mamba_cache_mode={spec.mamba_cache_mode!r}; its state is saved per block only in "
-                              "'align' mode: start vLLM with --enable-prefix-caching (and --mamba-cache-mode align)")
+            raise ConfigError(
+                f"KVPluginsConnector: KV cache group {i} is {spec.mamba_type} state with "
+                f"mamba_cache_mode={spec.mamba_cache_mode!r}; its state is saved per block only in "
+                "'align' mode: start vLLM with --enable-prefix-caching (and --mamba-cache-mode align)"
+            )
         else:
             other.append(f"group {i}: {type(spec).__name__}")
     if other or not out:
-        raise ConfigError(f"KVPluginsConnector serves full-attention, sliding-window and Mamba/linear-attention "
-                          f"KV cache groups; this model has {other or 'none'}: run it without the connector")
+        raise ConfigError(
+            f"KVPluginsConnector serves full-attention, sliding-window and Mamba/linear-attention "
+            f"KV cache groups; this model has {other or 'none'}: run it without the connector"
+        )
     sizes = sorted({g.spec.block_size for g in out})
     if len(sizes) > 1:
         raise ConfigError(f"KVPluginsConnector: KV cache groups with block sizes {sizes} tokens; it needs one")
@@ -92,8 +99,13 @@ def _chunks(names: tuple[str, ...], n: int) -> list[tuple[str, ...]]:
     return [names[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def keyspace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: VllmConnectorConfig,
-             tp_rank: int = 0, group: Group | None = None) -> KeySpace:
+def keyspace(
+    vllm_config: "VllmConfig",
+    kv_cache_config: "KVCacheConfig",
+    cfg: VllmConnectorConfig,
+    tp_rank: int = 0,
+    group: Group | None = None,
+) -> KeySpace:
     """The KeySpace of ``group`` (default: the first) on TP rank ``tp_rank``: model, KV dtype, block size, the
     group's layer names (so two groups never share a key; a PP stage's are its own layers, so each stage has
     its own pages), TP rank and size (TP rank 0 of 1 for a replicated group: one copy whatever the TP size),
@@ -111,16 +123,21 @@ def keyspace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: V
     else:
         dtype, page, quant = str(spec.dtype).removeprefix("torch."), spec.page_size_bytes, spec.kv_quant_mode
         layout = physical_layout(vllm_config, kv_cache_config, group.layer_names)
-    return KeySpace(model=cfg.model_id or vllm_config.model_config.model,
-                    kv_dtype=dtype, block_size=spec.block_size,
-                    layer_group=",".join(group.layer_names),
-                    tp_rank=rank, tp_size=size,
-                    page_bytes=page * len(group.layer_names),
-                    extra=f"hash={cache.prefix_caching_hash_algo};kv_quant={quant};layout={layout}")
+    return KeySpace(
+        model=cfg.model_id or vllm_config.model_config.model,
+        kv_dtype=dtype,
+        block_size=spec.block_size,
+        layer_group=",".join(group.layer_names),
+        tp_rank=rank,
+        tp_size=size,
+        page_bytes=page * len(group.layer_names),
+        extra=f"hash={cache.prefix_caching_hash_algo};kv_quant={quant};layout={layout}",
+    )
 
 
-def rank_spaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: VllmConnectorConfig,
-                tp_rank: int, group: Group) -> tuple[list[KeySpace], bool]:
+def rank_spaces(
+    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: VllmConnectorConfig, tp_rank: int, group: Group
+) -> tuple[list[KeySpace], bool]:
     """(the key spaces TP rank ``tp_rank`` moves ``group``'s pages in, whether it writes them): one per KV head
     it holds when the group is stored per head (``per_head``: key space "TP rank h of TP size = KV heads",
     layout/shards.py), else its own. A replicated (MLA) group: the one space, written by TP rank 0; a head
@@ -132,8 +149,9 @@ def rank_spaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg
     if not per_head(group, ks) or not total:
         return [ks], True
     h = rank_heads(tp_rank, vllm_config.parallel_config.tensor_parallel_size, total)
-    return [replace(ks, tp_rank=h.first + j, tp_size=h.heads, page_bytes=ks.page_bytes // h.count)
-            for j in range(h.count)], h.writes
+    return [
+        replace(ks, tp_rank=h.first + j, tp_size=h.heads, page_bytes=ks.page_bytes // h.count) for j in range(h.count)
+    ], h.writes
 
 
 def per_head(group: Group, ks: KeySpace) -> bool:
@@ -141,12 +159,17 @@ def per_head(group: Group, ks: KeySpace) -> bool:
     whose KV layout keeps each head's part of a block in one run of bytes (``*HNC``: vLLM CPU's LBHNC, HND,
     cross-layer BLHNC). NHD-style layouts (heads inside tokens) keep one object per TP rank."""
     layout = ks.extra.rsplit("layout=", 1)[-1]
-    return not group.replicated and not group.state and bool(getattr(group.spec, "num_kv_heads", 0)) \
+    return (
+        not group.replicated
+        and not group.state
+        and bool(getattr(group.spec, "num_kv_heads", 0))
         and layout.endswith("HNC")
+    )
 
 
-def required_spaces(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: VllmConnectorConfig,
-                    group: Group) -> list[KeySpace]:
+def required_spaces(
+    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: VllmConnectorConfig, group: Group
+) -> list[KeySpace]:
     """Every key space a hit on ``group`` needs, over all TP ranks of this PP stage (distinct, in order)."""
     out: list[KeySpace] = []
     for r in range(vllm_config.parallel_config.tensor_parallel_size):
@@ -163,6 +186,7 @@ def physical_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     backend's preferred layout. Source followed: vLLM 0.32 vllm/v1/kv_cache_layout.py and
     kv_connector/utils.get_current_attn_backend."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backend
+
     names = list(layer_names or groups(kv_cache_config)[0].layer_names)
     backend = get_current_attn_backend(vllm_config, names)
     name = getattr(kv_cache_config, "kv_cache_layout", None) or vllm_config.cache_config.kv_cache_layout

@@ -13,6 +13,7 @@ state it holds). Loads add no event: the blocks
 they fill are the engine's own cache, which vLLM reports itself. Source followed: vLLM 0.32
 ``MooncakeStoreKVEvents`` (kv_connector/v1/mooncake/store/connector.py) and ``kv_events.KVConnectorKVEvents``.
 """
+
 from __future__ import annotations
 
 import threading
@@ -75,11 +76,23 @@ class EventLog:
         kind = window = None
         if spec is not None:
             from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
             kind, window = get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)
-        new = [BlockStored(block_hashes=[h], parent_block_hash=p, token_ids=list(t), block_size=self._block_size,
-                           lora_id=None, medium=MEDIUM_CPU, lora_name=None, group_idx=group,
-                           kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window)
-               for h, p, t in zip(hashes, parents, token_ids)]
+        new = [
+            BlockStored(
+                block_hashes=[h],
+                parent_block_hash=p,
+                token_ids=list(t),
+                block_size=self._block_size,
+                lora_id=None,
+                medium=MEDIUM_CPU,
+                lora_name=None,
+                group_idx=group,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+            )
+            for h, p, t in zip(hashes, parents, token_ids)
+        ]
         with self._lock:
             self._events += new
 

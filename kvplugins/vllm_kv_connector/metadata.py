@@ -1,4 +1,5 @@
 """What the scheduler half ships to the worker half each step, and what each worker tells it once."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ class WorkerHandshake(KVConnectorHandshakeMetadata):
     worker, keyed by (PP rank, TP rank)): ``spaces``, the KeySpace fields of each of its Groups (Group.uid order:
     a PP stage's hold its own layers, a replicated group's are the same on every TP rank), and ``pd``, a P/D
     producer's PDHandshake (None elsewhere)."""
+
     spaces: list = field(default_factory=list)
     pd: Any = None
 
@@ -23,11 +25,12 @@ class PageBatch:
     group ``groups[i]`` (a hybrid model's groups are keyed apart; a block id is one group's at a time). Saves
     carry, when vLLM publishes KV events, each page's ``token_ids`` and ``parents`` (the previous page's hash,
     None for a prompt's first page), for the BlockStored events of the pages that land."""
+
     block_ids: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     parents: list[bytes | None] = field(default_factory=list)
-    groups: list[int] = field(default_factory=list)     # KV cache group of each page (0 for one-group models)
+    groups: list[int] = field(default_factory=list)  # KV cache group of each page (0 for one-group models)
 
     def add(self, block_ids, hashes, token_ids=(), parents=(), group: int = 0) -> None:
         self.block_ids.extend(block_ids)
@@ -38,9 +41,13 @@ class PageBatch:
 
     def extend(self, other: "PageBatch") -> None:
         """Append ``other``'s pages (with their groups, tokens and parents)."""
-        for mine, theirs in ((self.block_ids, other.block_ids), (self.hashes, other.hashes),
-                             (self.token_ids, other.token_ids), (self.parents, other.parents),
-                             (self.groups, other.groups)):
+        for mine, theirs in (
+            (self.block_ids, other.block_ids),
+            (self.hashes, other.hashes),
+            (self.token_ids, other.token_ids),
+            (self.parents, other.parents),
+            (self.groups, other.groups),
+        ):
             mine.extend(theirs)
 
     def by_group(self) -> dict[int, "PageBatch"]:
@@ -51,9 +58,13 @@ class PageBatch:
         out: dict[int, PageBatch] = {}
         for g in dict.fromkeys(self.groups):
             idx = [i for i, x in enumerate(self.groups) if x == g]
-            out[g] = PageBatch([self.block_ids[i] for i in idx], [self.hashes[i] for i in idx],
-                               [self.token_ids[i] for i in idx] if self.token_ids else [],
-                               [self.parents[i] for i in idx] if self.parents else [], [g] * len(idx))
+            out[g] = PageBatch(
+                [self.block_ids[i] for i in idx],
+                [self.hashes[i] for i in idx],
+                [self.token_ids[i] for i in idx] if self.token_ids else [],
+                [self.parents[i] for i in idx] if self.parents else [],
+                [g] * len(idx),
+            )
         return out
 
     def __len__(self) -> int:
@@ -79,6 +90,7 @@ class KVPluginsConnectorMetadata(KVConnectorMetadata):
     early: the worker may start ``async_loads`` and ``acks`` and mark ``held`` before this step's forward
     (in ``handle_preemptions``): vLLM zeroes or copies none of their blocks in this step.
     """
+
     loads: PageBatch = field(default_factory=PageBatch)
     async_loads: dict[str, PageBatch] = field(default_factory=dict)
     saves: dict[str, PageBatch] = field(default_factory=dict)
@@ -97,17 +109,19 @@ class Held:
     """P/D producer: a finished request whose blocks vLLM holds until the worker reports it sent.
     mode "store": once its saves landed; "direct": once mailbox word ``slot`` holds ``token``, or ``hold_s``
     seconds after the worker first saw it."""
+
     mode: str
     slot: int = 0
     token: int = 0
     hold_s: float = 30.0
-    finished_at: float = 0.0    # time.monotonic() when vLLM finished the request (system-wide clock)
+    finished_at: float = 0.0  # time.monotonic() when vLLM finished the request (system-wide clock)
 
 
 @dataclass
 class RemoteLoad:
     """P/D consumer, direct path: the async load of request ``req_id`` reads ``remote_ids`` (producer blocks,
     in page order) from producer rank ``src`` (PDHandshake fields), then acks ``token`` into mailbox ``slot``."""
+
     src: dict
     remote_ids: list[int]
     slot: int

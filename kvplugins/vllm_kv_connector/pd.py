@@ -17,6 +17,7 @@ params (JSON): ``v``, ``mode`` ("store"/"direct"), ``pages`` (full prompt pages 
 ``token`` and ``ranks`` (TP rank -> the producer worker's handover Offer, ``Offer.to_wire()``). Source
 followed: vLLM 0.32 KVConnectorBase_V1 (request_finished / get_finished / handshake metadata).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -28,8 +29,16 @@ from kvplugins.layout.handover import MAILBOX_SLOTS, Consumer, Offer, Producer
 from kvplugins.transfer import TransferConfig
 from kvplugins.transfer.config import transfer_config
 
-__all__ = ["MAILBOX_SLOTS", "PARAMS_KEY", "PDHandshake", "consumer", "handshake_dict", "offer_of", "params_of",
-           "producer"]
+__all__ = [
+    "MAILBOX_SLOTS",
+    "PARAMS_KEY",
+    "PDHandshake",
+    "consumer",
+    "handshake_dict",
+    "offer_of",
+    "params_of",
+    "producer",
+]
 
 PARAMS_KEY = "kvplugins"
 
@@ -38,6 +47,7 @@ PARAMS_KEY = "kvplugins"
 class PDHandshake(KVConnectorHandshakeMetadata):
     """A producer worker's handover Offer as vLLM carries it (``Offer.to_wire()`` fields: ``descriptor``,
     ``planes``, ``mailbox``)."""
+
     descriptor: dict = field(default_factory=dict)
     planes: list = field(default_factory=list)
     mailbox: list = field(default_factory=list)
@@ -51,8 +61,9 @@ def params_of(request) -> dict | None:
 
 
 def _transfer(cfg) -> TransferConfig:
-    return transfer_config(host=cfg.pd_host, transports=cfg.store.transports,
-                           timeout_ms=float(cfg.store.transfer_timeout_ms))
+    return transfer_config(
+        host=cfg.pd_host, transports=cfg.store.transports, timeout_ms=float(cfg.store.transfer_timeout_ms)
+    )
 
 
 def producer(layout, cfg) -> tuple[Producer, PDHandshake]:

@@ -7,6 +7,7 @@ MultiConnector's lookups by class name (stats, Prometheus metrics) find it. Impo
 import vLLM; ``register`` does. Source followed: vLLM 0.32 vllm/plugins/__init__.py and
 kv_connector/factory.py (register_connector).
 """
+
 from __future__ import annotations
 
 NAME = "KVPluginsConnector"
@@ -17,6 +18,7 @@ def register() -> None:
     """Register the connector under ``NAME``; a second call (vLLM loads plugins once per process, tests may
     load them again) is a no-op."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
     try:
         KVConnectorFactory.register_connector(NAME, MODULE, NAME)
     except ValueError:  # already registered: by an earlier call in this process

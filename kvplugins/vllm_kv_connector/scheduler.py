@@ -3,6 +3,7 @@
 Per request it remembers the planned load (from the last lookup) and how many of its pages were already
 handed to the worker for saving. Pages are named by vLLM's chained block hashes (``request.block_hashes``).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,13 @@ from typing import TYPE_CHECKING
 from kvplugins.layout import KeySpace, PageStore, loadable_pages, page_hashes
 from kvplugins.vllm_kv_connector import engine
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
-from kvplugins.vllm_kv_connector.metadata import (Held, KVPluginsConnectorMetadata, PageBatch, RemoteLoad,
-                                                  WorkerHandshake)
+from kvplugins.vllm_kv_connector.metadata import (
+    Held,
+    KVPluginsConnectorMetadata,
+    PageBatch,
+    RemoteLoad,
+    WorkerHandshake,
+)
 from kvplugins.vllm_kv_connector.pd import MAILBOX_SLOTS, PARAMS_KEY, handshake_dict, params_of
 from kvplugins.vllm_kv_connector.stats import StatsRecorder
 
@@ -30,16 +36,16 @@ if TYPE_CHECKING:
 @dataclass
 class _Tracked:
     request: "Request"
-    first: int = 0      # first page of the planned load (block-aligned local hit / block_size)
-    hit: int = 0        # pages the store holds from ``first`` on
-    looked: int = 0     # pages looked up from ``first`` on
+    first: int = 0  # first page of the planned load (block-aligned local hit / block_size)
+    hit: int = 0  # pages the store holds from ``first`` on
+    looked: int = 0  # pages looked up from ``first`` on
     load_async: bool = False
-    saved: int = 0      # pages [0, saved) already handed to the worker for saving
-    remote: dict | None = None          # P/D direct: the producer's params this request loads from
-    loading: frozenset = frozenset()    # block ids of its last planned load
-    failed: bool = False                # a load of it failed: compute it from now on (no retry loop)
-    wait_until: float | None = None     # P/D store: stop waiting for the producer's pages then
-    acked: bool = False                 # P/D direct at another TP size: the producer was told to free its blocks
+    saved: int = 0  # pages [0, saved) already handed to the worker for saving
+    remote: dict | None = None  # P/D direct: the producer's params this request loads from
+    loading: frozenset = frozenset()  # block ids of its last planned load
+    failed: bool = False  # a load of it failed: compute it from now on (no retry loop)
+    wait_until: float | None = None  # P/D store: stop waiting for the producer's pages then
+    acked: bool = False  # P/D direct at another TP size: the producer was told to free its blocks
 
 
 log = logging.getLogger(__name__)
@@ -53,25 +59,32 @@ class SchedulerSide:
         self.groups = engine.groups(kv_cache_config, cfg.layer_chunks)  # KV cache groups, or their layer chunks
         spaces = [engine.keyspace(vllm_config, kv_cache_config, cfg, group=g) for g in self.groups]
         ks = spaces[0]
-        self.handshakes: dict = {}           # P/D direct (producer): TP rank -> PDHandshake of its worker (set_workers)
-        self._token = secrets.randbits(62)   # P/D direct: ack tokens, unique per producer lifetime
+        self.handshakes: dict = {}  # P/D direct (producer): TP rank -> PDHandshake of its worker (set_workers)
+        self._token = secrets.randbits(62)  # P/D direct: ack tokens, unique per producer lifetime
         self.block_size = ks.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.hash_block_size = engine.hash_block_size(kv_cache_config, ks.block_size)
         required = [engine.required_spaces(vllm_config, kv_cache_config, cfg, g) for g in self.groups]
         self.pages = PageStore(cfg.client_factory(), ks, required=required[0], retry_ms=cfg.retry_ms)
-        self.group_pages = [self.pages] + [  # one per Group (uid order), one client; [0] also answers P/D, events
-            PageStore(cfg.client_factory(), k, required=r, retry_ms=cfg.retry_ms, share=self.pages)
-            for k, r in zip(spaces[1:], required[1:])]  # a hit needs every TP rank's parts (PP stages': set_workers)
+        self.group_pages = (
+            [self.pages]
+            + [  # one per Group (uid order), one client; [0] also answers P/D, events
+                PageStore(cfg.client_factory(), k, required=r, retry_ms=cfg.retry_ms, share=self.pages)
+                for k, r in zip(spaces[1:], required[1:])
+            ]
+        )  # a hit needs every TP rank's parts (PP stages': set_workers)
         self.namespace = required[0][0].namespace  # P/D: engines needing the same objects share pages
         self.pages.connect()
         self.whole_failure = engine.whole_request_failure(self.groups)  # a failed load fails its requests
         # one full-attention group: one page object per page and a hit needs every page (the direct P/D path
         # reads exactly that); layer chunks, several groups or a window / state group go through the store
-        self.plain = len(self.groups) == 1 and not self.groups[0].window_blocks and \
-            vllm_config.parallel_config.pipeline_parallel_size == 1
+        self.plain = (
+            len(self.groups) == 1
+            and not self.groups[0].window_blocks
+            and vllm_config.parallel_config.pipeline_parallel_size == 1
+        )
         self._fence_all = any(g.window_blocks for g in self.groups)  # blocks leave a window mid-request
-        self._state_uids: dict[int, list[int]] = {}    # KV cache group index -> its state Groups (layer chunks)
+        self._state_uids: dict[int, list[int]] = {}  # KV cache group index -> its state Groups (layer chunks)
         for g in self.groups:
             if g.state:
                 self._state_uids.setdefault(g.index, []).append(g.uid)
@@ -80,19 +93,19 @@ class SchedulerSide:
         if cfg.namespace_file:
             _write_namespaces(cfg.namespace_file, spaces, self.hash_block_size, required)
         self.tracked: dict[str, _Tracked] = {}
-        self._waiting: set[str] = set()      # P/D store path: requests waiting for the producer's saves
+        self._waiting: set[str] = set()  # P/D store path: requests waiting for the producer's saves
         self.pending = KVPluginsConnectorMetadata()
         self.stats = StatsRecorder()
         ev = getattr(vllm_config, "kv_events_config", None)
-        self.events_on = bool(ev is not None and ev.enable_kv_cache_events)   # saves carry tokens for events
-        self._events = None     # workers' BlockStored events not yet complete (events.KVPluginsKVEvents)
+        self.events_on = bool(ev is not None and ev.enable_kv_cache_events)  # saves carry tokens for events
+        self._events = None  # workers' BlockStored events not yet complete (events.KVPluginsKVEvents)
 
     def set_workers(self, workers: dict) -> None:
         """The workers' handshakes ((PP rank, TP rank) -> metadata.WorkerHandshake): from now on a hit needs the
         pages of every distinct key space any worker holds, per Group (each PP stage's layers, each TP rank's
         heads; a replicated group's one copy), and P/D direct reads use the producer's exports."""
         workers = {k: h for k, h in workers.items() if isinstance(h, WorkerHandshake)}  # MultiConnector may hand
-        if not workers:                                      # us another connector's: keep the computed spaces
+        if not workers:  # us another connector's: keep the computed spaces
             return
         self.handshakes = {tp: h.pd for (pp, tp), h in sorted(workers.items()) if pp == 0 and h.pd is not None}
         required = []
@@ -117,15 +130,19 @@ class SchedulerSide:
         loadable = loadable_pages(request.num_tokens, self.block_size)
         pd = params_of(request) if self.role != "kv_producer" else None
         if pd is not None and pd.get("namespace") != self.namespace:
-            log.warning("kvplugins: P/D params of request %s name key namespace %s, this engine %s (different "
-                        "model, dtype, block size or TP): computing its prefix", request.request_id,
-                        pd.get("namespace"), self.namespace)
+            log.warning(
+                "kvplugins: P/D params of request %s name key namespace %s, this engine %s (different "
+                "model, dtype, block size or TP): computing its prefix",
+                request.request_id,
+                pd.get("namespace"),
+                self.namespace,
+            )
             pd = None
         want = max(0, min(int(pd["pages"]), loadable) - first) if pd else 0
         if pd and pd.get("mode") == "direct" and self.plain and len(pd["ranks"]) == self.tp_size:
             return self._direct_match(t, pd, want)
         if pd and pd.get("mode") == "direct" and not t.acked:  # direct reads need the producer's TP size: read
-            t.acked = True                                      # what it saved, and let it free its blocks
+            t.acked = True  # what it saved, and let it free its blocks
             self.pending.acks.append(RemoteLoad(pd["ranks"], [], pd["slot"], pd["token"]))
         candidates = self._hashes(request)[first:loadable]
         t.hit, t.looked = self._stored(candidates, first), len(candidates)
@@ -135,8 +152,13 @@ class SchedulerSide:
             if now < t.wait_until:
                 self._waiting.add(request.request_id)
                 return None, False
-            log.warning("kvplugins: request %s: %d of the producer's %d pages in the store after %d ms; "
-                        "computing the rest", request.request_id, t.hit, want, self.cfg.pd_wait_ms)
+            log.warning(
+                "kvplugins: request %s: %d of the producer's %d pages in the store after %d ms; computing the rest",
+                request.request_id,
+                t.hit,
+                want,
+                self.cfg.pd_wait_ms,
+            )
         tokens = t.hit * self.block_size
         # loads that must fail whole requests (engine.whole_request_failure) are asynchronous: vLLM takes a
         # failed load back per request (failed_recving) only there
@@ -167,8 +189,9 @@ class SchedulerSide:
             self.pending.acks.append(RemoteLoad(pd["ranks"], [], pd["slot"], pd["token"]))
         return want * self.block_size, want > 0
 
-    def after_alloc(self, request: "Request", group_block_ids: tuple[list[int], ...] | list[list[int]],
-                    num_external_tokens: int) -> None:
+    def after_alloc(
+        self, request: "Request", group_block_ids: tuple[list[int], ...] | list[list[int]], num_external_tokens: int
+    ) -> None:
         """Plan the load of the pages vLLM allocated blocks for (``group_block_ids``: the request's block table per
         KV cache group); an async load is always planned (even empty) because vLLM waits for its completion."""
         t = self.tracked.setdefault(request.request_id, _Tracked(request))
@@ -179,7 +202,7 @@ class SchedulerSide:
         remote = None
         if t.remote is not None:
             pd, t.remote = t.remote, None
-            remote = RemoteLoad(pd["ranks"], list(pd["block_ids"][t.first:t.first + n]), pd["slot"], pd["token"])
+            remote = RemoteLoad(pd["ranks"], list(pd["block_ids"][t.first : t.first + n]), pd["slot"], pd["token"])
             if num_external_tokens <= 0:
                 self.pending.acks.append(remote)
         if num_external_tokens <= 0:
@@ -268,8 +291,11 @@ class SchedulerSide:
                 page, rem = divmod(tokens, b)
                 if rem or not 0 < page <= len(hashes) or block_id == NULL_BLOCK or index not in self._state_uids:
                     continue
-                ev = (([list(t.request.all_token_ids[tokens - b:tokens])], [hashes[page - 2] if page > 1 else None])
-                      if self.events_on else ((), ()))  # token ids / parents for KV events, aligned with the pages
+                ev = (
+                    ([list(t.request.all_token_ids[tokens - b : tokens])], [hashes[page - 2] if page > 1 else None])
+                    if self.events_on
+                    else ((), ())
+                )  # token ids / parents for KV events, aligned with the pages
                 for uid in self._state_uids[index]:
                     meta.saves.setdefault(req_id, PageBatch()).add([block_id], [hashes[page - 1]], *ev, group=uid)
 
@@ -287,15 +313,19 @@ class SchedulerSide:
         tokens = parents = None
         if self.events_on:
             ids, b = t.request.all_token_ids, self.block_size
-            tokens = {i: list(ids[i * b:(i + 1) * b]) for i in range(t.saved, full)}
+            tokens = {i: list(ids[i * b : (i + 1) * b]) for i in range(t.saved, full)}
             parents = {i: hashes[i - 1] if i else None for i in range(t.saved, full)}
         batch = meta.saves.setdefault(req_id, PageBatch())
         for g in (g for g in self.groups if not g.state):  # state groups: _plan_state_saves
             ids = group_ids[g.index]  # a sliding-window group's pages that already left the window are null blocks
             pages = [p for p in range(t.saved, min(full, len(ids))) if ids[p] != NULL_BLOCK]
-            batch.add([ids[p] for p in pages], [hashes[p] for p in pages],
-                      [tokens[p] for p in pages] if tokens else (), [parents[p] for p in pages] if parents else (),
-                      group=g.uid)
+            batch.add(
+                [ids[p] for p in pages],
+                [hashes[p] for p in pages],
+                [tokens[p] for p in pages] if tokens else (),
+                [parents[p] for p in pages] if parents else (),
+                group=g.uid,
+            )
         t.saved = full
 
     def finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -318,8 +348,12 @@ class SchedulerSide:
         elif mode == "direct" and self.handshakes:
             self._token += 1
             slot = self._token % MAILBOX_SLOTS
-            params.update(block_ids=list(block_ids[:pages]), slot=slot, token=self._token,
-                          ranks={str(r): handshake_dict(h) for r, h in self.handshakes.items()})
+            params.update(
+                block_ids=list(block_ids[:pages]),
+                slot=slot,
+                token=self._token,
+                ranks={str(r): handshake_dict(h) for r, h in self.handshakes.items()},
+            )
             held = Held("direct", slot, self._token, self.cfg.pd_hold_ms / 1000)
         elif mode == "direct":
             log.warning("kvplugins: pd_mode=direct but no worker exported its KV; handing over through the store")
@@ -336,9 +370,13 @@ def _write_namespaces(path: str, spaces: list, hash_block_size: int, required: l
     hex is vLLM's chained block hash (hashed every ``hash_block_size`` tokens) at the end of the page. Written
     at start, again once the workers told their key spaces; replaced atomically."""
     ks = spaces[0]
-    info = {"namespaces": {r: ks.for_rank(r).namespace for r in range(ks.tp_size)}, "keyspace": asdict(ks),
-            "groups": [asdict(k) for k in spaces], "required": [[asdict(k) for k in r] for r in required],
-            "hash_block_size": hash_block_size}
+    info = {
+        "namespaces": {r: ks.for_rank(r).namespace for r in range(ks.tp_size)},
+        "keyspace": asdict(ks),
+        "groups": [asdict(k) for k in spaces],
+        "required": [[asdict(k) for k in r] for r in required],
+        "hash_block_size": hash_block_size,
+    }
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(info, indent=1))
     tmp.replace(path)

@@ -6,6 +6,7 @@ ints and lists, msgpack-safe), rebuilds it with ``build_kv_connector_stats`` and
 ``build_prom_metrics``' object, so ``/metrics`` shows ``vllm:kvplugins_*``. Latencies are in seconds.
 Source followed: vLLM 0.32 kv_connector/v1/metrics.py (KVConnectorStats, KVConnectorPromMetrics).
 """
+
 from __future__ import annotations
 
 import threading
@@ -30,13 +31,13 @@ COUNTERS = {  # data key -> Prometheus help
     "saved_blocks": "pages saved to the kvplugins store",
     "saved_bytes": "bytes saved to the kvplugins store",
     "replica_skips": "pages a TP rank did not save because another rank saves the same bytes (MLA's latent KV: "
-                     "TP rank 0; a KV head held by several ranks when TP > KV heads: the first of them)",
+    "TP rank 0; a KV head held by several ranks when TP > KV heads: the first of them)",
 }
 LATENCIES = {  # data key -> Prometheus help (one observation per batch, seconds)
     "load_seconds": "latency of one kvplugins load batch (s)",
     "save_seconds": "latency of one kvplugins save batch (s)",
     "pd_handoff_seconds": "P/D prefill side: from a request's end until decode acked its direct read, or its "
-                          "store saves landed; the request's blocks are held meanwhile (s)",
+    "store saves landed; the request's blocks are held meanwhile (s)",
 }
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
@@ -101,14 +102,26 @@ class KVPluginsPromMetrics(KVConnectorPromMetrics):
     """``vllm:kvplugins_<counter>`` counters and ``vllm:kvplugins_{load,save,pd_handoff}_seconds`` histograms,
     per engine."""
 
-    def __init__(self, vllm_config: "VllmConfig", metric_types: dict[type["PromMetric"], type["PromMetricT"]],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {k: self._per_engine(self._counter_cls(
-            name=f"vllm:kvplugins_{k}", documentation=doc, labelnames=labelnames)) for k, doc in COUNTERS.items()}
-        self._histograms = {k: self._per_engine(self._histogram_cls(
-            name=f"vllm:kvplugins_{k}", documentation=doc, labelnames=labelnames, buckets=BUCKETS))
-            for k, doc in LATENCIES.items()}
+        self._counters = {
+            k: self._per_engine(self._counter_cls(name=f"vllm:kvplugins_{k}", documentation=doc, labelnames=labelnames))
+            for k, doc in COUNTERS.items()
+        }
+        self._histograms = {
+            k: self._per_engine(
+                self._histogram_cls(
+                    name=f"vllm:kvplugins_{k}", documentation=doc, labelnames=labelnames, buckets=BUCKETS
+                )
+            )
+            for k, doc in LATENCIES.items()
+        }
 
     def _per_engine(self, metric) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}

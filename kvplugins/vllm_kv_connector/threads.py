@@ -9,6 +9,7 @@ engine on the host (they all take the first CPU of their list). Measured on this
 vLLM 0.32 CPU worker but one OpenMP thread had ``Cpus_allowed_list: 0``. These helpers give connector threads
 the union of the CPUs vLLM gave the worker's threads instead. Linux only; elsewhere they change nothing.
 """
+
 from __future__ import annotations
 
 import os

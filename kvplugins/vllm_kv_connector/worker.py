@@ -8,6 +8,7 @@ blocks were freed (finished or preempted), so a reused block is never read half-
 and the transfer engines' server threads, run on every CPU vLLM gave the worker, not only on the one its
 OpenMP binding pins the main thread to (threads.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,13 @@ from kvplugins.layout.spans import head_planes
 from kvplugins.vllm_kv_connector import engine, pd, threads
 from kvplugins.vllm_kv_connector.config import VllmConnectorConfig
 from kvplugins.vllm_kv_connector.events import EventLog
-from kvplugins.vllm_kv_connector.metadata import (Held, KVPluginsConnectorMetadata, PageBatch, RemoteLoad,
-                                                  WorkerHandshake)
+from kvplugins.vllm_kv_connector.metadata import (
+    Held,
+    KVPluginsConnectorMetadata,
+    PageBatch,
+    RemoteLoad,
+    WorkerHandshake,
+)
 from kvplugins.vllm_kv_connector.stats import StatsRecorder
 
 log = logging.getLogger(__name__)
@@ -34,6 +40,7 @@ IDLE_WAIT_S = 0.01  # an idle step waits up to this long for a load, a held requ
 class WorkerSide:
     def __init__(self, vllm_config, kv_cache_config, cfg: VllmConnectorConfig):
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
         self.cfg, self.kv_cache_config = cfg, kv_cache_config
         self.role = vllm_config.kv_transfer_config.kv_role
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -45,32 +52,32 @@ class WorkerSide:
         self.groups = engine.groups(kv_cache_config, cfg.layer_chunks)  # KV cache groups, or their layer chunks
         self.whole_failure = engine.whole_request_failure(self.groups)  # a failed load fails its requests
         self.keyspace = engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, self.groups[0])
-        self._spaces = {g.uid: engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, g)
-                        for g in self.groups}
-        self._parts = {g.uid: engine.rank_spaces(vllm_config, kv_cache_config, cfg, self.tp_rank, g)
-                       for g in self.groups}            # Group.uid -> (key spaces of its parts, writes them)
+        self._spaces = {g.uid: engine.keyspace(vllm_config, kv_cache_config, cfg, self.tp_rank, g) for g in self.groups}
+        self._parts = {
+            g.uid: engine.rank_spaces(vllm_config, kv_cache_config, cfg, self.tp_rank, g) for g in self.groups
+        }  # Group.uid -> (key spaces of its parts, writes them)
         self._writes = {uid: w for uid, (_, w) in self._parts.items()}  # MLA: TP rank 0; a shared head: its first
-        self.layouts: dict[int, PageLayout] = {}        # Group.uid -> this rank's whole pages (every head)
-        self.pages: PageStore | None = None             # the first group's (P/D direct, logs); its client serves all
+        self.layouts: dict[int, PageLayout] = {}  # Group.uid -> this rank's whole pages (every head)
+        self.pages: PageStore | None = None  # the first group's (P/D direct, logs); its client serves all
         self.group_pages: dict[int, PageStore | HeadShards] = {}  # Group.uid -> its pages (per head: shards.py)
-        first = {}                                      # KV events: each KV cache group's first layer chunk
+        first = {}  # KV events: each KV cache group's first layer chunk
         self._event_groups = {g.uid: g for g in self.groups if first.setdefault(g.index, g.uid) == g.uid}
         self._chunk_of = {n: g.uid for g in self.groups for n in g.layer_names} if cfg.layer_chunks > 1 else {}
-        self._layer_loads: dict[int, Future] = {}       # layer chunk (uid) -> this step's load of it
-        self.failed_recving: set[str] = set()           # whole_failure: requests whose async load failed
+        self._layer_loads: dict[int, Future] = {}  # layer chunk (uid) -> this step's load of it
+        self.failed_recving: set[str] = set()  # whole_failure: requests whose async load failed
         self.load_errors: set[int] = set()
         self.stats = StatsRecorder()
         self._load_pool = threads.pool("kvp-load")  # unpinned: see threads.py
         self._save_pool = threads.pool("kvp-save")
-        self._layer_pool = threads.pool("kvp-layer")     # layer-wise synchronous loads (layer_chunks > 1)
+        self._layer_pool = threads.pool("kvp-layer")  # layer-wise synchronous loads (layer_chunks > 1)
         self._loading: dict[Future, dict[str, frozenset]] = {}  # async load batch -> request id -> its block ids
-        self._saving: dict[str, Future] = {}            # request id -> its latest save batch
+        self._saving: dict[str, Future] = {}  # request id -> its latest save batch
         self._held: dict[str, tuple[Held, float]] = {}  # P/D producer: request -> (hold, first seen, monotonic s)
-        self._finished: set[str] = set()                # finished request ids vLLM told us about
-        self._export = self._reader = None              # P/D direct: handover Producer / Consumer
-        self._pd_handshake = None                       # the Producer's Offer, as vLLM carries it
+        self._finished: set[str] = set()  # finished request ids vLLM told us about
+        self._export = self._reader = None  # P/D direct: handover Producer / Consumer
+        self._pd_handshake = None  # the Producer's Offer, as vLLM carries it
         self._early: KVPluginsConnectorMetadata | None = None  # the step whose async work fence started
-        self._idle = self._waiting = False              # metadata.idle / .waiting of this step
+        self._idle = self._waiting = False  # metadata.idle / .waiting of this step
         ev = getattr(vllm_config, "kv_events_config", None)
         self.events = EventLog(self.keyspace.block_size) if ev is not None and ev.enable_kv_cache_events else None
 
@@ -85,12 +92,15 @@ class WorkerSide:
             missing = [n for n in g.layer_names if n not in kv_caches]
             if missing:
                 raise ConfigError(f"KVPluginsConnector: no KV tensor for layers {missing}")
-            layout = PageLayout([p for n in g.layer_names
-                                 for p in _engine_blocks(_planes(kv_caches[n], num_blocks), num_blocks)])
+            layout = PageLayout(
+                [p for n in g.layer_names for p in _engine_blocks(_planes(kv_caches[n], num_blocks), num_blocks)]
+            )
             if layout.page_bytes != self._spaces[g.uid].page_bytes:
-                raise ConfigError(f"KVPluginsConnector: KV tensors of group {g.index} give {layout.page_bytes} B "
-                                  f"pages, the KV cache spec {self._spaces[g.uid].page_bytes} B; unsupported KV "
-                                  "layout")
+                raise ConfigError(
+                    f"KVPluginsConnector: KV tensors of group {g.index} give {layout.page_bytes} B "
+                    f"pages, the KV cache spec {self._spaces[g.uid].page_bytes} B; unsupported KV "
+                    "layout"
+                )
             self.layouts[g.uid] = layout
             spaces = self._parts[g.uid][0]
             layouts = _head_layouts(g, spaces, kv_caches, num_blocks) if len(spaces) > 1 else [layout]
@@ -101,17 +111,33 @@ class WorkerSide:
         if self.role == "kv_producer" and layout.device == "cpu" and len(self.groups) == 1 and self.pp_size == 1:
             self._export, self._pd_handshake = threads.run_unpinned(pd.producer, layout, self.cfg)
         elif self.role == "kv_producer" and self.cfg.pd_mode == "direct":
-            log.warning("kvplugins: pd_mode=direct reads KV blocks in host memory; this KV cache is on %s, so "
-                        "decode gets its KV through the store", layout.device)
-        log.info("kvplugins: %d KV cache group(s) of %s layers, %d blocks, %d B pages on %s%s, namespace %s",
-                 len(self.groups), "/".join(str(len(g.layer_names)) for g in self.groups), layout.num_blocks,
-                 layout.page_bytes, layout.device, ", staged" if self.pages.staged else "", self.keyspace.namespace)
+            log.warning(
+                "kvplugins: pd_mode=direct reads KV blocks in host memory; this KV cache is on %s, so "
+                "decode gets its KV through the store",
+                layout.device,
+            )
+        log.info(
+            "kvplugins: %d KV cache group(s) of %s layers, %d blocks, %d B pages on %s%s, namespace %s",
+            len(self.groups),
+            "/".join(str(len(g.layer_names)) for g in self.groups),
+            layout.num_blocks,
+            layout.page_bytes,
+            layout.device,
+            ", staged" if self.pages.staged else "",
+            self.keyspace.namespace,
+        )
 
     def _page_store(self, keyspace: KeySpace, layout: PageLayout, shares: int) -> PageStore:
         """A PageStore of ``layout``'s pages in ``keyspace``; the first made owns the client all share."""
-        pages = PageStore(self.cfg.client_factory(), keyspace, layout, retry_ms=self.cfg.retry_ms,
-                          retry_on_load=True,  # the scheduler found these pages just now
-                          staged=_staged(layout, self.cfg, shares), share=self.pages)
+        pages = PageStore(
+            self.cfg.client_factory(),
+            keyspace,
+            layout,
+            retry_ms=self.cfg.retry_ms,
+            retry_on_load=True,  # the scheduler found these pages just now
+            staged=_staged(layout, self.cfg, shares),
+            share=self.pages,
+        )
         self.pages = self.pages or pages
         return pages
 
@@ -190,8 +216,9 @@ class WorkerSide:
             failed += bad
             nbytes += (len(part) - len(bad)) * self._spaces[group].page_bytes
         done = len(batch) - len(failed)
-        self.stats.add(loaded_blocks=done * self._pages_unit, loaded_bytes=nbytes,
-                       failed_blocks=len(failed) * self._pages_unit)
+        self.stats.add(
+            loaded_blocks=done * self._pages_unit, loaded_bytes=nbytes, failed_blocks=len(failed) * self._pages_unit
+        )
         self.stats.observe("load_seconds", time.perf_counter() - t0)
         return failed
 
@@ -209,8 +236,11 @@ class WorkerSide:
         try:
             reader = self._reader_for()
             offer = pd.offer_of(src) if src else None
-            failed = (reader.read(offer, batch.block_ids, remote.remote_ids, remote.slot, remote.token) if offer
-                      else list(batch.block_ids))
+            failed = (
+                reader.read(offer, batch.block_ids, remote.remote_ids, remote.slot, remote.token)
+                if offer
+                else list(batch.block_ids)
+            )
             if offer:
                 reader.ack(offer, remote.slot, remote.token)
             direct = len(batch) - len(failed)
@@ -220,8 +250,12 @@ class WorkerSide:
             log.warning("kvplugins: direct load of %d pages failed: %r", len(batch), e)
             failed = list(batch.block_ids)
         done = len(batch) - len(failed)
-        self.stats.add(loaded_blocks=done * self._pages_unit, loaded_bytes=done * self.keyspace.page_bytes,
-                       failed_blocks=len(failed) * self._pages_unit, direct_blocks=direct * self._pages_unit)
+        self.stats.add(
+            loaded_blocks=done * self._pages_unit,
+            loaded_bytes=done * self.keyspace.page_bytes,
+            failed_blocks=len(failed) * self._pages_unit,
+            direct_blocks=direct * self._pages_unit,
+        )
         self.stats.observe("load_seconds", time.perf_counter() - t0)
         return failed
 
@@ -231,8 +265,9 @@ class WorkerSide:
         idx = {b: i for i, b in enumerate(batch.block_ids)}
         for _ in range(2):
             if block_ids:
-                block_ids = self.group_pages[self.groups[0].uid].load(block_ids,
-                                                                      [batch.hashes[idx[b]] for b in block_ids])
+                block_ids = self.group_pages[self.groups[0].uid].load(
+                    block_ids, [batch.hashes[idx[b]] for b in block_ids]
+                )
         return block_ids
 
     def _direct_ack(self, remote: RemoteLoad) -> None:
@@ -250,8 +285,9 @@ class WorkerSide:
     def handshake(self) -> WorkerHandshake:
         """What the scheduler half needs from this worker: its Groups' key spaces and, on a P/D direct
         producer, what decode needs to read its KV (PDHandshake)."""
-        return WorkerHandshake(spaces=[[asdict(k) for k in self._parts[g.uid][0]] for g in self.groups],
-                               pd=self._pd_handshake)
+        return WorkerHandshake(
+            spaces=[[asdict(k) for k in self._parts[g.uid][0]] for g in self.groups], pd=self._pd_handshake
+        )
 
     # -- saves ------------------------------------------------------------------------------------------------
     def fence(self, meta: KVPluginsConnectorMetadata) -> None:
@@ -261,7 +297,7 @@ class WorkerSide:
         when it has no synchronous load, while a P/D producer holds its blocks, its engine stepping, until
         decode acks: on a 2-CPU host decode's forward, slowed by that stepping, delayed the ack ~30 s
         (issue #30)."""
-        for req_id in (list(self._saving) if meta.fence_all else meta.fence):
+        for req_id in list(self._saving) if meta.fence_all else meta.fence:
             fut = self._saving.pop(req_id, None)
             if fut is not None:
                 fut.result()
@@ -311,10 +347,15 @@ class WorkerSide:
         if self.events is None or not batch.token_ids or group is None:
             return
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
         held = [i for i, ok in enumerate(held_mask) if ok]
-        self.events.stored([maybe_convert_block_hash(batch.hashes[i]) for i in held],
-                           [None if batch.parents[i] is None else maybe_convert_block_hash(batch.parents[i])
-                            for i in held], [batch.token_ids[i] for i in held], group.spec, group.index)
+        self.events.stored(
+            [maybe_convert_block_hash(batch.hashes[i]) for i in held],
+            [None if batch.parents[i] is None else maybe_convert_block_hash(batch.parents[i]) for i in held],
+            [batch.token_ids[i] for i in held],
+            group.spec,
+            group.index,
+        )
 
     # -- completion -------------------------------------------------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -367,8 +408,12 @@ class WorkerSide:
             if held.mode == "direct" and self._export is not None:
                 self._export.lease(held.slot, held.token)
             if held.finished_at and now - held.finished_at > SLOW_S:
-                log.warning("kvplugins: request %s: its blocks were marked held %.1f s after it finished (engine "
-                            "steps late); decode waits up to pd_wait_ms for that", req_id, now - held.finished_at)
+                log.warning(
+                    "kvplugins: request %s: its blocks were marked held %.1f s after it finished (engine "
+                    "steps late); decode waits up to pd_wait_ms for that",
+                    req_id,
+                    now - held.finished_at,
+                )
 
     def _sent(self, finished_req_ids: set[str]) -> set[str]:
         """Held requests that vLLM reported finished and whose blocks we no longer need."""
@@ -381,8 +426,9 @@ class WorkerSide:
                 fut = self._saving.get(req_id)
                 done = fut is None or fut.done()
             else:
-                done = (self._export is not None and self._export.acked(held.slot, held.token)) \
-                    or now - seen > held.hold_s
+                done = (
+                    self._export is not None and self._export.acked(held.slot, held.token)
+                ) or now - seen > held.hold_s
             if done:
                 self._handed_over(req_id, held, now)
                 out.add(req_id)
@@ -399,8 +445,12 @@ class WorkerSide:
         if held.mode == "direct" and self._export is not None:
             self._export.lease(held.slot, 0)
             if not self._export.acked(held.slot, held.token):
-                log.warning("kvplugins: request %s: decode did not ack its read within pd_hold_ms=%.0f; "
-                            "its blocks are released", req_id, held.hold_s * 1000)
+                log.warning(
+                    "kvplugins: request %s: decode did not ack its read within pd_hold_ms=%.0f; "
+                    "its blocks are released",
+                    req_id,
+                    held.hold_s * 1000,
+                )
                 return
         if took > SLOW_S:
             log.warning("kvplugins: request %s: handed over (%s) %.1f s after it finished", req_id, held.mode, took)
@@ -436,9 +486,11 @@ def _head_layouts(g: engine.Group, spaces: list[KeySpace], kv_caches: dict, num_
             t = kv_caches[n]
             part = head_planes(t, block_dim_of(tuple(t.shape), num_blocks), len(spaces), j)
             if part is None:
-                raise ConfigError(f"KVPluginsConnector: KV tensor {n} of shape {tuple(t.shape)} does not hold "
-                                  f"{len(spaces)} KV heads as runs of bytes per block, as its layout "
-                                  f"({ks.extra.rsplit('layout=', 1)[-1]}) says; report this layout")
+                raise ConfigError(
+                    f"KVPluginsConnector: KV tensor {n} of shape {tuple(t.shape)} does not hold "
+                    f"{len(spaces)} KV heads as runs of bytes per block, as its layout "
+                    f"({ks.extra.rsplit('layout=', 1)[-1]}) says; report this layout"
+                )
             planes += _engine_blocks(part, num_blocks)
         out.append(PageLayout(planes))
     return out
@@ -449,12 +501,14 @@ def _staged(layout: PageLayout, cfg: VllmConnectorConfig, shares: int = 1):
     None: ``bounce_bytes / shares`` of host memory (one share per Group). Raises ConfigError for device KV with
     staging='never', or a device that cannot be staged."""
     if cfg.staging == "never" and layout.device != "cpu":
-        raise ConfigError(f"KVPluginsConnector: the KV cache is on {layout.device} and staging='never'; set "
-                          "staging='auto' to move its pages through pinned host memory")
+        raise ConfigError(
+            f"KVPluginsConnector: the KV cache is on {layout.device} and staging='never'; set "
+            "staging='auto' to move its pages through pinned host memory"
+        )
     if cfg.staging == "always" or layout.device != "cpu":
         from kvplugins.layout.staged import StagedPages
-        return StagedPages(layout, cfg.bounce_bytes // shares,
-                           slot_timeout_s=2 * cfg.store.transfer_timeout_ms / 1000)
+
+        return StagedPages(layout, cfg.bounce_bytes // shares, slot_timeout_s=2 * cfg.store.transfer_timeout_ms / 1000)
     return None
 
 
@@ -474,6 +528,9 @@ def _engine_blocks(planes: list[Plane], num_blocks: int) -> list[Plane]:
         k, rem = divmod(p.num_blocks, num_blocks)
         if rem or k < 1 or (k > 1 and p.block_stride != p.block_bytes):
             raise ConfigError(f"KV tensor with {p.num_blocks} blocks does not map onto {num_blocks} engine blocks")
-        out.append(replace(p, block_stride=p.block_stride * k, block_bytes=p.block_bytes * k, num_blocks=num_blocks)
-                   if k > 1 else p)
+        out.append(
+            replace(p, block_stride=p.block_stride * k, block_bytes=p.block_bytes * k, num_blocks=num_blocks)
+            if k > 1
+            else p
+        )
     return out

@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/store_bench.py --quick against our store only (no Mooncake): a real master, store
 node, writer and reader process per transport mode (shm, tcp forced). Asserts every expected row ran (with the
 memcpy and C loopback floor rows beside them) and that the reader's bytes were checked against the writer's. Speed itself is not asserted (benchmarks prove speed)."""
+
 from __future__ import annotations
 
 import json
@@ -20,18 +21,32 @@ QUICK_CASES = ("4KiBx1", "4KiBx32", "1MiBx1", "1MiBx32")
 
 def test_quick_run_reports_every_row_and_verifies_bytes(tmp_path):
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "store_bench.py"), "--quick", "--json", str(out),
-                           "--log-dir", str(tmp_path / "logs"), "--timeout", "20"],
-                          capture_output=True, text=True, timeout=90)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "store_bench.py"),
+            "--quick",
+            "--json",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--timeout",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["verified"]["mismatches"] == 0
     every = {(r["target"], r["case"], r["op"]): r for r in res["rows"]}
     rows = {k: r for k, r in every.items() if r["store"] == "kvp"}
     assert set(rows) == {(t, c, op) for t in ("kvp-shm", "kvp-tcp") for c in QUICK_CASES for op in ("put", "get")}
-    floors = {k: r for k, r in every.items() if r["store"] == "baseline"}     # memcpy and C loopback, same run
-    assert set(floors) == {(t, c, op) for t in ("memcpy", "c-tcp-loopback") for c in QUICK_CASES
-                           for op in ("put", "get")}
+    floors = {k: r for k, r in every.items() if r["store"] == "baseline"}  # memcpy and C loopback, same run
+    assert set(floors) == {
+        (t, c, op) for t in ("memcpy", "c-tcp-loopback") for c in QUICK_CASES for op in ("put", "get")
+    }
     assert all(r["gbps"] > 0 for r in floors.values())
     for r in rows.values():
         assert r["iters"] >= 3 and 0 < r["batch_us"]["p50"] <= r["batch_us"]["p99"]
@@ -67,10 +82,28 @@ def test_every_size_and_batch_runs_clean(tmp_path):
     removed-but-leased space as live). TCP only, few iterations; 16 MiB x 128 is over --max-batch-bytes and
     reported as skipped."""
     out = tmp_path / "all.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "store_bench.py"), "--quick", "--ours", "tcp",
-                           "--sizes", "4KiB,64KiB,1MiB,16MiB", "--batches", "1,32,128", "--json", str(out),
-                           "--log-dir", str(tmp_path / "logs"), "--timeout", "60"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "store_bench.py"),
+            "--quick",
+            "--ours",
+            "tcp",
+            "--sizes",
+            "4KiB,64KiB,1MiB,16MiB",
+            "--batches",
+            "1,32,128",
+            "--json",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["verified"]["mismatches"] == 0

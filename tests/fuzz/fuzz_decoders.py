@@ -13,6 +13,7 @@ the input saved under ``-artifact_prefix``. A file path instead of CORPUS_DIR re
 kvplugins is instrumented function by function (``instrument``); what msgspec does in C is made visible to the
 fuzzer through ``signal``. tests/fuzz/test_atheris.py runs each target for a bounded time in CI.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,11 +45,29 @@ from kvplugins.transfer import wire
 MAX_FRAME = 16 << 20
 SCHEMAS = Schemas(max_batch=64, max_key_bytes=64)
 SECRET = Secret(b"fuzz-secret-fuzz-secret-fuzz-secret!", "fuzz")
-SEP = b"\xc1"                 # never valid msgpack: separates the values of one journal input
+SEP = b"\xc1"  # never valid msgpack: separates the values of one journal input
 SEG_SIZE = 1 << 20
-MARKERS = ("Expected `int`", "Expected `str`", "Expected `array`", "Expected `object`", "Expected `bool`",
-           "length", ">=", "<=", "missing required field", "unknown field", "truncated", "malformed",
-           "Invalid enum", "utf-8", "unknown op", "version", "payload", "frame limit", "max_key_bytes")
+MARKERS = (
+    "Expected `int`",
+    "Expected `str`",
+    "Expected `array`",
+    "Expected `object`",
+    "Expected `bool`",
+    "length",
+    ">=",
+    "<=",
+    "missing required field",
+    "unknown field",
+    "truncated",
+    "malformed",
+    "Invalid enum",
+    "utf-8",
+    "unknown op",
+    "version",
+    "payload",
+    "frame limit",
+    "max_key_bytes",
+)
 
 
 def signal(text: str) -> None:
@@ -57,7 +76,7 @@ def signal(text: str) -> None:
     fuzzer keeps inputs that get further into a structure. Instrumented by ``main``."""
     at = text.rfind("at `$")
     for _ in range(text.count("[", at) + text.count(".", at) if at >= 0 else 0):
-        pass                                        # loop trip count: libFuzzer's hit-count buckets
+        pass  # loop trip count: libFuzzer's hit-count buckets
     for marker in MARKERS:
         if marker in text:
             break
@@ -78,10 +97,10 @@ def fuzz_wire(data: bytes) -> None:
         return
     n, req_id, frame = data[0], int.from_bytes(data[1:9], "little"), data[9:]
     try:
-        hlen, plen = wire.parse_prefix(frame[:wire.PREFIX.size], MAX_FRAME)
+        hlen, plen = wire.parse_prefix(frame[: wire.PREFIX.size], MAX_FRAME)
     except ProtocolError:
-        hlen, plen = len(frame), 0             # still feed the rest to the header decoders
-    header = frame[wire.PREFIX.size:wire.PREFIX.size + hlen]
+        hlen, plen = len(frame), 0  # still feed the rest to the header decoders
+    header = frame[wire.PREFIX.size : wire.PREFIX.size + hlen]
     try:
         _check_request(wire.decode_request(header, plen, MAX_FRAME), plen)
     except ProtocolError as e:
@@ -100,14 +119,13 @@ def _check_request(req, plen: int) -> None:
     assert plen == (total if req.op == wire.OP_WRITE else 0)
     assert req.op == wire.OP_WRITE or total <= wire.payload_limit(MAX_FRAME)
     again = wire.encode_request(req.op, req.req_id, list(req.entries))
-    assert wire.decode_request(again[wire.PREFIX.size:], plen, MAX_FRAME) == req       # canonical round trip
+    assert wire.decode_request(again[wire.PREFIX.size :], plen, MAX_FRAME) == req  # canonical round trip
 
 
 def _check_response(status, req_id: int, n: int) -> None:
-    assert len(status) == n and all(s is None or (isinstance(s, str) and len(s) <= wire.MAX_STATUS)
-                                    for s in status)
+    assert len(status) == n and all(s is None or (isinstance(s, str) and len(s) <= wire.MAX_STATUS) for s in status)
     again = wire.encode_response(req_id, status, 0)
-    assert wire.decode_response(again[wire.PREFIX.size:], req_id, n) == status
+    assert wire.decode_response(again[wire.PREFIX.size :], req_id, n) == status
 
 
 # ---- master request envelope ---------------------------------------------------------------------------------
@@ -156,7 +174,7 @@ def fuzz_promote(srv, data: bytes) -> None:
     assert len(reply) == 4 and reply[0] == protocol.VERSION and isinstance(reply[2], bool)
     if not reply[2]:
         signal(reply[3])
-    protocol.pack(reply)                            # the reply can be sent
+    protocol.pack(reply)  # the reply can be sent
 
 
 # ---- HA journal values read back from etcd -------------------------------------------------------------------
@@ -208,8 +226,9 @@ def fuzz_disk(root: Path, data: bytes) -> None:
     flags, raw = data[0], bytearray(data[1:])
     if flags & 2 and len(raw) >= files.HEAD.size:
         klen = files.HEAD.unpack_from(raw)[2]
-        files.HEAD.pack_into(raw, 0, *files.HEAD.unpack_from(raw)[:4],
-                             files.checksum(bytes(raw[files.data_offset(klen):])))
+        files.HEAD.pack_into(
+            raw, 0, *files.HEAD.unpack_from(raw)[:4], files.checksum(bytes(raw[files.data_offset(klen) :]))
+        )
     if flags & 1 and len(raw) >= files.HEAD.size:
         end = files.HEAD.size + files.HEAD.unpack_from(raw)[2]
         if len(raw) >= end + files.CHECK.size:
@@ -235,7 +254,7 @@ def _read_back(path: Path, raw: bytearray) -> None:
         got = files.read_into(path, key, memoryview(dest))
     except files.CorruptFile:
         return
-    assert got == digest and dest == raw[files.data_offset(len(key.encode())):]      # never wrong bytes
+    assert got == digest and dest == raw[files.data_offset(len(key.encode())) :]  # never wrong bytes
 
 
 def _claimed_key(raw: bytearray) -> str:
@@ -243,7 +262,7 @@ def _claimed_key(raw: bytearray) -> str:
         return "k"
     klen = files.HEAD.unpack_from(raw)[2]
     try:
-        return bytes(raw[files.HEAD.size:files.HEAD.size + klen]).decode() or "k"
+        return bytes(raw[files.HEAD.size : files.HEAD.size + klen]).decode() or "k"
     except UnicodeDecodeError:
         return "k"
 
@@ -257,7 +276,7 @@ def fuzz_handshake(data: bytes) -> None:
     chunk, rest = data[0] % (handshake.MSG.size + 8) + 1, data[1:]
     hs, buf, outcome = handshake.ServerHandshake(SECRET), bytearray(), None
     for i in range(0, len(rest), chunk):
-        buf += rest[i:i + chunk]
+        buf += rest[i : i + chunk]
         out, outcome = hs.feed(buf)
         assert isinstance(out, bytes) and len(out) % handshake.MSG.size == 0
         if outcome is not None:
@@ -271,57 +290,74 @@ def fuzz_handshake(data: bytes) -> None:
 
 
 # ---- seeds ---------------------------------------------------------------------------------------------------
-DEEP = b"\x91" * 3000 + b"\x01"        # 3000 nested one-item arrays: past Python's recursion limit
+DEEP = b"\x91" * 3000 + b"\x01"  # 3000 nested one-item arrays: past Python's recursion limit
 
 
 def _seeds_wire() -> list[bytes]:
     def framed(n: int, req_id: int, frame: bytes) -> bytes:
         return bytes([n]) + req_id.to_bytes(8, "little") + frame
 
-    def raw(n: int, req_id: int, header: bytes) -> bytes:          # a hand-made header behind a valid prefix
+    def raw(n: int, req_id: int, header: bytes) -> bytes:  # a hand-made header behind a valid prefix
         return framed(n, req_id, wire.PREFIX.pack(wire.MAGIC, len(header), 0) + header)
-    return [framed(1, 7, wire.encode_request(wire.OP_WRITE, 7, [(1, 0, 8)])),
-            framed(3, 9, wire.encode_request(wire.OP_READ, 9, [(1, 0, 8), (2, 1 << 40, 64), (0, 5, 0)])),
-            framed(2, 7, wire.encode_response(7, [None, "region 3 is not exported"], 8)),
-            framed(1, 1, wire.encode_response(1, [None], 0)),
-            raw(1, 1, b"\x84\xa1v\x01\xa2op\x02\xa2id\x01\xa1e" + DEEP),             # deep nesting in a field
-            raw(1, 1, b"\x85\xa1v\x01\xa2op\x02\xa2id\x01\xa2st\x91\xc0\xa1x" + DEEP),  # ... in an unknown one
-            raw(1, 1, b"\x84\xa1v\x01\xa2op\x02\xa2id\x01\xa1e\xdd\xff\xff\xff\xff"),   # 4G entries announced
-            raw(1, 1, msgpack.packb({"v": 1, "op": 3, "id": 1, "st": ["x" * 5000]}))]
+
+    return [
+        framed(1, 7, wire.encode_request(wire.OP_WRITE, 7, [(1, 0, 8)])),
+        framed(3, 9, wire.encode_request(wire.OP_READ, 9, [(1, 0, 8), (2, 1 << 40, 64), (0, 5, 0)])),
+        framed(2, 7, wire.encode_response(7, [None, "region 3 is not exported"], 8)),
+        framed(1, 1, wire.encode_response(1, [None], 0)),
+        raw(1, 1, b"\x84\xa1v\x01\xa2op\x02\xa2id\x01\xa1e" + DEEP),  # deep nesting in a field
+        raw(1, 1, b"\x85\xa1v\x01\xa2op\x02\xa2id\x01\xa2st\x91\xc0\xa1x" + DEEP),  # ... in an unknown one
+        raw(1, 1, b"\x84\xa1v\x01\xa2op\x02\xa2id\x01\xa1e\xdd\xff\xff\xff\xff"),  # 4G entries announced
+        raw(1, 1, msgpack.packb({"v": 1, "op": 3, "id": 1, "st": ["x" * 5000]})),
+    ]
 
 
 def _seeds_master() -> list[bytes]:
     desc = _descriptor("s0")
-    requests = [("info", [], {}), ("put_start", [["a", 100], ["b", 1]], {"replicas": 2, "pin": 1}),
-                ("put_commit", ["a"], {"xxh3": [42]}), ("get", ["a", "b"], {"cols": True}),
-                ("remove_by_regex", ["^a.*"], {"force": True}), ("report_corrupt", [["a", "s0:1", 0, 7]], {}),
-                ("register_segment", [[desc, 1, 4096]], {}), ("heartbeat", ["s0:1"], {}),
-                ("tier_register", [["s0:1", "tcp://h:1", 1 << 30, [["a", 100, 5]], "d"]], {"more": False}),
-                ("tier_done", [["offload", "a", True, None]], {"segment": "s0:1"}),
-                ("promote_commit", [["a", False, "gone"]], {"segment": "s0:1"})]
+    requests = [
+        ("info", [], {}),
+        ("put_start", [["a", 100], ["b", 1]], {"replicas": 2, "pin": 1}),
+        ("put_commit", ["a"], {"xxh3": [42]}),
+        ("get", ["a", "b"], {"cols": True}),
+        ("remove_by_regex", ["^a.*"], {"force": True}),
+        ("report_corrupt", [["a", "s0:1", 0, 7]], {}),
+        ("register_segment", [[desc, 1, 4096]], {}),
+        ("heartbeat", ["s0:1"], {}),
+        ("tier_register", [["s0:1", "tcp://h:1", 1 << 30, [["a", 100, 5]], "d"]], {"more": False}),
+        ("tier_done", [["offload", "a", True, None]], {"segment": "s0:1"}),
+        ("promote_commit", [["a", False, "gone"]], {"segment": "s0:1"}),
+    ]
     seeds = [protocol.pack([protocol.VERSION, i + 1, op, e, o]) for i, (op, e, o) in enumerate(requests)]
-    head = b"\x95\x01\x01" + msgpack.packb("put_commit")           # [1, 1, "put_commit", ...
-    return seeds + [head + b"\x91\xa1a\x81\xa4xxh3\x91" + DEEP,      # the issue's nested checksum
-                    head + DEEP + b"\x80",                             # nested entries
-                    head + b"\xdd\xff\xff\xff\xff"]                     # 4G entries announced
+    head = b"\x95\x01\x01" + msgpack.packb("put_commit")  # [1, 1, "put_commit", ...
+    return seeds + [
+        head + b"\x91\xa1a\x81\xa4xxh3\x91" + DEEP,  # the issue's nested checksum
+        head + DEEP + b"\x80",  # nested entries
+        head + b"\xdd\xff\xff\xff\xff",
+    ]  # 4G entries announced
 
 
 def _seeds_promote() -> list[bytes]:
     head = b"\x95\x01\x01" + msgpack.packb("promote")
-    return [protocol.pack([protocol.VERSION, 1, "promote", ["a", "b/c"], {}]),
-            protocol.pack([protocol.VERSION, 2, "promote", [], {"x": 1}]),
-            protocol.pack([protocol.VERSION, 3, "nope", ["a"], {}]),
-            head + DEEP + b"\x80",                                      # nested entries
-            head + b"\x91\xa2\xff\xfe\x80"]                               # a key that is not UTF-8
+    return [
+        protocol.pack([protocol.VERSION, 1, "promote", ["a", "b/c"], {}]),
+        protocol.pack([protocol.VERSION, 2, "promote", [], {"x": 1}]),
+        protocol.pack([protocol.VERSION, 3, "nope", ["a"], {}]),
+        head + DEEP + b"\x80",  # nested entries
+        head + b"\x91\xa2\xff\xfe\x80",
+    ]  # a key that is not UTF-8
 
 
 def _seeds_journal() -> list[bytes]:
     obj = msgpack.packb([100, [["s0:1", 0], ["s1:1", 4096]], 42, 2])
     seg = msgpack.packb([_descriptor("s2", 8192), 1, 8192])
-    return [obj, seg, SEP.join([obj, msgpack.packb([64, [["s0:1", 0]], None, 0]), seg]),
-            msgpack.packb([64, [["s0:1", 128]], None]),
-            b"\x94\x40\x91\x92\xa4s0:1\x00" + DEEP + b"\x00",            # nested checksum
-            msgpack.packb(["64", [["s0:1", 0]], None, 0])]                  # a string size
+    return [
+        obj,
+        seg,
+        SEP.join([obj, msgpack.packb([64, [["s0:1", 0]], None, 0]), seg]),
+        msgpack.packb([64, [["s0:1", 128]], None]),
+        b"\x94\x40\x91\x92\xa4s0:1\x00" + DEEP + b"\x00",  # nested checksum
+        msgpack.packb(["64", [["s0:1", 0]], None, 0]),
+    ]  # a string size
 
 
 def _seeds_disk() -> list[bytes]:
@@ -329,23 +365,36 @@ def _seeds_disk() -> list[bytes]:
     whole = files.header(key, len(data), files.checksum(data)) + data
     huge = bytearray(whole)
     files.HEAD.pack_into(huge, 0, files.MAGIC, files.VERSION, 0xFFFF, (1 << 64) - 1, 0)
-    return [bytes([4]) + whole, bytes([7]) + whole, bytes([0]) + whole[:files.HEAD.size + 3],
-            bytes([5]) + huge, bytes([7]) + whole[:-1]]
+    return [
+        bytes([4]) + whole,
+        bytes([7]) + whole,
+        bytes([0]) + whole[: files.HEAD.size + 3],
+        bytes([5]) + huge,
+        bytes([7]) + whole[:-1],
+    ]
 
 
 def _seeds_handshake() -> list[bytes]:
     hello = handshake.message(handshake.HELLO, bytes(range(32)))
     proof = handshake.message(handshake.PROOF, mac=bytes(32))
-    return [bytes([0]) + hello + proof, bytes([7]) + hello, bytes([200]) + handshake.message(handshake.REFUSED),
-            bytes([3]) + hello[:40], bytes([0]) + hello + hello]
+    return [
+        bytes([0]) + hello + proof,
+        bytes([7]) + hello,
+        bytes([200]) + handshake.message(handshake.REFUSED),
+        bytes([3]) + hello[:40],
+        bytes([0]) + hello + hello,
+    ]
 
 
 def instrument(package: str = "kvplugins") -> int:
     """Add coverage instrumentation to every loaded function of ``package`` (in place); returns how many.
     (atheris.instrument_imports() skips modules behind the editable install's custom loader, and
     instrument_all() spends ~15 s on numpy.)"""
-    funcs = [f for f in gc.get_objects() if isinstance(f, types.FunctionType)
-             and (f.__module__ or "").split(".")[0] == package]
+    funcs = [
+        f
+        for f in gc.get_objects()
+        if isinstance(f, types.FunctionType) and (f.__module__ or "").split(".")[0] == package
+    ]
     for f in funcs + [signal, signal_op]:
         atheris.instrument_func(f)
     return len(funcs)
@@ -353,11 +402,14 @@ def instrument(package: str = "kvplugins") -> int:
 
 def targets(tmp: Path) -> dict:
     """target name -> (one-input function, seed builder)."""
-    return {"wire": (fuzz_wire, _seeds_wire), "master": (fuzz_master, _seeds_master),
-            "promote": (functools.partial(fuzz_promote, promote_endpoint()), _seeds_promote),
-            "journal": (fuzz_journal, _seeds_journal),
-            "disk": (functools.partial(fuzz_disk, tmp), _seeds_disk),
-            "handshake": (fuzz_handshake, _seeds_handshake)}
+    return {
+        "wire": (fuzz_wire, _seeds_wire),
+        "master": (fuzz_master, _seeds_master),
+        "promote": (functools.partial(fuzz_promote, promote_endpoint()), _seeds_promote),
+        "journal": (fuzz_journal, _seeds_journal),
+        "disk": (functools.partial(fuzz_disk, tmp), _seeds_disk),
+        "handshake": (fuzz_handshake, _seeds_handshake),
+    }
 
 
 TARGETS = ("wire", "master", "promote", "journal", "disk", "handshake")
@@ -373,7 +425,7 @@ def main(argv: list[str]) -> None:
     if corpus.is_dir():
         for i, seed in enumerate(seeds()):
             (corpus / f"seed-{i}").write_bytes(seed)
-    logging.disable(logging.CRITICAL)              # recovery's per-input warnings would flood the output
+    logging.disable(logging.CRITICAL)  # recovery's per-input warnings would flood the output
     print(f"INFO: instrumented {instrument()} kvplugins functions", file=sys.stderr)
     atheris.Setup([argv[0], *argv[3:], str(corpus)], one)
     atheris.Fuzz()

@@ -1,6 +1,7 @@
 """tests/gpu/: the GPU paths with CUDA tensors. They run only where ``torch.cuda.is_available()``; everywhere else
 every test here is skipped with the reason shown in the summary (``pytest -ra``). The same logic runs on CPU
 in CI with staging forced (tests/layout/test_staged.py, tests/vllm/test_staged_e2e.py)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """CPU experts called from CUDA (kt_expert_backend/stream.py): on the caller's stream and under CUDA graph capture
 and replay, the outputs equal the CPU direct path's, and submit_forward does not wait for the GPU. Skipped without
 a GPU (conftest.py); CI runs the same path on CPU (tests/kt/test_kt_stream.py)."""
+
 from __future__ import annotations
 
 import sys
@@ -39,8 +40,8 @@ def test_cuda_stream_path_matches_cpu_and_does_not_block_the_host():
         want = [t.clone() for t in want]
         stream = torch.cuda.current_stream().cuda_stream
         dx, dids, dwts = [x.cuda() for x in xs], [r[0].cuda() for r in rts], [r[1].cuda() for r in rts]
-        two_layers(gpu, dx, dids, dwts, stream)    # first call of this size: makes its pinned buffers and jobs
-        torch.cuda._sleep(200_000_000)            # a long kernel ahead on the stream
+        two_layers(gpu, dx, dids, dwts, stream)  # first call of this size: makes its pinned buffers and jobs
+        torch.cuda._sleep(200_000_000)  # a long kernel ahead on the stream
         t0 = time.perf_counter()
         got = two_layers(gpu, dx, dids, dwts, stream)
         enqueue_s = time.perf_counter() - t0
@@ -60,7 +61,7 @@ def test_captured_graph_replays_with_new_inputs():
         wts = [torch.zeros(T, K, dtype=torch.float32, device="cuda") for _ in gpu]
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            two_layers(gpu, xs, ids, wts, stream.cuda_stream)          # warm-up: buffers and jobs exist
+            two_layers(gpu, xs, ids, wts, stream.cuda_stream)  # warm-up: buffers and jobs exist
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):

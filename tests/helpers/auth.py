@@ -1,5 +1,6 @@
 """Test helpers for the shared secret: choose this process's secret (env vars, through a MonkeyPatch) and read
 what a server answers on a raw socket until it closes it."""
+
 from __future__ import annotations
 
 import socket
@@ -8,7 +9,7 @@ import time
 TOKEN_ENV, FILE_ENV = "KVPLUGINS_AUTH_TOKEN", "KVPLUGINS_AUTH_TOKEN_FILE"
 
 
-NO_HOME = "/proc/kvplugins-no-config-home"     # a config folder no process can create: no per-user secret
+NO_HOME = "/proc/kvplugins-no-config-home"  # a config folder no process can create: no per-user secret
 
 
 def use_secret(mp, token: str | None = None, token_file: str | None = None, none: bool = False) -> None:
@@ -28,6 +29,7 @@ def authenticated(sock: socket.socket, role: str = "admin") -> socket.socket:
     """``sock`` after the handshake (security/handshake.py) as ``role`` with this process's credential: what a
     raw-socket test needs before its frames reach a master (any op: admin) or a transfer server (role data)."""
     from kvplugins.security import handshake, load_secret
+
     handshake.client(sock, load_secret(), time.monotonic() + 5, "test peer", role)
     sock.settimeout(10)
     return sock
@@ -36,6 +38,7 @@ def authenticated(sock: socket.socket, role: str = "admin") -> socket.socket:
 def zmq_endpoint(master: str) -> str:
     """The master's zmq control-plane endpoint (asked on its raw endpoint with this process's credential)."""
     from kvplugins.store.client.connect import control_client
+
     ctl = control_client(master, 3000)
     try:
         return ctl.address

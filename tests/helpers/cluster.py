@@ -9,6 +9,7 @@ for (port/ready/discovery file), yielded with their addresses, and killed on exi
 Processes run ``python -c "from kvplugins.cli import main; ..."`` (the ``kvplugins`` command) with this interpreter;
 their output goes to a log file whose tail is included when one fails to start.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,6 +30,7 @@ START_TIMEOUT_S = 20.0 * (6 if os.environ.get("KVPLUGINS_IN_GUEST") == "1" else 
 @dataclass
 class Proc:
     """One started process. ``address``: master host:port (master/up) or segment name (store node)."""
+
     popen: subprocess.Popen
     log: Path
     address: str = ""
@@ -75,8 +77,9 @@ def _flags(flags: dict) -> list[str]:
 
 def _spawn(args: list[str], log: Path, env: dict) -> Proc:
     with open(log, "wb") as f:
-        popen = subprocess.Popen(CLI + args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
+        popen = subprocess.Popen(
+            CLI + args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     return Proc(popen, log)
 
 
@@ -105,8 +108,11 @@ def _start_master(tmp: Path, env: dict, flags: dict) -> Proc:
 
 def _start_node(master: str, segment_size, tmp: Path, i: int, env: dict, flags: dict) -> Proc:
     ready = tmp / f"node{i}.ready"
-    proc = _spawn(["store", "--master", master, "--segment-size", str(segment_size), "--ready-file", str(ready)]
-                  + _flags(flags), tmp / f"node{i}.log", env)
+    proc = _spawn(
+        ["store", "--master", master, "--segment-size", str(segment_size), "--ready-file", str(ready)] + _flags(flags),
+        tmp / f"node{i}.log",
+        env,
+    )
     proc.address = _wait_file(proc, ready, f"kvplugins store #{i}")
     return proc
 
@@ -133,8 +139,13 @@ def master_process(tmp: Path | None = None, **flags):
 
 
 @contextlib.contextmanager
-def store_cluster(nodes: int = 1, segment_size: str | int = "8MiB", master_flags: dict | None = None,
-                  node_flags: dict | None = None, tmp: Path | None = None):
+def store_cluster(
+    nodes: int = 1,
+    segment_size: str | int = "8MiB",
+    master_flags: dict | None = None,
+    node_flags: dict | None = None,
+    tmp: Path | None = None,
+):
     """A master plus ``nodes`` store nodes of ``segment_size`` each. Yields a Cluster; kills all on exit."""
     with _tmpdir(tmp) as d:
         env = _env(d)
@@ -155,8 +166,11 @@ def up_process(segment_size: str | int = "8MiB", tmp: Path | None = None, **flag
     Yields Proc with .address and .discovery_file; sends SIGTERM (clean exit) then SIGKILL if needed."""
     with _tmpdir(tmp) as d:
         disc = d / "up.json"
-        proc = _spawn(["up", "--segment-size", str(segment_size), "--discovery-file", str(disc)] + _flags(flags),
-                      d / "up.log", _env(d))
+        proc = _spawn(
+            ["up", "--segment-size", str(segment_size), "--discovery-file", str(disc)] + _flags(flags),
+            d / "up.log",
+            _env(d),
+        )
         proc.discovery_file = disc
         proc.address = json.loads(_wait_file(proc, disc, "kvplugins up"))["master"]
         try:

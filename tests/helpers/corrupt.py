@@ -1,6 +1,7 @@
 """Corrupt a stored object in place: one byte of one replica XORed inside the store node's segment, written
 through the segment's shm file named in its SegmentDescriptor (tests run as the node's user). The object's
 checksum no longer matches, so every read of that replica fails its check."""
+
 from __future__ import annotations
 
 

@@ -8,6 +8,7 @@ loopback ports (found by binding port 0) with a temp data dir, waited for, and S
 
 Outside CI a missing ``etcd`` binary fails with a message naming ``bash ci/install.sh``; nothing is skipped.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,9 @@ class Etcd:
 
     def start(self) -> None:
         with open(self.log, "ab") as f:
-            self.popen = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+            self.popen = subprocess.Popen(
+                self.args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
         _wait_healthy(self)
 
 
@@ -52,8 +54,10 @@ def etcd_binary() -> str:
     """Path of the etcd binary. Raises RuntimeError naming the fix when it is missing."""
     path = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
     if path is None:
-        raise RuntimeError("etcd is not installed: run `bash ci/install.sh` (as root it apt-installs the Debian "
-                           "etcd-server package), or `apt-get install -y etcd-server`")
+        raise RuntimeError(
+            "etcd is not installed: run `bash ci/install.sh` (as root it apt-installs the Debian "
+            "etcd-server package), or `apt-get install -y etcd-server`"
+        )
     return path
 
 
@@ -80,12 +84,32 @@ def _start(tmp: Path, extra: tuple = ()) -> Etcd:
     client, peer = _free_ports(2)
     url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
     log = tmp / "etcd.log"
-    args = [etcd_binary(), "--name", "kvp", "--data-dir", str(tmp / "data"), "--listen-client-urls", url,
-            "--advertise-client-urls", url, "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls",
-            peer_url, "--initial-cluster", f"kvp={peer_url}", "--logger", "zap", "--log-level", "warn", *extra]
+    args = [
+        etcd_binary(),
+        "--name",
+        "kvp",
+        "--data-dir",
+        str(tmp / "data"),
+        "--listen-client-urls",
+        url,
+        "--advertise-client-urls",
+        url,
+        "--listen-peer-urls",
+        peer_url,
+        "--initial-advertise-peer-urls",
+        peer_url,
+        "--initial-cluster",
+        f"kvp={peer_url}",
+        "--logger",
+        "zap",
+        "--log-level",
+        "warn",
+        *extra,
+    ]
     with open(log, "wb") as f:
-        popen = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        popen = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
     etcd = Etcd(url, popen, log, args)
     _wait_healthy(etcd)
     return etcd

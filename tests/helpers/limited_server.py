@@ -11,6 +11,7 @@ that answers ``[0, key + "!"]`` per key and counts the keys it was given; ``conf
 ``max_batch``) or ``metrics`` (kvplugins/store/metrics.Endpoint with a gauge ``kvplugins_test_value`` = 42;
 ``config``: ConnLimits fields). The child sets RLIMIT_NOFILE to ``nofile`` (soft and hard) before it serves.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ SEED = 5
 def _serve_transfer(config: dict):
     import numpy as np
     from kvplugins.transfer import TransferConfig, TransferEngine
+
     eng = TransferEngine(TransferConfig(transports="tcp", **config))
     data = np.frombuffer(np.random.default_rng(SEED).bytes(REGION_SIZE), dtype=np.uint8).copy()
     region = eng.register(data, export=True)
@@ -37,11 +39,13 @@ def _serve_transfer(config: dict):
 def _serve_promote(config: dict):
     from kvplugins.security.limits import ConnLimits
     from kvplugins.store.node.disk.server import OpServer
+
     applied = [0]
 
     def promote(keys, opts):
         applied[0] += len(keys)
         return [[0, key + "!"] for key in keys]
+
     max_batch = config.pop("max_batch", 65536)
     server = OpServer("127.0.0.1", {"promote": promote}, ConnLimits(**config), max_batch)
     return {"address": server.address}, lambda: {**server.stats(), "applied": applied[0]}, server
@@ -55,6 +59,7 @@ def _serve_metrics(config: dict):
     class Collector:
         def collect(self):
             yield GaugeMetricFamily("kvplugins_test_value", "a fixed test value", value=42)
+
     endpoint = Endpoint("127.0.0.1", 0, "a test", ConnLimits(**config), "store.metrics_")
     endpoint.registry.register(Collector())
     return {"url": endpoint.url, "port": int(endpoint.url.split(":")[2].split("/")[0])}, endpoint.stats, endpoint
@@ -63,6 +68,7 @@ def _serve_metrics(config: dict):
 def main(kind: str, nofile: int, config: dict) -> None:
     import logging
     import resource
+
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
     if nofile:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
@@ -81,8 +87,13 @@ class LimitedServer:
 
     def __init__(self, kind: str, nofile: int = 0, config: dict | None = None, start_timeout_s: float = 30):
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, __file__, kind, str(nofile), json.dumps(config or {})],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, kind, str(nofile), json.dumps(config or {})],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+        )
         line = self._line(start_timeout_s)
         if not line:
             self.close()
@@ -91,6 +102,7 @@ class LimitedServer:
 
     def _line(self, timeout_s: float) -> str:
         import selectors
+
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             if not sel.select(timeout_s):
@@ -154,6 +166,7 @@ def flood(port: int, n: int, host: str = "127.0.0.1") -> list:
     """Open up to ``n`` connections to ``port`` and keep them (the caller closes them); those the kernel does
     not complete within 0.5 s are skipped."""
     import socket
+
     socks = []
     for _ in range(n):
         try:
@@ -168,6 +181,7 @@ def closed_within(sock, timeout_s: float, send: bytes = b"", every_s: float = 0.
     With ``send`` and ``every_s``: trickles ``send`` one byte every ``every_s`` seconds meanwhile (slowloris)."""
     import select
     import socket
+
     t0 = time.monotonic()
     i = 0
     while (left := t0 + timeout_s - time.monotonic()) > 0:
@@ -183,7 +197,7 @@ def closed_within(sock, timeout_s: float, send: bytes = b"", every_s: float = 0.
             continue
         if every_s and i < len(send):
             try:
-                sock.send(send[i:i + 1])
+                sock.send(send[i : i + 1])
             except (ConnectionResetError, BrokenPipeError):
                 return time.monotonic() - t0
             i += 1

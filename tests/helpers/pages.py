@@ -1,4 +1,5 @@
 """Block hashes for page tests: ``n`` distinct 32-byte hashes per ``salt`` (an engine's chained hashes stand-in)."""
+
 from __future__ import annotations
 
 

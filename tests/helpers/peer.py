@@ -5,6 +5,7 @@ seeded random bytes, sends its SegmentDescriptor back, and answers digest/read/f
         p.descriptor, p.region_id (alloc_shared, exported), p.plain_id (plain numpy, exported),
         p.hidden_id (registered, not exported), p.digest(off, n), p.read(off, n), p.stats(), p.kill(), p.stop()
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,7 +19,7 @@ import numpy as np
 from kvplugins.transfer import SegmentDescriptor, TransferConfig, TransferEngine
 
 PLAIN_SIZE = 1 << 20
-START_S = 180 if os.environ.get("KVPLUGINS_IN_GUEST") == "1" else 30   # the TCG guest is ~10-50x slower
+START_S = 180 if os.environ.get("KVPLUGINS_IN_GUEST") == "1" else 30  # the TCG guest is ~10-50x slower
 
 
 def seeded(size: int, seed: int) -> np.ndarray:
@@ -27,8 +28,9 @@ def seeded(size: int, seed: int) -> np.ndarray:
 
 
 def _main(conn, config_kwargs: dict, size: int, seed: int, dumpable: bool = True) -> None:
-    if not dumpable:   # prctl(PR_SET_DUMPABLE, 0): only CAP_SYS_PTRACE may now read its memory (cma)
+    if not dumpable:  # prctl(PR_SET_DUMPABLE, 0): only CAP_SYS_PTRACE may now read its memory (cma)
         import ctypes
+
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
     eng = TransferEngine(TransferConfig(**config_kwargs))
     shared = eng.alloc_shared(size)
@@ -45,11 +47,11 @@ def _main(conn, config_kwargs: dict, size: int, seed: int, dumpable: bool = True
         if cmd == "stats":
             conn.send(eng.stats())
             continue
-        if cmd == "spin":                       # hold the GIL in the main thread for args[0] seconds
+        if cmd == "spin":  # hold the GIL in the main thread for args[0] seconds
             _spin(args[0])
             conn.send("spun")
             continue
-        view = eng.memoryview(regions[args[0]])[args[1]:args[1] + args[2]]
+        view = eng.memoryview(regions[args[0]])[args[1] : args[1] + args[2]]
         if cmd == "digest":
             conn.send(hashlib.blake2b(view).hexdigest())
         elif cmd == "read":
@@ -61,6 +63,7 @@ def _spin(seconds: float) -> None:
     """Busy-loop in Python holding the GIL: the switch interval is raised past the spin, so no other Python
     thread of this process runs until it ends (native threads keep running)."""
     import sys
+
     before = sys.getswitchinterval()
     sys.setswitchinterval(seconds + 30)
     end = time.monotonic() + seconds
@@ -74,14 +77,16 @@ def _spin(seconds: float) -> None:
 class Peer:
     """A spawned peer process (see module doc). Kill/stop it to test failures; always use as a context."""
 
-    def __init__(self, transports: str = "shm,tcp", size: int = 1 << 20, seed: int = 0, dumpable: bool = True,
-                 **config):
+    def __init__(
+        self, transports: str = "shm,tcp", size: int = 1 << 20, seed: int = 0, dumpable: bool = True, **config
+    ):
         """``dumpable=False``: the peer makes itself non-dumpable, so a process without CAP_SYS_PTRACE cannot
         reach its memory with process_vm_readv (the cma transport's EPERM)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_main, args=(child, {"transports": transports, **config}, size, seed,
-                                                    dumpable), daemon=True)
+        self.proc = ctx.Process(
+            target=_main, args=(child, {"transports": transports, **config}, size, seed, dumpable), daemon=True
+        )
         self.proc.start()
         child.close()
         if not self._conn.poll(START_S):

@@ -5,6 +5,7 @@ processes and ``kvplugins store --master shards://...`` nodes, each started on p
         StoreClient(ClientConfig(master=s.address))
         s.add_master("d"); s.masters["d"][0].kill()
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,17 +17,17 @@ from pathlib import Path
 from kvplugins.store.cluster.membership import Membership
 from tests.helpers.cluster import Proc, _env, _flags, _spawn, _start_node, _wait_file
 
-WINDOW_MS = 4000          # move window of the test masters (the default is 30 s)
+WINDOW_MS = 4000  # move window of the test masters (the default is 30 s)
 
 
 @dataclass
 class ShardedStore:
-    address: str                       # shards://127.0.0.1:PORT/prefix
+    address: str  # shards://127.0.0.1:PORT/prefix
     etcd_url: str
     tmp: Path
     env: dict
     master_flags: dict
-    masters: dict = field(default_factory=dict)     # shard id -> [Proc, ...] (an HA pair has two)
+    masters: dict = field(default_factory=dict)  # shard id -> [Proc, ...] (an HA pair has two)
     nodes: list = field(default_factory=list)
 
     def add_master(self, shard: str, ha: bool = False, wait: bool = True) -> Proc:
@@ -36,8 +37,11 @@ class ShardedStore:
         flags = {"cluster": self.address, "shard": shard, "shard_move_window_ms": WINDOW_MS, **self.master_flags}
         if ha:
             flags["etcd"] = self.etcd_url
-        proc = _spawn(["master", "--port", "0", "--port-file", str(port_file)] + _flags(flags),
-                      self.tmp / f"master{n}-{shard}.log", self.env)
+        proc = _spawn(
+            ["master", "--port", "0", "--port-file", str(port_file)] + _flags(flags),
+            self.tmp / f"master{n}-{shard}.log",
+            self.env,
+        )
         proc.address = _wait_file(proc, port_file, f"kvplugins master --shard {shard}")
         self.masters.setdefault(shard, []).append(proc)
         if wait:
@@ -45,8 +49,9 @@ class ShardedStore:
         return proc
 
     def add_node(self, segment_size="24MiB", **flags) -> Proc:
-        node = _start_node(self.address, segment_size, self.tmp, len(self.nodes), self.env,
-                           {"heartbeat_interval_ms": 200, **flags})
+        node = _start_node(
+            self.address, segment_size, self.tmp, len(self.nodes), self.env, {"heartbeat_interval_ms": 200, **flags}
+        )
         self.nodes.append(node)
         return node
 
@@ -66,6 +71,7 @@ class ShardedStore:
     def wait_segments(self, per_shard: int, timeout_s: float = 30.0) -> dict:
         """Wait until every shard's master has ``per_shard`` segments registered; shard id -> status."""
         from kvplugins.store.client.connect import master_client
+
         deadline = time.monotonic() + timeout_s
         while True:
             st, out = self.state(), {}
@@ -80,8 +86,9 @@ class ShardedStore:
             if all(len(s["segments"]) == per_shard for s in out.values()):
                 return out
             if time.monotonic() > deadline:
-                raise AssertionError(f"segments per shard: { {k: len(v['segments']) for k, v in out.items()} }, "
-                                     f"want {per_shard}")
+                raise AssertionError(
+                    f"segments per shard: { {k: len(v['segments']) for k, v in out.items()} }, want {per_shard}"
+                )
             time.sleep(0.1)
 
     def kill_all(self) -> None:
@@ -93,6 +100,7 @@ def leads(address: str) -> bool:
     """Whether the master at ``address`` serves (an HA standby refuses ops)."""
     from kvplugins.errors import StoreError
     from kvplugins.store.client.rpc import RawRpcClient
+
     rpc = RawRpcClient(address, 1000)
     try:
         rpc.call("info")
@@ -104,14 +112,26 @@ def leads(address: str) -> bool:
 
 
 @contextlib.contextmanager
-def sharded_store(etcd, shards=("a", "b", "c"), nodes: int = 2, segment_size="24MiB", ha=(), master_flags=None,
-                  node_flags=None, prefix: str = "/kvp-test"):
+def sharded_store(
+    etcd,
+    shards=("a", "b", "c"),
+    nodes: int = 2,
+    segment_size="24MiB",
+    ha=(),
+    master_flags=None,
+    node_flags=None,
+    prefix: str = "/kvp-test",
+):
     """Masters for ``shards`` (shard ids in ``ha`` as HA pairs), then ``nodes`` nodes. Yields ShardedStore."""
     with tempfile.TemporaryDirectory(prefix="kvp-shards-") as d:
         tmp = Path(d)
-        store = ShardedStore("shards://" + etcd.url.removeprefix("http://") + prefix, etcd.url, tmp, _env(tmp),
-                             {"lease_ttl_ms": 1000, "put_timeout_ms": 3000, "heartbeat_timeout_ms": 1500,
-                              **(master_flags or {})})
+        store = ShardedStore(
+            "shards://" + etcd.url.removeprefix("http://") + prefix,
+            etcd.url,
+            tmp,
+            _env(tmp),
+            {"lease_ttl_ms": 1000, "put_timeout_ms": 3000, "heartbeat_timeout_ms": 1500, **(master_flags or {})},
+        )
         try:
             for sid in shards:
                 store.add_master(sid, ha=sid in ha)

@@ -1,4 +1,5 @@
 """Torch reference for the routed-expert MoE (fp32 math), and weight builders for the kt tests."""
+
 from __future__ import annotations
 
 import torch
@@ -51,8 +52,20 @@ def rel_err(a, b):
 def loaded_wrapper(layer_idx, experts, deferred=0, num_gpu=1, E=8, H=256, I=128, K=4):
     """A KTMoEWrapper (SGLang 0.5.23's call, BF16, 2 threads) with ``experts`` (gate, up, down) loaded."""
     from kvplugins.kt_expert_backend import KTMoEWrapper
-    w = KTMoEWrapper(layer_idx=layer_idx, num_experts=E, num_experts_per_tok=K, hidden_size=H, moe_intermediate_size=I,
-                     num_gpu_experts=num_gpu, cpuinfer_threads=2, threadpool_count=1, weight_path="",
-                     chunked_prefill_size=64, method="BF16", max_deferred_experts_per_token=deferred)
+
+    w = KTMoEWrapper(
+        layer_idx=layer_idx,
+        num_experts=E,
+        num_experts_per_tok=K,
+        hidden_size=H,
+        moe_intermediate_size=I,
+        num_gpu_experts=num_gpu,
+        cpuinfer_threads=2,
+        threadpool_count=1,
+        weight_path="",
+        chunked_prefill_size=64,
+        method="BF16",
+        max_deferred_experts_per_token=deferred,
+    )
     w.load_weights_from_tensors(*experts)
     return w

@@ -8,6 +8,7 @@ TEST ENV ONLY. Stand-ins, each for something that cannot exist on this machine a
   - the MoeRunnerConfig (built by the model's FusedMoE layer): only ``activation="silu"`` is read here.
 Everything else (KTConfig, create_weights with upstream's num_gpu_experts= call, the last-layer deferral rule,
 process_weights_after_loading -> load_weights, apply -> submit/mask_cpu_expert_ids/sync) is SGLang's code."""
+
 import json
 import os
 import site
@@ -36,7 +37,8 @@ def main(weight_dir: str, out_json: str) -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: types.SimpleNamespace(cuda_stream=0)
     eld.get_global_expert_location_metadata = lambda: types.SimpleNamespace(
-        physical_to_logical_map_cpu=torch.arange(E)[None].repeat(2, 1))
+        physical_to_logical_map_cpu=torch.arange(E)[None].repeat(2, 1)
+    )
     get_parallel().override_permanently(tp_rank=0)
 
     class GpuHalf:
@@ -52,13 +54,22 @@ def main(weight_dir: str, out_json: str) -> None:
     res = {"kt_kernel": kt_kernel.KTMoEWrapper.__module__, "available": kw.KTRANSFORMERS_AVAILABLE}
     outs = []
     for layer_idx in (0, 1):
-        cfg = kw.KTConfig(layer_idx=layer_idx, num_gpu_experts=NUM_GPU, cpuinfer_threads=2, threadpool_count=1,
-                          weight_path=weight_dir, chunked_prefill_size=64, max_deferred_experts_per_token=1,
-                          method="BF16", num_layers=2)
+        cfg = kw.KTConfig(
+            layer_idx=layer_idx,
+            num_gpu_experts=NUM_GPU,
+            cpuinfer_threads=2,
+            threadpool_count=1,
+            weight_path=weight_dir,
+            chunked_prefill_size=64,
+            max_deferred_experts_per_token=1,
+            method="BF16",
+            num_layers=2,
+        )
         method = kw.KTEPWrapperMethod(GpuHalf(), cfg)
         layer = types.SimpleNamespace(top_k=K, intermediate_size_per_partition=I, moe_tp_size=1)
-        method.create_weights(layer, num_experts=E, hidden_size=H, intermediate_size_per_partition=I,
-                              params_dtype=torch.bfloat16)
+        method.create_weights(
+            layer, num_experts=E, hidden_size=H, intermediate_size_per_partition=I, params_dtype=torch.bfloat16
+        )
         method.process_weights_after_loading(layer)
         method.create_moe_runner(layer, types.SimpleNamespace(activation="silu", num_local_experts=E))
         res[f"gpu_experts_created_{layer_idx}"] = method.gpu_method.num_experts
@@ -69,13 +80,22 @@ def main(weight_dir: str, out_json: str) -> None:
         wt = torch.rand(5, K, generator=g)
         topk = StandardTopKOutput(topk_weights=wt, topk_ids=ids.clone(), router_logits=torch.zeros(5, E))
         try:
-            out = method.apply(layer, StandardDispatchOutput(hidden_states=x, hidden_states_scale=None,
-                                                             topk_output=topk)).hidden_states
+            out = method.apply(
+                layer, StandardDispatchOutput(hidden_states=x, hidden_states_scale=None, topk_output=topk)
+            ).hidden_states
         except Exception as e:  # report where upstream stops on CPU
             res["stopped_at"] = f"apply: {type(e).__name__}: {e}"[:300]
             break
-        outs.append({"x": x.float().tolist(), "ids": ids.tolist(), "wt": wt.tolist(), "out": out.float().tolist(),
-                     "masked_ids_after": topk.topk_ids.tolist(), "dtype": str(out.dtype)})
+        outs.append(
+            {
+                "x": x.float().tolist(),
+                "ids": ids.tolist(),
+                "wt": wt.tolist(),
+                "out": out.float().tolist(),
+                "masked_ids_after": topk.topk_ids.tolist(),
+                "dtype": str(out.dtype),
+            }
+        )
     res["layers"] = outs
     with open(out_json, "w") as f:
         json.dump(res, f)

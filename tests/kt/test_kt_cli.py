@@ -1,5 +1,6 @@
 """`kvplugins kt enable|disable|status` (the kt_kernel shim) in a throw-away site dir, checked from a fresh
 interpreter that processes that dir's .pth files like site-packages."""
+
 import subprocess
 import sys
 
@@ -28,9 +29,17 @@ def test_enable_disable_roundtrip(tmp_path, capsys):
     assert "enabled" in capsys.readouterr().out
     assert which_kt(tmp_path) == "kvplugins.kt_expert_backend.wrapper"
     assert shim.status(tmp_path).enabled
-    variant = subprocess.run([sys.executable, "-c", "import site, sys; site.addsitedir(sys.argv[1]); import kt_kernel; "
-                              "print(kt_kernel.__cpu_variant__)", str(tmp_path)], capture_output=True, text=True,
-                             timeout=60).stdout.strip()
+    variant = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import site, sys; site.addsitedir(sys.argv[1]); import kt_kernel; print(kt_kernel.__cpu_variant__)",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
     assert variant in ("avx512_bf16", "avx512_vnni", "avx2", "scalar")  # kt-kernel's names for our tiers
     assert cli_main(["kt", "disable", "--site-dir", str(tmp_path)]) == 0
     assert which_kt(tmp_path).startswith("error") and not shim.status(tmp_path).enabled
@@ -54,9 +63,24 @@ def test_status_and_convert_errors(tmp_path, capsys):
     assert cli_main(["kt", "status", "--site-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     from kvplugins.kt_expert_backend import native
+
     assert "disabled" in out and f"kernels on this CPU: {native.best_isa()} (" in out  # the tier, and why
-    assert cli_main(["kt", "convert", "--input", str(tmp_path), "--output", str(tmp_path / "o"),
-                     "--method", "int8", "--no-progress"]) == 2
+    assert (
+        cli_main(
+            [
+                "kt",
+                "convert",
+                "--input",
+                str(tmp_path),
+                "--output",
+                str(tmp_path / "o"),
+                "--method",
+                "int8",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "config.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["kt", "convert", "--input", str(tmp_path), "--output", "o", "--method", "fp8"])

@@ -1,5 +1,6 @@
 """`kvplugins kt convert` on synthetic checkpoints: the fused transformers-5 layout and fp8 with 128x128 block
 scales (DeepSeek-V3 style) give the same converted weights as the bf16 per-expert source."""
+
 import json
 
 import torch
@@ -14,8 +15,7 @@ E, H, I = 4, 256, 192
 
 def _hf_dir(path, tensors):
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"hidden_size": H, "moe_intermediate_size": I,
-                                                  "n_routed_experts": E}))
+    (path / "config.json").write_text(json.dumps({"hidden_size": H, "moe_intermediate_size": I, "n_routed_experts": E}))
     save_file(tensors, str(path / "model.safetensors"))
     return path
 
@@ -27,9 +27,9 @@ def _fp8_block(w):
     q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
-            blk = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            blk = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].float()
             s[i, j] = blk.abs().max() / 448.0
-            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (blk / s[i, j]).to(torch.float8_e4m3fn)
+            q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (blk / s[i, j]).to(torch.float8_e4m3fn)
     return q, s
 
 
@@ -40,8 +40,13 @@ def _deq(root, layer, e, proj):
 
 def test_fused_and_fp8_layouts(tmp_path):
     gate, up, down = random_experts(E, H, I, seed=31)
-    fused = _hf_dir(tmp_path / "fused", {"model.layers.3.mlp.experts.gate_up_proj": torch.cat([gate, up], 1),
-                                         "model.layers.3.mlp.experts.down_proj": down})
+    fused = _hf_dir(
+        tmp_path / "fused",
+        {
+            "model.layers.3.mlp.experts.gate_up_proj": torch.cat([gate, up], 1),
+            "model.layers.3.mlp.experts.down_proj": down,
+        },
+    )
     meta = convert(fused, tmp_path / "out_fused", "bf16", progress=False)
     assert meta.layers == [3] and meta.num_experts == E
     for e in range(E):

@@ -2,6 +2,7 @@
 
 Two checks per format: against the reference run on the *dequantized* weights (isolates kernel errors: only
 activation rounding remains) and against the bf16 weights (the quantization error users see)."""
+
 import functools
 
 import pytest
@@ -79,6 +80,7 @@ def test_forced_tier_and_refused_tier(monkeypatch):
     unknown one, is refused with a ConfigError naming the tiers it can run."""
     from kvplugins.config import load
     from kvplugins.kt_expert_backend.config import KTConfig
+
     for isa in native.supported_isas():
         monkeypatch.setenv("KVPLUGINS_KT_ISA", isa)
         assert native.resolve_isa(load(KTConfig).isa) == isa
@@ -173,8 +175,14 @@ def test_bad_input_raises_clear_errors(pool):
     with pytest.raises(ConfigError, match="C-contiguous"):  # the result would land in a converted copy
         layer.forward(pool, x, torch.tensor([[1]]), torch.ones(1, 1), None, torch.empty(1, 256)[:, ::2])
     with pytest.raises(ConfigError, match="C-contiguous"):  # the queued job would read a freed copy
-        layer.submit(pool, x.expand(2, 128).contiguous(), torch.tensor([[1, 0], [1, 0]])[:, :1], torch.ones(2, 1),
-                     None, torch.empty(2, 128))
+        layer.submit(
+            pool,
+            x.expand(2, 128).contiguous(),
+            torch.tensor([[1, 0], [1, 0]])[:, :1],
+            torch.ones(2, 1),
+            None,
+            torch.empty(2, 128),
+        )
     strided = torch.zeros(2, 128, dtype=torch.bfloat16)[::2]  # forward's inputs may be converted: it blocks
     layer.forward(pool, strided, torch.tensor([[1]]), torch.ones(1, 1), None, out)
     assert torch.equal(out, torch.zeros(1, 128))

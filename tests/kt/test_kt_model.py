@@ -1,5 +1,6 @@
 """A tiny random HF Qwen3-MoE (transformers, no hub): convert its checkpoint with `kvplugins kt convert`, drive
 every MoE block's experts through KTMoEWrapper.load_weights, and generate the same greedy tokens as HF in bf16."""
+
 import json
 
 import pytest
@@ -16,10 +17,22 @@ E, H, I, K, LAYERS = 8, 128, 64, 2, 2
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    cfg = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=H, intermediate_size=128, moe_intermediate_size=I,
-                                      num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=1,
-                                      head_dim=64, num_experts=E, num_experts_per_tok=K, decoder_sparse_step=1,
-                                      max_position_embeddings=128, initializer_range=0.3, norm_topk_prob=True)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=H,
+        intermediate_size=128,
+        moe_intermediate_size=I,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_experts=E,
+        num_experts_per_tok=K,
+        decoder_sparse_step=1,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+        norm_topk_prob=True,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
     path = tmp_path_factory.mktemp("tiny-qwen3-moe")
@@ -28,8 +41,21 @@ def tiny(tmp_path_factory):
 
 
 def _convert(tiny_path, out, method):
-    rc = cli_main(["kt", "convert", "--input", str(tiny_path), "--output", str(out), "--method", method,
-                   "--group", "64", "--no-progress"])
+    rc = cli_main(
+        [
+            "kt",
+            "convert",
+            "--input",
+            str(tiny_path),
+            "--output",
+            str(out),
+            "--method",
+            method,
+            "--group",
+            "64",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     return weights.read_meta(out)
 
@@ -44,10 +70,20 @@ def _attach(model, weight_path, method):
         return w.forward(x, ids, wt, None)
 
     for idx, layer in enumerate(model.model.layers):
-        w = KTMoEWrapper(layer_idx=idx, num_experts=E, num_experts_per_tok=K, hidden_size=H,
-                         moe_intermediate_size=I, num_gpu_experts=0, cpuinfer_threads=2, threadpool_count=1,
-                         weight_path=str(weight_path), chunked_prefill_size=256, method=method,
-                         max_deferred_experts_per_token=0)
+        w = KTMoEWrapper(
+            layer_idx=idx,
+            num_experts=E,
+            num_experts_per_tok=K,
+            hidden_size=H,
+            moe_intermediate_size=I,
+            num_gpu_experts=0,
+            cpuinfer_threads=2,
+            threadpool_count=1,
+            weight_path=str(weight_path),
+            chunked_prefill_size=256,
+            method=method,
+            max_deferred_experts_per_token=0,
+        )
         w.load_weights(torch.arange(E))
         layer.mlp.experts.forward = lambda x, ids, wt, _w=w, _i=idx: run(_w, _i, x, ids, wt)
     return calls
@@ -73,6 +109,7 @@ def test_greedy_tokens_match_hf_bf16(tiny, tmp_path):
     want = _greedy(model)
     _convert(path, tmp_path / "bf16", "bf16")
     import copy
+
     ours = copy.deepcopy(model)
     calls = _attach(ours, tmp_path / "bf16", "BF16")
     assert _greedy(ours) == want

@@ -6,6 +6,7 @@ pinned to the CPUs of its node, a missing node is reported and nothing is pinned
 subpool from the topology, and results are bit-identical to one unpinned subpool. What it cannot prove here: that
 first-touch places each weight shard's pages on its subpool's node (that needs two real nodes).
 """
+
 import os
 
 import pytest
@@ -69,6 +70,15 @@ def test_a_missing_node_pins_nothing_and_says_so(tmp_path):
 
 def test_wrapper_maps_subpools_to_nodes_from_the_topology(tmp_path, monkeypatch):
     monkeypatch.setenv("KVPLUGINS_KT_NUMA_SYSFS", _fake_nodes(tmp_path, [str(CPUS[0]), str(CPUS[1])]))
-    m = KTMoEWrapper(layer_idx=0, num_experts=4, num_experts_per_tok=2, hidden_size=256, moe_intermediate_size=256,
-                     num_gpu_experts=0, cpuinfer_threads=2, threadpool_count=2, method="AMXINT8")
+    m = KTMoEWrapper(
+        layer_idx=0,
+        num_experts=4,
+        num_experts_per_tok=2,
+        hidden_size=256,
+        moe_intermediate_size=256,
+        num_gpu_experts=0,
+        cpuinfer_threads=2,
+        threadpool_count=2,
+        method="AMXINT8",
+    )
     assert "2 subpool(s), pinned to NUMA nodes" in m.engine.pool.describe()

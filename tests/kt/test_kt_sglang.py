@@ -1,5 +1,6 @@
 """SGLang 0.5.23's own kt_ep_wrapper driven on CPU through the kt_kernel shim (see sglang_kt_case.py for the
 stand-ins and why). Skipped, with the reason, when sglang is not installed."""
+
 import json
 import os
 import subprocess
@@ -24,16 +25,22 @@ def _converted(root, experts):
     weights.write_meta(root, weights.Meta("bf16", 0, E, H, I, [0, 1]))
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("sglang") is None,
-                    reason="sglang 0.5.23 is not installed in this venv (ci/install-sglang.sh)")
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("sglang") is None,
+    reason="sglang 0.5.23 is not installed in this venv (ci/install-sglang.sh)",
+)
 def test_sglang_kt_ep_wrapper_runs_our_backend(tmp_path):
     experts = random_experts(E, H, I, seed=21)
     _converted(tmp_path, experts)
     shim.enable(tmp_path / "site")
     case = os.path.join(os.path.dirname(__file__), "sglang_kt_case.py")
-    r = subprocess.run([sys.executable, case, str(tmp_path / "site"), str(tmp_path), str(tmp_path / "out.json")],
-                       capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})  # mask_cpu_expert_ids eager: -30 s CPU
+    r = subprocess.run(
+        [sys.executable, case, str(tmp_path / "site"), str(tmp_path), str(tmp_path / "out.json")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
+    )  # mask_cpu_expert_ids eager: -30 s CPU
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "out.json").read_text())
     assert res["kt_kernel"] == "kvplugins.kt_expert_backend.wrapper" and res["available"]

@@ -1,5 +1,6 @@
 """KTMoEWrapper: both constructor APIs, GPU-expert skipping, output dtype/device, kt method names, deferral
 semantics (sglang-kt fork), input copying, and an idle pool that sleeps."""
+
 import inspect
 import resource
 import time
@@ -13,11 +14,33 @@ from kvplugins.kt_expert_backend import KTMoEWrapper, deferral, methods
 
 E, H, I, K = 8, 256, 128, 4
 # kt-kernel 0.7.2 KTMoEWrapper.__new__ parameters (kt_kernel/experts.py), all of which we must accept
-KT_072_PARAMS = ["layer_idx", "num_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size",
-                 "gpu_experts_mask", "cpuinfer_threads", "threadpool_count", "weight_path", "chunked_prefill_size",
-                 "cpu_save", "max_deferred_experts_per_token", "method", "numa_nodes", "mode", "num_gpu_experts",
-                 "lora_rank", "lora_alpha", "lora_dropout", "max_cache_depth", "group_size", "zero_point",
-                 "full_weight_grad", "swiglu_limit", "swiglu_alpha"]
+KT_072_PARAMS = [
+    "layer_idx",
+    "num_experts",
+    "num_experts_per_tok",
+    "hidden_size",
+    "moe_intermediate_size",
+    "gpu_experts_mask",
+    "cpuinfer_threads",
+    "threadpool_count",
+    "weight_path",
+    "chunked_prefill_size",
+    "cpu_save",
+    "max_deferred_experts_per_token",
+    "method",
+    "numa_nodes",
+    "mode",
+    "num_gpu_experts",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "max_cache_depth",
+    "group_size",
+    "zero_point",
+    "full_weight_grad",
+    "swiglu_limit",
+    "swiglu_alpha",
+]
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +50,40 @@ def experts():
 
 def kt072(layer_idx=0, mask=None, deferred=None, method="BF16"):
     """kt-kernel 0.7.2's positional/keyword call (as in its docstring)."""
-    return KTMoEWrapper(layer_idx, E, K, H, I, mask, 2, 1, "", 512, cpu_save=False,
-                        max_deferred_experts_per_token=deferred, method=method, numa_nodes=None)
+    return KTMoEWrapper(
+        layer_idx,
+        E,
+        K,
+        H,
+        I,
+        mask,
+        2,
+        1,
+        "",
+        512,
+        cpu_save=False,
+        max_deferred_experts_per_token=deferred,
+        method=method,
+        numa_nodes=None,
+    )
 
 
 def sglang_0523(layer_idx=0, num_gpu=0, deferred=0, method="BF16"):
     """The exact keyword call of sglang 0.5.23 kt_ep_wrapper.KTEPWrapperMethod.create_weights."""
-    return KTMoEWrapper(layer_idx=layer_idx, num_experts=E, num_experts_per_tok=K, hidden_size=H,
-                        moe_intermediate_size=I, num_gpu_experts=num_gpu, cpuinfer_threads=2, threadpool_count=1,
-                        weight_path="", chunked_prefill_size=512, method=method,
-                        max_deferred_experts_per_token=deferred)
+    return KTMoEWrapper(
+        layer_idx=layer_idx,
+        num_experts=E,
+        num_experts_per_tok=K,
+        hidden_size=H,
+        moe_intermediate_size=I,
+        num_gpu_experts=num_gpu,
+        cpuinfer_threads=2,
+        threadpool_count=1,
+        weight_path="",
+        chunked_prefill_size=512,
+        method=method,
+        max_deferred_experts_per_token=deferred,
+    )
 
 
 def test_signature_accepts_every_kt_072_parameter():
@@ -44,13 +91,39 @@ def test_signature_accepts_every_kt_072_parameter():
     has_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     named = set(sig.parameters)
     assert has_var_kw and {"gpu_experts_mask", "num_gpu_experts", "numa_nodes", "cpu_save"} <= named
-    w = KTMoEWrapper(0, E, K, H, I, None, 1, 1, "", 64, lora_rank=16, lora_alpha=32.0, lora_dropout=0.0,
-                     max_cache_depth=1, group_size=128, zero_point=True, full_weight_grad=False,
-                     swiglu_limit=0.0, swiglu_alpha=0.0, method="BF16")
-    assert w.num_gpu_experts == 0 and set(KT_072_PARAMS) - named <= {"lora_rank", "lora_alpha", "lora_dropout",
-                                                                     "max_cache_depth", "group_size", "zero_point",
-                                                                     "full_weight_grad", "swiglu_limit",
-                                                                     "swiglu_alpha"}
+    w = KTMoEWrapper(
+        0,
+        E,
+        K,
+        H,
+        I,
+        None,
+        1,
+        1,
+        "",
+        64,
+        lora_rank=16,
+        lora_alpha=32.0,
+        lora_dropout=0.0,
+        max_cache_depth=1,
+        group_size=128,
+        zero_point=True,
+        full_weight_grad=False,
+        swiglu_limit=0.0,
+        swiglu_alpha=0.0,
+        method="BF16",
+    )
+    assert w.num_gpu_experts == 0 and set(KT_072_PARAMS) - named <= {
+        "lora_rank",
+        "lora_alpha",
+        "lora_dropout",
+        "max_cache_depth",
+        "group_size",
+        "zero_point",
+        "full_weight_grad",
+        "swiglu_limit",
+        "swiglu_alpha",
+    }
 
 
 @pytest.mark.parametrize("api", ["kt072", "sglang0523"])
@@ -92,8 +165,14 @@ def test_inputs_are_copied_at_submit(experts):
 
 
 def test_method_names_map_or_refuse(caplog):
-    for name, fmt in (("AMXINT4", "int4"), ("AMXINT8", "int8"), ("BF16", "bf16"), ("MOE_INT8", "int8"),
-                      ("RAWINT4", "int4"), ("moe_int4", "int4")):
+    for name, fmt in (
+        ("AMXINT4", "int4"),
+        ("AMXINT8", "int8"),
+        ("BF16", "bf16"),
+        ("MOE_INT8", "int8"),
+        ("RAWINT4", "int4"),
+        ("moe_int4", "int4"),
+    ):
         assert methods.resolve(name).format == fmt
     with caplog.at_level("INFO", logger="kvplugins.kt"):
         methods.resolve("AMXINT8")
@@ -146,6 +225,7 @@ def test_deferred_experts_land_in_the_next_layer(experts):
 def test_dropping_a_layer_with_queued_work_is_safe(experts):
     """A wrapper freed right after submit (its deferred job still queued) must not free weights under the job."""
     import gc
+
     x = torch.randn(64, H).to(torch.bfloat16)
     ids, wt = routing(64, E, K)
     for _ in range(3):

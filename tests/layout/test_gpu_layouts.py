@@ -3,6 +3,7 @@
 HND (a permuted view over logical NHD), the whole-cache LBNHC / cross-layer BLNHC and BLHNC buffers seen per
 layer, and MLA ``[B, N, C]``. For each: the block dim is found, a page's spans are copied from one cache
 into another cache of the same layout, and exactly that block's values (every layer, K and V) arrive."""
+
 from __future__ import annotations
 
 import ctypes
@@ -56,7 +57,7 @@ def _copy_page(src: PageLayout, dst: PageLayout, b: int) -> None:
     src_bytes = b"".join(ctypes.string_at(a, n) for a, n in s)
     off = 0
     for a, n in d:
-        ctypes.memmove(a, src_bytes[off:off + n], n)
+        ctypes.memmove(a, src_bytes[off : off + n], n)
         off += n
 
 

@@ -2,6 +2,7 @@
 producer holds them (its lease word carries the request's token), and the ack reaches the producer's mailbox.
 Real transfer engines in one process (the mailbox in shared memory); the KV memory is read both ways the
 transfer core offers: cma (process_vm_readv, no producer thread involved) and tcp."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,16 @@ def test_read_needs_the_lease_and_ack_arrives(path):
         consumer.close()
 
 
-@pytest.mark.parametrize("bad", [{"planes": [[1, 2, 3]]}, {"planes": [[1, 2, 3, -4]]}, {"mailbox": [1, 7]},
-                                 {"planes": "x"}, {"descriptor": {"v": 2}}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"planes": [[1, 2, 3]]},
+        {"planes": [[1, 2, 3, -4]]},
+        {"mailbox": [1, 7]},
+        {"planes": "x"},
+        {"descriptor": {"v": 2}},
+    ],
+)
 def test_a_malformed_offer_is_refused_naming_it(bad):
     prod = np.zeros((2, 4096), dtype=np.uint8)
     producer = Producer(PageLayout.from_tensors([prod]), TransferConfig(transports="shm,tcp"))

@@ -1,5 +1,6 @@
 """PageStore against a real store cluster on loopback: zero-copy page save/load between two processes'
 worth of "KV memory" (numpy arrays), prefix lookups across TP ranks, and serving through a store outage."""
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,15 @@ from helpers.cluster import store_cluster
 from kvplugins.layout import KeySpace, PageLayout, PageStore
 
 pytestmark = pytest.mark.timeout(120)
-KS = KeySpace(model="test", kv_dtype="float16", block_size=16, layer_group="l0,l1", tp_rank=0, tp_size=1,
-              page_bytes=2 * 2 * 16 * 16 * 2)
+KS = KeySpace(
+    model="test",
+    kv_dtype="float16",
+    block_size=16,
+    layer_group="l0,l1",
+    tp_rank=0,
+    tp_size=1,
+    page_bytes=2 * 2 * 16 * 16 * 2,
+)
 
 
 def kv(seed: int | None = None) -> list[np.ndarray]:
@@ -30,6 +38,7 @@ def hashes(n: int, salt: int = 0) -> list[bytes]:
 
 def client_factory(master: str, **kw):
     from kvplugins.store import ClientConfig, StoreClient
+
     return lambda: StoreClient(ClientConfig(master=master, rpc_timeout_ms=500, **kw))
 
 
@@ -67,8 +76,9 @@ def test_page_failing_its_checksum_leaves_its_block_zeroed(master):
     """Bytes read into a block that fail the object's checksum never stay there: an engine may reuse the freed
     block partly filled, and masked garbage (inf) turns attention into NaN. The good page beside it loads."""
     from helpers.corrupt import flip_stored_byte
+
     src = kv(2)
-    src[0][1, 0, 0, 0] = np.inf                    # bytes that would poison a reused block
+    src[0][1, 0, 0, 0] = np.inf  # bytes that would poison a reused block
     dst = [np.full_like(layer, 7) for layer in kv()]
     a = PageStore(client_factory(master), KS, PageLayout.from_tensors(src))
     b = PageStore(client_factory(master), KS, PageLayout.from_tensors(dst))
@@ -77,9 +87,9 @@ def test_page_failing_its_checksum_leaves_its_block_zeroed(master):
     flip_stored_byte(a._connected(), KS.keys(h[1:])[0], at=KS.page_bytes - 1)
     assert b.load([3, 4], h) == [4]
     for layer_src, layer_dst in zip(src, dst):
-        assert np.array_equal(layer_dst[3], layer_src[0])     # the good page
-        assert not layer_dst[4].any()                        # the failed one: zeros, not the bytes read
-        assert (layer_dst[5:] == 7).all() and (layer_dst[:3] == 7).all()    # no other block touched
+        assert np.array_equal(layer_dst[3], layer_src[0])  # the good page
+        assert not layer_dst[4].any()  # the failed one: zeros, not the bytes read
+        assert (layer_dst[5:] == 7).all() and (layer_dst[:3] == 7).all()  # no other block touched
     a.close(), b.close()
 
 
@@ -124,7 +134,7 @@ def test_load_while_the_store_is_down_zeroes_the_blocks_it_was_to_fill():
         layer[1:3] = np.inf
     before = [layer.copy() for layer in dst]
     p = PageStore(client_factory(dead), KS, PageLayout.from_tensors(dst), retry_ms=60000)
-    assert not p.connect()       # down, and inside the back-off: load_pages gets no client
+    assert not p.connect()  # down, and inside the back-off: load_pages gets no client
     assert p.load([1, 2], hashes(2)) == [1, 2]
     for layer, old in zip(dst, before):
         assert not layer[1:3].any()
@@ -140,8 +150,10 @@ def test_retry_on_load_reconnects_inside_the_back_off(master):
         calls.append(1)
         if len(calls) == 1:
             from kvplugins.errors import MasterUnreachable
+
             raise MasterUnreachable(master, 1, "injected first failure")
         return real()
+
     src = kv(5)
     writer = PageStore(real, KS, PageLayout.from_tensors(src))
     writer.save([0], hashes(1, salt=5))
@@ -150,13 +162,14 @@ def test_retry_on_load_reconnects_inside_the_back_off(master):
     p = PageStore(flaky, KS, PageLayout.from_tensors(dst), retry_ms=60000, retry_on_load=True)
     assert not p.connect()
     assert p.stored_prefix(hashes(1, salt=5)) == 0  # lookups respect the back-off
-    assert p.load([3], hashes(1, salt=5)) == []     # a load retries at once
+    assert p.load([3], hashes(1, salt=5)) == []  # a load retries at once
     assert np.array_equal(dst[0][3], src[0][0]) and len(calls) == 2
     p.close()
 
 
 def test_lookup_only_store_refuses_load_clearly(master):
     from kvplugins.errors import KVPluginsError
+
     p = PageStore(client_factory(master), KS)
     with pytest.raises(KVPluginsError, match="no KV memory layout"):
         p.load([0], hashes(1))
@@ -167,11 +180,13 @@ def test_groups_share_one_client_and_its_outage(master):
     """A hybrid model's groups: two PageStores (own key spaces and KV memory) on one client: one connection,
     both memories registered, pages of one group never found in the other, one outage is both groups'."""
     from dataclasses import replace
+
     made = []
 
     def factory():
         made.append(client_factory(master)())
         return made[-1]
+
     full_kv, window_kv, dst_full, dst_window = kv(2), kv(3), kv(), kv()
     full = PageStore(factory, KS, PageLayout.from_tensors(full_kv))
     window = PageStore(factory, replace(KS, layer_group="l2,l3"), PageLayout.from_tensors(window_kv), share=full)

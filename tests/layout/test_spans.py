@@ -1,4 +1,5 @@
 """Page spans over real numpy/torch memory: the bytes at the spans are exactly block b of every layer."""
+
 import ctypes
 from dataclasses import replace
 

@@ -3,6 +3,7 @@ the same gather/scatter code a CUDA KV cache takes (tests/gpu/ runs it with CUDA
 Staged and direct pages are byte-identical and interchangeable; batches larger than a slot move in chunks
 through the bounded pool; a page that fails to load leaves its block untouched; a busy pool is a miss, not a
 hang; devices that cannot be staged are refused clearly."""
+
 from __future__ import annotations
 
 import threading
@@ -19,9 +20,10 @@ from kvplugins.transfer.staging import StagingPool
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(120)
 BLOCKS = 12
-PAGE = 2 * 2 * (2 * 16 * 16 * 2)      # 2 layers x K/V planes x [kv_heads=2, block=16, head=16] float16
-KS = KeySpace(model="staged", kv_dtype="float16", block_size=16, layer_group="l0,l1", tp_rank=0, tp_size=1,
-              page_bytes=PAGE)
+PAGE = 2 * 2 * (2 * 16 * 16 * 2)  # 2 layers x K/V planes x [kv_heads=2, block=16, head=16] float16
+KS = KeySpace(
+    model="staged", kv_dtype="float16", block_size=16, layer_group="l0,l1", tp_rank=0, tp_size=1, page_bytes=PAGE
+)
 
 
 def kv(seed: int | None) -> list:
@@ -38,13 +40,15 @@ def layout(tensors) -> PageLayout:
 
 def client_factory(master: str):
     from kvplugins.store import ClientConfig, StoreClient
+
     return lambda: StoreClient(ClientConfig(master=master, rpc_timeout_ms=1000))
 
 
 def staged_store(master, tensors, pages_per_slot: int = 2) -> PageStore:
     lay = layout(tensors)
-    return PageStore(client_factory(master), KS, lay,
-                     staged=StagedPages(lay, SLOTS * pages_per_slot * PAGE, slot_timeout_s=5))
+    return PageStore(
+        client_factory(master), KS, lay, staged=StagedPages(lay, SLOTS * pages_per_slot * PAGE, slot_timeout_s=5)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +65,8 @@ def test_staged_save_and_load_match_the_direct_path(master):
     assert direct.save([0, 2, 4, 6, 8], hashes(5, 2)) == 5
     into_direct, into_staged = kv(None), kv(None)
     d, s = PageStore(client_factory(master), KS, layout(into_direct)), staged_store(master, into_staged)
-    assert d.load([0, 1, 2, 3, 4], hashes(5, 1)) == []       # saved staged, loaded straight into the blocks
-    assert s.load([11, 10, 9, 8, 7], hashes(5, 2)) == []     # saved straight, loaded staged
+    assert d.load([0, 1, 2, 3, 4], hashes(5, 1)) == []  # saved staged, loaded straight into the blocks
+    assert s.load([11, 10, 9, 8, 7], hashes(5, 2)) == []  # saved straight, loaded staged
     for a, b, c in zip(src, into_direct, into_staged):
         assert torch.equal(b[:, 0:5], a[:, [1, 3, 5, 7, 9]])
         assert torch.equal(c[:, [11, 10, 9, 8, 7]], a[:, [0, 2, 4, 6, 8]])
@@ -108,8 +112,8 @@ def test_busy_pool_is_a_miss_not_a_hang(master):
     for cm in held:
         cm.__enter__()
     p = PageStore(client_factory(master), KS, lay, staged=staged)
-    assert p.save([0], hashes(1, 5)) == 0                    # every slot in use: not saved, no hang, no raise
-    assert p.stats["store_errors"] == 0                       # and the store is not marked down for it
+    assert p.save([0], hashes(1, 5)) == 0  # every slot in use: not saved, no hang, no raise
+    assert p.stats["store_errors"] == 0  # and the store is not marked down for it
     for cm in held:
         cm.__exit__(None, None, None)
     assert p.save([0], hashes(1, 5)) == 1
@@ -129,7 +133,7 @@ def test_pool_bounds_and_errors_name_the_fix():
             with pool.slot(0.05):
                 pass
         threading.Thread(target=lambda: (got.append(pool.slot(5).__enter__()), done.set())).start()
-    assert done.wait(5) and got[0].addr in {a.addr, b.addr, c.addr}   # a waiter gets the slot freed
+    assert done.wait(5) and got[0].addr in {a.addr, b.addr, c.addr}  # a waiter gets the slot freed
 
 
 def test_devices_that_cannot_be_staged_are_refused_by_name():
@@ -140,6 +144,6 @@ def test_devices_that_cannot_be_staged_are_refused_by_name():
         layout(meta).regions()
     if not torch.cuda.is_available():
         lay = layout(kv(None))
-        lay.device = "cuda:0"      # the layout of a CUDA KV cache, as a CPU-only torch would be asked to stage it
+        lay.device = "cuda:0"  # the layout of a CUDA KV cache, as a CPU-only torch would be asked to stage it
         with pytest.raises(ConfigError, match="has no CUDA device; install the CUDA build of torch"):
             StagedPages(lay, 64 * PAGE, slot_timeout_s=1)

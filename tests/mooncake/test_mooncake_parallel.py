@@ -2,6 +2,7 @@
 methods, ParallelAxis / TensorParallelism / ReadTarget. ``mooncake_parallel_script`` also runs against a real
 mooncake_master by tests/mooncake/mooncake_crosscheck.py (with Mooncake's own types): the keys, codes, tensors,
 manifest bytes and the headers written into buffers below are Mooncake's."""
+
 import struct
 from types import SimpleNamespace
 
@@ -49,7 +50,8 @@ def mooncake_parallel_script(store, master: str, mc=compat) -> None:
     assert store.put_tensor_with_parallelism("ra", T[2:4], par(ax("TP", 1, 2, 0))) == 0
     assert exist("ra_tp_0", "ra_tp_1", "ra__parallelism_manifest", "ra") == [1, 1, 1, 0]
     assert bytes(store.get("ra__parallelism_manifest")) == struct.pack(
-        "<IHHiiiii4x8q", 0x574D414E, 1, 96, 0, 2, 0, 2, 0, 4, 6, *[-1] * 6)
+        "<IHHiiiii4x8q", 0x574D414E, 1, 96, 0, 2, 0, 2, 0, 4, 6, *[-1] * 6
+    )
     assert get("ra") is None and get("ra", "full") is None
     assert same(get("ra", "shard", ax("tp", 0, 2, 0)), T[0:2]) and same(get("ra", "shard", ax("tp", 1, 2, 0)), T[2:4])
     assert same(get("ra", "shard", ax("tp", 1, 4, 0)), T[1:2]) and same(get("ra", "shard", ax("tp", 0, 1, 0)), T)
@@ -62,10 +64,10 @@ def mooncake_parallel_script(store, master: str, mc=compat) -> None:
         assert store.put_tensor_with_parallelism("rd", T, par(ax("dp", 0, 2), ax("tp", r, 2, 1))) == 0
     assert exist("rd__dp_0of2__tp_0of2_sd1", "rd__dp_0of2__tp_1of2_sd1", "rd__parallelism_manifest") == [1, 1, 1]
     assert same(get("rd", "shard", ax("dp", 0, 2), ax("tp", 1, 2, 1)), T[:, 3:])
-    assert same(get("rd", "shard", ax("tp", 1, 2, 1), ax("dp", 0, 2)), T[:, 3:])        # axes in any order
-    assert same(get("rd", "shard", ax("dp", 0, 2), ax("tp", 1, 3, 1)), T[:, 2:4])        # another TP size
+    assert same(get("rd", "shard", ax("tp", 1, 2, 1), ax("dp", 0, 2)), T[:, 3:])  # axes in any order
+    assert same(get("rd", "shard", ax("dp", 0, 2), ax("tp", 1, 3, 1)), T[:, 2:4])  # another TP size
     assert same(get("rd", "full", ax("dp", 0, 2), ax("tp", 0, 2, 1)), T)
-    assert get("rd", "shard", ax("dp", 1, 2), ax("tp", 1, 2, 1)) is None                # other DP rank: nothing
+    assert get("rd", "shard", ax("dp", 1, 2), ax("tp", 1, 2, 1)) is None  # other DP rank: nothing
     assert get("rd", "full", ax("dp", 0, 2)) is None and get("rd", "full") is None
     assert store.put_tensor_with_parallelism("rp", T, par(ax("pp", 0, 2, sid=3), ax("tp", 1, 2, 0))) == 0
     assert exist("rp__tp_1of2_sd0__pp_0of2_sid3") == [1]
@@ -82,11 +84,21 @@ def mooncake_parallel_script(store, master: str, mc=compat) -> None:
     assert same(get("rw", "full"), T) and same(get("rw", "shard", ax("tp", 1, 2, 1)), T[:, 3:])
     assert get("rw") is None
     # refusals: -600
-    bad = [(par(ax("tp", 2, 2, 0)), None), (par(ax("tp", 0, 2)), None), (par(ax("dp", 0, 2, 0)), None),
-           (par(ax("ep", 0, 2)), None), (par(ax("pp", 0, 2)), None), (par(ax("dp", 0, 2), ax("dp", 1, 2)), None),
-           (par(), None), (par(ax("xx", 0, 2)), None), (5, None), (par(ax("dp", 0, 2), ax("tp", 0, 4, 1)), None),
-           (par(ax("tp", 0, 2, 0)), SimpleNamespace(rank=0, size=2, split_dim=0)),
-           (None, SimpleNamespace(rank=0, size=4, split_dim=1)), (None, SimpleNamespace(rank=2, size=2, split_dim=0))]
+    bad = [
+        (par(ax("tp", 2, 2, 0)), None),
+        (par(ax("tp", 0, 2)), None),
+        (par(ax("dp", 0, 2, 0)), None),
+        (par(ax("ep", 0, 2)), None),
+        (par(ax("pp", 0, 2)), None),
+        (par(ax("dp", 0, 2), ax("dp", 1, 2)), None),
+        (par(), None),
+        (par(ax("xx", 0, 2)), None),
+        (5, None),
+        (par(ax("dp", 0, 2), ax("tp", 0, 4, 1)), None),
+        (par(ax("tp", 0, 2, 0)), SimpleNamespace(rank=0, size=2, split_dim=0)),
+        (None, SimpleNamespace(rank=0, size=4, split_dim=1)),
+        (None, SimpleNamespace(rank=2, size=2, split_dim=0)),
+    ]
     for p, w in bad:
         assert store.put_tensor_with_parallelism("bad", T, p, writer_partition=w) == -600, (p, w)
     assert store.put_tensor_with_parallelism("bad", [1, 2]) == -600 and exist("bad") == [0]
@@ -97,17 +109,20 @@ def mooncake_parallel_script(store, master: str, mc=compat) -> None:
     assert same(get("ra", "shard", ax("tp", 0, 2, 0)), T[0:2] + 100)
     assert store.upsert_tensor_with_parallelism("ra", T[0:2], par(ax("tp", 0, 2, 0))) == 0
     # batches
-    assert store.batch_put_tensor_with_parallelism(["b1", "b2", "b3"], [T, T, T],
-                                                   [par(ax("tp", 0, 2, 0)), None, par(ax("tp", 5, 2, 0))]) == [0, 0, -600]
+    assert store.batch_put_tensor_with_parallelism(
+        ["b1", "b2", "b3"], [T, T, T], [par(ax("tp", 0, 2, 0)), None, par(ax("tp", 5, 2, 0))]
+    ) == [0, 0, -600]
     assert exist("b1_tp_0", "b2") == [1, 1]
-    assert store.batch_put_tensor_with_parallelism(["b6", "b7"], [T, [1]]) == [0, -600]     # per item
+    assert store.batch_put_tensor_with_parallelism(["b6", "b7"], [T, [1]]) == [0, -600]  # per item
     assert store.batch_put_tensor_with_parallelism(["b4", "b5"], [T, T], (None, None)) == [-600, -600]
     assert store.batch_put_tensor_with_parallelism(["b4", "b5"], [T, T], [None]) == [-600, -600]
-    assert store.batch_upsert_tensor_with_parallelism(["b2"], [T + 1], None,
-                                                      writer_partitions=[SimpleNamespace(rank=0, size=2, split_dim=0)]) == [0]
+    assert store.batch_upsert_tensor_with_parallelism(
+        ["b2"], [T + 1], None, writer_partitions=[SimpleNamespace(rank=0, size=2, split_dim=0)]
+    ) == [0]
     assert exist("b2__writer_0of2_sd0") == [1]
-    got = store.batch_get_tensor_with_parallelism(["ra", "re", "nope"], [tgt("shard", par(ax("tp", 1, 2, 0))),
-                                                                          tgt("shard", par(ax("ep", 1, 2, eid=4))), None])
+    got = store.batch_get_tensor_with_parallelism(
+        ["ra", "re", "nope"], [tgt("shard", par(ax("tp", 1, 2, 0))), tgt("shard", par(ax("ep", 1, 2, eid=4))), None]
+    )
     assert same(got[0], T[2:4]) and same(got[1], T) and got[2] is None
     assert store.batch_get_tensor_with_parallelism(["ra"], (tgt("full"),)) == [None]
     # caller buffers in Mooncake's layout
@@ -115,48 +130,54 @@ def mooncake_parallel_script(store, master: str, mc=compat) -> None:
     base = buf.ctypes.data
     assert store.register_buffer(base, buf.nbytes) == 0
     blob = header(T) + T.numpy().tobytes()
-    buf[:len(blob)] = np.frombuffer(blob, np.uint8)
+    buf[: len(blob)] = np.frombuffer(blob, np.uint8)
     assert store.put_tensor_with_parallelism_from("rf", base, len(blob), par(ax("tp", 0, 2, 1))) == 0
-    assert exist("rf_tp_0", "rf_tp_1", "rf__parallelism_manifest") == [1, 1, 0]      # every rank, no manifest
+    assert exist("rf_tp_0", "rf_tp_1", "rf__parallelism_manifest") == [1, 1, 0]  # every rank, no manifest
     assert same(get("rf", "shard", ax("tp", 1, 2, 1)), T[:, 3:]) and same(get("rf", "full", ax("tp", 0, 2, 1)), T)
     assert store.put_tensor_with_parallelism_from("rf2", base, len(blob) + 1, par(ax("tp", 0, 2, 1))) == -600
-    assert store.batch_upsert_tensor_with_parallelism_from(["rf3", "rf4"], [base, base], [len(blob)] * 2,
-                                                           [par(ax("dp", 1, 2)), par(ax("tp", 3, 2, 0))]) == [0, -600]
+    assert store.batch_upsert_tensor_with_parallelism_from(
+        ["rf3", "rf4"], [base, base], [len(blob)] * 2, [par(ax("dp", 1, 2)), par(ax("tp", 3, 2, 0))]
+    ) == [0, -600]
     assert exist("rf3__dp_1of2") == [1]
-    assert store.batch_put_tensor_with_parallelism_from(["rf5"], [base], [len(blob)],
-                                                        writer_partitions=[SimpleNamespace(rank=1, size=2, split_dim=0)]) == [0]
+    assert store.batch_put_tensor_with_parallelism_from(
+        ["rf5"], [base], [len(blob)], writer_partitions=[SimpleNamespace(rank=1, size=2, split_dim=0)]
+    ) == [0]
     assert exist("rf5__writer_1of2_sd0", "rf5__writer_manifest") == [1, 1]
     blob2 = header(T + 1) + (T + 1).numpy().tobytes()
-    buf[4096:4096 + len(blob2)] = np.frombuffer(blob2, np.uint8)
+    buf[4096 : 4096 + len(blob2)] = np.frombuffer(blob2, np.uint8)
     assert store.upsert_tensor_with_parallelism_from("rf", base + 4096, len(blob2), par(ax("tp", 0, 2, 1))) == 0
     assert same(get("rf", "shard", ax("tp", 1, 2, 1)), (T + 1)[:, 3:])
     dst = base + 8192
     for key, target, want, meta in (
-            ("ra", tgt("shard", par(ax("tp", 0, 2, 0))), T[0:2], {"g": [4, 6], "axes": [["tp", 0, 2, 0, 0]]}),
-            ("ra", tgt("full", par(ax("tp", 0, 2, 0))), T, None),
-            ("ra", tgt("shard", par(ax("tp", 1, 4, 0))), T[1:2], {"g": [4, 6], "axes": [["tp", 1, 4, 0, 0]]}),
-            ("re", tgt("shard", par(ax("ep", 1, 2, eid=4))), T, {"g": [4, 6], "axes": [["ep", 1, 2, -1, 4]]})):
+        ("ra", tgt("shard", par(ax("tp", 0, 2, 0))), T[0:2], {"g": [4, 6], "axes": [["tp", 0, 2, 0, 0]]}),
+        ("ra", tgt("full", par(ax("tp", 0, 2, 0))), T, None),
+        ("ra", tgt("shard", par(ax("tp", 1, 4, 0))), T[1:2], {"g": [4, 6], "axes": [["tp", 1, 4, 0, 0]]}),
+        ("re", tgt("shard", par(ax("ep", 1, 2, eid=4))), T, {"g": [4, 6], "axes": [["ep", 1, 2, -1, 4]]}),
+    ):
         out = store.get_tensor_with_parallelism_into(key, dst, 4096, target)
         assert same(out, want) and out.data_ptr() == dst + 304, (key, want.shape)
-        assert bytes(buf[8192:8192 + 304]) == header(want, meta), (key, want.shape)
+        assert bytes(buf[8192 : 8192 + 304]) == header(want, meta), (key, want.shape)
     assert store.get_tensor_with_parallelism_into("ra", dst, 300, tgt("full", par(ax("tp", 0, 2, 0)))) is None
-    loose = np.zeros(4096, np.uint8)                                        # not registered
+    loose = np.zeros(4096, np.uint8)  # not registered
     assert store.get_tensor_with_parallelism_into("ra", loose.ctypes.data, 4096, None) is None
-    outs = store.batch_get_tensor_with_parallelism_into(["ra", "nope"], [dst, dst + 4096], [4096, 4096],
-                                                        [tgt("full", par(ax("tp", 0, 2, 0))), None])
+    outs = store.batch_get_tensor_with_parallelism_into(
+        ["ra", "nope"], [dst, dst + 4096], [4096, 4096], [tgt("full", par(ax("tp", 0, 2, 0))), None]
+    )
     assert same(outs[0], T) and outs[1] is None
-    B = torch.arange(32, dtype=torch.float32).reshape(4, 8).to(torch.bfloat16).t()     # bf16, non-contiguous
+    B = torch.arange(32, dtype=torch.float32).reshape(4, 8).to(torch.bfloat16).t()  # bf16, non-contiguous
     for r in (0, 1):
         assert store.put_tensor_with_parallelism("rb", B, par(ax("pp", 1, 2, sid=0), ax("tp", r, 2, 0))) == 0
     assert same(get("rb", "full", ax("pp", 1, 2, sid=0), ax("tp", 0, 2, 0)), B.contiguous())
-    out = store.get_tensor_with_parallelism_into("rb", dst, 4096, tgt("shard", par(ax("pp", 1, 2, sid=0),
-                                                                                    ax("tp", 1, 2, 0))))
+    out = store.get_tensor_with_parallelism_into(
+        "rb", dst, 4096, tgt("shard", par(ax("pp", 1, 2, sid=0), ax("tp", 1, 2, 0)))
+    )
     assert same(out, B[4:].contiguous()) and out.dtype == torch.bfloat16
-    assert bytes(buf[8192:8192 + 304]) == header(B[4:].contiguous(), {"g": [8, 4], "axes": [["pp", 1, 2, -1, 0],
-                                                                                            ["tp", 1, 2, 0, 0]]})
-    assert store.put_tensor_with_tp("lg", T, 0, 2, 0) == 0                  # the TP forms' shards are described too
+    assert bytes(buf[8192 : 8192 + 304]) == header(
+        B[4:].contiguous(), {"g": [8, 4], "axes": [["pp", 1, 2, -1, 0], ["tp", 1, 2, 0, 0]]}
+    )
+    assert store.put_tensor_with_tp("lg", T, 0, 2, 0) == 0  # the TP forms' shards are described too
     assert same(store.get_tensor_with_tp_into("lg", dst, 4096, 1, 2, 0), T[2:])
-    assert bytes(buf[8192:8192 + 304]) == header(T[2:], {"g": [4, 6], "axes": [["tp", 1, 2, 0, 0]]})
+    assert bytes(buf[8192 : 8192 + 304]) == header(T[2:], {"g": [4, 6], "axes": [["tp", 1, 2, 0, 0]]})
     assert same(get("lg", "full", ax("tp", 0, 2, 0)), T)
     assert store.unregister_buffer(base) == 0
     assert store.remove_all(True) > 20
@@ -177,7 +198,7 @@ def test_types_behave_as_mooncakes():
         with pytest.raises(TypeError):
             setattr(a, field, value)
     p = compat.TensorParallelism()
-    p.axes.append(a)                                        # a copy: lost, as on Mooncake
+    p.axes.append(a)  # a copy: lost, as on Mooncake
     assert p.axes == []
     p.axes = (a,)
     assert p.axes == [a]
@@ -197,6 +218,7 @@ def test_a_contradicting_shard_is_a_miss_not_the_wrong_bytes():
     """Mooncake 0.3.13 answers a one-TP-axis shard read whose split_dim or TP size contradicts the stored shards
     with ``{key}_tp_{rank}`` anyway; here it is None (docs/store.md)."""
     import torch
+
     T = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     with store_cluster(nodes=1, segment_size="8MiB") as c:
         store = MooncakeDistributedStore()
@@ -205,7 +227,7 @@ def test_a_contradicting_shard_is_a_miss_not_the_wrong_bytes():
         tp.kind, tp.rank, tp.size, tp.split_dim = "tp", 0, 2, 0
         p.axes = [tp]
         assert store.put_tensor_with_parallelism("w", T[0:2], p) == 0
-        for size, sd in ((2, 1), (3, 0), (4, 0)):         # another split_dim, a size that does not divide, r1 missing
+        for size, sd in ((2, 1), (3, 0), (4, 0)):  # another split_dim, a size that does not divide, r1 missing
             tp.size, tp.split_dim = size, sd
             p.axes = [tp]
             t = compat.ReadTarget()
@@ -221,12 +243,27 @@ def test_the_mooncake_shim_exports_these_types_under_mooncakes_names(tmp_path):
     import subprocess
     import sys
     from kvplugins.mooncake import shim as mooncake_shim
+
     real = pytest.importorskip("mooncake.store")
     mooncake_shim.enable(tmp_path, force=True)
     probe = "import mooncake.store as m; print(m.MooncakeDistributedStore.__module__, *m.__all__)"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True,
-                         env={**os.environ, "PYTHONPATH": str(tmp_path / mooncake_shim.SHIM.shim_dir)}).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / mooncake_shim.SHIM.shim_dir)},
+    ).stdout.split()
     assert out[0] == "kvplugins.mooncake.api"
     assert set(out[1:]) <= set(dir(real))
-    assert {"ParallelAxis", "TensorParallelism", "ReadTarget", "TaskStatus", "TaskType", "QueryTaskResponse",
-            "ReplicaStatus", "ReplicateConfig"} <= set(out[1:])
+    assert {
+        "ParallelAxis",
+        "TensorParallelism",
+        "ReadTarget",
+        "TaskStatus",
+        "TaskType",
+        "QueryTaskResponse",
+        "ReplicaStatus",
+        "ReplicateConfig",
+    } <= set(out[1:])

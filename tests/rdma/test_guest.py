@@ -2,6 +2,7 @@
 rxe1 on eth1) and runs there tests/rdma/guest (striping, failover, QP rebuild, auth, store over RDMA, doctor)
 and the transfer contract suite over rdma (tcp and shm run it on the host, tests/transfer). The guest's output
 is printed, so a failure reads as the guest's pytest report. Skipped, saying why and the fix, where QEMU or Debian's kernel is not installed."""
+
 import os
 import shutil
 import subprocess
@@ -30,12 +31,27 @@ def test_rdma_suite_in_soft_roce_guest():
     if why:
         pytest.skip(f"no soft-RoCE guest: {why}; fix: bash ci/install.sh")
     env = {**os.environ, "KVPLUGINS_TEST_TRANSPORTS": "rdma"}  # tcp and shm: the host runs their contract suite
-    cmd = ["bash", str(RUNNER), "--nics", "2", "--timeout", "1500", "--",
-           sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", "--durations=8", *GUEST_TESTS]
+    cmd = [
+        "bash",
+        str(RUNNER),
+        "--nics",
+        "2",
+        "--timeout",
+        "1500",
+        "--",
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-ra",
+        "-p",
+        "no:cacheprovider",
+        "--durations=8",
+        *GUEST_TESTS,
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1700)
     out = res.stdout + res.stderr
     print(out)
     summary = [line for line in out.splitlines() if " passed" in line or " failed" in line]
     assert res.returncode == 0, f"guest exit {res.returncode}:\n{out[-6000:]}"
-    assert summary and " passed" in summary[-1] and "failed" not in summary[-1] and "error" not in summary[-1], \
-        summary
+    assert summary and " passed" in summary[-1] and "failed" not in summary[-1] and "error" not in summary[-1], summary

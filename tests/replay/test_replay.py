@@ -1,6 +1,7 @@
 """kvplugins replay against a real embedded store (a `kvplugins up` process per capacity) on the shared FAST'25
 conversation trace (a generated one of the same format where ../shared is absent), and its CLI on bad input. The local caches are in-process LRUs by design (an engine's own
 host cache); the pool is always the real store."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,9 @@ def test_replay_through_the_store_matches_the_reference_lru(tmp_path, conversati
     plain prefix-LRU of the same capacity (global, and 8 instances); global beats local at equal capacity; no
     put fails and no get returns another object's bytes; the plot is a PNG with the three series."""
     png, js = tmp_path / "hit.png", tmp_path / "hit.json"
-    cfg = ReplayConfig(limit=2000, sweep="1000,4000", instances=8, local_capacity="200", progress=False,
-                       plot=str(png), json=str(js))
+    cfg = ReplayConfig(
+        limit=2000, sweep="1000,4000", instances=8, local_capacity="200", progress=False, plot=str(png), json=str(js)
+    )
     rows = execute(cfg, str(conversation_trace), say=lambda s: None)
     by = {(r["config"], r["pool_blocks"] or r["local_blocks_per_instance"] * 8): r for r in rows}
     for cap in (1000, 4000):
@@ -62,19 +64,28 @@ def test_replay_through_the_store_matches_the_reference_lru(tmp_path, conversati
     assert json.loads(js.read_text())["results"] == json.loads(json.dumps(rows))
     import matplotlib.image
     from PIL import Image
+
     pixels = matplotlib.image.imread(png)
     assert pixels.shape[0] >= 400 and pixels.shape[1] >= 700 and pixels[..., :3].std() > 0.05
     series = json.loads(Image.open(png).info["Description"])["series"]
     assert series == ["global pool", "8 local caches", "both tiers (200 local/instance)"]
-    text = table(rows, width=80)                  # what the CLI prints: numbers whole, at 80 columns too
+    text = table(rows, width=80)  # what the CLI prints: numbers whole, at 80 columns too
     assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
     for r in rows:
-        assert f'{r["hit_ratio"]:.3f}' in text and f'{r["prefill_tokens_saved"]:,}' in text, r
+        assert f"{r['hit_ratio']:.3f}" in text and f"{r['prefill_tokens_saved']:,}" in text, r
 
 
 def test_realtime_replay_reports_latency_percentiles():
-    cfg = ReplayConfig(synth=True, synth_requests=200, synth_rate=50.0, realtime=True, speed=4.0, instances=2,
-                       pool_capacity="2000", progress=False)
+    cfg = ReplayConfig(
+        synth=True,
+        synth_requests=200,
+        synth_rate=50.0,
+        realtime=True,
+        speed=4.0,
+        instances=2,
+        pool_capacity="2000",
+        progress=False,
+    )
     [row] = execute(cfg, None, say=lambda s: None)
     assert row["requests"] == 200 and row["hit_ratio"] > 0.2 and row["wrong_bytes"] == 0
     for op in ("exists", "get", "put"):
@@ -86,8 +97,15 @@ def test_synthetic_sessions_share_prefixes_and_routing_matters(tmp_path):
     """A generated trace saved and loaded back is the same; its sessions reuse their earlier turns, so
     session routing beats round robin for per-instance caches."""
     out = tmp_path / "synth.jsonl"
-    base = dict(synth=True, synth_requests=1500, synth_out=str(out), instances=4, no_pool=True,
-                local_capacity="3000", progress=False)
+    base = dict(
+        synth=True,
+        synth_requests=1500,
+        synth_out=str(out),
+        instances=4,
+        no_pool=True,
+        local_capacity="3000",
+        progress=False,
+    )
     [rr] = execute(ReplayConfig(**base), None, say=lambda s: None)
     [sess] = execute(ReplayConfig(**base, routing="session"), None, say=lambda s: None)
     [aware] = execute(ReplayConfig(**base, routing="prefix_aware"), None, say=lambda s: None)
@@ -95,17 +113,21 @@ def test_synthetic_sessions_share_prefixes_and_routing_matters(tmp_path):
     assert sess["hit_ratio"] > rr["hit_ratio"] + 0.05 and aware["hit_ratio"] > rr["hit_ratio"] + 0.05
 
 
-@pytest.mark.parametrize("line,field", [
-    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]', "not a JSON object"),
-    ('{"timestamp": 0, "output_length": 1, "hash_ids": [1]}', "'input_length'"),
-    ('{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": [1]}', "'input_length' is -5"),
-    ('{"timestamp": 0, "input_length": 5, "output_length": 1}', "'hash_ids'"),
-])
+@pytest.mark.parametrize(
+    "line,field",
+    [
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]', "not a JSON object"),
+        ('{"timestamp": 0, "output_length": 1, "hash_ids": [1]}', "'input_length'"),
+        ('{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": [1]}', "'input_length' is -5"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1}', "'hash_ids'"),
+    ],
+)
 def test_bad_trace_lines_name_line_and_field_without_a_traceback(tmp_path, line, field):
     good = '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}'
     path = tmp_path / "t.jsonl"
     path.write_text(f"{good}\n{good}\n{line}\n")
-    p = subprocess.run(CLI + ["replay", str(path), "--no-pool", "--local-capacity", "10"], capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run(
+        CLI + ["replay", str(path), "--no-pool", "--local-capacity", "10"], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 2 and f"{path}:3: " in p.stderr and field in p.stderr, p.stderr
     assert "Traceback" not in p.stderr

@@ -2,6 +2,7 @@
 space but that nobody can reach (its TCP endpoint answers nothing, or refuses). The master's admission probe
 (master/admission.py) refuses it, naming why, while every other client is served; it never gets a placement,
 so every normal put succeeds while its registration is pending and after."""
+
 import socket
 import threading
 import time
@@ -16,30 +17,38 @@ PROBE_MS = 2000
 
 
 def _segment(host_id: str, port: int) -> dict:
-    return {"v": 1, "segment_id": f"bogus-{port}", "host_id": host_id,
-            "transports": {"tcp": {"host": "127.0.0.1", "port": port, "max_frame": 1 << 24}},
-            "regions": [[1, 256 << 40, None]]}
+    return {
+        "v": 1,
+        "segment_id": f"bogus-{port}",
+        "host_id": host_id,
+        "transports": {"tcp": {"host": "127.0.0.1", "port": port, "max_frame": 1 << 24}},
+        "regions": [[1, 256 << 40, None]],
+    }
 
 
 def test_an_unreachable_segment_never_gets_a_put():
-    silent = socket.socket()                        # accepts, never answers: the probe runs to its deadline
+    silent = socket.socket()  # accepts, never answers: the probe runs to its deadline
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)
-    with socket.socket() as s:                      # nobody listens: refused at once
+    with socket.socket() as s:  # nobody listens: refused at once
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    with store_cluster(nodes=1, segment_size="8MiB", master_flags={"admission_probe_ms": PROBE_MS}) as c, \
-            StoreClient(ClientConfig(master=c.master, rpc_timeout_ms=5000)) as client:
+    with (
+        store_cluster(nodes=1, segment_size="8MiB", master_flags={"admission_probe_ms": PROBE_MS}) as c,
+        StoreClient(ClientConfig(master=c.master, rpc_timeout_ms=5000)) as client,
+    ):
         node = control_client(c.master, 10_000, "node")
         answers, t0 = {}, time.monotonic()
 
         def register(port):
-            [answers[port]] = node.call("register_segment", [[_segment("elsewhere", port), 1, 256 << 40]],
-                                        {"owner": f"attacker-{port}"})
+            [answers[port]] = node.call(
+                "register_segment", [[_segment("elsewhere", port), 1, 256 << 40]], {"owner": f"attacker-{port}"}
+            )
+
         registrar = threading.Thread(target=register, args=(silent.getsockname()[1],))
         registrar.start()
         waits = []
-        while registrar.is_alive():         # the master serves others (placement included) while the probe waits
+        while registrar.is_alive():  # the master serves others (placement included) while the probe waits
             t = time.monotonic()
             client.put(f"k/{len(waits)}", b"x" * 4096)
             client.remove(f"k/{len(waits)}")

@@ -2,6 +2,7 @@
 65,536-key put_start, put_commit, get (column answer), exists and remove, each run in slices (master/batches.py),
 and checks that every answer is the whole batch's, in order; meanwhile this process's exists each answer in
 < 100 ms. (The big client is its own process so that its encoding and decoding do not hold this one's GIL.)"""
+
 import subprocess
 import sys
 import time
@@ -32,9 +33,13 @@ def test_a_65536_key_batch_keeps_no_other_client_waiting(tmp_path):
     with store_cluster(nodes=1, segment_size="64MiB", tmp=tmp_path) as c:
         other = RawRpcClient(c.master, 3000)
         try:
-            other.call("exists", ["big/00000001"])            # connected and authenticated before timing
-            proc = subprocess.Popen([sys.executable, "-c", BIG_CLIENT, c.master], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
+            other.call("exists", ["big/00000001"])  # connected and authenticated before timing
+            proc = subprocess.Popen(
+                [sys.executable, "-c", BIG_CLIENT, c.master],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             waits = []
             while proc.poll() is None:
                 t0 = time.perf_counter()

@@ -10,6 +10,7 @@ replica report naming it: a client may drop what it names, as in Mooncake); neve
 not name so is never gone. Only master ops are generated: the data plane (transfer writes) is not part of this
 property.
 """
+
 import secrets
 
 import pytest
@@ -49,15 +50,27 @@ OP = st.one_of(
     st.tuples(st.just("put_commit"), st.lists(KEY, min_size=1, max_size=4), st.just({})),
     st.tuples(st.just("put_abort"), st.lists(KEY, min_size=1, max_size=4), st.just({})),
     st.tuples(st.just("reserve"), st.lists(SIZE, min_size=1, max_size=2), st.just({})),
-    st.tuples(st.just("put"), st.lists(st.tuples(KEY, SIZE, st.integers(0, 64), st.integers(0, 1 << 26)),
-                                       min_size=1, max_size=3), st.just({})),
-    st.tuples(st.sampled_from(["get", "exists", "exists_prefix", "get_size"]),
-              st.lists(KEY, min_size=1, max_size=4), st.just({})),
+    st.tuples(
+        st.just("put"),
+        st.lists(st.tuples(KEY, SIZE, st.integers(0, 64), st.integers(0, 1 << 26)), min_size=1, max_size=3),
+        st.just({}),
+    ),
+    st.tuples(
+        st.sampled_from(["get", "exists", "exists_prefix", "get_size"]),
+        st.lists(KEY, min_size=1, max_size=4),
+        st.just({}),
+    ),
     st.tuples(st.just("remove"), st.lists(KEY, min_size=1, max_size=2), st.just({})),
-    st.tuples(st.just("remove_checked"), st.lists(KEY, min_size=1, max_size=2),
-              st.fixed_dictionaries({"force": st.booleans()})),
-    st.tuples(st.just("report_corrupt"), st.lists(st.tuples(KEY, st.text(max_size=20), st.integers(0, 1 << 26), U64),
-                                                  min_size=1, max_size=2), st.just({})),
+    st.tuples(
+        st.just("remove_checked"),
+        st.lists(KEY, min_size=1, max_size=2),
+        st.fixed_dictionaries({"force": st.booleans()}),
+    ),
+    st.tuples(
+        st.just("report_corrupt"),
+        st.lists(st.tuples(KEY, st.text(max_size=20), st.integers(0, 1 << 26), U64), min_size=1, max_size=2),
+        st.just({}),
+    ),
     # composed from B's own reads: a replica report with the true location and checksum; a put into B's slab
     st.tuples(st.just("report_read"), st.lists(KEY, min_size=1, max_size=2), st.just({})),
     st.tuples(st.just("slab_put"), st.lists(st.tuples(KEY, SIZE), min_size=1, max_size=2), st.just({})),
@@ -83,7 +96,7 @@ def test_client_ops_never_change_another_writers_bytes(cluster, monkeypatch_modu
                 try:
                     removed |= _send(b, op, entries, opts)
                 except StoreError:
-                    pass                                       # refused: fine, nothing applied
+                    pass  # refused: fine, nothing applied
         finally:
             b.close()
         for key, data in values.items():
@@ -98,7 +111,7 @@ def test_client_ops_never_change_another_writers_bytes(cluster, monkeypatch_modu
 def _send(b: RawRpcClient, op: str, entries: list, opts: dict) -> set:
     """Send one generated op as B; returns the keys it may have taken away (remove, or a replica report: a client
     may drop what it names, as in Mooncake)."""
-    if op == "report_read":                       # B reads the key's location and checksum, then reports it
+    if op == "report_read":  # B reads the key's location and checksum, then reports it
         gone = set()
         for key in entries:
             [(code, value)] = b.call("get", [key])
@@ -107,7 +120,7 @@ def _send(b: RawRpcClient, op: str, entries: list, opts: dict) -> set:
                 b.call("report_corrupt", [[key, seg, off, value[3] or 0]])
                 gone.add(key)
         return gone
-    if op == "slab_put":                          # B puts W's keys into a slab of its own
+    if op == "slab_put":  # B puts W's keys into a slab of its own
         [(code, slab)] = b.call("reserve", [1 << 20])
         if code == 0:
             sid, off = slab[0], slab[3]

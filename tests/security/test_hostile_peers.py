@@ -7,6 +7,7 @@
 * lockout: 1,100 idle unauthenticated connections from 127.0.0.1 and 1,000 more over 127.0.0.2-6 do not keep a
   new authenticated client out.
 """
+
 import os
 import signal
 import socket
@@ -26,7 +27,7 @@ from kvplugins.store.client.connect import control_client
 def test_a_live_segment_name_cannot_be_hijacked():
     with store_cluster(nodes=1, segment_size="8MiB") as c:
         client = StoreClient(ClientConfig(master=c.master, rpc_timeout_ms=3000))
-        node = control_client(c.master, 3000, "node")       # a node-role peer that is not that node
+        node = control_client(c.master, 3000, "node")  # a node-role peer that is not that node
         try:
             data = {f"hijack/{i}": os.urandom(4096) for i in range(50)}
             for k, v in data.items():
@@ -35,8 +36,9 @@ def test_a_live_segment_name_cannot_be_hijacked():
             [(code, desc)] = node.call("describe", [name])
             assert code == OK
             bogus = dict(desc, regions=[[desc["regions"][0][0], 1 << 20, "/tmp/victim-file"]])
-            [(code, why)] = node.call("register_segment", [[bogus, desc["regions"][0][0], 1 << 20]],
-                                      {"owner": "attacker"})
+            [(code, why)] = node.call(
+                "register_segment", [[bogus, desc["regions"][0][0], 1 << 20]], {"owner": "attacker"}
+            )
             assert code == EXISTS and "registered by another process" in why
             [(code, why)] = node.call("unregister", [name], {"owner": "attacker"})
             assert code == EXISTS
@@ -45,8 +47,8 @@ def test_a_live_segment_name_cannot_be_hijacked():
             st = node.call("status")
             [seg] = st["segments"]
             assert seg["name"] == name and seg["size"] == 8 << 20
-            assert all(client.get(k) == v for k, v in data.items())         # 50 of 50 intact
-            client.put("hijack/after", b"x" * 4096)                          # and puts still land
+            assert all(client.get(k) == v for k, v in data.items())  # 50 of 50 intact
+            client.put("hijack/after", b"x" * 4096)  # and puts still land
             assert client.get("hijack/after") == b"x" * 4096
         finally:
             node.close()
@@ -57,7 +59,7 @@ def _fill(rpc: RawRpcClient, n: int, key_bytes: int) -> None:
     """``n`` committed 1-byte objects with keys of ``key_bytes`` bytes of 'ab' (what the patterns chew on)."""
     keys = [f"{i:08d}" + "ab" * ((key_bytes - 8) // 2) for i in range(n)]
     for j in range(0, n, 512):
-        part = keys[j:j + 512]
+        part = keys[j : j + 512]
         assert all(code == OK for code, _ in rpc.call("put_start", [[k, 1] for k in part], {}))
         rpc.call("put_commit", part, {})
 
@@ -75,8 +77,9 @@ def test_remove_by_regex_never_stalls_the_master(tmp_path):
             result = {}
 
             def scan():
-                result["r"] = admin.call("remove_by_regex", ["(ab|ba){330}zz"], {})   # ~1,990 instructions
+                result["r"] = admin.call("remove_by_regex", ["(ab|ba){330}zz"], {})  # ~1,990 instructions
                 done.set()
+
             t = threading.Thread(target=scan)
             t.start()
             while not done.is_set():
@@ -87,8 +90,9 @@ def test_remove_by_regex_never_stalls_the_master(tmp_path):
             assert result["r"] == [OK, 0]
             assert len(waits) >= 3 and max(waits) < 0.1, (len(waits), max(waits))
             # SIGTERM in the middle of a scan: the master exits within 1 s
-            threading.Thread(target=lambda: _ignore(admin.call, "remove_by_regex", ["(ab|ba){330}zz"], {}),
-                             daemon=True).start()
+            threading.Thread(
+                target=lambda: _ignore(admin.call, "remove_by_regex", ["(ab|ba){330}zz"], {}), daemon=True
+            ).start()
             time.sleep(0.5)
             t0 = time.monotonic()
             c.master_proc.popen.send_signal(signal.SIGTERM)

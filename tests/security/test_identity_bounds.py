@@ -3,6 +3,7 @@
 connections. One credential at its bound gets StoreFull (or a refused connection) naming its identity and the
 setting, while another credential and the cluster secret go on unaffected; committing, aborting or releasing
 gives the room back. A credential whose name was changed cannot prove it."""
+
 import json
 import os
 import secrets
@@ -20,8 +21,13 @@ from kvplugins.store.client.rpc import RawRpcClient
 from kvplugins.store.client.connect import control_client
 
 MiB = 1 << 20
-BOUNDS = {"max_pending_puts_per_identity": 16, "max_pending_share": 0.25, "max_segments_per_identity": 2,
-          "max_connections_per_identity": 4, "admission_probe_ms": 0}
+BOUNDS = {
+    "max_pending_puts_per_identity": 16,
+    "max_pending_share": 0.25,
+    "max_segments_per_identity": 2,
+    "max_connections_per_identity": 4,
+    "admission_probe_ms": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +68,16 @@ def test_pending_puts_are_bounded_per_credential(cluster, monkeypatch):
         assert "credential client:a has 16 puts pending" in answers[-1][1]
         assert "max_pending_puts_per_identity=16" in answers[-1][1]
         b_keys = _keys("b", 16)
-        assert _codes(b.call("put_start", b_keys)) == [OK] * 16           # b has a share of its own
+        assert _codes(b.call("put_start", b_keys)) == [OK] * 16  # b has a share of its own
         many = _keys("cluster", 40)
-        assert _codes(admin.call("put_start", many)) == [OK] * 40          # the cluster secret is not bounded
+        assert _codes(admin.call("put_start", many)) == [OK] * 40  # the cluster secret is not bounded
         assert admin.call("status")["identities"] == {"client:a": [16, 16 * 4096], "client:b": [16, 16 * 4096]}
         assert _codes(a.call("put_commit", [k for k, _ in first[:8]])) == [OK] * 8
         more = _keys("a", 9)
-        assert _codes(a.call("put_start", more)) == [OK] * 8 + [STORE_FULL]   # commits gave 8 back
+        assert _codes(a.call("put_start", more)) == [OK] * 8 + [STORE_FULL]  # commits gave 8 back
         assert _codes(a.call("put_abort", [k for k, _ in first[8:16] + more[:8]])) == [OK] * 16
         again = _keys("a", 16)
-        assert _codes(a.call("put_start", again)) == [OK] * 16                  # and aborts
+        assert _codes(a.call("put_start", again)) == [OK] * 16  # and aborts
         for rpc, keys in ((a, again + more[8:]), (b, b_keys), (admin, many)):
             rpc.call("put_abort", [k for k, _ in keys])
     finally:
@@ -89,11 +95,11 @@ def test_pending_bytes_and_slabs_are_bounded_per_credential(cluster, monkeypatch
         assert _codes(answers) == [OK, OK, STORE_FULL]
         assert "credential client:a holds" in answers[2][1] and "max_pending_share=0.25" in answers[2][1]
         slabs = b.call("reserve", [MiB] * 20)
-        assert _codes(slabs) == [OK] * 16 + [STORE_FULL] * 4                 # b's 16 MiB, in slabs
+        assert _codes(slabs) == [OK] * 16 + [STORE_FULL] * 4  # b's 16 MiB, in slabs
         assert "credential client:b holds 16777216 bytes" in slabs[-1][1]
         ids = [v[0] for code, v in slabs if code == OK]
         again = b.call("reserve", [MiB], {"release": ids[:4]})
-        assert _codes(again) == [OK]                                           # released slabs give room back
+        assert _codes(again) == [OK]  # released slabs give room back
         a.call("put_abort", [k for k, _ in big[:2]])
         assert _codes(a.call("put_start", big[2:])) == [OK]
         a.call("put_abort", [big[2][0]])
@@ -104,8 +110,13 @@ def test_pending_bytes_and_slabs_are_bounded_per_credential(cluster, monkeypatch
 
 
 def _bogus(host_id: str, i: int) -> list:
-    desc = {"v": 1, "segment_id": f"bound-{secrets.token_hex(4)}-{i}", "host_id": host_id,
-            "transports": {"shm": {"pid": os.getpid()}}, "regions": [[1, 8 * MiB, None]]}
+    desc = {
+        "v": 1,
+        "segment_id": f"bound-{secrets.token_hex(4)}-{i}",
+        "host_id": host_id,
+        "transports": {"shm": {"pid": os.getpid()}},
+        "regions": [[1, 8 * MiB, None]],
+    }
     return [desc, 1, 8 * MiB]
 
 
@@ -122,20 +133,25 @@ def test_segments_are_bounded_per_node_credential(cluster, monkeypatch):
     try:
         for i in range(3):
             owners.append(secrets.token_hex(16))
-            [answer] = n1.call("register_segment", [_bogus(host, i)], {"owner": owners[-1],
-                                                                       **owner_proof(n1_keys, owners[-1])})
+            [answer] = n1.call(
+                "register_segment", [_bogus(host, i)], {"owner": owners[-1], **owner_proof(n1_keys, owners[-1])}
+            )
             names.append(answer[1])
             assert answer[0] == (OK if i < 2 else STORE_FULL), answer
         assert "credential node:n1 has 2 segments registered" in names[2]
         assert "max_segments_per_identity" in names[2]
         owners.append(secrets.token_hex(16))
-        [answer] = n2.call("register_segment", [_bogus(host, 3)], {"owner": owners[-1],
-                                                                   **owner_proof(n2_keys, owners[-1])})
-        assert answer[0] == OK                               # n2 has a share of its own
+        [answer] = n2.call(
+            "register_segment", [_bogus(host, 3)], {"owner": owners[-1], **owner_proof(n2_keys, owners[-1])}
+        )
+        assert answer[0] == OK  # n2 has a share of its own
         names[2] = answer[1]
         with pytest.raises(Forbidden, match="proof of credential node:n2 does not match"):
-            n1.call("register_segment", [_bogus(host, 4)], {"owner": "x", "name": "n2",
-                                                            "proof": owner_proof(n1_keys, "x")["proof"]})
+            n1.call(
+                "register_segment",
+                [_bogus(host, 4)],
+                {"owner": "x", "name": "n2", "proof": owner_proof(n1_keys, "x")["proof"]},
+            )
         status = n1.call("status")
         mine = {s["name"]: s["identity"] for s in status["segments"]}
         assert [mine[n] for n in names[:2]] == ["node:n1", "node:n1"] and mine[names[2]] == "node:n2"
@@ -155,7 +171,7 @@ def test_connections_are_bounded_per_credential(cluster, monkeypatch):
         with pytest.raises(MasterUnreachable, match="credential client:a has 4 connections open"):
             _raw(c, monkeypatch, creds["a"]).call("info")
         b = _raw(c, monkeypatch, creds["b"])
-        assert b.call("info")["zmq"]                          # another credential connects meanwhile
+        assert b.call("info")["zmq"]  # another credential connects meanwhile
         b.close()
     finally:
         for rpc in held:

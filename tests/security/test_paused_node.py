@@ -3,6 +3,7 @@
 it resumes) or 45 s (back after it: it is removed, then re-registers and its manifest brings its objects back)
 while a writer keeps putting. Every acknowledged put reads back with its bytes afterwards, and no put fails
 once the stopped node is suspect (master/liveness.py)."""
+
 import random
 import signal
 import threading
@@ -17,7 +18,7 @@ from kvplugins.store import ClientConfig, StoreClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 VALUE = 16 << 10
-SUSPECT_BY_S = 3.0          # heartbeat timeout 2 s + a sweep: the stopped node takes no placement after this
+SUSPECT_BY_S = 3.0  # heartbeat timeout 2 s + a sweep: the stopped node takes no placement after this
 
 
 class Writer(threading.Thread):
@@ -63,18 +64,27 @@ def test_paused_node_loses_no_acknowledged_object(pause_s):
         victim = c.nodes[0]
         victim.popen.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_for("the stopped segment suspect", lambda: any(s["suspect"] for s in status(c.master)["segments"]),
-                 SUSPECT_BY_S + 1)
+        wait_for(
+            "the stopped segment suspect",
+            lambda: any(s["suspect"] for s in status(c.master)["segments"]),
+            SUSPECT_BY_S + 1,
+        )
         time.sleep(max(0.0, stopped + pause_s - time.monotonic()))
         victim.popen.send_signal(signal.SIGCONT)
-        wait_for("the node back", lambda: [s["suspect"] for s in status(c.master)["segments"]] == [False, False]
-                 and len(status(c.master)["segments"]) == 2, 10)
+        wait_for(
+            "the node back",
+            lambda: (
+                [s["suspect"] for s in status(c.master)["segments"]] == [False, False]
+                and len(status(c.master)["segments"]) == 2
+            ),
+            10,
+        )
         time.sleep(1)
         writer.stop.set()
         writer.join(30)
         st = status(c.master)
         assert st["evictions"] == 0 and st["segments_suspect"] == 1
-        if pause_s > 32:        # past the grace: removed, then its manifest came back with it
+        if pause_s > 32:  # past the grace: removed, then its manifest came back with it
             assert st["segments_lost"] == 1 and st["objects_restored"] > 0 and st["manifest_objects"] == 0
         else:
             assert st["segments_lost"] == 0 and st["objects_lost"] == 0

@@ -2,6 +2,7 @@
 when the role ranks at or above the op's (security/roles.py), else refused with Forbidden naming the role needed;
 a process holding only a client credential cannot connect as node or admin (not with its key, not by claiming
 the role), so it cannot drain, register a segment or remove by regex; credentials carry no other role's key."""
+
 import json
 import os
 import socket
@@ -50,12 +51,13 @@ def test_role_matrix(master, monkeypatch, role, plane):
     try:
         for op, need in sorted(OP_ROLE.items()):
             if RANK[role] < RANK[need]:
-                with pytest.raises(Forbidden, match=f"{op} needs the {need} role; this connection "
-                                                    f"authenticated as {role}"):
+                with pytest.raises(
+                    Forbidden, match=f"{op} needs the {need} role; this connection authenticated as {role}"
+                ):
                     rpc.call(op, [], {})
             else:
                 try:
-                    rpc.call(op, [], {})           # empty entries: answered, or refused for its fields
+                    rpc.call(op, [], {})  # empty entries: answered, or refused for its fields
                 except Forbidden as e:
                     raise AssertionError(f"{role} may run {op}") from e
                 except StoreError:
@@ -79,12 +81,12 @@ def test_a_client_credential_gives_no_higher_role(master, monkeypatch, tmp_path,
     assert raw["key"] == secret.identity_key("client", "client-test").hex() != secret.key("client").hex()
     assert {secret.key(r).hex() for r in ("node", "admin")}.isdisjoint(raw.values())
     endpoint = zmq_endpoint(m.address)
-    forged = tmp_path / "forged.cred"          # the client key relabelled: claims the role, cannot prove it
+    forged = tmp_path / "forged.cred"  # the client key relabelled: claims the role, cannot prove it
     forged.write_text(json.dumps({**raw, "role": claimed}))
     use_secret(monkeypatch, token_file=str(forged))
     with pytest.raises(AuthError, match="could not prove"):
         RawRpcClient(m.address, 3000, claimed).call("info")
-    zmq_forged = ZmqRpcClient(endpoint, 3000, claimed)      # its CURVE key is the client's: it is a client
+    zmq_forged = ZmqRpcClient(endpoint, 3000, claimed)  # its CURVE key is the client's: it is a client
     try:
         assert zmq_forged.call("status")["segments"] == []
         with pytest.raises(Forbidden, match="authenticated as client"):
@@ -97,7 +99,7 @@ def test_an_unauthenticated_peer_gets_nothing(master):
     m, _ = master
     host, port = m.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(b"\x00\x00\x00\x10" + bytes(16))          # a frame without a handshake
+        s.sendall(b"\x00\x00\x00\x10" + bytes(16))  # a frame without a handshake
         answer = read_until_closed(s)
     assert answer[:4] == handshake.MAGIC and answer[5] == handshake.REFUSED
 
@@ -107,17 +109,21 @@ def test_another_users_process_is_refused(master, tmp_path):
     config folder (so another per-user secret) is refused by the master."""
     import subprocess
     import sys
+
     m, _ = master
     path = default_secret_path()
     st, folder = path.stat(), path.parent.stat()
     assert (st.st_uid, st.st_mode & 0o777, folder.st_mode & 0o777) == (os.getuid(), 0o600, 0o700)
     if os.getuid() == 0:
-        denied = subprocess.run(["cat", str(path)], user=65534, group=65534, capture_output=True, text=True,
-                                timeout=30, cwd="/")
+        denied = subprocess.run(
+            ["cat", str(path)], user=65534, group=65534, capture_output=True, text=True, timeout=30, cwd="/"
+        )
         assert denied.returncode != 0 and "Permission denied" in denied.stderr and not denied.stdout
-    code = ("import sys\nfrom kvplugins.errors import AuthError\nfrom kvplugins.store.client.rpc import "
-            f"RawRpcClient\ntry:\n    RawRpcClient({m.address!r}, 3000).call('info')\nexcept AuthError as e:\n"
-            "    print('refused:', e)\n    sys.exit(3)\n")
+    code = (
+        "import sys\nfrom kvplugins.errors import AuthError\nfrom kvplugins.store.client.rpc import "
+        f"RawRpcClient\ntry:\n    RawRpcClient({m.address!r}, 3000).call('info')\nexcept AuthError as e:\n"
+        "    print('refused:', e)\n    sys.exit(3)\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUGINS_AUTH")}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "other-user")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)

@@ -4,6 +4,7 @@ file's fd. Nobody opens the named path and the handed fd is refused (transfer/fd
 admission probe fails, naming why, so the segments are never placed on (master/admission.py); the file is
 untouched and puts land. With the probe off, clients refuse the same way: every put placed there fails naming
 why and writes nothing."""
+
 import array
 import hashlib
 import os
@@ -38,10 +39,13 @@ def _serve_regular_file(name: str, path: str, stop: threading.Event) -> threadin
                 with conn, open(path, "r+b") as f:
                     try:
                         conn.recv(8)
-                        conn.sendmsg([(1 << 30).to_bytes(8, "little")],
-                                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [f.fileno()]))])
-                    except OSError:             # the client hung up first (it refused this server)
+                        conn.sendmsg(
+                            [(1 << 30).to_bytes(8, "little")],
+                            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [f.fileno()]))],
+                        )
+                    except OSError:  # the client hung up first (it refused this server)
                         pass
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
@@ -56,8 +60,13 @@ def _bogus_segments(node, real: dict, victim: str, fd_name: str) -> list:
     socket hands out the file's fd); the per-entry answers."""
     out = []
     for i, shm in enumerate([{"pid": os.getpid()}, {"pid": os.getpid(), "fd_socket": fd_name}]):
-        bogus = {"v": 1, "segment_id": f"attacker-{i}", "host_id": real["host_id"],
-                 "transports": {"shm": shm}, "regions": [[1, 1 << 30, victim]]}
+        bogus = {
+            "v": 1,
+            "segment_id": f"attacker-{i}",
+            "host_id": real["host_id"],
+            "transports": {"shm": shm},
+            "regions": [[1, 1 << 30, victim]],
+        }
         [answer] = node.call("register_segment", [[bogus, 1, 1 << 30]], {"owner": f"attacker-{i}"})
         out.append(answer)
     return out
@@ -71,9 +80,11 @@ def test_a_segment_naming_a_file_never_gets_it_written(tmp_path, probe_ms):
     fd_name = f"kvp-fd-{os.getpid()}-{os.urandom(8).hex()}"
     stop = threading.Event()
     server = _serve_regular_file(fd_name, str(victim), stop)
-    with store_cluster(nodes=1, segment_size="8MiB", master_flags={"admission_probe_ms": probe_ms}) as c, \
-            StoreClient(ClientConfig(master=c.master, rpc_timeout_ms=3000, transfer_timeout_ms=2000)) as client:
-        node = control_client(c.master, 3000, "node")          # the attacker holds a node credential
+    with (
+        store_cluster(nodes=1, segment_size="8MiB", master_flags={"admission_probe_ms": probe_ms}) as c,
+        StoreClient(ClientConfig(master=c.master, rpc_timeout_ms=3000, transfer_timeout_ms=2000)) as client,
+    ):
+        node = control_client(c.master, 3000, "node")  # the attacker holds a node credential
         try:
             [(code, real)] = node.call("describe", [c.nodes[0].address])
             assert code == OK
@@ -83,16 +94,16 @@ def test_a_segment_naming_a_file_never_gets_it_written(tmp_path, probe_ms):
                 assert "no common transport" in answers[0][1] and "not memory sealed" in answers[1][1]
                 assert [s["name"] for s in status(c.master)["segments"]] == [c.nodes[0].address]
                 for i in range(40):
-                    client.put(f"victim/{i}", os.urandom(4096))     # placement never saw them
+                    client.put(f"victim/{i}", os.urandom(4096))  # placement never saw them
             else:
-                assert [code for code, _ in answers] == [OK, OK]    # the biggest segments: placement picks them
+                assert [code for code, _ in answers] == [OK, OK]  # the biggest segments: placement picks them
                 names, errors = [name for _, name in answers], []
                 for i in range(40):
                     with pytest.raises(KVPluginsError) as err:
                         client.put(f"victim/{i}", os.urandom(4096), PutConfig(preferred_segment=names[i % 2]))
                     errors.append(str(err.value))
-                assert any("no common transport" in e for e in errors)      # no fd socket: shm cannot reach it
-                assert any("not memory sealed" in e for e in errors)        # a regular file's fd: refused
+                assert any("no common transport" in e for e in errors)  # no fd socket: shm cannot reach it
+                assert any("not memory sealed" in e for e in errors)  # a regular file's fd: refused
                 for i, name in enumerate(names):
                     assert node.call("unregister", [name], {"owner": f"attacker-{i}"}) == [[OK, None]]
             assert hashlib.sha256(victim.read_bytes()).hexdigest() == before
@@ -109,6 +120,7 @@ def test_fetch_refuses_what_is_not_sealed_shared_memory(tmp_path):
     unknown region are each refused naming why; a real FdServer's sealed memfd maps."""
     from kvplugins.errors import TransferFailed
     from kvplugins.transfer import shmem
+
     path = tmp_path / "plain"
     path.write_bytes(bytes(4096))
     name, stop = f"kvp-fd-{os.getpid()}-{os.urandom(8).hex()}", threading.Event()

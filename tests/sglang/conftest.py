@@ -2,6 +2,7 @@
 imports (sglang_cpu.py: GPU compiler / no CPU wheel for torch 2.13.0), before anything imports sglang. The
 stand-ins are dropped from sys.modules after collection and after each module here, so other suites in the
 same pytest session (vLLM's) never see them."""
+
 import pytest
 
 import sglang_cpu

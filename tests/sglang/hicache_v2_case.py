@@ -3,6 +3,7 @@ KV anchor plus an SWA pool (a second MHA host pool) or a Mamba state pool (Mamba
 built on CPU like hicache_pools.py. Side-pool pages move through ``batch_set_v2`` / ``batch_get_v2`` with
 ``PoolTransfer`` lists shaped as the controller builds them (SWA: the window's last pages; Mamba: the state at
 the last page), KV pages through ``batch_set_v1`` / ``batch_get_v1``. Call sglang_cpu.install() first."""
+
 from __future__ import annotations
 
 import ctypes
@@ -18,15 +19,22 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 import hicache_pools
 from hicache_case import storage_config
 
-PAGES, WINDOW, SLOTS = 6, 2, 8   # KV pages per prompt; SWA pages a hit needs; Mamba host slots
+PAGES, WINDOW, SLOTS = 6, 2, 8  # KV pages per prompt; SWA pages a hit needs; Mamba host slots
 
 
 def mamba_pool(layers: int = 2) -> MambaPoolHost:
     temporal = torch.zeros(layers, SLOTS, 4, 8, dtype=torch.float32)
     conv = (torch.zeros(layers, SLOTS, 8, 3, dtype=torch.bfloat16),)
     with host_memory_budget_scope(64 << 20):
-        return MambaPoolHost(MambaStateBufferInfo(temporal=temporal, conv=conv), host_to_device_ratio=2.0,
-                             host_size=0, device_capacity=SLOTS, pin_memory=False, device="cpu", layout="page_first")
+        return MambaPoolHost(
+            MambaStateBufferInfo(temporal=temporal, conv=conv),
+            host_to_device_ratio=2.0,
+            host_size=0,
+            device_capacity=SLOTS,
+            pin_memory=False,
+            device="cpu",
+            layout="page_first",
+        )
 
 
 def make(master: str, side: str):
@@ -49,8 +57,9 @@ def side_transfer(side: str, keys: list[str], placeholder: bool = False) -> Pool
     if side == "swa":
         idx = torch.arange(4, 4 + 4 * n, dtype=torch.int64)  # page size 4, host pages 1..n
         return PoolTransfer(PoolName.SWA, host_indices=idx, keys=tail, hit_policy=PoolHitPolicy.TRAILING_PAGES)
-    return PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([3]), keys=tail,
-                        hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    return PoolTransfer(
+        PoolName.MAMBA, host_indices=torch.tensor([3]), keys=tail, hit_policy=PoolHitPolicy.TRAILING_PAGES
+    )
 
 
 def kv_indices(pages: int = PAGES) -> torch.Tensor:
@@ -60,7 +69,7 @@ def kv_indices(pages: int = PAGES) -> torch.Tensor:
 def fill(pool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     kv = pool.kv_buffer
-    for t in ([kv] if torch.is_tensor(kv) else list(pool.get_hybrid_pool_buffer())):
+    for t in [kv] if torch.is_tensor(kv) else list(pool.get_hybrid_pool_buffer()):
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
 
 
@@ -68,6 +77,6 @@ def digests(pool, indices: torch.Tensor, step: int) -> list[str]:
     """sha256 of each page's bytes, read through the pool's own buffer metadata (any pool kind)."""
     out = []
     for i in range(0, indices.numel(), step):
-        ptrs, sizes = pool.get_page_buffer_meta(indices[i:i + step])
+        ptrs, sizes = pool.get_page_buffer_meta(indices[i : i + step])
         out.append(hashlib.sha256(b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes))).hexdigest())
     return out

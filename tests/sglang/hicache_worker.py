@@ -6,6 +6,7 @@ pool. OUT: one {"ok"/"loaded", "digests"} per step (sha256 of every page's bytes
 Op "v2read" ({"side": "swa"|"mamba", "keys"}): a hybrid pool set (hicache_v2_case.py) asks batch_exists_v2 for
 the whole prompt and for its first 4 pages, then reads KV (v1) and the side pool (v2) into zeroed pools.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import site
 import sys
 from pathlib import Path
 
-if os.environ.get("KVP_TEST_SITE"):          # a site dir holding a shim (`kvplugins mooncake enable --site-dir`)
+if os.environ.get("KVP_TEST_SITE"):  # a site dir holding a shim (`kvplugins mooncake enable --site-dir`)
     site.addsitedir(os.environ["KVP_TEST_SITE"])
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sglang_cpu  # noqa: E402
@@ -28,17 +29,27 @@ def run(step: dict, master: str) -> dict:
         return read_v2(step, master)
     if step.get("backend") == "mooncake":
         import mooncake.store
+
         case = hicache_case.make_mooncake_case(master, step["kind"], step["layout"])
         step_store = mooncake.store.MooncakeDistributedStore.__module__
     else:
-        case = hicache_case.make_case(master, step["kind"], step["layout"], v1=step.get("v1", True),
-                                      tp_rank=step.get("tp_rank", 0), tp_size=step.get("tp_size", 1))
+        case = hicache_case.make_case(
+            master,
+            step["kind"],
+            step["layout"],
+            v1=step.get("v1", True),
+            tp_rank=step.get("tp_rank", 0),
+            tp_size=step.get("tp_size", 1),
+        )
         step_store = "kvplugins"
     try:
         if step["op"] == "write":
             case.fill(step["seed"])
-            return {"ok": bool(case.write(step["keys"])), "digests": case.digests(len(step["keys"])),
-                    "store": step_store}
+            return {
+                "ok": bool(case.write(step["keys"])),
+                "digests": case.digests(len(step["keys"])),
+                "store": step_store,
+            }
         return {"loaded": case.read(step["keys"]), "digests": case.digests(len(step["keys"])), "store": step_store}
     finally:
         case.backend.close()
@@ -46,6 +57,7 @@ def run(step: dict, master: str) -> dict:
 
 def read_v2(step: dict, master: str) -> dict:
     import hicache_v2_case as v2
+
     side, keys = step["side"], step["keys"]
     backend, kv, pool = v2.make(master, side)
     try:
@@ -56,10 +68,16 @@ def read_v2(step: dict, master: str) -> dict:
         side_ok = backend.batch_get_v2([t])[side]
         kv_ok = backend.batch_get_v1(keys, v2.kv_indices())
         step_side = 4 if side == "swa" else 1
-        return {"hit": whole.kv_hit_pages, "restorable": whole.restorable_prefix_pages,
-                "pools": whole.extra_pool_hit_pages, "short_hit": short.kv_hit_pages, "side_ok": side_ok,
-                "kv_ok": kv_ok, "kv": v2.digests(kv, v2.kv_indices(), 4),
-                "side": v2.digests(pool, t.host_indices, step_side)}
+        return {
+            "hit": whole.kv_hit_pages,
+            "restorable": whole.restorable_prefix_pages,
+            "pools": whole.extra_pool_hit_pages,
+            "short_hit": short.kv_hit_pages,
+            "side_ok": side_ok,
+            "kv_ok": kv_ok,
+            "kv": v2.digests(kv, v2.kv_indices(), 4),
+            "side": v2.digests(pool, t.host_indices, step_side),
+        }
     finally:
         backend.close()
 

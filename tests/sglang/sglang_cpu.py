@@ -10,6 +10,7 @@ torchvision is always preferred: nothing is stubbed when the real package import
 SGLang's own modules see the stand-ins, and ``forget()`` drops them from ``sys.modules`` again (the test
 conftest does after collection and after each module), so other test suites in the same session are unaffected.
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -29,8 +30,8 @@ class _Anything:
 
     def __call__(self, *args, **kwargs):
         if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]                       # bare decorator: @triton.jit
-        return _Anything(self._name + "()")      # decorator factory / constructor: @triton.autotune(...)
+            return args[0]  # bare decorator: @triton.jit
+        return _Anything(self._name + "()")  # decorator factory / constructor: @triton.autotune(...)
 
     def __getattr__(self, name):
         if name.startswith("__") and name.endswith("__"):
@@ -54,7 +55,7 @@ class _Anything:
 
 
 class _StubMeta(type):
-    def __getattr__(cls, name):             # class attributes too: InterpolationMode.BILINEAR
+    def __getattr__(cls, name):  # class attributes too: InterpolationMode.BILINEAR
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         return _Anything(f"{cls.__name__}.{name}")
@@ -76,7 +77,7 @@ class _StubModule(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
-        if name[:1].isupper():      # a class: a real (empty) type, cached so identity checks hold
+        if name[:1].isupper():  # a class: a real (empty) type, cached so identity checks hold
             cls = type(name, (_StubClass,), {"__module__": self.__name__})
             setattr(self, name, cls)
             return cls
@@ -93,8 +94,10 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname, path=None, target=None):
         root = fullname.split(".")[0]
-        if root in self.roots and (isinstance(sys.modules.get(root), _StubModule)     # keep one view of it
-                                   or _importer().split(".")[0] in IMPORTERS):
+        if root in self.roots and (
+            isinstance(sys.modules.get(root), _StubModule)  # keep one view of it
+            or _importer().split(".")[0] in IMPORTERS
+        ):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -108,7 +111,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-IMPORTERS = ("sglang",)          # top-level packages whose imports get the stand-ins
+IMPORTERS = ("sglang",)  # top-level packages whose imports get the stand-ins
 
 
 def _importer() -> str:

@@ -4,6 +4,7 @@ The backend is built by StorageBackendFactory from the JSON a user passes, attac
 and driven by the cache controller's own page IO helpers. A second process (hicache_worker.py) reads the
 pages back bit-exact, acts as TP rank 1 of a TP=2 deployment and as a non-writer MLA rank.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -34,8 +35,9 @@ CASES = hc.all_cases()
 def run_worker(tmp_path: Path, master: str, steps: list[dict]) -> list[dict]:
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     job.write_text(json.dumps({"master": master, "steps": steps}))
-    proc = subprocess.run([sys.executable, str(WORKER), str(job), str(out)], capture_output=True, text=True,
-                          timeout=150)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(job), str(out)], capture_output=True, text=True, timeout=150
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -64,18 +66,48 @@ def shared(cluster, tmp_path_factory):
     mla_writer = hc.make_case(cluster.master, "mla", "page_first", tp_rank=0, tp_size=2)
     mla_writer.fill(seed=200)
     assert mla_writer.write(hc.keys_for("mla-tp2"))
-    steps = [{"op": "read", "kind": k, "layout": lay, "v1": v1, "keys": hc.keys_for(hc.case_id(k, lay, v1))}
-             for k, lay, v1 in CASES]
-    steps += [{"op": "write", "kind": "mha", "layout": "page_first", "tp_rank": 1, "tp_size": 2, "seed": 101,
-               "keys": hc.keys_for("tp2")},
-              {"op": "write", "kind": "mla", "layout": "page_first", "tp_rank": 1, "tp_size": 2, "seed": 201,
-               "keys": hc.keys_for("mla-tp2")},
-              {"op": "read", "kind": "mla", "layout": "page_first", "tp_rank": 1, "tp_size": 2,
-               "keys": hc.keys_for("mla-tp2")}]
+    steps = [
+        {"op": "read", "kind": k, "layout": lay, "v1": v1, "keys": hc.keys_for(hc.case_id(k, lay, v1))}
+        for k, lay, v1 in CASES
+    ]
+    steps += [
+        {
+            "op": "write",
+            "kind": "mha",
+            "layout": "page_first",
+            "tp_rank": 1,
+            "tp_size": 2,
+            "seed": 101,
+            "keys": hc.keys_for("tp2"),
+        },
+        {
+            "op": "write",
+            "kind": "mla",
+            "layout": "page_first",
+            "tp_rank": 1,
+            "tp_size": 2,
+            "seed": 201,
+            "keys": hc.keys_for("mla-tp2"),
+        },
+        {
+            "op": "read",
+            "kind": "mla",
+            "layout": "page_first",
+            "tp_rank": 1,
+            "tp_size": 2,
+            "keys": hc.keys_for("mla-tp2"),
+        },
+    ]
     results = run_worker(tmp_path_factory.mktemp("worker"), cluster.master, steps)
-    yield {"written": written, "read": dict(zip([hc.case_id(*c) for c in CASES], results)),
-           "tp0": tp0.digests(), "tp1_write": results[len(CASES)], "mla_writer": mla_writer.digests(),
-           "mla_rank1_write": results[len(CASES) + 1], "mla_rank1_read": results[len(CASES) + 2]}
+    yield {
+        "written": written,
+        "read": dict(zip([hc.case_id(*c) for c in CASES], results)),
+        "tp0": tp0.digests(),
+        "tp1_write": results[len(CASES)],
+        "mla_writer": mla_writer.digests(),
+        "mla_rank1_write": results[len(CASES) + 1],
+        "mla_rank1_read": results[len(CASES) + 2],
+    }
     tp0.backend.close()
     mla_writer.backend.close()
 
@@ -99,7 +131,7 @@ def test_unknown_extra_config_key_lists_valid_keys():
 
 def test_config_precedence_extra_config_over_env_over_file(tmp_path, monkeypatch):
     cfg_file = tmp_path / "kvp.toml"
-    cfg_file.write_text('[sglang]\nretry_ms = 333\n[sglang.store]\nrpc_timeout_ms = 111\ntransfer_timeout_ms = 222\n')
+    cfg_file.write_text("[sglang]\nretry_ms = 333\n[sglang.store]\nrpc_timeout_ms = 111\ntransfer_timeout_ms = 222\n")
     monkeypatch.setenv("KVPLUGINS_CONFIG", str(cfg_file))
     monkeypatch.setenv("KVPLUGINS_CLIENT_TRANSFER_TIMEOUT_MS", "444")
     monkeypatch.setenv("KVPLUGINS_SGLANG_RETRY_MS", "555")
@@ -109,19 +141,35 @@ def test_config_precedence_extra_config_over_env_over_file(tmp_path, monkeypatch
 
 
 def test_construction_needs_no_store():
-    backend = KVPluginsHiCacheStorage(hc.storage_config("127.0.0.1:1"), {})   # nothing listens on port 1
+    backend = KVPluginsHiCacheStorage(hc.storage_config("127.0.0.1:1"), {})  # nothing listens on port 1
     assert backend.get_stats().prefetch_pgs == []
 
 
 def test_method_signatures_match_installed_hicache_storage():
-    names = ["batch_get_v1", "batch_set_v1", "get", "set", "batch_get", "batch_set", "exists", "batch_exists",
-             "clear", "get_stats", "register_mem_pool_host", "on_host_pools_registered", "register_mem_host_pool_v2",
-             "batch_exists_v2", "batch_get_v2", "batch_set_v2"]
+    names = [
+        "batch_get_v1",
+        "batch_set_v1",
+        "get",
+        "set",
+        "batch_get",
+        "batch_set",
+        "exists",
+        "batch_exists",
+        "clear",
+        "get_stats",
+        "register_mem_pool_host",
+        "on_host_pools_registered",
+        "register_mem_host_pool_v2",
+        "batch_exists_v2",
+        "batch_get_v2",
+        "batch_set_v2",
+    ]
     for name in names:
         ours = inspect.signature(getattr(KVPluginsHiCacheStorage, name))
         theirs = inspect.signature(getattr(HiCacheStorage, name))
-        assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \
-               [(p.name, p.kind, p.default) for p in theirs.parameters.values()], name
+        assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == [
+            (p.name, p.kind, p.default) for p in theirs.parameters.values()
+        ], name
     assert not inspect.isabstract(KVPluginsHiCacheStorage)
 
 
@@ -137,7 +185,7 @@ def test_other_process_reads_pages_bit_exact(shared, kind, layout, v1):
 
 def test_tp2_ranks_keep_their_own_shards(shared, cluster):
     assert shared["tp1_write"]["ok"]
-    assert shared["tp1_write"]["digests"] != shared["tp0"]          # different shards, same page keys
+    assert shared["tp1_write"]["digests"] != shared["tp0"]  # different shards, same page keys
     for rank, expect in ((0, shared["tp0"]), (1, shared["tp1_write"]["digests"])):
         case = hc.make_case(cluster.master, "mha", "page_first", tp_rank=rank, tp_size=2)
         try:
@@ -150,7 +198,7 @@ def test_tp2_ranks_keep_their_own_shards(shared, cluster):
 
 
 def test_mla_only_writer_rank_writes_and_every_rank_reads(shared):
-    assert shared["mla_rank1_write"]["ok"]                            # a no-op success on the non-writer
+    assert shared["mla_rank1_write"]["ok"]  # a no-op success on the non-writer
     assert shared["mla_rank1_read"]["loaded"] == hc.PAGES
     assert shared["mla_rank1_read"]["digests"] == shared["mla_writer"]  # the writer's bytes, not rank 1's
 
@@ -161,8 +209,9 @@ def test_batch_exists_counts_the_stored_prefix(cluster):
     try:
         keys = hc.keys_for("prefix", 5)
         assert case.backend.batch_exists(keys) == 0
-        assert all(case.backend.batch_set_v1([k], case.host_indices(1, 2 + i)) == [True]
-                   for i, k in enumerate(keys) if i != 2)
+        assert all(
+            case.backend.batch_set_v1([k], case.host_indices(1, 2 + i)) == [True] for i, k in enumerate(keys) if i != 2
+        )
         assert case.backend.batch_exists(keys) == 2
         assert case.backend.batch_exists(keys[3:]) == 2
         assert case.backend.exists(keys[3]) and not case.backend.exists(keys[2])
@@ -175,11 +224,13 @@ def test_kv_dtype_layout_and_model_are_in_the_key_namespace(cluster):
     """SGLang issue #33268: keys without the KV dtype collide across deployments. Ours never do."""
     keys = hc.keys_for("namespace", 3)
     writer = hc.make_case(cluster.master, "mha", "page_first")
-    others = [hc.make_case(cluster.master, "mha", "page_first", pool_kw={"dtype": torch.float16}),
-              hc.make_case(cluster.master, "mha", "layer_first"),
-              hc.make_case(cluster.master, "mha", "page_first", model="other/model"),
-              hc.make_case(cluster.master, "mha", "page_first", namespace="tenant-b"),
-              hc.make_case(cluster.master, "mha", "page_first", pool_kw={"page_size": 8})]
+    others = [
+        hc.make_case(cluster.master, "mha", "page_first", pool_kw={"dtype": torch.float16}),
+        hc.make_case(cluster.master, "mha", "layer_first"),
+        hc.make_case(cluster.master, "mha", "page_first", model="other/model"),
+        hc.make_case(cluster.master, "mha", "page_first", namespace="tenant-b"),
+        hc.make_case(cluster.master, "mha", "page_first", pool_kw={"page_size": 8}),
+    ]
     same = hc.make_case(cluster.master, "mha", "page_first")
     try:
         assert writer.write(keys)
@@ -197,7 +248,7 @@ def test_set_skips_stored_pages_and_a_bad_batch_does_not_poison_the_next(cluster
         assert case.backend.batch_set_v1(keys, case.host_indices(3)) == [True] * 3
         assert case.backend.batch_set_v1(keys, case.host_indices(3)) == [True] * 3
         assert case.backend._pages.stats["skipped_pages"] == 3
-        assert case.backend.batch_set_v1(keys, case.host_indices(2)) == [False] * 3   # wrong length: no raise
+        assert case.backend.batch_set_v1(keys, case.host_indices(2)) == [False] * 3  # wrong length: no raise
         more = hc.keys_for("skip-more", 2)
         assert case.backend.batch_set_v1(more, case.host_indices(2)) == [True, True]
         with pytest.raises(ValueError, match="host_indices"):
@@ -228,7 +279,7 @@ def test_store_down_reads_are_misses_and_writes_report_false(tmp_path):
         c.nodes[0].kill()
         c.master_proc.kill()
         try:
-            assert case.read(keys) == 0                                     # controller: 0 pages, no exception
+            assert case.read(keys) == 0  # controller: 0 pages, no exception
             assert case.backend.batch_get_v1(keys, case.host_indices(3)) == [False] * 3
             assert case.backend.batch_exists(keys) == 0 and not case.backend.exists(keys[0])
             assert case.backend.batch_set_v1(keys, case.host_indices(3)) == [False] * 3
@@ -240,10 +291,10 @@ def test_store_down_reads_are_misses_and_writes_report_false(tmp_path):
 
 
 def test_attach_with_store_down_then_serves_once_it_is_up(tmp_path):
-    with socket.socket() as sock:               # a port nothing listens on yet (the master takes it later)
+    with socket.socket() as sock:  # a port nothing listens on yet (the master takes it later)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    case = hc.make_case(f"127.0.0.1:{port}", "mha", "page_first")       # retry_ms=200
+    case = hc.make_case(f"127.0.0.1:{port}", "mha", "page_first")  # retry_ms=200
     keys = hc.keys_for("late", 2)
     try:
         assert case.read(keys) == 0 and not case.write(keys)
@@ -257,14 +308,13 @@ def test_attach_with_store_down_then_serves_once_it_is_up(tmp_path):
 
 
 def test_node_lost_then_replaced_failed_batches_do_not_poison_later_ones(tmp_path):
-    with store_cluster(nodes=1, segment_size="16MiB", master_flags={"heartbeat_timeout_ms": 500},
-                       tmp=tmp_path) as c:
+    with store_cluster(nodes=1, segment_size="16MiB", master_flags={"heartbeat_timeout_ms": 500}, tmp=tmp_path) as c:
         case = hc.make_case(c.master, "mha", "page_head")
         try:
             assert case.write(hc.keys_for("before", 2))
             c.nodes[0].kill()
             assert case.backend.batch_set_v1(hc.keys_for("lost", 2), case.host_indices(2)) == [False, False]
-            assert case.read(hc.keys_for("before", 2)) == 0                  # its only replica is gone
+            assert case.read(hc.keys_for("before", 2)) == 0  # its only replica is gone
             c.add_node("16MiB")
             deadline = time.monotonic() + 10
             while not case.write(hc.keys_for("after", 2)) and time.monotonic() < deadline:
@@ -298,15 +348,17 @@ def test_prefetch_and_backup_threads_share_one_backend(cluster):
             errors.append(e)
 
     backup(0)
-    threads = [threading.Thread(target=run, args=(backup, range(1, 30))),
-               threading.Thread(target=run, args=(prefetch, [0] * 30))]   # reads page set 0 into the same pages
+    threads = [
+        threading.Thread(target=run, args=(backup, range(1, 30))),
+        threading.Thread(target=run, args=(prefetch, [0] * 30)),
+    ]  # reads page set 0 into the same pages
     try:
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
         assert not errors and not any(t.is_alive() for t in threads)
-        assert case.digests(hc.PAGES) == expect                            # reads wrote back the same bytes
+        assert case.digests(hc.PAGES) == expect  # reads wrote back the same bytes
         assert reader.read(hc.keys_for("threads-29")) == hc.PAGES and reader.digests() == expect
     finally:
         case.backend.close()

@@ -4,6 +4,7 @@ Mamba state at the last page) from real host pools; another process (hicache_wor
 ``batch_exists_v2`` with the TRAILING_PAGES policy, then reads both back bit-exact into zeroed pools.
 Not covered: SGLang's HybridCacheController itself (it needs a GPU allocator and process groups), so the
 transfers are built the way it builds them (hicache_v2_case.py)."""
+
 from __future__ import annotations
 
 import json
@@ -42,22 +43,24 @@ def test_other_process_reads_kv_and_side_pool_bit_exact(cluster, tmp_path, side)
     backend.close()
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     job.write_text(json.dumps({"master": cluster.master, "steps": [{"op": "v2read", "side": side, "keys": keys}]}))
-    proc = subprocess.run([sys.executable, str(WORKER), str(job), str(out)], capture_output=True, text=True,
-                          timeout=150)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(job), str(out)], capture_output=True, text=True, timeout=150
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out.read_text())[0]
     assert got["hit"] == v2.PAGES and got["restorable"] == [v2.PAGES]  # only the end where the side pages are
     assert got["pools"] == {"kv": v2.PAGES, side: v2.PAGES}
-    assert got["short_hit"] == 0   # the first 4 pages are all stored as KV, but no window/state ends there
+    assert got["short_hit"] == 0  # the first 4 pages are all stored as KV, but no window/state ends there
     assert got["side_ok"] == [True] * len(t.keys) and got["kv_ok"] == [True] * v2.PAGES
     assert got["kv"] == want_kv and got["side"] == want_side and len(set(want_side)) == len(want_side)
 
 
 def test_hit_policies_follow_sglang():
     from kvplugins.sglang_hicache_backend.pools_v2 import allowed_lengths, combine
+
     stored = [True, False, True, True, False, True]
     assert allowed_lengths("all_pages", 0, stored) == {1}
-    assert allowed_lengths("trailing_pages", 2, stored) == {1, 4}   # [max(0, p-2), p) all stored
+    assert allowed_lengths("trailing_pages", 2, stored) == {1, 4}  # [max(0, p-2), p) all stored
     assert allowed_lengths("trailing_pages", 1, stored) == {1, 3, 4, 6}
     assert combine(6, {"swa": {1, 4}, "mamba": {1, 3, 4, 6}}) == (4, {"swa": 4, "mamba": 6}, [1, 4])
     with pytest.raises(ValueError, match="block_groups"):

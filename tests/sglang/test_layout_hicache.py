@@ -1,4 +1,5 @@
 """kvplugins/layout/hicache.py, the engine-independent part of the HiCache backend (no SGLang needed)."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,21 +26,42 @@ def test_covering_ranges_merge_overlaps_and_neighbours():
 
 
 def _space(**kw):
-    base = dict(model="m", kv_dtype="torch.bfloat16", page_size=64, page_bytes=1 << 20, pool="mha",
-                layout="page_first", tp_rank=1, tp_size=2, pp_rank=0, pp_size=1, shared_across_tp=False,
-                io_format="v1")
+    base = dict(
+        model="m",
+        kv_dtype="torch.bfloat16",
+        page_size=64,
+        page_bytes=1 << 20,
+        pool="mha",
+        layout="page_first",
+        tp_rank=1,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        shared_across_tp=False,
+        io_format="v1",
+    )
     return hicache_keyspace(**{**base, **kw})
 
 
 def test_keyspace_separates_everything_that_shapes_the_bytes():
-    spaces = [_space(), _space(kv_dtype="torch.float8_e4m3fn"), _space(layout="layer_first"), _space(tp_rank=0),
-              _space(pp_rank=1, pp_size=2), _space(io_format="flat"), _space(page_size=32), _space(extra="ns=b")]
+    spaces = [
+        _space(),
+        _space(kv_dtype="torch.float8_e4m3fn"),
+        _space(layout="layer_first"),
+        _space(tp_rank=0),
+        _space(pp_rank=1, pp_size=2),
+        _space(io_format="flat"),
+        _space(page_size=32),
+        _space(extra="ns=b"),
+    ]
     assert len({s.namespace for s in spaces}) == len(spaces)
 
 
 def test_mla_ranks_share_one_keyspace():
-    assert _space(pool="mla", shared_across_tp=True, tp_rank=0).namespace == \
-        _space(pool="mla", shared_across_tp=True, tp_rank=1).namespace
+    assert (
+        _space(pool="mla", shared_across_tp=True, tp_rank=0).namespace
+        == _space(pool="mla", shared_across_tp=True, tp_rank=1).namespace
+    )
 
 
 def test_key_bytes_are_injective():

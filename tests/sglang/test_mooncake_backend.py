@@ -3,6 +3,7 @@ throw-away site dir) makes its ``from mooncake.store import MooncakeDistributedS
 MooncakeStore, attached to a real CPU host pool, writes pages with the controller's zero-copy page IO in one
 process and a second process reads them back bit-exact. The shim's CLI refuses to shadow the real Mooncake wheel
 this venv has (the benchmark anchor) unless forced."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hicache_case as hc  # noqa: E402
 
 WORKER = Path(__file__).with_name("hicache_worker.py")
-PROBE = ("import site, sys; site.addsitedir(sys.argv[1]); import mooncake.store as m; "
-         "print(m.MooncakeDistributedStore.__module__)")
+PROBE = (
+    "import site, sys; site.addsitedir(sys.argv[1]); import mooncake.store as m; "
+    "print(m.MooncakeDistributedStore.__module__)"
+)
 
 
 def which_mooncake(site_dir) -> str:
@@ -35,8 +38,13 @@ def which_mooncake(site_dir) -> str:
 def run_worker(tmp_path: Path, site_dir: Path, master: str, steps: list[dict]) -> list[dict]:
     job, out = tmp_path / "job.json", tmp_path / "out.json"
     job.write_text(json.dumps({"master": master, "steps": steps}))
-    proc = subprocess.run([sys.executable, str(WORKER), str(job), str(out)], capture_output=True, text=True,
-                          timeout=150, env={**os.environ, "KVP_TEST_SITE": str(site_dir)})
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(job), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, "KVP_TEST_SITE": str(site_dir)},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -48,7 +56,7 @@ def test_enable_refuses_to_shadow_a_real_mooncake_unless_forced(tmp_path, capsys
     before = which_mooncake(tmp_path)
     assert cli_main(["mooncake", "enable", "--site-dir", str(tmp_path)]) == 2
     assert "real mooncake-transfer-engine is installed" in capsys.readouterr().err
-    assert which_mooncake(tmp_path) == before                     # untouched
+    assert which_mooncake(tmp_path) == before  # untouched
     assert cli_main(["mooncake", "enable", "--force", "--site-dir", str(tmp_path)]) == 0
     assert "shadowing" in capsys.readouterr().out
     assert which_mooncake(tmp_path) == "kvplugins.mooncake.api"
@@ -58,17 +66,26 @@ def test_enable_refuses_to_shadow_a_real_mooncake_unless_forced(tmp_path, capsys
     assert which_mooncake(tmp_path) == before and not mooncake_shim.status(tmp_path).enabled
 
 
-@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mha", "page_first_direct"), ("mla", "page_first"),
-                                         ("mla", "layer_first")])   # SGLang refuses mooncake + MHA layer_first
+@pytest.mark.parametrize(
+    "kind,layout", [("mha", "page_first"), ("mha", "page_first_direct"), ("mla", "page_first"), ("mla", "layer_first")]
+)  # SGLang refuses mooncake + MHA layer_first
 def test_sglang_mooncake_backend_on_our_store_reads_back_bit_exact(tmp_path, kind, layout):
     site_dir = tmp_path / "site"
     mooncake_shim.enable(site_dir, force=True)
     keys = hc.keys_for(f"mooncake-{kind}-{layout}")
     with store_cluster(nodes=1, segment_size="64MiB", tmp=tmp_path / "store") as c:
-        [w] = run_worker(tmp_path, site_dir, c.master, [{"op": "write", "backend": "mooncake", "kind": kind,
-                                                        "layout": layout, "keys": keys, "seed": 7}])
-        [r] = run_worker(tmp_path, site_dir, c.master, [{"op": "read", "backend": "mooncake", "kind": kind,
-                                                        "layout": layout, "keys": keys}])
-    assert w["store"] == r["store"] == "kvplugins.mooncake.api"    # SGLang's import got our client
+        [w] = run_worker(
+            tmp_path,
+            site_dir,
+            c.master,
+            [{"op": "write", "backend": "mooncake", "kind": kind, "layout": layout, "keys": keys, "seed": 7}],
+        )
+        [r] = run_worker(
+            tmp_path,
+            site_dir,
+            c.master,
+            [{"op": "read", "backend": "mooncake", "kind": kind, "layout": layout, "keys": keys}],
+        )
+    assert w["store"] == r["store"] == "kvplugins.mooncake.api"  # SGLang's import got our client
     assert w["ok"] and r["loaded"] == len(keys)
     assert r["digests"] == w["digests"]

@@ -3,6 +3,7 @@ every worker's keys and checks each byte against the deterministic payload. Prin
 
     python client_worker.py MASTER WORKER_ID WORKERS KEYS
 """
+
 import hashlib
 import json
 import sys
@@ -22,9 +23,9 @@ def payload(worker: int, i: int) -> bytes:
 def main(master: str, me: int, workers: int, keys: int) -> None:
     c = StoreClient(ClientConfig(master=master))
     half = keys // 2
-    for i in range(half):                                           # single puts
+    for i in range(half):  # single puts
         c.put(f"w{me}/k{i}", payload(me, i))
-    rest = list(range(half, keys))                                  # one zero-copy batch
+    rest = list(range(half, keys))  # one zero-copy batch
     datas = [payload(me, i) for i in rest]
     buf = np.frombuffer(b"".join(datas), dtype=np.uint8).copy()
     region = c.register_buffer(buf)

@@ -13,6 +13,7 @@ def cluster():
 @pytest.fixture
 def client(cluster):
     from kvplugins.store import ClientConfig, StoreClient
+
     c = StoreClient(ClientConfig(master=cluster.master, rpc_timeout_ms=3000))
     yield c
     c.close()
@@ -31,4 +32,5 @@ def put_pages():
         keys = [f"{prefix}/{i}" for i in range(n)]
         assert client.batch_put_from(keys, [[(a + i * size, size)] for i in range(n)]) == [None] * n
         return src, dst, b, keys
+
     return put

@@ -7,6 +7,7 @@ Prints one JSON line of counts; ``wrong``, ``lost`` and ``ghost`` must stay 0.
 
     python soak_worker.py MASTER WORKER_ID WORKERS KEYS OPS SEED
 """
+
 import json
 import sys
 import time
@@ -59,7 +60,7 @@ class Worker:
 
     def op_put_from(self, key):
         v = self.value(key)
-        self.buf[:len(v)] = np.frombuffer(v, dtype=np.uint8)
+        self.buf[: len(v)] = np.frombuffer(v, dtype=np.uint8)
         self.c.put_from(key, [(self.base, len(v))])
         self.present.add(key)
 
@@ -68,12 +69,13 @@ class Worker:
 
     def op_get_into(self, key):
         v = self.value(key)
-        off = MAX_SIZE                                   # the second half: never the put_from source
-        self.buf[off:off + len(v)] = 0
+        off = MAX_SIZE  # the second half: never the put_from source
+        self.buf[off : off + len(v)] = 0
 
         def read():
             self.c.get_into(key, [(self.base + off, len(v))])
-            return self.buf[off:off + len(v)].tobytes()
+            return self.buf[off : off + len(v)].tobytes()
+
         self.read(key, read)
 
     def op_exists(self, key):
@@ -94,7 +96,7 @@ class Worker:
         except KeyNotFound:
             self.n["misses"] += 1
             return self.check_presence(key, False)
-        except TransferFailed as e:                      # a read that outlived its lease: refused, not wrong bytes
+        except TransferFailed as e:  # a read that outlived its lease: refused, not wrong bytes
             self.n["lease_refused"] += 1
             self.errors.append(f"{key}: {e}"[:200])
             return

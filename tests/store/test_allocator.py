@@ -1,4 +1,5 @@
 """The segment allocator: first fit, alignment, coalescing, fragmentation (no processes)."""
+
 import random
 
 import pytest
@@ -19,7 +20,7 @@ def test_free_coalesces_both_neighbours():
     a.free(x)
     a.free(z)
     assert a.free_blocks() == 2 and a.largest_free() == 64
-    a.free(y)                       # joins x and z
+    a.free(y)  # joins x and z
     assert a.free_blocks() == 1 and a.largest_free() == 192
     a.free(w)
     assert a.free_blocks() == 1 and a.largest_free() == 256 and a.fragmentation() == 0.0
@@ -30,10 +31,10 @@ def test_fragmentation_blocks_large_alloc_until_neighbours_free():
     offs = [a.alloc(64) for _ in range(8)]
     for o in offs[::2]:
         a.free(o)
-    assert a.free_bytes == 256 and a.alloc(128) is None      # 4 holes of 64: fragmented
+    assert a.free_bytes == 256 and a.alloc(128) is None  # 4 holes of 64: fragmented
     assert a.fragmentation() == pytest.approx(0.75)
     a.free(offs[1])
-    assert a.alloc(128) == 0                                  # holes 0,1,2 merged
+    assert a.alloc(128) == 0  # holes 0,1,2 merged
 
 
 def test_double_free_raises():
@@ -59,7 +60,7 @@ def test_random_churn_keeps_invariants():
             if off is not None:
                 live[off] = a.rounded(size)
     spans = sorted(live.items())
-    assert all(o1 + s1 <= o2 for (o1, s1), (o2, _) in zip(spans, spans[1:]))   # no overlap
+    assert all(o1 + s1 <= o2 for (o1, s1), (o2, _) in zip(spans, spans[1:]))  # no overlap
     assert a.used_bytes == sum(live.values())
     for off in list(live):
         a.free(off)
@@ -68,26 +69,26 @@ def test_random_churn_keeps_invariants():
 
 def test_alloc_many_is_consecutive_and_frees_per_object():
     a = Allocator(4096, align=64)
-    assert a.alloc_many([100, 64, 1]) == [0, 128, 192]          # rounded to 64, back to back
+    assert a.alloc_many([100, 64, 1]) == [0, 128, 192]  # rounded to 64, back to back
     assert a.used_bytes == 256
-    hole = a.alloc(64)                                           # 256
-    a.free(128)                                                  # a 64-byte hole at 128
-    assert a.alloc_many([64, 64]) == [320, 384]                  # needs one block holding both: not the hole
-    assert a.alloc_many([4096]) is None                          # no single block holds it
+    hole = a.alloc(64)  # 256
+    a.free(128)  # a 64-byte hole at 128
+    assert a.alloc_many([64, 64]) == [320, 384]  # needs one block holding both: not the hole
+    assert a.alloc_many([4096]) is None  # no single block holds it
     for off in (0, 192, hole, 320, 384):
         a.free(off)
-    assert a.free_blocks() == 1 and a.used_bytes == 0            # every piece freed on its own, merged
+    assert a.free_blocks() == 1 and a.used_bytes == 0  # every piece freed on its own, merged
 
 
 def test_claim_takes_exactly_the_free_bytes_of_a_range():
     a = Allocator(1024, align=64)
-    x, y = a.alloc(128), a.alloc(128)          # [0, 128) [128, 256)
-    a.free(x)                                  # free: [0, 128), [256, 1024)
-    got = a.claim(64, 512)                     # the free parts inside: [64, 128) and [256, 512)
+    x, y = a.alloc(128), a.alloc(128)  # [0, 128) [128, 256)
+    a.free(x)  # free: [0, 128), [256, 1024)
+    got = a.claim(64, 512)  # the free parts inside: [64, 128) and [256, 512)
     assert got == [64, 256] and [a.size_at(o) for o in got] == [64, 256]
-    assert a.used_bytes == 128 + 64 + 256 and a.free_blocks() == 2          # [0, 64) and [512, 1024) left
+    assert a.used_bytes == 128 + 64 + 256 and a.free_blocks() == 2  # [0, 64) and [512, 1024) left
     assert a.claim(0, 1024) == [0, 512] and a.free_bytes == 0
     assert a.claim(0, 1024) == []
     for off in [64, 256, 0, 512, y]:
         a.free(off)
-    assert a.used_bytes == 0 and a.alloc(1024) == 0                         # everything coalesced back
+    assert a.used_bytes == 0 and a.alloc(1024) == 0  # everything coalesced back

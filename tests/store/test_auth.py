@@ -2,6 +2,7 @@
 clients holding the secret (raw RPC, zmq control plane, transfer TCP); clients with no credential at all, only
 their per-user default secret, or a wrong one are refused on every endpoint with AuthError, nothing is served or written, and the master logs each refused peer's
 address. Loopback is the default bind everywhere; a non-loopback bind without a secret does not start."""
+
 import importlib.util
 import os
 import socket
@@ -44,9 +45,15 @@ def secured(tmp_path_factory):
 def as_peer(monkeypatch, secured):
     """as_peer(None | "right" | "wrong" | "none"): this test process's secret from now on (None: the per-user
     default, which is not the cluster's; "none": no credential at all)."""
+
     def use(which):
-        use_secret(monkeypatch, token="not-the-cluster-secret-0123456789" if which == "wrong" else None,
-                   token_file=secured[1] if which == "right" else None, none=which == "none")
+        use_secret(
+            monkeypatch,
+            token="not-the-cluster-secret-0123456789" if which == "wrong" else None,
+            token_file=secured[1] if which == "right" else None,
+            none=which == "none",
+        )
+
     return use
 
 
@@ -62,7 +69,7 @@ def _wait_log(proc, text: str, timeout_s: float = 5.0) -> str:
 def test_cluster_with_the_secret_works_on_every_connection(secured, as_peer):
     cluster, _ = secured
     as_peer("right")
-    client = StoreClient(ClientConfig(master=cluster.master, transports="tcp"))   # data over authenticated TCP
+    client = StoreClient(ClientConfig(master=cluster.master, transports="tcp"))  # data over authenticated TCP
     try:
         data = os.urandom(100_000)
         client.put("auth/ok", data)
@@ -70,17 +77,18 @@ def test_cluster_with_the_secret_works_on_every_connection(secured, as_peer):
         assert client.batch_get(["auth/ok", "auth/missing"])[0] == data
     finally:
         client.close()
-    ctl = control_client(cluster.master, 3000)          # zmq under CURVE
+    ctl = control_client(cluster.master, 3000)  # zmq under CURVE
     try:
         st = ctl.call("status")
     finally:
         ctl.close()
-    assert [s["name"] for s in st["segments"]] == [cluster.nodes[0].address]   # the node registered over zmq
+    assert [s["name"] for s in st["segments"]] == [cluster.nodes[0].address]  # the node registered over zmq
     assert st["objects"] >= 1
 
 
-@pytest.mark.parametrize("which, reason", [("none", "requires authentication"), (None, "could not prove"),
-                                           ("wrong", "could not prove")])
+@pytest.mark.parametrize(
+    "which, reason", [("none", "requires authentication"), (None, "could not prove"), ("wrong", "could not prove")]
+)
 def test_raw_rpc_refuses_missing_or_wrong_secret(secured, as_peer, which, reason):
     cluster, _ = secured
     as_peer(which)
@@ -110,7 +118,7 @@ def test_zmq_control_plane_refuses_missing_or_wrong_secret(secured, as_peer, whi
     as_peer("right")
     ctl = control_client(cluster.master, 3000)
     try:
-        assert len(ctl.call("status")["segments"]) == 1        # nothing was registered by the refused peer
+        assert len(ctl.call("status")["segments"]) == 1  # nothing was registered by the refused peer
     finally:
         ctl.close()
 
@@ -119,10 +127,15 @@ def test_store_node_without_the_secret_does_not_join(secured, as_peer, tmp_path)
     cluster, _ = secured
     as_peer(None)
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, FILE_ENV)}
-    proc = subprocess.run(CLI + ["store", "--master", cluster.master, "--segment-size", "4MiB"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        CLI + ["store", "--master", cluster.master, "--segment-size", "4MiB"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
-    assert "could not prove" in proc.stderr        # its per-user default secret is not the cluster's
+    assert "could not prove" in proc.stderr  # its per-user default secret is not the cluster's
 
 
 def test_transfer_tcp_refuses_an_unauthenticated_peer(secured, as_peer):
@@ -136,12 +149,12 @@ def test_transfer_tcp_refuses_an_unauthenticated_peer(secured, as_peer):
         desc = SegmentDescriptor.from_wire(wire_desc)
         host, port = desc.transports["tcp"]["host"], desc.transports["tcp"]["port"]
         region = desc.regions[0].region_id
-        evil = np.zeros(desc.regions[0].length, np.uint8).tobytes()[:1 << 20]
-        with socket.create_connection((host, port), timeout=5) as s:       # no handshake: a write frame at once
+        evil = np.zeros(desc.regions[0].length, np.uint8).tobytes()[: 1 << 20]
+        with socket.create_connection((host, port), timeout=5) as s:  # no handshake: a write frame at once
             s.sendall(wire.encode_request(wire.OP_WRITE, 1, [(region, 0, len(evil))]) + evil)
             answer = read_until_closed(s)
-        assert answer[:4] == handshake.MAGIC and answer[5] == handshake.REFUSED   # refused, no frame served
-        assert client.get("auth/victim") == data                              # and nothing was written
+        assert answer[:4] == handshake.MAGIC and answer[5] == handshake.REFUSED  # refused, no frame served
+        assert client.get("auth/victim") == data  # and nothing was written
     finally:
         client.close()
     _wait_log(cluster.nodes[0], "refused transfer connection from 127.0.0.1:")
@@ -152,7 +165,7 @@ def test_a_silent_connection_is_closed_after_the_handshake_deadline(secured):
     host, port = cluster.master.rsplit(":", 1)
     t0 = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=handshake.DEADLINE_S + 5) as s:
-        s.sendall(handshake.MAGIC[:2])                   # starts a handshake, then stalls
+        s.sendall(handshake.MAGIC[:2])  # starts a handshake, then stalls
         answer = read_until_closed(s)
     assert handshake.DEADLINE_S - 0.5 <= time.monotonic() - t0 < handshake.DEADLINE_S + 4
     assert answer == b""
@@ -179,21 +192,28 @@ def test_status_command_takes_the_secret_from_a_flag_or_the_config_file(secured,
 
 def test_non_loopback_bind_needs_the_secret(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, FILE_ENV)}
-    proc = subprocess.run(CLI + ["master", "--host", "0.0.0.0", "--port", "0"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        CLI + ["master", "--host", "0.0.0.0", "--port", "0"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert "--host='0.0.0.0' is not a loopback address" in proc.stderr and FILE_ENV in proc.stderr
     token = tmp_path / "token"
     token.write_text(SECRET)
     token.chmod(0o600)
     port_file = tmp_path / "port"
-    with subprocess.Popen(CLI + ["master", "--host", "0.0.0.0", "--port", "0", "--port-file", str(port_file),
-                                 "--token-file", str(token)], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT) as master:
+    with subprocess.Popen(
+        CLI + ["master", "--host", "0.0.0.0", "--port", "0", "--port-file", str(port_file), "--token-file", str(token)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    ) as master:
         try:
             deadline = time.monotonic() + 20
-            while not (port_file.exists() and port_file.read_text().strip()) and master.poll() is None \
-                    and time.monotonic() < deadline:
+            while (
+                not (port_file.exists() and port_file.read_text().strip())
+                and master.poll() is None
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.05)
             assert master.poll() is None, master.stdout.read().decode()
             assert port_file.read_text().startswith("0.0.0.0:")
@@ -208,8 +228,10 @@ def test_default_binds_are_loopback():
     from kvplugins.security import is_loopback
     from kvplugins.store.config import ClientConfig as Client, MasterConfig, StoreNodeConfig
     from kvplugins.transfer import TransferConfig
-    spec = importlib.util.spec_from_file_location(      # the connector's config alone (its package imports vLLM)
-        "kvp_vllm_config", Path(kvplugins.__file__).parent / "vllm_kv_connector" / "config.py")
+
+    spec = importlib.util.spec_from_file_location(  # the connector's config alone (its package imports vLLM)
+        "kvp_vllm_config", Path(kvplugins.__file__).parent / "vllm_kv_connector" / "config.py"
+    )
     vllm_config = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(vllm_config)
     for cls in (MasterConfig, StoreNodeConfig, Client, TransferConfig, PDProxyConfig, vllm_config.VllmConnectorConfig):

@@ -7,6 +7,7 @@ through real processes for the client's side.
 - A put of a key another writer has started but not committed is never "stored": the master answers PENDING
   and the client waits (bounded) for that writer, then fails with PutPending.
 """
+
 import threading
 import time
 
@@ -32,9 +33,18 @@ class Clock:
 
 def service(slots=10, grace_ms=-1, lease_ms=1000, high=0.9, low=0.5):
     clock = Clock()
-    m = MasterService(MasterConfig(lease_ttl_ms=lease_ms, put_timeout_ms=2000, heartbeat_timeout_ms=10**6,
-                                   eviction_grace_ms=grace_ms, high_watermark=high, low_watermark=low,
-                                   alloc_align=SLOT), clock=clock)
+    m = MasterService(
+        MasterConfig(
+            lease_ttl_ms=lease_ms,
+            put_timeout_ms=2000,
+            heartbeat_timeout_ms=10**6,
+            eviction_grace_ms=grace_ms,
+            high_watermark=high,
+            low_watermark=low,
+            alloc_align=SLOT,
+        ),
+        clock=clock,
+    )
     wire = {"v": 1, "segment_id": "s", "host_id": "h", "transports": {}, "regions": [[1, slots * SLOT, None]]}
     assert m.handle("register_segment", [[wire, 1, slots * SLOT]], {})[0][0] == OK
     return m, clock
@@ -53,16 +63,16 @@ def test_zombies_do_not_make_the_sweep_evict_fresh_puts():
     m, clock = service(slots=10, grace_ms=0)
     for k in "abcdef":
         assert put(m, k) == OK
-    m.handle("get", list("abcdef"), {})                  # readers hold leases
-    m.handle("remove", list("abcdef"), {})               # 6 zombie slots until the leases end
+    m.handle("get", list("abcdef"), {})  # readers hold leases
+    m.handle("remove", list("abcdef"), {})  # 6 zombie slots until the leases end
     clock.t += 0.5
     for k in "wxy":
-        assert put(m, k) == OK                           # 9 of 10 slots used, 6 of them zombies: > 90% is 9.x
+        assert put(m, k) == OK  # 9 of 10 slots used, 6 of them zombies: > 90% is 9.x
     assert put(m, "z") == OK
     m.tick()
     assert m.handle("exists", list("wxyz"), {}) == [True] * 4
     assert m.handle("status", [], {})["evictions"] == 0
-    clock.t += 0.6                                       # leases end: the zombie space returns by itself
+    clock.t += 0.6  # leases end: the zombie space returns by itself
     m.tick()
     assert m.handle("status", [], {})["zombie_bytes"] == 0 and m.handle("exists", list("wxyz"), {}) == [True] * 4
 
@@ -74,35 +84,39 @@ def test_objects_within_the_grace_are_never_evicted_and_a_put_says_why():
     [(code, why)] = m.handle("put_start", [["e", SLOT]], {})
     assert code == STORE_FULL and "eviction grace" in why and f"{4 * SLOT} bytes committed" in why
     m.handle("get", ["a"], {})
-    m.handle("remove", ["a"], {})                        # a zombie until its lease ends
+    m.handle("remove", ["a"], {})  # a zombie until its lease ends
     [(code, why)] = m.handle("put_start", [["e", SLOT]], {})
     assert code == STORE_FULL and f"{SLOT} bytes of 1 removed objects" in why and "back in 1000 ms" in why
-    clock.t += 1.01                                      # lease over: a's space returns, e takes it
+    clock.t += 1.01  # lease over: a's space returns, e takes it
     assert put(m, "e") == OK
     assert m.handle("exists", list("bcde"), {}) == [True] * 4
-    assert put(m, "f") == OK                             # b, c, d are past the grace: LRU b goes
+    assert put(m, "f") == OK  # b, c, d are past the grace: LRU b goes
     assert m.handle("exists", list("bcdef"), {}) == [False, True, True, True, True]
 
 
 def test_a_put_of_a_pending_key_is_never_stored():
     m, clock = service()
-    assert m.handle("put_start", [["k", SLOT]], {})[0][0] == OK          # writer A, not committed
-    [(code, why)] = m.handle("put_start", [["k", SLOT]], {})           # writer B
+    assert m.handle("put_start", [["k", SLOT]], {})[0][0] == OK  # writer A, not committed
+    [(code, why)] = m.handle("put_start", [["k", SLOT]], {})  # writer B
     assert code == PENDING and "retry" in why
-    assert m.handle("put_commit", ["k"], {}) == [[OK, None]]          # A commits
+    assert m.handle("put_commit", ["k"], {}) == [[OK, None]]  # A commits
     assert m.handle("put_start", [["k", SLOT]], {}) == [[EXISTS, "complete"]]
     assert m.handle("put_start", [["j", SLOT]], {})[0][0] == OK
-    assert m.handle("put_abort", ["j"], {}) == [[OK, None]]           # A aborts: B may put
+    assert m.handle("put_abort", ["j"], {}) == [[OK, None]]  # A aborts: B may put
     assert m.handle("put_start", [["j", SLOT]], {})[0][0] == OK
 
 
-OPS = st.lists(st.one_of(
-    st.tuples(st.just("put"), st.integers(0, 11)),
-    st.tuples(st.just("start"), st.integers(0, 11)),       # a writer that dies before committing
-    st.tuples(st.just("get"), st.integers(0, 11)),
-    st.tuples(st.just("remove"), st.integers(0, 11)),
-    st.tuples(st.just("wait"), st.integers(1, 1500)),      # ms: leases, grace and put deadlines run out
-    st.tuples(st.just("tick"), st.just(0))), max_size=80)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 11)),
+        st.tuples(st.just("start"), st.integers(0, 11)),  # a writer that dies before committing
+        st.tuples(st.just("get"), st.integers(0, 11)),
+        st.tuples(st.just("remove"), st.integers(0, 11)),
+        st.tuples(st.just("wait"), st.integers(1, 1500)),  # ms: leases, grace and put deadlines run out
+        st.tuples(st.just("tick"), st.just(0)),
+    ),
+    max_size=80,
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -120,6 +134,7 @@ def test_random_churn_never_evicts_young_objects_nor_loses_acknowledged_puts(ops
         assert obj.born <= now - grace, f"{obj.key} evicted {(now - obj.born) * 1000:.0f} ms after its commit"
         evicted.add(obj.key)
         original(obj, now, urgent)
+
     m.evict = evict
     for op, arg in ops:
         key = f"k{arg}"
@@ -154,6 +169,7 @@ def test_client_waits_for_a_pending_writer_then_reports_put_pending(tmp_path):
     from helpers.cluster import store_cluster
     from kvplugins.store import ClientConfig, StoreClient
     from kvplugins.store.client.rpc import RawRpcClient
+
     with store_cluster(nodes=1, segment_size="4MiB", tmp=tmp_path) as c:
         a = RawRpcClient(c.master, 3000)
         b = StoreClient(ClientConfig(master=c.master, pending_wait_ms=300))
@@ -169,12 +185,13 @@ def test_client_waits_for_a_pending_writer_then_reports_put_pending(tmp_path):
             replies = []
 
             def commit_later():
-                time.sleep(0.1)                         # A commits while B waits
+                time.sleep(0.1)  # A commits while B waits
                 replies.append(a.call("put_commit", ["slow"], {}))
+
             t = threading.Thread(target=commit_later)
             t.start()
             t0 = time.monotonic()
-            b.put("slow", b"B" * 8)                     # returns once A committed: stored (by A)
+            b.put("slow", b"B" * 8)  # returns once A committed: stored (by A)
             t.join()
             assert replies == [[[OK, None]]] and b.exists("slow") and time.monotonic() - t0 < 0.3
         finally:

@@ -1,5 +1,6 @@
 """StoreClient against real master + store node processes on loopback: bytes and zero-copy forms, batch APIs,
 exists/prefix semantics, remove, errors, and several client processes at once with every byte verified."""
+
 import json
 import subprocess
 import sys
@@ -18,7 +19,7 @@ def test_put_get_bytes_roundtrip_and_existing_key_is_noop(client):
     data = np.random.default_rng(1).bytes(300_000)
     client.put("t1/a", data)
     assert client.get("t1/a") == data
-    client.put("t1/a", b"other bytes")                 # complete key: no-op success, old bytes kept
+    client.put("t1/a", b"other bytes")  # complete key: no-op success, old bytes kept
     assert client.get("t1/a") == data
     with pytest.raises(KeyNotFound):
         client.get("t1/missing")
@@ -30,7 +31,7 @@ def test_zero_copy_gather_and_scatter(client):
     client.put_from("t2/x", [(r.addr + 10, 1000), (r.addr + 5000, 3000), (r.addr + 60000, 5)])
     dst = np.zeros(8192, dtype=np.uint8)
     d = client.register_buffer(dst)
-    client.get_into("t2/x", [(d.addr + 4000, 2500), (d.addr, 1505)])       # scatter out of order
+    client.get_into("t2/x", [(d.addr + 4000, 2500), (d.addr, 1505)])  # scatter out of order
     want = np.concatenate([src[10:1010], src[5000:8000], src[60000:60005]])
     assert (dst[4000:6500] == want[:2500]).all() and (dst[:1505] == want[2500:]).all()
     with pytest.raises(SizeMismatch):
@@ -53,7 +54,7 @@ def test_batch_forms_report_per_key(client):
     spans = [[(r.addr, len(datas[0]))], [(r.addr + len(datas[0]), len(datas[1]))], [(r.addr, 7)]]
     res = client.batch_get_into([keys[0], keys[1], keys[2]], spans)
     assert res[:2] == [None, None] and isinstance(res[2], SizeMismatch)
-    assert bytes(dst[:len(datas[0])]) == datas[0]
+    assert bytes(dst[: len(datas[0])]) == datas[0]
     assert isinstance(client.batch_put(["t3/empty"], [b""])[0], StoreError)
 
 
@@ -68,7 +69,7 @@ def test_exists_prefix_and_remove(client):
         client.remove("t4/1")
     res = client.batch_remove(["t4/0", "t4/nope"])
     assert res[0] is None and isinstance(res[1], KeyNotFound)
-    client.put("t4/1", b"again")                        # a removed key can be put again
+    client.put("t4/1", b"again")  # a removed key can be put again
     assert client.get("t4/1") == b"again"
 
 
@@ -83,8 +84,15 @@ def test_stats_count_hits_misses_bytes(client):
 
 def test_concurrent_client_processes_verify_every_byte(cluster):
     workers, keys = 3, 24
-    procs = [subprocess.Popen([sys.executable, str(WORKER), cluster.master, str(w), str(workers), str(keys)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(workers)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), cluster.master, str(w), str(workers), str(keys)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(workers)
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=60)
@@ -96,12 +104,13 @@ def test_concurrent_client_processes_verify_every_byte(cluster):
 
 def test_client_contributes_its_own_segment():
     from helpers.cluster import master_process
+
     with master_process() as m:
         with StoreClient(ClientConfig(master=m.address, segment_size="4MiB")) as c:
             c.put("own/a", b"z" * 100_000)
             assert c.get("own/a") == b"z" * 100_000
             assert c.stats()["segment"]
-            with StoreClient(ClientConfig(master=m.address)) as other:   # another process-less client reads it
+            with StoreClient(ClientConfig(master=m.address)) as other:  # another process-less client reads it
                 assert other.get("own/a") == b"z" * 100_000
 
 
@@ -115,7 +124,7 @@ def test_transfer_transports_env_reaches_a_default_client(cluster, monkeypatch):
         c.put("tenv/a", data)
         assert c.get("tenv/a") == data
         moved = c.transfer_stats()
-    assert moved["tcp"]["bytes"] == 2 * len(data) and "shm" not in moved, moved      # shm not even offered
+    assert moved["tcp"]["bytes"] == 2 * len(data) and "shm" not in moved, moved  # shm not even offered
     with StoreClient(ClientConfig(master=cluster.master, transports="shm,tcp")) as c:
         assert c.get("tenv/a") == data
         moved = c.transfer_stats()

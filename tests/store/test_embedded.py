@@ -1,5 +1,6 @@
 """Embedded mode with real processes: `kvplugins up` (flags printed, discovery file written and removed),
 discover()/ensure_running() (auto-start detached), a client with no master address, and `kvplugins status`."""
+
 import json
 import os
 import signal
@@ -17,15 +18,16 @@ def test_up_prints_flags_serves_and_cleans_up(tmp_path, monkeypatch):
         assert embedded.SGLANG_FLAGS in out and embedded.VLLM_FLAGS in out
         assert embedded.discover(config=UpConfig(discovery_file=str(up.discovery_file))) == up.address
         monkeypatch.setenv("KVPLUGINS_UP_DISCOVERY_FILE", str(up.discovery_file))
-        with StoreClient(ClientConfig(master="")) as c:           # no address: discovered
+        with StoreClient(ClientConfig(master="")) as c:  # no address: discovered
             assert c.master == up.address
             c.put("emb/a", b"hello" * 100)
             assert c.get("emb/a") == b"hello" * 100
-        status = subprocess.run(embedded.CLI + ["status"], capture_output=True, text=True, timeout=30,
-                                env={**os.environ, "COLUMNS": "200"})
+        status = subprocess.run(
+            embedded.CLI + ["status"], capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "200"}
+        )
         assert status.returncode == 0, status.stderr
         assert "segment" in status.stdout and "objects 1" in status.stdout and "hits 1" in status.stdout
-    assert not up.discovery_file.exists()                          # removed on SIGTERM
+    assert not up.discovery_file.exists()  # removed on SIGTERM
     assert up.popen.returncode == 0
 
 
@@ -35,7 +37,7 @@ def test_ensure_running_starts_one_detached_up(tmp_path):
     address = embedded.ensure_running(timeout_s=20, config=cfg)
     pid = json.loads((tmp_path / "up.json").read_text())["pid"]
     try:
-        assert embedded.ensure_running(timeout_s=20, config=cfg) == address     # found, not started twice
+        assert embedded.ensure_running(timeout_s=20, config=cfg) == address  # found, not started twice
         with StoreClient(ClientConfig(master=address)) as c:
             c.put("det/a", b"x")
             assert c.exists("det/a")
@@ -49,5 +51,5 @@ def test_ensure_running_starts_one_detached_up(tmp_path):
 
 def test_stale_discovery_file_is_ignored(tmp_path):
     path = tmp_path / "up.json"
-    path.write_text(json.dumps({"master": "127.0.0.1:1", "pid": 2 ** 22 + 12345}))
+    path.write_text(json.dumps({"master": "127.0.0.1:1", "pid": 2**22 + 12345}))
     assert embedded.discover(config=UpConfig(discovery_file=str(path))) is None

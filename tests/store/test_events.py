@@ -2,6 +2,7 @@
 removes and evictions arrive as vLLM-framed batches that vLLM's own decoder reads; a late subscriber gets the
 replay window; a malformed replay request is dropped without disturbing another subscriber; a subscriber without
 credentials gets nothing; `kvplugins events` prints the stream."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ DECODE = msgspec.msgpack.Decoder(EventBatch)
 
 @pytest.fixture(scope="module")
 def cluster():
-    flags = {"events_port": 0, "events_buffer": 1000, "eviction_grace_ms": 0}     # evictions right after puts
+    flags = {"events_port": 0, "events_buffer": 1000, "eviction_grace_ms": 0}  # evictions right after puts
     with store_cluster(nodes=1, segment_size="8MiB", master_flags=flags) as c:
         yield c
 
@@ -69,23 +70,27 @@ def test_puts_removes_and_evictions_are_published(cluster, endpoints):
     ctx = zmq.Context()
     sub = subscribe(ctx, endpoints[0])
     with StoreClient(ClientConfig(master=cluster.master)) as c:
-        while not c.batch_exists(["probe"])[0]:           # a PUB drops what is sent before the SUB joined
+        while not c.batch_exists(["probe"])[0]:  # a PUB drops what is sent before the SUB joined
             c.put("probe", b"x")
             collect(sub, 1, 200)
         keys = [f"ev/{i}" for i in range(4)]
         assert not any(c.batch_put(keys, [os.urandom(1000) for _ in keys]))
         got = collect(sub, 4)
-        assert [(type(e).__name__, e.block_hashes[0].decode(), e.medium, e.reason) for _, e in got] == \
-            [("BlockStored", k, "CPU", "stored") for k in keys]
-        assert all(c.batch_exists(keys))                  # what the events say, the store holds
+        assert [(type(e).__name__, e.block_hashes[0].decode(), e.medium, e.reason) for _, e in got] == [
+            ("BlockStored", k, "CPU", "stored") for k in keys
+        ]
+        assert all(c.batch_exists(keys))  # what the events say, the store holds
         c.remove(keys[0])
-        (_, ev), = collect(sub, 1)
+        ((_, ev),) = collect(sub, 1)
         assert (type(ev).__name__, ev.block_hashes, ev.reason) == ("BlockRemoved", [keys[0].encode()], "removed")
-        big = [f"fill/{i}" for i in range(12)]           # 12 x 1 MiB into an 8 MiB segment: LRU objects evicted
+        big = [f"fill/{i}" for i in range(12)]  # 12 x 1 MiB into an 8 MiB segment: LRU objects evicted
         for k in big:
             c.put(k, os.urandom(1 << 20))
-        evicted = {e.block_hashes[0].decode() for _, e in collect(sub, 40, 3000)
-                   if type(e).__name__ == "BlockRemoved" and e.reason == "evicted"}
+        evicted = {
+            e.block_hashes[0].decode()
+            for _, e in collect(sub, 40, 3000)
+            if type(e).__name__ == "BlockRemoved" and e.reason == "evicted"
+        }
         assert evicted and not any(c.batch_exists(sorted(evicted)))
     sub.close(0)
     ctx.term()
@@ -93,21 +98,21 @@ def test_puts_removes_and_evictions_are_published(cluster, endpoints):
 
 def test_vllm_decoder_reads_our_batches(cluster, endpoints):
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
-    with StoreClient(ClientConfig(master=cluster.master)) as c:      # at least one batch, whatever ran before
+    with StoreClient(ClientConfig(master=cluster.master)) as c:  # at least one batch, whatever ran before
         c.put("dec/1", b"abc")
     ctx = zmq.Context()
     replay = dealer(ctx, endpoints[1])
     replay.send_multipart((b"", (0).to_bytes(8, "big", signed=True)))
     assert replay.poll(10000)
     _, topic, seq, payload = replay.recv_multipart()
-    batch = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode(payload)      # vLLM's own decoder
+    batch = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode(payload)  # vLLM's own decoder
     assert batch.events and isinstance(batch.events[0], (kv_events.BlockStored, kv_events.BlockRemoved))
     replay.close(0)
     ctx.term()
 
 
 def test_late_subscriber_gets_the_replay_window_and_bad_requests_are_dropped(cluster, endpoints):
-    with StoreClient(ClientConfig(master=cluster.master)) as c:      # two puts before anyone subscribed
+    with StoreClient(ClientConfig(master=cluster.master)) as c:  # two puts before anyone subscribed
         c.put("late/0", b"ab")
         c.put("late/1", b"abc")
     ctx = zmq.Context()
@@ -121,22 +126,39 @@ def test_late_subscriber_gets_the_replay_window_and_bad_requests_are_dropped(clu
             break
         seqs.append(int.from_bytes(seq, "big", signed=True))
         keys |= {e.block_hashes[0].decode() for e in DECODE.decode(payload).events}
-    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[0] == 0      # every batch, in order
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[0] == 0  # every batch, in order
     assert {"late/0", "late/1"} <= keys
-    assert not bad.poll(300)                               # the malformed request got no answer...
+    assert not bad.poll(300)  # the malformed request got no answer...
     with StoreClient(ClientConfig(master=cluster.master)) as c:
-        assert c.get("late/1") == b"abc"                   # ...and the master serves on
+        assert c.get("late/1") == b"abc"  # ...and the master serves on
     bad.close(0), good.close(0)
     ctx.term()
 
 
 def test_cli_prints_the_replayed_stream(cluster, endpoints):
-    with StoreClient(ClientConfig(master=cluster.master)) as c:      # three events, whatever ran before
+    with StoreClient(ClientConfig(master=cluster.master)) as c:  # three events, whatever ran before
         for i in range(3):
             c.put(f"cli/{i}", b"abc")
-    out = subprocess.run([sys.executable, "-m", "kvplugins.cli", "events", "--master", cluster.master, "--replay-from",
-                          "0", "--count", "3", "--timeout-s", "20"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, **cluster.env})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvplugins.cli",
+            "events",
+            "--master",
+            cluster.master,
+            "--replay-from",
+            "0",
+            "--count",
+            "3",
+            "--timeout-s",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **cluster.env},
+    )
     assert out.returncode == 0, out.stderr
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     assert len(lines) == 3 and lines[0]["seq"] == 0 and lines[0]["type"] in ("BlockStored", "BlockRemoved")
@@ -153,7 +175,7 @@ def test_a_subscriber_without_credentials_gets_nothing(cluster, endpoints):
     replay.send_multipart((b"", (0).to_bytes(8, "big", signed=True)))
     with StoreClient(ClientConfig(master=cluster.master)) as c:
         got = []
-        for i in range(50):                               # until the authenticated SUB has joined
+        for i in range(50):  # until the authenticated SUB has joined
             c.put(f"secret/{i}", b"x")
             got += collect(good, 1, 200)
             if got:

@@ -1,6 +1,7 @@
 """Master HA on a real etcd (tests/helpers/etcd.py): election among two `kvplugins master --etcd` processes, a
 SIGKILLed leader replaced mid-workload with no acknowledged object lost (read back byte-exact), a restarted
 single master recovering every committed object's placement. Real processes on loopback, port 0."""
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,11 @@ pytestmark = pytest.mark.timeout(120)
 
 def _master(etcd_url: str, prefix: str, tmp: Path, i: int):
     port_file = tmp / f"master{i}.port"
-    proc = _spawn(["master", "--port", "0", "--port-file", str(port_file), "--etcd", etcd_url, "--etcd-prefix", prefix],
-                  tmp / f"master{i}.log", _env(tmp))
+    proc = _spawn(
+        ["master", "--port", "0", "--port-file", str(port_file), "--etcd", etcd_url, "--etcd-prefix", prefix],
+        tmp / f"master{i}.log",
+        _env(tmp),
+    )
     proc.address = _wait_file(proc, port_file, f"HA master #{i}")
     return proc
 
@@ -42,6 +46,7 @@ def _master(etcd_url: str, prefix: str, tmp: Path, i: int):
 @dataclass
 class _Ha:
     """A real etcd plus the processes started on it (all killed when the test ends)."""
+
     etcd: object
     prefix: str
     tmp: Path
@@ -110,7 +115,7 @@ def test_leader_killed_mid_workload_loses_no_acknowledged_object(tmp):
         ha.node()
         client = StoreClient(ClientConfig(master=address, rpc_timeout_ms=10000))
         acked, failed, killed = {}, [], threading.Event()
-        delay = rng.random() / 50                       # kill 0-20 ms into a batch
+        delay = rng.random() / 50  # kill 0-20 ms into a batch
         killer = threading.Thread(target=lambda: (time.sleep(delay), old.kill(), killed.set()))
         after_kill, reads_after_kill, i = 0, 0, 0
         deadline = time.monotonic() + 40
@@ -124,7 +129,7 @@ def test_leader_killed_mid_workload_loses_no_acknowledged_object(tmp):
                     after_kill += killed.is_set()
                 else:
                     failed.append((key, err))
-            if acked:                                   # reads go on too, and never return wrong bytes
+            if acked:  # reads go on too, and never return wrong bytes
                 key = rng.choice(list(acked))
                 value = client.batch_get([key])[0]
                 assert value == acked[key] or isinstance(value, StoreError), key
@@ -143,7 +148,7 @@ def test_leader_killed_mid_workload_loses_no_acknowledged_object(tmp):
         assert not lost, f"{len(lost)} of {len(acked)} acknowledged objects lost or wrong, e.g. {lost[:3]}"
         with StoreClient(ClientConfig(master=f"{old.address},{standby.address}")) as by_list:
             key = next(iter(acked))
-            assert by_list.get(key) == acked[key]          # a comma list finds the surviving leader
+            assert by_list.get(key) == acked[key]  # a comma list finds the surviving leader
         client.close()
 
 
@@ -166,7 +171,7 @@ def test_restarted_single_master_recovers_every_committed_object(tmp):
         got = client.batch_get(list(data))
         assert [k for k, v in zip(data, got) if v != data[k]] == []
         assert not client.exists("obj0")
-        client.put("after-restart", b"x" * 100)                 # the recovered allocator places new puts
+        client.put("after-restart", b"x" * 100)  # the recovered allocator places new puts
         assert client.batch_get(list(data)[:20]) == list(data.values())[:20]
         assert client.get("after-restart") == b"x" * 100
         client.close()
@@ -182,7 +187,7 @@ def test_etcd_outage_stops_service_then_a_leader_serves_again(tmp):
             data = {f"o{i}": bytes([i]) * (100 + i) for i in range(50)}
             assert client.batch_put(list(data), list(data.values())) == [None] * 50
             ha.etcd.stop()
-            during: list = []           # a put whose etcd writes fail at first: its put_start (a pending put is
+            during: list = []  # a put whose etcd writes fail at first: its put_start (a pending put is
             # journaled, issue #30 item 10) or its commit; it may fail (not acknowledged) but never raise elsewhere
 
             def write_during():
@@ -190,17 +195,18 @@ def test_etcd_outage_stops_service_then_a_leader_serves_again(tmp):
                     during.append(client.batch_put(["during"], [b"d" * 64])[0])
                 except StoreError as e:
                     during.append(e)
+
             writer = threading.Thread(target=write_during)
             writer.start()
             time.sleep(3.0)
-            with pytest.raises(StoreError, match="not leader"):   # its lease could not be refreshed
+            with pytest.raises(StoreError, match="not leader"):  # its lease could not be refreshed
                 RawRpcClient(leader, 2000).call("info")
             ha.etcd.start()
-            client.put("after", b"a" * 64)                     # retried until a leader serves again
+            client.put("after", b"a" * 64)  # retried until a leader serves again
             writer.join()
             assert client.batch_get(list(data)) == list(data.values())
             assert client.get("after") == b"a" * 64
-            if during[0] is None:                               # acknowledged, so it must be there
+            if during[0] is None:  # acknowledged, so it must be there
                 assert client.get("during") == b"d" * 64
         assert all(p.alive() for p in ha.procs)
 
@@ -211,7 +217,7 @@ def test_stopped_leader_hands_over_at_once(tmp):
         old = next(m for m in ha.procs if m.address == first)
         old.kill(signal.SIGTERM)
         assert old.popen.returncode == 0
-        assert (leader_info(ha.address) or {}).get("raw") != first     # its lease was revoked on the way out
+        assert (leader_info(ha.address) or {}).get("raw") != first  # its lease was revoked on the way out
         assert _wait_leader(ha.address)["raw"] == next(m for m in ha.procs if m is not old).address
 
 
@@ -231,10 +237,10 @@ def test_put_start_is_not_sent_twice_to_a_living_leader(tmp, monkeypatch):
     with store_cluster(nodes=1, tmp=tmp) as c:
         client = master_client(f"{c.master},{c.master}", 3000)
         monkeypatch.setattr(RawRpcClient, "call", call_then_fail)
-        assert client.call("exists", ["k"]) == [False]                   # retried once, then answered
+        assert client.call("exists", ["k"]) == [False]  # retried once, then answered
         with pytest.raises(MasterUnreachable, match="put_start: the connection to leader .* not sent again"):
             client.call("put_start", [["k", 64]])
-        assert client.call("put_start", [["k", 64]])[0][0] == PENDING          # the first one was applied
+        assert client.call("put_start", [["k", 64]])[0][0] == PENDING  # the first one was applied
         client.close()
 
 
@@ -266,37 +272,53 @@ def test_journal_batches_are_fenced_and_recovery_rebuilds_placement():
     and hard pins survive into a second guard; a deposed leader's write is refused; recovered allocators hand
     out no used byte twice."""
     with etcd_server() as server:
-        etcd = Etcd(f"http://127.0.0.1:1,{server.url}")        # a member that is down: requests go to the next
+        etcd = Etcd(f"http://127.0.0.1:1,{server.url}")  # a member that is down: requests go to the next
         a, b = EtcdJournal(etcd, "/kvp/unit"), EtcdJournal(etcd, "/kvp/unit")
         assert etcd.create(a.leader_key, b"A", etcd.lease(10))
         first = LeaderGuard(MasterConfig(), a, _Lease(etcd, a.leader_key, b"A"))
-        segs = [n for [(c, n)] in (first.handle("register_segment", [[_wire(s, 1 << 20), 1, 1 << 20]], {})
-                                   for s in ("s1", "s2")) if c == OK]
+        segs = [
+            n
+            for [(c, n)] in (
+                first.handle("register_segment", [[_wire(s, 1 << 20), 1, 1 << 20]], {}) for s in ("s1", "s2")
+            )
+            if c == OK
+        ]
         keys = [f"o{i}" for i in range(300)]
         placed = first.handle("put_start", [[k, 100 + i] for i, k in enumerate(keys)], {"replicas": 2, "pin": 2})
         assert all(code == OK for code, _ in placed)
         assert first.handle("put_commit", keys, {"xxh3": list(range(300))}) == [[OK, None]] * 300
         first.handle("remove", keys[:10], {})
         second = LeaderGuard(MasterConfig(), b, _Lease(etcd, b.leader_key, b"B"))
-        with pytest.raises(ValueError, match="not leader"):        # A holds the key: B's recovery is fenced
+        with pytest.raises(ValueError, match="not leader"):  # A holds the key: B's recovery is fenced
             second.handle("register_segment", [[_wire("s3", 4096), 1, 4096]], {})
         assert not second.elector.leading
-        etcd.txn([], [put_op(a.leader_key, b"B")])                  # B now holds the key
-        with pytest.raises(ValueError, match="not leader"):         # A's next write is refused
+        etcd.txn([], [put_op(a.leader_key, b"B")])  # B now holds the key
+        with pytest.raises(ValueError, match="not leader"):  # A's next write is refused
             first.handle("remove", keys[10:11], {})
         second.elector.leading = True
         got = second.handle("get", keys, {})
-        assert all(c != OK for c, _ in got[:10]) and all(c == OK for c, _ in got[10:])   # o10: remove refused
-        assert [v[3] for _, v in got[10:]] == list(range(10, 300))          # checksums recovered
+        assert all(c != OK for c, _ in got[:10]) and all(c == OK for c, _ in got[10:])  # o10: remove refused
+        assert [v[3] for _, v in got[10:]] == list(range(10, 300))  # checksums recovered
         assert all(second.table.get(k).pin == 2 for k in keys[10:])
-        assert sorted(second.recovered.items()) == [("dropped", 0), ("flight_bytes", 0), ("objects", 290),
-                                                    ("pending", 0), ("segments", 2), ("slab_bytes", 0), ("tasks", 0)]
+        assert sorted(second.recovered.items()) == [
+            ("dropped", 0),
+            ("flight_bytes", 0),
+            ("objects", 290),
+            ("pending", 0),
+            ("segments", 2),
+            ("slab_bytes", 0),
+            ("tasks", 0),
+        ]
         assert [sorted(map(tuple, v)) for _, v in placed[10:]] == [sorted(map(tuple, v[1])) for _, v in got[10:]]
         [(code, fresh)] = second.handle("put_start", [["new", 1 << 19]], {"replicas": 2})
         assert code == OK and len(segs) == 2
-        for seg, _, off in fresh:                    # the recovered allocators never hand out a used byte
-            assert all(seg != s or off >= o + n or o >= off + (1 << 19)
-                       for i, (_, v) in enumerate(placed[10:], 10) for s, _, o in v for n in [100 + i])
+        for seg, _, off in fresh:  # the recovered allocators never hand out a used byte
+            assert all(
+                seg != s or off >= o + n or o >= off + (1 << 19)
+                for i, (_, v) in enumerate(placed[10:], 10)
+                for s, _, o in v
+                for n in [100 + i]
+            )
 
 
 def test_hostile_journal_values_are_skipped_on_recovery(caplog):
@@ -304,6 +326,7 @@ def test_hostile_journal_values_are_skipped_on_recovery(caplog):
     size, a truncated value, a descriptor of the wrong shape) are skipped with a warning naming their key; the
     valid objects recover and serve, and nothing invalid reaches the object table (issue #11)."""
     import msgpack
+
     with etcd_server() as server:
         etcd = Etcd(server.url)
         a, b = EtcdJournal(etcd, "/kvp/hostile"), EtcdJournal(etcd, "/kvp/hostile")
@@ -312,20 +335,29 @@ def test_hostile_journal_values_are_skipped_on_recovery(caplog):
         [(code, seg)] = first.handle("register_segment", [[_wire("s1", 1 << 20), 1, 1 << 20]], {})
         assert first.handle("put_start", [["good", 100]], {})[0][0] == OK
         first.handle("put_commit", ["good"], {"xxh3": [42]})
-        hostile = {"/obj/nested": msgpack.packb([64, [[seg, 0]], [[[[1]]]], 0]),
-                   "/obj/strsize": msgpack.packb(["64", [[seg, 128]], None, 0]),
-                   "/obj/truncated": msgpack.packb([64, [[seg, 256]], 7, 0])[:-3],
-                   "/seg/bad": msgpack.packb([{"v": 1, "segment_id": [1]}, 1, 4096]),
-                   "/flight/notanid": msgpack.packb([seg, 0, 4096]),
-                   "/flight/7": msgpack.packb([seg, 4096, 0])}               # end before start
+        hostile = {
+            "/obj/nested": msgpack.packb([64, [[seg, 0]], [[[[1]]]], 0]),
+            "/obj/strsize": msgpack.packb(["64", [[seg, 128]], None, 0]),
+            "/obj/truncated": msgpack.packb([64, [[seg, 256]], 7, 0])[:-3],
+            "/seg/bad": msgpack.packb([{"v": 1, "segment_id": [1]}, 1, 4096]),
+            "/flight/notanid": msgpack.packb([seg, 0, 4096]),
+            "/flight/7": msgpack.packb([seg, 4096, 0]),
+        }  # end before start
         etcd.txn([], [put_op("/kvp/hostile" + k, v) for k, v in hostile.items()])
         etcd.txn([], [put_op(a.leader_key, b"B")])
         second = LeaderGuard(MasterConfig(), b, _Lease(etcd, b.leader_key, b"B"))
         [(code, value)] = second.handle("get", ["good"], {})
         assert code == OK and value[3] == 42
         assert second.handle("exists", ["nested", "strsize", "truncated"], {}) == [False] * 3
-        assert sorted(second.recovered.items()) == [("dropped", 0), ("flight_bytes", 0), ("objects", 1),
-                                                    ("pending", 0), ("segments", 1), ("slab_bytes", 0), ("tasks", 0)]
+        assert sorted(second.recovered.items()) == [
+            ("dropped", 0),
+            ("flight_bytes", 0),
+            ("objects", 1),
+            ("pending", 0),
+            ("segments", 1),
+            ("slab_bytes", 0),
+            ("tasks", 0),
+        ]
         skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
         assert len(skipped) == 6 and all(any(k in m for m in skipped) for k in hostile)
 
@@ -342,6 +374,7 @@ def _guards(prefix: str, cfg: MasterConfig):
         def fail_over():
             etcd.txn([], [put_op(a.leader_key, b"B")])
             return LeaderGuard(cfg, b, _Lease(etcd, b.leader_key, b"B"))
+
         yield etcd, LeaderGuard(cfg, a, _Lease(etcd, a.leader_key, b"A")), fail_over
 
 
@@ -355,19 +388,19 @@ def test_a_new_leader_learns_pending_puts_and_holds_slabs():
         [(code, locs)] = first.handle("put_start", [["p", mib]], {})
         assert code == OK
         [(code, (_, _, _, start, length, _, _))] = first.handle("reserve", [mib], {})
-        assert code == OK and length == mib                    # a slab is 1/64 of the largest segment
+        assert code == OK and length == mib  # a slab is 1/64 of the largest segment
         second = fail_over()
         fresh = second.handle("put_start", [[f"n{i}", mib] for i in range(63)], {})
         assert second.recovered["pending"] == 1 and second.recovered["slab_bytes"] == mib
         placed = [v[0][2] for c, v in fresh if c == OK]
-        assert len(placed) == 62 and fresh[62][0] == STORE_FULL        # 64 MiB less A's put and A's slab
+        assert len(placed) == 62 and fresh[62][0] == STORE_FULL  # 64 MiB less A's put and A's slab
         assert all(o + mib <= t or t + mib <= o for o in placed for t in (locs[0][2], start))
-        assert second.handle("put_commit", ["p"], {"xxh3": [7]}) == [[OK, None]]    # A's writer commits on B
+        assert second.handle("put_commit", ["p"], {"xxh3": [7]}) == [[OK, None]]  # A's writer commits on B
         assert second.handle("get", ["p"], {})[0][1][1] == [list(locs[0])]
         assert etcd.range_prefix("/kvp/pend/slab/") == []
         second.handle("put_abort", [f"n{i}" for i in range(62)], {})
         time.sleep(cfg.put_timeout_ms / 1000 + 0.2)
-        second.tick()                                           # past put_timeout_ms: the slab's bytes are free
+        second.tick()  # past put_timeout_ms: the slab's bytes are free
         assert [c for c, _ in second.handle("put_start", [[f"m{i}", mib] for i in range(63)], {})] == [OK] * 63
 
 
@@ -391,13 +424,13 @@ def test_a_new_leader_answers_replica_tasks_and_holds_a_copy_in_flight():
         first.handle("tier_done", [["migrate", "k1", True, None, cmd[7]]], {"segment": s1})
         [(code, t2)] = first.handle("task_create", [["copy", "k2", "", [s2]]], {})
         [(_, ([cmd2], _))] = first.handle("tier_poll", [s1], {})
-        dest = cmd2[6]                                  # the offset on s2 A's node may still write k2 to
+        dest = cmd2[6]  # the offset on s2 A's node may still write k2 to
         [(_, row1)], [(_, row2)] = (first.handle("task_query", [t], {}) for t in (t1, t2))
         assert (row1[3], row2[3]) == ("SUCCESS", "PROCESSING")
         second = fail_over()
         [(c1, again1)], [(c2, again2)] = (second.handle("task_query", [t], {}) for t in (t1, t2))
         assert second.recovered["tasks"] == 2 and (c1, c2) == (OK, OK)
-        assert again1 == row1                                      # same id, kind, status, times, source
+        assert again1 == row1  # same id, kind, status, times, source
         assert again2[3] == "FAILED" and "failed over" in again2[7] and again2[4] == row2[4]
         assert any(r[0] == s2 for r in second.handle("get", ["k1"], {})[0][1][1])  # A's finished copy stays
         placed = second.handle("put_start", [[f"n{i}", 4 * kib] for i in range(32)], {"segment": s2})
@@ -417,11 +450,12 @@ def test_a_new_leader_holds_disk_tier_flights_in_flight():
         first.handle("put_commit", ["k1"], {"xxh3": [1]})
         [(_, s2)] = first.handle("register_segment", [[_wire("s2", 64 * kib), 1, 64 * kib]], {})
         assert first.handle("tier_register", [[s1, "", 0, [], "d1"]], {})[0][0] == OK
-        assert first.handle("tier_register", [[s2, "127.0.0.1:1", 1 << 20, [["disk", 4 * kib, 9]], "d2"]],
-                            {})[0][0] == OK
+        assert (
+            first.handle("tier_register", [[s2, "127.0.0.1:1", 1 << 20, [["disk", 4 * kib, 9]], "d2"]], {})[0][0] == OK
+        )
         [(code, (off, _))] = first.handle("promote_start", ["disk"], {"segment": s2})
         assert code == OK
-        first.handle("promote_commit", [["disk", True, None]], {"segment": s2})    # ended: record gone
+        first.handle("promote_commit", [["disk", True, None]], {"segment": s2})  # ended: record gone
         assert etcd.range_prefix("/kvp/flight/flight/") == []
         first.handle("put_start", [["d2", 4 * kib]], {})
         first.handle("put_commit", ["d2"], {})
@@ -432,10 +466,10 @@ def test_a_new_leader_holds_disk_tier_flights_in_flight():
         assert first.handle("drain", [s1], {}) == [[OK, None]]
         [(_, (cmds, _))] = first.handle("tier_poll", [s1], {})
         assert {c[1] for c in cmds} >= {"k1"} and all(c[0] == "migrate" and c[4] == s2 for c in cmds)
-        dests = [c[6] for c in cmds] + [promote_off]     # where A's nodes may still write
+        dests = [c[6] for c in cmds] + [promote_off]  # where A's nodes may still write
         assert len(etcd.range_prefix("/kvp/flight/flight/")) == len(dests)
         second = fail_over()
-        assert second.handle("get", ["k1"], {})[0][1][1][0][0] == s1          # not moved: A's copy never landed
+        assert second.handle("get", ["k1"], {})[0][1][1][0][0] == s1  # not moved: A's copy never landed
         placed = second.handle("put_start", [[f"n{i}", 4 * kib] for i in range(32)], {"segment": s2})
         assert second.recovered["flight_bytes"] == 4 * kib * len(dests)
         assert etcd.range_prefix("/kvp/flight/flight/") == []

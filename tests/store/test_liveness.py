@@ -3,6 +3,7 @@ segment silent past heartbeat_timeout_ms gets no placement and its replicas are 
 the suspect grace resumes it with every object, removal after the grace keeps a manifest that only the same
 process (owner token) and size get back, a key put again meanwhile wins, and a manifest ages out.
 tests/security/test_paused_node.py does the same with real processes and SIGSTOP."""
+
 import pytest
 
 from kvplugins.store.config import MasterConfig
@@ -22,8 +23,16 @@ class Clock:
 
 @pytest.fixture
 def m():
-    svc = MasterService(MasterConfig(heartbeat_timeout_ms=int(TIMEOUT_S * 1000), suspect_grace_ms=int(GRACE_S * 1000),
-                                     lease_ttl_ms=1000, put_timeout_ms=2000, alloc_align=64), clock=Clock())
+    svc = MasterService(
+        MasterConfig(
+            heartbeat_timeout_ms=int(TIMEOUT_S * 1000),
+            suspect_grace_ms=int(GRACE_S * 1000),
+            lease_ttl_ms=1000,
+            put_timeout_ms=2000,
+            alloc_align=64,
+        ),
+        clock=Clock(),
+    )
     return svc
 
 
@@ -50,7 +59,7 @@ def silence(m, seconds: float, *beating: str) -> None:
 
 def test_silent_segment_is_suspect_not_read_not_placed_and_resumes(m):
     (_, s1), (_, s2) = reg(m, "s1"), reg(m, "s2")
-    on = {put(m, f"k{i}")[0][0]: f"k{i}" for i in range(4)}      # placement alternates: keys on both
+    on = {put(m, f"k{i}")[0][0]: f"k{i}" for i in range(4)}  # placement alternates: keys on both
     assert set(on) == {s1, s2}
     silence(m, TIMEOUT_S + 1, s2)
     st = m.handle("status", [], {})
@@ -60,13 +69,13 @@ def test_silent_segment_is_suspect_not_read_not_placed_and_resumes(m):
     assert m.handle("get", [key1], {}) == [[NOT_FOUND, None]] and m.handle("get", [key2], {})[0][0] == OK
     assert m.handle("exists", [key1, key2], {}) == [False, True]
     assert m.handle("exists_prefix", [key2, key1, key2], {}) == 1
-    assert m.handle("get", [key1, key2], {"cols": 1})[1][0] == -1          # the column answer: a miss too
+    assert m.handle("get", [key1, key2], {"cols": 1})[1][0] == -1  # the column answer: a miss too
     for i in range(20):
-        assert put(m, f"new{i}")[0][0] == s2                             # no placement on the suspect one
+        assert put(m, f"new{i}")[0][0] == s2  # no placement on the suspect one
     m.handle("heartbeat", [s1], {})
     assert m.handle("get", [key1], {})[0][0] == OK and m.handle("exists", [key1], {}) == [True]
     assert not any(s["suspect"] for s in m.handle("status", [], {})["segments"])
-    assert put(m, "back")[0][0] == s1                                     # most free space: placed again
+    assert put(m, "back")[0][0] == s1  # most free space: placed again
 
 
 def test_reads_go_to_the_live_replica(m):
@@ -96,18 +105,18 @@ def test_removed_after_grace_then_same_process_gets_its_objects_back(m):
     st = m.handle("status", [], {})
     assert [s["name"] for s in st["segments"]] == [s2] and st["objects_lost"] == len(mine) > 0
     assert st["manifest_objects"] == len(mine)
-    again = sorted(mine)[0]                       # put again meanwhile (on s2): that copy wins
+    again = sorted(mine)[0]  # put again meanwhile (on s2): that copy wins
     put(m, again, 50)
-    assert reg(m, "s1", owner="A") == [OK, s1]    # the same process re-registers (its heartbeat got NOT_FOUND)
+    assert reg(m, "s1", owner="A") == [OK, s1]  # the same process re-registers (its heartbeat got NOT_FOUND)
     st = m.handle("status", [], {})
     assert st["objects_restored"] == len(mine) - 1 and st["manifest_objects"] == 0
     for key in mine:
         [(code, answer)] = m.handle("get", [key], {})
         if key == again:
             assert answer[0] == 50 and answer[1][0][0] == s2
-        else:                                     # same offset, size and checksum as before
+        else:  # same offset, size and checksum as before
             assert (code, answer[0], answer[1], answer[3]) == (OK, *gets[key][1][:2], gets[key][1][3])
-    fresh = put(m, "after", 100)                  # the restored ranges are allocated: never handed out again
+    fresh = put(m, "after", 100)  # the restored ranges are allocated: never handed out again
     assert all((fresh[0][0], fresh[0][2]) != (loc[0], loc[2]) for k, loc in mine.items() if k != again)
 
 
@@ -115,7 +124,7 @@ def test_another_process_or_size_gets_nothing_back(m):
     (_, s1), (_, s2) = reg(m, "s1", owner="A"), reg(m, "s2", owner="B")
     keys = [k for k in (f"k{i}" for i in range(6)) if put(m, k)[0][0] == s1]
     silence(m, TIMEOUT_S + GRACE_S + 1, s2)
-    assert reg(m, "s1", owner="intruder") == [OK, s1]          # the name is free once removed
+    assert reg(m, "s1", owner="intruder") == [OK, s1]  # the name is free once removed
     assert m.handle("exists", keys, {}) == [False] * len(keys)
     assert m.handle("status", [], {})["objects_restored"] == 0 and len(m.manifests) == 0
 

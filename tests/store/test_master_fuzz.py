@@ -10,6 +10,7 @@ sentinel objects stored before the run read back byte for byte after every refus
 is still valid, such as remove_all with force=True, may remove them: they are put back), and (every few examples) a normal client's put
 and get of fresh bytes are right. Bounded: EXAMPLES per op (KVPLUGINS_FUZZ_EXAMPLES overrides), no deadline.
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,25 +35,42 @@ from kvplugins.store.client.rpc import RawRpcClient
 RIDS = itertools.count(1)
 EXAMPLES = int(os.environ.get("KVPLUGINS_FUZZ_EXAMPLES", "60"))
 NOSEG = "fz-no-such-segment"
-WIRE = {"v": 1, "segment_id": "fz-bogus", "host_id": "fz", "transports": {"tcp": {"host": "127.0.0.1", "port": 1}},
-        "regions": [[1, 4096, None]]}
+WIRE = {
+    "v": 1,
+    "segment_id": "fz-bogus",
+    "host_id": "fz",
+    "transports": {"tcp": {"host": "127.0.0.1", "port": 1}},
+    "regions": [[1, 4096, None]],
+}
 TEMPLATES = {
-    "info": ([], {}), "status": ([], {}),
+    "info": ([], {}),
+    "status": ([], {}),
     "put_start": ([["fz/a", 64]], {"replicas": 1, "segment": "", "pin": 0, "pin_ttl_ms": 0}),
-    "put_commit": (["fz/a"], {"xxh3": [7]}), "put_abort": (["fz/b"], {}),
-    "reserve": ([4096], {"release": [1]}), "put": ([["fz/c", 64, 1, 0]], {"xxh3": [7]}),
-    "get": (["fz/a"], {"cols": 1}), "exists": (["fz/a"], {}), "exists_prefix": (["fz/a"], {}),
-    "remove": (["fz/zz"], {}), "get_size": (["fz/a"], {}), "remove_checked": (["fz/zz"], {"force": False}),
-    "remove_by_regex": (["^fz/none$"], {"force": False}), "remove_all": ([], {"force": False}),
+    "put_commit": (["fz/a"], {"xxh3": [7]}),
+    "put_abort": (["fz/b"], {}),
+    "reserve": ([4096], {"release": [1]}),
+    "put": ([["fz/c", 64, 1, 0]], {"xxh3": [7]}),
+    "get": (["fz/a"], {"cols": 1}),
+    "exists": (["fz/a"], {}),
+    "exists_prefix": (["fz/a"], {}),
+    "remove": (["fz/zz"], {}),
+    "get_size": (["fz/a"], {}),
+    "remove_checked": (["fz/zz"], {"force": False}),
+    "remove_by_regex": (["^fz/none$"], {"force": False}),
+    "remove_all": ([], {"force": False}),
     "report_corrupt": ([["fz/a", NOSEG, 0, 1]], {}),
     "register_segment": ([[WIRE, 1, 4096]], {}),
-    "heartbeat": ([NOSEG], {}), "unregister": ([NOSEG], {}), "describe": ([NOSEG], {}), "drain": ([NOSEG], {}),
+    "heartbeat": ([NOSEG], {}),
+    "unregister": ([NOSEG], {}),
+    "describe": ([NOSEG], {}),
+    "drain": ([NOSEG], {}),
     "tier_poll": ([NOSEG], {}),
     "tier_register": ([[NOSEG, "127.0.0.1:1", 1024, [["fz/f", 64, 7]], "disk"]], {"more": 0}),
     "tier_done": ([["offload", "fz/a", True, 5, 0]], {"segment": NOSEG}),
     "promote_start": (["fz/a"], {"segment": NOSEG}),
     "promote_commit": ([["fz/a", True, None]], {"segment": NOSEG}),
-    "task_create": ([["copy", "fz/a", "", [NOSEG]]], {}), "task_query": ([[1, 2]], {}),
+    "task_create": ([["copy", "fz/a", "", [NOSEG]]], {}),
+    "task_query": ([[1, 2]], {}),
 }
 
 
@@ -63,8 +81,23 @@ def nested(depth: int):
     return v
 
 
-BAD = [None, True, -1, 0, -(1 << 63), (1 << 64) - 1, 1.5, "", "x" * 100_000, b"\xff" * 100_000, nested(200),
-       {}, [], {"k": 1}, [1, "a", None]]
+BAD = [
+    None,
+    True,
+    -1,
+    0,
+    -(1 << 63),
+    (1 << 64) - 1,
+    1.5,
+    "",
+    "x" * 100_000,
+    b"\xff" * 100_000,
+    nested(200),
+    {},
+    [],
+    {"k": 1},
+    [1, "a", None],
+]
 
 
 def paths(obj, at=()):
@@ -154,27 +187,30 @@ def test_fuzz_op(live, op):
     conn = [connect(cluster.master)]
 
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(path=st.sampled_from(where), kind=st.sampled_from(["replace", "missing", "extra", "duplicate"]),
-           bad=st.sampled_from(BAD))
+    @given(
+        path=st.sampled_from(where),
+        kind=st.sampled_from(["replace", "missing", "extra", "duplicate"]),
+        bad=st.sampled_from(BAD),
+    )
     def one(path, kind, bad):
         req = mutate(template, path, kind, bad)
-        assert client.batch_get(list(sentinels)) == list(sentinels.values())     # leased, and unchanged
+        assert client.batch_get(list(sentinels)) == list(sentinels.values())  # leased, and unchanged
         ok = False
-        if len(req) != 2:                          # the envelope itself broken: that connection is closed
+        if len(req) != 2:  # the envelope itself broken: that connection is closed
             send(conn[0], [protocol.VERSION, next(RIDS), op, *req])
             assert conn[0].recv(1) == b""
             conn[0].close()
             conn[0] = connect(cluster.master)
         else:
             ok, payload = raw_call(conn[0], op, *req)
-            assert ok or f"{op}: " in payload, payload                 # a refusal names the op (and the field)
-        if ok:               # a still valid request ran (e.g. remove_all with force=True): restore the sentinels
+            assert ok or f"{op}: " in payload, payload  # a refusal names the op (and the field)
+        if ok:  # a still valid request ran (e.g. remove_all with force=True): restore the sentinels
             client.batch_put(list(sentinels), list(sentinels.values()))
-        else:                # a refused one changed nothing
+        else:  # a refused one changed nothing
             assert client.batch_get(list(sentinels)) == list(sentinels.values())
-        assert raw_call(conn[0], "exists", ["sentinel/0"], {}) == (True, [True])   # the connection serves on
+        assert raw_call(conn[0], "exists", ["sentinel/0"], {}) == (True, [True])  # the connection serves on
         for seg in {s["name"] for s in rpc.call("status")["segments"]} - segments:
-            rpc.call("unregister", [seg])                                  # a valid bogus segment: take it out
+            rpc.call("unregister", [seg])  # a valid bogus segment: take it out
         count[0] += 1
         if count[0] % 5 == 0:
             data = os.urandom(3000)

@@ -2,6 +2,7 @@
 message or burst of connections kills the master, stalls it, or grows its memory without bound; an established
 client keeps being served (bounded p99) and gets the right bytes afterwards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,7 @@ from kvplugins.store.wire.protocol import HEADER, INVALID, VERSION
 from kvplugins.store.client.rpc import RawRpcClient
 from kvplugins.store.client.connect import control_client
 
-P99_BOUND_S = 0.5          # another client's op latency while an attack runs (normally ~0.1 ms here)
+P99_BOUND_S = 0.5  # another client's op latency while an attack runs (normally ~0.1 ms here)
 
 
 def rss_mb(pid: int) -> float:
@@ -52,7 +53,7 @@ class Prober:
     def __init__(self, address: str):
         self.rpc = RawRpcClient(address, 5000)
         self.lat: list[float] = []
-        self.spans: list[tuple[float, float]] = []       # (start, end) of each probe, perf_counter s
+        self.spans: list[tuple[float, float]] = []  # (start, end) of each probe, perf_counter s
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -88,8 +89,10 @@ class Prober:
 @pytest.fixture(scope="module")
 def cluster():
     flags = {"frame_timeout_ms": 1000, "partial_frames_budget": "96MiB", "reply_buffer": "1MiB"}
-    with store_cluster(nodes=1, segment_size="16MiB", master_flags=flags) as c, \
-            StoreClient(ClientConfig(master=c.master)) as client:
+    with (
+        store_cluster(nodes=1, segment_size="16MiB", master_flags=flags) as c,
+        StoreClient(ClientConfig(master=c.master)) as client,
+    ):
         c.client = client
         yield c
         assert c.master_proc.alive(), c.master_proc.log_tail()
@@ -109,7 +112,7 @@ def test_crafted_checksum_is_refused_and_never_stored(cluster, plane):
             rpc.call("put_commit", [key], {"xxh3": [nested]})
         rpc.call("put_commit", [key], {"xxh3": [12345]})
         [(code, value)] = rpc.call("get", [key])
-        assert code == 0 and value[3] == 12345          # the valid checksum, not the crafted one
+        assert code == 0 and value[3] == 12345  # the valid checksum, not the crafted one
     finally:
         rpc.close()
     assert cluster.master_proc.alive()
@@ -122,7 +125,7 @@ def test_string_size_in_tier_register_is_refused_whole(cluster):
     try:
         with pytest.raises(StoreError, match=r"tier_register: entries: Expected `int`, got `str` - at `\$\[0\]"):
             rpc.call("tier_register", [[seg, "127.0.0.1:1", 1 << 20, [["k", "12", 7]], "d"]])
-        time.sleep(0.3)                                  # several ticks: tiering.lose_node used to crash here
+        time.sleep(0.3)  # several ticks: tiering.lose_node used to crash here
         assert rpc.call("status")["disk_objects"] == 0
     finally:
         rpc.close()
@@ -136,7 +139,7 @@ def test_catastrophic_regex_runs_in_linear_time(cluster):
     try:
         t0 = time.monotonic()
         assert rpc.call("remove_by_regex", ["^(a+)+$"], {"force": True}) == [0, 1]
-        assert time.monotonic() - t0 < 2.0               # backtracking re took ~71 s on this key
+        assert time.monotonic() - t0 < 2.0  # backtracking re took ~71 s on this key
         code, reason = rpc.call("remove_by_regex", [r"(a)\1"])
         assert code == INVALID and "does not compile under RE2" in reason
     finally:
@@ -158,7 +161,7 @@ def test_huge_batch_is_refused_naming_the_limit(cluster):
 def test_unread_replies_are_bounded_and_the_peer_dropped(cluster):
     pid = cluster.master_proc.popen.pid
     base = rss_mb(pid)
-    seg = cluster.nodes[0].address             # describe: each ~30-byte entry answers a ~200-byte descriptor
+    seg = cluster.nodes[0].address  # describe: each ~30-byte entry answers a ~200-byte descriptor
     body = msgpack.packb([VERSION, 1, "describe", [seg] * 2000, {}])
     req = HEADER.pack(len(body)) + body
     with Prober(cluster.master) as probe, contextlib.closing(connect(cluster.master)) as s:
@@ -167,20 +170,20 @@ def test_unread_replies_are_bounded_and_the_peer_dropped(cluster):
         sent, peak, blocked = 0, base, None
         while sent < len(stream) and (blocked is None or time.monotonic() - blocked < 1.5):
             try:
-                sent += s.send(stream[sent:sent + (1 << 20)])
+                sent += s.send(stream[sent : sent + (1 << 20)])
                 blocked = None
-            except BlockingIOError:                   # the master stopped reading us: backpressure
+            except BlockingIOError:  # the master stopped reading us: backpressure
                 blocked = blocked or time.monotonic()
                 time.sleep(0.01)
             except (ConnectionResetError, BrokenPipeError):
-                break                                 # already dropped for not reading its replies
+                break  # already dropped for not reading its replies
             peak = max(peak, rss_mb(pid))
-        assert sent < len(stream)                     # the master stopped reading a peer that reads nothing
-        time.sleep(2.0)                               # frame_timeout 1 s with no reply read: dropped
+        assert sent < len(stream)  # the master stopped reading a peer that reads nothing
+        time.sleep(2.0)  # frame_timeout 1 s with no reply read: dropped
         peak = max(peak, rss_mb(pid))
         s.settimeout(5)
         with contextlib.suppress(ConnectionResetError):
-            while s.recv(1 << 20):                    # what was sent before the drop, then EOF (or reset)
+            while s.recv(1 << 20):  # what was sent before the drop, then EOF (or reset)
                 pass
     probe.check()
     assert peak - base < 64, f"RSS grew {peak - base:.0f} MB (was +215 MB before the limit)"
@@ -201,7 +204,7 @@ def test_partial_frames_share_a_budget(cluster):
                 for _ in range(40):
                     s.sendall(chunk)
             peak = max(peak, rss_mb(pid))
-        time.sleep(1.5)                               # slowloris: each partial frame times out after 1 s
+        time.sleep(1.5)  # slowloris: each partial frame times out after 1 s
         peak = max(peak, rss_mb(pid))
         for s in socks:
             s.close()
@@ -214,10 +217,10 @@ def test_partial_frames_share_a_budget(cluster):
 
 def test_idle_and_slow_connections_are_closed(cluster):
     with contextlib.closing(connect(cluster.master)) as slow:
-        slow.sendall(HEADER.pack(100) + b"\x95")      # half a frame, then nothing
+        slow.sendall(HEADER.pack(100) + b"\x95")  # half a frame, then nothing
         slow.settimeout(5)
         t0 = time.monotonic()
-        assert slow.recv(10) == b""                   # closed by the master
+        assert slow.recv(10) == b""  # closed by the master
         assert time.monotonic() - t0 < 3
 
 
@@ -233,13 +236,13 @@ def test_fd_exhaustion_keeps_serving_established_clients():
                 with contextlib.suppress(OSError):
                     flood.append(connect(m.address, authenticate=False))
             time.sleep(0.3)
-            for _ in range(20):                       # the established client is served throughout
+            for _ in range(20):  # the established client is served throughout
                 assert est.call("exists", ["x"]) == [False]
         finally:
             for s in flood:
                 s.close()
         time.sleep(1.0)
-        fresh = RawRpcClient(m.address, 3000)          # recovered: new connections are accepted again
+        fresh = RawRpcClient(m.address, 3000)  # recovered: new connections are accepted again
         assert fresh.call("exists", ["x"]) == [False]
         fresh.close()
         est.close()
@@ -249,6 +252,7 @@ def test_fd_exhaustion_keeps_serving_established_clients():
 
 def test_connection_caps_refuse_with_the_reason():
     from test_metrics import endpoint_url, value, wait_for
+
     with master_process(max_connections_per_peer=3, metrics_port=0) as m:
         held = [RawRpcClient(m.address, 3000) for _ in range(3)]
         for c in held:
@@ -258,7 +262,7 @@ def test_connection_caps_refuse_with_the_reason():
             extra.call("exists", ["x"])
         held[0].close()
         time.sleep(0.3)
-        assert extra.call("exists", ["x"]) == [False]          # room again
+        assert extra.call("exists", ["x"]) == [False]  # room again
         seen = wait_for(endpoint_url(m), lambda s: value(s, "kvplugins_master_connections") == 3)
         assert value(seen, "kvplugins_master_connections_refused_total") == 1
         assert value(seen, "kvplugins_master_accept_failures_total") == 0
@@ -271,10 +275,12 @@ def test_a_bug_in_one_subsystem_is_contained():
     the tick and one op raise; the loop counts them and goes on serving."""
     from kvplugins.store.config import MasterConfig
     from kvplugins.store.master.rpc_server import RpcServer
+
     server = RpcServer(MasterConfig(tick_ms=20))
 
     def broken(*args):
         raise RuntimeError("injected bug")
+
     server.service.tick = broken
     server.service._ops["exists_prefix"] = broken
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -284,7 +290,7 @@ def test_a_bug_in_one_subsystem_is_contained():
         time.sleep(0.2)
         with pytest.raises(StoreError, match="exists_prefix: internal error RuntimeError"):
             rpc.call("exists_prefix", ["a"])
-        assert rpc.call("exists", ["a"]) == [False]          # same connection, still served
+        assert rpc.call("exists", ["a"]) == [False]  # same connection, still served
         stats = server.guard_stats()
         assert stats["internal_errors"]["tick"] >= 3 and stats["internal_errors"]["op"] == 1
     finally:
@@ -299,7 +305,7 @@ def test_admin_scan_yields_to_other_clients():
     with store_cluster(nodes=1, segment_size="32MiB") as c:
         rpc = RawRpcClient(c.master, 30000, "admin")
         n = 200_000
-        for i in range(0, n, 50_000):                  # metadata only: no bytes are needed to be scanned
+        for i in range(0, n, 50_000):  # metadata only: no bytes are needed to be scanned
             keys = [f"scan/{j}" for j in range(i, i + 50_000)]
             assert all(code == 0 for code, _ in rpc.call("put_start", [[k, 1] for k in keys]))
             rpc.call("put_commit", keys)
@@ -308,6 +314,7 @@ def test_admin_scan_yields_to_other_clients():
         def scan():
             result = rpc.call("remove_all", [], {"force": True})
             done.append((time.perf_counter(), result))
+
         scanner = threading.Thread(target=scan)
         with Prober(c.master) as probe:
             time.sleep(0.2)
@@ -316,7 +323,7 @@ def test_admin_scan_yields_to_other_clients():
             scanner.join(60)
         t1, result = done[0]
         assert result == [0, n]
-        inside = [x for x in probe.spans if x[0] >= t0 and x[1] <= t1]     # probes entirely inside the scan
+        inside = [x for x in probe.spans if x[0] >= t0 and x[1] <= t1]  # probes entirely inside the scan
         assert inside, f"no other op completed during the {(t1 - t0) * 1000:.0f} ms scan"
         probe.check()
         rpc.close()

@@ -1,5 +1,6 @@
 """MasterService without processes: put/commit/get, leases, LRU eviction, watermarks, reclaim, lost segments.
 A fake clock drives time."""
+
 import pytest
 
 from kvplugins.store.config import MasterConfig
@@ -22,9 +23,18 @@ def wire(seg_id, size):
 def service(high=0.9, low=0.5):
     clock = Clock()
     # grace 0: these tests are about LRU order and leases; the grace has its own (tests/store/test_churn.py)
-    svc = MasterService(MasterConfig(lease_ttl_ms=1000, put_timeout_ms=2000, heartbeat_timeout_ms=3000,
-                                     eviction_grace_ms=0, high_watermark=high, low_watermark=low, alloc_align=64),
-                        clock=clock)
+    svc = MasterService(
+        MasterConfig(
+            lease_ttl_ms=1000,
+            put_timeout_ms=2000,
+            heartbeat_timeout_ms=3000,
+            eviction_grace_ms=0,
+            high_watermark=high,
+            low_watermark=low,
+            alloc_align=64,
+        ),
+        clock=clock,
+    )
     svc.clock_ = clock
     return svc
 
@@ -51,29 +61,29 @@ def test_put_get_roundtrip_and_exists_prefix(m):
     name = reg(m)
     [(code, locs)] = m.handle("put_start", [["a", 100]], {})
     assert code == OK and locs[0][0] == name and locs[0][1] == 1
-    assert m.handle("get", ["a"], {}) == [[NOT_FOUND, None]]          # pending is invisible
+    assert m.handle("get", ["a"], {}) == [[NOT_FOUND, None]]  # pending is invisible
     assert m.handle("exists", ["a"], {}) == [False]
     m.handle("put_commit", ["a"], {})
     [(code, (size, locs2, ttl, xxh))] = m.handle("get", ["a"], {})
-    assert (code, size, locs2, ttl, xxh) == (OK, 100, locs, 1000, None)     # committed without a checksum
+    assert (code, size, locs2, ttl, xxh) == (OK, 100, locs, 1000, None)  # committed without a checksum
     put(m, "b")
     assert m.handle("exists_prefix", ["a", "b", "c", "a"], {}) == 2
     assert m.handle("put_start", [["a", 100]], {}) == [[EXISTS, "complete"]]
 
 
 def test_lru_eviction_on_demand_skips_leased():
-    m = service(high=1.0, low=1.0)            # no watermark sweep: only on-demand eviction
+    m = service(high=1.0, low=1.0)  # no watermark sweep: only on-demand eviction
     reg(m, size=64 * 4)
     for k in "abcd":
         assert put(m, k) == OK
-    m.handle("get", ["a"], {})                # a leased and most recent; b is now LRU
+    m.handle("get", ["a"], {})  # a leased and most recent; b is now LRU
     assert put(m, "e") == OK
     assert m.handle("exists", list("abcde"), {}) == [True, False, True, True, True]
     for k in "cde":
-        m.handle("get", [k], {})              # everything leased now
+        m.handle("get", [k], {})  # everything leased now
     [(code, msg)] = m.handle("put_start", [["f", 64]], {})
     assert code == STORE_FULL and "leased" in msg
-    m.clock_.t += 1.5                         # leases expire
+    m.clock_.t += 1.5  # leases expire
     assert put(m, "f") == OK
 
 
@@ -81,9 +91,9 @@ def test_watermark_sweep_evicts_down_to_low(m):
     reg(m, size=64 * 10)
     for i in range(9):
         put(m, f"k{i}")
-    m.tick()                                  # 9/10 = 0.9, not above high
+    m.tick()  # 9/10 = 0.9, not above high
     assert m.handle("status", [], {})["evictions"] == 0
-    put(m, "k9")                              # 10/10 > 0.9 -> evict to <= 0.5
+    put(m, "k9")  # 10/10 > 0.9 -> evict to <= 0.5
     st = m.handle("status", [], {})
     assert st["evictions"] == 5 and st["bytes_used"] == 64 * 5
     assert m.handle("exists", [f"k{i}" for i in range(10)], {}) == [False] * 5 + [True] * 5
@@ -104,7 +114,7 @@ def test_removed_leased_object_space_freed_after_lease(m):
     m.handle("get", ["a"], {})
     assert m.handle("remove", ["a"], {}) == [[OK, None]]
     assert m.handle("exists", ["a"], {}) == [False]
-    assert m.handle("put_start", [["b", 128]], {})[0][0] == STORE_FULL   # space still held by the reader
+    assert m.handle("put_start", [["b", 128]], {})[0][0] == STORE_FULL  # space still held by the reader
     m.clock_.t += 1.1
     m.tick()
     assert put(m, "b", 128) == OK
@@ -116,8 +126,8 @@ def test_space_whose_lease_ended_is_reused_before_the_next_sweep(m):
     m.handle("get", ["a"], {})
     m.handle("remove", ["a"], {})
     m.clock_.t += 0.9
-    assert m.handle("put_start", [["b", 128]], {})[0][0] == STORE_FULL   # lease still running
-    m.clock_.t += 0.2                                                    # lease over, no tick() yet
+    assert m.handle("put_start", [["b", 128]], {})[0][0] == STORE_FULL  # lease still running
+    m.clock_.t += 0.2  # lease over, no tick() yet
     assert put(m, "b", 128) == OK
 
 
@@ -128,11 +138,11 @@ def test_segment_timeout_loses_objects(m):
     m.clock_.t += 2
     m.handle("heartbeat", [s2], {})
     m.clock_.t += 2
-    m.tick()                                  # s1 silent for 4 s > 3 s: suspect (tests/store/test_liveness.py)
+    m.tick()  # s1 silent for 4 s > 3 s: suspect (tests/store/test_liveness.py)
     assert [s["suspect"] for s in m.handle("status", [], {})["segments"]] == [True, False]
     m.clock_.t += 30
     m.handle("heartbeat", [s2], {})
-    m.tick()                                  # silent for 34 s > 3 s + the 30 s suspect grace: removed
+    m.tick()  # silent for 34 s > 3 s + the 30 s suspect grace: removed
     st = m.handle("status", [], {})
     assert [s["name"] for s in st["segments"]] == [s2]
     assert st["objects"] + st["objects_lost"] == 2 and st["objects_lost"] >= 1
@@ -150,7 +160,7 @@ def test_bad_entries_refuse_the_whole_op_naming_the_field(m):
     reg(m)
     with pytest.raises(ValueError, match=r"put_start: entries: Expected `int` >= 1 - at `\$\[1\]\[1\]`"):
         m.handle("put_start", [["ok", 64], ["x", -1]], {})
-    assert m.handle("exists", ["ok"], {}) == [False]           # nothing of the refused batch was applied
+    assert m.handle("exists", ["ok"], {}) == [False]  # nothing of the refused batch was applied
     with pytest.raises(ValueError, match=r"register_segment: .* at `\$\[0\]`"):
         m.handle("register_segment", [["nope"]], {})
     with pytest.raises(ValueError, match="unknown op 'frobnicate'"):

@@ -3,6 +3,7 @@ its descriptor limit (EMFILE) leaves an accepted scrape served and it recovers; 
 the limit; scrapers that send nothing, half a request or a byte at a time are dropped within the timeout; close()
 ends connections a peer holds open. The endpoint runs in its own process (tests/helpers/limited_server.py) with a
 gauge ``kvplugins_test_value`` = 42."""
+
 import socket
 import time
 import urllib.error
@@ -44,7 +45,7 @@ def test_descriptor_exhaustion_keeps_accepted_scrape_and_recovers():
         try:
             st = srv.wait_stats(lambda s: s["accept_failures"] > 0)
             assert st["accept_failures"] > 0, f"the flood of {len(socks)} did not exhaust 64 fds: {st}"
-            reply = _get(early)                             # accepted before the flood: served during it
+            reply = _get(early)  # accepted before the flood: served during it
             assert reply.startswith(b"HTTP/1.0 200") and SERIES in reply, reply[:300]
         finally:
             for s in socks:
@@ -53,7 +54,7 @@ def test_descriptor_exhaustion_keeps_accepted_scrape_and_recovers():
         accepts = srv.log_lines("accept failed")
         assert any("accept failed (Too many open files)" in ln for ln in accepts), accepts
         status, deadline = None, time.monotonic() + 30
-        while status != 200 and time.monotonic() < deadline:     # recovered: new scrapes are served
+        while status != 200 and time.monotonic() < deadline:  # recovered: new scrapes are served
             try:
                 status, body = _scrape(srv.info["url"])
             except OSError:
@@ -69,13 +70,14 @@ def test_global_and_per_peer_caps_answer_503_naming_the_limit():
 
         def hold(source):
             return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+
         held = [hold("127.0.0.1"), hold("127.0.0.2"), hold("127.0.0.2")]
         assert srv.wait_stats(lambda s: s["connections"] == 3)["connections"] == 3
         status, body = _scrape(url)
         assert status == 503 and b"store.metrics_max_connections=3" in body, (status, body)
         for s in held[1:]:
             s.close()
-        srv.wait_stats(lambda s: s["connections"] == 1)        # released before the next one comes
+        srv.wait_stats(lambda s: s["connections"] == 1)  # released before the next one comes
         held = [held[0], hold("127.0.0.1")]
         assert srv.wait_stats(lambda s: s["connections"] == 2)["connections"] == 2
         status, body = _scrape(url)
@@ -95,7 +97,7 @@ def test_silent_half_and_trickling_scrapers_are_dropped_within_the_timeout():
         port = srv.info["port"]
         t_idle = closed_within(socket.create_connection(("127.0.0.1", port), timeout=5), 5)
         half = socket.create_connection(("127.0.0.1", port), timeout=5)
-        half.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")      # headers never end
+        half.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # headers never end
         t_half = closed_within(half, 5)
         trickle = socket.create_connection(("127.0.0.1", port), timeout=5)
         request = b"GET /metrics HTTP/1.0\r\n" + b"X-Pad: " + b"a" * 200 + b"\r\n\r\n"

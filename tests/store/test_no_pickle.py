@@ -2,6 +2,7 @@
 scan: every wire of kvplugins is msgpack or raw bytes). (2) A pickle whose unpickling would create a file is
 fed to a real master (raw RPC and zmq endpoints, with and without a shared secret) and to a transfer server:
 each refuses it (connection closed or message dropped), the file never appears, and the server keeps serving."""
+
 import ast
 import pickle
 import socket
@@ -18,10 +19,27 @@ from kvplugins.store.client.rpc import RawRpcClient
 from kvplugins.store.client.connect import control_client
 from kvplugins.transfer import TransferConfig, TransferEngine
 
-FORBIDDEN_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "joblib", "copyreg",
-                     "multiprocessing"}         # multiprocessing connections and queues pickle what they carry
-FORBIDDEN_CALLS = {"recv_pyobj", "send_pyobj", "recv_serialized", "send_serialized", "read_pickle", "to_pickle",
-                   "loads_pickle"}
+FORBIDDEN_MODULES = {
+    "pickle",
+    "_pickle",
+    "cPickle",
+    "cloudpickle",
+    "dill",
+    "marshal",
+    "shelve",
+    "joblib",
+    "copyreg",
+    "multiprocessing",
+}  # multiprocessing connections and queues pickle what they carry
+FORBIDDEN_CALLS = {
+    "recv_pyobj",
+    "send_pyobj",
+    "recv_serialized",
+    "send_serialized",
+    "read_pickle",
+    "to_pickle",
+    "loads_pickle",
+}
 SECRET = "pickle-test-secret-" + "0f" * 16
 
 
@@ -36,11 +54,18 @@ def _violations(path: Path) -> list[str]:
         out += [f"{path}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in FORBIDDEN_MODULES]
         if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_CALLS:
             out.append(f"{path}:{node.lineno} uses {node.attr}")
-        if isinstance(node, ast.Attribute) and node.attr == "load" and isinstance(node.value, ast.Name) \
-                and node.value.id == "torch":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "load"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "torch"
+        ):
             out.append(f"{path}:{node.lineno} uses torch.load (pickle)")
-        if isinstance(node, ast.keyword) and node.arg == "allow_pickle" and \
-                not (isinstance(node.value, ast.Constant) and node.value.value is False):
+        if (
+            isinstance(node, ast.keyword)
+            and node.arg == "allow_pickle"
+            and not (isinstance(node.value, ast.Constant) and node.value.value is False)
+        ):
             out.append(f"{path}:{node.lineno} passes allow_pickle")
     return out
 
@@ -54,8 +79,10 @@ def test_the_package_never_pickles():
 
 def test_the_scan_finds_pickle(tmp_path):
     sample = tmp_path / "bad.py"
-    sample.write_text("import pickle\nfrom multiprocessing import connection\nsock.recv_pyobj()\n"
-                      "torch.load(f)\nnp.load(f, allow_pickle=True)\n")
+    sample.write_text(
+        "import pickle\nfrom multiprocessing import connection\nsock.recv_pyobj()\n"
+        "torch.load(f)\nnp.load(f, allow_pickle=True)\n"
+    )
     assert len(_violations(sample)) == 5
 
 
@@ -92,20 +119,21 @@ def test_master_refuses_pickle(tmp_path, trap):
     trap, payload = trap
     with master_process(tmp=tmp_path / "m") as m:
         host, port = m.address.rsplit(":", 1)
-        for role in (None, "admin"):                    # unauthenticated, and past the handshake
-            assert _refused((host, int(port)), struct.pack(">I", len(payload)) + payload, role)   # framed
-            assert _refused((host, int(port)), payload, role)                                     # bare
+        for role in (None, "admin"):  # unauthenticated, and past the handshake
+            assert _refused((host, int(port)), struct.pack(">I", len(payload)) + payload, role)  # framed
+            assert _refused((host, int(port)), payload, role)  # bare
         ctl = control_client(m.address, 3000)
         endpoint = ctl.address
         ctl.close()
         import zmq
+
         with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as dealer:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(endpoint)
             dealer.send(payload)
-            assert not dealer.poll(700)                 # dropped (or never accepted under CURVE): no answer
+            assert not dealer.poll(700)  # dropped (or never accepted under CURVE): no answer
         rpc = RawRpcClient(m.address, 3000)
-        assert "zmq" in rpc.call("info")                # still serving
+        assert "zmq" in rpc.call("info")  # still serving
         rpc.close()
         assert m.alive()
     assert not trap.exists()

@@ -1,6 +1,7 @@
 """The master's native object table (kvplugins._meta behind master/metadata.py, issue #18 part 2): checked
 against a plain-Python model under random operations, stale views, the allocator's size map, and the memory
 per object the issue asks for (no processes; the 2 M-object check runs in a child process for a clean RSS)."""
+
 import json
 import subprocess
 import sys
@@ -13,8 +14,14 @@ from kvplugins._meta import SizeMap
 from kvplugins.store.master.metadata import ObjectTable
 
 KEYS = st.sampled_from([f"k{i}" for i in range(40)] + ["", "é/ü", "x" * 300])
-OPS = st.lists(st.tuples(st.sampled_from(["new", "commit", "touch", "remove", "pin", "unpin", "park", "unpark",
-                                          "replicas"]), KEYS, st.integers(0, 3)), max_size=300)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["new", "commit", "touch", "remove", "pin", "unpin", "park", "unpark", "replicas"]),
+        KEYS,
+        st.integers(0, 3),
+    ),
+    max_size=300,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -22,7 +29,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["new", "commit", "touch", "remove", "p
 def test_table_matches_a_python_model(ops):
     """Membership, fields, LRU order per list, per-segment counts and pending set agree with an OrderedDict
     model after every operation."""
-    t, model, now = ObjectTable(), {}, 0.0       # model: key -> dict(fields); order = list order per list
+    t, model, now = ObjectTable(), {}, 0.0  # model: key -> dict(fields); order = list order per list
     order = {0: [], 1: [], 2: []}
 
     def move(key, lst):
@@ -76,8 +83,13 @@ def test_table_matches_a_python_model(ops):
     assert len(t) == len(model)
     for key, want in model.items():
         obj = t.get(key)
-        assert (obj.key, obj.size, obj.replicas, obj.complete, obj.pin) == \
-               (key, want["size"], want["replicas"], want["complete"], want["pin"])
+        assert (obj.key, obj.size, obj.replicas, obj.complete, obj.pin) == (
+            key,
+            want["size"],
+            want["replicas"],
+            want["complete"],
+            want["pin"],
+        )
     assert [o.key for o in t.iter_lru()] == order[0]
     assert [o.key for o in t.iter_lru_newest()] == order[0][::-1]
     assert [o.key for o in t.iter_pinned()] == order[1]
@@ -95,15 +107,15 @@ def test_batch_get_leases_touches_and_reports_columns():
     t.set_region("seg:1", 7)
     a = t.new("a", 100, [("seg:1", 0)], complete=True, born=1.0, last_access=1.0, checksum=2**64 - 1)
     t.new("b", 50, [("seg:1", 128), ("seg:2", 0)], complete=True, last_access=1.0)
-    t.new("p", 10, [("seg:1", 256)], deadline=9.0)                   # pending: a miss
-    t.new("d", 10, [], complete=True)                                 # disk only: listed for the tier
+    t.new("p", 10, [("seg:1", 256)], deadline=9.0)  # pending: a miss
+    t.new("d", 10, [], complete=True)  # disk only: listed for the tier
     hits, sizes, names, regions, seg_idx, offs, more, sums, disk = t.get_cols(["b", "p", "a", "zz", "d"], 5.0, 8.0)
     assert hits == 2 and sizes == [50, -1, 100, -1, -1] and names == ["seg:1"] and regions == [7]
     assert seg_idx == [0, -1, 0, -1, -1] and offs == [128, 0, 0, 0, 0] and sums == [None, None, 2**64 - 1, None, None]
     assert [(j, o.key) for j, o in more] == [(0, "b")] and [(j, o.key) for j, o in disk] == [(4, "d")]
     assert more[0][1].locations == [["seg:1", 7, 128], ["seg:2", -1, 0]]
     assert a.lease_until == 8.0 and a.last_access == 5.0
-    assert [o.key for o in t.iter_lru_newest()][:2] == ["a", "b"]    # hits touched, in batch order
+    assert [o.key for o in t.iter_lru_newest()][:2] == ["a", "b"]  # hits touched, in batch order
     assert t.exists_prefix(["a", "b", "p", "a"]) == 2
 
 
@@ -112,7 +124,7 @@ def test_views_compare_by_record_and_generation():
     a = t.new("k", 1, [])
     assert t.get("k") == a and t.get("k") is not a
     t.remove(a)
-    b = t.new("k", 2, [])                # may reuse the record: a different generation
+    b = t.new("k", 2, [])  # may reuse the record: a different generation
     assert b != a and not a.alive() and b.alive()
     with pytest.raises(KeyError):
         t.new("k", 3, [])
@@ -120,6 +132,7 @@ def test_views_compare_by_record_and_generation():
 
 def test_size_map_against_a_dict():
     import random
+
     rng, m, ref = random.Random(3), SizeMap(64), {}
     for _ in range(20000):
         off = rng.randrange(5000) * 64

@@ -2,6 +2,7 @@
 transports: no operation outlives its timeouts, every object acknowledged with two replicas keeps being served
 by the surviving one (during the failure and after the master removed the dead segment), and single-replica
 objects that lived on the dead node are misses — never wrong bytes."""
+
 import threading
 import time
 
@@ -14,8 +15,8 @@ from kvplugins.store.placement import PutConfig
 
 OBJ = 4 << 10
 BATCH = 16
-PAUSE_S = 0.05             # between rounds: ~60 rounds x 16 keys x 2 replicas fit the pool (no eviction)
-TIMEOUT_MS = 1500          # transfer and RPC timeout: the bound every operation must respect
+PAUSE_S = 0.05  # between rounds: ~60 rounds x 16 keys x 2 replicas fit the pool (no eviction)
+TIMEOUT_MS = 1500  # transfer and RPC timeout: the bound every operation must respect
 
 
 def value(key: str) -> bytes:
@@ -34,7 +35,7 @@ def workload(client, safe: list[str], stop: threading.Event, log: dict) -> None:
         log["acked"] += [k for k, e in zip(keys, out) if e is None]
         log["failed_puts"] += sum(e is not None for e in out)
         t0 = time.monotonic()
-        got = client.batch_get(safe[(n * BATCH) % len(safe):][:BATCH])
+        got = client.batch_get(safe[(n * BATCH) % len(safe) :][:BATCH])
         log["longest"] = max(log["longest"], time.monotonic() - t0)
         log["bad_gets"] += [g for g in got if not isinstance(g, bytes) or g[:5] != b"safe/"]
         n += 1
@@ -42,9 +43,18 @@ def workload(client, safe: list[str], stop: threading.Event, log: dict) -> None:
 
 @pytest.mark.parametrize("transports", ["shm,tcp", "tcp"])
 def test_node_killed_mid_batch_replicas_serve_rest_are_misses(transports):
-    with store_cluster(nodes=3, segment_size="8MiB", node_flags={"transports": transports}) as c, \
-            StoreClient(ClientConfig(master=c.master, replicas=2, transports=transports,
-                                     transfer_timeout_ms=TIMEOUT_MS, rpc_timeout_ms=TIMEOUT_MS)) as client:
+    with (
+        store_cluster(nodes=3, segment_size="8MiB", node_flags={"transports": transports}) as c,
+        StoreClient(
+            ClientConfig(
+                master=c.master,
+                replicas=2,
+                transports=transports,
+                transfer_timeout_ms=TIMEOUT_MS,
+                rpc_timeout_ms=TIMEOUT_MS,
+            )
+        ) as client,
+    ):
         safe = [f"safe/{i}" for i in range(64)]
         single = [f"single/{i}" for i in range(48)]
         assert client.batch_put(safe, [value(k) for k in safe]) == [None] * 64
@@ -57,19 +67,19 @@ def test_node_killed_mid_batch_replicas_serve_rest_are_misses(transports):
         worker = threading.Thread(target=workload, args=(client, safe, stop, log))
         worker.start()
         time.sleep(0.3)
-        c.nodes[0].kill()                                              # SIGKILL while batches run
+        c.nodes[0].kill()  # SIGKILL while batches run
         deadline = time.monotonic() + 5
         while victim not in {s["name"] for s in client._rpc.call("status")["segments"] if s["suspect"]}:
             assert time.monotonic() < deadline, "dead segment never suspect"
             time.sleep(0.1)
-        time.sleep(0.5)                                                # batches after it is suspect too
+        time.sleep(0.5)  # batches after it is suspect too
         stop.set()
         worker.join(timeout=2 * TIMEOUT_MS / 1000 + 5)
         assert not worker.is_alive(), "an operation hung"
-        assert log["longest"] < 2 * TIMEOUT_MS / 1000 + 1.0            # put: transfer + commit RPC at most
-        assert log["bad_gets"] == []                                   # two replicas: always served, exact
+        assert log["longest"] < 2 * TIMEOUT_MS / 1000 + 1.0  # put: transfer + commit RPC at most
+        assert log["bad_gets"] == []  # two replicas: always served, exact
         assert len(log["acked"]) > 0
-        assert client._rpc.call("status")["evictions"] == 0           # so every acknowledged put must read
+        assert client._rpc.call("status")["evictions"] == 0  # so every acknowledged put must read
         assert client.batch_get(log["acked"]) == [value(k) for k in log["acked"]]
         assert client.batch_get(safe) == [value(k) for k in safe]
         got = client.batch_get(single)

@@ -4,6 +4,7 @@ so the range checks themselves are reached, or not), the file is cut at any byte
 another key. ``read_header``/``read_into`` either return exactly what was written or raise CorruptFile naming
 the field; never another exception, an allocation beyond the file, or wrong bytes. DiskStore (its callers'
 handling) deletes and counts such a file at start and on read."""
+
 from __future__ import annotations
 
 import struct
@@ -30,8 +31,16 @@ def parts(raw: bytes) -> dict:
     """The fields of a file's bytes (as written by ``make``)."""
     magic, version, klen, size, digest = files.HEAD.unpack_from(raw)
     end = files.HEAD.size + klen
-    return {"magic": magic, "version": version, "klen": klen, "size": size, "digest": digest,
-            "key": raw[files.HEAD.size:end], "check": raw[end:end + 8], "data": raw[end + 8:]}
+    return {
+        "magic": magic,
+        "version": version,
+        "klen": klen,
+        "size": size,
+        "digest": digest,
+        "key": raw[files.HEAD.size : end],
+        "check": raw[end : end + 8],
+        "data": raw[end + 8 :],
+    }
 
 
 def assemble(p: dict, fix_check: bool) -> bytes:
@@ -64,9 +73,13 @@ def read(path: Path, size_hint: int):
 
 keys = st.text(min_size=1, max_size=40).filter(lambda k: len(k.encode()) <= U16)
 payloads = st.binary(min_size=0, max_size=300)
-hostile_int = st.one_of(st.just(0), st.just(1), st.integers(0, 64), st.sampled_from([U16, 1 << 48, (1 << 48) + 1,
-                                                                                    1 << 63, U64]),
-                        st.integers(0, U64))
+hostile_int = st.one_of(
+    st.just(0),
+    st.just(1),
+    st.integers(0, 64),
+    st.sampled_from([U16, 1 << 48, (1 << 48) + 1, 1 << 63, U64]),
+    st.integers(0, U64),
+)
 
 
 @SETTINGS
@@ -74,12 +87,13 @@ hostile_int = st.one_of(st.just(0), st.just(1), st.integers(0, 64), st.sampled_f
 def test_header_field_replaced(tmp_path, key, data, field, draw, fix_check):
     p = parts(make(key, data))
     top = {"magic": None, "version": U16, "klen": U16, "size": U64, "digest": U64}[field]
-    p[field] = draw.draw(st.binary(min_size=4, max_size=4)) if top is None else \
-        draw.draw(hostile_int.map(lambda n: n & top))
+    p[field] = (
+        draw.draw(st.binary(min_size=4, max_size=4)) if top is None else draw.draw(hostile_int.map(lambda n: n & top))
+    )
     raw = assemble(p, fix_check)
     got = read(write(tmp_path, raw, key), len(raw))
     original = parts(make(key, data))
-    if not isinstance(got, CorruptFile):                # read back only if the field kept its written value
+    if not isinstance(got, CorruptFile):  # read back only if the field kept its written value
         assert p[field] == original[field] and got == (key, len(data), files.checksum(data), data)
         return
     message = str(got)
@@ -165,7 +179,7 @@ def test_writer_refuses_what_the_reader_would(tmp_path):
     for key, size in [("", 1), ("k" * (U16 + 1), 1), ("k", (1 << 48) + 1)]:
         with pytest.raises(files.StoreError, match="does not fit the disk tier"):
             files.header(key, size, 0)
-    assert files.header("k", 0, 0)                     # an empty object is representable
+    assert files.header("k", 0, 0)  # an empty object is representable
 
 
 @SETTINGS
@@ -182,11 +196,14 @@ def check_disk_store(root: Path, edits: list) -> None:
         key, data = f"key{i}", bytes([i]) * (10 + i)
         raw = make(key, data)
         if field == "cut":
-            raw = raw[:n % len(raw)]
+            raw = raw[: n % len(raw)]
         elif field != "ok":
             p = parts(raw)
-            p[field] = struct.pack("<I", n & 0xFFFFFFFF) if field == "magic" else \
-                n & (U16 if field in ("version", "klen") else U64)
+            p[field] = (
+                struct.pack("<I", n & 0xFFFFFFFF)
+                if field == "magic"
+                else n & (U16 if field in ("version", "klen") else U64)
+            )
             raw = assemble(p, fix_check=bool(n & 1))
         if raw == make(key, data):
             good[key] = data
@@ -200,5 +217,5 @@ def check_disk_store(root: Path, edits: list) -> None:
         try:
             store.read_into(key, memoryview(dest))
             assert bytes(dest) == good[key]
-        except CorruptFile:                          # a wrong digest passes the header, never the read
+        except CorruptFile:  # a wrong digest passes the header, never the read
             assert key not in good

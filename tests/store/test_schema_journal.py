@@ -5,6 +5,7 @@ whether the value still decodes (then to exactly what) or which field the Protoc
 every value that does not decode with a warning naming its etcd key; recovery of typed but inconsistent values
 (unknown segments, offsets outside or overlapping, a segment under another's name) never raises and never
 leaves an allocator holding bytes no recovered object owns. No etcd process: a dict stands in for it."""
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,13 @@ def pack(value) -> bytes:
         return bytes(value)
     if isinstance(value, (list, tuple)):
         n = len(value)
-        head = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else \
-            b"\xdd" + n.to_bytes(4, "big")
+        head = (
+            bytes([0x90 | n])
+            if n < 16
+            else b"\xdc" + n.to_bytes(2, "big")
+            if n < 1 << 16
+            else b"\xdd" + n.to_bytes(4, "big")
+        )
         return head + b"".join(pack(v) for v in value)
     if isinstance(value, dict) and len(value) < 16:
         return bytes([0x80 | len(value)]) + b"".join(pack(k) + pack(v) for k, v in value.items())
@@ -50,12 +56,12 @@ def pack(value) -> bytes:
 
 
 hostile = st.one_of(
-    st.sampled_from(["1", 1.5, True, False, None, b"\x01", [1], {"a": 1}]),               # wrong type
-    st.integers(-(1 << 63), -1),                                                        # negative
-    st.just(0),                                                                         # zero
+    st.sampled_from(["1", 1.5, True, False, None, b"\x01", [1], {"a": 1}]),  # wrong type
+    st.integers(-(1 << 63), -1),  # negative
+    st.just(0),  # zero
     st.sampled_from([MAX_SIZE, MAX_SIZE + 1, 1 << 63, U64]) | st.integers(1 << 32, U64),  # huge
-    st.sampled_from(["x" * 5000, b"x" * 5000, [0] * 5000, [["s0:1", 0]] * 65]),         # over-long
-    st.just(DEEP),                                                                      # deep nesting
+    st.sampled_from(["x" * 5000, b"x" * 5000, [0] * 5000, [["s0:1", 0]] * 65]),  # over-long
+    st.just(DEEP),  # deep nesting
 )
 
 
@@ -71,9 +77,13 @@ def norm(value):
 # ---- object values -------------------------------------------------------------------------------------------
 seg_name = st.text(min_size=1, max_size=12)
 replica = st.tuples(seg_name, st.integers(0, MAX_SIZE - 1))
-valid_object = st.tuples(st.integers(1, MAX_SIZE), st.lists(replica, min_size=1, max_size=4),
-                         st.one_of(st.none(), st.integers(0, U64)), st.sampled_from([0, 2]),
-                         st.sampled_from([0, 1])).map(list)
+valid_object = st.tuples(
+    st.integers(1, MAX_SIZE),
+    st.lists(replica, min_size=1, max_size=4),
+    st.one_of(st.none(), st.integers(0, U64)),
+    st.sampled_from([0, 2]),
+    st.sampled_from([0, 1]),
+).map(list)
 
 
 def object_oracle(value: list):
@@ -144,7 +154,7 @@ def test_object_replica_item_replaced(value, data, bad):
 @SETTINGS
 @given(valid_object, st.integers(0, 4))
 def test_object_items_missing(value, keep):
-    check_object(value[:keep])          # checksum and pin may be left out (older values); size and replicas not
+    check_object(value[:keep])  # checksum and pin may be left out (older values); size and replicas not
 
 
 @SETTINGS
@@ -155,19 +165,27 @@ def test_object_extra_item(value, extra):
 
 def test_object_values_of_the_issue_are_refused():
     """#11's crafted values: a nested checksum, a string size, a truncated value, a map instead of an array."""
-    for value, match in [(msgpack.packb([64, [["s:1", 0]], [[[[1]]]], 0]), r"checksum: .*\$\[2\]"),
-                         (msgpack.packb(["64", [["s:1", 0]], None, 0]), r"size: .*\$\[0\]"),
-                         (msgpack.packb([64, [["s:1", 0]], 7, 0])[:-3], "truncated"),
-                         (msgpack.packb({"size": 64}), "Expected `array`, got `object`"),
-                         (b"\xc1", "malformed"), (b"", "truncated")]:
+    for value, match in [
+        (msgpack.packb([64, [["s:1", 0]], [[[[1]]]], 0]), r"checksum: .*\$\[2\]"),
+        (msgpack.packb(["64", [["s:1", 0]], None, 0]), r"size: .*\$\[0\]"),
+        (msgpack.packb([64, [["s:1", 0]], 7, 0])[:-3], "truncated"),
+        (msgpack.packb({"size": 64}), "Expected `array`, got `object`"),
+        (b"\xc1", "malformed"),
+        (b"", "truncated"),
+    ]:
         with pytest.raises(ProtocolError, match=match):
             journal.decode_object(value)
 
 
 # ---- segment values ------------------------------------------------------------------------------------------
 def descriptor(segment_id: str = "s0", size: int = 1 << 20) -> dict:
-    return {"v": 1, "segment_id": segment_id, "host_id": "h", "transports": {"tcp": {"host": "127.0.0.1",
-            "port": 1}}, "regions": [[1, size, None]]}
+    return {
+        "v": 1,
+        "segment_id": segment_id,
+        "host_id": "h",
+        "transports": {"tcp": {"host": "127.0.0.1", "port": 1}},
+        "regions": [[1, size, None]],
+    }
 
 
 valid_segment = st.tuples(seg_name.map(descriptor), st.integers(0, (1 << 32) - 1), st.integers(1, MAX_SIZE)).map(list)
@@ -191,9 +209,16 @@ def test_segment_region_and_size_replaced(value, i, bad):
 @given(valid_segment, st.sampled_from(DESC_FIELDS), hostile)
 def test_segment_descriptor_field_replaced(value, field, bad):
     value[0] = {**value[0], field: bad}
-    valid = (field in ("host_id", "segment_id") and isinstance(bad, str)
-             and (field == "host_id" or bad) and len(bad) <= MAX_NAME) or \
-        (field == "transports" and bad == {}) or (field == "regions" and bad == [])
+    valid = (
+        (
+            field in ("host_id", "segment_id")
+            and isinstance(bad, str)
+            and (field == "host_id" or bad)
+            and len(bad) <= MAX_NAME
+        )
+        or (field == "transports" and bad == {})
+        or (field == "regions" and bad == [])
+    )
     if valid:
         assert norm(journal.decode_segment(pack(value))[0]) == norm(value[0])
     else:
@@ -237,9 +262,18 @@ class FakeEtcd:
 
 
 @SETTINGS
-@given(st.lists(st.one_of(valid_object.map(lambda v: ("obj", v)), valid_segment.map(lambda v: ("seg", v)),
-                          hostile.map(lambda v: ("obj", v)), hostile.map(lambda v: ("seg", v)),
-                          st.binary(max_size=40).map(lambda b: ("obj", Raw(b)))), max_size=12))
+@given(
+    st.lists(
+        st.one_of(
+            valid_object.map(lambda v: ("obj", v)),
+            valid_segment.map(lambda v: ("seg", v)),
+            hostile.map(lambda v: ("obj", v)),
+            hostile.map(lambda v: ("seg", v)),
+            st.binary(max_size=40).map(lambda b: ("obj", Raw(b))),
+        ),
+        max_size=12,
+    )
+)
 def test_load_keeps_valid_values_and_names_every_skipped_key(caplog, values):
     items = {f"/p/{kind}/k{i}": pack(v) for i, (kind, v) in enumerate(values)}
     caplog.clear()
@@ -266,7 +300,7 @@ def test_load_skips_empty_over_long_and_non_utf8_names(caplog):
         segs, objs, _ = EtcdJournal(FakeEtcd(items), "/p").load()
     assert segs == [] and [o[0] for o in objs] == ["ok"]
     warned = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
-    assert len(warned) == 4 and all("\n" not in m for m in warned)       # a key cannot forge a log line
+    assert len(warned) == 4 and all("\n" not in m for m in warned)  # a key cannot forge a log line
 
 
 # ---- recovery of typed but inconsistent values ---------------------------------------------------------------
@@ -274,8 +308,15 @@ SEG = 1 << 16
 ALIGN = MasterConfig().alloc_align
 names = st.sampled_from(["s0:1", "s1:1", "gone:1"])
 offsets = st.one_of(st.integers(0, SEG // ALIGN).map(lambda n: n * ALIGN), st.integers(0, MAX_SIZE - 1))
-objects = st.lists(st.tuples(st.integers(1, SEG), st.lists(st.tuples(names, offsets), min_size=1, max_size=4),
-                             st.one_of(st.none(), st.integers(0, U64)), st.sampled_from([0, 2])), max_size=30)
+objects = st.lists(
+    st.tuples(
+        st.integers(1, SEG),
+        st.lists(st.tuples(names, offsets), min_size=1, max_size=4),
+        st.one_of(st.none(), st.integers(0, U64)),
+        st.sampled_from([0, 2]),
+    ),
+    max_size=30,
+)
 
 
 @SETTINGS
@@ -305,8 +346,11 @@ def test_recovery_never_raises_and_never_leaks_or_overlaps_bytes(objs):
 def test_recovery_keeps_the_first_of_two_overlapping_objects_and_frees_nothing_it_keeps(caplog):
     service = MasterService(MasterConfig())
     segs = [("s0:1", descriptor("s0", SEG), 1, SEG)]
-    objs = [("a", 4096, [("s0:1", 0)], None, 0), ("b", 4096, [("s0:1", 0)], None, 0),
-            ("c", 4096, [("s0:1", 8192), ("s0:1", 8192)], 7, 2)]
+    objs = [
+        ("a", 4096, [("s0:1", 0)], None, 0),
+        ("b", 4096, [("s0:1", 0)], None, 0),
+        ("c", 4096, [("s0:1", 8192), ("s0:1", 8192)], 7, 2),
+    ]
     with caplog.at_level(logging.WARNING):
         got = recovery.restore(service, segs, objs, 0.0)
     assert got == {"segments": 1, "objects": 2, "dropped": 1, "pending": 0, "slab_bytes": 0}
@@ -317,10 +361,12 @@ def test_recovery_keeps_the_first_of_two_overlapping_objects_and_frees_nothing_i
 
 def test_recovery_skips_segments_that_do_not_hold_together(caplog):
     service = MasterService(MasterConfig())
-    segs = [("s0:1", descriptor("s0", SEG), 1, SEG),
-            ("s1:1", descriptor("s0", SEG), 1, SEG),            # another segment's descriptor under this name
-            ("s2:7", descriptor("s2", SEG), 7, SEG),            # no region 7 in it
-            ("s3:1", descriptor("s3", SEG), 1, 2 * SEG)]        # larger than its region
+    segs = [
+        ("s0:1", descriptor("s0", SEG), 1, SEG),
+        ("s1:1", descriptor("s0", SEG), 1, SEG),  # another segment's descriptor under this name
+        ("s2:7", descriptor("s2", SEG), 7, SEG),  # no region 7 in it
+        ("s3:1", descriptor("s3", SEG), 1, 2 * SEG),
+    ]  # larger than its region
     with caplog.at_level(logging.WARNING):
         got = recovery.restore(service, segs, [("k", 64, [("s1:1", 0)], None, 0)], 0.0)
     assert got == {"segments": 1, "objects": 0, "dropped": 1, "pending": 0, "slab_bytes": 0}
@@ -333,12 +379,17 @@ def test_task_records_load_and_hostile_ones_are_skipped(caplog):
     a wrong status, a string time, an id that is not two u64 and a non-msgpack value are skipped, each
     named in a warning."""
     good = ["copy", "k", "s:1", ["t:1"], "PROCESSING", 5, 6, "", ["t:1", 4096, 512]]
-    items = {"/p/task/1-2": pack(good), "/p/task/3-4": pack([*good[:4], "RUNNING", *good[5:]]),
-             "/p/task/5-6": pack([*good[:5], "5", *good[6:]]), f"/p/task/{1 << 64}-1": pack(good),
-             "/p/task/7-8": b"\xc1"}
+    items = {
+        "/p/task/1-2": pack(good),
+        "/p/task/3-4": pack([*good[:4], "RUNNING", *good[5:]]),
+        "/p/task/5-6": pack([*good[:5], "5", *good[6:]]),
+        f"/p/task/{1 << 64}-1": pack(good),
+        "/p/task/7-8": b"\xc1",
+    }
     with caplog.at_level(logging.WARNING, logger="kvplugins.store.master.ha.journal"):
         tasks = EtcdJournal(FakeEtcd(items), "/p").load_tasks()
     assert tasks == [((1, 2), "copy", "k", "s:1", ["t:1"], "PROCESSING", 5, 6, "", ("t:1", 4096, 512))]
     warned = " ".join(r.getMessage() for r in caplog.records)
-    assert all(f"{k[len('/p/task/'):]!r} skipped" in warned or f"{k!r} skipped" in warned
-               for k in items if k != "/p/task/1-2")
+    assert all(
+        f"{k[len('/p/task/') :]!r} skipped" in warned or f"{k!r} skipped" in warned for k in items if k != "/p/task/1-2"
+    )

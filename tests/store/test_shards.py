@@ -1,5 +1,6 @@
 """Hash-sharded masters (kvplugins/store/cluster, issue #18 part 3) against real processes: etcd, `kvplugins master
 --cluster --shard` processes (one shard as an HA pair where asked) and `kvplugins store` nodes on loopback."""
+
 from __future__ import annotations
 
 import hashlib
@@ -44,9 +45,9 @@ def test_ring_spreads_100k_keys_within_1_2x_and_a_new_shard_moves_only_its_keys(
     assert abs(sum(three.shares().values()) - 1) < 1e-9
     owners4 = four.owners(keys)
     moved = [(o3, o4) for o3, o4 in zip(owners3, owners4) if o3 != o4]
-    assert moved and all(o4 == "d" for _, o4 in moved)               # only the new shard gains keys
+    assert moved and all(o4 == "d" for _, o4 in moved)  # only the new shard gains keys
     assert 0.15 < len(moved) / len(keys) < 0.35
-    assert Ring(["c", "b", "a"]).owners(keys[:1000]) == owners3[:1000]   # order of members does not matter
+    assert Ring(["c", "b", "a"]).owners(keys[:1000]) == owners3[:1000]  # order of members does not matter
     assert [three.owner(k) for k in keys[:500]] == owners3[:500]
 
 
@@ -55,11 +56,11 @@ def test_extent_assignment_is_even_and_moves_the_fewest():
     assert sorted(first.count(m) for m in "abc") == [4, 4, 4]
     grown = assign(first, ["a", "b", "c", "d"], "node0")
     assert sorted(grown.count(m) for m in "abcd") == [3, 3, 3, 3]
-    assert sum(x != y for x, y in zip(first, grown)) == 3             # exactly the 3 extents d gets moved
+    assert sum(x != y for x, y in zip(first, grown)) == 3  # exactly the 3 extents d gets moved
     shrunk = assign(grown, ["a", "b", "c"], "node0")
-    assert sum(x != y for x, y in zip(grown, shrunk)) == 3            # only d's extents move back
+    assert sum(x != y for x, y in zip(grown, shrunk)) == 3  # only d's extents move back
     odd = [assign([None] * 4, ["a", "b", "c"], f"node{i}") for i in range(30)]
-    extra = {m: sum(a.count(m) == 2 for a in odd) for m in "abc"}     # the 4th extent goes to varying shards
+    extra = {m: sum(a.count(m) == 2 for a in odd) for m in "abc"}  # the 4th extent goes to varying shards
     assert all(v > 0 for v in extra.values()), extra
     assert assign([None] * 3, [], "n") == [None] * 3
 
@@ -73,15 +74,15 @@ def test_membership_changes_wait_for_the_sweep_and_refuse_unknown_shards(etcd):
     assert st.epoch == 2 and st.previous == {"a": "127.0.0.1:1"} and st.moving()
     with pytest.raises(StoreError, match="still being swept by a, b"):
         members.join("c", "127.0.0.1:3", window_ms=0)
-    assert members.join("b", "127.0.0.1:2", 0).epoch == 2               # same address: nothing changes
-    assert members.join("b", "127.0.0.1:9", 0).members["b"] == "127.0.0.1:9"   # new address, same keys
+    assert members.join("b", "127.0.0.1:2", 0).epoch == 2  # same address: nothing changes
+    assert members.join("b", "127.0.0.1:9", 0).members["b"] == "127.0.0.1:9"  # new address, same keys
     with pytest.raises(StoreError, match="'zz' is not a member"):
         members.remove("zz", 0)
     members.report("a", 2, 1)
     members.report("b", 2, 1)
     st = members.remove("b", window_ms=0)
     assert st.epoch == 3 and set(st.members) == {"a"} and st.previous == {"a": "127.0.0.1:1", "b": "127.0.0.1:9"}
-    assert members.read().moving()           # window 0 is over, but a has not reported settled for epoch 3
+    assert members.read().moving()  # window 0 is over, but a has not reported settled for epoch 3
     members.report("a", 3, 3)
     assert not members.read().moving()
 
@@ -89,28 +90,28 @@ def test_membership_changes_wait_for_the_sweep_and_refuse_unknown_shards(etcd):
 @pytest.fixture(scope="module")
 def store(etcd):
     with sharded_store(etcd, shards=("a", "b", "c"), nodes=2, prefix="/kvp-three") as s:
-        s.wait_segments(8)                   # 2 nodes x 12 extents over 3 shards
+        s.wait_segments(8)  # 2 nodes x 12 extents over 3 shards
         yield s
 
 
 def test_three_shards_spread_100k_keys_and_serve_every_one(store):
     keys = [f"spread/{i}" for i in range(100_000)]
-    before = {sid: st["objects"] for sid, st in store.wait_segments(8).items()}    # other tests' objects
+    before = {sid: st["objects"] for sid, st in store.wait_segments(8).items()}  # other tests' objects
     with StoreClient(ClientConfig(master=store.address)) as c:
         for at in range(0, len(keys), 10_000):
-            chunk = keys[at:at + 10_000]
+            chunk = keys[at : at + 10_000]
             errs = c.batch_put(chunk, [value(k, 64) for k in chunk])
             assert errs == [None] * len(chunk), [e for e in errs if e][:3]
-        for at in range(0, len(keys), 5_000):     # each batch well inside the shards' 1 s read lease, also on a
-            chunk = keys[at:at + 5_000]            # slow machine (25,000-key batches outlived it under load)
+        for at in range(0, len(keys), 5_000):  # each batch well inside the shards' 1 s read lease, also on a
+            chunk = keys[at : at + 5_000]  # slow machine (25,000-key batches outlived it under load)
             assert c.batch_get(chunk) == [value(k, 64) for k in chunk]
         assert c.batch_exists(keys[:10] + ["spread/none"]) == [True] * 10 + [False]
         assert c.batch_exists_prefix(keys[:5] + ["spread/none"] + keys[5:8]) == 5
         c.remove(keys[0])
         assert c.batch_exists(keys[:2]) == [False, True]
         objects = {sid: st["objects"] - before.get(sid, 0) for sid, st in store.wait_segments(8).items()}
-        for at in range(1, len(keys), 10_000):     # the pool is shared: leave its space to the other tests
-            c.batch_remove(keys[at:at + 10_000])
+        for at in range(1, len(keys), 10_000):  # the pool is shared: leave its space to the other tests
+            c.batch_remove(keys[at : at + 10_000])
     share = (len(keys) - 1) / 3
     assert sum(objects.values()) == len(keys) - 1
     assert max(objects.values()) <= 1.2 * share and min(objects.values()) >= 0.8 * share, objects
@@ -128,8 +129,12 @@ def test_a_master_refuses_a_put_of_a_key_another_shard_owns(store):
 
 
 def test_status_shows_the_shards(store):
-    out = subprocess.run([sys.executable, "-m", "kvplugins.cli", "status", "--master", store.address],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvplugins.cli", "status", "--master", store.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     for sid in "abc":
         assert f"│ {sid} " in out.stdout
@@ -166,17 +171,31 @@ def test_adding_and_removing_a_master_mid_workload_never_returns_wrong_bytes(sto
             t0 = time.monotonic()
             store.add_master("d")
             print(f"d joined in {time.monotonic() - t0:.1f} s")
-            ring = store.state().ring              # read once: per key, the reads outlasted the move window
+            ring = store.state().ring  # read once: per key, the reads outlasted the move window
             moved = [k for k in before if ring.owner(k) == "d"]
-            during = c.batch_get(moved)            # within the window: read from their previous shard
+            during = c.batch_get(moved)  # within the window: read from their previous shard
             dual_hits = sum(isinstance(g, bytes) for g in during)
-            store.wait_segments(6)                 # every node moved 3 of its 12 extents to d
+            store.wait_segments(6)  # every node moved 3 of its 12 extents to d
             store.wait_for(lambda st: not st.moving(), "the move to d to settle")
             print(f"settled at {time.monotonic() - t0:.1f} s")
             time.sleep(1.0)
-            out = subprocess.run([sys.executable, "-m", "kvplugins.cli", "shard", "remove", "d", "--master",
-                                  store.address, "--window-ms", str(WINDOW_MS)], capture_output=True, text=True,
-                                 timeout=60)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvplugins.cli",
+                    "shard",
+                    "remove",
+                    "d",
+                    "--master",
+                    store.address,
+                    "--window-ms",
+                    str(WINDOW_MS),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert out.returncode == 0, out.stderr
             store.wait_for(lambda st: "d" not in st.members and not st.moving(), "the removal of d to settle")
             print(f"removed at {time.monotonic() - t0:.1f} s, {len(acked)} keys")
@@ -212,4 +231,3 @@ def test_sigkill_of_one_ha_shard_leaves_the_others_serving(etcd):
             assert all(others_ok), others_ok
             assert c.batch_get(by["b"]) == [value(k, 512) for k in by["b"]], "b's standby did not take over"
     assert routed_around < 15
-

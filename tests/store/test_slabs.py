@@ -1,6 +1,7 @@
 """One round trip per put (client-reserved slabs, store/master/slabs.py and store/client/slab.py): the master's
 bookkeeping with a fake clock, then real processes: a put is one RPC and visible to another client at once, a
 slab on a killed node falls back to put_start, concurrent puts share the slab safely."""
+
 import threading
 
 import pytest
@@ -33,7 +34,7 @@ def test_reserve_is_capped_and_small_pools_offer_none():
     assert code == INVALID and "use put_start" in why
     big = reg(m, "b", 128 * MiB)
     sid, seg, region, off, length, ttl, align = reserve(m, 16 * MiB)
-    assert (seg, length, ttl, align) == (big.name, 2 * MiB, 2000, 64)     # 1/64 of the largest segment
+    assert (seg, length, ttl, align) == (big.name, 2 * MiB, 2000, 64)  # 1/64 of the largest segment
     assert big.allocator.used_bytes == 2 * MiB
 
 
@@ -44,20 +45,20 @@ def test_puts_carve_objects_from_the_slab_front():
     assert m.handle("put", [["a", 100, sid, off], ["b", 64, sid, off + 128]], {"xxh3": [7, 8]}) == [[OK, None]] * 2
     [(code, (size, locs, _, xxh))] = m.handle("get", ["a"], {})
     assert (code, size, locs, xxh) == (OK, 100, [[name, region, off]], 7)
-    assert m.handle("put", [["a", 100, sid, off + 192]], {}) == [[EXISTS, "complete"]]   # nothing carved
-    [(code, why)] = m.handle("put", [["c", 64, sid, off]], {})                       # behind the front
+    assert m.handle("put", [["a", 100, sid, off + 192]], {}) == [[EXISTS, "complete"]]  # nothing carved
+    [(code, why)] = m.handle("put", [["c", 64, sid, off]], {})  # behind the front
     assert code == INVALID and "front" in why
-    [(code, _)] = m.handle("put", [["c", 64, sid, off + length - 32]], {})           # overruns the slab
+    [(code, _)] = m.handle("put", [["c", 64, sid, off + length - 32]], {})  # overruns the slab
     assert code == INVALID
-    assert m.handle("put", [["c", 64, sid, off + 1024]], {}) == [[OK, None]]          # skips a gap ...
-    assert seg.allocator.used_bytes == length - (1024 - 192)                         # ... freed at once
+    assert m.handle("put", [["c", 64, sid, off + 1024]], {}) == [[OK, None]]  # skips a gap ...
+    assert seg.allocator.used_bytes == length - (1024 - 192)  # ... freed at once
     m.handle("remove", ["a", "b", "c"], {})
-    m.clock_.t += 1.1                                                                 # past every lease
+    m.clock_.t += 1.1  # past every lease
     m.tick()
-    assert seg.allocator.used_bytes == length - 1024 - 64                             # only the remainder
-    reserve(m, release=[sid])                                                        # given back
+    assert seg.allocator.used_bytes == length - 1024 - 64  # only the remainder
+    reserve(m, release=[sid])  # given back
     assert seg.allocator.used_bytes == length
-    assert seg.allocator.free_blocks() == 1                  # all freed space coalesced; the new slab at its start
+    assert seg.allocator.free_blocks() == 1  # all freed space coalesced; the new slab at its start
 
 
 def test_expired_unknown_and_draining_slabs_answer_expired():
@@ -66,15 +67,15 @@ def test_expired_unknown_and_draining_slabs_answer_expired():
     sid, _, _, off, *_ = reserve(m)
     assert m.handle("put", [["x", 64, sid + 99, off]], {})[0][0] == EXPIRED
     advance(m, seg, 1.9)
-    assert m.handle("put", [["x", 64, sid, off]], {}) == [[OK, None]]      # renews the slab's 2 s lease
+    assert m.handle("put", [["x", 64, sid, off]], {}) == [[OK, None]]  # renews the slab's 2 s lease
     advance(m, seg, 1.9)
     assert m.handle("put", [["y", 64, sid, off + 64]], {}) == [[OK, None]]
     advance(m, seg, 2.1)
     assert m.handle("put", [["z", 64, sid, off + 128]], {})[0][0] == EXPIRED
     m.tick()
-    assert seg.allocator.used_bytes == 128 and len(m.slabs) == 0              # remainder freed
+    assert seg.allocator.used_bytes == 128 and len(m.slabs) == 0  # remainder freed
     sid = reserve(m)[0]
-    seg.allocator = Frozen(seg.allocator)                                     # the segment is draining
+    seg.allocator = Frozen(seg.allocator)  # the segment is draining
     assert m.handle("put", [["z", 64, sid, 0]], {})[0][0] == EXPIRED
     m.tick()
     assert len(m.slabs) == 0
@@ -84,7 +85,7 @@ def test_a_slab_never_evicts_a_live_object():
     m = service()
     seg = reg(m, size=64 * MiB)
     assert m.handle("put_start", [["old", 64 * MiB - 64]], {})[0][0] == OK
-    m.handle("put_commit", ["old"], {})                                       # evictable, but a slab may not
+    m.handle("put_commit", ["old"], {})  # evictable, but a slab may not
     [(code, why)] = m.handle("reserve", [MiB], {})
     assert code == STORE_FULL and "put_start" in why
     assert m.handle("exists", ["old"], {}) == [True] and seg.allocator.used_bytes == 64 * MiB - 64
@@ -92,7 +93,7 @@ def test_a_slab_never_evicts_a_live_object():
 
 def advance(m, seg, seconds):
     m.clock_.t += seconds
-    m.handle("heartbeat", [seg.name], {})                                    # the segment stays registered
+    m.handle("heartbeat", [seg.name], {})  # the segment stays registered
 
 
 def test_a_put_over_the_watermark_frees_due_space_before_evicting():
@@ -100,12 +101,12 @@ def test_a_put_over_the_watermark_frees_due_space_before_evicting():
     the high watermark must free them, not evict the object it just stored (store_bench lost a fresh key)."""
     m = service(high=0.5, low=0.4)
     seg = reg(m, size=64 * MiB)
-    sid, _, _, off, *_ = reserve(m, MiB)                                      # the writer's slab, held
+    sid, _, _, off, *_ = reserve(m, MiB)  # the writer's slab, held
     assert m.handle("put_start", [["old", 40 * MiB]], {})[0][0] == OK
     m.handle("put_commit", ["old"], {})
-    m.handle("get", ["old"], {})                                              # leased for 1 s
-    m.handle("remove", ["old"], {})                                           # a zombie until then
-    advance(m, seg, 1.1)                                                      # due, no sweep yet
+    m.handle("get", ["old"], {})  # leased for 1 s
+    m.handle("remove", ["old"], {})  # a zombie until then
+    advance(m, seg, 1.1)  # due, no sweep yet
     assert m.handle("put", [["new", 4096, sid, off]], {}) == [[OK, None]]
     assert m.handle("exists", ["new"], {}) == [True] and m.counters["evictions"] == 0
 
@@ -117,13 +118,16 @@ def _counting(client):
 
 
 def test_a_put_is_one_round_trip_and_visible_to_another_client_at_once():
-    with store_cluster(nodes=1, segment_size="128MiB") as c, \
-            StoreClient(ClientConfig(master=c.master)) as writer, StoreClient(ClientConfig(master=c.master)) as reader:
-        writer.put("warm", b"w")                                              # reserves the slab
+    with (
+        store_cluster(nodes=1, segment_size="128MiB") as c,
+        StoreClient(ClientConfig(master=c.master)) as writer,
+        StoreClient(ClientConfig(master=c.master)) as reader,
+    ):
+        writer.put("warm", b"w")  # reserves the slab
         ops = _counting(writer)
         for i in range(20):
             writer.put(f"k/{i}", bytes([i]) * (1000 + i))
-            assert reader.get(f"k/{i}") == bytes([i]) * (1000 + i)            # read-after-put, other client
+            assert reader.get(f"k/{i}") == bytes([i]) * (1000 + i)  # read-after-put, other client
         assert writer.batch_put([f"b/{i}" for i in range(64)], [b"x" * 4096] * 64) == [None] * 64
         assert ops == ["put"] * 21
         assert reader.batch_get([f"b/{i}" for i in range(64)]) == [b"x" * 4096] * 64
@@ -132,14 +136,16 @@ def test_a_put_is_one_round_trip_and_visible_to_another_client_at_once():
 
 @pytest.mark.parametrize("transports", ["shm,tcp", "tcp"])
 def test_a_slab_on_a_killed_node_falls_back_to_put_start(transports):
-    with store_cluster(nodes=2, segment_size="128MiB", node_flags={"transports": transports}) as c, \
-            StoreClient(ClientConfig(master=c.master, transports=transports, transfer_timeout_ms=2000)) as client:
+    with (
+        store_cluster(nodes=2, segment_size="128MiB", node_flags={"transports": transports}) as c,
+        StoreClient(ClientConfig(master=c.master, transports=transports, transfer_timeout_ms=2000)) as client,
+    ):
         client.put("warm", b"w")
         [(_, (_, [[slab_seg, _, _]], _, _))] = client._rpc.call("get", ["warm"])
         victim = next(n for n in c.nodes if n.address == slab_seg)
         victim.kill()
         ops = _counting(client)
-        client.put("after", b"a" * 5000)                                      # the slab's node is dead
+        client.put("after", b"a" * 5000)  # the slab's node is dead
         assert client.get("after") == b"a" * 5000
         assert "put_start" in ops
 
@@ -153,6 +159,7 @@ def test_concurrent_puts_share_the_slab_and_read_back_exact():
                 keys = [f"t{t}/{i}/{j}" for j in range(4)]
                 got = client.batch_put(keys, [f"{k}".encode() * 50 for k in keys])
                 errors.extend(e for e in got if e is not None)
+
         threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
         for th in threads:
             th.start()

@@ -1,6 +1,7 @@
 """Batches past batches.SLICE_KEYS run in slices (master/batches.py) and answer exactly what the unsliced op
 answers: per-entry lists in order, a get's column answer re-indexed over segments, per-entry checksums cut to
 each slice, a mismatched checksum list refused before anything is applied."""
+
 import pytest
 
 from kvplugins.store.config import MasterConfig
@@ -27,8 +28,12 @@ def test_sliced_answers_equal_unsliced(monkeypatch):
     placed = svc.handle("put_start", [[k, 100] for k in keys], {"replicas": 2})
     assert len(placed) == N and all(code == OK and len(locs) == 2 for code, locs in placed)
     assert svc.handle("put_commit", keys, {"xxh3": list(range(N))}) == [[OK, None]] * N
-    reads = [("get", keys + ["missing"], {"cols": 1}), ("get", keys, {}), ("exists", keys + ["missing"], {}),
-             ("get_size", keys, {})]
+    reads = [
+        ("get", keys + ["missing"], {"cols": 1}),
+        ("get", keys, {}),
+        ("exists", keys + ["missing"], {}),
+        ("get_size", keys, {}),
+    ]
     sliced = [svc.handle(op, entries, opts) for op, entries, opts in reads]
     monkeypatch.setattr(batches, "SLICE_KEYS", 10 * N)
     assert [svc.handle(op, entries, opts) for op, entries, opts in reads] == sliced
@@ -52,15 +57,17 @@ def test_pending_puts_and_segments_are_bounded():
     per process (owner token) bound the registry (issue #30 item 3)."""
     from kvplugins.store.master.segments import MAX_PER_OWNER
     from kvplugins.store.wire.protocol import STORE_FULL
+
     svc = MasterService(MasterConfig(alloc_align=64, max_pending_puts=1000, max_segments=MAX_PER_OWNER + 2))
 
     def reg(name, owner):
         wire = {"v": 1, "segment_id": name, "host_id": "h", "transports": {}, "regions": [[1, 1 << 20, None]]}
         return svc.handle("register_segment", [[wire, 1, 1 << 20]], {"owner": owner})[0]
+
     assert all(reg(f"s{i}", "one")[0] == OK for i in range(MAX_PER_OWNER))
     code, why = reg("extra", "one")
     assert code == STORE_FULL and f"{MAX_PER_OWNER} segments" in why
-    assert reg("other", "two")[0] == OK and reg("s0", "one")[0] == OK          # re-registering is no new one
+    assert reg("other", "two")[0] == OK and reg("s0", "one")[0] == OK  # re-registering is no new one
     assert reg("third", "three")[0] == OK
     code, why = reg("fourth", "four")
     assert code == STORE_FULL and "max_segments" in why

@@ -11,6 +11,7 @@ master and two store nodes (real processes, loopback).
 ``KVPLUGINS_SOAK_OPS`` sets the operations per client: the default 2500 keeps a local run near 30-60 s; CI
 (ci/test.sh) runs the issue's 8 x 20 000 (about 2-4 min on 2 cores).
 """
+
 import json
 import os
 import statistics
@@ -49,9 +50,16 @@ def test_soak_clients_mixed_ops():
     # segments ran out of space and evicted acknowledged keys). 2 x 64 MiB keeps every segment under the watermark.
     with store_cluster(nodes=2, segment_size="64MiB") as c:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        procs = [subprocess.Popen([sys.executable, str(WORKER), c.master, str(w), str(CLIENTS), str(KEYS), str(OPS),
-                                   str(1000 + w)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                 for w in range(CLIENTS)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(WORKER), c.master, str(w), str(CLIENTS), str(KEYS), str(OPS), str(1000 + w)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for w in range(CLIENTS)
+        ]
         watched = {"master": c.master_proc.popen.pid, "node": c.nodes[0].popen.pid}
         samples: dict[str, list] = {k: [] for k in watched}
         deadline = time.monotonic() + timeout_s
@@ -78,15 +86,19 @@ def test_soak_clients_mixed_ops():
     total = {k: sum(r[k] for r in results) for k in results[0] if isinstance(results[0][k], int)}
     errors = [e for r in results for e in r["errors"]]
     assert total["wrong"] == 0, errors
-    counters = {k: status.get(k) for k in ("corrupt_replicas", "segments_lost", "objects_lost", "reclaimed",
-                                           "evictions", "aborts")}
+    counters = {
+        k: status.get(k)
+        for k in ("corrupt_replicas", "segments_lost", "objects_lost", "reclaimed", "evictions", "aborts")
+    }
     assert total["lost"] == 0 and total["ghost"] == 0, repr((counters, total, errors))[:3000]
     assert status["evictions"] == 0 and status["objects_lost"] == 0
-    assert status["objects"] == total["final_keys"]                  # the table holds exactly the acknowledged keys
-    assert total["hits"] > OPS and total["misses"] > 0 and total["remove"] > 0   # the mix really ran
-    assert total["lease_refused"] <= total["hits"] // 100, errors     # refusals are rare and never wrong bytes
-    print(f"soak: {CLIENTS} clients x {OPS} ops, {max(r['seconds'] for r in results):.1f} s; "
-          f"{ {k: v for k, v in total.items() if k in ('hits', 'misses', 'lease_refused', 'final_keys')} }")
+    assert status["objects"] == total["final_keys"]  # the table holds exactly the acknowledged keys
+    assert total["hits"] > OPS and total["misses"] > 0 and total["remove"] > 0  # the mix really ran
+    assert total["lease_refused"] <= total["hits"] // 100, errors  # refusals are rare and never wrong bytes
+    print(
+        f"soak: {CLIENTS} clients x {OPS} ops, {max(r['seconds'] for r in results):.1f} s; "
+        f"{ {k: v for k, v in total.items() if k in ('hits', 'misses', 'lease_refused', 'final_keys')} }"
+    )
     for name, series in samples.items():
         assert len(series) >= 20, f"{name}: only {len(series)} RSS samples"
         q = quarter_means(series)

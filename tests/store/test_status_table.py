@@ -1,5 +1,6 @@
 """`kvplugins status` prints the pool as a table: one row per segment (host, size, used %, objects, heartbeat,
 disk tier), totals and counters, from real processes; --json keeps the machine-readable answer."""
+
 import json
 import os
 import subprocess
@@ -13,8 +14,13 @@ from kvplugins.store.embedded import CLI
 
 
 def status(master: str, *flags: str) -> str:
-    out = subprocess.run(CLI + ["status", "--master", master, *flags], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "COLUMNS": "220"})
+    out = subprocess.run(
+        CLI + ["status", "--master", master, *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "220"},
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -49,16 +55,28 @@ def test_table_rows_totals_and_disk_tier(tmp_path):
     total = row(text, "total")
     assert total[1:3] == ["2 segments", "8.0 MiB"] and total[5] == "8" and total[-1] == "0 B of 16.0 MiB"
     assert "get hits 1" in text and "get misses 0" in text and "evictions 0" in text
-    assert raw["lookup_keys"] >= 2 and raw["lookup_hits"] < raw["lookup_keys"]         # the lookup missed once
+    assert raw["lookup_keys"] >= 2 and raw["lookup_hits"] < raw["lookup_keys"]  # the lookup missed once
     assert f"hit ratio {100 * raw['lookup_hits'] / raw['lookup_keys']:.1f}%" in text
 
 
 def test_render_without_disk_tier_has_no_disk_column():
-    st = {"segments": [{"name": "a:1", "host_id": "h1", "size": 1000, "used": 250, "objects": 3,
-                        "heartbeat_age_ms": 120}],
-          "objects": 3, "pending": 1, "zombies": 0, "bytes_used": 250, "bytes_total": 1000, "hits": 3,
-          "misses": 0, "lookup_keys": 4, "lookup_hits": 3, "evictions": 2, "corrupt_replicas": 1,
-          "tier_segments": {}}
+    st = {
+        "segments": [
+            {"name": "a:1", "host_id": "h1", "size": 1000, "used": 250, "objects": 3, "heartbeat_age_ms": 120}
+        ],
+        "objects": 3,
+        "pending": 1,
+        "zombies": 0,
+        "bytes_used": 250,
+        "bytes_total": 1000,
+        "hits": 3,
+        "misses": 0,
+        "lookup_keys": 4,
+        "lookup_hits": 3,
+        "evictions": 2,
+        "corrupt_replicas": 1,
+        "tier_segments": {},
+    }
     console = Console(record=True, width=160)
     render("m:1", st, console)
     text = console.export_text()
@@ -71,11 +89,25 @@ def test_render_without_disk_tier_has_no_disk_column():
 def test_long_segment_names_are_never_cut():
     """A name `kvplugins store --drain --segment` needs shows whole in an 80-column terminal (folded)."""
     name = "vm-20009-ff92c0e1b7d54a3f9e1c2b3a4d5e6f70-host-segment:1"
-    st = {"segments": [{"name": name, "host_id": "a-long-host-identifier-0123456789abcdef", "size": 1 << 30,
-                        "used": 1 << 20, "objects": 3, "heartbeat_age_ms": 120}],
-          "objects": 3, "bytes_used": 1 << 20, "bytes_total": 1 << 30, "tier_segments": {}}
+    st = {
+        "segments": [
+            {
+                "name": name,
+                "host_id": "a-long-host-identifier-0123456789abcdef",
+                "size": 1 << 30,
+                "used": 1 << 20,
+                "objects": 3,
+                "heartbeat_age_ms": 120,
+            }
+        ],
+        "objects": 3,
+        "bytes_used": 1 << 20,
+        "bytes_total": 1 << 30,
+        "tier_segments": {},
+    }
     console = Console(record=True, width=80)
     render("m:1", st, console)
     text = console.export_text()
-    assert "…" not in text and name in "".join(line.split("│")[1].strip() for line in text.splitlines()
-                                               if line.count("│") > 2)
+    assert "…" not in text and name in "".join(
+        line.split("│")[1].strip() for line in text.splitlines() if line.count("│") > 2
+    )

@@ -1,5 +1,6 @@
 """The master's disk-tier bookkeeping (master/tiering.py, master/drain.py) without processes: the ops a node and
 a client would send, driven by hand with a fake clock. Covers the races real-process tests cannot aim at."""
+
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.wire.protocol import EXISTS, NOT_FOUND, OK, ON_DISK
@@ -16,8 +17,17 @@ class Clock:
 
 def master(high=1.0, low=1.0):
     clock = Clock()
-    svc = MasterService(MasterConfig(lease_ttl_ms=1000, put_timeout_ms=2000, eviction_grace_ms=0, high_watermark=high,
-                                     low_watermark=low, alloc_align=64), clock=clock)
+    svc = MasterService(
+        MasterConfig(
+            lease_ttl_ms=1000,
+            put_timeout_ms=2000,
+            eviction_grace_ms=0,
+            high_watermark=high,
+            low_watermark=low,
+            alloc_align=64,
+        ),
+        clock=clock,
+    )
     svc.clock_ = clock
     return svc
 
@@ -34,7 +44,7 @@ def put(svc, *keys):
     started = svc.handle("put_start", [[k, OBJ] for k in keys], {})
     assert all(code == OK for code, _ in started)
     svc.handle("put_commit", list(keys), {})
-    svc.tick()                                                # the master's sweep (watermarks, tier)
+    svc.tick()  # the master's sweep (watermarks, tier)
 
 
 def poll(svc, name):
@@ -46,10 +56,10 @@ def poll(svc, name):
 def test_sweep_offloads_and_frees_dram_only_after_the_node_confirms():
     svc = master(high=0.6, low=0.3)
     name, _ = node(svc)
-    put(svc, "a", "b", "c")                                   # 75% > high: the sweep picks a and b
+    put(svc, "a", "b", "c")  # 75% > high: the sweep picks a and b
     cmds = poll(svc, name)
     assert [c[:2] for c in cmds] == [["offload", "a"], ["offload", "b"]]
-    assert svc.segments.get(name).used == 3 * OBJ              # nothing freed before the files are durable
+    assert svc.segments.get(name).used == 3 * OBJ  # nothing freed before the files are durable
     svc.handle("tier_done", [["offload", "a", True, 11, 0], ["offload", "b", True, 12, 0]], {"segment": name})
     assert svc.segments.get(name).used == OBJ and svc.handle("get", ["a"], {})[0] == [ON_DISK, ["127.0.0.1:1", OBJ]]
     assert svc.op_status([], {}, svc.clock())["offloads"] == 2
@@ -59,11 +69,11 @@ def test_urgent_eviction_drops_an_object_in_flight_and_its_late_file_is_deleted(
     svc = master(high=0.6, low=0.3)
     name, _ = node(svc)
     put(svc, "a", "b", "c")
-    assert len(poll(svc, name)) == 2                          # offloads of a and b in flight
-    put(svc, "d", "e")                                        # e finds it full: evicts a at once (dropped)
+    assert len(poll(svc, name)) == 2  # offloads of a and b in flight
+    put(svc, "d", "e")  # e finds it full: evicts a at once (dropped)
     assert svc.handle("exists", ["a", "e"], {}) == [False, True]
     svc.handle("tier_done", [["offload", "a", True, 11, 0]], {"segment": name})
-    assert ["delete", "a"] in poll(svc, name)                 # nobody wants that file
+    assert ["delete", "a"] in poll(svc, name)  # nobody wants that file
     assert svc.op_status([], {}, svc.clock())["disk_objects"] == 0
 
 
@@ -73,12 +83,12 @@ def test_promotion_and_its_races():
     assert stale == [] and svc.handle("get", ["x"], {})[0][0] == ON_DISK
     [(code, (off, size))] = svc.handle("promote_start", ["x"], {"segment": name})
     assert code == OK and size == OBJ
-    assert svc.handle("promote_start", ["x"], {"segment": name})[0][0] == EXISTS      # a second client waits
+    assert svc.handle("promote_start", ["x"], {"segment": name})[0][0] == EXISTS  # a second client waits
     svc.handle("promote_commit", [["x", True, None]], {"segment": name})
     [(code, (n, locations, _, checksum))] = svc.handle("get", ["x"], {})
     assert code == OK and locations == [[name, 1, off]] and checksum == 7
     svc.handle("promote_start", ["y"], {"segment": name})
-    svc.handle("promote_commit", [["y", False, "corrupt"]], {"segment": name})          # the file failed its check
+    svc.handle("promote_commit", [["y", False, "corrupt"]], {"segment": name})  # the file failed its check
     assert svc.handle("get", ["y"], {})[0][0] == NOT_FOUND
     assert svc.op_status([], {}, svc.clock())["disk_corrupt"] == 1
 
@@ -88,14 +98,14 @@ def test_removed_key_deletes_its_file_and_a_reput_never_reuses_it():
     name, _ = node(svc, files=[["k", OBJ, 5]])
     svc.handle("remove", ["k"], {})
     assert ["delete", "k"] in poll(svc, name)
-    put(svc, "k")                                             # same key, new bytes
-    assert svc.tiering.copy(svc.table.get("k")) is None       # the old file is no clean copy of the new object
+    put(svc, "k")  # same key, new bytes
+    assert svc.tiering.copy(svc.table.get("k")) is None  # the old file is no clean copy of the new object
 
 
 def test_restarted_node_announcing_a_stale_file_is_told_to_delete_it():
     svc = master()
     node(svc, "a")
-    put(svc, "k")                                             # k now lives in DRAM with its own checksum
+    put(svc, "k")  # k now lives in DRAM with its own checksum
     svc.table.get("k").checksum = 1
     _, stale = node(svc, "b", files=[["k", OBJ, 2], ["k2", OBJ, 3]])
     assert stale == ["k"] and svc.handle("exists", ["k2"], {}) == [True]
@@ -104,28 +114,31 @@ def test_restarted_node_announcing_a_stale_file_is_told_to_delete_it():
 def test_drain_migrates_then_tells_the_node_to_exit():
     svc = master()
     a, _ = node(svc, "a", files=[["disk", OBJ, 9]])
-    put(svc, "d1")                                            # placed on a (the only segment)
+    put(svc, "d1")  # placed on a (the only segment)
     b, _ = node(svc, "b")
     assert svc.handle("drain", [a], {}) == [[OK, None]]
     put(svc, "new")
-    assert svc.table.get("new").replicas[0][0] == b           # no new placements on a
+    assert svc.table.get("new").replicas[0][0] == b  # no new placements on a
     cmds = poll(svc, a)
     assert sorted((c[1], c[3] >= 0, c[4]) for c in cmds) == [("d1", True, b), ("disk", False, b)]
     svc.handle("tier_done", [["migrate", c[1], True, None, c[7]] for c in cmds], {"segment": a})
     assert [r[0] for r in svc.table.get("d1").replicas] == [b] and svc.handle("get", ["disk"], {})[0][0] == OK
-    assert ["exit"] in poll(svc, a) + poll(svc, a)            # after the file deletes
+    assert ["exit"] in poll(svc, a) + poll(svc, a)  # after the file deletes
 
 
 def test_a_failing_disk_gets_no_offloads_for_a_while():
     svc = master(high=0.6, low=0.3)
     name, _ = node(svc)
     put(svc, "a", "b", "c")
-    svc.handle("tier_done", [["offload", c[1], False, "No space left on device", 0] for c in poll(svc, name)],
-               {"segment": name})
-    put(svc, "d")                                             # over high again: dropped, not offloaded
+    svc.handle(
+        "tier_done",
+        [["offload", c[1], False, "No space left on device", 0] for c in poll(svc, name)],
+        {"segment": name},
+    )
+    put(svc, "d")  # over high again: dropped, not offloaded
     assert poll(svc, name) == [] and svc.op_status([], {}, svc.clock())["offload_failures"] == 2
     svc.clock_.t += 1.5
-    put(svc, "e", "f")                                        # over high once more: offloaded again
+    put(svc, "e", "f")  # over high once more: offloaded again
     cmds = poll(svc, name)
     assert cmds and all(c[0] == "offload" for c in cmds)
 
@@ -137,18 +150,18 @@ def test_disk_only_objects_stay_out_of_the_eviction_scan():
     assert [o.key for o in svc.table.iter_lru()] == ["a"] and len(svc.table) == 1001 and "d/7" in svc.table
     [(code, (off, _))] = svc.handle("promote_start", ["d/7"], {"segment": name})
     svc.handle("promote_commit", [["d/7", True, None]], {"segment": name})
-    assert [o.key for o in svc.table.iter_lru()] == ["a", "d/7"]         # promoted: back in the LRU, newest
+    assert [o.key for o in svc.table.iter_lru()] == ["a", "d/7"]  # promoted: back in the LRU, newest
     svc.handle("remove", ["d/8"], {})
     assert "d/8" not in svc.table and len(svc.table) == 1000
-    svc.clock_.t += 2                                         # past d/7's lease from the promotion
-    assert svc.handle("remove_all", [], {}) == [OK, 1000] and len(svc.table) == 0     # disk-only ones too
+    svc.clock_.t += 2  # past d/7's lease from the promotion
+    assert svc.handle("remove_all", [], {}) == [OK, 1000] and len(svc.table) == 0  # disk-only ones too
 
 
 def test_a_big_disk_announces_in_chunks():
     svc = master()
     name, _ = node(svc, files=[["a", OBJ, 1]])
     [(code, stale)] = svc.handle("tier_register", [[name, "127.0.0.1:1", 1 << 20, [["b", OBJ, 2]]]], {"more": 1})
-    assert code == OK and svc.handle("exists", ["a", "b"], {}) == [True, True]       # the first chunk stays
+    assert code == OK and svc.handle("exists", ["a", "b"], {}) == [True, True]  # the first chunk stays
 
 
 def test_a_restarted_process_takes_over_its_disk_and_dram_losses_fall_back_to_it():
@@ -157,13 +170,14 @@ def test_a_restarted_process_takes_over_its_disk_and_dram_losses_fall_back_to_it
     [(_, old)] = svc.handle("register_segment", [[wire, 1, 4 * OBJ]], {})
     svc.handle("tier_register", [[old, "127.0.0.1:1", 1 << 20, [["x", OBJ, 7], ["y", OBJ, 8]], "disk-1"]], {})
     svc.handle("promote_start", ["x"], {"segment": old})
-    svc.handle("promote_commit", [["x", True, None]], {"segment": old})           # x: DRAM on old + its file
+    svc.handle("promote_commit", [["x", True, None]], {"segment": old})  # x: DRAM on old + its file
     wire = {**wire, "segment_id": "new"}
     [(_, new)] = svc.handle("register_segment", [[wire, 1, 4 * OBJ]], {})
-    [(code, stale)] = svc.handle("tier_register", [[new, "127.0.0.1:2", 1 << 20, [["x", OBJ, 7], ["y", OBJ, 8]],
-                                                    "disk-1"]], {})
-    assert code == OK and stale == []                          # same disk: adopted, nothing deleted
-    svc.handle("unregister", [old], {})                        # the old process's segment leaves
+    [(code, stale)] = svc.handle(
+        "tier_register", [[new, "127.0.0.1:2", 1 << 20, [["x", OBJ, 7], ["y", OBJ, 8]], "disk-1"]], {}
+    )
+    assert code == OK and stale == []  # same disk: adopted, nothing deleted
+    svc.handle("unregister", [old], {})  # the old process's segment leaves
     svc.tick()
     assert [a[0] for a in svc.handle("get", ["x", "y"], {})] == [ON_DISK, ON_DISK]
     assert svc.handle("get", ["x"], {})[0][1][0] == "127.0.0.1:2"

@@ -5,6 +5,7 @@ guest (tests/rdma/test_guest.py) runs it with "rdma,tcp,shm" on a soft-RoCE devi
 configured beside it (its connection set-up path), and each test then checks that RDMA carried its entries:
 the engine has the transport and nothing fell back to TCP.
 """
+
 import os
 
 import pytest

@@ -2,6 +2,7 @@
 before tcp; a pid that no longer names the peer moves no byte; a kernel refusal (a non-dumpable peer, a reader
 without CAP_SYS_PTRACE: a real EPERM) falls back to tcp, counted, and is not tried again. The byte-exact
 contract over cma runs in test_contract.py / test_span_batches.py (parametrized over every transport)."""
+
 import dataclasses
 import json
 import subprocess
@@ -34,11 +35,13 @@ def test_plain_memory_of_a_same_host_peer_goes_over_cma(engine):
         n = PLAIN_SIZE // 2
         offs = np.arange(0, n, 4096, dtype=np.uint64)
         lens = np.full(len(offs), 4096, dtype=np.uint64)
-        assert engine.write_spans(peer.descriptor, peer.plain_id, offs + src.ctypes.data, offs, lens) \
-            == [None] * len(offs)
+        assert engine.write_spans(peer.descriptor, peer.plain_id, offs + src.ctypes.data, offs, lens) == [None] * len(
+            offs
+        )
         assert peer.digest(0, n, region=peer.plain_id) == digest(src[:n])
-        assert engine.read_spans(peer.descriptor, peer.plain_id, offs + dst.ctypes.data + n, offs, lens) \
-            == [None] * len(offs)
+        assert engine.read_spans(peer.descriptor, peer.plain_id, offs + dst.ctypes.data + n, offs, lens) == [
+            None
+        ] * len(offs)
     assert bytes(dst[n:]) == bytes(src[:n])
     stats = engine.stats()
     assert stats["cma"]["bytes"] == 2 * n and stats["tcp"]["entries"] == 0 and stats["fallbacks"] == {}
@@ -76,10 +79,23 @@ _READER = textwrap.dedent("""
 def test_a_kernel_refusal_falls_back_to_tcp_once():
     """A real EPERM: the peer is non-dumpable and the reader runs without CAP_SYS_PTRACE (setpriv)."""
     with Peer(transports="cma,tcp", dumpable=False) as peer:
-        peer_sum = int(np.frombuffer(peer.read(0, 3 * 4096), dtype=np.uint8).sum())    # seeded random bytes
-        out = subprocess.run(["setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", sys.executable,
-                              "-c", _READER, json.dumps(peer.descriptor.to_wire()), str(peer.region_id)],
-                             capture_output=True, text=True, timeout=60, check=True)
+        peer_sum = int(np.frombuffer(peer.read(0, 3 * 4096), dtype=np.uint8).sum())  # seeded random bytes
+        out = subprocess.run(
+            [
+                "setpriv",
+                "--inh-caps=-sys_ptrace",
+                "--bounding-set=-sys_ptrace",
+                sys.executable,
+                "-c",
+                _READER,
+                json.dumps(peer.descriptor.to_wire()),
+                str(peer.region_id),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
     got = json.loads(out.stdout)
     assert got["ok"] == [True] * 3 and got["sum"] == peer_sum > 0
     assert got["stats"]["fallbacks"] == {"cma->tcp": 1} and got["stats"]["tcp"]["entries"] == 3

@@ -1,5 +1,6 @@
 """The transfer contract against a real peer process, for every transport: exact bytes for 1 B..64 MiB,
 misaligned offsets, batches, both directions, blocking and future forms, per-entry OutOfRange."""
+
 import numpy as np
 import pytest
 
@@ -26,18 +27,18 @@ def test_write_then_read_exact_bytes(engine, peer, size, form):
     remote_off = 13 if size < (64 << 20) else 3  # misaligned on both sides
     w = TransferRequest(local, 5, peer.descriptor, peer.region_id, remote_off, size)
     assert run(engine, "write", [w], form) == [None]
-    assert peer.digest(remote_off, size) == digest(src[5:5 + size])
+    assert peer.digest(remote_off, size) == digest(src[5 : 5 + size])
     dst = np.zeros(size + 9, dtype=np.uint8)
     back = engine.register(dst)
     r = TransferRequest(back, 9, peer.descriptor, peer.region_id, remote_off, size)
     assert run(engine, "read", [r], form) == [None]
-    assert np.array_equal(dst[9:], src[5:5 + size])
+    assert np.array_equal(dst[9:], src[5 : 5 + size])
     assert not dst[:9].any()  # bytes outside the entry untouched
 
 
 def test_read_initial_peer_bytes(engine, peer):
     off = 72 << 20  # no other test writes there
-    expected = seeded(peer.size, peer.seed)[off:off + 70001]
+    expected = seeded(peer.size, peer.seed)[off : off + 70001]
     dst = engine.register(bytearray(70001))
     req = TransferRequest(dst, 0, peer.descriptor, peer.region_id, off, 70001)
     assert engine.batch_read([req]) == [None]
@@ -59,14 +60,18 @@ def test_batch_of_many_entries(engine, peer, form):
     for i in order:
         remote_offs[i] = pos
         pos += int(lengths[i]) + 1
-    writes = [TransferRequest(local, int(offs[i]), peer.descriptor, peer.region_id, remote_offs[i], int(lengths[i]))
-              for i in range(len(lengths))]
+    writes = [
+        TransferRequest(local, int(offs[i]), peer.descriptor, peer.region_id, remote_offs[i], int(lengths[i]))
+        for i in range(len(lengths))
+    ]
     assert run(engine, "write", writes, form) == [None] * len(writes)
     i = int(order[7])
-    assert peer.digest(remote_offs[i], int(lengths[i])) == digest(src[offs[i]:offs[i] + lengths[i]])
+    assert peer.digest(remote_offs[i], int(lengths[i])) == digest(src[offs[i] : offs[i] + lengths[i]])
     dst = np.zeros(total, dtype=np.uint8)
     back = engine.register(dst)
-    reads = [TransferRequest(back, r.local_offset, r.remote, r.remote_region, r.remote_offset, r.length) for r in writes]
+    reads = [
+        TransferRequest(back, r.local_offset, r.remote, r.remote_region, r.remote_offset, r.length) for r in writes
+    ]
     assert run(engine, "read", reads, form) == [None] * len(reads)
     assert np.array_equal(dst, src)
 
@@ -75,11 +80,13 @@ def test_out_of_range_entry_fails_alone(engine, peer):
     src = np.frombuffer(np.random.default_rng(1).bytes(8192), dtype=np.uint8)
     local = engine.register(src)
     d, rid = peer.descriptor, peer.region_id
-    reqs = [TransferRequest(local, 0, d, rid, 100, 4096),
-            TransferRequest(local, 0, d, rid, peer.size - 10, 4096),      # runs past the remote end
-            TransferRequest(local, 0, d, 999_999, 0, 16),                  # unknown region
-            TransferRequest(local, 8000, d, rid, 0, 4096),                 # runs past the local end
-            TransferRequest(local, 4096, d, rid, 9000, 4096)]
+    reqs = [
+        TransferRequest(local, 0, d, rid, 100, 4096),
+        TransferRequest(local, 0, d, rid, peer.size - 10, 4096),  # runs past the remote end
+        TransferRequest(local, 0, d, 999_999, 0, 16),  # unknown region
+        TransferRequest(local, 8000, d, rid, 0, 4096),  # runs past the local end
+        TransferRequest(local, 4096, d, rid, 9000, 4096),
+    ]
     st = engine.batch_write(reqs)
     assert st[0] is None and st[4] is None
     assert all(isinstance(e, OutOfRange) for e in st[1:4])
@@ -95,9 +102,12 @@ def test_zero_length_entry_is_a_no_op(engine, peer):
 def test_frames_fit_a_peer_with_a_smaller_max_frame():
     from helpers.peer import Peer
     from kvplugins.transfer import TransferConfig, TransferEngine
+
     size = 4 << 20
-    with Peer(transports="tcp", size=size, max_frame=1 << 20) as peer, \
-            TransferEngine(TransferConfig(transports="tcp", max_frame=64 << 20)) as eng:
+    with (
+        Peer(transports="tcp", size=size, max_frame=1 << 20) as peer,
+        TransferEngine(TransferConfig(transports="tcp", max_frame=64 << 20)) as eng,
+    ):
         assert peer.descriptor.transports["tcp"]["max_frame"] == 1 << 20
         src = np.frombuffer(np.random.default_rng(2).bytes(size), dtype=np.uint8)
         local = eng.register(src)
@@ -105,5 +115,7 @@ def test_frames_fit_a_peer_with_a_smaller_max_frame():
         assert eng.batch_write([req]) == [None]
         assert peer.digest(0, size) == digest(src)
         dst = np.zeros(size, dtype=np.uint8)
-        assert eng.batch_read([TransferRequest(eng.register(dst), 0, peer.descriptor, peer.region_id, 0, size)]) == [None]
+        assert eng.batch_read([TransferRequest(eng.register(dst), 0, peer.descriptor, peer.region_id, 0, size)]) == [
+            None
+        ]
         assert np.array_equal(dst, src)

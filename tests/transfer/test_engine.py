@@ -1,5 +1,6 @@
 """TransferEngine API in one process: memory forms, region lookup, descriptors, config validation,
 alloc_shared backends. Transfers between two engines of this process use the real transports."""
+
 import os
 import subprocess
 import sys
@@ -44,13 +45,16 @@ def test_register_torch_cpu_tensor(eng):
         eng.register(torch.zeros(4, 4).t())
 
 
-@pytest.mark.parametrize("mem, kw, err, match", [
-    (np.zeros((4, 4))[:, 0], {}, TypeError, "C-contiguous"),
-    (12345, {}, TypeError, "length="),
-    ("text", {}, TypeError, "numpy array"),
-    (bytearray(8), {"length": 9}, OutOfRange, "length=9"),
-    (bytearray(8), {"length": 0}, OutOfRange, "length=0"),
-])
+@pytest.mark.parametrize(
+    "mem, kw, err, match",
+    [
+        (np.zeros((4, 4))[:, 0], {}, TypeError, "C-contiguous"),
+        (12345, {}, TypeError, "length="),
+        ("text", {}, TypeError, "numpy array"),
+        (bytearray(8), {"length": 9}, OutOfRange, "length=9"),
+        (bytearray(8), {"length": 0}, OutOfRange, "length=0"),
+    ],
+)
 def test_register_rejects_bad_memory(eng, mem, kw, err, match):
     with pytest.raises(err, match=match):
         eng.register(mem, **kw)
@@ -115,7 +119,7 @@ def test_alloc_shared_commits_its_pages_up_front(backend):
     file's blocks are all allocated before anything is written."""
     m = shmem.allocate(8 << 20, backend)
     try:
-        if shmem.populate_pages(m.addr, 4096):              # the kernel has MADV_POPULATE_WRITE (Linux >= 5.14)
+        if shmem.populate_pages(m.addr, 4096):  # the kernel has MADV_POPULATE_WRITE (Linux >= 5.14)
             assert os.stat(m.path).st_blocks * 512 >= 8 << 20
         assert not m.array.any()
     finally:
@@ -130,16 +134,19 @@ def test_no_common_transport_fails_with_reason():
     assert isinstance(st[0], TransferFailed) and "no common transport" in str(st[0])
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"transports": "udp"}, "transports"),
-    ({"transports": "tcp,tcp"}, "transports"),
-    ({"transports": ""}, "transports"),
-    ({"tcp_connections": 0}, "tcp_connections"),
-    ({"max_frame": 1000}, "max_frame"),
-    ({"timeout_ms": 0}, "timeout_ms"),
-    ({"tcp_port": 70000}, "tcp_port"),
-    ({"shm_backend": "sysv"}, "shm_backend"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"transports": "udp"}, "transports"),
+        ({"transports": "tcp,tcp"}, "transports"),
+        ({"transports": ""}, "transports"),
+        ({"tcp_connections": 0}, "tcp_connections"),
+        ({"max_frame": 1000}, "max_frame"),
+        ({"timeout_ms": 0}, "timeout_ms"),
+        ({"tcp_port": 70000}, "tcp_port"),
+        ({"shm_backend": "sysv"}, "shm_backend"),
+    ],
+)
 def test_config_rejects_bad_values(kw, match):
     with pytest.raises(ConfigError, match=match):
         TransferConfig(**kw)
@@ -175,6 +182,7 @@ def test_unregister_and_close_during_transfers_never_crash(transport):
     """Memory in flight is pinned: racing unregister()/close() against batches gives per-entry errors
     (or success), never a crash or a hang."""
     import threading
+
     cfg = TransferConfig(transports=transport, timeout_ms=2000)
     with TransferEngine(cfg) as a, TransferEngine(cfg) as b:
         remote = b.alloc_shared(1 << 20)
@@ -187,6 +195,7 @@ def test_unregister_and_close_during_transfers_never_crash(transport):
             while not stop.is_set():
                 req = TransferRequest(src, 0, desc, remote.region_id, 0, 1 << 20)
                 results.extend(a.batch_write([req]))
+
         threads = [threading.Thread(target=pound) for _ in range(2)]
         for t in threads:
             t.start()
@@ -203,6 +212,7 @@ def test_unregister_and_close_during_transfers_never_crash(transport):
 @pytest.mark.parametrize("endpoint", [{"host": "127.0.0.1"}, {"host": 5, "port": 80}, {"host": "h", "port": True}, "x"])
 def test_malformed_tcp_endpoint_is_no_route_not_a_crash(endpoint):
     import dataclasses
+
     with TransferEngine(TransferConfig(transports="tcp")) as a, TransferEngine(TransferConfig(transports="tcp")) as b:
         region = b.alloc_shared(4096)
         bad = dataclasses.replace(b.descriptor(), transports={"tcp": endpoint})
@@ -220,8 +230,12 @@ def test_read_only_memory_is_a_source_never_a_destination():
         frozen.flags.writeable = False
         exported_ro = b.register(frozen, export=True)
         d = b.descriptor()
-        st = a.batch_write([TransferRequest(src, 0, d, shared.region_id, 0, 4096),
-                            TransferRequest(src, 0, d, exported_ro.region_id, 0, 10)])
+        st = a.batch_write(
+            [
+                TransferRequest(src, 0, d, shared.region_id, 0, 4096),
+                TransferRequest(src, 0, d, exported_ro.region_id, 0, 10),
+            ]
+        )
         assert st[0] is None and bytes(b.memoryview(shared)[:4096]) == data
         assert isinstance(st[1], OutOfRange) and "read-only" in str(st[1])
         assert list(frozen[:10]) == list(range(10))  # untouched

@@ -1,6 +1,7 @@
 """The native TCP data path (native/src/tcp/, issue #13): serving without the GIL, the native request decoder
 under fuzzing (never a crash; it agrees with the wire specification's decoder, kvplugins/transfer/wire.py),
 and the client's multi-connection batches against a real peer process."""
+
 import socket
 import subprocess
 import sys
@@ -24,14 +25,16 @@ def test_server_keeps_serving_while_python_holds_the_gil():
     """The peer's main thread spins holding its GIL for 6 s (switch interval raised past the spin): reads and
     writes over connections it had accepted still complete, with the right bytes, long before the spin ends.
     (A new connection waits for the accept and handshake, which are Python: it is served after the spin.)"""
-    with Peer(transports="tcp", size=SIZE, seed=5) as peer, \
-            TransferEngine(TransferConfig(transports="tcp", tcp_connections=4, timeout_ms=4000)) as eng:
+    with (
+        Peer(transports="tcp", size=SIZE, seed=5) as peer,
+        TransferEngine(TransferConfig(transports="tcp", tcp_connections=4, timeout_ms=4000)) as eng,
+    ):
         buf = np.zeros(SIZE, dtype=np.uint8)
         a = eng.register(buf).addr
-        assert eng.read_spans(peer.descriptor, peer.region_id, [a], [0], [SIZE]) == [None]    # 4 pooled conns
+        assert eng.read_spans(peer.descriptor, peer.region_id, [a], [0], [SIZE]) == [None]  # 4 pooled conns
         assert digest(buf) == digest(seeded(SIZE, 5))
         peer.spin(6.0)
-        time.sleep(0.5)                              # the spin has begun
+        time.sleep(0.5)  # the spin has begun
         t0 = time.monotonic()
         buf[:] = 0x3C
         assert eng.write_spans(peer.descriptor, peer.region_id, [a], [0], [SIZE]) == [None]
@@ -46,12 +49,29 @@ def test_server_keeps_serving_while_python_holds_the_gil():
 
 _u = st.integers(0, (1 << 64) - 1)
 _entry = st.lists(st.one_of(_u, st.integers(0, 1 << 33), st.none(), st.text(max_size=3)), min_size=0, max_size=4)
-_value = st.one_of(_u, st.integers(-5, 5), st.booleans(), st.none(), st.text(max_size=4), st.floats(),
-                   st.lists(_entry, max_size=5), st.binary(max_size=4))
+_value = st.one_of(
+    _u,
+    st.integers(-5, 5),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=4),
+    st.floats(),
+    st.lists(_entry, max_size=5),
+    st.binary(max_size=4),
+)
 _header = st.dictionaries(st.sampled_from(["v", "op", "id", "e", "x", "st"]), _value, max_size=6)
-_good = st.fixed_dictionaries({"v": st.just(1), "op": st.sampled_from([1, 2]), "id": st.integers(0, (1 << 63) - 1),
-                               "e": st.lists(st.tuples(st.integers(0, (1 << 32) - 1), st.integers(0, 1 << 40),
-                                                       st.integers(0, 1 << 20)), min_size=1, max_size=20)})
+_good = st.fixed_dictionaries(
+    {
+        "v": st.just(1),
+        "op": st.sampled_from([1, 2]),
+        "id": st.integers(0, (1 << 63) - 1),
+        "e": st.lists(
+            st.tuples(st.integers(0, (1 << 32) - 1), st.integers(0, 1 << 40), st.integers(0, 1 << 20)),
+            min_size=1,
+            max_size=20,
+        ),
+    }
+)
 
 
 def _python(header: bytes, plen: int):
@@ -65,14 +85,14 @@ def _native(header: bytes, plen: int):
     try:
         kind, op, req_id, entries = native_tcp.decode_request(header, plen, MAX_FRAME)
     except ProtocolError as e:
-        assert str(e)                           # a reason, for the log line
+        assert str(e)  # a reason, for the log line
         return None
     return kind if kind == "control" else wire.Request(op, req_id, tuple(entries))
 
 
 def _agree(header: bytes, plen: int) -> None:
     py, nat = _python(header, plen), _native(header, plen)
-    if nat == "control":                        # handed to Python, which decides
+    if nat == "control":  # handed to Python, which decides
         return
     assert nat == py, (header, plen, nat, py)
 
@@ -96,7 +116,7 @@ def test_native_decoder_accepts_every_valid_request(h):
     plen = sum(e[2] for e in entries) if h["op"] == 1 else 0
     header = msgpack.packb({**h, "e": entries}, use_bin_type=True)
     assert _native(header, plen) == wire.Request(h["op"], h["id"], tuple(map(tuple, entries)))
-    _agree(header, plen + 1)                    # a payload the entries do not account for: refused by both
+    _agree(header, plen + 1)  # a payload the entries do not account for: refused by both
 
 
 def test_native_decoder_names_the_field():
@@ -142,9 +162,11 @@ def test_process_exits_cleanly_while_native_calls_are_in_flight():
     """Daemon threads blocked in a GIL-released native call (the TCP server's event wait) when the interpreter
     finalizes must not abort the process ("terminate called without an active exception", exit 134 after
     pytest had passed every test): a slow finalizer keeps finalization open while their waits return."""
-    code = ("import time\nfrom kvplugins.transfer import TransferConfig, TransferEngine\n"
-            "engines = [TransferEngine(TransferConfig(transports='tcp')) for _ in range(8)]\n"
-            "class Slow:\n    def __del__(self):\n        time.sleep(1.2)\n"
-            "slow = Slow()\n")
+    code = (
+        "import time\nfrom kvplugins.transfer import TransferConfig, TransferEngine\n"
+        "engines = [TransferEngine(TransferConfig(transports='tcp')) for _ in range(8)]\n"
+        "class Slow:\n    def __del__(self):\n        time.sleep(1.2)\n"
+        "slow = Slow()\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr[-2000:]

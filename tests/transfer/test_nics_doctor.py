@@ -5,6 +5,7 @@ The real-hardware side (rxe devices in a QEMU guest) is tests/rdma/guest; here d
 exist on this host: the same files and links the kernel's sysfs ABI documents), and doctor runs as a real
 ``kvplugins`` process.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,8 @@ from kvplugins.transfer.cma import ptrace_scope
 IB_CLASS = Path("/sys/class/infiniband")
 HAS_RDMA = IB_CLASS.is_dir() and any(IB_CLASS.iterdir())
 no_rdma = pytest.mark.skipif(HAS_RDMA, reason="this host has RDMA devices; these tests describe one without")
-GID_V4_LO = "0000:0000:0000:0000:0000:ffff:7f00:0001"          # ::ffff:127.0.0.1, made from "lo"
-GID_V4_OTHER = "0000:0000:0000:0000:0000:ffff:0a01:0203"       # ::ffff:10.1.2.3
+GID_V4_LO = "0000:0000:0000:0000:0000:ffff:7f00:0001"  # ::ffff:127.0.0.1, made from "lo"
+GID_V4_OTHER = "0000:0000:0000:0000:0000:ffff:0a01:0203"  # ::ffff:10.1.2.3
 GID_LINK_LOCAL = "fe80:0000:0000:0000:0e42:a1ff:fe11:2233"
 GID_GLOBAL6 = "2001:0db8:0000:0000:0e42:a1ff:fe11:2233"
 
@@ -53,8 +54,16 @@ def _device(sysfs: Path, name: str, parent: Path | None) -> Path:
     return home
 
 
-def _port(home: Path, port: int, state: str, link: str, gids: dict[int, tuple[str, str, str]],
-          size: int = 8, lid: str = "0x0", rate: str = "100 Gb/sec (4X EDR)") -> None:
+def _port(
+    home: Path,
+    port: int,
+    state: str,
+    link: str,
+    gids: dict[int, tuple[str, str, str]],
+    size: int = 8,
+    lid: str = "0x0",
+    rate: str = "100 Gb/sec (4X EDR)",
+) -> None:
     """``gids``: index -> (gid, type text, netdev). Unused entries read as zero GIDs and their types/ndevs entries
     are folders, so reading them fails with an OSError as the kernel's EINVAL does."""
     p = home / "ports" / str(port)
@@ -83,12 +92,29 @@ def fake_sysfs(tmp_path):
     virtio netdev (no PCI link of its own), only a link-local GID."""
     sysfs = tmp_path / "sys"
     eth = _pci_function(sysfs, "0000:3b:00.0", "1")
-    _port(_device(sysfs, "mlx5_0", eth), 1, "4: ACTIVE", "Ethernet", {
-        0: (GID_LINK_LOCAL, "IB/RoCE v1", "lo"), 1: (GID_LINK_LOCAL, "RoCE v2", "lo"),
-        2: (GID_V4_LO, "IB/RoCE v1", "lo"), 3: (GID_GLOBAL6, "RoCE v2", "lo"), 5: (GID_V4_LO, "RoCE v2", "lo")})
+    _port(
+        _device(sysfs, "mlx5_0", eth),
+        1,
+        "4: ACTIVE",
+        "Ethernet",
+        {
+            0: (GID_LINK_LOCAL, "IB/RoCE v1", "lo"),
+            1: (GID_LINK_LOCAL, "RoCE v2", "lo"),
+            2: (GID_V4_LO, "IB/RoCE v1", "lo"),
+            3: (GID_GLOBAL6, "RoCE v2", "lo"),
+            5: (GID_V4_LO, "RoCE v2", "lo"),
+        },
+    )
     ib = _pci_function(sysfs, "0000:5e:00.0", "0")
-    _port(_device(sysfs, "mlx5_1", ib), 1, "4: ACTIVE", "InfiniBand", {0: (GID_LINK_LOCAL, "IB/RoCE v1", "")},
-          lid="0x1a", rate="200 Gb/sec (4X HDR)")
+    _port(
+        _device(sysfs, "mlx5_1", ib),
+        1,
+        "4: ACTIVE",
+        "InfiniBand",
+        {0: (GID_LINK_LOCAL, "IB/RoCE v1", "")},
+        lid="0x1a",
+        rate="200 Gb/sec (4X HDR)",
+    )
     _netdev(sysfs, "ib7", ib)
     virtio = _pci_function(sysfs, "0000:00:03.0", "-1") / "virtio0"
     _netdev(sysfs, "kvpfake0", virtio)
@@ -114,33 +140,57 @@ def test_gid_choice_numa_pci_and_netdev_from_sysfs(fake_sysfs):
     # RoCE v2 IPv4-mapped wins over RoCE v1 of the same address, RoCE v2 global IPv6 and link-local ones
     assert (roce.name, roce.port, roce.gid_index, roce.gid, roce.gid_type) == ("mlx5_0", 1, 5, GID_V4_LO, "RoCE v2")
     assert (roce.state, roce.link_layer, roce.netdev, roce.pci, roce.numa_node) == (
-        "ACTIVE", "Ethernet", "lo", "0000:3b:00.0", 1)
+        "ACTIVE",
+        "Ethernet",
+        "lo",
+        "0000:3b:00.0",
+        1,
+    )
     assert roce.speed_gbps == 100.0 and roce.active_mtu == 0 and roce.usable
     if shutil.which("ip"):
-        assert roce.ipv4 == "127.0.0.1/8"        # the real "lo", the address its GID was made from
+        assert roce.ipv4 == "127.0.0.1/8"  # the real "lo", the address its GID was made from
     # InfiniBand: index 0, type IB, the LID in hex, the IPoIB netdev with dev_port 0
     assert (ib.gid_index, ib.gid, ib.gid_type, ib.lid, ib.netdev) == (0, GID_LINK_LOCAL, "IB", 0x1A, "ib7")
     assert (ib.pci, ib.numa_node, ib.speed_gbps, ib.usable) == ("0000:5e:00.0", 0, 200.0, True)
     # soft-RoCE: the netdev from "parent", PCI and NUMA node from the netdev's device (virtio under 0000:00:03.0)
     assert (rxe.gid_index, rxe.gid_type, rxe.netdev, rxe.pci, rxe.numa_node) == (
-        0, "RoCE v2", "kvpfake0", "0000:00:03.0", -1)
+        0,
+        "RoCE v2",
+        "kvpfake0",
+        "0000:00:03.0",
+        -1,
+    )
     assert rxe.ipv4 is None and rxe.speed_gbps == 2.5
-    assert not rxe.usable                        # a link-local GID only: its netdev has no IP address
+    assert not rxe.usable  # a link-local GID only: its netdev has no IP address
     assert found.usable == (roce, ib)
 
 
 def test_gid_rank_without_ipv4_mapped_prefers_global_v2_then_v1_then_link_local(tmp_path):
     port = tmp_path / "dev"
     p = port / "ports" / "1"
-    cases = [({0: (GID_LINK_LOCAL, "IB/RoCE v1", "e0"), 1: (GID_LINK_LOCAL, "RoCE v2", "e0"),
-               2: (GID_GLOBAL6, "RoCE v2", "e1")}, (2, GID_GLOBAL6, "RoCE v2", "e1")),
-             ({0: (GID_V4_OTHER, "IB/RoCE v1", "e0"), 1: (GID_LINK_LOCAL, "RoCE v2", "e0")},
-              (0, GID_V4_OTHER, "RoCE v1", "e0")),
-             ({0: (GID_LINK_LOCAL, "IB/RoCE v1", "e0"), 2: (GID_V4_OTHER, "IB/RoCE v1", "e1")},
-              (2, GID_V4_OTHER, "RoCE v1", "e1")),
-             ({0: (GID_LINK_LOCAL, "IB/RoCE v1", "e0"), 1: (GID_LINK_LOCAL, "RoCE v2", "e0")},
-              (1, GID_LINK_LOCAL, "RoCE v2", "e0")),
-             ({}, (-1, "", "RoCE v2", None))]
+    cases = [
+        (
+            {
+                0: (GID_LINK_LOCAL, "IB/RoCE v1", "e0"),
+                1: (GID_LINK_LOCAL, "RoCE v2", "e0"),
+                2: (GID_GLOBAL6, "RoCE v2", "e1"),
+            },
+            (2, GID_GLOBAL6, "RoCE v2", "e1"),
+        ),
+        (
+            {0: (GID_V4_OTHER, "IB/RoCE v1", "e0"), 1: (GID_LINK_LOCAL, "RoCE v2", "e0")},
+            (0, GID_V4_OTHER, "RoCE v1", "e0"),
+        ),
+        (
+            {0: (GID_LINK_LOCAL, "IB/RoCE v1", "e0"), 2: (GID_V4_OTHER, "IB/RoCE v1", "e1")},
+            (2, GID_V4_OTHER, "RoCE v1", "e1"),
+        ),
+        (
+            {0: (GID_LINK_LOCAL, "IB/RoCE v1", "e0"), 1: (GID_LINK_LOCAL, "RoCE v2", "e0")},
+            (1, GID_LINK_LOCAL, "RoCE v2", "e0"),
+        ),
+        ({}, (-1, "", "RoCE v2", None)),
+    ]
     for gids, want in cases:
         shutil.rmtree(port, ignore_errors=True)
         _port(port, 1, "4: ACTIVE", "Ethernet", gids)
@@ -154,7 +204,7 @@ def test_device_filter_and_its_reasons(fake_sysfs):
     none = nics.discover(["mlx5_9"], sysfs=fake_sysfs, verbs=False)
     assert none.nics == () and none.reason == "no RDMA device named mlx5_9 (present: mlx5_0, mlx5_1, rxe0)"
     assert none.fix == nics.FIX_NAMES
-    assert len(nics.discover([], sysfs=fake_sysfs, verbs=False).nics) == 3      # empty = every device
+    assert len(nics.discover([], sysfs=fake_sysfs, verbs=False).nics) == 3  # empty = every device
 
 
 def test_reasons_for_no_device_ports_down_and_no_roce_gid(tmp_path):
@@ -167,16 +217,16 @@ def test_reasons_for_no_device_ports_down_and_no_roce_gid(tmp_path):
     _write(rxe / "parent", "kvpfake0")
     _port(rxe, 1, "1: DOWN", "Ethernet", {0: (GID_LINK_LOCAL, "RoCE v2", "kvpfake0")})
     down = nics.discover(sysfs=sysfs, verbs=False)
-    assert (down.reason, down.fix) == ("every RDMA port is down: rxe0/1 DOWN",
-                                       nics.FIX_LINK.format(netdev="kvpfake0"))
+    assert (down.reason, down.fix) == ("every RDMA port is down: rxe0/1 DOWN", nics.FIX_LINK.format(netdev="kvpfake0"))
     fix = "give the netdev an IP address (ip addr add ADDRESS/PREFIX dev kvpfake0): RoCE GIDs are made from it"
     for gids, only in (({0: (GID_LINK_LOCAL, "RoCE v2", "kvpfake0")}, " (only a link-local GID)"), ({}, "")):
         shutil.rmtree(rxe / "ports")
         _port(rxe, 1, "4: ACTIVE", "Ethernet", gids)
         bare = nics.discover(sysfs=sysfs, verbs=False)
         assert bare.nics[0].netdev == "kvpfake0" and not bare.nics[0].usable
-        assert bare.reason == ("no RoCE GID from an IP address on rxe0/1 (netdev kvpfake0): the netdev has no IP "
-                               f"address{only}")
+        assert bare.reason == (
+            f"no RoCE GID from an IP address on rxe0/1 (netdev kvpfake0): the netdev has no IP address{only}"
+        )
         assert bare.fix == fix
 
 
@@ -200,8 +250,10 @@ def test_ipv4_addresses_reads_the_real_loopback():
 # -- memlock ---------------------------------------------------------------------------------------------
 def test_memlock_problem_message():
     msg = nics.memlock_problem(1 << 30, limit=(8 << 20, 8 << 20), ipc_lock=False)
-    assert msg == ("RLIMIT_MEMLOCK 8.0 MiB is below the 1.0 GiB to register for RDMA: raise it (ulimit -l "
-                   "unlimited, or LimitMEMLOCK=infinity in the systemd unit, or --ulimit memlock=-1 in docker)")
+    assert msg == (
+        "RLIMIT_MEMLOCK 8.0 MiB is below the 1.0 GiB to register for RDMA: raise it (ulimit -l "
+        "unlimited, or LimitMEMLOCK=infinity in the systemd unit, or --ulimit memlock=-1 in docker)"
+    )
     assert "(hard unlimited)" in nics.memlock_problem(1 << 30, limit=(64 << 10, -1), ipc_lock=False)
     assert nics.memlock_problem(1 << 30, limit=(8 << 20, 8 << 20), ipc_lock=True) is None
     assert nics.memlock_problem(1 << 30, limit=(-1, -1), ipc_lock=False) is None
@@ -227,8 +279,10 @@ print(locked, nics.memlock_limit(), nics.memlock_problem(need))
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("prlimit"),
-                    reason="needs root, setpriv and prlimit to drop CAP_IPC_LOCK")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("prlimit"),
+    reason="needs root, setpriv and prlimit to drop CAP_IPC_LOCK",
+)
 @pytest.mark.parametrize("drop", [True, False])
 def test_memlock_problem_agrees_with_the_kernel(drop):
     """Under an 8 MiB RLIMIT_MEMLOCK, locking 16 MiB fails exactly when CAP_IPC_LOCK is dropped, and
@@ -241,8 +295,9 @@ def test_memlock_problem_agrees_with_the_kernel(drop):
     assert rest.startswith("(8388608, 8388608) ")
     assert locked == str(not drop)
     problem = rest.split(") ", 1)[1]
-    assert problem == ("RLIMIT_MEMLOCK 8.0 MiB is below the 16.0 MiB to register for RDMA: " + nics.MEMLOCK_FIX
-                       if drop else "None")
+    assert problem == (
+        "RLIMIT_MEMLOCK 8.0 MiB is below the 16.0 MiB to register for RDMA: " + nics.MEMLOCK_FIX if drop else "None"
+    )
 
 
 # -- kvplugins doctor, a real process -------------------------------------------------------------------
@@ -256,8 +311,7 @@ def _doctor(*args: str, env_extra: dict | None = None) -> subprocess.CompletedPr
     cmd = _kvplugins()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUGINS_")}
     env.update(COLUMNS="200", **(env_extra or {}))
-    return subprocess.run(cmd + ["doctor", *args], capture_output=True, text=True, timeout=120, env=env,
-                          check=False)
+    return subprocess.run(cmd + ["doctor", *args], capture_output=True, text=True, timeout=120, env=env, check=False)
 
 
 @no_rdma
@@ -271,9 +325,15 @@ def test_doctor_names_the_missing_rdma_and_the_working_shm_cma_and_tcp():
     for p in rdma["problems"]:
         assert f"rdma: {p['reason']}" in text.stdout and f"  fix: {p['fix']}" in text.stdout
     assert report["shm"]["available"] and report["shm"]["memfd"] and report["shm"]["dev_shm_free"] > 0
-    assert report["tcp"] == {"available": True, "problems": [], "host": "127.0.0.1", "port": 0, "binds": True,
-                             "configured": True}
-    scope = ptrace_scope()          # Yama decides whether cma reaches same-user peers: 0 or absent here
+    assert report["tcp"] == {
+        "available": True,
+        "problems": [],
+        "host": "127.0.0.1",
+        "port": 0,
+        "binds": True,
+        "configured": True,
+    }
+    scope = ptrace_scope()  # Yama decides whether cma reaches same-user peers: 0 or absent here
     assert report["cma"]["ptrace_scope"] == scope and report["cma"]["available"] == (scope in (None, 0))
     assert f"Yama ptrace_scope {'absent (same user)' if scope is None else scope}" in text.stdout
     want = ["shm", "cma", "tcp"] if scope in (None, 0) else ["shm", "tcp"]
@@ -297,8 +357,18 @@ def test_doctor_exits_1_when_the_tcp_port_is_taken():
 def test_doctor_reports_a_memlock_shortfall_with_its_fix(tmp_path):
     if os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("prlimit"):
         pytest.skip("needs root, setpriv and prlimit to drop CAP_IPC_LOCK")
-    cmd = ["setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", "prlimit", "--memlock=8388608:8388608",
-           *_kvplugins(), "doctor", "--json", "--memlock-need", "1GiB"]
+    cmd = [
+        "setpriv",
+        "--bounding-set=-ipc_lock",
+        "--inh-caps=-ipc_lock",
+        "prlimit",
+        "--memlock=8388608:8388608",
+        *_kvplugins(),
+        "doctor",
+        "--json",
+        "--memlock-need",
+        "1GiB",
+    ]
     report = json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout)
     want = {"reason": "RLIMIT_MEMLOCK 8.0 MiB is below the 1.0 GiB to register for RDMA", "fix": nics.MEMLOCK_FIX}
     assert want in report["rdma"]["problems"]
@@ -308,8 +378,18 @@ def test_doctor_reports_a_memlock_shortfall_with_its_fix(tmp_path):
 def test_docs_quote_every_fix_verbatim():
     """docs/transfer.md's table of reasons and fixes stays true to the code."""
     from kvplugins.cli import doctor
+
     text = (Path(__file__).parents[2] / "docs" / "transfer.md").read_text()
-    fixes = [nics.FIX_DRIVER, nics.FIX_NAMES, nics.FIX_PYVERBS, nics.FIX_OPEN, nics.FIX_LINK, nics.FIX_ADDRESS,
-             nics.MEMLOCK_FIX, doctor.FIX_SHM, doctor.FIX_BIND]
+    fixes = [
+        nics.FIX_DRIVER,
+        nics.FIX_NAMES,
+        nics.FIX_PYVERBS,
+        nics.FIX_OPEN,
+        nics.FIX_LINK,
+        nics.FIX_ADDRESS,
+        nics.MEMLOCK_FIX,
+        doctor.FIX_SHM,
+        doctor.FIX_BIND,
+    ]
     for fix in fixes:
         assert fix.format(netdev="<netdev>") in text, fix

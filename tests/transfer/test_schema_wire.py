@@ -2,6 +2,7 @@
 header gets a wrong type, a negative, zero, a huge value, an over-long string, bytes or list, deep nesting, or
 goes missing, or an extra field joins; an oracle says whether that is still valid (then the decode must equal
 it) or which field the ProtocolError must name. Plus: the encoders' bytes are unchanged (the pre-#11 frame)."""
+
 from __future__ import annotations
 
 import re
@@ -39,12 +40,12 @@ def packed_map(fields: dict) -> bytes:
 
 
 hostile = st.one_of(
-    st.sampled_from(["1", 1.5, True, False, None, b"\x01", [1], {"a": 1}]),               # wrong type
-    st.integers(-(1 << 63), -1),                                                        # negative
-    st.just(0),                                                                         # zero
-    st.sampled_from([U32 + 1, U63, U63 + 1, U64]) | st.integers(U32 + 1, U64),          # huge
+    st.sampled_from(["1", 1.5, True, False, None, b"\x01", [1], {"a": 1}]),  # wrong type
+    st.integers(-(1 << 63), -1),  # negative
+    st.just(0),  # zero
+    st.sampled_from([U32 + 1, U63, U63 + 1, U64]) | st.integers(U32 + 1, U64),  # huge
     st.sampled_from(["x" * 5000, b"x" * 5000, [0] * 5000, [[1, 0, 1]] * (wire.MAX_ENTRIES + 1)]),  # over-long
-    st.just(DEEP),                                                                      # deep nesting
+    st.just(DEEP),  # deep nesting
 )
 
 
@@ -54,8 +55,14 @@ def is_int(v) -> bool:
 
 # ---- request headers -----------------------------------------------------------------------------------------
 entry = st.tuples(st.integers(0, U32), st.integers(0, 1 << 20), st.integers(0, 1 << 16))
-valid_request = st.fixed_dictionaries({"v": st.just(1), "op": st.sampled_from([wire.OP_WRITE, wire.OP_READ]),
-                                       "id": st.integers(0, U63), "e": st.lists(entry, min_size=1, max_size=8)})
+valid_request = st.fixed_dictionaries(
+    {
+        "v": st.just(1),
+        "op": st.sampled_from([wire.OP_WRITE, wire.OP_READ]),
+        "id": st.integers(0, U63),
+        "e": st.lists(entry, min_size=1, max_size=8),
+    }
+)
 
 
 def request_oracle(h: dict):
@@ -87,7 +94,7 @@ def request_oracle(h: dict):
 
 def _bad_entries(e) -> str | None:
     """Regex of the error for entries ``e``, None if they are valid."""
-    if isinstance(e, Raw):                                  # nested one-item arrays: refused at the first item
+    if isinstance(e, Raw):  # nested one-item arrays: refused at the first item
         return r"at `\$\.e\[0\]`"
     if not isinstance(e, (list, tuple)) or not 1 <= len(e) <= wire.MAX_ENTRIES:
         return r"at `\$\.e`"
@@ -161,8 +168,14 @@ def test_request_over_long_entry_lists_and_deep_nesting():
 
 # ---- response headers ----------------------------------------------------------------------------------------
 status = st.one_of(st.none(), st.text(max_size=50))
-valid_response = st.fixed_dictionaries({"v": st.just(1), "op": st.just(wire.OP_RESP), "id": st.integers(0, U63),
-                                        "st": st.lists(status, min_size=0, max_size=8)})
+valid_response = st.fixed_dictionaries(
+    {
+        "v": st.just(1),
+        "op": st.just(wire.OP_RESP),
+        "id": st.integers(0, U63),
+        "st": st.lists(status, min_size=0, max_size=8),
+    }
+)
 
 
 def response_oracle(h: dict, req_id: int, n: int):
@@ -226,8 +239,9 @@ def test_response_field_missing(h, name):
 
 
 @SETTINGS
-@given(valid_response, st.text(min_size=1, max_size=300).filter(lambda k: k not in ("v", "op", "id", "st", "c")),
-       hostile)
+@given(
+    valid_response, st.text(min_size=1, max_size=300).filter(lambda k: k not in ("v", "op", "id", "st", "c")), hostile
+)
 def test_response_extra_field(h, name, value):
     check_response({**h, name: value}, h["id"], len(h["st"]))
 
@@ -263,7 +277,7 @@ def test_request_frames_are_byte_identical_to_the_v1_encoding(h):
     body = msgpack.packb({"v": 1, "op": h["op"], "id": h["id"], "e": [list(x) for x in h["e"]]}, use_bin_type=True)
     frame = wire.encode_request(h["op"], h["id"], h["e"])
     assert frame == wire.PREFIX.pack(wire.MAGIC, len(body), plen) + body
-    assert wire.decode_request(frame[wire.PREFIX.size:], plen, MAX_FRAME) == request_oracle(h)[0]
+    assert wire.decode_request(frame[wire.PREFIX.size :], plen, MAX_FRAME) == request_oracle(h)[0]
 
 
 @SETTINGS
@@ -272,4 +286,4 @@ def test_response_frames_are_byte_identical_to_the_v1_encoding(h, plen):
     body = msgpack.packb({"v": 1, "op": wire.OP_RESP, "id": h["id"], "st": h["st"]}, use_bin_type=True)
     frame = wire.encode_response(h["id"], h["st"], plen)
     assert frame == wire.PREFIX.pack(wire.MAGIC, len(body), plen) + body
-    assert wire.decode_response(frame[wire.PREFIX.size:], h["id"], len(h["st"])) == h["st"]
+    assert wire.decode_response(frame[wire.PREFIX.size :], h["id"], len(h["st"])) == h["st"]

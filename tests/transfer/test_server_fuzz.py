@@ -1,5 +1,6 @@
 """Garbage on the wire never crashes the TCP server: each bad connection is closed (reason logged), and
 the server keeps serving a good client. The server runs in a real peer process (port 0)."""
+
 import logging
 import socket
 
@@ -47,10 +48,11 @@ def _frame(header_obj, payload: bytes = b"", claim: int | None = None) -> bytes:
     return wire.PREFIX.pack(wire.MAGIC, len(body), len(payload) if claim is None else claim) + body + payload
 
 
-_ints = st.integers(-2**63, 2**64 - 1)
+_ints = st.integers(-(2**63), 2**64 - 1)
 _entry = st.lists(st.one_of(st.integers(0, 4), st.integers(0, SIZE * 2), _ints), min_size=0, max_size=4)
-_header = st.fixed_dictionaries({"v": st.sampled_from([1, 1, 2, "1"]), "op": st.integers(0, 4),
-                                 "id": _ints, "e": st.lists(_entry, max_size=5)})
+_header = st.fixed_dictionaries(
+    {"v": st.sampled_from([1, 1, 2, "1"]), "op": st.integers(0, 4), "id": _ints, "e": st.lists(_entry, max_size=5)}
+)
 _garbage = st.one_of(
     st.binary(max_size=200),
     st.builds(lambda h, b: wire.MAGIC + h + b, st.binary(min_size=12, max_size=12), st.binary(max_size=100)),
@@ -91,6 +93,6 @@ def test_bad_version_closes_connection_with_logged_reason(caplog):
         good = _frame({"v": 1, "op": 2, "id": 2, "e": [[region.region_id, 0, 8]]})
         answer = _send_raw(port, good)
     assert "unknown wire version 7" in caplog.text
-    hlen, plen = wire.parse_prefix(answer[:wire.PREFIX.size], 1 << 24)
-    assert wire.decode_response(answer[wire.PREFIX.size:wire.PREFIX.size + hlen], 2, 1) == [None]
+    hlen, plen = wire.parse_prefix(answer[: wire.PREFIX.size], 1 << 24)
+    assert wire.decode_response(answer[wire.PREFIX.size : wire.PREFIX.size + hlen], 2, 1) == [None]
     assert plen == 8 and answer[-8:] == bytes(8)

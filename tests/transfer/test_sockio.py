@@ -1,4 +1,5 @@
 """Scatter/gather socket loops: many views, partial sends (small socket buffers), peer close, deadline."""
+
 import socket
 import threading
 import time
@@ -22,9 +23,9 @@ def test_many_views_round_trip_exactly():
     sizes = rng.integers(0, 3000, size=IOV_MAX * 2 + 7)
     data = np.frombuffer(rng.bytes(int(sizes.sum())), dtype=np.uint8)
     cuts = np.concatenate([[0], np.cumsum(sizes)])
-    src = [data[cuts[i]:cuts[i + 1]] for i in range(len(sizes))]
+    src = [data[cuts[i] : cuts[i + 1]] for i in range(len(sizes))]
     out = np.zeros_like(data)
-    dst = [out[cuts[i]:cuts[i + 1]] for i in range(len(sizes))]
+    dst = [out[cuts[i] : cuts[i + 1]] for i in range(len(sizes))]
     a, b = _pair()
     with a, b:
         sender = threading.Thread(target=send_all, args=(a, src))
@@ -53,6 +54,7 @@ def test_trickling_peer_stops_at_the_deadline():
             while not stop.is_set():
                 a.send(b"x")
                 time.sleep(0.05)
+
         t = threading.Thread(target=trickle)
         t.start()
         t0 = time.monotonic()

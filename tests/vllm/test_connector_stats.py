@@ -1,5 +1,6 @@
 """The connector's telemetry as vLLM drives it (no engine): stats objects built, aggregated, reduced, rebuilt by
 name through MultiConnector, and recorded into real prometheus_client metrics; the plugin entry point."""
+
 from __future__ import annotations
 
 import types
@@ -12,6 +13,7 @@ pytestmark = pytest.mark.vllm
 
 def test_stats_aggregate_reduce_and_empty():
     from kvplugins.vllm_kv_connector.stats import KVPluginsStats, StatsRecorder
+
     rec = StatsRecorder()
     assert rec.take() is None  # nothing happened: vLLM gets None, not an empty object
     rec.add(loaded_blocks=3, loaded_bytes=300)
@@ -33,6 +35,7 @@ def test_entry_point_registers_by_name_and_multiconnector_rebuilds_stats():
 
     from kvplugins.vllm_kv_connector import KVPluginsConnector
     from kvplugins.vllm_kv_connector.stats import KVPluginsStats
+
     (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvplugins"]
     ep.load()()
     ep.load()()  # loading twice is harmless
@@ -47,10 +50,12 @@ def test_prom_metrics_record_counters_and_latencies():
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric  # noqa: F401 (API present)
 
     from kvplugins.vllm_kv_connector import KVPluginsConnector
+
     reg = CollectorRegistry()
 
     def bind(cls):
         return lambda **kw: cls(registry=reg, **kw)
+
     types_ = {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)}
     cfg = types.SimpleNamespace(kv_transfer_config=None)
     prom = KVPluginsConnector.build_prom_metrics(cfg, types_, ["model_name", "engine"], {0: ["m", "0"]})

@@ -11,6 +11,7 @@ on a copy of the pages in a cluster of its own, the store node is stopped and th
 loads (everything recomputed, identical tokens, no hang). With the store down the engine still serves, with
 identical tokens.
 """
+
 from __future__ import annotations
 
 import signal
@@ -66,11 +67,24 @@ def test_preempted_batch_reloads_from_the_store(shared, baseline, model, turn_pr
     while its saves may be in flight); it comes back through a store load. The connector runs as a child of
     MultiConnector (whose stats lookups go by connector name)."""
     blocks = sum(-(-n // BLOCK) for n in baseline["prompt_tokens"]) + 1
-    child = {"kv_connector": "KVPluginsConnector", "kv_role": "kv_both",
-             "kv_connector_extra_config": {"store": {"master": cluster.master}}}
+    child = {
+        "kv_connector": "KVPluginsConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store": {"master": cluster.master}},
+    }
     multi = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [child]}}
-    r = run_fresh(EngineSpec(model, turn_prompts[1], max_tokens=48, batch=True, num_blocks=blocks,
-                             max_model_len=2048, connector={}, transfer=multi))
+    r = run_fresh(
+        EngineSpec(
+            model,
+            turn_prompts[1],
+            max_tokens=48,
+            batch=True,
+            num_blocks=blocks,
+            max_model_len=2048,
+            connector={},
+            transfer=multi,
+        )
+    )
     assert r["preemptions"] > 0
     assert [t[:16] for t in r["tokens"]] == baseline["tokens"]
     assert r["kvplugins"]["loaded_blocks"] > 0  # stats flowed through MultiConnector to /metrics
@@ -78,32 +92,44 @@ def test_preempted_batch_reloads_from_the_store(shared, baseline, model, turn_pr
 
 def test_page_that_fails_to_load_is_recomputed(shared, baseline, model, turn_prompts, cluster, tmp_path):
     from kvplugins.store import ClientConfig, StoreClient
+
     _, b, info = shared
     log = tmp_path / "engine.log"
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         stored = stored_page_keys(client, b, info)
         with restored(client, stored[5:6]):
             replace_pages(client, stored[5:6], object_bytes(info) // 2)  # wrong size: load fails
-            r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"store": {"master": cluster.master}},
-                                     load_failure="recompute"), log_path=str(log))
+            r = run_fresh(
+                EngineSpec(
+                    model, turn_prompts[1], connector={"store": {"master": cluster.master}}, load_failure="recompute"
+                ),
+                log_path=str(log),
+            )
     assert "1 of" in log.read_text() and "pages failed to load" in log.read_text()
     assert r["tokens"] == baseline["tokens"]
     assert r["kvplugins"]["failed_blocks"] == 1
 
 
-def test_fail_policy_fails_only_that_request_with_a_clear_error(shared, baseline, model, turn_prompts, cluster,
-                                                                tmp_path):
+def test_fail_policy_fails_only_that_request_with_a_clear_error(
+    shared, baseline, model, turn_prompts, cluster, tmp_path
+):
     """A stored page whose bytes no longer match its checksum, with kv_load_failure_policy="fail": the request
     that loads it ends with finish_reason "error" (vLLM logs why, the connector names the page and the cause);
     the engine neither hangs nor crashes: the next request in the same engine gets the baseline's tokens."""
     from kvplugins.store import ClientConfig, StoreClient
+
     _, b, info = shared
     log = tmp_path / "engine.log"
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         stored = stored_page_keys(client, b, info)
         with flipped(client, stored[2:3]):  # page 2 of prompt 0
-            r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"store": {"master": cluster.master}},
-                                     load_failure="fail"), timeout_s=240, log_path=str(log))
+            r = run_fresh(
+                EngineSpec(
+                    model, turn_prompts[1], connector={"store": {"master": cluster.master}}, load_failure="fail"
+                ),
+                timeout_s=240,
+                log_path=str(log),
+            )
     text = log.read_text()
     assert r["finish_reasons"] == ["error", "length"]
     assert "Failing 1 request(s) due to KV load failure (failure_policy=fail" in text
@@ -114,6 +140,7 @@ def test_fail_policy_fails_only_that_request_with_a_clear_error(shared, baseline
 
 def test_corrupted_pages_change_tokens(shared, baseline, model, turn_prompts, cluster):
     from kvplugins.store import ClientConfig, StoreClient
+
     _, b, info = shared
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         stored = stored_page_keys(client, b, info)
@@ -129,8 +156,10 @@ def test_store_down_still_serves_identical_tokens(model, turn_prompts, baseline,
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     log = tmp_path / "engine.log"
-    r = run_fresh(EngineSpec(model, turn_prompts[1], connector={"store": {"master": dead, "rpc_timeout_ms": 300}}),
-                  log_path=str(log))
+    r = run_fresh(
+        EngineSpec(model, turn_prompts[1], connector={"store": {"master": dead, "rpc_timeout_ms": 300}}),
+        log_path=str(log),
+    )
     assert r["external_hit_tokens"] == 0
     assert r["tokens"] == baseline["tokens"]
     assert "store unavailable, serving without it" in log.read_text()
@@ -141,6 +170,7 @@ def copied(shared, cluster):
     """A cluster of its own (one node; the master keeps a silent node's pages listed for 120 s) holding a copy
     of B's prompt pages from the module's cluster, for a test that kills its node."""
     from kvplugins.store import ClientConfig, StoreClient
+
     _, b, info = shared
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         keys = stored_page_keys(client, b, info)
@@ -157,8 +187,11 @@ def test_node_killed_mid_load_recomputes_identical_tokens(shared, baseline, mode
     and the tokens equal the baseline."""
     node = copied.nodes[0]
     log = tmp_path / "engine.log"
-    spec = EngineSpec(model, turn_prompts[1], connector={"store": {"master": copied.master, "transports": "tcp",
-                                                                   "transfer_timeout_ms": 60000}})
+    spec = EngineSpec(
+        model,
+        turn_prompts[1],
+        connector={"store": {"master": copied.master, "transports": "tcp", "transfer_timeout_ms": 60000}},
+    )
     box: dict = {}
     runner = threading.Thread(target=lambda: box.update(r=run_fresh(spec, log_path=str(log))), daemon=True)
     node.popen.send_signal(signal.SIGSTOP)

@@ -6,6 +6,7 @@ vLLM 0.32 caches a synchronous load's blocks under their hashes when it allocate
 request preempted before that, or a new one sharing the prefix, would take the failed (zeroed) blocks as a
 local hit and compute on them. The connector evicts failed blocks from the cache manager vLLM binds to it.
 """
+
 from __future__ import annotations
 
 import socket
@@ -39,18 +40,28 @@ def scheduler_side(model):
 
     from kvplugins.vllm_kv_connector.connector import KVPluginsConnector
 
-    ktc = KVTransferConfig(kv_connector="KVPluginsConnector", kv_role="kv_both",
-                           kv_connector_extra_config={"store": {"master": _dead_master(), "rpc_timeout_ms": 300}})
-    cfg = EngineArgs(model=model, dtype="float32", block_size=BLOCK, enforce_eager=True, max_model_len=2048,
-                     kv_transfer_config=ktc).create_engine_config()
+    ktc = KVTransferConfig(
+        kv_connector="KVPluginsConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"store": {"master": _dead_master(), "rpc_timeout_ms": 300}},
+    )
+    cfg = EngineArgs(
+        model=model, dtype="float32", block_size=BLOCK, enforce_eager=True, max_model_len=2048, kv_transfer_config=ktc
+    ).create_engine_config()
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(cfg.model_config.hf_config.num_hidden_layers)]
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=cfg.model_config.get_num_kv_heads(cfg.parallel_config),
-                             head_size=cfg.model_config.get_head_size(), dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    spec = FullAttentionSpec(
+        block_size=BLOCK,
+        num_kv_heads=cfg.model_config.get_num_kv_heads(cfg.parallel_config),
+        head_size=cfg.model_config.get_head_size(),
+        dtype=torch.float32,
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+    )
     connector = KVPluginsConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config)
-    manager = KVCacheManager(kv_cache_config, max_model_len=2048, scheduler_block_size=BLOCK,
-                             hash_block_size=BLOCK, enable_caching=True)
+    manager = KVCacheManager(
+        kv_cache_config, max_model_len=2048, scheduler_block_size=BLOCK, hash_block_size=BLOCK, enable_caching=True
+    )
     connector.bind_kv_cache_manager(manager)
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
@@ -65,8 +76,9 @@ def scheduler_side(model):
 
 def test_failed_sync_load_leaves_the_prefix_cache(scheduler_side):
     from vllm.v1.outputs import KVConnectorOutput
+
     connector, manager, request = scheduler_side
-    prompt = list(range(1, 3 * BLOCK + 2))           # 3 full pages and a token
+    prompt = list(range(1, 3 * BLOCK + 2))  # 3 full pages and a token
     first = request("a", prompt)
     # a synchronous external hit of 2 pages, then the rest of the prompt to compute (as vLLM's scheduler does)
     manager.allocate_slots(first, num_new_tokens=len(prompt) - 2 * BLOCK, num_external_computed_tokens=2 * BLOCK)
@@ -76,5 +88,5 @@ def test_failed_sync_load_leaves_the_prefix_cache(scheduler_side):
 
     connector.update_connector_output(KVConnectorOutput(invalid_block_ids={blocks[1]}))  # page 1 failed
     _, hit, _ = manager.get_computed_blocks(request("c", prompt))
-    assert hit == BLOCK      # page 0 loaded and is still a hit; page 1 (and what hangs on it) is not
+    assert hit == BLOCK  # page 0 loaded and is still a hit; page 1 (and what hangs on it) is not
     assert manager.get_block_ids("a")[0] == blocks  # the request keeps its blocks and recomputes page 1

@@ -6,6 +6,7 @@ inside the window before the hit's end, as vLLM's own prefix cache) and produce 
 engine without the connector. Control: the sliding-window pages B loaded, overwritten with random bytes,
 change the tokens of a fresh engine C (those pages are really read); one byte flipped in every stored page
 (every load fails its checksum) leaves them equal (the failed load fails the whole request; issue #30 item 9)."""
+
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def gemma() -> str:
     from kvplugins.demo.model import ensure_model
+
     return str(ensure_model(family="gemma3"))
 
 
@@ -38,6 +40,7 @@ def shared(gemma, turn_prompts, cluster, tmp_path_factory):
 
 def _window_pages() -> int:
     from kvplugins.demo.model import GEMMA3_WINDOW
+
     return -(-(GEMMA3_WINDOW - 1) // BLOCK)  # vLLM: cdiv(sliding_window - 1, block_size)
 
 
@@ -58,13 +61,14 @@ def test_hybrid_fresh_instance_gets_external_hits_and_identical_tokens(shared, g
 
 def test_hybrid_corrupted_window_pages_change_tokens(shared, gemma_baseline, gemma, turn_prompts, cluster):
     from kvplugins.store import ClientConfig, StoreClient
+
     a, b, info = shared
     sliding = next(i for i, g in enumerate(info["groups"]) if ".layers.0." in g["layer_group"])  # alternating
     keys = []  # C's hit ends where B's saved prompt pages end (the last page is recomputed): its window before
-    for ks in info["required"][sliding]:   # each KV head's objects
+    for ks in info["required"][sliding]:  # each KV head's objects
         for ids in b["prompt_token_ids"]:
             end = (len(ids) - 1) // BLOCK
-            keys += page_keys(ks, ids)[end - _window_pages():end]
+            keys += page_keys(ks, ids)[end - _window_pages() : end]
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         assert all(client.batch_exists(keys))  # the window pages B loaded are in the store
         replace_pages(client, keys, object_bytes(info, sliding))
@@ -74,9 +78,9 @@ def test_hybrid_corrupted_window_pages_change_tokens(shared, gemma_baseline, gem
     assert bad["tokens"] != gemma_baseline["tokens"]
 
 
-
 def test_hybrid_failed_loads_recompute_identical_tokens(shared, gemma_baseline, gemma, turn_prompts, cluster):
     from kvplugins.store import ClientConfig, StoreClient
+
     _, b, info = shared
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         keys = stored_group_keys(client, b, info)

@@ -4,6 +4,7 @@ chunk on the load thread while its attention layers wait only for their own chun
 ``wait_for_layer_load``). B must get every shared page as an external hit, the greedy tokens of an engine without
 the connector, and its layers must really have waited per chunk; corrupting only the last chunk's objects
 changes B's tokens (the last layers read their bytes from the store, not from a recompute)."""
+
 from __future__ import annotations
 
 import json
@@ -40,18 +41,19 @@ def runs(model, turn_prompts, cluster, tmp_path_factory):
 
 def test_layerwise_loads_give_external_hits_and_identical_tokens(runs, baseline):
     a, b, info = runs
-    assert len(info["groups"]) == CHUNKS       # three key spaces: one per chunk of layers
+    assert len(info["groups"]) == CHUNKS  # three key spaces: one per chunk of layers
     shared_pages = sum(n // BLOCK for n in a["prompt_tokens"])
     assert a["kvplugins"]["saved_blocks"] >= shared_pages * CHUNKS
     assert b["external_hit_tokens"] == shared_pages * BLOCK > 1000
     assert b["kvplugins"]["loaded_blocks"] == shared_pages * CHUNKS and b["kvplugins"]["failed_blocks"] == 0
-    assert b["kvplugins"]["async_blocks"] == 0                 # loaded before the forward, not in the background
+    assert b["kvplugins"]["async_blocks"] == 0  # loaded before the forward, not in the background
     assert b["kvplugins"]["layer_waits"] >= len(a["prompt_tokens"]) * CHUNKS  # every chunk waited for per load
     assert b["tokens"] == baseline["tokens"]
 
 
 def test_corrupted_last_chunk_changes_tokens(runs, baseline, model, turn_prompts, cluster):
     from kvplugins.store import ClientConfig, StoreClient
+
     _, b, info = runs
     last = len(info["required"]) - 1
     keys = [k for ids in b["prompt_token_ids"] for k in object_keys(info, last, ids)]

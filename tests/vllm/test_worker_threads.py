@@ -2,6 +2,7 @@
 threads.py): a thread pinned to one CPU, as vLLM's OpenMP binding leaves the worker's main thread, starts a real
 transfer engine through ``run_unpinned``; the engine's TCP server threads (which serve P/D direct reads) and a
 ``pool`` thread may run on every CPU the process's threads had. Needs >= 2 CPUs."""
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ def native_tids() -> set[int]:
 def test_threads_started_from_a_pinned_thread_get_every_worker_cpu():
     from kvplugins.transfer import TransferConfig, TransferEngine
     from kvplugins.vllm_kv_connector import threads
+
     everything = set(os.sched_getaffinity(0))
     first = min(everything)
     out: dict = {}

@@ -6,6 +6,7 @@ kept in numpy arrays (``Flat``) and each (segment, region) of a batch becomes ON
 (``TransferEngine.write_spans``/``read_spans``), so a batch costs numpy calls, not Python work per span.
 A read uses the replica(s) it is given (client.py tries them in order).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -21,11 +22,12 @@ from kvplugins.transfer.spans import SMALL
 class Flat:
     """Every span of a batch: local address, bytes, owning key index, offset inside its object. numpy arrays
     (uint64; owner int64), or int lists when the batch has at most spans.SMALL spans."""
+
     addrs: np.ndarray | list
     lens: np.ndarray | list
     owner: np.ndarray | list
     inner: np.ndarray | list
-    sizes: list[int]       # bytes per key (sum of its spans)
+    sizes: list[int]  # bytes per key (sum of its spans)
     nkeys: int
 
 
@@ -35,12 +37,21 @@ def flatten(engine, keys, spans_per_key, out) -> Flat:
     if len(keys) != len(spans_per_key):
         raise StoreError(f"{len(keys)} keys but {len(spans_per_key)} span lists; pass one span list per key")
     spans_per_key = [s if isinstance(s, (list, tuple)) else list(s) for s in spans_per_key]
-    if all(len(spans) == 1 for spans in spans_per_key) and len(keys) > SMALL:     # the common page batch
-        pairs = np.fromiter(itertools.chain.from_iterable(spans[0] for spans in spans_per_key), dtype=np.int64,
-                            count=2 * len(keys))
+    if all(len(spans) == 1 for spans in spans_per_key) and len(keys) > SMALL:  # the common page batch
+        pairs = np.fromiter(
+            itertools.chain.from_iterable(spans[0] for spans in spans_per_key), dtype=np.int64, count=2 * len(keys)
+        )
         a, n = pairs[0::2].copy(), pairs[1::2].copy()
-        return _checked(engine, keys, a, n, np.arange(len(keys), dtype=np.int64),
-                        np.zeros(len(keys), dtype=np.uint64), n.tolist(), out)
+        return _checked(
+            engine,
+            keys,
+            a,
+            n,
+            np.arange(len(keys), dtype=np.int64),
+            np.zeros(len(keys), dtype=np.uint64),
+            n.tolist(),
+            out,
+        )
     addrs, lens, owner, inner, sizes = [], [], [], [], []
     for i, spans in enumerate(spans_per_key):
         total = 0
@@ -53,12 +64,19 @@ def flatten(engine, keys, spans_per_key, out) -> Flat:
         sizes.append(total)
     if len(lens) <= SMALL:
         return _flat_small(engine, keys, addrs, lens, owner, inner, sizes, out)
-    return _checked(engine, keys, np.array(addrs, dtype=np.int64), np.array(lens, dtype=np.int64),
-                    np.array(owner, dtype=np.int64), np.array(inner, dtype=np.uint64), sizes, out)
+    return _checked(
+        engine,
+        keys,
+        np.array(addrs, dtype=np.int64),
+        np.array(lens, dtype=np.int64),
+        np.array(owner, dtype=np.int64),
+        np.array(inner, dtype=np.uint64),
+        sizes,
+        out,
+    )
 
 
-def _checked(engine, keys, a: np.ndarray, n: np.ndarray, own: np.ndarray, inner: np.ndarray, sizes: list,
-             out) -> Flat:
+def _checked(engine, keys, a: np.ndarray, n: np.ndarray, own: np.ndarray, inner: np.ndarray, sizes: list, out) -> Flat:
     """Flat of int64 span arrays, marking keys with a negative or unregistered span BufferNotRegistered."""
     bad = (a < 0) | (n < 0)
     a, n = a.astype(np.uint64), n.astype(np.uint64)
@@ -66,8 +84,9 @@ def _checked(engine, keys, a: np.ndarray, n: np.ndarray, own: np.ndarray, inner:
     if bad.any():
         for i in np.unique(own[bad]).tolist():
             if out[i] is None:
-                out[i] = BufferNotRegistered(f"{keys[i]}: a span lies in no registered region; "
-                                             "call register_buffer on that memory first")
+                out[i] = BufferNotRegistered(
+                    f"{keys[i]}: a span lies in no registered region; call register_buffer on that memory first"
+                )
     return Flat(a, n, own, inner, sizes, len(keys))
 
 
@@ -96,7 +115,7 @@ def reject_empty(keys, flat: Flat, out) -> None:
 def groups(flat: Flat, todo: dict, descs: dict, failed: dict) -> list:
     """One (descriptor, region id, span indices, remote offsets) per (segment, region) the batch touches.
     ``todo``: key index -> locations to transfer. Keys naming an unknown segment go to ``failed``."""
-    by_region: dict[tuple[str, int], list[int]] = {}      # per (segment, region): object offset per key or -1
+    by_region: dict[tuple[str, int], list[int]] = {}  # per (segment, region): object offset per key or -1
     for i, locs in todo.items():
         for loc in locs:
             seg, region_id, offset = loc.segment, loc.region, loc.offset
@@ -145,8 +164,14 @@ def arrays(flat: Flat) -> Flat:
     """``flat`` in array form (a small batch's lists converted)."""
     if type(flat.lens) is not list:
         return flat
-    return Flat(np.array(flat.addrs, dtype=np.uint64), np.array(flat.lens, dtype=np.uint64),
-                np.array(flat.owner, dtype=np.int64), np.array(flat.inner, dtype=np.uint64), flat.sizes, flat.nkeys)
+    return Flat(
+        np.array(flat.addrs, dtype=np.uint64),
+        np.array(flat.lens, dtype=np.uint64),
+        np.array(flat.owner, dtype=np.int64),
+        np.array(flat.inner, dtype=np.uint64),
+        flat.sizes,
+        flat.nkeys,
+    )
 
 
 def _groups_small(flat: Flat, by_region: dict, descs: dict, failed: dict) -> list:

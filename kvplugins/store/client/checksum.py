@@ -8,6 +8,7 @@ every get; the reader gets the digests of the spans it read into the same way an
 object of several spans is hashed natively over its spans (``native.hash_keys``). A checksum of None means
 "not known" (never verified).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,15 +32,19 @@ def digests(flat, wanted, sums: np.ndarray | None = None) -> dict[int, int]:
         return {i: int(sums[i]) for i in wanted}
     owner = np.asarray(flat.owner, dtype=np.int64)
     sel = np.flatnonzero(np.isin(owner, np.fromiter(wanted, dtype=np.int64, count=len(wanted))))
-    got = native.hash_keys(np.asarray(flat.addrs, dtype=np.uint64)[sel], np.asarray(flat.lens, dtype=np.uint64)[sel],
-                           owner[sel], flat.nkeys)
+    got = native.hash_keys(
+        np.asarray(flat.addrs, dtype=np.uint64)[sel],
+        np.asarray(flat.lens, dtype=np.uint64)[sel],
+        owner[sel],
+        flat.nkeys,
+    )
     return {i: int(got[i]) for i in wanted}
 
 
 def _one_span_per_key(flat) -> bool:
     """Span i belongs to key i for every i (the page batch): then span digests are key digests."""
     owner = flat.owner
-    if type(owner) is list:                        # a small batch: no numpy round trip
+    if type(owner) is list:  # a small batch: no numpy round trip
         return owner == list(range(flat.nkeys))
     return len(owner) == flat.nkeys and bool((owner == np.arange(flat.nkeys)).all())
 

@@ -4,6 +4,7 @@ client (rpc.py); an HA address (``etcd://host:port[/prefix]`` or a comma list of
 follows the elected leader (follower.py); a sharded store's (``shards://host:port/prefix``) one routing each
 key to its shard (router.py), whose per-shard clients come from here too. Above rpc, follower and router:
 nothing below imports it."""
+
 from __future__ import annotations
 
 from kvplugins.store.client.follower import LeaderClient
@@ -35,7 +36,7 @@ def control_client(address: str, timeout_ms: float, role: str = "client") -> Zmq
     ha = _leader_client(address, timeout_ms, "zmq", role)
     if ha is not None:
         return ha
-    raw = RawRpcClient(address, timeout_ms, role)     # a role credential holds only its own role's key
+    raw = RawRpcClient(address, timeout_ms, role)  # a role credential holds only its own role's key
     try:
         endpoint = raw.call("info")["zmq"]
     finally:

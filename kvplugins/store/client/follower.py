@@ -9,6 +9,7 @@ Retrying is safe for the store's ops: puts are idempotent by key (a put_start th
 is simply allocated again; its put_commit on the new leader answers "expired", so the put is not acknowledged);
 put_start is not re-sent to a still-living leader whose connection failed after it was sent (ONCE_PER_LEADER).
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,7 +29,7 @@ ONCE_PER_LEADER = frozenset({"put_start", "reserve"})
 
 
 class _EtcdFinder:
-    def __init__(self, address: str, timeout_ms: float, role: str = "client"):     # (etcd: no master role)
+    def __init__(self, address: str, timeout_ms: float, role: str = "client"):  # (etcd: no master role)
         endpoints, prefix = parse_endpoint(address)
         self.etcd = Etcd(",".join(f"http://{h}:{p}" for h, p in endpoints), timeout_s=min(2.0, timeout_ms / 1000))
         self.key = (prefix or DEFAULT_PREFIX) + "/leader"
@@ -43,7 +44,7 @@ class _EtcdFinder:
 class _ListFinder:
     def __init__(self, address: str, timeout_ms: float, role: str = "client"):
         self.addresses = [a.strip() for a in address.split(",") if a.strip()]
-        self.role = role            # a role credential authenticates only as its own role
+        self.role = role  # a role credential authenticates only as its own role
 
     def leader(self, deadline: float) -> dict | None:
         for addr in self.addresses:
@@ -92,7 +93,7 @@ class LeaderClient:
     def _retry(self, op: str, timeout_ms: float, fn):
         deadline = time.monotonic() + timeout_ms / 1000
         last: Exception | None = StoreError(self._finder.none_found())
-        applied_by = None            # leader that may have applied ``op`` before its connection failed
+        applied_by = None  # leader that may have applied ``op`` before its connection failed
         with self._lock:
             while True:
                 try:
@@ -101,8 +102,11 @@ class LeaderClient:
                     inner, last = None, self._failed(e)
                 if inner is not None:
                     if self._leader_id == applied_by:
-                        raise MasterUnreachable(self.address, timeout_ms, f"{op}: the connection to leader "
-                                                f"{self._leader_id} failed after sending; not sent again") from last
+                        raise MasterUnreachable(
+                            self.address,
+                            timeout_ms,
+                            f"{op}: the connection to leader {self._leader_id} failed after sending; not sent again",
+                        ) from last
                     try:
                         return fn(inner, self._attempt_ms(deadline))
                     except StoreError as e:
@@ -134,8 +138,11 @@ class LeaderClient:
                 raise MasterUnreachable(self.address, self.timeout_ms, f"leader lookup: {e}") from e
             if leader is None:
                 return None
-            self._inner = RawRpcClient(leader["raw"], self.timeout_ms, self.role) if self.plane == "raw" \
+            self._inner = (
+                RawRpcClient(leader["raw"], self.timeout_ms, self.role)
+                if self.plane == "raw"
                 else ZmqRpcClient(leader["zmq"], self.timeout_ms, self.role)
+            )
             self._leader_id = leader.get("id", leader["raw"])
             self._probe(leader["raw"], deadline)
         return self._inner
@@ -160,4 +167,3 @@ def leader_info(address: str, timeout_ms: float = 2000) -> dict | None:
     """{"raw", "zmq", ...} of the current leader of ``address`` (etcd:// or a comma list), or None."""
     finder = (_EtcdFinder if address.startswith("etcd://") else _ListFinder)(address, timeout_ms)
     return finder.leader(time.monotonic() + timeout_ms / 1000)
-

@@ -4,6 +4,7 @@ its DRAM segment (verified against their checksum), then asks the master ``get``
 caller receives entries in exactly the normal get-answer format. An object that cannot be promoted (file lost
 or corrupt, no room, node gone) answers NOT_FOUND: a miss, never wrong bytes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,7 +15,7 @@ from kvplugins.store.wire import protocol
 from kvplugins.store.client.rpc import RawRpcClient
 
 log = logging.getLogger(__name__)
-RETRY_S = 0.005        # another client's promotion of the same key is in flight: ask again after this
+RETRY_S = 0.005  # another client's promotion of the same key is in flight: ask again after this
 
 
 def resolve(client, keys: list[str], found: list) -> list:
@@ -27,7 +28,7 @@ def resolve(client, keys: list[str], found: list) -> list:
     while todo:
         codes = _promote(client, [keys[i] for i in todo], [found[i][1] for i in todo])
         for i in todo:
-            if codes[keys[i]] not in (protocol.OK, protocol.EXISTS):     # lost, corrupt, no room, node gone
+            if codes[keys[i]] not in (protocol.OK, protocol.EXISTS):  # lost, corrupt, no room, node gone
                 found[i] = [protocol.NOT_FOUND, None]
         todo = [i for i in todo if found[i][0] == protocol.ON_DISK]
         for i, answer in zip(todo, client.master_call("get", [keys[i] for i in todo]) if todo else []):
@@ -49,7 +50,7 @@ def _promote(client, keys: list[str], where: list) -> dict[str, int]:
         by_node.setdefault(endpoint, []).append(key)
     codes = dict.fromkeys(keys, protocol.NOT_FOUND)
     for endpoint, node_keys in by_node.items():
-        rpc = RawRpcClient(endpoint, client.cfg.rpc_timeout_ms, "data")   # a transfer peer of the node
+        rpc = RawRpcClient(endpoint, client.cfg.rpc_timeout_ms, "data")  # a transfer peer of the node
         try:
             for key, (code, _) in zip(node_keys, rpc.call("promote", node_keys)):
                 codes[key] = code

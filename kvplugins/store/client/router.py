@@ -12,6 +12,7 @@ A shard that does not answer costs only its own keys: reads of them are misses, 
 (MasterUnreachable when no shard answered at all). WRONG_SHARD answers (this client's view was stale) make it
 re-read the membership and resend those entries. A watcher thread re-reads the membership every POLL_S.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,14 +25,26 @@ from kvplugins.store.cluster.membership import ClusterState, Membership
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
-RESEND_ROUNDS = 5             # WRONG_SHARD resends (each after a fresh membership read)
-KEYED = frozenset({"get", "exists", "put_start", "put_commit", "put_abort", "remove", "report_corrupt", "put",
-                   "get_size", "remove_checked"})
+RESEND_ROUNDS = 5  # WRONG_SHARD resends (each after a fresh membership read)
+KEYED = frozenset(
+    {
+        "get",
+        "exists",
+        "put_start",
+        "put_commit",
+        "put_abort",
+        "remove",
+        "report_corrupt",
+        "put",
+        "get_size",
+        "remove_checked",
+    }
+)
 READS = frozenset({"get", "exists", "get_size"})
 REMOVES = frozenset({"remove", "remove_checked"})
 PUTS = frozenset({"put_start", "put"})
 STR_KEYED = frozenset({"get", "exists", "put_commit", "put_abort", "remove", "get_size", "remove_checked"})
-SUMMED = frozenset({"remove_all", "remove_by_regex"})      # payload [code, count] per shard
+SUMMED = frozenset({"remove_all", "remove_by_regex"})  # payload [code, count] per shard
 
 
 class ShardedRpc:
@@ -66,13 +79,14 @@ class ShardedRpc:
         if not good:
             raise next(iter(answers.values()), StoreError(f"{self.address}: the store has no shard"))
         if op == "describe":
-            return [next((a[j] for a in good.values() if a[j][0] == OK), [NOT_FOUND, None])
-                    for j in range(len(entries))]
+            return [
+                next((a[j] for a in good.values() if a[j][0] == OK), [NOT_FOUND, None]) for j in range(len(entries))
+            ]
         if op in SUMMED:
             return [OK, sum(a[1] for a in good.values() if a[0] == OK)]
         if op == "status":
             return {"shards": good, "unreachable": {s: str(a) for s, a in answers.items() if s not in good}}
-        return next(iter(good.values()))          # info and the like: any shard's answer
+        return next(iter(good.values()))  # info and the like: any shard's answer
 
     def send_deferred(self, op: str, entries=(), opts: dict | None = None, on_reply=None) -> None:
         """A pipelined op (put_commit), sent now per shard; ``on_reply(True, per-entry answers)`` once every
@@ -91,10 +105,15 @@ class ShardedRpc:
                 last = left[0] == 0
             if last and on_reply is not None:
                 on_reply(True, out)
+
         for sid, idx in parts.items():
             try:
-                self._client(sid).send_deferred(op, [entries[i] for i in idx], _subset(opts, idx),
-                                                on_reply=lambda ok, p, idx=idx, sid=sid: done(idx, ok, p, sid))
+                self._client(sid).send_deferred(
+                    op,
+                    [entries[i] for i in idx],
+                    _subset(opts, idx),
+                    on_reply=lambda ok, p, idx=idx, sid=sid: done(idx, ok, p, sid),
+                )
             except StoreError as e:
                 done(idx, False, str(e), sid)
 
@@ -147,8 +166,16 @@ class ShardedRpc:
         if prev is not None and op in READS | REMOVES:
             moved = [(i, p) for i, c, p in zip(todo, cur, prev) if p != c]
             if op in READS:
-                self._second(op, entries, opts, timeout_ms, st.previous,
-                             [(i, p) for i, p in moved if _missed(op, out[i])], out, keep_hits=True)
+                self._second(
+                    op,
+                    entries,
+                    opts,
+                    timeout_ms,
+                    st.previous,
+                    [(i, p) for i, p in moved if _missed(op, out[i])],
+                    out,
+                    keep_hits=True,
+                )
             else:
                 self._second(op, entries, opts, timeout_ms, st.previous, moved, out, keep_hits=False)
         return [i for i in todo if _code(out[i]) == WRONG_SHARD] if op in PUTS else []
@@ -179,10 +206,10 @@ class ShardedRpc:
         second: list = [None] * len(entries)
         self._send(op, entries, opts, timeout_ms, members, parts, second)
         for i, _ in moved:
-            if keep_hits:                     # a read: the previous owner's answer when it has the key
+            if keep_hits:  # a read: the previous owner's answer when it has the key
                 if not _missed(op, second[i]):
                     out[i] = second[i]
-            elif _removed(second[i]):         # a remove: done if either owner removed the key
+            elif _removed(second[i]):  # a remove: done if either owner removed the key
                 out[i] = second[i]
 
     def _send(self, op, entries, opts, timeout_ms, members: dict, parts: dict, out: list) -> None:
@@ -202,6 +229,7 @@ class ShardedRpc:
     def _fan(self, op, entries, opts, timeout_ms, members: dict, parts: dict | None = None) -> dict:
         """shard id -> its payload or the StoreError it raised. ``parts``: entry indices per shard (None: every
         member gets every entry)."""
+
         def one(sid):
             idx = None if parts is None else parts[sid]
             sub = entries if idx is None else [entries[i] for i in idx]
@@ -211,6 +239,7 @@ class ShardedRpc:
                 return self._client(sid, members[sid]).call(op, sub, _subset(opts, idx), timeout_ms)
             except StoreError as e:
                 return e
+
         sids = list(members if parts is None else parts)
         if len(sids) == 1:
             return {sids[0]: one(sids[0])}
@@ -231,8 +260,10 @@ class ShardedRpc:
         except StoreError as e:
             raise MasterUnreachable(self.address, self.timeout_ms, f"membership: {e}") from e
         if not st.members:
-            raise StoreError(f"sharded store {self.address} has no shard yet: start masters with "
-                             f"`kvplugins master --cluster {self.address} --shard ID`")
+            raise StoreError(
+                f"sharded store {self.address} has no shard yet: start masters with "
+                f"`kvplugins master --cluster {self.address} --shard ID`"
+            )
         return st
 
     def _refresh(self) -> None:
@@ -242,14 +273,18 @@ class ShardedRpc:
         self._fresh.wait(1.0)
 
     def _watch(self) -> None:
-        members = Membership(self.address)        # this thread's etcd client
+        members = Membership(self.address)  # this thread's etcd client
         while not self._stop.is_set():
             try:
                 st = members.read()
                 if st.members:
                     if st.epoch != self.state.epoch:
-                        log.info("sharded store %s: epoch %d, shards %s", self.address, st.epoch,
-                                 ", ".join(sorted(st.members)))
+                        log.info(
+                            "sharded store %s: epoch %d, shards %s",
+                            self.address,
+                            st.epoch,
+                            ", ".join(sorted(st.members)),
+                        )
                     self.state = st
             except StoreError as e:
                 log.warning("sharded store %s: membership not re-read: %s", self.address, e)

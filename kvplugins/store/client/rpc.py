@@ -6,6 +6,7 @@ RawRpcClient: the per-operation path (length-prefixed msgpack over TCP). ZmqRpcC
 one ``role`` (security/roles.py: client, node or admin), fixed when it authenticates; an op outside it raises
 Forbidden naming the role needed.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -23,7 +24,7 @@ from kvplugins.store.wire import protocol
 from kvplugins.transfer.sockio import reusable
 
 RECV_CHUNK = 1 << 16
-IDLE_CHECK_S = 1.0     # a connection unused this long is checked for a close by the master before reuse
+IDLE_CHECK_S = 1.0  # a connection unused this long is checked for a close by the master before reuse
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -31,8 +32,7 @@ def parse_address(address: str) -> tuple[str, int]:
     text = address.removeprefix("tcp://")
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 1 << 16:
-        raise ConfigError(f"master address {address!r} must be host:port with a port in 1-65535, e.g. "
-                          "127.0.0.1:5555")
+        raise ConfigError(f"master address {address!r} must be host:port with a port in 1-65535, e.g. 127.0.0.1:5555")
     return host.strip("[]"), int(port)
 
 
@@ -41,7 +41,7 @@ class _Base:
         self.address, self.timeout_ms, self.role = address, timeout_ms, role
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._secret = security.resolve()   # the cluster's shared secret: authenticate each connection once
+        self._secret = security.resolve()  # the cluster's shared secret: authenticate each connection once
 
     def call(self, op: str, entries=(), opts: dict | None = None, timeout_ms: float | None = None):
         """Run batch op ``op`` on the master; returns its payload.
@@ -75,6 +75,7 @@ class RawRpcClient(_Base):
     the reply of the next ``call`` on this connection, or by ``flush``/``close``. The master serves one
     connection's frames in order, so anything this client asks after a deferred request sees its effect.
     At most MAX_DEFERRED replies wait; more make the send flush first."""
+
     MAX_DEFERRED = 64
 
     def __init__(self, address: str, timeout_ms: float, role: str = "client"):
@@ -82,8 +83,8 @@ class RawRpcClient(_Base):
         self._host, self._port = parse_address(address)
         self._sock: socket.socket | None = None
         self._rbuf = bytearray()
-        self._deferred: list[tuple[int, str, object]] = []     # (request id, op, on_reply)
-        self._used = 0.0                                        # when a request last went out (monotonic s)
+        self._deferred: list[tuple[int, str, object]] = []  # (request id, op, on_reply)
+        self._used = 0.0  # when a request last went out (monotonic s)
 
     def send_deferred(self, op: str, entries=(), opts: dict | None = None, on_reply=None) -> None:
         """Send ``op`` now without waiting; ``on_reply(ok, payload)`` runs when its reply is read (or with
@@ -127,16 +128,21 @@ class RawRpcClient(_Base):
                 on_reply(False, f"{op}: connection to the master lost before its reply")
 
     def _connect(self, deadline: float) -> socket.socket:
-        if self._sock is not None and not self._deferred and time.monotonic() - self._used > IDLE_CHECK_S \
-                and not reusable(self._sock):
-            self._reset()            # the master closed it while idle (master.idle_timeout_ms): reconnect
+        if (
+            self._sock is not None
+            and not self._deferred
+            and time.monotonic() - self._used > IDLE_CHECK_S
+            and not reusable(self._sock)
+        ):
+            self._reset()  # the master closed it while idle (master.idle_timeout_ms): reconnect
         self._used = time.monotonic()
         if self._sock is None:
             sock = socket.create_connection((self._host, self._port), timeout=_left(deadline))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._secret is not None:
-                handshake.client(sock, self._secret, deadline, f"master {self.address}", self.role,
-                                 refused=_refusal_frame)
+                handshake.client(
+                    sock, self._secret, deadline, f"master {self.address}", self.role, refused=_refusal_frame
+                )
             self._sock = sock
         return self._sock
 
@@ -169,10 +175,10 @@ class RawRpcClient(_Base):
         return body
 
     def _recv_some(self, deadline: float) -> None:
-        _left(deadline)       # the socket timeout was set to the time left when the request was sent
+        _left(deadline)  # the socket timeout was set to the time left when the request was sent
         chunk = self._sock.recv(RECV_CHUNK)
         if not chunk:
-            handshake.check_refused(self._rbuf, f"master {self.address}")   # AuthError if it refused us
+            handshake.check_refused(self._rbuf, f"master {self.address}")  # AuthError if it refused us
             raise ConnectionError("master closed the connection")
         self._rbuf += chunk
 
@@ -198,7 +204,7 @@ class ZmqRpcClient(_Base):
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._monitor = self._curve.client_monitor(self._sock)
-            self._curve.client_socket(self._sock, self._secret, self.role)   # the role's CURVE keys
+            self._curve.client_socket(self._sock, self._secret, self.role)  # the role's CURVE keys
             self._sock.connect(self.address)
         self._sock.send(body)
         if not self._sock.poll(int(_left(deadline) * 1000), zmq.POLLIN):
@@ -214,13 +220,13 @@ def _refusal_frame(data: bytes) -> ConnectionRefusedError | None:
     ConnectionRefusedError naming its reason, or None for anything else."""
     try:
         (n,) = protocol.HEADER.unpack_from(data)
-        msg = protocol.unpack(data[protocol.HEADER.size:protocol.HEADER.size + n])
+        msg = protocol.unpack(data[protocol.HEADER.size : protocol.HEADER.size + n])
     except Exception:  # noqa: BLE001 - not a frame at all: the caller reports the malformed handshake
         return None
     if isinstance(msg, list) and len(msg) == 4 and msg[1] == 0 and msg[2] is False:
         try:
             protocol.parse_response(msg, 0)
-        except ProtocolError as e:          # id 0: "connection refused: <reason>"
+        except ProtocolError as e:  # id 0: "connection refused: <reason>"
             return ConnectionRefusedError(str(e))
     return None
 

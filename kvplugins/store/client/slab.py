@@ -7,6 +7,7 @@ A slab is written only while more than ``margin_s`` (the client's transfer + RPC
 left, so a write never lands after the master freed the space. One batch at a time uses the slab (a lock the
 caller try-acquires; a concurrent put takes put_start + put_commit instead).
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,8 @@ from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.store.wire import protocol
 
 log = logging.getLogger(__name__)
-RETRY_S = 1.0          # after a refused reserve (store full), put_start for this long before asking again
-NO_SLABS_S = 60.0      # after "this pool offers no slabs" (its segments are too small)
+RETRY_S = 1.0  # after a refused reserve (store full), put_start for this long before asking again
+NO_SLABS_S = 60.0  # after "this pool offers no slabs" (its segments are too small)
 
 
 @dataclass
@@ -27,11 +28,11 @@ class Slab:
     id: int
     segment: str
     region_id: int
-    front: int           # next free offset
+    front: int  # next free offset
     end: int
     align: int
-    ttl_s: float         # the lease a reserve or put gives it
-    expires: float       # monotonic s, conservative: measured from before the RPC that set it
+    ttl_s: float  # the lease a reserve or put gives it
+    expires: float  # monotonic s, conservative: measured from before the RPC that set it
 
 
 class SlabSpace:
@@ -41,7 +42,7 @@ class SlabSpace:
         self.rpc, self.slab_bytes, self.margin_s = rpc, slab_bytes, margin_s
         self.lock = threading.Lock()
         self._slab: Slab | None = None
-        self._stale: list[int] = []      # slabs given up here, released with the next reserve
+        self._stale: list[int] = []  # slabs given up here, released with the next reserve
         self._retry_at = 0.0
         self._disabled = False
 
@@ -94,7 +95,7 @@ class SlabSpace:
             [(code, value)] = self.rpc.call("reserve", [self.slab_bytes], {"release": release})
         except MasterUnreachable:
             raise
-        except StoreError as e:             # refused as a request: a master without slabs
+        except StoreError as e:  # refused as a request: a master without slabs
             log.info("the master does not offer reserve (%s): puts take put_start + put_commit", e)
             self._disabled = True
             return None
@@ -104,6 +105,5 @@ class SlabSpace:
             log.debug("reserve refused (%s): put_start for %.0f s", value, wait)
             return None
         sid, segment, region_id, offset, length, ttl_ms, align = value
-        self._slab = Slab(sid, segment, region_id, offset, offset + length, align, ttl_ms / 1000,
-                          now + ttl_ms / 1000)
+        self._slab = Slab(sid, segment, region_id, offset, offset + length, align, ttl_ms / 1000, now + ttl_ms / 1000)
         return self._slab

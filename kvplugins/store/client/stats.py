@@ -1,4 +1,5 @@
 """Counters and latency percentiles of one StoreClient (its ``stats()``)."""
+
 from __future__ import annotations
 
 import threading
@@ -7,14 +8,27 @@ from collections import deque
 
 from kvplugins.errors import KeyNotFound
 
-WINDOW = 4096      # latency samples kept per kind
+WINDOW = 4096  # latency samples kept per kind
 
 
 class ClientStats:
     def __init__(self):
         self._lock = threading.Lock()
-        self._c = dict.fromkeys(("puts", "gets", "hits", "misses", "errors", "bytes_put", "bytes_got",
-                                  "commit_failures", "checksum_errors", "corrupt_reported"), 0)
+        self._c = dict.fromkeys(
+            (
+                "puts",
+                "gets",
+                "hits",
+                "misses",
+                "errors",
+                "bytes_put",
+                "bytes_got",
+                "commit_failures",
+                "checksum_errors",
+                "corrupt_reported",
+            ),
+            0,
+        )
         self._lat = {"put": deque(maxlen=WINDOW), "get": deque(maxlen=WINDOW)}
 
     def record(self, kind: str, sizes: list[int], out, t0: float) -> None:

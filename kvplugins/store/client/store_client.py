@@ -14,6 +14,7 @@ Placement per put: store/placement.py PutConfig (replicas, preferred segment, so
 Errors (kvplugins/errors.py): KeyNotFound (ChecksumMismatch), StoreFull, BufferNotRegistered, SizeMismatch,
 MasterUnreachable, TransferFailed. Follows the Mooncake store client design (FAST'25 §4).
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,7 +54,7 @@ from kvplugins.transfer.config import transfer_config
 from kvplugins.transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
-Span = tuple[int, int]          # (address, nbytes) inside a registered buffer
+Span = tuple[int, int]  # (address, nbytes) inside a registered buffer
 
 
 class StoreClient:
@@ -67,20 +68,30 @@ class StoreClient:
             self.master = cfg.master
         else:
             self.master = embedded.ensure_running(cfg.embedded_start_timeout_ms / 1000)
-        self._sharded = self.master.startswith("shards://")     # kvplugins/store/cluster: no slabs, no columns
+        self._sharded = self.master.startswith("shards://")  # kvplugins/store/cluster: no slabs, no columns
         if self._sharded and cfg.segment_size:
-            raise ConfigError(f"segment_size={cfg.segment_size}: a client of a sharded store ({self.master}) cannot "
-                              f"contribute a segment; run `kvplugins store --master {self.master}` nodes instead")
+            raise ConfigError(
+                f"segment_size={cfg.segment_size}: a client of a sharded store ({self.master}) cannot "
+                f"contribute a segment; run `kvplugins store --master {self.master}` nodes instead"
+            )
         self._rpc = master_client(self.master, cfg.rpc_timeout_ms)
         self._rpc.call("info")
-        self._engine = TransferEngine(transfer_config(host=cfg.host, transports=cfg.transports,
-                                                      timeout_ms=float(cfg.transfer_timeout_ms),
-                                                      rdma_devices=cfg.rdma_devices or None))
+        self._engine = TransferEngine(
+            transfer_config(
+                host=cfg.host,
+                transports=cfg.transports,
+                timeout_ms=float(cfg.transfer_timeout_ms),
+                rdma_devices=cfg.rdma_devices or None,
+            )
+        )
         self._descs: dict = {}
         self._buffers: dict[int, object] = {}
         self._staging = StagingPool.registered(self._engine, cfg.staging_size)
-        self._slabs = SlabSpace(self._rpc, cfg.slab_bytes, (cfg.transfer_timeout_ms + cfg.rpc_timeout_ms) / 1000) \
-            if cfg.slab_bytes and cfg.wait_commit and not self._sharded else None
+        self._slabs = (
+            SlabSpace(self._rpc, cfg.slab_bytes, (cfg.transfer_timeout_ms + cfg.rpc_timeout_ms) / 1000)
+            if cfg.slab_bytes and cfg.wait_commit and not self._sharded
+            else None
+        )
         self._stats = ClientStats()
         self._segment = self._segment_rpc = self._segment_link = self._admin_rpc = None
         self._admin_lock = threading.Lock()
@@ -89,12 +100,12 @@ class StoreClient:
             try:
                 self._own_segment(cfg)
             except BaseException:
-                self.close()                 # nothing stays registered when the client does not start
+                self.close()  # nothing stays registered when the client does not start
                 raise
 
     def _own_segment(self, cfg: ClientConfig) -> None:
         """Register ``segment_size`` bytes as this client's segment, with its command link (_command_link)."""
-        self._segment_rpc = master_client(self.master, cfg.rpc_timeout_ms, "node")   # needs a node credential
+        self._segment_rpc = master_client(self.master, cfg.rpc_timeout_ms, "node")  # needs a node credential
         self._segment = OwnedSegment(self._engine, cfg.segment_size, self._segment_rpc, cfg.heartbeat_interval_ms)
         self._segment_link = _command_link(cfg, self._engine, self._segment, self.master, self._segment_drained)
 
@@ -131,8 +142,9 @@ class StoreClient:
         """Scatter object ``key`` into ``spans``. Raises KeyNotFound, SizeMismatch (sum of lengths != size)."""
         _raise_first(self.batch_get_into([key], [spans]))
 
-    def batch_put_from(self, keys: list[str], spans_per_key: list[list[Span]],
-                       config: PutConfig | None = None) -> list[StoreError | None]:
+    def batch_put_from(
+        self, keys: list[str], spans_per_key: list[list[Span]], config: PutConfig | None = None
+    ) -> list[StoreError | None]:
         """One allocate RPC + one transfer batch + one commit RPC for all keys. Per-key None or the error
         (StoreFull names hard-pinned objects when they hold the space). ``config``: as put_from."""
         t0 = time.perf_counter()
@@ -170,7 +182,7 @@ class StoreClient:
         with self._staging.slot(nbytes=sum(v.nbytes for v in views)) as slot:
             base, mv, spans, off = slot.addr, self._staging.view(slot), [], 0
             for v in views:
-                mv[off:off + v.nbytes] = v
+                mv[off : off + v.nbytes] = v
                 spans.append([(base + off, v.nbytes)] if v.nbytes else [])
                 off += v.nbytes
             return self.batch_put_from(keys, spans, config)
@@ -187,8 +199,10 @@ class StoreClient:
                 off += n
             errs, _ = self._read(keys, spans, found, lease_t0)
             self._stats.record("get", sizes, errs, t0)
-            return [e if e is not None else bytes(mv[s[0][0] - base:s[0][0] - base + s[0][1]])
-                    for e, s in zip(errs, spans)]
+            return [
+                e if e is not None else bytes(mv[s[0][0] - base : s[0][0] - base + s[0][1]])
+                for e, s in zip(errs, spans)
+            ]
 
     # ---- metadata ------------------------------------------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -208,8 +222,9 @@ class StoreClient:
 
     def batch_remove(self, keys: list[str]) -> list[StoreError | None]:
         keys = list(keys)
-        return [None if c == protocol.OK else KeyNotFound(k) for k, (c, _) in zip(keys, self._rpc_entries(
-            "remove", keys))]
+        return [
+            None if c == protocol.OK else KeyNotFound(k) for k, (c, _) in zip(keys, self._rpc_entries("remove", keys))
+        ]
 
     def flush(self) -> None:
         """Wait until the master has answered every pipelined put_commit of this client (then every other
@@ -226,8 +241,7 @@ class StoreClient:
     def stats(self) -> dict:
         """hits, misses, puts, gets, bytes_put, bytes_got, checksum_errors (replica reads that failed their
         checksum), corrupt_reported, put/get latency p50/p99 (µs), own segment name."""
-        return {**self._stats.snapshot(), "master": self.master,
-                "segment": self.segment_name}
+        return {**self._stats.snapshot(), "master": self.master, "segment": self.segment_name}
 
     def transfer_stats(self) -> dict:
         """The transfer engine's counters: entries and bytes per transport (shm, cma, rdma, tcp), fallbacks between
@@ -246,7 +260,7 @@ class StoreClient:
         if self._slabs is not None:
             self._slabs.close()
         if self._segment_link is not None:
-            self._segment_link.close()       # (its thread ends first: a drain's end cannot race the lines below)
+            self._segment_link.close()  # (its thread ends first: a drain's end cannot race the lines below)
         if self._segment is not None:
             self._segment.close()
             self._segment = None
@@ -302,8 +316,14 @@ class StoreClient:
         (disk-only objects promoted first). Raises MasterUnreachable, StoreError for a malformed answer."""
         return self._lookup(list(keys))
 
-    def transfer_ranges(self, kind: str, keys: list[str], spans: list[list[Span]], offsets: list[list[int]],
-                        locations: dict[int, list[Location]]) -> list[StoreError | None]:
+    def transfer_ranges(
+        self,
+        kind: str,
+        keys: list[str],
+        spans: list[list[Span]],
+        offsets: list[list[int]],
+        locations: dict[int, list[Location]],
+    ) -> list[StoreError | None]:
         """Write (``kind`` "write") or read each key's spans (address, bytes) at ``offsets`` (bytes) inside the
         object, at ``locations[i]`` (every replica for a write, the first for a read). Per key None or the error
         (a span outside registered memory: BufferNotRegistered; a failed transfer: TransferFailed)."""
@@ -367,9 +387,11 @@ class StoreClient:
         while pending:
             if time.monotonic() + delay > deadline:
                 for i in pending:
-                    out[i] = PutPending(f"{keys[i]}: another writer's put of this key has not committed within "
-                                        f"pending_wait_ms={self.cfg.pending_wait_ms} ms; this put stored nothing: "
-                                        "retry later")
+                    out[i] = PutPending(
+                        f"{keys[i]}: another writer's put of this key has not committed within "
+                        f"pending_wait_ms={self.cfg.pending_wait_ms} ms; this put stored nothing: "
+                        "retry later"
+                    )
                 return
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
@@ -387,20 +409,23 @@ class StoreClient:
         sums = checksum.span_sums(flat)
         failed = self._transfer("write", flat, writes, sums)
         if failed:
-            self._slabs.forget()            # e.g. the segment is gone: do not write there again
+            self._slabs.forget()  # e.g. the segment is gone: do not write there again
         ok = [i for i in todo if i not in failed]
         if not ok:
             return list(failed)
         digests, sent = checksum.digests(flat, ok, sums), time.monotonic()
         try:
-            answers = self._rpc.call("put", [[keys[i], flat.sizes[i], slab.id, writes[i][0].offset] for i in ok],
-                                     {"xxh3": [digests[i] for i in ok]})
+            answers = self._rpc.call(
+                "put",
+                [[keys[i], flat.sizes[i], slab.id, writes[i][0].offset] for i in ok],
+                {"xxh3": [digests[i] for i in ok]},
+            )
         except StoreError:
             self._slabs.forget()
             raise
         self._slabs.renewed(slab, sent)
         again = [*failed, *(i for i, (code, _) in zip(ok, answers) if code == protocol.EXPIRED)]
-        pending = [i for i, (code, _) in zip(ok, answers) if code == protocol.PENDING]   # put_start waits for them
+        pending = [i for i, (code, _) in zip(ok, answers) if code == protocol.PENDING]  # put_start waits for them
         for i, (code, value) in zip(ok, answers):
             if code not in (protocol.OK, protocol.EXISTS, protocol.EXPIRED, protocol.PENDING):
                 out[i] = protocol.entry_error(code, keys[i], value)
@@ -413,8 +438,12 @@ class StoreClient:
         opts = {"xxh3": [sums[i] for i in ok]}
         if ok and not self.cfg.wait_commit:
             committed = [keys[i] for i in ok]
-            self._rpc.send_deferred("put_commit", committed, opts,
-                                    on_reply=lambda good, payload: self._commit_replied(committed, good, payload))
+            self._rpc.send_deferred(
+                "put_commit",
+                committed,
+                opts,
+                on_reply=lambda good, payload: self._commit_replied(committed, good, payload),
+            )
             ok = []
         for i, (code, value) in zip(ok, self._rpc_entries("put_commit", [keys[i] for i in ok], opts)):
             if code != protocol.OK:
@@ -426,12 +455,19 @@ class StoreClient:
 
     def _commit_replied(self, keys: list[str], ok: bool, payload) -> None:
         """The reply of a pipelined put_commit: a key the master did not commit is a miss from now on."""
-        bad = [k for k, (code, _) in zip(keys, payload)
-               if code != protocol.OK] if ok and isinstance(payload, list) else list(keys)
+        bad = (
+            [k for k, (code, _) in zip(keys, payload) if code != protocol.OK]
+            if ok and isinstance(payload, list)
+            else list(keys)
+        )
         if bad:
             self._stats.commit_failed(len(bad))
-            log.warning("%d pipelined put_commit(s) failed (%s...): %s; those keys read as misses",
-                        len(bad), bad[0], payload if not ok else "expired")
+            log.warning(
+                "%d pipelined put_commit(s) failed (%s...): %s; those keys read as misses",
+                len(bad),
+                bad[0],
+                payload if not ok else "expired",
+            )
 
     def _read(self, keys, spans_per_key, found=None, t0=None) -> tuple[list[StoreError | None], list[int]]:
         """(per-key None or error, bytes per key). ``found``/``t0``: the get RPC's answer and the monotonic time
@@ -447,8 +483,10 @@ class StoreClient:
             if code != protocol.OK:
                 out[i] = KeyNotFound(keys[i])
             elif flat.sizes[i] != value.size:
-                out[i] = SizeMismatch(f"{keys[i]}: object is {value.size} bytes, spans hold "
-                                      f"{flat.sizes[i]}; pass spans summing to {value.size}")
+                out[i] = SizeMismatch(
+                    f"{keys[i]}: object is {value.size} bytes, spans hold "
+                    f"{flat.sizes[i]}; pass spans summing to {value.size}"
+                )
             else:
                 reads[i] = value
         failed, corrupt = self._read_replicas(reads, flat, keys)
@@ -476,20 +514,37 @@ class StoreClient:
         out: list[StoreError | None] = [None] * len(keys)
         ttl, sizes, names, regions, seg_idx, offs, more, sums, disk = self._rpc.call("get", keys, {"cols": 1})
         if more or disk:
-            found = [disk.get(j, [protocol.NOT_FOUND, None]) if n < 0 else [protocol.OK, Found(
-                n, replies.locations(more[j]) if more.get(j) else [Location(names[k], regions[k], off)], ttl, sums[j])]
-                for j, (n, k, off) in enumerate(zip(sizes, seg_idx, offs))]
+            found = [
+                disk.get(j, [protocol.NOT_FOUND, None])
+                if n < 0
+                else [
+                    protocol.OK,
+                    Found(
+                        n,
+                        replies.locations(more[j]) if more.get(j) else [Location(names[k], regions[k], off)],
+                        ttl,
+                        sums[j],
+                    ),
+                ]
+                for j, (n, k, off) in enumerate(zip(sizes, seg_idx, offs))
+            ]
             return self._read(keys, spans_per_key, found, t0)
         flat = batches.arrays(batches.flatten(self._engine, keys, spans_per_key, out))
         got, want = np.array(sizes, dtype=np.int64), np.array(flat.sizes, dtype=np.int64)
         for i in np.flatnonzero(got != want).tolist():
             if out[i] is None:
-                out[i] = KeyNotFound(keys[i]) if got[i] < 0 else SizeMismatch(
-                    f"{keys[i]}: object is {got[i]} bytes, spans hold {want[i]}; pass spans summing to {got[i]}")
+                out[i] = (
+                    KeyNotFound(keys[i])
+                    if got[i] < 0
+                    else SizeMismatch(
+                        f"{keys[i]}: object is {got[i]} bytes, spans hold {want[i]}; pass spans summing to {got[i]}"
+                    )
+                )
         ok = np.array([e is None for e in out], dtype=bool)
         failed: dict[int, StoreError] = {}
-        groups = batches.col_groups(flat, ok, (names, regions, np.array(seg_idx), np.array(offs)),
-                                      self._descriptors(set(names)), failed)
+        groups = batches.col_groups(
+            flat, ok, (names, regions, np.array(seg_idx), np.array(offs)), self._descriptors(set(names)), failed
+        )
         span_sums = checksum.span_sums(flat) if self.cfg.verify_checksums else None
         for i, err in self._run_groups("read", flat, groups, failed, span_sums).items():
             out[i] = err
@@ -510,7 +565,7 @@ class StoreClient:
         failed: dict[int, StoreError] = {}
         pending, corrupt = dict(reads), []
         for r in range(max((len(v.replicas) for v in reads.values()), default=0)):
-            attempt = {i: v.replicas[r:r + 1] for i, v in pending.items() if r < len(v.replicas)}
+            attempt = {i: v.replicas[r : r + 1] for i, v in pending.items() if r < len(v.replicas)}
             if not attempt:
                 break
             sums = checksum.span_sums(flat) if self.cfg.verify_checksums else None
@@ -536,8 +591,9 @@ class StoreClient:
         except StoreError as e:
             log.warning("report_corrupt of %d replicas failed: %s", len(entries), e)
             reported = 0
-        log.warning("%d replica read(s) failed their checksum (first: %s on %s)", len(entries), entries[0][0],
-                    entries[0][1])
+        log.warning(
+            "%d replica read(s) failed their checksum (first: %s on %s)", len(entries), entries[0][0], entries[0][1]
+        )
         self._stats.checksum_failed(len(entries), reported)
 
     def _lookup(self, keys: list[str], found: list | None = None) -> list:
@@ -564,15 +620,14 @@ class StoreClient:
             addrs, lens = batches.pick(flat.addrs, sel), batches.pick(flat.lens, sel)
             got = None if sums is None else np.zeros(len(sel), dtype=np.uint64)
             try:
-                statuses = fn(desc, region_id, addrs, roffs, lens, timeout_ms=self.cfg.transfer_timeout_ms,
-                              digests=got)
+                statuses = fn(desc, region_id, addrs, roffs, lens, timeout_ms=self.cfg.transfer_timeout_ms, digests=got)
                 if sums is not None:
                     sums[sel] = got
-            except (TransferError, NativeError) as e:      # the whole batch failed
+            except (TransferError, NativeError) as e:  # the whole batch failed
                 statuses = [e] * len(sel)
             for j, err in enumerate(statuses):
                 if err is not None:
-                    idx = int(flat.owner[sel[j]])       # sel: a list or an index array
+                    idx = int(flat.owner[sel[j]])  # sel: a list or an index array
                     failed.setdefault(idx, TransferFailed(f"{kind} of entry {idx} failed: {err}"))
         return failed
 
@@ -589,7 +644,6 @@ def _slab_placed(config: PutConfig) -> bool:
     return config.replicas == 1 and not config.preferred_segment and config.pin == "none"
 
 
-
 def _raise_first(errors) -> None:
     for e in errors:
         if e is not None:
@@ -600,6 +654,12 @@ def _command_link(cfg: ClientConfig, engine, segment, master: str, on_exit):
     """The command link of a client's own segment (a store node's NodeTier, without a disk): replica copy/move
     tasks whose source is this segment (master/replica_tasks.py) and a drain of it run through it, polled every
     ``segment_poll_ms``. A drain's end calls ``on_exit`` (the client unregisters the segment and goes on)."""
-    node = StoreNodeConfig(master=master, segment_size=cfg.segment_size, host=cfg.host,
-                           rpc_timeout_ms=cfg.rpc_timeout_ms, disk_poll_ms=cfg.segment_poll_ms, prefault=False)
+    node = StoreNodeConfig(
+        master=master,
+        segment_size=cfg.segment_size,
+        host=cfg.host,
+        rpc_timeout_ms=cfg.rpc_timeout_ms,
+        disk_poll_ms=cfg.segment_poll_ms,
+        prefault=False,
+    )
     return NodeTier(node, engine, segment, master, on_exit=on_exit)

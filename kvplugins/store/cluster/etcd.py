@@ -5,6 +5,7 @@ still holding its own value, so a deposed leader can never overwrite its success
 Keys: ``{prefix}/leader`` (JSON {"raw", "zmq", "id"} under the leader's lease), ``{prefix}/seg/{name}``
 (msgpack [descriptor wire, region id, size]), ``{prefix}/obj/{key}`` (journal.encode_object).
 """
+
 from __future__ import annotations
 
 import base64
@@ -12,13 +13,13 @@ import json
 
 from kvplugins.errors import ConfigError, StoreError
 
-MAX_TXN_OPS = 128          # etcd's default --max-txn-ops
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 
 
 def parse_endpoint(address: str) -> tuple[list[tuple[str, int]], str]:
     """'etcd://host:port[,host:port...][/prefix]' or 'http://host:port[,http://host:port...]' ->
     ([(host, port), ...], prefix or ''). Several endpoints = members of one etcd cluster. Raises ConfigError."""
-    if address.count("://") > 1:                     # a list of URLs: http://a:1,http://b:2
+    if address.count("://") > 1:  # a list of URLs: http://a:1,http://b:2
         hostports = ",".join(u.split("://", 1)[-1].strip().rstrip("/") for u in address.split(","))
         slash = prefix = ""
     else:
@@ -27,8 +28,10 @@ def parse_endpoint(address: str) -> tuple[list[tuple[str, int]], str]:
     for hp in hostports.split(","):
         host, sep, port = hp.strip().rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise ConfigError(f"etcd address {address!r} must be etcd://host:port[,host:port][/prefix] or "
-                              "http://host:port[,http://host:port], e.g. etcd://127.0.0.1:2379/kvplugins/default")
+            raise ConfigError(
+                f"etcd address {address!r} must be etcd://host:port[,host:port][/prefix] or "
+                "http://host:port[,http://host:port], e.g. etcd://127.0.0.1:2379/kvplugins/default"
+            )
         endpoints.append((host.strip("[]"), int(port)))
     return endpoints, (slash + prefix).rstrip("/")
 
@@ -58,10 +61,12 @@ class Etcd:
 
     def __init__(self, url: str, timeout_s: float = 2.0):
         import etcd3gw
+
         endpoints, _ = parse_endpoint(url)
         self.url = ",".join(f"http://{host}:{port}" for host, port in endpoints)
-        self._clients = [etcd3gw.client(host=host, port=port, timeout=timeout_s, api_path="/v3/")
-                         for host, port in endpoints]
+        self._clients = [
+            etcd3gw.client(host=host, port=port, timeout=timeout_s, api_path="/v3/") for host, port in endpoints
+        ]
         self._cur = 0
         exc = etcd3gw.exceptions
         self._down = (exc.ConnectionFailedError, exc.ConnectionTimeoutError, OSError)
@@ -107,8 +112,14 @@ class Etcd:
             res = self._do("range", self._post, "/kv/range", req)
             rev = rev or int(res["header"]["revision"])
             kvs = res.get("kvs", [])
-            rows += [(int(kv.get("mod_revision", 0)), base64.b64decode(kv["key"]).decode("utf-8", "surrogateescape"),
-                      base64.b64decode(kv.get("value", ""))) for kv in kvs]
+            rows += [
+                (
+                    int(kv.get("mod_revision", 0)),
+                    base64.b64decode(kv["key"]).decode("utf-8", "surrogateescape"),
+                    base64.b64decode(kv.get("value", "")),
+                )
+                for kv in kvs
+            ]
             if not res.get("more") or not kvs:
                 break
             start = base64.b64decode(kvs[-1]["key"]) + b"\0"

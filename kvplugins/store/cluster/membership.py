@@ -15,6 +15,7 @@ A change (a master joins, or ``kvplugins shard remove``) bumps the epoch, keeps 
 never returns to a master still holding stale keys of it). Clients read through both rings while a move is on
 (``ClusterState.moving``). Every write is a compare-and-swap on the ring key's value.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,18 +37,22 @@ def is_sharded(address: str) -> bool:
 def parse(address: str) -> tuple[str, str]:
     """'shards://host:port[,host:port]/prefix' -> (etcd URL(s) for Etcd, prefix). Raises ConfigError."""
     if not is_sharded(address):
-        raise ConfigError(f"{address!r} is not a sharded store address; use shards://host:port/prefix "
-                          "(the etcd endpoint and the cluster's key prefix)")
-    endpoints, prefix = parse_endpoint("etcd://" + address[len(SCHEME):])
+        raise ConfigError(
+            f"{address!r} is not a sharded store address; use shards://host:port/prefix "
+            "(the etcd endpoint and the cluster's key prefix)"
+        )
+    endpoints, prefix = parse_endpoint("etcd://" + address[len(SCHEME) :])
     if not prefix:
-        raise ConfigError(f"sharded store address {address!r} needs a key prefix, e.g. "
-                          "shards://127.0.0.1:2379/kvplugins/pool")
+        raise ConfigError(
+            f"sharded store address {address!r} needs a key prefix, e.g. shards://127.0.0.1:2379/kvplugins/pool"
+        )
     return ",".join(f"http://{h}:{p}" for h, p in endpoints), prefix
 
 
 @dataclass(frozen=True)
 class ClusterState:
     """One read of the membership (see the module doc). ``swept``: shard id -> (moved, settled) epochs."""
+
     epoch: int = 0
     members: dict = field(default_factory=dict)
     previous: dict | None = None
@@ -71,16 +76,25 @@ class ClusterState:
         before has not dropped its moved-away keys yet."""
         if self.previous is None or set(self.previous) == set(self.members):
             return False
-        return not self.window_over(now) or any(self.swept.get(m, (0, 0))[1] < self.epoch
-                                                for m in self.members if m in self.previous)
+        return not self.window_over(now) or any(
+            self.swept.get(m, (0, 0))[1] < self.epoch for m in self.members if m in self.previous
+        )
 
     def unswept(self) -> list[str]:
         """Members that have not reported ``moved`` for this epoch (a new change waits for them)."""
         return [m for m in self.members if self.swept.get(m, (0, 0))[0] < self.epoch]
 
     def to_json(self) -> bytes:
-        return json.dumps({"epoch": self.epoch, "members": self.members, "previous": self.previous,
-                           "changed_at": self.changed_at, "window_ms": self.window_ms}, sort_keys=True).encode()
+        return json.dumps(
+            {
+                "epoch": self.epoch,
+                "members": self.members,
+                "previous": self.previous,
+                "changed_at": self.changed_at,
+                "window_ms": self.window_ms,
+            },
+            sort_keys=True,
+        ).encode()
 
 
 class Membership:
@@ -99,37 +113,44 @@ class Membership:
     def _read(self) -> tuple[ClusterState, bytes | None]:
         """(the state, the ring key's raw value: what a change compares against)."""
         raw = self.etcd.get(self.ring_key)
-        swept = {k.rsplit("/", 1)[-1]: tuple(json.loads(v).get(n, 0) for n in ("moved", "settled"))
-                 for k, v in self.etcd.range_prefix(f"{self.prefix}/swept/")}
+        swept = {
+            k.rsplit("/", 1)[-1]: tuple(json.loads(v).get(n, 0) for n in ("moved", "settled"))
+            for k, v in self.etcd.range_prefix(f"{self.prefix}/swept/")
+        }
         if raw is None:
             return ClusterState(swept=swept), None
         d = json.loads(raw)
         return ClusterState(d["epoch"], d["members"], d["previous"], d["changed_at"], d["window_ms"], swept), raw
 
     def report(self, shard: str, moved: int, settled: int) -> None:
-        self.etcd.txn([], [put_op(f"{self.prefix}/swept/{shard}",
-                                  json.dumps({"moved": moved, "settled": settled}).encode())])
+        self.etcd.txn(
+            [], [put_op(f"{self.prefix}/swept/{shard}", json.dumps({"moved": moved, "settled": settled}).encode())]
+        )
 
     def join(self, shard: str, address: str, window_ms: int) -> ClusterState:
         """Add ``shard`` at ``address`` (or update its address; no keys move then). Raises StoreError if a
         move is still being swept (retry later) or another change won the race."""
+
         def change(st: ClusterState):
             if st.members.get(shard) == address:
                 return None
-            if shard in st.members:          # a restarted master at a new address: same keys, same epoch
-                return ClusterState(st.epoch, {**st.members, shard: address}, st.previous, st.changed_at,
-                                    st.window_ms)
+            if shard in st.members:  # a restarted master at a new address: same keys, same epoch
+                return ClusterState(st.epoch, {**st.members, shard: address}, st.previous, st.changed_at, st.window_ms)
             return _moved(st, {**st.members, shard: address}, window_ms)
+
         return self._change(change, f"add shard {shard}")
 
     def remove(self, shard: str, window_ms: int, force: bool = False) -> ClusterState:
         """Remove ``shard``: its keys go to the others (read from it while the move window runs). ``force``:
         do not wait for unswept members (one is dead). Raises StoreError (unknown shard, move in progress)."""
+
         def change(st: ClusterState):
             if shard not in st.members:
-                raise StoreError(f"shard {shard!r} is not a member of {self.address} (members: "
-                                 f"{sorted(st.members) or 'none'})")
+                raise StoreError(
+                    f"shard {shard!r} is not a member of {self.address} (members: {sorted(st.members) or 'none'})"
+                )
             return _moved(st, {k: v for k, v in st.members.items() if k != shard}, window_ms)
+
         return self._change(change, f"remove shard {shard}", force)
 
     def _change(self, change, what: str, force: bool = False) -> ClusterState:
@@ -138,10 +159,15 @@ class Membership:
         if new is None:
             return st
         if new.epoch != st.epoch and not force and st.unswept():
-            raise StoreError(f"{what}: the move of epoch {st.epoch} is still being swept by "
-                             f"{', '.join(st.unswept())}; retry in a few seconds (or --force if that master is dead)")
-        cond = ({"key": b64(self.ring_key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
-                if raw is None else self.etcd.value_is(self.ring_key, raw))
+            raise StoreError(
+                f"{what}: the move of epoch {st.epoch} is still being swept by "
+                f"{', '.join(st.unswept())}; retry in a few seconds (or --force if that master is dead)"
+            )
+        cond = (
+            {"key": b64(self.ring_key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+            if raw is None
+            else self.etcd.value_is(self.ring_key, raw)
+        )
         if not self.etcd.txn([cond], [put_op(self.ring_key, new.to_json())]):
             raise StoreError(f"{what}: the membership changed meanwhile; retry")
         return new

@@ -6,6 +6,7 @@ removing a shard moves only the arcs that shard gains or loses (about 1/N of the
 Every process computes the same map from the same member set: clients route with it, masters check ownership
 of puts with it, nodes do not need it (they spread capacity by shard count, shard/extents.py).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -14,7 +15,7 @@ import operator
 import numpy as np
 import xxhash
 
-VNODES = 256        # points per shard: 3 shards, 100 k keys -> the largest share within ~1.1x of 1/3
+VNODES = 256  # points per shard: 3 shards, 100 k keys -> the largest share within ~1.1x of 1/3
 _UTF8 = operator.methodcaller("encode", "utf-8", "surrogatepass")
 
 
@@ -66,8 +67,8 @@ class Ring:
         """Fraction of the 64-bit key space each member owns."""
         if not self._owner:
             return {}
-        span = np.diff(self._points.astype(np.float64), prepend=self._points[-1].astype(np.float64) - 2.0 ** 64)
+        span = np.diff(self._points.astype(np.float64), prepend=self._points[-1].astype(np.float64) - 2.0**64)
         out = dict.fromkeys(self.members, 0.0)
         for m, s in zip(self._owner, span.tolist()):
-            out[m] += s / 2.0 ** 64
+            out[m] += s / 2.0**64
         return out

@@ -13,6 +13,7 @@ MAX_PROGRAM instructions is refused, since RE2 runs those in its slow NFA (issue
 ``MasterService.op_remove``. Follows Mooncake 0.3.13's Remove/RemoveByRegex/RemoveAll/GetSize master operations
 (semantics, observed against a real mooncake_master; not code).
 """
+
 from __future__ import annotations
 
 import time
@@ -22,9 +23,9 @@ import re2
 from kvplugins.store.master.batches import SLICE_BUDGET_S, Deferred
 from kvplugins.store.wire.protocol import INVALID, NOT_FOUND, OK
 
-SCAN_SLICE = 4096          # objects one step of a Scan examines at most (a few ms of the master's thread),
-                           # ending at the first key past SLICE_BUDGET_S
-MAX_PROGRAM = 2000         # RE2 program instructions a remove_by_regex pattern may compile to
+SCAN_SLICE = 4096  # objects one step of a Scan examines at most (a few ms of the master's thread),
+# ending at the first key past SLICE_BUDGET_S
+MAX_PROGRAM = 2000  # RE2 program instructions a remove_by_regex pattern may compile to
 
 
 class Scan(Deferred):
@@ -58,8 +59,7 @@ def ops(service) -> dict:
     """name -> fn(entries, opts, now) for MasterService's dispatcher (entries/opts as kvplugins.store.wire.schema)."""
     return {
         "get_size": lambda entries, opts, now: get_size(service, entries),
-        "remove_checked": lambda entries, opts, now: remove_checked(service, entries, opts.force, now,
-                                                                    opts.segment),
+        "remove_checked": lambda entries, opts, now: remove_checked(service, entries, opts.force, now, opts.segment),
         "remove_by_regex": lambda entries, opts, now: remove_by_regex(service, entries[0], opts.force),
         "remove_all": lambda entries, opts, now: Scan(service, opts.force, lambda key: True),
     }
@@ -97,16 +97,19 @@ def remove_by_regex(service, pattern: str, force: bool):
     ``re.search``; RE2 has no backreferences or lookaround), or ``[INVALID, reason]`` for a pattern RE2
     refuses or one compiling to more than MAX_PROGRAM instructions."""
     options = re2.Options()
-    options.log_errors = False               # the reason goes back to the caller, not to the master's stderr
+    options.log_errors = False  # the reason goes back to the caller, not to the master's stderr
     try:
         regex = re2.compile(pattern, options)
     except re2.error as e:
         why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
         return [INVALID, f"regex {pattern!r} does not compile under RE2 (no backreferences or lookaround): {why}"]
     if regex.programsize > MAX_PROGRAM:
-        return [INVALID, f"regex {pattern!r:.80} compiles to {regex.programsize} RE2 instructions, over the "
-                         f"master's limit of {MAX_PROGRAM} (its matching would stall the master); use a shorter "
-                         "pattern, e.g. fewer or smaller counted repetitions"]
+        return [
+            INVALID,
+            f"regex {pattern!r:.80} compiles to {regex.programsize} RE2 instructions, over the "
+            f"master's limit of {MAX_PROGRAM} (its matching would stall the master); use a shorter "
+            "pattern, e.g. fewer or smaller counted repetitions",
+        ]
     return Scan(service, force, regex.search)
 
 

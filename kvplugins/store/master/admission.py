@@ -13,6 +13,7 @@ Lifecycle, in call order, all but the probe itself on the master's thread:
      segment and answers [UNREACHABLE, why]; the probe block is freed either way.
 In-process services (tests, tools) run without a Prober: their segments are admitted at once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,7 +49,7 @@ class Prober:
             remote = SegmentDescriptor.from_wire(wire)
             pattern = os.urandom(nbytes)
             buf[:nbytes] = pattern
-            buf[nbytes:2 * nbytes] = bytes(nbytes)
+            buf[nbytes : 2 * nbytes] = bytes(nbytes)
             put = TransferRequest(region, 0, remote, region_id, offset, nbytes)
             get = TransferRequest(region, nbytes, remote, region_id, offset, nbytes)
             [err] = engine.batch_write([put], timeout_ms=self.timeout_ms)
@@ -56,7 +57,7 @@ class Prober:
                 [err] = engine.batch_read([get], timeout_ms=self.timeout_ms)
             if err is not None:
                 return f"{err}"
-            if bytes(buf[nbytes:2 * nbytes]) != pattern:
+            if bytes(buf[nbytes : 2 * nbytes]) != pattern:
                 return "the bytes read back differ from the bytes written"
             return None
         except Exception as e:  # noqa: BLE001 - any failure is the probe's answer, never the master's crash
@@ -65,8 +66,9 @@ class Prober:
     def _started(self):
         with self._lock:
             if self._engine is None:
-                self._engine = TransferEngine(TransferConfig(host=self._host, transports="shm,tcp",
-                                                             timeout_ms=self.timeout_ms, workers=1))
+                self._engine = TransferEngine(
+                    TransferConfig(host=self._host, transports="shm,tcp", timeout_ms=self.timeout_ms, workers=1)
+                )
                 self._buf = bytearray(2 * PROBE_BYTES)
                 self._region = self._engine.register(self._buf)
             return self._engine, self._region, memoryview(self._buf)

@@ -6,6 +6,7 @@ free. ``free`` merges the block with its free neighbours at once, so two adjacen
 Sizes are rounded up to ``align`` bytes (a power of two), so every offset is ``align``-aligned.
 Fragmentation behaviour is documented in docs/store.md.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -20,9 +21,9 @@ class Allocator:
         if capacity <= 0 or align <= 0 or align & (align - 1):
             raise ValueError(f"capacity={capacity} must be > 0 and align={align} a power of two")
         self.capacity, self.align = capacity, align
-        self._starts: list[int] = [0]            # sorted starts of free blocks
+        self._starts: list[int] = [0]  # sorted starts of free blocks
         self._free: dict[int, int] = {0: capacity}
-        self._used = SizeMap(align)              # offset -> rounded size of live allocations (native, 12 B/slot)
+        self._used = SizeMap(align)  # offset -> rounded size of live allocations (native, 12 B/slot)
         self.used_bytes = 0
 
     def rounded(self, size: int) -> int:
@@ -105,7 +106,7 @@ class Allocator:
         size = self._used.pop(offset)
         self.used_bytes -= size
         i = bisect.bisect_left(self._starts, offset)
-        if i < len(self._starts) and offset + size == self._starts[i]:   # merge with the next block
+        if i < len(self._starts) and offset + size == self._starts[i]:  # merge with the next block
             size += self._free.pop(self._starts[i])
             del self._starts[i]
         if i > 0 and self._starts[i - 1] + self._free[self._starts[i - 1]] == offset:  # merge with previous
@@ -145,7 +146,7 @@ def reserve(alloc: Allocator, blocks: list) -> set:
         if off > pos:
             fillers.append(alloc.alloc(off - pos))
         got = alloc.alloc(size)
-        if got != off:                       # not with first-fit from a fresh allocator; never overlap
+        if got != off:  # not with first-fit from a fresh allocator; never overlap
             if got is not None:
                 fillers.append(got)
             bad.add((off, key))

@@ -9,6 +9,7 @@ one payload the whole batch would have had (per-entry lists; a get's column answ
 independent in every sliced op, so the answers are those of the unsliced op, except that other clients' ops
 may land between slices (as they could between two batches).
 """
+
 from __future__ import annotations
 
 import time
@@ -16,14 +17,15 @@ import time
 from kvplugins.store.wire.schema import subset
 
 SLICED = frozenset({"put_start", "put_commit", "put_abort", "put", "get", "exists", "remove", "get_size"})
-SLICE_KEYS = 512            # entries per slice: ~5 ms of put_start on the slowest path (15 us a key)
-SLICE_BUDGET_S = 0.01       # a step runs slices until this much time has passed
+SLICE_KEYS = 512  # entries per slice: ~5 ms of put_start on the slowest path (15 us a key)
+SLICE_BUDGET_S = 0.01  # a step runs slices until this much time has passed
 
 
 class Deferred:
     """An op run in slices: ``step(now)`` -> done; ``result`` is its payload once done."""
+
     result = None
-    waiting = False     # True while a step would do nothing (it waits on another thread: admission.Admission)
+    waiting = False  # True while a step would do nothing (it waits on another thread: admission.Admission)
 
     def step(self, now: float) -> bool:
         raise NotImplementedError
@@ -52,7 +54,7 @@ class Sliced(Deferred):
         while self._at < len(entries):
             end = min(len(entries), self._at + SLICE_KEYS)
             opts = subset(self._opts, range(self._at, end))
-            self._parts.append((self._at, self._run(self.op, entries[self._at:end], opts, now)))
+            self._parts.append((self._at, self._run(self.op, entries[self._at : end], opts, now)))
             self._at = end
             if time.perf_counter() > until:
                 break

@@ -6,23 +6,24 @@ that very Object (a removed and re-put key never reuses an old copy). A disk-onl
 parked outside the table's LRU lists, so eviction never picks it. An object in flight stays evictable by an
 on-demand eviction (a put never waits for disk): it is dropped, the flight cancelled and its file deleted.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 INF = float("inf")
-FLIGHT_TIMEOUT_S = 30.0       # an offload/migration a node has not confirmed by then is abandoned
-POLL_BATCH = 64               # commands handed to a node per poll
-MAX_FLIGHTS = 32              # migrations (drain and replica tasks) in flight per source node
-TTL_MARGIN_S = 5.0            # a migrate command must start this long before its flight's deadline (node-checked)
+FLIGHT_TIMEOUT_S = 30.0  # an offload/migration a node has not confirmed by then is abandoned
+POLL_BATCH = 64  # commands handed to a node per poll
+MAX_FLIGHTS = 32  # migrations (drain and replica tasks) in flight per source node
+TTL_MARGIN_S = 5.0  # a migrate command must start this long before its flight's deadline (node-checked)
 
 
 @dataclass
 class Copy:
-    segment: str              # the node (by its segment name) whose disk holds the file
-    obj: object               # metadata.Object: a view, dead once the object leaves the table
+    segment: str  # the node (by its segment name) whose disk holds the file
+    obj: object  # metadata.Object: a view, dead once the object leaves the table
     checksum: int
-    size: int = field(init=False)     # obj.size, readable after obj is gone
+    size: int = field(init=False)  # obj.size, readable after obj is gone
 
     def __post_init__(self):
         self.size = self.obj.size
@@ -30,14 +31,14 @@ class Copy:
 
 @dataclass
 class Flight:
-    kind: str                 # "offload" | "promote" | "migrate"
-    obj: object               # metadata.Object: a view, dead once the object leaves the table
-    segment: str              # the node doing the work
+    kind: str  # "offload" | "promote" | "migrate"
+    obj: object  # metadata.Object: a view, dead once the object leaves the table
+    segment: str  # the node doing the work
     deadline: float
     dest: tuple | None = None  # (Segment, offset) the node writes into (promote, migrate)
-    fid: int = 0              # migrate: the id its command and the node's report carry (a late report of an
-                              # ended flight never matches a newer flight of the same key)
-    size: int = field(init=False)     # obj.size, readable after obj is gone
+    fid: int = 0  # migrate: the id its command and the node's report carry (a late report of an
+    # ended flight never matches a newer flight of the same key)
+    size: int = field(init=False)  # obj.size, readable after obj is gone
 
     def __post_init__(self):
         self.size = self.obj.size
@@ -46,14 +47,15 @@ class Flight:
 @dataclass
 class DiskNode:
     """One `kvplugins store` node's tier link (nodes without a disk have endpoint '' and capacity 0)."""
+
     segment: str
-    endpoint: str             # host:port of its promote endpoint ('' = no disk tier)
-    capacity: int             # bytes
-    disk_id: str = ""         # identity of its disk directory (survives process restarts)
-    keys: set = field(default_factory=set)        # keys with a disk copy here
-    queue: list = field(default_factory=list)     # commands not yet polled
-    offloading: int = 0       # bytes of offloads in flight
-    retry_at: float = 0.0     # after a failed offload: no new offload before this time (master clock, s)
+    endpoint: str  # host:port of its promote endpoint ('' = no disk tier)
+    capacity: int  # bytes
+    disk_id: str = ""  # identity of its disk directory (survives process restarts)
+    keys: set = field(default_factory=set)  # keys with a disk copy here
+    queue: list = field(default_factory=list)  # commands not yet polled
+    offloading: int = 0  # bytes of offloads in flight
+    retry_at: float = 0.0  # after a failed offload: no new offload before this time (master clock, s)
     draining: bool = False
 
 

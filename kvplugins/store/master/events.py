@@ -27,6 +27,7 @@ Not published: pending puts (never visible to readers), and a segment's replicas
 another. Sequence numbers restart when a master (or an HA leader) starts. Source followed: vLLM 0.32
 ``ZmqEventPublisher`` / ``KVEventBatch`` / ``BlockStored`` / ``BlockRemoved``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -45,6 +46,7 @@ CPU, STORAGE = "CPU", "STORAGE"
 
 class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """vLLM's BlockStored, field for field, plus ``reason``."""
+
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
     token_ids: list[int]
@@ -64,6 +66,7 @@ class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 class BlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """vLLM's BlockRemoved, field for field, plus ``reason``."""
+
     block_hashes: list[bytes]
     medium: str | None
     group_idx: int | None = None
@@ -105,8 +108,7 @@ class EventPublisher(NoEvents):
     ``endpoint`` and ``replay_endpoint``: zmq bind addresses (e.g. ``tcp://127.0.0.1:0``; the bound ones are in
     ``endpoints``)."""
 
-    def __init__(self, ctx, secret, endpoint: str, replay_endpoint: str, topic: str = "kvplugins",
-                 buffer: int = 10000):
+    def __init__(self, ctx, secret, endpoint: str, replay_endpoint: str, topic: str = "kvplugins", buffer: int = 10000):
         self._zmq = zmq
         self._topic = topic.encode()
         self._pub = ctx.socket(zmq.PUB)
@@ -117,8 +119,10 @@ class EventPublisher(NoEvents):
         self.replay.setsockopt(zmq.LINGER, 0)
         server_socket(self.replay, secret)
         self.replay.bind(replay_endpoint)
-        self.endpoints = (self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
-                          self.replay.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.endpoints = (
+            self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
+            self.replay.getsockopt_string(zmq.LAST_ENDPOINT),
+        )
         self._buffer: collections.deque = collections.deque(maxlen=buffer)
         self._pending: list = []
         self._seq = 0
@@ -150,7 +154,7 @@ class EventPublisher(NoEvents):
         self._seq += 1
         try:
             self._pub.send_multipart((self._topic, seq, payload), flags=self._zmq.NOBLOCK)
-        except self._zmq.Again:     # a PUB drops what its subscribers cannot take; the replay window keeps it
+        except self._zmq.Again:  # a PUB drops what its subscribers cannot take; the replay window keeps it
             pass
 
     def serve_replay(self) -> None:
@@ -159,8 +163,10 @@ class EventPublisher(NoEvents):
         while self.replay.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = self.replay.recv_multipart(flags=zmq.NOBLOCK)
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                log.warning("events replay: dropped a request of %d frames (want: identity, b'', 8-byte start "
-                            "sequence)", len(frames))
+                log.warning(
+                    "events replay: dropped a request of %d frames (want: identity, b'', 8-byte start sequence)",
+                    len(frames),
+                )
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
             try:
@@ -168,7 +174,7 @@ class EventPublisher(NoEvents):
                     if int.from_bytes(seq, "big", signed=True) >= start:
                         self.replay.send_multipart((client, b"", self._topic, seq, payload), flags=zmq.NOBLOCK)
                 self.replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
-            except zmq.Again:       # that client reads too slowly: its replay is cut short, nobody else waits
+            except zmq.Again:  # that client reads too slowly: its replay is cut short, nobody else waits
                 log.warning("events replay: a client's queue is full; its replay was cut short")
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ a segment above ``high_watermark`` sheds objects with a replica on it until it i
 Pending objects and objects under a live lease are never victims. A soft pin whose TTL ended is turned into a
 plain object by ``expire_soft_pins`` (the master's sweep).
 """
+
 from __future__ import annotations
 
 from kvplugins.store.master.metadata import Object, ObjectTable

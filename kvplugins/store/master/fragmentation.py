@@ -5,6 +5,7 @@ the new object fits. Reports per workload: segment usage right after each put th
 "full" segment really is), free blocks left, and over-eviction (bytes evicted beyond the object's size, per put
 byte). The table in docs/store.md comes from this script.
 """
+
 from __future__ import annotations
 
 import random
@@ -36,15 +37,21 @@ def simulate(size_of, puts: int = 20000, capacity: int = 64 << 20, seed: int = 1
             blocks.append(alloc.free_blocks())
         lru[i] = (off, need)
         put_bytes += need
-    return {"usage_mean": statistics.mean(usage), "usage_min": min(usage), "free_blocks": statistics.mean(blocks),
-            "over_eviction": over / put_bytes}
+    return {
+        "usage_mean": statistics.mean(usage),
+        "usage_min": min(usage),
+        "free_blocks": statistics.mean(blocks),
+        "over_eviction": over / put_bytes,
+    }
 
 
 def main() -> None:
     for name, fn in WORKLOADS.items():
         r = simulate(fn)
-        print(f"{name:26s} usage mean {r['usage_mean']:.3f} min {r['usage_min']:.3f}  "
-              f"free blocks {r['free_blocks']:.1f}  over-eviction {r['over_eviction']:.3f}")
+        print(
+            f"{name:26s} usage mean {r['usage_mean']:.3f} min {r['usage_min']:.3f}  "
+            f"free blocks {r['free_blocks']:.1f}  over-eviction {r['over_eviction']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ op's reply is sent, so an acknowledged put is durable once ``committed`` returns
 Hooks must not raise for a transient store outage they can retry; a hook that cannot persist raises
 kvplugins.errors.StoreError and the op answers an error instead of acknowledging.
 """
+
 from __future__ import annotations
 
 

@@ -11,6 +11,7 @@ the manifest whose key was not put again meanwhile is back at its offset, its by
 memory (readers check them against the xxh3 checksum as always). A process that never returns (SIGKILL)
 leaves a manifest that ages out; the manifests hold at most ``MAX_MANIFEST_OBJECTS`` entries, oldest dropped.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -26,10 +27,10 @@ MAX_MANIFEST_OBJECTS = 1 << 20
 
 @dataclass
 class Manifest:
-    owner: bytes            # segments.owner_digest of the registering process
-    size: int               # segment bytes
-    entries: list           # [(key, size, offset, checksum, pin, pin_until)]
-    until: float            # master-clock seconds: dropped after
+    owner: bytes  # segments.owner_digest of the registering process
+    size: int  # segment bytes
+    entries: list  # [(key, size, offset, checksum, pin, pin_until)]
+    until: float  # master-clock seconds: dropped after
 
 
 class Manifests:
@@ -97,10 +98,25 @@ def restore(table, seg, entries: list, now: float) -> list:
     for key, size, off, checksum, pin, pin_until in entries:
         if (off, key) in bad or key in table:
             continue
-        out.append(table.new(key, size, [(seg.name, off)], complete=True, born=now, last_access=now,
-                             checksum=checksum, pin=pin, pin_until=pin_until))
-    log.warning("segment %s re-registered by its process: %d of %d objects of its manifest restored", seg.name,
-                len(out), len(entries))
+        out.append(
+            table.new(
+                key,
+                size,
+                [(seg.name, off)],
+                complete=True,
+                born=now,
+                last_access=now,
+                checksum=checksum,
+                pin=pin,
+                pin_until=pin_until,
+            )
+        )
+    log.warning(
+        "segment %s re-registered by its process: %d of %d objects of its manifest restored",
+        seg.name,
+        len(out),
+        len(entries),
+    )
     return out
 
 

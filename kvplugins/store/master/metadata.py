@@ -16,6 +16,7 @@ The table keeps LRU order (least recently used first): a commit or a get moves t
 (eviction.py) walks it from the front. Pinned objects live in a second LRU of their own, so the eviction scan
 never walks past them; disk-only objects are parked in neither (tiering.py).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -30,17 +31,38 @@ UNPINNED, PINNED, PARKED = _meta.UNPINNED, _meta.PINNED, _meta.PARKED
 class ObjectTable:
     def __init__(self):
         self._t = _meta.Table()
-        self._soft: list[tuple[float, str]] = []   # heap of (pin_until, key) of soft pins, for expiry
+        self._soft: list[tuple[float, str]] = []  # heap of (pin_until, key) of soft pins, for expiry
 
     def get(self, key: str) -> Object | None:
         return self._t.get(key)
 
-    def new(self, key: str, size: int, replicas, *, complete: bool = False, deadline: float = 0.0,
-            born: float = 0.0, last_access: float = 0.0, pin: int = 0, pin_until: float = 0.0,
-            checksum: int | None = None, lease_until: float = 0.0) -> Object:
+    def new(
+        self,
+        key: str,
+        size: int,
+        replicas,
+        *,
+        complete: bool = False,
+        deadline: float = 0.0,
+        born: float = 0.0,
+        last_access: float = 0.0,
+        pin: int = 0,
+        pin_until: float = 0.0,
+        checksum: int | None = None,
+        lease_until: float = 0.0,
+    ) -> Object:
         """Add an object (most recently used in its LRU). Raises KeyError if ``key`` is present."""
-        obj = self._t.insert(key, size, replicas, complete, born if complete else deadline, last_access, pin,
-                             pin_until if pin == 1 else 0.0, checksum)
+        obj = self._t.insert(
+            key,
+            size,
+            replicas,
+            complete,
+            born if complete else deadline,
+            last_access,
+            pin,
+            pin_until if pin == 1 else 0.0,
+            checksum,
+        )
         if lease_until:
             obj.lease_until = lease_until
         if pin == 1:

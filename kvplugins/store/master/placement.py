@@ -4,6 +4,7 @@ Order of the candidates: the preferred segment (if any and registered) first, th
 order (rotated per key so a batch spreads). Replicas go to distinct segments, and on distinct hosts first: a
 first pass takes only segments on hosts not used yet, a second pass fills the rest from any unused segment.
 """
+
 from __future__ import annotations
 
 from kvplugins.store.master.segments import Segment

@@ -17,6 +17,7 @@ lost: service.py) and every way a slab ends (slabs.py ``_free_rest``) calls ``do
 connected the tables stay empty and nothing is counted. Source followed: Ceph's per-client capabilities and
 quotas; Redis and Mooncake bound no client's share.
 """
+
 from __future__ import annotations
 
 from kvplugins.store.wire.protocol import OK, STORE_FULL
@@ -28,9 +29,9 @@ class Quotas:
 
     def __init__(self, cfg, capacity):
         self.cfg, self._capacity = cfg, capacity
-        self._held: dict[str, dict] = {}     # identity -> {key, or ("slab", id): bytes}
+        self._held: dict[str, dict] = {}  # identity -> {key, or ("slab", id): bytes}
         self._bytes: dict[str, int] = {}
-        self._who: dict = {}                 # key or ("slab", id) -> identity
+        self._who: dict = {}  # key or ("slab", id) -> identity
 
     def room(self, caller: str, sizes: list[int], slabs: bool = False) -> tuple[int, str | None]:
         """How many leading ``sizes`` (bytes of new puts, or of slabs with ``slabs``) ``caller`` may take now,
@@ -46,13 +47,17 @@ class Quotas:
             k += 1
         if k == len(sizes):
             return k, None
-        if k < n:        # (the state once the first k are placed)
-            why = (f"credential {caller} holds {used} bytes in pending puts and slabs; another "
-                   f"{sizes[k]} would pass max_pending_share={self.cfg.max_pending_share:g} of the pool's "
-                   f"{self._capacity()} bytes")
+        if k < n:  # (the state once the first k are placed)
+            why = (
+                f"credential {caller} holds {used} bytes in pending puts and slabs; another "
+                f"{sizes[k]} would pass max_pending_share={self.cfg.max_pending_share:g} of the pool's "
+                f"{self._capacity()} bytes"
+            )
         else:
-            why = (f"credential {caller} has {len(held) + k} puts pending (started, not committed), the master's "
-                   f"max_pending_puts_per_identity={self.cfg.max_pending_puts_per_identity}")
+            why = (
+                f"credential {caller} has {len(held) + k} puts pending (started, not committed), the master's "
+                f"max_pending_puts_per_identity={self.cfg.max_pending_puts_per_identity}"
+            )
         return k, why + "; commit or abort them, or give each process its own credential (kvplugins credential --name)"
 
     def took(self, caller: str, items, answers) -> None:

@@ -33,6 +33,7 @@ old leader was running ends on the new one (``failed_over``): SUCCESS if its tar
 already, else FAILED saying so (the targets done stay done; create it again for the rest), and the destination
 of its write in flight is held for put_timeout_ms, so no put lands where the old leader's node may still write.
 """
+
 from __future__ import annotations
 
 import random
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 from kvplugins.store.master.disk_state import FLIGHT_TIMEOUT_S, MAX_FLIGHTS, Flight, Frozen
 from kvplugins.store.wire.protocol import NOT_NOW, INVALID, NOT_FOUND, OK
 
-FINISHED_KEPT = 10_000         # finished tasks a master remembers for task_query (oldest forgotten first)
+FINISHED_KEPT = 10_000  # finished tasks a master remembers for task_query (oldest forgotten first)
 WAIT_S = 2 * FLIGHT_TIMEOUT_S  # a task still waiting for its key's other flight (offload, drain) after this fails
 KINDS = {"copy": "REPLICA_COPY", "move": "REPLICA_MOVE"}
 
@@ -52,22 +53,29 @@ KINDS = {"copy": "REPLICA_COPY", "move": "REPLICA_MOVE"}
 @dataclass
 class Task:
     id: tuple[int, int]
-    kind: str                  # "copy" | "move"
+    kind: str  # "copy" | "move"
     key: str
-    obj: object                # metadata.Object the task was created for (dead once the key leaves the table)
-    source: str                # segment whose process writes the bytes
-    targets: list[str]         # targets not yet done, in order
-    status: str = "PENDING"    # PENDING | PROCESSING | SUCCESS | FAILED (Mooncake's TaskStatus names)
+    obj: object  # metadata.Object the task was created for (dead once the key leaves the table)
+    source: str  # segment whose process writes the bytes
+    targets: list[str]  # targets not yet done, in order
+    status: str = "PENDING"  # PENDING | PROCESSING | SUCCESS | FAILED (Mooncake's TaskStatus names)
     created_ms: int = field(default_factory=lambda: _wall_ms())
     updated_ms: int = 0
     message: str = ""
     flight: Flight | None = None
-    waiting_since: float | None = None   # master clock: since when it waits for another flight of its key
-    src_off: int = -1          # the source replica's offset when its write started (checked at the report)
+    waiting_since: float | None = None  # master clock: since when it waits for another flight of its key
+    src_off: int = -1  # the source replica's offset when its write started (checked at the report)
 
     def row(self) -> list:
-        return [*self.id, KINDS[self.kind], self.status, self.created_ms, self.updated_ms or self.created_ms,
-                self.source, self.message]
+        return [
+            *self.id,
+            KINDS[self.kind],
+            self.status,
+            self.created_ms,
+            self.updated_ms or self.created_ms,
+            self.source,
+            self.message,
+        ]
 
 
 class ReplicaTasks:
@@ -76,7 +84,7 @@ class ReplicaTasks:
     def __init__(self, tier):
         self.tier = tier
         self.active: dict[tuple[int, int], Task] = {}
-        self.by_fid: dict[int, Task] = {}          # flight id -> the task whose write it is
+        self.by_fid: dict[int, Task] = {}  # flight id -> the task whose write it is
         self.finished: OrderedDict[tuple[int, int], Task] = OrderedDict()
 
     # ---- ops -----------------------------------------------------------------------------------------
@@ -89,7 +97,7 @@ class ReplicaTasks:
                 continue
             obj, source = checked
             u = uuid.uuid4().int
-            task = Task((u >> 64, u & (2 ** 64 - 1)), kind, key, obj, source, list(dict.fromkeys(targets)))
+            task = Task((u >> 64, u & (2**64 - 1)), kind, key, obj, source, list(dict.fromkeys(targets)))
             self.active[task.id] = task
             self.advance(task, now)
             if task.id in self.active:
@@ -129,8 +137,11 @@ class ReplicaTasks:
         else:
             runnable = [n for n in held if n in self.tier.nodes]
         if not runnable:
-            return [NOT_NOW, f"no replica of {key} is on a segment with a command link ({held}): its process "
-                    "is not a `kvplugins store` node or a client contributing a segment"]
+            return [
+                NOT_NOW,
+                f"no replica of {key} is on a segment with a command link ({held}): its process "
+                "is not a `kvplugins store` node or a client contributing a segment",
+            ]
         return obj, random.choice(runnable)
 
     # ---- progress ------------------------------------------------------------------------------------
@@ -145,18 +156,18 @@ class ReplicaTasks:
             if task.source not in held or task.source not in tier.nodes:
                 return self._finish(task, "FAILED", f"the source replica on {task.source} is gone")
             target = task.targets[0]
-            if target in held:                       # Mooncake: the target already has it, success
+            if target in held:  # Mooncake: the target already has it, success
                 task.targets.pop(0)
                 if task.kind == "move":
                     self._drop_source(task, now)
                 continue
-            if task.key in tier.flights:              # an offload or drain of the key: wait for it (tick retries)
+            if task.key in tier.flights:  # an offload or drain of the key: wait for it (tick retries)
                 task.waiting_since = task.waiting_since or now
                 if now - task.waiting_since > WAIT_S:
                     return self._finish(task, "FAILED", f"{task.key} was busy (offload or drain) for {WAIT_S:g} s")
                 return
             if (busy[task.source] if busy is not None else tier.migrating(task.source)) >= MAX_FLIGHTS:
-                return                                # the source's process has enough to write: wait (FIFO)
+                return  # the source's process has enough to write: wait (FIFO)
             seg = svc.segments.get(target)
             if seg is None:
                 return self._finish(task, "FAILED", f"target {target} left the pool")
@@ -170,8 +181,12 @@ class ReplicaTasks:
         the write."""
         off = self.tier.alloc_on(seg, seg.allocator, task.obj.size, now)
         if off is None:
-            return self._finish(task, "FAILED", f"no room on {seg.name} for {task.obj.size} bytes (everything there "
-                                "is leased, pinned, pending or within the eviction grace)")
+            return self._finish(
+                task,
+                "FAILED",
+                f"no room on {seg.name} for {task.obj.size} bytes (everything there "
+                "is leased, pinned, pending or within the eviction grace)",
+            )
         task.waiting_since, task.src_off = None, dict(task.obj.replicas)[task.source]
         task.flight = self.tier.migrate(task.obj, task.source, seg, off, now)
         self.by_fid[task.flight.fid] = task
@@ -186,14 +201,14 @@ class ReplicaTasks:
         flight, task.flight = task.flight, None
         self.by_fid.pop(flight.fid, None)
         dest, off = flight.dest
-        grace = now + svc.cfg.put_timeout_ms / 1000     # a timed-out write may still land: its space waits
+        grace = now + svc.cfg.put_timeout_ms / 1000  # a timed-out write may still land: its space waits
         if not ok or svc.segments.get(dest.name) is not dest:
             tier.end_flight(task.key, now, free_dest_at=grace)
             return self._finish(task, "FAILED", f"writing to {dest.name} failed: {detail}")
-        if (task.source, task.src_off) not in obj.replicas:      # dropped (corrupt, evicted to disk) meanwhile
+        if (task.source, task.src_off) not in obj.replicas:  # dropped (corrupt, evicted to disk) meanwhile
             tier.end_flight(task.key, now, free_dest_at=grace)
             return self._finish(task, "FAILED", f"the source replica on {task.source} changed during the copy")
-        tier.end_flight(task.key, now)             # its destination becomes a replica (journal: flight ended)
+        tier.end_flight(task.key, now)  # its destination becomes a replica (journal: flight ended)
         obj.replicas = obj.replicas + [(dest.name, off)]
         task.targets.pop(0)
         if task.kind == "move":
@@ -205,7 +220,7 @@ class ReplicaTasks:
         svc, obj = self.tier.service, task.obj
         old = [(svc.segments.get(n), o) for n, o in obj.replicas if n == task.source]
         obj.replicas = [(n, o) for n, o in obj.replicas if n != task.source]
-        self.tier.free_at(old, max(now, obj.lease_until), now)   # readers that got the old location keep it
+        self.tier.free_at(old, max(now, obj.lease_until), now)  # readers that got the old location keep it
         svc.journal.replicas_changed([obj])
 
     def tick(self, now: float) -> None:
@@ -216,8 +231,12 @@ class ReplicaTasks:
             if task.flight is not None and self.tier.flights.get(task.key) is not task.flight:
                 self.by_fid.pop(task.flight.fid, None)
                 task.flight = None
-                self._finish(task, "FAILED", f"the write to {task.targets[0]} did not complete (timed out, the "
-                             "object was removed or a segment left)")
+                self._finish(
+                    task,
+                    "FAILED",
+                    f"the write to {task.targets[0]} did not complete (timed out, the "
+                    "object was removed or a segment left)",
+                )
             elif task.flight is None:
                 self.advance(task, now, busy)
 
@@ -229,8 +248,12 @@ class ReplicaTasks:
         held = {n for n, _ in obj.replicas} if obj is not None and obj.complete else set()
         if held and all(t in held for t in task.targets) and (task.kind == "copy" or task.source not in held):
             return self._finish(task, "SUCCESS", "")
-        self._finish(task, "FAILED", "the master failed over while this task ran (targets it had finished keep "
-                     f"their replicas); create it again for {task.targets}")
+        self._finish(
+            task,
+            "FAILED",
+            "the master failed over while this task ran (targets it had finished keep "
+            f"their replicas); create it again for {task.targets}",
+        )
 
     def remember(self, task: Task) -> None:
         """A finished task of the previous HA leader (ha/recovery.restore_tasks), for task_query."""

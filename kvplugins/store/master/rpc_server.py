@@ -32,6 +32,7 @@ What a client cannot do to the loop (issue #11; limits in MasterConfig, docs/ope
   MAX_SLICED at once), and all deferred ops together take at most TURN_BUDGET_S of a loop turn, round robin,
   so a 65,536-key put_start keeps no other client waiting.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,20 +63,20 @@ from kvplugins.store.wire import protocol
 from kvplugins.store.wire.schema import RefusedRequest, Schemas
 
 log = logging.getLogger(__name__)
-RECV_CHUNK = 1 << 16          # below malloc's mmap threshold: a 1 MiB recv buffer costs ~20 µs per call
+RECV_CHUNK = 1 << 16  # below malloc's mmap threshold: a 1 MiB recv buffer costs ~20 µs per call
 # The object table holds millions of small objects; with CPython's default gen-0 threshold (700) the collector
 # walks them so often that put_start costs 2x (12 vs 5-6 µs per key measured). The master's objects form no
 # cycles on the hot path, so collections may be rare. Applied by serve_forever (the master's process).
 GC_THRESHOLDS = (50_000, 20, 20)
-ACCEPTS_PER_TURN = 64         # connections accepted per readiness event (the rest wait for the next turn)
-MAX_SCANS = 4                 # admin scans running at once; more are refused (retry later)
-MAX_SLICED = 1024             # sliced data batches running at once (one per raw connection); more are refused
-PROBE_POLL_S = 0.002          # how often the loop looks at running admission probes when nothing else is due
-TURN_BUDGET_S = 0.02          # time all deferred ops may take in one loop turn (each step: batches.SLICE_BUDGET_S)
-UNAUTH_POOL = 256             # connections still in their handshake; a new one past it evicts the oldest
-ZMQ_MAX_MSG = 16 << 20       # control-plane messages are small (a tier_register chunk ~1.5 MB); zmq drops larger
-ZMQ_RCVHWM = 64               # messages queued per control-plane peer: with ZMQ_MAX_MSG, at most 1 GiB per peer
-ERROR_LOG_INTERVAL_S = 10.0   # an internal error of one subsystem is logged at most this often
+ACCEPTS_PER_TURN = 64  # connections accepted per readiness event (the rest wait for the next turn)
+MAX_SCANS = 4  # admin scans running at once; more are refused (retry later)
+MAX_SLICED = 1024  # sliced data batches running at once (one per raw connection); more are refused
+PROBE_POLL_S = 0.002  # how often the loop looks at running admission probes when nothing else is due
+TURN_BUDGET_S = 0.02  # time all deferred ops may take in one loop turn (each step: batches.SLICE_BUDGET_S)
+UNAUTH_POOL = 256  # connections still in their handshake; a new one past it evicts the oldest
+ZMQ_MAX_MSG = 16 << 20  # control-plane messages are small (a tier_register chunk ~1.5 MB); zmq drops larger
+ZMQ_RCVHWM = 64  # messages queued per control-plane peer: with ZMQ_MAX_MSG, at most 1 GiB per peer
+ERROR_LOG_INTERVAL_S = 10.0  # an internal error of one subsystem is logged at most this often
 
 
 class _Conn:
@@ -84,13 +85,13 @@ class _Conn:
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.events = selectors.EVENT_READ
-        self.guard = None             # security.ServerHandshake until the peer has authenticated
-        self.role = ""                # the role it authenticated as (security/roles.py): fixed for the connection
-        self.identity = ""            # its named credential, role:name ("" for a secret holder): master/quotas.py
-        self.last_request = now       # when its last request was served (idle timeout)
-        self.frame_since = 0.0        # when the partial frame in inbuf began (slowloris)
-        self.progress = now           # when its unsent replies last moved (a peer that does not read)
-        self.scan = False             # an admin scan of this connection runs: its later frames wait
+        self.guard = None  # security.ServerHandshake until the peer has authenticated
+        self.role = ""  # the role it authenticated as (security/roles.py): fixed for the connection
+        self.identity = ""  # its named credential, role:name ("" for a secret holder): master/quotas.py
+        self.last_request = now  # when its last request was served (idle timeout)
+        self.frame_since = 0.0  # when the partial frame in inbuf began (slowloris)
+        self.progress = now  # when its unsent replies last moved (a peer that does not read)
+        self.scan = False  # an admin scan of this connection runs: its later frames wait
 
 
 class RpcServer:
@@ -98,7 +99,7 @@ class RpcServer:
 
     def __init__(self, config: MasterConfig, service: MasterService | None = None):
         self.cfg = config
-        self._secret = security.resolve_server("the master")   # both endpoints authenticate every peer's role
+        self._secret = security.resolve_server("the master")  # both endpoints authenticate every peer's role
         security.require_for_bind(config.host, self._secret, "master --host")
         self._refusals = security.RefusalLog()
         self._listener = socket.create_server((config.host, config.port), reuse_port=False, backlog=1024)
@@ -117,34 +118,39 @@ class RpcServer:
         self.service = service or MasterService(config, zmq_endpoint=self.zmq_endpoint)
         self.service.zmq_endpoint = self.zmq_endpoint
         self._prober = Prober(config.admission_probe_ms, config.host) if config.admission_probe_ms > 0 else None
-        self.service.prober = self._prober       # segments registered over RPC are probed before placement
+        self.service.prober = self._prober  # segments registered over RPC are probed before placement
         self._schemas = Schemas.of(config)
         self._encode = msgspec.msgpack.Encoder().encode
         self._limits = config.conn_limits()
         self._gate = ConnGate(self._limits, "the master's RPC endpoint", "master.")
         self._backoff = AcceptBackoff("master RPC endpoint")
-        self._accept_resume = 0.0     # while > 0 the listener is out of the selector until then (monotonic s)
-        self._partial = 0             # bytes in every connection's inbuf
-        self._scans: list[tuple] = []     # (owner: _Conn or zmq envelope, rid, op, Scan)
+        self._accept_resume = 0.0  # while > 0 the listener is out of the selector until then (monotonic s)
+        self._partial = 0  # bytes in every connection's inbuf
+        self._scans: list[tuple] = []  # (owner: _Conn or zmq envelope, rid, op, Scan)
         self.internal_errors: dict[str, int] = {}
         self._error_logged: dict[str, float] = {}
-        self.metrics = MasterMetrics(self, config)      # op latency timer; /metrics if metrics_port >= 0
-        self._group = group_commit.for_server(self)     # HA master: replies wait for their etcd writes
+        self.metrics = MasterMetrics(self, config)  # op latency timer; /metrics if metrics_port >= 0
+        self._group = group_commit.for_server(self)  # HA master: replies wait for their etcd writes
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._router.getsockopt(zmq.FD), selectors.EVENT_READ, "zmq")
         self._events = self._start_events(config)
         self._conns: dict[int, _Conn] = {}
-        self._unauth: dict[int, _Conn] = {}     # connections in their handshake, oldest first (not in _gate)
+        self._unauth: dict[int, _Conn] = {}  # connections in their handshake, oldest first (not in _gate)
         self._stopped = False
 
     def _start_events(self, config: MasterConfig):
         """The KV event publisher (master/events.py) when events_port >= 0, installed in the service; else None."""
         if config.events_port < 0:
             return None
-        ep = EventPublisher(self._ctx, self._secret, _zmq_bind(config.host, config.events_port),
-                            _zmq_bind(config.host, config.events_replay_port), config.events_topic,
-                            config.events_buffer)
+        ep = EventPublisher(
+            self._ctx,
+            self._secret,
+            _zmq_bind(config.host, config.events_port),
+            _zmq_bind(config.host, config.events_replay_port),
+            config.events_topic,
+            config.events_buffer,
+        )
         self.service.events = ep
         self.service.events_endpoints = ep.endpoints
         self._sel.register(ep.replay.getsockopt(zmq.FD), selectors.EVENT_READ, "events")
@@ -167,23 +173,23 @@ class RpcServer:
         try:
             while not self._stopped:
                 wait = max(0.0, next_tick - time.monotonic())
-                if self._scans:     # deferred ops with work to do: none; ones waiting on a probe: briefly
+                if self._scans:  # deferred ops with work to do: none; ones waiting on a probe: briefly
                     wait = min(wait, PROBE_POLL_S) if all(s[3].waiting for s in self._scans) else 0.0
                 for key, ev in self._sel.select(wait):
                     self._on_event(key, ev)
                 if self._scans:
                     self._guarded("scan", self._step_scans)
                 if time.monotonic() >= next_tick:
-                    self._guarded("zmq", self._on_zmq)       # safety net for the edge-triggered ZMQ_FD
+                    self._guarded("zmq", self._on_zmq)  # safety net for the edge-triggered ZMQ_FD
                     if self._events is not None:
                         self._guarded("events", self._events.serve_replay)
                     self._guarded("tick", self.service.tick)
                     self._guarded("sweep", self._sweep)
-                    self._guarded("metrics", self.metrics.publish)   # snapshot for the metrics thread
+                    self._guarded("metrics", self.metrics.publish)  # snapshot for the metrics thread
                     next_tick = time.monotonic() + tick_s
-                self._guarded("group_commit", self._group.sync)   # HA: persist this turn, then send its replies
+                self._guarded("group_commit", self._group.sync)  # HA: persist this turn, then send its replies
                 if self._events is not None:
-                    self._guarded("events", self._events.flush)   # this turn's KV events: one batch
+                    self._guarded("events", self._events.flush)  # this turn's KV events: one batch
         finally:
             self.close()
 
@@ -202,8 +208,12 @@ class RpcServer:
 
     def guard_stats(self) -> dict:
         """Connections open and refused, accept() failures survived, internal errors per subsystem (metrics)."""
-        return {"connections": self._gate.total, "refused": self._gate.refused,
-                "accept_failures": self._backoff.failures, "internal_errors": dict(self.internal_errors)}
+        return {
+            "connections": self._gate.total,
+            "refused": self._gate.refused,
+            "accept_failures": self._backoff.failures,
+            "internal_errors": dict(self.internal_errors),
+        }
 
     def _guarded(self, subsystem: str, fn, *args) -> None:
         """Run one periodic subsystem; an exception is counted and logged (rate-limited), never fatal."""
@@ -214,8 +224,9 @@ class RpcServer:
             now = time.monotonic()
             if now - self._error_logged.get(subsystem, -1e18) >= ERROR_LOG_INTERVAL_S:
                 self._error_logged[subsystem] = now
-                log.exception("master %s failed (%d times so far); the master goes on", subsystem,
-                              self.internal_errors[subsystem])
+                log.exception(
+                    "master %s failed (%d times so far); the master goes on", subsystem, self.internal_errors[subsystem]
+                )
 
     # ---- dispatch ------------------------------------------------------------------------------------
     def _answer(self, body: bytes, role: str, identity: str):
@@ -226,11 +237,16 @@ class RpcServer:
             rid, op, entries, opts = self._schemas.decode(body, role)
         except RefusedRequest as e:
             return self._reply(e.rid, False, str(e), "?")
-        if op == "register_segment" and identity.endswith(":*") and opts.proof:    # a credential on zmq
+        if op == "register_segment" and identity.endswith(":*") and opts.proof:  # a credential on zmq
             identity = proved_identity(self._secret, role, opts.name, opts.owner, opts.proof)
             if identity is None:
-                return self._reply(rid, False, f"{FORBIDDEN}register_segment: the proof of credential "
-                                               f"{role}:{opts.name} does not match (a different secret?)", op)
+                return self._reply(
+                    rid,
+                    False,
+                    f"{FORBIDDEN}register_segment: the proof of credential "
+                    f"{role}:{opts.name} does not match (a different secret?)",
+                    op,
+                )
         t0 = time.perf_counter()
         try:
             payload, ok = self.service.handle(op, entries, opts, defer=True, caller=identity), True
@@ -252,7 +268,9 @@ class RpcServer:
         except Exception as e:  # noqa: BLE001 - a reply that cannot be encoded fails its request, not the master
             log.exception("reply to %s could not be encoded", op)
             self.internal_errors["encode"] = self.internal_errors.get("encode", 0) + 1
-            return self._encode((protocol.VERSION, rid, False, f"{op}: internal error: reply not encodable: {e!r:.200}"))
+            return self._encode(
+                (protocol.VERSION, rid, False, f"{op}: internal error: reply not encodable: {e!r:.200}")
+            )
 
     def _start_scan(self, owner, answer) -> bytes | None:
         """Queue a deferred op for ``owner``; returns a refusal reply instead when MAX_SCANS admin scans (or
@@ -274,7 +292,7 @@ class RpcServer:
             owner, rid, op, scan = item
             try:
                 done, ok, payload = self.service.step(scan), True, scan.result
-            except ValueError as e:       # an HA master lost its lead mid-scan
+            except ValueError as e:  # an HA master lost its lead mid-scan
                 done, ok, payload = True, False, f"{op}: {e}"
             except Exception as e:  # noqa: BLE001 - a logic bug fails this op; the master keeps serving
                 log.exception("deferred op %s failed", op)
@@ -306,11 +324,14 @@ class RpcServer:
         try:
             if ev & selectors.EVENT_READ:
                 self._on_readable(conn)
-            if ev & selectors.EVENT_WRITE and self._conns.get(conn.sock.fileno()) is conn \
-                    and not self._group.holds(conn):
+            if (
+                ev & selectors.EVENT_WRITE
+                and self._conns.get(conn.sock.fileno()) is conn
+                and not self._group.holds(conn)
+            ):
                 self._flush(conn)
                 if conn.inbuf and not conn.scan and len(conn.outbuf) <= self.cfg.reply_buffer:
-                    self._serve_conn(conn)          # frames held back while its replies were unread
+                    self._serve_conn(conn)  # frames held back while its replies were unread
         except Exception as e:  # noqa: BLE001 - crash containment: only this connection goes
             self.internal_errors["connection"] = self.internal_errors.get("connection", 0) + 1
             log.exception("serving %s failed; its connection is closed", conn.peer)
@@ -343,15 +364,18 @@ class RpcServer:
                 return
             except OSError as e:
                 if not AcceptBackoff.retryable(e):
-                    log.warning("master RPC endpoint: accept failed: %s", e)    # e.g. ECONNABORTED: next one
+                    log.warning("master RPC endpoint: accept failed: %s", e)  # e.g. ECONNABORTED: next one
                     continue
                 self._pause_accept(self._backoff.failed(e))
                 return
             self._backoff.ok()
             if len(self._unauth) >= UNAUTH_POOL:
                 oldest = next(iter(self._unauth.values()))
-                self._refusals.refused("master RPC connection", oldest.peer,
-                                       f"evicted: {UNAUTH_POOL} connections were still authenticating")
+                self._refusals.refused(
+                    "master RPC connection",
+                    oldest.peer,
+                    f"evicted: {UNAUTH_POOL} connections were still authenticating",
+                )
                 self._drop(oldest, None)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -372,7 +396,7 @@ class RpcServer:
         try:
             sock.setblocking(False)
             with contextlib.suppress(BlockingIOError):
-                sock.recv(RECV_CHUNK)     # a request already sent would make close() reset, losing the reason
+                sock.recv(RECV_CHUNK)  # a request already sent would make close() reset, losing the reason
             sock.send(protocol.frame([protocol.VERSION, 0, False, f"connection refused: {reason}"]))
             sock.shutdown(socket.SHUT_WR)
         except OSError:
@@ -413,7 +437,7 @@ class RpcServer:
         finally:
             self._partial -= before - len(conn.inbuf)
         if conn.inbuf and len(conn.inbuf) != before:
-            conn.frame_since = time.monotonic()      # the rest is the start of the next frame
+            conn.frame_since = time.monotonic()  # the rest is the start of the next frame
         self._group.hold(conn)
 
     def _authenticate(self, conn: _Conn) -> bool:
@@ -428,7 +452,7 @@ class RpcServer:
             self._drop(conn, None)
         else:
             del self._unauth[conn.sock.fileno()]
-            refusal = self._gate.admit(conn.peer, conn.guard.identity)   # budgets: authenticated connections
+            refusal = self._gate.admit(conn.peer, conn.guard.identity)  # budgets: authenticated connections
             if refusal is not None:
                 self._flush(conn)
                 self._conns.pop(conn.sock.fileno(), None)
@@ -447,8 +471,8 @@ class RpcServer:
                 raise ProtocolError(f"frame of {n} bytes exceeds max_frame {self.cfg.max_frame}")
             if len(conn.inbuf) < hdr + n:
                 return
-            body = bytes(conn.inbuf[hdr:hdr + n])
-            del conn.inbuf[:hdr + n]
+            body = bytes(conn.inbuf[hdr : hdr + n])
+            del conn.inbuf[: hdr + n]
             conn.last_request = now
             reply = self._answer(body, conn.role, conn.identity)
             if type(reply) is tuple:
@@ -473,8 +497,9 @@ class RpcServer:
             except OSError as e:
                 return self._drop(conn, f"send failed: {e}")
         # read while its replies drain (unread replies past reply_buffer pause it); write while bytes wait
-        events = (selectors.EVENT_READ if len(conn.outbuf) <= self.cfg.reply_buffer else 0) | \
-            (selectors.EVENT_WRITE if conn.outbuf else 0)
+        events = (selectors.EVENT_READ if len(conn.outbuf) <= self.cfg.reply_buffer else 0) | (
+            selectors.EVENT_WRITE if conn.outbuf else 0
+        )
         if events != conn.events:
             conn.events = events
             self._sel.modify(conn.sock, events, conn)
@@ -494,12 +519,24 @@ class RpcServer:
                 why = ""
             elif conn.outbuf and now - conn.progress > lim.frame_timeout_s:
                 why = f"it read none of its {len(conn.outbuf)} reply bytes in {lim.frame_timeout_s:g} s"
-            elif conn.inbuf and not conn.scan and conn.events & selectors.EVENT_READ \
-                    and now - conn.frame_since > lim.frame_timeout_s and not self._complete_frame(conn.inbuf):
-                why = (f"a frame started {now - conn.frame_since:.1f} s ago is still incomplete "
-                       f"(master.frame_timeout_ms={self.cfg.frame_timeout_ms})")
-            elif lim.idle_timeout_s and not conn.inbuf and not conn.outbuf and not conn.scan \
-                    and now - conn.last_request > lim.idle_timeout_s:
+            elif (
+                conn.inbuf
+                and not conn.scan
+                and conn.events & selectors.EVENT_READ
+                and now - conn.frame_since > lim.frame_timeout_s
+                and not self._complete_frame(conn.inbuf)
+            ):
+                why = (
+                    f"a frame started {now - conn.frame_since:.1f} s ago is still incomplete "
+                    f"(master.frame_timeout_ms={self.cfg.frame_timeout_ms})"
+                )
+            elif (
+                lim.idle_timeout_s
+                and not conn.inbuf
+                and not conn.outbuf
+                and not conn.scan
+                and now - conn.last_request > lim.idle_timeout_s
+            ):
                 log.debug("closing idle connection from %s", conn.peer)
                 why = ""
             if why is not None:
@@ -507,15 +544,19 @@ class RpcServer:
 
     @staticmethod
     def _complete_frame(buf: bytearray) -> bool:
-        return len(buf) >= protocol.HEADER.size and len(buf) >= protocol.HEADER.size + \
-            protocol.HEADER.unpack_from(buf)[0]
+        return (
+            len(buf) >= protocol.HEADER.size and len(buf) >= protocol.HEADER.size + protocol.HEADER.unpack_from(buf)[0]
+        )
 
     def _shed(self) -> None:
         """Partly received frames exceed the budget: drop the connection holding the most."""
         conn = max(self._conns.values(), key=lambda c: len(c.inbuf))
-        self._drop(conn, f"partly received frames of all connections hold {self._partial} bytes, over "
-                         f"master.partial_frames_budget={self.cfg.partial_frames_budget}; this one held "
-                         f"{len(conn.inbuf)}")
+        self._drop(
+            conn,
+            f"partly received frames of all connections hold {self._partial} bytes, over "
+            f"master.partial_frames_budget={self.cfg.partial_frames_budget}; this one held "
+            f"{len(conn.inbuf)}",
+        )
 
     def release(self, conn: _Conn, failed: str | None = None) -> None:
         """Send ``conn``'s held replies, or (``failed``: why) close it without them; nothing if it closed
@@ -533,7 +574,7 @@ class RpcServer:
         if self._conns.pop(conn.sock.fileno(), None) is conn:
             if self._unauth.pop(conn.sock.fileno(), None) is None:
                 self._gate.release(conn.peer, conn.identity)
-            self._partial -= len(conn.inbuf)      # (callers account for what they consumed themselves)
+            self._partial -= len(conn.inbuf)  # (callers account for what they consumed themselves)
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):

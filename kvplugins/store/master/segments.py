@@ -14,6 +14,7 @@ The same process re-registers its name (after the master forgot it) with the sam
 A segment registered over RPC is *unadmitted* until the master's write-and-read-back probe of it succeeded
 (admission.py): no placement meanwhile, like a suspect one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,18 +26,18 @@ from kvplugins.store.master.allocator import Allocator
 from kvplugins.transfer.api import SegmentDescriptor
 
 log = logging.getLogger(__name__)
-MAX_PER_OWNER = 64          # segments one process (owner token) may have registered at once
+MAX_PER_OWNER = 64  # segments one process (owner token) may have registered at once
 
 
 @dataclass
 class Segment:
     name: str
-    descriptor: dict            # SegmentDescriptor.to_wire() of the owning engine
+    descriptor: dict  # SegmentDescriptor.to_wire() of the owning engine
     region_id: int
     allocator: Allocator
-    last_heartbeat: float       # seconds, master clock (the objects with a replica here: ObjectTable.on_segment)
-    owner: bytes = b""          # SHA-256 of the registering process's owner token (b"": unbound, in-process use)
-    identity: str = ""          # the registering named credential (master/quotas.py; "" = the cluster secret)
+    last_heartbeat: float  # seconds, master clock (the objects with a replica here: ObjectTable.on_segment)
+    owner: bytes = b""  # SHA-256 of the registering process's owner token (b"": unbound, in-process use)
+    identity: str = ""  # the registering named credential (master/quotas.py; "" = the cluster secret)
 
     @property
     def size(self) -> int:
@@ -67,11 +68,20 @@ class SegmentRegistry:
     def __init__(self, align: int):
         self.align = align
         self._segments: dict[str, Segment] = {}
-        self.suspect: set[str] = set()     # names silent past the heartbeat timeout, not yet removed
+        self.suspect: set[str] = set()  # names silent past the heartbeat timeout, not yet removed
         self.unadmitted: set[str] = set()  # names whose admission probe has not succeeded yet (admission.py)
 
-    def add(self, wire: dict, region_id: int, size: int, now: float, owner: bytes = b"",
-            limit: int = 0, identity: str = "", per_identity: int = 0) -> Segment:
+    def add(
+        self,
+        wire: dict,
+        region_id: int,
+        size: int,
+        now: float,
+        owner: bytes = b"",
+        limit: int = 0,
+        identity: str = "",
+        per_identity: int = 0,
+    ) -> Segment:
         """Validate and add a segment (replacing one of the same name and ``owner``, an owner_digest) registered
         by the named credential ``identity`` ("" = the cluster secret). Raises SegmentOwned (the live name has
         another owner), TooMany (``limit`` segments, MAX_PER_OWNER of this owner or ``per_identity`` of this
@@ -93,20 +103,26 @@ class SegmentRegistry:
         """Raise SegmentOwned when the live segment ``name`` is bound to an owner other than ``owner``."""
         seg = self._segments.get(name)
         if seg is not None and seg.owner and not hmac.compare_digest(seg.owner, owner):
-            raise SegmentOwned(f"cannot {what} segment {name}: it is live and was registered by another process "
-                               "(segment names are bound to their registering process; a restarted node "
-                               "registers under its new name)")
+            raise SegmentOwned(
+                f"cannot {what} segment {name}: it is live and was registered by another process "
+                "(segment names are bound to their registering process; a restarted node "
+                "registers under its new name)"
+            )
 
     def _check_room(self, owner: bytes, limit: int, identity: str, per_identity: int) -> None:
         if limit and len(self._segments) >= limit:
-            raise TooMany(f"{len(self._segments)} segments are registered, the master's max_segments; raise "
-                          "--max-segments or stop the processes whose segments are not needed")
+            raise TooMany(
+                f"{len(self._segments)} segments are registered, the master's max_segments; raise "
+                "--max-segments or stop the processes whose segments are not needed"
+            )
         if owner and sum(s.owner == owner for s in self._segments.values()) >= MAX_PER_OWNER:
             raise TooMany(f"this process has {MAX_PER_OWNER} segments registered, the most one process may")
         if identity and per_identity and sum(s.identity == identity for s in self._segments.values()) >= per_identity:
-            raise TooMany(f"credential {identity} has {per_identity} segments registered, the master's "
-                          "max_segments_per_identity; unregister some, raise it, or give each node its own "
-                          "credential (kvplugins credential --role node --name NAME)")
+            raise TooMany(
+                f"credential {identity} has {per_identity} segments registered, the master's "
+                "max_segments_per_identity; unregister some, raise it, or give each node its own "
+                "credential (kvplugins credential --role node --name NAME)"
+            )
 
     def get(self, name: str) -> Segment | None:
         return self._segments.get(name)
@@ -137,8 +153,13 @@ class SegmentRegistry:
             elif silent > timeout_s and name not in self.suspect:
                 self.suspect.add(name)
                 new.append(name)
-                log.warning("segment %s silent for %.1f s: suspect (no new placement, its replicas not read); "
-                            "removed after %.0f s more", name, silent, grace_s)
+                log.warning(
+                    "segment %s silent for %.1f s: suspect (no new placement, its replicas not read); "
+                    "removed after %.0f s more",
+                    name,
+                    silent,
+                    grace_s,
+                )
         return new, dead
 
     def by_free_space(self) -> list[Segment]:

@@ -6,6 +6,7 @@ Put = ``put_start`` (allocate; object pending) -> the client writes through the 
 is leased (or pending) is freed only when the lease (or the put deadline) runs out ("zombies"), so a reader
 or late writer never lands in reallocated space. Follows the Mooncake master_service design (FAST'25 §4).
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,14 +26,41 @@ from kvplugins.store.master.segments import Segment, SegmentOwned, SegmentRegist
 from kvplugins.store.master.slabs import Slabs
 from kvplugins.store.master.tiering import Tiering
 from kvplugins.store.master.zombies import Zombies
-from kvplugins.store.wire.protocol import EXISTS, EXPIRED, INVALID, NOT_FOUND, OK, ON_DISK, PENDING, STORE_FULL, \
-    UNREACHABLE, VERSION
+from kvplugins.store.wire.protocol import (
+    EXISTS,
+    EXPIRED,
+    INVALID,
+    NOT_FOUND,
+    OK,
+    ON_DISK,
+    PENDING,
+    STORE_FULL,
+    UNREACHABLE,
+    VERSION,
+)
 from kvplugins.store.wire.schema import Schemas
 
 log = logging.getLogger(__name__)
-COUNTERS = ("hits", "misses", "puts", "put_skipped", "put_full", "commits", "aborts", "removes", "evictions",
-            "reclaimed", "segments_suspect", "segments_lost", "objects_lost", "objects_restored", "corrupt_replicas",
-            "segments_refused", "lookup_keys", "lookup_hits")
+COUNTERS = (
+    "hits",
+    "misses",
+    "puts",
+    "put_skipped",
+    "put_full",
+    "commits",
+    "aborts",
+    "removes",
+    "evictions",
+    "reclaimed",
+    "segments_suspect",
+    "segments_lost",
+    "objects_lost",
+    "objects_restored",
+    "corrupt_replicas",
+    "segments_refused",
+    "lookup_keys",
+    "lookup_hits",
+)
 
 
 SHARD_ROUTED = ("put_start", "put")
@@ -47,29 +75,36 @@ class MasterService:
     when its lease ends), ``free_due_zombies`` and ``zombies`` (space of removed objects still leased), plus
     ``table``, ``segments``, ``journal``, ``events`` and ``counters``."""
 
-    def __init__(self, config: MasterConfig, clock=time.monotonic, zmq_endpoint: str = "",
-                 journal: Journal | None = None, tiering: Tiering | None = None, shard=None):
+    def __init__(
+        self,
+        config: MasterConfig,
+        clock=time.monotonic,
+        zmq_endpoint: str = "",
+        journal: Journal | None = None,
+        tiering: Tiering | None = None,
+        shard=None,
+    ):
         self.cfg, self.clock, self.zmq_endpoint = config, clock, zmq_endpoint
-        self.shard = shard            # shard/master.py ShardMember of a sharded store's master, else None
+        self.shard = shard  # shard/master.py ShardMember of a sharded store's master, else None
         self.journal = journal or Journal()
         self.tiering = tiering or Tiering()
         self.tiering.service = self
-        self.events = NoEvents()      # KV events (master/events.py): the RPC server installs a publisher
-        self.prober = None            # admission.Prober: the RPC server installs one (segments probed first)
-        self.events_endpoints = ("", "")    # (PUB, replay) where events are published; empty when off
+        self.events = NoEvents()  # KV events (master/events.py): the RPC server installs a publisher
+        self.prober = None  # admission.Prober: the RPC server installs one (segments probed first)
+        self.events_endpoints = ("", "")  # (PUB, replay) where events are published; empty when off
         self.table = ObjectTable()
         self.segments = SegmentRegistry(config.alloc_align)
-        self.manifests = liveness.Manifests()      # objects of segments removed for silence, by segment name
+        self.manifests = liveness.Manifests()  # objects of segments removed for silence, by segment name
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.quotas = Quotas(config, lambda: sum(s.size for s in self.segments))
-        self.caller = ""              # identity of the request being run (master/quotas.py; "" = the cluster)
+        self.caller = ""  # identity of the request being run (master/quotas.py; "" = the cluster)
         self.schemas = Schemas.of(config)
-        self.zombies = Zombies()     # space of removed objects, freed when their leases / put deadlines end
+        self.zombies = Zombies()  # space of removed objects, freed when their leases / put deadlines end
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
         self._ops.update(self.tiering.ops())
-        self._ops.update(admin_ops.ops(self))      # get_size, remove_by_regex, remove_all (compat)
+        self._ops.update(admin_ops.ops(self))  # get_size, remove_by_regex, remove_all (compat)
         self.slabs = Slabs(self)
-        self._ops.update(self.slabs.ops())         # reserve, put: one round trip per put
+        self._ops.update(self.slabs.ops())  # reserve, put: one round trip per put
 
     def handle(self, op: str, entries, opts, defer: bool = False, caller: str = ""):
         """Run one batch op; returns its payload. ``entries``/``opts``: as ``self.schemas`` decoded them (the RPC
@@ -93,7 +128,7 @@ class MasterService:
 
     def _run(self, op: str, entries, opts, now: float, caller: str = ""):
         self.caller = caller
-        if self.shard is not None and op in SHARD_ROUTED:      # only this shard's keys are put here
+        if self.shard is not None and op in SHARD_ROUTED:  # only this shard's keys are put here
             return self.shard.route(op, entries, opts, lambda e, o: self._ops[op](e, o, now))
         return self._ops[op](entries, opts, now)
 
@@ -111,23 +146,28 @@ class MasterService:
             raise ValueError(f"a soft pin (pin=1) needs pin_ttl_ms > 0, got {opts.pin_ttl_ms}")
         room = self.cfg.max_pending_puts - self.table.pending_count()
         if room < len(entries):
-            why = (f"{self.cfg.max_pending_puts - max(room, 0)} puts are pending (started, not yet committed), the "
-                   "master's max_pending_puts: retry once writers commit or their puts time out (put_timeout_ms)")
+            why = (
+                f"{self.cfg.max_pending_puts - max(room, 0)} puts are pending (started, not yet committed), the "
+                "master's max_pending_puts: retry once writers commit or their puts time out (put_timeout_ms)"
+            )
         else:
             room, why = self.quotas.room(self.caller, [size for _, size in entries])
-        if why is not None:           # the first ``room`` entries are placed, the rest refused (StoreFull)
+        if why is not None:  # the first ``room`` entries are placed, the rest refused (StoreFull)
             k = max(room, 0)
             return refuse(self.op_put_start(entries[:k], opts, now) if k else [], k, len(entries), why)
         replicas, preferred = opts.replicas, opts.segment
         pin = (opts.pin, now + opts.pin_ttl_ms / 1000 if opts.pin else 0.0)
-        order = self.segments.by_free_space()   # once per batch, most free bytes first; key j starts at j-th
+        order = self.segments.by_free_space()  # once per batch, most free bytes first; key j starts at j-th
         biggest = max((s.size for s in order), default=0)
-        fast = [s for s in order if s.name == preferred] or order    # a preferred segment takes the batch
-        out = self._put_contiguous(entries, now, fast, pin) if replicas == 1 and order and len(entries) > 1 \
+        fast = [s for s in order if s.name == preferred] or order  # a preferred segment takes the batch
+        out = (
+            self._put_contiguous(entries, now, fast, pin)
+            if replicas == 1 and order and len(entries) > 1
             else [None] * len(entries)
+        )
         for j, e in enumerate(entries):
             if out[j] is None:
-                turn = order[j % len(order):] + order[:j % len(order)] if len(order) > 1 else order
+                turn = order[j % len(order) :] + order[: j % len(order)] if len(order) > 1 else order
                 out[j] = self._put_one(e, replicas, now, placement.preferred_first(turn, preferred), biggest, pin)
         # a generator: the base Journal never walks it, so a master without HA pays nothing per key
         self.journal.pending(self.table.get(key) for (key, _), (code, _) in zip(entries, out) if code == OK)
@@ -149,7 +189,7 @@ class MasterService:
         step = -(-len(fresh) // len(order)) if fresh else 1
         deadline = now + self.cfg.put_timeout_ms / 1000
         for c, seg in enumerate(order):
-            chunk = fresh[c * step:(c + 1) * step]
+            chunk = fresh[c * step : (c + 1) * step]
             offsets = seg.allocator.alloc_many([size for _, _, size in chunk]) if chunk else None
             if offsets is None:
                 continue
@@ -170,8 +210,15 @@ class MasterService:
         if isinstance(placed, str):
             self.counters["put_full"] += 1
             return [STORE_FULL, placed]
-        self.table.new(key, size, [(seg.name, off) for seg, off in placed], last_access=now,
-                       deadline=now + self.cfg.put_timeout_ms / 1000, pin=pin[0], pin_until=pin[1])
+        self.table.new(
+            key,
+            size,
+            [(seg.name, off) for seg, off in placed],
+            last_access=now,
+            deadline=now + self.cfg.put_timeout_ms / 1000,
+            pin=pin[0],
+            pin_until=pin[1],
+        )
         self.counters["puts"] += 1
         return [OK, [[seg.name, seg.region_id, off] for seg, off in placed]]
 
@@ -179,8 +226,10 @@ class MasterService:
         """Replica list [(Segment, offset)], evicting LRU objects on demand; or a reason string (StoreFull).
         ``order``: the segments to try, in that order; ``biggest``: the largest segment's size."""
         if not order and len(self.segments):
-            return (f"every segment is suspect (silent past heartbeat_timeout_ms={self.cfg.heartbeat_timeout_ms}: "
-                    f"{sorted(self.segments.suspect)}); retry once its node answers, or add segments")
+            return (
+                f"every segment is suspect (silent past heartbeat_timeout_ms={self.cfg.heartbeat_timeout_ms}: "
+                f"{sorted(self.segments.suspect)}); retry once its node answers, or add segments"
+            )
         if not order:
             return "no segment is registered; start `kvplugins store` or `kvplugins up`"
         if -(-size // self.cfg.alloc_align) * self.cfg.alloc_align > biggest:
@@ -190,7 +239,7 @@ class MasterService:
             placed = placement.try_place(size, want, order)
             if placed:
                 return placed
-            if self.free_due_zombies(now):     # space whose lease ended since the last sweep (tick_ms)
+            if self.free_due_zombies(now):  # space whose lease ended since the last sweep (tick_ms)
                 continue
             victim = next(victims(self.table, now, self.grace_cutoff(now)), None)
             if victim is None:
@@ -209,11 +258,13 @@ class MasterService:
         young = young_bytes(self.table, self.grace_cutoff(now))
         due = self.zombies.next_due()
         back = f", the first back in {max(0, (due - now) * 1000):.0f} ms" if due is not None else ""
-        return (f"no space for {size} bytes: every stored object is leased, pending, hard-pinned or within the "
-                f"eviction grace ({young} bytes committed in the last "
-                f"{(now - self.grace_cutoff(now)) * 1000:.0f} ms, {n} hard-pinned objects of {held} bytes; "
-                f"{self.zombies.total()} bytes of {len(self.zombies)} removed objects return when their "
-                f"readers' leases end{back}); retry then, or add segments")
+        return (
+            f"no space for {size} bytes: every stored object is leased, pending, hard-pinned or within the "
+            f"eviction grace ({young} bytes committed in the last "
+            f"{(now - self.grace_cutoff(now)) * 1000:.0f} ms, {n} hard-pinned objects of {held} bytes; "
+            f"{self.zombies.total()} bytes of {len(self.zombies)} removed objects return when their "
+            f"readers' leases end{back}); retry then, or add segments"
+        )
 
     def op_put_commit(self, entries, opts, now):
         """opts.xxh3: [xxh3_64 of each entry's bytes] (optional; stored and returned by get)."""
@@ -244,7 +295,7 @@ class MasterService:
             if obj is None or obj.complete:
                 out.append([NOT_FOUND, "no pending put"])
                 continue
-            self.drop(obj, now, free_at=now)     # the writer's transfer batch has returned: free at once
+            self.drop(obj, now, free_at=now)  # the writer's transfer batch has returned: free at once
             self.counters["aborts"] += 1
             out.append([OK, None])
         return out
@@ -259,18 +310,31 @@ class MasterService:
         (metadata.ObjectTable.get_cols)."""
         ttl = self.cfg.lease_ttl_ms
         hits, sizes, names, regions, seg_idx, offs, more, sums, disk = self.table.get_cols(
-            entries, now, now + ttl / 1000)
+            entries, now, now + ttl / 1000
+        )
         more = [(j, o.locations) for j, o in more]
-        if self.segments.suspect:       # replicas on silent segments are not handed out (liveness.py)
+        if self.segments.suspect:  # replicas on silent segments are not handed out (liveness.py)
             (hits, sizes, names, regions, seg_idx, offs, more, sums, disk), _ = liveness.readable_cols(
-                (hits, sizes, names, regions, seg_idx, offs, more, sums, disk), self.segments.suspect)
+                (hits, sizes, names, regions, seg_idx, offs, more, sums, disk), self.segments.suspect
+            )
         self.counters["hits"] += hits
         self.counters["misses"] += len(entries) - hits
         if opts.cols:
-            return [ttl, sizes, names, regions, seg_idx, offs, dict(more), sums,
-                    self._disk_answers(disk, now, only_on_disk=True)]
-        out = [[NOT_FOUND, None] if k < 0 else [OK, [n, [[names[k], regions[k], off]], ttl, c]]
-               for n, k, off, c in zip(sizes, seg_idx, offs, sums)]
+            return [
+                ttl,
+                sizes,
+                names,
+                regions,
+                seg_idx,
+                offs,
+                dict(more),
+                sums,
+                self._disk_answers(disk, now, only_on_disk=True),
+            ]
+        out = [
+            [NOT_FOUND, None] if k < 0 else [OK, [n, [[names[k], regions[k], off]], ttl, c]]
+            for n, k, off, c in zip(sizes, seg_idx, offs, sums)
+        ]
         for j, locations in more:
             out[j][1][1] = locations
         for j, answer in self._disk_answers(disk, now, only_on_disk=False).items():
@@ -290,8 +354,7 @@ class MasterService:
     def op_exists(self, entries, opts, now):
         """Per key: stored, complete and readable (a replica on a live segment or on the disk tier). Counted as
         lookups (lookup_keys asked, lookup_hits found): the hit ratio an engine's prefix lookup sees."""
-        out = liveness.readable(self.table, entries, self.table.exists(entries), self.segments.suspect,
-                                self._on_disk)
+        out = liveness.readable(self.table, entries, self.table.exists(entries), self.segments.suspect, self._on_disk)
         self.counters["lookup_keys"] += len(entries)
         self.counters["lookup_hits"] += sum(out)
         return out
@@ -386,8 +449,8 @@ class MasterService:
     def drop(self, obj: Object, now: float, free_at: float | None = None, reason: str = "removed") -> None:
         """Remove ``obj`` from the table; its space is freed now, or when its lease/put deadline ends.
         ``reason``: why, for the removal event of a committed object (evicted, removed, corrupt)."""
-        self.tiering.dropped(obj, now)      # disk copy deleted, a tier flight cancelled, the tier's lease ended
-        self.journal.removed([obj])         # a pending put too (journal.pending)
+        self.tiering.dropped(obj, now)  # disk copy deleted, a tier flight cancelled, the tier's lease ended
+        self.journal.removed([obj])  # a pending put too (journal.pending)
         if obj.complete:
             self.events.removed([obj], reason)
         else:
@@ -395,8 +458,8 @@ class MasterService:
         if free_at is None:
             free_at = obj.lease_until if obj.complete else obj.deadline
         held = [(self.segments.get(n), off) for n, off in obj.replicas]
-        self.table.remove(obj)              # the view is dead from here
-        if free_at > now:     # zombies hold the Segment itself: a re-registered namesake is never touched
+        self.table.remove(obj)  # the view is dead from here
+        if free_at > now:  # zombies hold the Segment itself: a re-registered namesake is never touched
             self.zombies.add(free_at, held)
         else:
             _free(held)
@@ -413,8 +476,16 @@ class MasterService:
         for desc, region_id, size in entries:
             wire = desc.wire()
             try:
-                seg = self.segments.add(wire, region_id, size, now, owner, self.cfg.max_segments,
-                                        self.caller, self.cfg.max_segments_per_identity)
+                seg = self.segments.add(
+                    wire,
+                    region_id,
+                    size,
+                    now,
+                    owner,
+                    self.cfg.max_segments,
+                    self.caller,
+                    self.cfg.max_segments_per_identity,
+                )
             except SegmentOwned as err:
                 out.append([EXISTS, str(err)])
                 continue
@@ -449,18 +520,21 @@ class MasterService:
 
     def _probed(self, seg: Segment, offset: int, why: str | None) -> list:
         """Register_segment's answer for ``seg`` once its probe ended (``why``: None when it succeeded)."""
-        if self.segments.get(seg.name) is not seg:      # unregistered or replaced meanwhile
+        if self.segments.get(seg.name) is not seg:  # unregistered or replaced meanwhile
             return [NOT_FOUND, f"segment {seg.name} left while its admission probe ran"]
         seg.allocator.free(offset)
         self.segments.unadmitted.discard(seg.name)
         if why is None:
             return self._admitted(seg, self.clock())
         self.counters["segments_refused"] += 1
-        self.segments.pop(seg.name)     # never admitted: nothing was placed on it or journaled (not "lost")
+        self.segments.pop(seg.name)  # never admitted: nothing was placed on it or journaled (not "lost")
         log.warning("segment %s refused: the master could not write and read it back: %s", seg.name, why)
-        return [UNREACHABLE, f"the master could not write and read back segment {seg.name} (admission probe): "
-                             f"{why}; check that its transports' advertised addresses (--host) are reachable "
-                             "from the master's host"]
+        return [
+            UNREACHABLE,
+            f"the master could not write and read back segment {seg.name} (admission probe): "
+            f"{why}; check that its transports' advertised addresses (--host) are reachable "
+            "from the master's host",
+        ]
 
     def _admitted(self, seg: Segment, now: float) -> list:
         self.journal.segment_added(seg)
@@ -512,7 +586,7 @@ class MasterService:
         if now is not None:
             self.manifests.keep(seg, gone, now)
         self.counters["segments_lost"] += 1
-        level = logging.INFO if why == "unregistered" and not lost else logging.WARNING    # a clean stop is news
+        level = logging.INFO if why == "unregistered" and not lost else logging.WARNING  # a clean stop is news
         log.log(level, "segment %s removed (%s); %d objects lost a replica", seg.name, why, len(lost))
 
     def _lose_objects(self, name: str, objs) -> list[tuple]:
@@ -522,14 +596,15 @@ class MasterService:
         for obj in objs:
             held = obj.replicas
             obj.replicas = [(n, o) for n, o in held if n != name]
-            if obj.replicas or self.tiering.keeps(obj):     # (kept: it lives on in a node's disk)
+            if obj.replicas or self.tiering.keeps(obj):  # (kept: it lives on in a node's disk)
                 changed.append(obj)
                 continue
             self.counters["objects_lost"] += 1
             gone.append(obj)
             if obj.complete:
-                entries += [(obj.key, obj.size, off, obj.checksum, obj.pin, obj.pin_until) for n, off in held
-                            if n == name]
+                entries += [
+                    (obj.key, obj.size, off, obj.checksum, obj.pin, obj.pin_until) for n, off in held if n == name
+                ]
         done = [o for o in changed if o.complete]
         if done:
             self.journal.replicas_changed(done)
@@ -553,8 +628,11 @@ class MasterService:
         new, dead = self.segments.sweep(now, timeout_s, grace_s)
         self.counters["segments_suspect"] += len(new)
         for name in dead:
-            self._remove_segment(self.segments.get(name), f"silent for {timeout_s + grace_s:g} s: heartbeat "
-                                 "timeout and suspect grace", now)
+            self._remove_segment(
+                self.segments.get(name),
+                f"silent for {timeout_s + grace_s:g} s: heartbeat timeout and suspect grace",
+                now,
+            )
         self.manifests.tick(now)
         for obj in self.table.pending():
             if obj.deadline <= now:
@@ -579,11 +657,11 @@ class MasterService:
         self.free_due_zombies(now)
         cutoff = self.grace_cutoff(now)
         for seg in self.segments:
-            live = seg.used - self.zombies.held(seg.name)     # zombie space returns by itself: not a reason
+            live = seg.used - self.zombies.held(seg.name)  # zombie space returns by itself: not a reason
             if not over_high(live, seg.size, self.cfg.high_watermark):
                 continue
             excess, chosen = live - self.cfg.low_watermark * seg.size, []
-            for obj in victims(self.table, now, cutoff, seg.name):      # choose first, drop after the lazy scan
+            for obj in victims(self.table, now, cutoff, seg.name):  # choose first, drop after the lazy scan
                 if excess <= 0:
                     break
                 chosen.append(obj)
@@ -593,32 +671,57 @@ class MasterService:
 
     # ---- introspection -------------------------------------------------------------------------------
     def op_info(self, entries, opts, now):
-        return {"version": VERSION, "zmq": self.zmq_endpoint, "events": self.events_endpoints[0],
-                "events_replay": self.events_endpoints[1], "lease_ttl_ms": self.cfg.lease_ttl_ms,
-                "put_timeout_ms": self.cfg.put_timeout_ms, "heartbeat_timeout_ms": self.cfg.heartbeat_timeout_ms}
+        return {
+            "version": VERSION,
+            "zmq": self.zmq_endpoint,
+            "events": self.events_endpoints[0],
+            "events_replay": self.events_endpoints[1],
+            "lease_ttl_ms": self.cfg.lease_ttl_ms,
+            "put_timeout_ms": self.cfg.put_timeout_ms,
+            "heartbeat_timeout_ms": self.cfg.heartbeat_timeout_ms,
+        }
 
     def op_status(self, entries, opts, now):
-        segs = [{"name": s.name, "host_id": s.descriptor.get("host_id", ""), "size": s.size, "used": s.used,
-                 "objects": self.table.count_on(s.name), "free_blocks": s.allocator.free_blocks(),
-                 "largest_free": s.allocator.largest_free(),
-                 "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000),
-                 "suspect": s.name in self.segments.suspect, "identity": s.identity} for s in self.segments]
-        return {"segments": segs, "objects": len(self.table), "manifest_objects": len(self.manifests),
-                "pending": self.table.pending_count(),
-                "pinned": self.table.pinned_count(), "zombies": len(self.zombies),
-                "zombie_bytes": self.zombies.total(), "slabs": len(self.slabs),
-                "identities": self.quotas.usage(),
-                "bytes_used": sum(s["used"] for s in segs),
-                "bytes_total": sum(s["size"] for s in segs), **self.counters, **self.tiering.status()}
+        segs = [
+            {
+                "name": s.name,
+                "host_id": s.descriptor.get("host_id", ""),
+                "size": s.size,
+                "used": s.used,
+                "objects": self.table.count_on(s.name),
+                "free_blocks": s.allocator.free_blocks(),
+                "largest_free": s.allocator.largest_free(),
+                "heartbeat_age_ms": int((now - s.last_heartbeat) * 1000),
+                "suspect": s.name in self.segments.suspect,
+                "identity": s.identity,
+            }
+            for s in self.segments
+        ]
+        return {
+            "segments": segs,
+            "objects": len(self.table),
+            "manifest_objects": len(self.manifests),
+            "pending": self.table.pending_count(),
+            "pinned": self.table.pinned_count(),
+            "zombies": len(self.zombies),
+            "zombie_bytes": self.zombies.total(),
+            "slabs": len(self.slabs),
+            "identities": self.quotas.usage(),
+            "bytes_used": sum(s["used"] for s in segs),
+            "bytes_total": sum(s["size"] for s in segs),
+            **self.counters,
+            **self.tiering.status(),
+        }
 
 
 def _pending_why(obj: Object, now: float) -> str:
-    return (f"another writer's put of this key has not committed yet (reclaimed in "
-            f"{max(0.0, (obj.deadline - now) * 1000):.0f} ms if it never does); retry")
+    return (
+        f"another writer's put of this key has not committed yet (reclaimed in "
+        f"{max(0.0, (obj.deadline - now) * 1000):.0f} ms if it never does); retry"
+    )
 
 
 def _free(held) -> None:
     for seg, off in held:
-        if seg is not None:      # a lost segment took its space with it
+        if seg is not None:  # a lost segment took its space with it
             seg.allocator.free(off)
-

@@ -10,6 +10,7 @@ master's own thread (MasterService.handle / tick):
   neither the current nor the previous ring (then reports ``moved``); once the move window is over, every key it
   does not own now (then ``settled``). Until then the keys it lost stay readable by the clients' dual lookup.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,12 +34,12 @@ class ShardMember:
 
     def __init__(self, cluster: str, shard: str, address: str, window_ms: int):
         self.cluster, self.id, self.address, self.window_ms = cluster, shard, address, window_ms
-        self.state: ClusterState | None = None      # the latest read (set by the watcher thread)
-        self.objects = -1                           # the serving table's object count (set on each tick)
+        self.state: ClusterState | None = None  # the latest read (set by the watcher thread)
+        self.objects = -1  # the serving table's object count (set on each tick)
         self.joined = False
-        self._scan = None                           # [service, (epoch, phase), object views, next index]
-        self._done = (None, (0, 0))                 # (service, target) of the last finished sweep
-        self._swept = (0, 0)                        # (moved, settled) epochs to report
+        self._scan = None  # [service, (epoch, phase), object views, next index]
+        self._done = (None, (0, 0))  # (service, target) of the last finished sweep
+        self._swept = (0, 0)  # (moved, settled) epochs to report
         self._reported = (0, 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"kvp-shard-{shard}", daemon=True)
@@ -61,8 +62,10 @@ class ShardMember:
         own = [i for i, o in enumerate(owners) if o == self.id]
         if len(own) == len(entries):
             return run(entries, opts)
-        out = [[WRONG_SHARD, f"{e[0]}: owned by shard {o} in epoch {st.epoch}, not by {self.id}"]
-               for e, o in zip(entries, owners)]
+        out = [
+            [WRONG_SHARD, f"{e[0]}: owned by shard {o} in epoch {st.epoch}, not by {self.id}"]
+            for e, o in zip(entries, owners)
+        ]
         if own:
             for i, answer in zip(own, run([entries[i] for i in own], subset(opts, own))):
                 out[i] = answer
@@ -79,12 +82,12 @@ class ShardMember:
             return
         moved, settled = st.swept.get(self.id, (0, 0))
         if self._done[0] is not service and moved >= st.epoch and (target[1] == 1 or settled >= st.epoch):
-            self._done = (service, target)      # swept before by this shard (an HA leader's predecessor)
+            self._done = (service, target)  # swept before by this shard (an HA leader's predecessor)
             return
         if self._scan is None or self._scan[0] is not service or self._scan[1] != target:
             self._scan = [service, target, service.table.lru(), 0]
         _, _, views, at = self._scan
-        chunk = views[at:at + SWEEP_SLICE]
+        chunk = views[at : at + SWEEP_SLICE]
         self._scan[3] = at + len(chunk)
         keys = [o.key for o in chunk if o.alive()]
         if keys:
@@ -128,11 +131,17 @@ class ShardMember:
             self.joined = True
             return
         if self.id not in st.members and self.objects != 0:
-            return                  # first drop what this master holds (the sweep: it owns nothing yet)
+            return  # first drop what this master holds (the sweep: it owns nothing yet)
         self.state = members.join(self.id, self.address, self.window_ms)
         self.joined = True
-        log.warning("shard %s joined %s at %s (epoch %d, members %s)", self.id, self.cluster, self.address,
-                    self.state.epoch, ", ".join(sorted(self.state.members)))
+        log.warning(
+            "shard %s joined %s at %s (epoch %d, members %s)",
+            self.id,
+            self.cluster,
+            self.address,
+            self.state.epoch,
+            ", ".join(sorted(self.state.members)),
+        )
 
 
 def shard_defaults(cfg):
@@ -150,4 +159,3 @@ def start_shard(cfg, address: str) -> ShardMember | None:
     member = ShardMember(cfg.cluster, cfg.shard, address, cfg.shard_move_window_ms)
     member.start()
     return member
-

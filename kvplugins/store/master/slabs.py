@@ -18,6 +18,7 @@ A slab's range is journaled (HA): a new leader does not take puts into it (they 
 redoes them with put_start) but keeps its free part from other puts for put_timeout_ms (ha/recovery.py).
 Source followed: Mooncake's put_start/put_end (FAST'25 §4.2) keeps two round trips; the slab is ours (issue #13).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,15 +32,15 @@ from kvplugins.store.master.segments import Segment
 from kvplugins.store.wire.protocol import EXISTS, EXPIRED, INVALID, OK, PENDING, STORE_FULL
 
 log = logging.getLogger(__name__)
-SLAB_SHARE = 64       # a slab is at most 1/64 of the largest segment ...
-MIN_SLAB = 1 << 20    # ... and at least 1 MiB: a pool with no segment of 64 MiB offers no slabs (put_start)
+SLAB_SHARE = 64  # a slab is at most 1/64 of the largest segment ...
+MIN_SLAB = 1 << 20  # ... and at least 1 MiB: a pool with no segment of 64 MiB offers no slabs (put_start)
 
 
 @dataclass
 class Slab:
     id: int
     seg: Segment
-    front: int          # start of the unused remainder: an allocation of its own while front < end
+    front: int  # start of the unused remainder: an allocation of its own while front < end
     end: int
     expires: float
 
@@ -72,20 +73,30 @@ class Slabs:
 
     def _reserve(self, entries, now: float) -> list:
         svc, out = self.svc, []
-        svc.free_due_zombies(now)                      # space whose lease ended since the last sweep
+        svc.free_due_zombies(now)  # space whose lease ended since the last sweep
         order = svc.segments.by_free_space()
         biggest = max((s.size for s in order), default=0)
         align = svc.cfg.alloc_align
         for want in entries:
             size = min(want, biggest // SLAB_SHARE) // align * align
             if size < min(want, MIN_SLAB):
-                out.append([INVALID, f"no slabs in a pool whose largest segment has {biggest} bytes (they need "
-                                     f"{SLAB_SHARE * MIN_SLAB}); use put_start"])
+                out.append(
+                    [
+                        INVALID,
+                        f"no slabs in a pool whose largest segment has {biggest} bytes (they need "
+                        f"{SLAB_SHARE * MIN_SLAB}); use put_start",
+                    ]
+                )
                 continue
-            placed = placement.try_place(size, 1, order)      # never evicts: a slab is not worth live objects
+            placed = placement.try_place(size, 1, order)  # never evicts: a slab is not worth live objects
             if placed is None:
-                out.append([STORE_FULL, f"no free block of {size} bytes for a slab (the pool is full or "
-                                        "fragmented); use put_start, which evicts"])
+                out.append(
+                    [
+                        STORE_FULL,
+                        f"no free block of {size} bytes for a slab (the pool is full or "
+                        "fragmented); use put_start, which evicts",
+                    ]
+                )
                 continue
             [(seg, off)] = placed
             slab = Slab(next(self._ids), seg, off, off + size, now + svc.cfg.put_timeout_ms / 1000)
@@ -108,24 +119,40 @@ class Slabs:
         for j, (key, size, sid, off) in enumerate(entries):
             slab = live[sid] if sid in live else live.setdefault(sid, self._live(sid, now, expires))
             if slab is None:
-                out.append([EXPIRED, f"slab {sid} is unknown, expired or on a leaving segment; put {key} with "
-                                     "put_start"])
+                out.append(
+                    [EXPIRED, f"slab {sid} is unknown, expired or on a leaving segment; put {key} with put_start"]
+                )
                 continue
             obj = get(key)
             if obj is not None:
                 svc.counters["put_skipped"] += 1
-                out.append([EXISTS, "complete"] if obj.complete else
-                           [PENDING, "another writer's put of this key has not committed yet; retry"])
+                out.append(
+                    [EXISTS, "complete"]
+                    if obj.complete
+                    else [PENDING, "another writer's put of this key has not committed yet; retry"]
+                )
                 continue
             seg = slab.seg
             end = off + seg.allocator.rounded(size)
             if off < slab.front or end > slab.end or off & (seg.allocator.align - 1):
-                out.append([INVALID, f"{key}: [{off}, {end}) is not an aligned range at or after slab {sid}'s "
-                                     f"front {slab.front} and inside it (end {slab.end})"])
+                out.append(
+                    [
+                        INVALID,
+                        f"{key}: [{off}, {end}) is not an aligned range at or after slab {sid}'s "
+                        f"front {slab.front} and inside it (end {slab.end})",
+                    ]
+                )
                 continue
             self._carve(slab, off, end)
-            obj = new(key, size, [(seg.name, off)], complete=True, last_access=now, born=now,  # most recently
-                      checksum=None if sums is None else sums[j])                          # used, as put_commit
+            obj = new(
+                key,
+                size,
+                [(seg.name, off)],
+                complete=True,
+                last_access=now,
+                born=now,  # most recently
+                checksum=None if sums is None else sums[j],
+            )  # used, as put_commit
             done.append(obj)
             out.append([OK, None])
         svc.counters["puts"] += len(done)
@@ -146,7 +173,7 @@ class Slabs:
     def _carve(self, slab: Slab, off: int, end: int) -> None:
         """Make [off, end) an allocation of its own, cut from the front of ``slab``'s remainder."""
         alloc = slab.seg.allocator
-        if off > slab.front:                 # a key the client skipped (its transfer failed): free the gap
+        if off > slab.front:  # a key the client skipped (its transfer failed): free the gap
             alloc.split(slab.front, off)
             alloc.free(slab.front)
         if end < slab.end:

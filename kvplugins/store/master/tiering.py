@@ -15,6 +15,7 @@ store node with ``--disk-dir`` registers its tier, an evicted object is dropped 
 * Drain (``drain``; master/drain.py): the segment takes no new placements; its objects are migrated by its node.
 Disk-only objects hold no DRAM: they are parked outside the table's LRU lists, so eviction never picks them.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -34,25 +35,37 @@ from kvplugins.store.master.eviction import victims
 from kvplugins.store.master.replica_tasks import ReplicaTasks
 from kvplugins.store.wire.protocol import EXISTS, NOT_FOUND, OK, ON_DISK, STORE_FULL
 
-COUNTERS = ("offloads", "offload_failures", "offload_deferred", "promotions", "promote_failures", "disk_hits",
-            "disk_corrupt", "disk_evicted", "disk_lost", "migrations", "migrate_failures", "drains")
+COUNTERS = (
+    "offloads",
+    "offload_failures",
+    "offload_deferred",
+    "promotions",
+    "promote_failures",
+    "disk_hits",
+    "disk_corrupt",
+    "disk_evicted",
+    "disk_lost",
+    "migrations",
+    "migrate_failures",
+    "drains",
+)
 LOST_COUNTER = {"evicted": "disk_evicted", "corrupt": "disk_corrupt"}
-CLEAN_SCAN = 256            # a promotion looks this far down the LRU for a victim that is already on disk
-OFFLOAD_BACKOFF_S = 1.0     # after a failed offload (disk full, I/O error) the node gets no offload this long
+CLEAN_SCAN = 256  # a promotion looks this far down the LRU for a victim that is already on disk
+OFFLOAD_BACKOFF_S = 1.0  # after a failed offload (disk full, I/O error) the node gets no offload this long
 
 
 class Tiering:
     def __init__(self, service=None):
         self.service = service
-        self.nodes: dict[str, DiskNode] = {}        # segment name -> node tier
-        self.copies: dict[str, Copy] = {}           # key -> its disk copy
-        self.flights: dict[str, Flight] = {}        # key -> the copy in flight
+        self.nodes: dict[str, DiskNode] = {}  # segment name -> node tier
+        self.copies: dict[str, Copy] = {}  # key -> its disk copy
+        self.flights: dict[str, Flight] = {}  # key -> the copy in flight
         self.disk_bytes = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.tasks = ReplicaTasks(self)             # replica copy/move tasks (master/replica_tasks.py)
+        self.tasks = ReplicaTasks(self)  # replica copy/move tasks (master/replica_tasks.py)
         self._fid = 0
-        self._held: list[tuple[float, int]] = []   # heap (until, fid): ended flights whose journal record stays
-                                                   # while their destination waits out a late write
+        self._held: list[tuple[float, int]] = []  # heap (until, fid): ended flights whose journal record stays
+        # while their destination waits out a late write
 
     # ---- hooks the service calls ---------------------------------------------------------------------
     def evict(self, obj, now: float, urgent: bool) -> bool:
@@ -61,19 +74,19 @@ class Tiering:
         step that frees DRAM at once helps; False from the watermark sweep. After True, ``obj`` must no longer be a
         victim (eviction.victims) or its DRAM must be free, or the on-demand loop would pick it again."""
         if self.copy(obj) is not None:
-            self.to_disk_only(obj, now, max(now, obj.lease_until))      # clean copy: DRAM goes at once
+            self.to_disk_only(obj, now, max(now, obj.lease_until))  # clean copy: DRAM goes at once
             return True
         if urgent:
-            return False        # a flight of obj is cancelled by dropped(); the node's file is then deleted
+            return False  # a flight of obj is cancelled by dropped(); the node's file is then deleted
         if obj.key in self.flights or any(n in self.nodes and self.nodes[n].draining for n, _ in obj.replicas):
-            self.counters["offload_deferred"] += 1      # already on its way to disk, or the drain moves it
+            self.counters["offload_deferred"] += 1  # already on its way to disk, or the drain moves it
             return True
         node = self._offload_node(obj, now)
         if node is None:
             return False
         seg = self.service.segments.get(node.segment)
         if seg.used - node.offloading <= self.service.cfg.low_watermark * seg.size:
-            self.counters["offload_deferred"] += 1      # offloads in flight already bring it under low
+            self.counters["offload_deferred"] += 1  # offloads in flight already bring it under low
             return True
         off = dict(obj.replicas)[node.segment]
         self.flights[obj.key] = Flight("offload", obj, node.segment, now + FLIGHT_TIMEOUT_S)
@@ -110,10 +123,16 @@ class Tiering:
 
     def ops(self) -> dict:
         """Extra RPC ops: name -> fn(entries, opts, now)."""
-        return {"tier_register": self.op_tier_register, "tier_poll": self.op_tier_poll,
-                "tier_done": self.op_tier_done, "promote_start": self.op_promote_start,
-                "promote_commit": self.op_promote_commit, "drain": self.op_drain,
-                "task_create": self.tasks.op_task_create, "task_query": self.tasks.op_task_query}
+        return {
+            "tier_register": self.op_tier_register,
+            "tier_poll": self.op_tier_poll,
+            "tier_done": self.op_tier_done,
+            "promote_start": self.op_promote_start,
+            "promote_commit": self.op_promote_commit,
+            "drain": self.op_drain,
+            "task_create": self.tasks.op_task_create,
+            "task_query": self.tasks.op_task_query,
+        }
 
     def tick(self, now: float) -> None:
         """Called on every master sweep: forget nodes whose segment left, abandon flights past their deadline."""
@@ -127,12 +146,18 @@ class Tiering:
 
     def status(self) -> dict:
         """Merged into the ``status`` op's answer."""
-        return {**self.counters, "disk_objects": len(self.copies), "disk_bytes": self.disk_bytes,
-                "disk_flights": len(self.flights),
-                "disk_capacity": sum(n.capacity for n in self.nodes.values()),
-                "draining": sorted(n.segment for n in self.nodes.values() if n.draining),
-                "tier_segments": {n.segment: {"disk_objects": len(n.keys), "disk_capacity": n.capacity,
-                                              "draining": n.draining} for n in self.nodes.values()}}
+        return {
+            **self.counters,
+            "disk_objects": len(self.copies),
+            "disk_bytes": self.disk_bytes,
+            "disk_flights": len(self.flights),
+            "disk_capacity": sum(n.capacity for n in self.nodes.values()),
+            "draining": sorted(n.segment for n in self.nodes.values() if n.draining),
+            "tier_segments": {
+                n.segment: {"disk_objects": len(n.keys), "disk_capacity": n.capacity, "draining": n.draining}
+                for n in self.nodes.values()
+            },
+        }
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
     def copy(self, obj) -> Copy | None:
@@ -162,7 +187,7 @@ class Tiering:
         svc = self.service
         held = [(svc.segments.get(name), off) for name, off in obj.replicas]
         obj.replicas = []
-        svc.table.park(obj)                 # out of the LRU: eviction scans never walk disk-only objects
+        svc.table.park(obj)  # out of the LRU: eviction scans never walk disk-only objects
         self.free_at(held, free_at, now)
         svc.journal.replicas_changed([obj])
         svc.events.offloaded([obj])
@@ -205,7 +230,7 @@ class Tiering:
         if f is None:
             return None
         if f.dest is not None and free_dest_at is not None and free_dest_at > now:
-            heapq.heappush(self._held, (free_dest_at, f.fid))     # a late write may land until then
+            heapq.heappush(self._held, (free_dest_at, f.fid))  # a late write may land until then
         elif f.dest is not None:
             self.service.journal.flight_ended(f.fid)
         if f.kind == "offload" and f.segment in self.nodes:
@@ -234,8 +259,13 @@ class Tiering:
     def _offload_node(self, obj, now: float) -> DiskNode | None:
         for name, _ in obj.replicas:
             node = self.nodes.get(name)
-            if node is not None and node.endpoint and not node.draining and obj.size <= node.capacity \
-                    and node.retry_at <= now:
+            if (
+                node is not None
+                and node.endpoint
+                and not node.draining
+                and obj.size <= node.capacity
+                and node.retry_at <= now
+            ):
                 return node
         return None
 
@@ -253,15 +283,16 @@ class Tiering:
         record with the same disk id (a restarted process whose old segment has not timed out yet) is replaced.
         opts {"more": 1}: further files of a node that registered already (a big disk announces in chunks)."""
         out = []
-        for node in entries:                        # schema.TierNode
+        for node in entries:  # schema.TierNode
             segment, disk_id = node.segment, node.disk_id
             if self.service.segments.get(segment) is None:
                 out.append([NOT_FOUND, f"segment {segment} is not registered"])
                 continue
             if not (opts.more and segment in self.nodes):
-                for old in [n.segment for n in self.nodes.values() if n.segment == segment or
-                            (disk_id and n.disk_id == disk_id)]:
-                    self.lose_node(old, now)      # the same node again, or its disk under a restarted process
+                for old in [
+                    n.segment for n in self.nodes.values() if n.segment == segment or (disk_id and n.disk_id == disk_id)
+                ]:
+                    self.lose_node(old, now)  # the same node again, or its disk under a restarted process
                 self.nodes[segment] = DiskNode(segment, node.endpoint, node.capacity, disk_id)
             out.append([OK, self._adopt(segment, node.files, now)])
         return out
@@ -274,8 +305,7 @@ class Tiering:
                 obj = table.new(key, size, [], complete=True, last_access=now, checksum=digest)
                 table.park(obj)
                 new.append(obj)
-            elif not (obj.complete and obj.size == size and self.copy(obj) is None
-                      and _checksum(obj) in (0, digest)):
+            elif not (obj.complete and obj.size == size and self.copy(obj) is None and _checksum(obj) in (0, digest)):
                 stale.append(key)
                 continue
             self.add_copy(obj, segment, digest)
@@ -297,8 +327,19 @@ class Tiering:
             cmds, node.queue = node.queue[:POLL_BATCH], node.queue[POLL_BATCH:]
             cmds = [c + [self._ttl_ms(c, now)] if c[0] == "migrate" else c for c in cmds]
             names = {c[4] for c in cmds if c[0] == "migrate"}
-            out.append([OK, [cmds, {n: self.service.segments.get(n).descriptor for n in names
-                                    if self.service.segments.get(n) is not None}]])
+            out.append(
+                [
+                    OK,
+                    [
+                        cmds,
+                        {
+                            n: self.service.segments.get(n).descriptor
+                            for n in names
+                            if self.service.segments.get(n) is not None
+                        },
+                    ],
+                ]
+            )
         return out
 
     def _ttl_ms(self, cmd: list, now: float) -> float:
@@ -322,7 +363,7 @@ class Tiering:
             elif kind == "migrate":
                 f = self.flight(key, "migrate", segment)
                 if f is None or f.fid != fid:
-                    continue                    # a late report of an ended flight: its destination is handled
+                    continue  # a late report of an ended flight: its destination is handled
                 task = self.tasks.by_fid.get(fid)
                 if task is not None:
                     self.tasks.migrated(task, ok, detail, now)
@@ -334,7 +375,7 @@ class Tiering:
 
     def _offloaded(self, key, segment: str, ok: bool, digest, now: float) -> None:
         f = self.flight(key, "offload", segment)
-        if f is None:            # cancelled (removed) or timed out: nobody wants that file any more
+        if f is None:  # cancelled (removed) or timed out: nobody wants that file any more
             c = self.copies.get(key)
             if ok and (c is None or c.segment != segment):
                 self.nodes[segment].queue.append(["delete", key])
@@ -342,10 +383,10 @@ class Tiering:
         self.end_flight(key, now)
         if not ok:
             self.counters["offload_failures"] += 1
-            self.nodes[segment].retry_at = now + OFFLOAD_BACKOFF_S     # a failing disk acts as none for a while
+            self.nodes[segment].retry_at = now + OFFLOAD_BACKOFF_S  # a failing disk acts as none for a while
             return
         self.add_copy(f.obj, segment, int(digest))
-        self.to_disk_only(f.obj, now, max(now, f.obj.lease_until))      # readers that got it keep their lease
+        self.to_disk_only(f.obj, now, max(now, f.obj.lease_until))  # readers that got it keep their lease
         self.counters["offloads"] += 1
 
     def file_lost(self, key, segment: str, why: str, now: float) -> None:
@@ -383,8 +424,7 @@ class Tiering:
         """An offset of ``size`` bytes from ``alloc`` (segment ``seg``'s allocator), evicting only ``seg``'s own
         LRU objects (those already on disk first: freeing them loses nothing); None when nothing there can go."""
         while (off := alloc.alloc(size)) is None:
-            found = list(islice(victims(self.service.table, now, self.service.grace_cutoff(now), seg.name),
-                                CLEAN_SCAN))
+            found = list(islice(victims(self.service.table, now, self.service.grace_cutoff(now), seg.name), CLEAN_SCAN))
             victim = next((v for v in found if self.copy(v) is not None), found[0] if found else None)
             if victim is None:
                 return None
@@ -414,11 +454,11 @@ class Tiering:
                 self.file_lost(key, segment, detail, now)
                 out.append([OK, None])
                 continue
-            self.end_flight(key, now)                  # its destination becomes the object's replica
+            self.end_flight(key, now)  # its destination becomes the object's replica
             seg, off = f.dest
             obj = f.obj
             obj.replicas = [(seg.name, off)]
-            obj.lease_until = now + self.service.cfg.lease_ttl_ms / 1000   # until the client's get re-asks
+            obj.lease_until = now + self.service.cfg.lease_ttl_ms / 1000  # until the client's get re-asks
             self.service.table.unpark(obj, now)
             self.service.journal.replicas_changed([obj])
             self.service.events.promoted([obj])

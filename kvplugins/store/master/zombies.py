@@ -1,6 +1,7 @@
 """Space that removed or evicted objects still hold: a reader's lease (or a writer's put deadline) may touch it,
 so it is freed only when that ends. Eviction counts it as returning soon, not as used: a segment whose usage is
 high only because of zombies evicts nothing (issue #18: counting it evicted the newest objects under churn)."""
+
 from __future__ import annotations
 
 import heapq
@@ -31,7 +32,7 @@ class Zombies:
         freed = bool(self._heap) and self._heap[0][0] <= now
         while self._heap and self._heap[0][0] <= now:
             for seg, off in heapq.heappop(self._heap)[2]:
-                if seg is not None:      # a lost segment took its space with it
+                if seg is not None:  # a lost segment took its space with it
                     self._bytes[seg.name] -= seg.allocator.size_at(off)
                     seg.allocator.free(off)
         return freed

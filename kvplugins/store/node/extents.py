@@ -9,6 +9,7 @@ extent leaving a shard is unregistered there (its objects become misses on that 
 its new shard only after the old shard's lease TTL and put timeout have passed, so no reader of a lease and no
 writer of a put_start the old shard granted ever touches bytes the new shard has handed out since.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,12 +54,12 @@ class ShardedSegments:
         per = size // extents // EXTENT_ALIGN * EXTENT_ALIGN or size // extents
         self.regions = [engine.alloc_shared(per, export=True, populate=cfg.prefault) for _ in range(extents)]
         self.name = engine.descriptor().segment_id
-        self.owner: list = [None] * extents            # shard id per extent (None: not registered anywhere)
-        self.segs: list = [None] * extents              # its OwnedSegment
+        self.owner: list = [None] * extents  # shard id per extent (None: not registered anywhere)
+        self.segs: list = [None] * extents  # its OwnedSegment
         self.rpcs: list = [None] * extents
-        self.addrs: list = [None] * extents             # the address it was registered at
-        self.free_at = [0.0] * extents                  # monotonic s: registrable again after a hand-over wait
-        self.hold_s: list = [0.0] * extents             # the owning shard's lease TTL + put timeout (s)
+        self.addrs: list = [None] * extents  # the address it was registered at
+        self.free_at = [0.0] * extents  # monotonic s: registrable again after a hand-over wait
+        self.hold_s: list = [0.0] * extents  # the owning shard's lease TTL + put timeout (s)
         self._members = Membership(address)
         self._stop = threading.Event()
         self.rebalance()

@@ -6,6 +6,7 @@ raw connection). If the master forgets the segment (it was silent past heartbeat
 or the master restarted) the next heartbeat re-registers it with the same owner token, and the master gives back
 the objects it held then (master/liveness.py; after a restart of a master without etcd they are gone).
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,7 @@ class OwnedSegment:
 
     def __init__(self, engine, size: int, rpc, heartbeat_interval_ms: int, prefault: bool = False, region=None):
         self.engine, self.rpc, self.interval_s = engine, rpc, heartbeat_interval_ms / 1000
-        self._owner = secrets.token_hex(32)    # binds the name to this process (master/segments.py)
+        self._owner = secrets.token_hex(32)  # binds the name to this process (master/segments.py)
         self.region = region or engine.alloc_shared(int(size), export=True, populate=prefault)
         self.name = self._register()
         self._stop = threading.Event()
@@ -36,8 +37,11 @@ class OwnedSegment:
 
     def _register(self) -> str:
         wire = self.engine.descriptor().to_wire()
-        [(code, value)] = self.rpc.call("register_segment", [[wire, self.region.region_id, self.region.length]],
-                                        {"owner": self._owner, **owner_proof(resolve(), self._owner)})
+        [(code, value)] = self.rpc.call(
+            "register_segment",
+            [[wire, self.region.region_id, self.region.length]],
+            {"owner": self._owner, **owner_proof(resolve(), self._owner)},
+        )
         if code != OK:
             raise StoreError(f"master {self.rpc.address} refused the segment: {value}")
         log.info("segment %s registered (%d bytes)", value, self.region.length)

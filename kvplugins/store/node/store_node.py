@@ -5,6 +5,7 @@ through the transfer core — the master only hands out offsets. Registration an
 zmq control plane (the ``info`` op on the master address names it). The node's disk tier and drain commands
 run in a NodeTier (kvplugins/store/node/disk/worker.py) polling the master's raw endpoint.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,7 +33,7 @@ class StoreNode:
         self.cfg, self.master = config, master
         self.engine = TransferEngine(transfer_config(host=config.host, transports=config.transports))
         self.segment = self.tier = self._rpc = None
-        if master.startswith("shards://"):       # extents over the shards' masters (node/extents.py)
+        if master.startswith("shards://"):  # extents over the shards' masters (node/extents.py)
             try:
                 self.segment = ShardedSegments(self.engine, master, config.segment_size, config.shard_extents, config)
             except BaseException:
@@ -43,8 +44,9 @@ class StoreNode:
             return
         try:
             self._rpc = control_client(master, config.rpc_timeout_ms, "node")
-            self.segment = OwnedSegment(self.engine, config.segment_size, self._rpc, config.heartbeat_interval_ms,
-                                        prefault=config.prefault)
+            self.segment = OwnedSegment(
+                self.engine, config.segment_size, self._rpc, config.heartbeat_interval_ms, prefault=config.prefault
+            )
             self.tier = NodeTier(config, self.engine, self.segment, master, on_drained)
         except BaseException:
             self.close()
@@ -66,11 +68,13 @@ def serve(config: StoreNodeConfig, master: str, stop: threading.Event) -> None:
     """Run a node until ``stop`` is set (a signal, or the master drained it)."""
     node = StoreNode(config, master, on_drained=stop.set)
     disk = f", disk tier {config.disk_dir} ({config.disk_capacity} bytes)" if config.disk_dir else ""
-    print(f"kvplugins store: segment {node.segment.name} ({config.segment_size} bytes{disk}) -> master {master}",
-          flush=True)
-    exporter = serve_node(node, config)          # /metrics if metrics_port >= 0
+    print(
+        f"kvplugins store: segment {node.segment.name} ({config.segment_size} bytes{disk}) -> master {master}",
+        flush=True,
+    )
+    exporter = serve_node(node, config)  # /metrics if metrics_port >= 0
     try:
-        while not stop.wait(0.5):      # short waits keep signal handlers responsive
+        while not stop.wait(0.5):  # short waits keep signal handlers responsive
             pass
     finally:
         if exporter is not None:

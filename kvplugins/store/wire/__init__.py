@@ -2,4 +2,5 @@
 op's entries and options as typed, range-checked msgspec structs, decoded straight from the wire) and ``replies``
 (the answers the client acts on, typed the same way).
 Shared by the client, the master and the nodes; imports nothing else of the store."""
+
 __all__ = ["protocol", "replies", "schema"]

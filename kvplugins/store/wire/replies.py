@@ -7,6 +7,7 @@ structs are ``array_like``), so nothing changes for the master or another client
 ``locations`` raise StoreError naming what is malformed: nothing a master says is trusted as a size or an
 offset without this check (a negative or oversized number fails here, not inside a transfer).
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Union
@@ -19,11 +20,12 @@ from kvplugins.store.wire.schema import U64, RegionId, SegName
 
 __all__ = ["Found", "Location", "found", "locations"]
 
-Bytes63 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]     # a size or offset in bytes (no memory is 2**63)
+Bytes63 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]  # a size or offset in bytes (no memory is 2**63)
 
 
 class Location(Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """One replica's place: ``offset`` bytes into exported region ``region`` of segment ``segment``."""
+
     segment: SegName
     region: RegionId
     offset: Bytes63
@@ -33,8 +35,9 @@ class Found(Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """A stored object, as a get answers it: ``size`` bytes, its ``replicas`` (read the first, fall back in
     order), the read lease the get took (``lease_ttl_ms``: no eviction or reallocation within it) and the
     object's xxh3_64 ``checksum`` (None: stored without one)."""
+
     size: Bytes63
-    replicas: Annotated[list[Location], Meta(min_length=1, max_length=64)]     # PutStartOpts.replicas <= 64
+    replicas: Annotated[list[Location], Meta(min_length=1, max_length=64)]  # PutStartOpts.replicas <= 64
     lease_ttl_ms: Bytes63
     checksum: Union[U64, None] = None
 

@@ -15,6 +15,7 @@ an error naming the op and the path of the field (``put_start: entries: Expected
 Two ways in, one set of types: ``Schemas.decode`` (the RPC server: bytes -> typed, one pass) and
 ``Schemas.convert`` (in-process callers of MasterService.handle: Python objects -> the same typed values).
 """
+
 from __future__ import annotations
 
 import operator
@@ -29,18 +30,18 @@ from kvplugins.errors import ProtocolError
 from kvplugins.security import roles
 from kvplugins.store.wire.protocol import VERSION
 
-MAX_SIZE = 1 << 48            # 256 TiB: no object, segment or offset is larger
-MAX_NAME = 256                # segment names, host ids, endpoints, error details (characters)
-MAX_DETAIL = 4096             # error text a node reports (characters)
-MAX_PATTERN = 4096            # remove_by_regex pattern (characters)
-MAX_FILE_KEY = 1 << 16        # keys of files a node announces (its disk tier checks them on write)
-MAX_FILES = 1 << 20           # files in one tier_register entry
-MAX_DESC_REGIONS = 1024       # regions in one segment descriptor
-MAX_TRANSPORT_FIELDS = 16     # fields of one transport's endpoint info in a descriptor
-MAX_TARGETS = 64              # target segments of one replica copy task
-MAX_NICS = 16                 # RDMA NICs one descriptor lists (endpoint lists, rkeys per region)
+MAX_SIZE = 1 << 48  # 256 TiB: no object, segment or offset is larger
+MAX_NAME = 256  # segment names, host ids, endpoints, error details (characters)
+MAX_DETAIL = 4096  # error text a node reports (characters)
+MAX_PATTERN = 4096  # remove_by_regex pattern (characters)
+MAX_FILE_KEY = 1 << 16  # keys of files a node announces (its disk tier checks them on write)
+MAX_FILES = 1 << 20  # files in one tier_register entry
+MAX_DESC_REGIONS = 1024  # regions in one segment descriptor
+MAX_TRANSPORT_FIELDS = 16  # fields of one transport's endpoint info in a descriptor
+MAX_TARGETS = 64  # target segments of one replica copy task
+MAX_NICS = 16  # RDMA NICs one descriptor lists (endpoint lists, rkeys per region)
 
-U64 = Annotated[int, Meta(ge=0)]          # msgpack carries at most 2**64 - 1
+U64 = Annotated[int, Meta(ge=0)]  # msgpack carries at most 2**64 - 1
 Size = Annotated[int, Meta(gt=0, le=MAX_SIZE)]
 Offset = Annotated[int, Meta(ge=0, lt=MAX_SIZE)]
 Capacity = Annotated[int, Meta(ge=0, le=MAX_SIZE)]
@@ -53,6 +54,7 @@ Scalar = Union[Name, int, float, bool, None]
 
 class Envelope(Struct, array_like=True, forbid_unknown_fields=True):
     """The request body; entries and opts stay raw until the op is known."""
+
     version: int
     rid: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
     op: Annotated[str, Meta(max_length=64)]
@@ -66,6 +68,7 @@ class NoOpts(Struct, forbid_unknown_fields=True):
 
 class PutStartOpts(Struct, forbid_unknown_fields=True):
     """store/placement.py PutConfig.wire: replicas, preferred segment, pin code (0 none, 1 soft, 2 hard)."""
+
     replicas: Annotated[int, Meta(ge=1, le=64)] = 1
     segment: Name = ""
     pin: Literal[0, 1, 2] = 0
@@ -73,11 +76,11 @@ class PutStartOpts(Struct, forbid_unknown_fields=True):
 
 
 class CommitOpts(Struct, forbid_unknown_fields=True):
-    xxh3: Union[list[Union[U64, None]], None] = None      # one per entry
+    xxh3: Union[list[Union[U64, None]], None] = None  # one per entry
 
 
 class ReserveOpts(Struct, forbid_unknown_fields=True):
-    release: Annotated[list[U64], Meta(max_length=64)] = []     # slab ids whose remainder goes back
+    release: Annotated[list[U64], Meta(max_length=64)] = []  # slab ids whose remainder goes back
 
 
 class GetOpts(Struct, forbid_unknown_fields=True):
@@ -90,6 +93,7 @@ class ForceOpts(Struct, forbid_unknown_fields=True):
 
 class RemoveCheckedOpts(Struct, forbid_unknown_fields=True):
     """remove_checked: ``force`` past read leases; ``segment``: only the replicas on that segment ('' = all)."""
+
     force: bool = False
     segment: Name = ""
 
@@ -106,6 +110,7 @@ class OwnerOpts(Struct, forbid_unknown_fields=True):
     """register_segment / unregister: the registering process's random owner token (store/node/segment.py); a live
     segment name is bound to it (master/segments.py). A named credential on the zmq control plane also names
     itself and proves it over the token (security/secret.py owner_proof), so its segments count to its name."""
+
     owner: Annotated[str, Meta(max_length=128)] = ""
     name: Annotated[str, Meta(max_length=64)] = ""
     proof: Annotated[bytes, Meta(max_length=32)] = b""
@@ -114,23 +119,35 @@ class OwnerOpts(Struct, forbid_unknown_fields=True):
 class DescRegion(Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
     """One row of a descriptor's region table: [id, length, shm_path], then [addr, [rkey per RDMA NIC]] or None,
     then the region's address in its owner (the cma transport's), trailing empty items left off."""
+
     region_id: RegionId
     length: Size
     shm_path: Union[Annotated[str, Meta(max_length=4096)], None]
-    rdma: Union[tuple[U64, Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 32)]], Meta(max_length=MAX_NICS)]],
-                None] = None
+    rdma: Union[
+        tuple[U64, Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 32)]], Meta(max_length=MAX_NICS)]], None
+    ] = None
     addr: Union[U64, None] = None
 
 
 class Descriptor(Struct, forbid_unknown_fields=True):
     """kvplugins.transfer.api.SegmentDescriptor.to_wire(); ``wire()`` gives that dict back."""
+
     v: Literal[1]
     segment_id: SegName
     host_id: Name
-    transports: Annotated[dict[Annotated[str, Meta(max_length=32)],
-                               Annotated[dict[Annotated[str, Meta(max_length=64)],
-                                              Union[Scalar, Annotated[list[Scalar], Meta(max_length=MAX_NICS)]]],
-                                         Meta(max_length=MAX_TRANSPORT_FIELDS)]], Meta(max_length=8)]
+    transports: Annotated[
+        dict[
+            Annotated[str, Meta(max_length=32)],
+            Annotated[
+                dict[
+                    Annotated[str, Meta(max_length=64)],
+                    Union[Scalar, Annotated[list[Scalar], Meta(max_length=MAX_NICS)]],
+                ],
+                Meta(max_length=MAX_TRANSPORT_FIELDS),
+            ],
+        ],
+        Meta(max_length=8),
+    ]
     regions: Annotated[list[DescRegion], Meta(max_length=MAX_DESC_REGIONS)]
 
     def wire(self) -> dict[str, object]:
@@ -138,18 +155,21 @@ class Descriptor(Struct, forbid_unknown_fields=True):
         out = msgspec.to_builtins(self)
         if not isinstance(out, dict):
             raise TypeError(f"a Descriptor encodes to a map, not {type(out).__name__}")
-        out["regions"] = [r[:3] if r[3] is None and r[4] is None else r[:4] if r[4] is None else r
-                          for r in out["regions"]]
+        out["regions"] = [
+            r[:3] if r[3] is None and r[4] is None else r[:4] if r[4] is None else r for r in out["regions"]
+        ]
         return out
 
 
 class TierNode(Struct, array_like=True, forbid_unknown_fields=True):
     """tier_register entry: a node's disk tier and (a chunk of) the files on it."""
+
     segment: SegName
     endpoint: Name
     capacity: Capacity
-    files: Annotated[list[tuple[Annotated[str, Meta(min_length=1, max_length=MAX_FILE_KEY)], Size, U64]],
-                     Meta(max_length=MAX_FILES)]        # [key, size, checksum] of each file
+    files: Annotated[
+        list[tuple[Annotated[str, Meta(min_length=1, max_length=MAX_FILE_KEY)], Size, U64]], Meta(max_length=MAX_FILES)
+    ]  # [key, size, checksum] of each file
     disk_id: Name = ""
 
 
@@ -169,29 +189,46 @@ def _op_types(key: object, batch: Callable[[object], object]) -> dict[str, tuple
     keys, names = batch(key), batch(SegName)
     none = Annotated[list[None], Meta(max_length=0)]
     return {
-        "info": (none, NoOpts), "status": (none, NoOpts),
+        "info": (none, NoOpts),
+        "status": (none, NoOpts),
         "put_start": (batch(_row(key, Size)), PutStartOpts),
-        "put_commit": (keys, CommitOpts), "put_abort": (keys, NoOpts),
+        "put_commit": (keys, CommitOpts),
+        "put_abort": (keys, NoOpts),
         "reserve": (Annotated[list[Size], Meta(max_length=64)], ReserveOpts),
         "put": (batch(_row(key, Size, U64, Offset)), CommitOpts),
-        "get": (keys, GetOpts), "exists": (keys, NoOpts), "exists_prefix": (keys, NoOpts),
-        "remove": (keys, NoOpts), "get_size": (keys, NoOpts), "remove_checked": (keys, RemoveCheckedOpts),
-        "remove_by_regex": (Annotated[list[Annotated[str, Meta(max_length=MAX_PATTERN)]],
-                                      Meta(min_length=1, max_length=1)], ForceOpts),
+        "get": (keys, GetOpts),
+        "exists": (keys, NoOpts),
+        "exists_prefix": (keys, NoOpts),
+        "remove": (keys, NoOpts),
+        "get_size": (keys, NoOpts),
+        "remove_checked": (keys, RemoveCheckedOpts),
+        "remove_by_regex": (
+            Annotated[list[Annotated[str, Meta(max_length=MAX_PATTERN)]], Meta(min_length=1, max_length=1)],
+            ForceOpts,
+        ),
         "remove_all": (none, ForceOpts),
         "report_corrupt": (batch(_row(key, SegName, Offset, U64)), NoOpts),
         "register_segment": (batch(tuple[Descriptor, RegionId, Size]), OwnerOpts),
-        "heartbeat": (names, NoOpts), "unregister": (names, OwnerOpts), "describe": (names, NoOpts),
-        "drain": (names, NoOpts), "tier_poll": (names, NoOpts),
+        "heartbeat": (names, NoOpts),
+        "unregister": (names, OwnerOpts),
+        "describe": (names, NoOpts),
+        "drain": (names, NoOpts),
+        "tier_poll": (names, NoOpts),
         "tier_register": (batch(TierNode), MoreOpts),
-        "tier_done": (batch(_row(Literal["offload", "migrate", "evicted", "corrupt", "missing"], key, bool,
-                                 Detail, U64)), SegmentOpts),
+        "tier_done": (
+            batch(_row(Literal["offload", "migrate", "evicted", "corrupt", "missing"], key, bool, Detail, U64)),
+            SegmentOpts,
+        ),
         "promote_start": (keys, SegmentOpts),
-        "task_create": (batch(_row(Literal["copy", "move"], key, Name,
-                                   Annotated[list[SegName], Meta(max_length=MAX_TARGETS)])), NoOpts),
+        "task_create": (
+            batch(_row(Literal["copy", "move"], key, Name, Annotated[list[SegName], Meta(max_length=MAX_TARGETS)])),
+            NoOpts,
+        ),
         "task_query": (batch(tuple[U64, U64]), NoOpts),
-        "promote_commit": (batch(_row(key, bool, Union[Annotated[str, Meta(max_length=MAX_DETAIL)], None])),
-                           SegmentOpts),
+        "promote_commit": (
+            batch(_row(key, bool, Union[Annotated[str, Meta(max_length=MAX_DETAIL)], None])),
+            SegmentOpts,
+        ),
     }
 
 
@@ -200,19 +237,35 @@ def subset(opts: Struct, idx: range | list[int]) -> Struct:
     sums = getattr(opts, "xxh3", None)
     if sums is None:
         return opts
-    return msgspec.structs.replace(opts, xxh3=sums[idx.start:idx.stop] if type(idx) is range else
-                                   [sums[i] for i in idx])
+    return msgspec.structs.replace(
+        opts, xxh3=sums[idx.start : idx.stop] if type(idx) is range else [sums[i] for i in idx]
+    )
 
 
 # Where each op's keys are, for the UTF-8 byte-length check msgspec cannot express (it counts characters):
 # None = the entries are the keys, an int = that item of each entry; ops absent here carry no keys.
-_KEY_AT = {"put_start": 0, "put": 0, "put_commit": None, "put_abort": None, "get": None, "exists": None,
-           "exists_prefix": None, "remove": None, "get_size": None, "remove_checked": None, "report_corrupt": 0,
-           "tier_done": 1, "promote_start": None, "promote_commit": 0, "task_create": 1}
+_KEY_AT = {
+    "put_start": 0,
+    "put": 0,
+    "put_commit": None,
+    "put_abort": None,
+    "get": None,
+    "exists": None,
+    "exists_prefix": None,
+    "remove": None,
+    "get_size": None,
+    "remove_checked": None,
+    "report_corrupt": 0,
+    "tier_done": 1,
+    "promote_start": None,
+    "promote_commit": 0,
+    "task_create": 1,
+}
 
 
 class Limits(Protocol):
     """The MasterConfig fields the schemas are built from."""
+
     max_batch: int
     max_key_bytes: int
 
@@ -225,8 +278,9 @@ class Schemas:
         key = Annotated[str, Meta(min_length=1, max_length=max_key_bytes)]
         self.types = _op_types(key, lambda t: bounded_list(t, max_batch))
         self._envelope = msgspec.msgpack.Decoder(Envelope)
-        self._decoders = {op: (msgspec.msgpack.Decoder(e), msgspec.msgpack.Decoder(o))
-                          for op, (e, o) in self.types.items()}
+        self._decoders = {
+            op: (msgspec.msgpack.Decoder(e), msgspec.msgpack.Decoder(o)) for op, (e, o) in self.types.items()
+        }
 
     @classmethod
     def of(cls, cfg: Limits) -> "Schemas":
@@ -239,7 +293,7 @@ class Schemas:
         refusal for a request this master refuses."""
         try:
             env = self._envelope.decode(body)
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:   # (bad UTF-8; ~1000-deep nesting)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:  # (bad UTF-8; ~1000-deep nesting)
             raise ProtocolError(f"not a request [version, id, op, entries, opts]: {e}") from e
         if env.version != VERSION:
             raise ProtocolError(f"request version {env.version!r} unsupported (this master speaks {VERSION})")
@@ -292,8 +346,11 @@ class Schemas:
         keys = entries if at is None else [e[at] for e in entries]
         for j, k in enumerate(keys):
             if isinstance(k, str) and len(k) > quarter and len(k.encode()) > self.max_key_bytes:
-                raise RefusedRequest(rid, f"{op}: entries: key of {len(k.encode())} UTF-8 bytes is longer than "
-                                          f"master.max_key_bytes={self.max_key_bytes} - at `$[{j}]`")
+                raise RefusedRequest(
+                    rid,
+                    f"{op}: entries: key of {len(k.encode())} UTF-8 bytes is longer than "
+                    f"master.max_key_bytes={self.max_key_bytes} - at `$[{j}]`",
+                )
 
 
 class RefusedRequest(ValueError):

@@ -4,6 +4,7 @@ KVPLUGINS_IN_GUEST=1), started by tests/rdma/test_guest.py. On any other host th
 Fixtures: ``rxe_devices`` (the verbs device names pyverbs lists, e.g. ["rxe0", "rxe1"]); ``nic_link`` (sets
 ``ip link set ethN down|up``; every link it touched is up again after the test); ``roce_v2_gid`` (a function:
 a device's IPv4-mapped RoCE v2 GID index on port 1, read from sysfs, which is perftest's ``-x``)."""
+
 import os
 import subprocess
 from pathlib import Path
@@ -15,7 +16,7 @@ collect_ignore_glob = [] if os.environ.get("KVPLUGINS_IN_GUEST") == "1" else ["t
 
 @pytest.fixture(scope="session")
 def rxe_devices() -> list[str]:
-    import pyverbs.device                    # only in the guest: the host may have no pyverbs
+    import pyverbs.device  # only in the guest: the host may have no pyverbs
 
     return sorted(d.name.decode() for d in pyverbs.device.get_device_list())
 
@@ -44,7 +45,7 @@ def _roce_v2_gid(device: str, port: int = 1) -> int:
     for t in sorted(base.glob("gid_attrs/types/*"), key=lambda p: int(p.name)):
         try:
             kind, gid = t.read_text().strip(), (base / "gids" / t.name).read_text().strip()
-        except OSError:                      # an unset GID table entry reads EINVAL
+        except OSError:  # an unset GID table entry reads EINVAL
             continue
         if kind == "RoCE v2" and gid.startswith("0000:0000:0000:0000:0000:ffff:"):
             return int(t.name)

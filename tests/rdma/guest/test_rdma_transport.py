@@ -3,6 +3,7 @@ guest (ci/rxe-guest.sh --nics 2), real peer processes, byte-verified data.
 
 Striping over both NICs; a NIC's link going down mid-batch; a queue pair forced into the error state and rebuilt;
 a peer without the shared secret refused before any queue pair is connected; store put/get over RDMA."""
+
 import subprocess
 import threading
 import time
@@ -18,7 +19,7 @@ from kvplugins.transfer import TransferConfig, TransferEngine, TransferRequest
 
 MIB = 1 << 20
 PEER_SIZE = 96 * MIB
-WRITE_AT = 72 * MIB        # the striping test writes here; the read tests compare 0..72 MiB with the seeded bytes
+WRITE_AT = 72 * MIB  # the striping test writes here; the read tests compare 0..72 MiB with the seeded bytes
 FAST_PROBE = {"rdma_probe_ms": 200.0}
 
 
@@ -52,8 +53,9 @@ def link(dev: str, state: str) -> None:
 def reads(eng, peer, n: int, size: int = MIB, base: int = 0):
     dst = np.zeros(n * size, np.uint8)
     reg = eng.register(dst)
-    return dst, [TransferRequest(reg, i * size, peer.descriptor, peer.region_id, base + i * size, size)
-                 for i in range(n)]
+    return dst, [
+        TransferRequest(reg, i * size, peer.descriptor, peer.region_id, base + i * size, size) for i in range(n)
+    ]
 
 
 def test_descriptor_carries_nics_and_rkeys(peer):
@@ -62,7 +64,7 @@ def test_descriptor_carries_nics_and_rkeys(peer):
     info = peer.descriptor.region(peer.region_id)
     assert info.rdma is not None and len(info.rdma[1]) == 2 and info.rdma[1][0] != info.rdma[1][1]
     hidden = [r.region_id for r in peer.descriptor.regions]
-    assert peer.hidden_id not in hidden          # a registered, unexported region publishes no rkey
+    assert peer.hidden_id not in hidden  # a registered, unexported region publishes no rkey
 
 
 def test_batch_is_striped_over_both_nics(peer):
@@ -70,13 +72,14 @@ def test_batch_is_striped_over_both_nics(peer):
     try:
         src = np.frombuffer(np.random.default_rng(1).bytes(16 * MIB), np.uint8).copy()
         reg = eng.register(src)
-        reqs = [TransferRequest(reg, i * MIB, peer.descriptor, peer.region_id, WRITE_AT + i * MIB, MIB)
-                for i in range(16)]
+        reqs = [
+            TransferRequest(reg, i * MIB, peer.descriptor, peer.region_id, WRITE_AT + i * MIB, MIB) for i in range(16)
+        ]
         assert eng.batch_write(reqs) == [None] * 16
         assert peer.digest(WRITE_AT, 16 * MIB) == digest(src)
         r = rdma_of(eng)
         assert r["striped_batches"] >= 1 and set(r["path_bytes"]) == {"rxe0->0", "rxe1->1"}, r
-        assert min(r["path_bytes"].values()) >= 4 * MIB, r       # neither NIC idles
+        assert min(r["path_bytes"].values()) >= 4 * MIB, r  # neither NIC idles
         assert eng.stats()["rdma"]["bytes"] == 16 * MIB and not eng.stats()["fallbacks"]
     finally:
         eng.close()
@@ -86,7 +89,7 @@ def test_link_down_mid_batch_loses_nothing_and_is_probed_back(peer):
     eng = rdma_engine()
     try:
         dst, reqs = reads(eng, peer, 48)
-        assert eng.batch_read(reqs[:2]) == [None, None]          # QPs up on both paths
+        assert eng.batch_read(reqs[:2]) == [None, None]  # QPs up on both paths
         out = {}
         worker = threading.Thread(target=lambda: out.setdefault("st", eng.batch_read(reqs)))
         worker.start()
@@ -95,14 +98,14 @@ def test_link_down_mid_batch_loses_nothing_and_is_probed_back(peer):
         try:
             worker.join(120)
             assert out["st"] == [None] * 48
-            assert np.array_equal(dst, seeded(PEER_SIZE, 3)[:48 * MIB])
+            assert np.array_equal(dst, seeded(PEER_SIZE, 3)[: 48 * MIB])
             wait_for(lambda: rdma_of(eng)["nics_up"] == 1, "rxe1 taken out")
             before = dict(rdma_of(eng)["path_bytes"])
             dst2, reqs2 = reads(eng, peer, 8, base=48 * MIB)
             assert eng.batch_read(reqs2) == [None] * 8
             after = rdma_of(eng)["path_bytes"]
-            assert after.get("rxe1->1", 0) == before.get("rxe1->1", 0)   # the down NIC carried nothing
-            assert np.array_equal(dst2, seeded(PEER_SIZE, 3)[48 * MIB:56 * MIB])
+            assert after.get("rxe1->1", 0) == before.get("rxe1->1", 0)  # the down NIC carried nothing
+            assert np.array_equal(dst2, seeded(PEER_SIZE, 3)[48 * MIB : 56 * MIB])
         finally:
             link("eth1", "up")
         wait_for(lambda: rdma_of(eng)["nics_up"] == 2, "rxe1 probed back")
@@ -125,23 +128,26 @@ def test_qp_in_error_state_is_rebuilt(peer):
     the QPs are rebuilt in the background, after which RDMA carries the batches again."""
     import pyverbs.enums as e
     from pyverbs.qp import QPAttr
+
     eng = rdma_engine(rdma_devices="rxe0")
     try:
         dst, reqs = reads(eng, peer, 4)
         assert eng.batch_read(reqs) == [None] * 4
-        rdma = next(t for t in eng._transports if t.name == "rdma")   # noqa: SLF001 - the test's fault injection
-        qps = rdma._qps.idle()                                        # noqa: SLF001
+        rdma = next(t for t in eng._transports if t.name == "rdma")  # noqa: SLF001 - the test's fault injection
+        qps = rdma._qps.idle()  # noqa: SLF001
         assert qps
         for q in qps:
             q.qp.modify(QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
         dst[:] = 0
         assert eng.batch_read(reqs) == [None] * 4
-        assert np.array_equal(dst, seeded(PEER_SIZE, 3)[:4 * MIB])
+        assert np.array_equal(dst, seeded(PEER_SIZE, 3)[: 4 * MIB])
         assert rdma_of(eng)["path_failures"] >= 1
         wait_for(lambda: rdma_of(eng)["qp_rebuilds"] >= 1, "a QP rebuild")
         fallbacks = sum(eng.stats()["fallbacks"].values())
-        wait_for(lambda: eng.batch_read(reqs) == [None] * 4 and sum(eng.stats()["fallbacks"].values()) == fallbacks,
-                 "a batch carried by RDMA again")
+        wait_for(
+            lambda: eng.batch_read(reqs) == [None] * 4 and sum(eng.stats()["fallbacks"].values()) == fallbacks,
+            "a batch carried by RDMA again",
+        )
     finally:
         eng.close()
 
@@ -176,6 +182,7 @@ def test_peer_without_the_secret_is_refused_before_any_qp(monkeypatch):
 def test_store_put_get_over_rdma_between_processes():
     from kvplugins.store import ClientConfig, StoreClient
     from kvplugins.mooncake import MooncakeDistributedStore
+
     with store_cluster(nodes=1, segment_size="32MiB", node_flags={"transports": "rdma,tcp"}) as cluster:
         client = StoreClient(ClientConfig(master=cluster.master, transports="rdma,tcp", rpc_timeout_ms=30000))
         try:
@@ -187,11 +194,11 @@ def test_store_put_get_over_rdma_between_processes():
             assert t["rdma"]["bytes"] >= 2 * 8 * (256 << 10) and t["tcp"]["bytes"] == 0, t
         finally:
             client.close()
-        mooncake = MooncakeDistributedStore()        # Mooncake's setup(protocol="rdma") takes our RDMA transport
+        mooncake = MooncakeDistributedStore()  # Mooncake's setup(protocol="rdma") takes our RDMA transport
         assert mooncake.setup("127.0.0.1", "", 0, 16 << 20, "rdma", "rxe0", cluster.master) == 0
         try:
             assert mooncake.put("rdma/mooncake", pages[0]) == 0 and mooncake.get("rdma/mooncake") == pages[0]
-            t = mooncake._client.transfer_stats()      # noqa: SLF001 - which transport carried the bytes
+            t = mooncake._client.transfer_stats()  # noqa: SLF001 - which transport carried the bytes
             assert t["rdma"]["bytes"] >= 2 * len(pages[0]) and set(t["rdma"]["path_bytes"]) == {"rxe0->0"}, t
         finally:
             mooncake.close()

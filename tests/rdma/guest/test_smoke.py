@@ -1,5 +1,6 @@
 """The soft-RoCE guest itself (ci/rxe-guest.sh --nics 2): pyverbs sees rxe0 and rxe1 with port 1 ACTIVE, a
 port follows its netdev's link down and up, and perftest's ib_write_bw runs between two processes over rxe0."""
+
 import re
 import subprocess
 import time
@@ -42,13 +43,26 @@ def test_port_follows_link_down_and_up(nic_link):
 
 @pytest.mark.timeout(600)
 def test_ib_write_bw_between_two_processes(roce_v2_gid):
-    args = ["ib_write_bw", "-d", "rxe0", "-x", str(roce_v2_gid("rxe0")), "-s", "65536", "-n", "50", "-F",
-            "-p", str(PERFTEST_PORT)]
+    args = [
+        "ib_write_bw",
+        "-d",
+        "rxe0",
+        "-x",
+        str(roce_v2_gid("rxe0")),
+        "-s",
+        "65536",
+        "-n",
+        "50",
+        "-F",
+        "-p",
+        str(PERFTEST_PORT),
+    ]
     server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         end = time.monotonic() + 60
-        while not subprocess.run(["ss", "-Hltn", f"sport = :{PERFTEST_PORT}"], capture_output=True,
-                                 text=True).stdout.strip():
+        while not subprocess.run(
+            ["ss", "-Hltn", f"sport = :{PERFTEST_PORT}"], capture_output=True, text=True
+        ).stdout.strip():
             assert server.poll() is None and time.monotonic() < end, "ib_write_bw server did not listen"
             time.sleep(0.2)
         client = subprocess.run(args + ["10.77.0.15"], capture_output=True, text=True, timeout=300)

@@ -7,6 +7,7 @@ lease and elect another), so two masters never both act as leader. A killed lead
 lease expires (about ``ttl_s``); a stopped leader revokes it (immediate hand-over). Follows etcd's
 concurrency/election recipe (clientv3/concurrency), polling instead of watching.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,7 +18,7 @@ import time
 from kvplugins.errors import StoreError
 
 log = logging.getLogger(__name__)
-SAFETY = 0.9      # fraction of the lease TTL this master trusts after a successful refresh
+SAFETY = 0.9  # fraction of the lease TTL this master trusts after a successful refresh
 
 
 class Elector:
@@ -28,7 +29,7 @@ class Elector:
         self.etcd, self.key, self.value = etcd, key, value
         self.ttl_s = max(1, math.ceil(ttl_ms / 1000))
         self.poll_s = min(poll_ms / 1000, self.ttl_s / 4)
-        self._lease: int | None = None             # etcd lease id while leading
+        self._lease: int | None = None  # etcd lease id while leading
         self._valid_until = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvp-elector", daemon=True)
@@ -88,7 +89,7 @@ class Elector:
         t0, lease = time.monotonic(), self._lease
         ttl = self.etcd.refresh(lease)
         if lease != self._lease:
-            return                                  # stepped down meanwhile
+            return  # stepped down meanwhile
         if ttl <= 0:
             self.lost("lease expired")
         else:

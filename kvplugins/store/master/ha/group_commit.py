@@ -7,6 +7,7 @@ RpcServer uses this when its service has ``sync`` (ha.leader.LeaderGuard); a pla
 same interface sending every reply at once.
 Follows the classic database group commit (a log flush shared by every transaction waiting on it).
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,8 @@ class GroupCommit:
 
     def __init__(self, server):
         self.server = server
-        self.conns: set = set()              # raw connections whose outbuf holds unsent replies
-        self.zmq: list[list[bytes]] = []     # ROUTER replies not yet sent
+        self.conns: set = set()  # raw connections whose outbuf holds unsent replies
+        self.zmq: list[list[bytes]] = []  # ROUTER replies not yet sent
         server.service.grouped = True
 
     def hold(self, conn) -> None:

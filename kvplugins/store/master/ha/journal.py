@@ -11,6 +11,7 @@ retries on the new leader). A transient etcd failure is retried for up to RETRY_
 Read back (``load``, on election) every value is decoded into the same typed, range-checked shapes as the
 master's wire (store/wire/schema.py, issue #11); one that does not fit is skipped with a warning naming its key.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ from kvplugins.store.placement import PIN_CODES
 
 log = logging.getLogger(__name__)
 RETRY_S = 1.0
-MAX_JOURNAL_KEY = 1 << 16     # characters of an object key or segment name read back from etcd
+MAX_JOURNAL_KEY = 1 << 16  # characters of an object key or segment name read back from etcd
 
 
 class EtcdJournal(Journal):
@@ -72,7 +73,7 @@ class EtcdJournal(Journal):
         self.committed(objs)
 
     def pending(self, objs) -> None:
-        self.committed(objs)            # encode_object carries the pending flag
+        self.committed(objs)  # encode_object carries the pending flag
 
     def slab_added(self, slab) -> None:
         value = msgpack.packb([slab.seg.name, slab.front, slab.end])
@@ -107,19 +108,19 @@ class EtcdJournal(Journal):
     def load(self) -> tuple[list, list, list]:
         """([(name, wire, region id, size)], [(key, size, [(segment, offset)], checksum, pin, pending)],
         [(slab id, segment, start, end)]), objects oldest first. Raises StoreError."""
-        cut = len(self.prefix) + len("/seg/")         # == len("/obj/")
+        cut = len(self.prefix) + len("/seg/")  # == len("/obj/")
         segs = _decoded(self.etcd.range_prefix(self.prefix + "/seg/"), cut, decode_segment)
         objs = _decoded(self.etcd.range_prefix(self.prefix + "/obj/"), cut, decode_object)
-        slabs = _decoded(self.etcd.range_prefix(self.prefix + "/slab/"), len(self.prefix) + len("/slab/"),
-                         decode_slab)
+        slabs = _decoded(self.etcd.range_prefix(self.prefix + "/slab/"), len(self.prefix) + len("/slab/"), decode_slab)
         return segs, objs, slabs
 
     def load_flights(self) -> list[tuple]:
         """[(flight id, segment, start, end)] of the disk-tier flights journaled (the same value as a slab's).
         Raises StoreError."""
         out = []
-        for name, *fields in _decoded(self.etcd.range_prefix(self.prefix + "/flight/"),
-                                      len(self.prefix) + len("/flight/"), decode_slab):
+        for name, *fields in _decoded(
+            self.etcd.range_prefix(self.prefix + "/flight/"), len(self.prefix) + len("/flight/"), decode_slab
+        ):
             if name.isdigit() and int(name) < 1 << 64:
                 out.append((int(name), *fields))
             else:
@@ -172,7 +173,7 @@ class EtcdJournal(Journal):
     def _flush(self, ops: dict) -> None:
         ops = list(ops.values())
         for i in range(0, len(ops), MAX_TXN_OPS):
-            self._txn(ops[i:i + MAX_TXN_OPS])
+            self._txn(ops[i : i + MAX_TXN_OPS])
 
     def _txn(self, ops: list) -> None:
         deadline = time.monotonic() + RETRY_S
@@ -187,8 +188,10 @@ class EtcdJournal(Journal):
         if not ok:
             if self.on_fenced is not None:
                 self.on_fenced("another master holds the leader key")
-            raise StoreError(f"not leader: {self.leader_key} no longer holds this master's value; "
-                             "the metadata change was not persisted")
+            raise StoreError(
+                f"not leader: {self.leader_key} no longer holds this master's value; "
+                "the metadata change was not persisted"
+            )
 
 
 def encode_object(obj) -> bytes:
@@ -268,8 +271,19 @@ def encode_task(task) -> bytes:
     if task.flight is not None and task.flight.dest is not None:
         seg, off = task.flight.dest
         dest = [seg.name, off, task.flight.size]
-    return msgpack.packb([task.kind, task.key, task.source, list(task.targets), task.status, task.created_ms,
-                          task.updated_ms or task.created_ms, task.message[:4096], dest])
+    return msgpack.packb(
+        [
+            task.kind,
+            task.key,
+            task.source,
+            list(task.targets),
+            task.status,
+            task.created_ms,
+            task.updated_ms or task.created_ms,
+            task.message[:4096],
+            dest,
+        ]
+    )
 
 
 def decode_task(value: bytes) -> tuple:

@@ -7,6 +7,7 @@ lease it drops that state. A standby (or a leader still recovering) answers ever
 starts with NOT_LEADER and names the leader, so clients (follower.py) look the leader up and retry.
 All of it runs on the RpcServer's single thread; the Elector's thread only flips its lease state.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ from kvplugins.store.master.ha import recovery
 from kvplugins.store.master.service import MasterService
 
 log = logging.getLogger(__name__)
-LOOKUP_CACHE_S = 0.1          # a standby's refusals name the leader it read from etcd at most this long ago
+LOOKUP_CACHE_S = 0.1  # a standby's refusals name the leader it read from etcd at most this long ago
 
 
 class LeaderGuard:
@@ -30,11 +31,11 @@ class LeaderGuard:
         self.cfg, self.journal, self.elector, self.shard = cfg, journal, elector, shard
         self.zmq_endpoint = ""
         self.active = False
-        self.grouped = False                     # set by group_commit.GroupCommit: replies wait for sync()
+        self.grouped = False  # set by group_commit.GroupCommit: replies wait for sync()
         self.recovered: dict = {}
-        self._looked_up: tuple[float, bytes | None] = (-LOOKUP_CACHE_S, None)    # (when, leader value)
-        self.inner = MasterService(cfg)          # a standby's empty placeholder (never journals)
-        self.prober = None                       # the RPC server's admission.Prober, handed to each leader service
+        self._looked_up: tuple[float, bytes | None] = (-LOOKUP_CACHE_S, None)  # (when, leader value)
+        self.inner = MasterService(cfg)  # a standby's empty placeholder (never journals)
+        self.prober = None  # the RPC server's admission.Prober, handed to each leader service
 
     def __getattr__(self, name):
         return getattr(self.__dict__["inner"], name)
@@ -50,13 +51,13 @@ class LeaderGuard:
     def _journaled(self, fn):
         if not self._check():
             raise ValueError(self._refusal())
-        if self.grouped:                        # the server holds the reply until sync() persisted the batch
+        if self.grouped:  # the server holds the reply until sync() persisted the batch
             self.journal.begin()
             return fn()
         try:
-            with self.journal.batch():         # persisted before the reply is sent
+            with self.journal.batch():  # persisted before the reply is sent
                 return fn()
-        except StoreError as e:          # the journal could not persist: the op is not acknowledged
+        except StoreError as e:  # the journal could not persist: the op is not acknowledged
             raise ValueError(str(e)) from e
 
     def sync(self) -> None:
@@ -69,7 +70,7 @@ class LeaderGuard:
             try:
                 with self.journal.batch():
                     self.inner.tick()
-            except StoreError as e:      # etcd down: memory is ahead of etcd; a successor re-expires it
+            except StoreError as e:  # etcd down: memory is ahead of etcd; a successor re-expires it
                 log.warning("sweep not persisted: %s", e)
 
     def _check(self) -> bool:
@@ -94,11 +95,18 @@ class LeaderGuard:
         self.recovered["tasks"] = recovery.restore_tasks(service, self.journal.load_tasks(), service.clock())
         self.recovered["flight_bytes"] = recovery.hold_flights(service, self.journal.load_flights(), service.clock())
         self.inner, self.active = service, True
-        log.warning("leader now: recovered %d segments, %d objects (%d of them pending puts, %d dropped), %d "
-                    "bytes of slabs and %d of disk-tier flights held, %d replica tasks in %.0f ms",
-                    self.recovered["segments"], self.recovered["objects"], self.recovered["pending"],
-                    self.recovered["dropped"], self.recovered["slab_bytes"], self.recovered["flight_bytes"],
-                    self.recovered["tasks"], (time.monotonic() - t0) * 1000)
+        log.warning(
+            "leader now: recovered %d segments, %d objects (%d of them pending puts, %d dropped), %d "
+            "bytes of slabs and %d of disk-tier flights held, %d replica tasks in %.0f ms",
+            self.recovered["segments"],
+            self.recovered["objects"],
+            self.recovered["pending"],
+            self.recovered["dropped"],
+            self.recovered["slab_bytes"],
+            self.recovered["flight_bytes"],
+            self.recovered["tasks"],
+            (time.monotonic() - t0) * 1000,
+        )
 
     def _step_down(self) -> None:
         log.warning("no longer leader: dropping the in-memory metadata (the new leader recovers it from etcd)")
@@ -106,9 +114,9 @@ class LeaderGuard:
 
     def _refusal(self) -> str:
         now = time.monotonic()
-        if now - self._looked_up[0] > LOOKUP_CACHE_S:       # a client hammering a standby costs etcd little
+        if now - self._looked_up[0] > LOOKUP_CACHE_S:  # a client hammering a standby costs etcd little
             try:
-                self._looked_up = (now, self.journal.etcd.get(self.journal.leader_key))   # this thread's client
+                self._looked_up = (now, self.journal.etcd.get(self.journal.leader_key))  # this thread's client
             except Exception as e:  # noqa: BLE001 - the refusal is answered whatever etcd does
                 self._looked_up = (now, None)
                 log.info("leader lookup failed: %s", e)

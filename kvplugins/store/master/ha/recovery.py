@@ -17,6 +17,7 @@ of its write in flight is held for put_timeout_ms. So is the destination of ever
 drain migration: hold_flights) the old leader had started, or ended while a late write could still land; the
 node's report of it finds no flight on the new leader and the object stays where the journal has it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,7 +35,7 @@ def restore(service, segs: list, objs: list, now: float, slabs: list = ()) -> di
     Returns {"segments", "objects" (pending ones included), "pending", "dropped", "slab_bytes" (held)}."""
     for name, wire, region_id, size in segs:
         _add_segment(service, name, wire, region_id, size, now)
-    placed: dict[str, list] = {}                       # segment name -> [(offset, size, key)]
+    placed: dict[str, list] = {}  # segment name -> [(offset, size, key)]
     kept, dropped = [], []
     for key, size, replicas, *extra in objs:
         good = [(n, off) for n, off in dict.fromkeys(map(tuple, replicas)) if service.segments.get(n) is not None]
@@ -55,10 +56,18 @@ def restore(service, segs: list, objs: list, now: float, slabs: list = ()) -> di
         _add(service, key, size, replicas, now, *extra)
     held = _hold_slabs(service, slabs, now)
     if dropped:
-        log.warning("recovery dropped %d objects (segment unknown, offset outside it or overlapping another "
-                    "object), e.g. %s", len(dropped), ", ".join(repr(k[:100]) for k in dropped[:10]))
-    return {"segments": len(service.segments), "objects": len(service.table), "dropped": len(dropped),
-            "pending": service.table.pending_count(), "slab_bytes": held}
+        log.warning(
+            "recovery dropped %d objects (segment unknown, offset outside it or overlapping another object), e.g. %s",
+            len(dropped),
+            ", ".join(repr(k[:100]) for k in dropped[:10]),
+        )
+    return {
+        "segments": len(service.segments),
+        "objects": len(service.table),
+        "dropped": len(dropped),
+        "pending": service.table.pending_count(),
+        "slab_bytes": held,
+    }
 
 
 def _hold_slabs(service, slabs: list, now: float) -> int:
@@ -109,16 +118,18 @@ def _add_segment(service, name: str, wire: dict, region_id: int, size: int, now:
     try:
         service.segments.add(wire, region_id, size, now)
         service.table.set_region(name, region_id)
-    except (KVPluginsError, ValueError) as e:       # a descriptor that decodes but does not hold together
+    except (KVPluginsError, ValueError) as e:  # a descriptor that decodes but does not hold together
         log.warning("journal segment %r skipped: %s", name[:200], e)
 
 
-def _add(service, key: str, size: int, replicas: list, now: float, checksum=None, pin: int = 0,
-         pending: int = 0) -> None:
+def _add(
+    service, key: str, size: int, replicas: list, now: float, checksum=None, pin: int = 0, pending: int = 0
+) -> None:
     """Add a recovered object with its checksum and pin (the pin picks its LRU list): complete, or a pending put
     whose writer has put_timeout_ms from ``now`` to commit."""
     if pending:
-        service.table.new(key, size, replicas, deadline=now + service.cfg.put_timeout_ms / 1000, last_access=now,
-                          pin=pin)
+        service.table.new(
+            key, size, replicas, deadline=now + service.cfg.put_timeout_ms / 1000, last_access=now, pin=pin
+        )
     else:
         service.table.new(key, size, replicas, complete=True, last_access=now, checksum=checksum, pin=pin)

@@ -4,6 +4,7 @@ The master stops placing objects on the segment; the node migrates each of its o
 segments through the transfer core, then unregisters and exits (master/drain.py, disk/worker.py). Reads keep
 working throughout: a replica is switched only after its copy landed, and the old bytes stay valid for one lease.
 """
+
 from __future__ import annotations
 
 import time
@@ -29,8 +30,10 @@ def drain(master: str, segment: str, timeout_ms: float, rpc_timeout_ms: float, o
                 out(f"draining {segment}: {left} objects left", flush=True)
                 last = left
             if time.monotonic() > deadline:
-                raise StoreError(f"{segment} still holds {left} objects after {timeout_ms:g} ms; is there room "
-                                 "on the other segments? (raise --drain-timeout-ms or add a node)")
+                raise StoreError(
+                    f"{segment} still holds {left} objects after {timeout_ms:g} ms; is there room "
+                    "on the other segments? (raise --drain-timeout-ms or add a node)"
+                )
             time.sleep(POLL_S)
         out(f"{segment} drained and left the pool", flush=True)
     finally:

@@ -9,6 +9,7 @@ version, key length, size against the file's length, header checksum, the key's 
 header can neither make it read or allocate beyond the file nor return another file's key; ``read_into`` also
 checks the object checksum. Either raises CorruptFile (callers delete and count such a file, never serve it).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -22,11 +23,11 @@ from kvplugins.errors import StoreError
 
 MAGIC = b"KVPD"
 VERSION = 1
-HEAD = struct.Struct("<4sHHQQ")       # magic, version, key length, size, object checksum
-CHECK = struct.Struct("<Q")           # header checksum (over HEAD + key)
+HEAD = struct.Struct("<4sHHQQ")  # magic, version, key length, size, object checksum
+CHECK = struct.Struct("<Q")  # header checksum (over HEAD + key)
 SUFFIX = ".kvd"
-MAX_KEY = 0xFFFF                      # key length in UTF-8 bytes (the u16 field)
-MAX_OBJECT = 1 << 48                  # object size in bytes (as the master's largest; store/wire/schema.py MAX_SIZE)
+MAX_KEY = 0xFFFF  # key length in UTF-8 bytes (the u16 field)
+MAX_OBJECT = 1 << 48  # object size in bytes (as the master's largest; store/wire/schema.py MAX_SIZE)
 
 
 class CorruptFile(StoreError):
@@ -101,8 +102,9 @@ def read_into(path: Path, key: str, dest: memoryview) -> int:
     with open(path, "rb", buffering=0) as f:
         got_key, size, digest, offset = _parse(path, f)
         if got_key != key or size != dest.nbytes:
-            raise CorruptFile(f"{path}: holds {got_key[:200]!r} ({size} bytes), expected {key[:200]!r} "
-                              f"({dest.nbytes} bytes)")
+            raise CorruptFile(
+                f"{path}: holds {got_key[:200]!r} ({size} bytes), expected {key[:200]!r} ({dest.nbytes} bytes)"
+            )
         f.seek(offset)
         n = 0
         while n < size:
@@ -131,13 +133,17 @@ def _parse(path: Path, f) -> tuple[str, int, int, int]:
         raise CorruptFile(f"{path}: truncated header ({length} bytes)")
     magic, version, klen, size, digest = HEAD.unpack(head)
     if magic != MAGIC or version != VERSION:
-        raise CorruptFile(f"{path}: not a kvplugins disk-tier file (magic {magic!r}, version {version}; "
-                          f"expected {MAGIC!r}, {VERSION})")
+        raise CorruptFile(
+            f"{path}: not a kvplugins disk-tier file (magic {magic!r}, version {version}; "
+            f"expected {MAGIC!r}, {VERSION})"
+        )
     if not 0 < klen <= MAX_KEY:
         raise CorruptFile(f"{path}: key length {klen} outside 1..{MAX_KEY}")
     if size > MAX_OBJECT or data_offset(klen) + size != length:
-        raise CorruptFile(f"{path}: length {length} != header + {klen}-byte key + {size} object bytes "
-                          f"(torn write or garbled size; objects are at most {MAX_OBJECT} bytes)")
+        raise CorruptFile(
+            f"{path}: length {length} != header + {klen}-byte key + {size} object bytes "
+            f"(torn write or garbled size; objects are at most {MAX_OBJECT} bytes)"
+        )
     kb, check = f.read(klen), f.read(CHECK.size)
     if len(kb) != klen or len(check) != CHECK.size or CHECK.unpack(check)[0] != checksum(head + kb):
         raise CorruptFile(f"{path}: header checksum mismatch")
@@ -160,7 +166,7 @@ def _key_of(path: Path, kb: bytes) -> str:
 def _write_all(fd: int, data) -> None:
     view = memoryview(data).cast("B")
     while view.nbytes:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _fsync_dir(path: Path) -> None:

@@ -18,6 +18,7 @@ Hostile input (issue #11):
   and its reply be taken, within ``promote_frame_timeout_ms``;
 * an op that raises fails its request (logged with the op and peer), never the thread or the process.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,10 +40,10 @@ from kvplugins.store.wire import protocol
 from kvplugins.store.wire.schema import Envelope
 
 log = logging.getLogger(__name__)
-MAX_FRAME = 16 << 20            # bytes of one request frame
-MAX_KEY = 1 << 16               # characters of one key (schema.MAX_FILE_KEY: the longest a disk tier stores)
-RECV_CHUNK = 1 << 20            # bytes per receive: a frame's buffer grows with what arrived, not its claim
-DEFAULT_MAX_BATCH = 65536       # keys per promote (StoreNodeConfig.promote_max_batch)
+MAX_FRAME = 16 << 20  # bytes of one request frame
+MAX_KEY = 1 << 16  # characters of one key (schema.MAX_FILE_KEY: the longest a disk tier stores)
+RECV_CHUNK = 1 << 20  # bytes per receive: a frame's buffer grows with what arrived, not its claim
+DEFAULT_MAX_BATCH = 65536  # keys per promote (StoreNodeConfig.promote_max_batch)
 
 
 class NoOpts(Struct, forbid_unknown_fields=True):
@@ -51,6 +52,7 @@ class NoOpts(Struct, forbid_unknown_fields=True):
 
 class OpSchema(Struct, frozen=True):
     """The typed decoders of one op's ``entries`` and ``opts``."""
+
     entries: msgspec.msgpack.Decoder
     opts: msgspec.msgpack.Decoder
 
@@ -58,9 +60,12 @@ class OpSchema(Struct, frozen=True):
 def schemas(max_batch: int) -> dict[str, OpSchema]:
     """Op name -> its decoders, with at most ``max_batch`` entries per request."""
     key = Annotated[str, Meta(min_length=1, max_length=MAX_KEY)]
-    return {"promote": OpSchema(msgspec.msgpack.Decoder(Annotated[list[key], Meta(min_length=1,
-                                                                                 max_length=max_batch)]),
-                                msgspec.msgpack.Decoder(NoOpts))}
+    return {
+        "promote": OpSchema(
+            msgspec.msgpack.Decoder(Annotated[list[key], Meta(min_length=1, max_length=max_batch)]),
+            msgspec.msgpack.Decoder(NoOpts),
+        )
+    }
 
 
 _ENVELOPE = msgspec.msgpack.Decoder(Envelope)
@@ -73,7 +78,7 @@ class _Handler(socketserver.BaseRequestHandler):
         sock: socket.socket = self.request
         server, limits = self.server, self.server.limits
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(limits.frame_timeout_s)       # each receive/send must progress within it
+        sock.settimeout(limits.frame_timeout_s)  # each receive/send must progress within it
         try:
             if server.secret is not None:
                 reason = handshake.serve_blocking(sock, server.secret, limits.frame_timeout_s)
@@ -87,10 +92,13 @@ class _Handler(socketserver.BaseRequestHandler):
                 body = _recv_frame(sock, deadline)
                 if body is None:
                     return
-                sock.sendall(protocol.frame(server.answer(body, self.client_address)))   # bounded: timeout
+                sock.sendall(protocol.frame(server.answer(body, self.client_address)))  # bounded: timeout
         except TimeoutError:
-            server.count_slow(self.client_address, "a frame (or its reply) did not complete within "
-                              f"{limits.frame_timeout_s * 1000:g} ms (store.promote_frame_timeout_ms)")
+            server.count_slow(
+                self.client_address,
+                "a frame (or its reply) did not complete within "
+                f"{limits.frame_timeout_s * 1000:g} ms (store.promote_frame_timeout_ms)",
+            )
         except (OSError, ProtocolError) as e:
             log.info("promote endpoint: closed connection from %s: %s", self.client_address, e or type(e).__name__)
 
@@ -100,8 +108,11 @@ class _Handler(socketserver.BaseRequestHandler):
         if poller.poll(max(1, int(idle * 1000)) if idle else None):
             return True
         self.server.count_idle()
-        log.debug("promote endpoint: closing connection from %s: no request for %g ms "
-                  "(store.promote_idle_timeout_ms)", self.client_address, idle * 1000)
+        log.debug(
+            "promote endpoint: closing connection from %s: no request for %g ms (store.promote_idle_timeout_ms)",
+            self.client_address,
+            idle * 1000,
+        )
         return False
 
 
@@ -115,12 +126,18 @@ class _Server(GuardedServerMixIn, socketserver.ThreadingTCPServer):
         known = schemas(max_batch)
         missing = sorted(set(ops) - set(known))
         if missing:
-            raise ConfigError(f"promote endpoint: no schema for op(s) {', '.join(missing)}; known: "
-                              f"{', '.join(sorted(known))} (add one to kvplugins/store/node/disk/server.py)")
+            raise ConfigError(
+                f"promote endpoint: no schema for op(s) {', '.join(missing)}; known: "
+                f"{', '.join(sorted(known))} (add one to kvplugins/store/node/disk/server.py)"
+            )
         self.ops, self.schemas, self.max_batch = ops, {op: known[op] for op in ops}, max_batch
         super().__init__((host, 0), _Handler)
-        self.guard(limits, f"the promote endpoint on port {self.server_address[1]}", "store.promote_",
-                   lambda reason: protocol.frame([protocol.VERSION, 0, False, f"connection refused: {reason}"]))
+        self.guard(
+            limits,
+            f"the promote endpoint on port {self.server_address[1]}",
+            "store.promote_",
+            lambda reason: protocol.frame([protocol.VERSION, 0, False, f"connection refused: {reason}"]),
+        )
 
     def answer(self, body: bytes, peer) -> list:
         """The reply to one request frame. Raises ProtocolError (the connection closes) if the body is not a
@@ -131,7 +148,7 @@ class _Server(GuardedServerMixIn, socketserver.ThreadingTCPServer):
             return [protocol.VERSION, rid, False, f"unknown op {op!r}; valid: {', '.join(sorted(self.ops))}"]
         try:
             typed_entries = schema.entries.decode(entries)
-        except (msgspec.DecodeError, UnicodeDecodeError) as e:          # ValidationError included: the message names the path
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:  # ValidationError included: the message names the path
             return [protocol.VERSION, rid, False, self._explain(op, "entries", e)]
         try:
             typed_opts = schema.opts.decode(opts)
@@ -158,11 +175,13 @@ class OpServer:
     in a background thread, under ``limits`` (default ConnLimits()) with at most ``max_batch`` entries per
     request. Raises ConfigError for an op without a schema or a non-loopback host without a secret."""
 
-    def __init__(self, host: str, ops: dict[str, Callable], limits: ConnLimits | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(
+        self, host: str, ops: dict[str, Callable], limits: ConnLimits | None = None, max_batch: int = DEFAULT_MAX_BATCH
+    ):
         self._server = _Server(host, ops, limits or ConnLimits(), max_batch)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="kvp-disk-endpoint", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, name="kvp-disk-endpoint", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -186,7 +205,7 @@ def _envelope(body: bytes) -> tuple[int, str, msgspec.Raw, msgspec.Raw]:
     """(request id, op, raw entries, raw opts) of a request body. Raises ProtocolError naming what is wrong."""
     try:
         env = _ENVELOPE.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:   # (deep nesting: the last)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:  # (deep nesting: the last)
         raise ProtocolError(f"request must be [int version, int id, str op, list entries, map opts]: {e}") from None
     if env.version != protocol.VERSION:
         raise ProtocolError(f"request version {env.version!r} unsupported (this endpoint speaks {protocol.VERSION})")

@@ -7,6 +7,7 @@ against their checksum on every read (``read_into``); a corrupt file is deleted,
 Capacity: a write that does not fit evicts least recently used files first (their keys are returned so the
 master forgets them). Thread-safe (the node's poll worker writes; promote requests read).
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,8 @@ COUNTERS = ("writes", "reads", "deletes", "evicted", "corrupt", "write_errors")
 
 @dataclass
 class Entry:
-    size: int           # object bytes
-    checksum: int       # xxh3_64 of the object bytes
+    size: int  # object bytes
+    checksum: int  # xxh3_64 of the object bytes
     path: Path
 
 
@@ -41,7 +42,7 @@ class DiskStore:
         self.root, self.capacity = Path(directory), int(capacity)
         self._writer = files.Writer(self.root)
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, Entry] = OrderedDict()     # LRU first
+        self._index: OrderedDict[str, Entry] = OrderedDict()  # LRU first
         self.used = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.disk_id = _disk_id(self.root)
@@ -49,7 +50,7 @@ class DiskStore:
 
     def _scan(self) -> None:
         for tmp in self._writer.tmp.iterdir():
-            tmp.unlink(missing_ok=True)              # a write interrupted before its rename
+            tmp.unlink(missing_ok=True)  # a write interrupted before its rename
         paths = sorted(self._writer.objects.glob("*/*" + files.SUFFIX), key=lambda p: p.stat().st_mtime)
         for path in paths:
             try:
@@ -90,7 +91,7 @@ class DiskStore:
         with self._lock:
             while self._index and self.used + size > self.capacity:
                 victim = next(iter(self._index))
-                if victim == key:                   # its own older copy is replaced by the write
+                if victim == key:  # its own older copy is replaced by the write
                     self._index.move_to_end(key)
                     if len(self._index) == 1:
                         break
@@ -145,8 +146,12 @@ class DiskStore:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"disk_objects": len(self._index), "disk_bytes": self.used, "disk_capacity": self.capacity,
-                    **{f"disk_{k}": v for k, v in self.counters.items()}}
+            return {
+                "disk_objects": len(self._index),
+                "disk_bytes": self.used,
+                "disk_capacity": self.capacity,
+                **{f"disk_{k}": v for k, v in self.counters.items()},
+            }
 
 
 def _disk_id(root: Path) -> str:

@@ -8,6 +8,7 @@ stop the node). Results go back in one ``tier_done`` per poll. Promote requests 
 (server.py) and load files into this node's segment at master-allocated offsets (``promote_start`` /
 ``promote_commit``). Every node runs one, with or without a disk (drain needs it).
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,7 @@ from kvplugins.transfer import SegmentDescriptor
 from kvplugins.transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
-ANNOUNCE_CHUNK = 20_000       # files per tier_register frame (~1.5 MB)
+ANNOUNCE_CHUNK = 20_000  # files per tier_register frame (~1.5 MB)
 
 
 class NodeTier:
@@ -37,14 +38,20 @@ class NodeTier:
         self.rpc = master_client(master, config.rpc_timeout_ms, "node")
         self.mem = engine.memoryview(segment.region)
         self._staging = StagingPool.registered(engine, 1 << 20)
-        self._lock = threading.Lock()        # guards _lost (the disk store has its own lock)
-        self._lost: list = []                # evicted/corrupt files to report
-        self.server = OpServer(config.host, {"promote": self.op_promote}, config.promote_limits(),
-                               config.promote_max_batch) if self.disk else None
-        self._pool = ThreadPoolExecutor(config.disk_threads, thread_name_prefix="kvp-offload") \
-            if self.disk and config.disk_threads > 1 else None
+        self._lock = threading.Lock()  # guards _lost (the disk store has its own lock)
+        self._lost: list = []  # evicted/corrupt files to report
+        self.server = (
+            OpServer(config.host, {"promote": self.op_promote}, config.promote_limits(), config.promote_max_batch)
+            if self.disk
+            else None
+        )
+        self._pool = (
+            ThreadPoolExecutor(config.disk_threads, thread_name_prefix="kvp-offload")
+            if self.disk and config.disk_threads > 1
+            else None
+        )
         self._registered = False
-        self._polled = 0.0                   # monotonic time of the last poll's answer (migrate TTLs count from it)
+        self._polled = 0.0  # monotonic time of the last poll's answer (migrate TTLs count from it)
         self._stop = threading.Event()
         self._thread = None
         try:
@@ -65,7 +72,7 @@ class NodeTier:
         capacity, stale = self.disk.capacity if self.disk else 0, []
         disk_id = self.disk.disk_id if self.disk else ""
         for i in range(0, max(len(files), 1), ANNOUNCE_CHUNK):
-            chunk = [[self.segment.name, self.endpoint, capacity, files[i:i + ANNOUNCE_CHUNK], disk_id]]
+            chunk = [[self.segment.name, self.endpoint, capacity, files[i : i + ANNOUNCE_CHUNK], disk_id]]
             [(code, value)] = self.rpc.call("tier_register", chunk, {"more": 1} if i else {})
             if code != OK:
                 raise StoreError(f"master refused the disk tier of {self.segment.name}: {value}")
@@ -74,8 +81,9 @@ class NodeTier:
             self.disk.delete(key)
         self._registered = True
         if self.disk:
-            log.info("disk tier of %s registered: %d files (%d stale deleted)", self.segment.name, len(files),
-                     len(stale))
+            log.info(
+                "disk tier of %s registered: %d files (%d stale deleted)", self.segment.name, len(files), len(stale)
+            )
         else:
             log.info("command link of %s registered (drain, replica tasks; no disk tier)", self.segment.name)
 
@@ -121,7 +129,7 @@ class NodeTier:
             j = i
             while j < len(cmds) and cmds[j][0] == "offload":
                 j += 1
-            if self._stop.is_set():             # closing: the rest fail (the master frees their space)
+            if self._stop.is_set():  # closing: the rest fail (the master frees their space)
                 out += [_refused(c, "the node is closing") for c in cmds[i:]]
                 return out
             if j - i > 1 and self._pool is not None:
@@ -147,7 +155,7 @@ class NodeTier:
     def _offload(self, key: str, off: int, size: int, expected: int):
         if self.disk is None:
             return ["offload", key, False, "this node has no disk tier", 0]
-        data = self.mem[off:off + size]
+        data = self.mem[off : off + size]
         digest = checksum(data)
         if expected and digest != expected:
             return ["offload", key, False, "the DRAM copy fails its checksum", 0]
@@ -159,8 +167,9 @@ class NodeTier:
         self._report_lost("evicted", evicted)
         return ["offload", key, True, digest, 0]
 
-    def _migrate(self, key: str, size: int, src: int, dest: str, region_id: int, off: int, fid: int, ttl_ms: float,
-                 descs: dict):
+    def _migrate(
+        self, key: str, size: int, src: int, dest: str, region_id: int, off: int, fid: int, ttl_ms: float, descs: dict
+    ):
         """Write object ``key`` (``src``: its offset in this segment, -1: from this node's disk) to ``dest`` at
         ``off``, unless more than ``ttl_ms`` passed since the poll (its flight is over: the space may be another
         object's by now). -> ["migrate", key, ok, detail, fid]."""
@@ -176,8 +185,14 @@ class NodeTier:
                 else:
                     self.disk.read_into(key, view[:size])
                     addr = base
-                [err] = self.engine.write_spans(SegmentDescriptor.from_wire(descs[dest]), region_id, [addr], [off],
-                                                [size], timeout_ms=self.cfg.rpc_timeout_ms)
+                [err] = self.engine.write_spans(
+                    SegmentDescriptor.from_wire(descs[dest]),
+                    region_id,
+                    [addr],
+                    [off],
+                    [size],
+                    timeout_ms=self.cfg.rpc_timeout_ms,
+                )
         except KeyNotFound:
             return ["migrate", key, False, "missing", fid]
         except CorruptFile:
@@ -205,7 +220,7 @@ class NodeTier:
                 continue
             off, size = value
             try:
-                self.disk.read_into(key, self.mem[off:off + size])
+                self.disk.read_into(key, self.mem[off : off + size])
                 commits.append([key, True, None])
                 out.append([OK, None])
             except (KeyNotFound, CorruptFile, OSError) as e:
@@ -220,7 +235,7 @@ class NodeTier:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None and threading.current_thread() is not self._thread:   # a write may run
+        if self._thread is not None and threading.current_thread() is not self._thread:  # a write may run
             self._thread.join(timeout=5 + 2 * self.cfg.rpc_timeout_ms / 1000)
         if self.server:
             self.server.close()
