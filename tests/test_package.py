@@ -187,8 +187,8 @@ def test_ruff_format_leaves_code_unchanged():
 
 def test_strict_modules_type_check():
     """mypy --strict over pyproject's [tool.mypy] files (wire schemas and replies, transfer API, the vLLM connector,
-    the SGLang HiCache backend): no error, no explicit Any (disallow_any_explicit) and no `type: ignore` in them.
-    mypy comes with the test extra."""
+    the SGLang HiCache backend, the Mooncake API class): no error, no explicit Any (disallow_any_explicit) and no
+    `type: ignore` in them. mypy comes with the test extra."""
     import subprocess
     import sys
     import tomllib

@@ -54,6 +54,7 @@ from kvplugins.mooncake.replicas import ReplicaMethods
 from kvplugins.mooncake.parallel import ParallelMethods
 from kvplugins.mooncake.sessions import SessionMethods
 from kvplugins.mooncake.tasks import TaskMethods
+from kvplugins.store.wire import replies
 from kvplugins.mooncake.tensor_buffers import TensorBufferMethods
 from kvplugins.transfer.memory import view_of
 
@@ -85,11 +86,17 @@ class MooncakeDistributedStore(
         Mooncake's parser reads them). Returns 0, or a negative code."""
         if len(args) == 1 and not kwargs and isinstance(args[0], dict):
             return self._setup_dict(args[0])
-        return self._setup(*args, **kwargs)
+        return self._setup_call(args, kwargs)
 
     @guard()
     def _setup_dict(self, config: dict[str, object]) -> int:
-        return self._setup(**_setup_kwargs(config))
+        return self._setup_call((), _setup_kwargs(config))
+
+    def _setup_call(self, args: tuple[object, ...], kwargs: dict[str, object]) -> int:
+        """_setup with ``args``/``kwargs`` bound and converted as pybind11 would (a TypeError naming the supported
+        form for a missing, unknown or mistyped argument)."""
+        bound = checks.check_call(self._setup, SETUP_SIGNATURE, SETUP_CASTS, args, kwargs)
+        return self._setup(*bound.args, **bound.kwargs)
 
     @pybind
     @guard()
@@ -277,7 +284,7 @@ class MooncakeDistributedStore(
     def remove(self, key: str, force: bool = False) -> int:
         """Remove ``key``: 0, OBJECT_NOT_FOUND, or OBJECT_HAS_LEASE while a read lease runs (unless ``force``;
         even then the reader's bytes stay valid until its lease ends)."""
-        [result] = self._call("remove_checked", [key], {"force": bool(force)})
+        [result] = replies.outcomes(self._call("remove_checked", [key], {"force": bool(force)}), "remove_checked")
         return {"removed": OK, "leased": OBJECT_HAS_LEASE}.get(result, OBJECT_NOT_FOUND)
 
     @pybind
@@ -315,23 +322,18 @@ class MooncakeDistributedStore(
 
         return None if config is DEFAULT else config.to_put_config(from_client(self._c.cfg))
 
-    def _call(self, op: str, entries: list[object], opts: dict[str, object] | None = None):
-        """One master op (the admin ops of store/master/admin_ops.py), as the role it needs."""
-        return self._c.master_call(op, entries, opts)
+    def _call(self, op: str, entries: list[object], opts: dict[str, object] | None = None) -> object:
+        """One master op (the admin ops of store/master/admin_ops.py), as the role it needs: its payload, to be
+        decoded by store/wire/replies.py."""
+        payload: object = self._c.master_call(op, entries, opts)
+        return payload
 
     def _sizes(self, keys: list[str]) -> list[int]:
-        from kvplugins.store.wire.protocol import OK as FOUND
-
-        found = self._call("get_size", list(keys))
-        return [size if code == FOUND else OBJECT_NOT_FOUND for code, size in found]
+        found = replies.sizes(self._call("get_size", list(keys)))
+        return [OBJECT_NOT_FOUND if size is None else size for size in found]
 
     def _count(self, op: str, entries: list[object], force: bool) -> int:
-        from kvplugins.store.wire.protocol import OK as DONE
-
-        code, value = self._call(op, entries, {"force": bool(force)})
-        if code != DONE:
-            raise ValueError(value)
-        return int(value)
+        return replies.count(self._call(op, entries, {"force": bool(force)}), op)
 
 
 def _plausible(addr: int, nbytes: int) -> bool:
@@ -355,7 +357,11 @@ def _first_code(errors: Iterable[BaseException | None]) -> int:
     return next((code_of(e) for e in errors if e is not None), OK)
 
 
-MooncakeDistributedStore.setup.__signature__ = inspect.signature(MooncakeDistributedStore._setup)
+SETUP_SIGNATURE = inspect.signature(MooncakeDistributedStore._setup).replace(
+    parameters=list(inspect.signature(MooncakeDistributedStore._setup).parameters.values())[1:]
+)  # Mooncake's setup form without self, as pybind11 prints it
+SETUP_CASTS: dict[str, checks.Convert | checks.ConvertEach] = {}  # _setup's own pybind check converts
+setattr(MooncakeDistributedStore.setup, "__signature__", SETUP_SIGNATURE)  # help() and inspect show that form
 
 
 SETUP_KEYS = (
@@ -390,8 +396,8 @@ def _setup_kwargs(config: dict[str, object]) -> dict[str, object]:
     }
     out.update((k, v) for k, v in config.items() if k in SETUP_KEYS)
     for name in ("global_segment_size", "local_buffer_size"):
-        if isinstance(out[name], str):
-            out[name] = checks.byte_size(name, out[name])
+        if isinstance(size := out[name], str):
+            out[name] = checks.byte_size(name, size)
     return out
 
 

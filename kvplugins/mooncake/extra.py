@@ -18,6 +18,7 @@ import numpy as np
 from kvplugins.errors import KeyNotFound, MasterUnreachable, StoreError
 from kvplugins.mooncake.codes import OK, guard, per_key, code_of, log, pybind
 from kvplugins.mooncake.checks import DEFAULT, I32, Buffer, ReplicateConfig
+from kvplugins.store.wire import replies
 
 TENSOR_NAME = "tensor"
 SHARD_META = "mooncake_shard"  # safetensors metadata entry of a parallel tensor's shard (tensor_bytes)
@@ -70,7 +71,7 @@ class ExtraMethods:
         """Per key 0, OBJECT_NOT_FOUND or OBJECT_HAS_LEASE (a read lease runs and not ``force``); one RPC."""
         from kvplugins.mooncake.codes import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND
 
-        results = self._call("remove_checked", list(keys), {"force": bool(force)})
+        results = replies.outcomes(self._call("remove_checked", list(keys), {"force": bool(force)}), "remove_checked")
         return [{"removed": OK, "leased": OBJECT_HAS_LEASE}.get(r, OBJECT_NOT_FOUND) for r in results]
 
     # ---- upsert: insert or replace ----------------------------------------------------------------------

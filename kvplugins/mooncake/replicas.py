@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvplugins.store.wire import protocol
+from kvplugins.store.wire import protocol, replies
 from kvplugins.mooncake.codes import INVALID_PARAMS, OBJECT_NOT_FOUND, guard, code_of, pybind
 from kvplugins.mooncake.checks import DEFAULT, ReplicateConfig
 
@@ -90,7 +90,7 @@ class ReplicaMethods:
         ``segment_name`` only the replica on that segment (an object left without one goes); returns the keys
         cleared. Chosen by the master in one pass, taking no lease (Mooncake 0.3.13 BatchReplicaClear)."""
         opts = {"force": False, "segment": segment_name} if segment_name else {"force": False}
-        results = self._call("remove_checked", list(keys), opts)
+        results = replies.outcomes(self._call("remove_checked", list(keys), opts), "remove_checked")
         return [k for k, r in zip(keys, results) if r in ("removed", "cleared")]
 
     @pybind
