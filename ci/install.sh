@@ -33,7 +33,7 @@ if command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }; t
   need=()
   for p in iproute2 libibverbs1 etcd-server qemu-system-x86 linux-image-amd64 busybox-static cpio rdma-core \
            ibverbs-providers ibverbs-utils python3-pyverbs perftest \
-           libxxhash-dev; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
+           libxxhash-dev nftables iptables; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
   if [ ${#need[@]} -gt 0 ]; then
     log "apt-get install ${need[*]}"
     $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

@@ -1,0 +1,223 @@
+"""A store deployed over the hosts of a Net (net.py): what runs where, started, restarted and stopped as processes
+of their hosts, all with the cluster secret (every bind is non-loopback).
+
+kvplugins' layout, ``Deployment(net, tmp)`` with N >= 5 hosts:
+  h1          etcd (the HA masters' election and journal)
+  h2, h3      `kvplugins master --etcd` (an HA pair) + a workload client each (engine hosts without a node)
+  h4 .. hN    `kvplugins store` (a DRAM node) + a workload client each (engine hosts with a node)
+Clients and nodes take ``etcd://10.99.0.1:2379`` as their master address and follow the leader.
+
+Mooncake's layout (``system="mooncake"``), the same hosts doing the same jobs with Mooncake 0.3.13's own processes
+(mooncake_side.py): h2 runs ``mooncake_master`` with its HTTP metadata server (one master: its HA mode needs an
+etcd-enabled build and was not tried), h3 only a client, h4 .. hN a segment-only Mooncake process each (its store
+node), clients on h2 .. hN; h1 stays idle. Every process
+writes its log to ``tmp/<name>.log``; ``procs`` maps name -> Proc with its role and host, which the nemesis picks
+its targets from. Ports are fixed inside the namespaces (each has its own port space; nothing can collide).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.cluster import mooncake_side
+from tests.cluster.net import Net
+
+ETCD_PORT, MASTER_PORT = 2379, 7100
+MOONCAKE_RPC_PORT, MOONCAKE_META_PORT, MOONCAKE_METRICS = 50051, 8080, 9003
+START_TIMEOUT_S = 60.0
+KVP = [sys.executable, "-c", "import sys; from kvplugins.cli import main; sys.exit(main())"]
+
+
+@dataclass
+class Proc:
+    """One process of the deployment. ``killed``: the nemesis killed it (so its exit is no crash)."""
+
+    name: str
+    role: str  # etcd | master | node | client
+    host: int
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen | None = None
+    killed: int = 0
+    stopped: bool = False
+    exits: list[int] = field(default_factory=list)  # return codes of earlier incarnations
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.popen is not None
+            self.popen.send_signal(sig)
+
+    def log_tail(self, n: int = 2000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+class Deployment:
+    """Starts etcd, the HA master pair, the nodes and the workload clients on ``net``; ``stop()`` stops all."""
+
+    def __init__(self, net: Net, tmp: Path, run: str, seed: int, system: str = "kvplugins", segment_mib: int = 512):
+        if net.n < 5:
+            raise ValueError(f"hosts={net.n}: a deployment needs >= 5 (etcd, 2 masters, 2 nodes for 2 replicas)")
+        if system not in ("kvplugins", "mooncake"):
+            raise ValueError(f"system={system!r}: use 'kvplugins' or 'mooncake'")
+        self.net, self.tmp, self.run, self.seed, self.system = net, tmp, run, seed, system
+        self.segment_mib = segment_mib
+        self.procs: dict[str, Proc] = {}
+        token = tmp / "token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        self.env = {**os.environ, "KVPLUGINS_AUTH_TOKEN_FILE": str(token), "PYTHONUNBUFFERED": "1"}
+        self.master = f"etcd://{net.ip(1)}:{ETCD_PORT}"
+        if system == "mooncake":
+            self.master = mooncake_side.master_address(net.ip(2), MOONCAKE_RPC_PORT, MOONCAKE_META_PORT)
+        self.stop_file = tmp / "stop"
+
+    # ---- layout -------------------------------------------------------------------------------------
+    def masters(self) -> list[int]:
+        return [2, 3] if self.system == "kvplugins" else [2]
+
+    def node_hosts(self) -> list[int]:
+        return list(range(4, self.net.n + 1))
+
+    def client_hosts(self) -> list[int]:
+        return list(range(2, self.net.n + 1))
+
+    def start(self) -> None:
+        if self.system == "mooncake":
+            return self._start_mooncake()
+        self._start_etcd()
+        for i in self.masters():
+            self._add("master", i, [*KVP, "master", "--etcd", f"http://{self.net.ip(1)}:{ETCD_PORT}",
+                                    "--host", self.net.ip(i), "--port", str(MASTER_PORT)])  # fmt: skip
+        self._wait_leader()
+        for i in self.node_hosts():
+            ready = self.tmp / f"node{i}.ready"
+            self._add("node", i, [*KVP, "store", "--master", self.master, "--host", self.net.ip(i),
+                                  "--segment-size", f"{self.segment_mib}MiB", "--ready-file", str(ready)])  # fmt: skip
+            self._wait_file(self.procs[f"node{i}"], ready)
+        for i in self.client_hosts():
+            self.add_client(i)
+
+    def _start_mooncake(self) -> None:
+        argv = mooncake_side.master_command(self.net.ip(2), MOONCAKE_RPC_PORT, MOONCAKE_META_PORT, MOONCAKE_METRICS)
+        self._add("master", 2, argv)
+        self._wait_leader()
+        for i in self.node_hosts():
+            ready = self.tmp / f"node{i}.ready"
+            self._add("node", i, [sys.executable, "-m", "tests.cluster.mooncake_side", "node", "--master", self.master,
+                                  "--host-ip", self.net.ip(i), "--segment-size", str(self.segment_mib << 20),
+                                  "--ready-file", str(ready)])  # fmt: skip
+            self._wait_file(self.procs[f"node{i}"], ready)
+        for i in self.client_hosts():
+            self.add_client(i)
+
+    def add_client(self, i: int, final: Path | None = None, name: str | None = None) -> Proc:
+        name = name or f"client{i}"
+        argv = [sys.executable, "-m", "tests.cluster.workload", "--master", self.master, "--host-ip", self.net.ip(i),
+                "--client", name, "--host", f"h{i}", "--history", str(self.tmp / f"{name}.jsonl"), "--run", self.run,
+                "--seed", str(self.seed), "--stop-file", str(self.stop_file), "--system", self.system]  # fmt: skip
+        if final is not None:
+            argv += ["--final", str(final)]
+        return self._add("client", i, argv, name=name)
+
+    def _start_etcd(self) -> None:
+        url = f"http://{self.net.ip(1)}"
+        argv = ["etcd", "--name", "h1", "--data-dir", str(self.tmp / "etcd"),
+                "--listen-client-urls", f"{url}:{ETCD_PORT}", "--advertise-client-urls", f"{url}:{ETCD_PORT}",
+                "--listen-peer-urls", f"{url}:{ETCD_PORT + 1}",
+                "--initial-advertise-peer-urls", f"{url}:{ETCD_PORT + 1}",
+                "--initial-cluster", f"h1={url}:{ETCD_PORT + 1}", "--logger", "zap", "--log-level", "warn"]  # fmt: skip
+        self._add("etcd", 1, argv)
+
+    # ---- processes ------------------------------------------------------------------------------------
+    def _add(self, role: str, i: int, argv: list[str], name: str | None = None) -> Proc:
+        name = name or f"{role}{i}"
+        proc = Proc(name, role, i, argv, self.tmp / f"{name}.log")
+        self.procs[name] = proc
+        self.spawn(proc)
+        return proc
+
+    def spawn(self, proc: Proc) -> None:
+        """(Re)start ``proc`` in its host; an earlier incarnation's exit code is kept in ``exits``."""
+        if proc.popen is not None:
+            proc.exits.append(proc.popen.wait(timeout=30))
+        with open(proc.log, "ab") as log:
+            proc.popen = subprocess.Popen(
+                self.net.command(proc.host, proc.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=Path(__file__).resolve().parents[2],
+                start_new_session=True,
+            )
+        proc.stopped = False
+
+    def _wait_file(self, proc: Proc, path: Path) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (path.exists() and path.read_text().strip()):
+            if not proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{proc.name} not ready:\n{proc.log_tail()}")
+            time.sleep(0.05)
+
+    def leader(self) -> int | None:
+        """The host of the current leader master (asked from inside host 2), or None."""
+        if self.system == "mooncake":
+            code = (
+                f"import socket\ntry:\n socket.create_connection(({self.net.ip(2)!r}, {MOONCAKE_RPC_PORT}), 1).close()"
+            )
+            code += "\n print('up')\nexcept OSError:\n pass"
+        else:
+            code = (
+                "from kvplugins.store.client.follower import leader_info\n"
+                f"info = leader_info({self.master!r}, 1500)\nprint(info['raw'] if info else '')"
+            )
+        out = subprocess.run(self.net.command(2, [sys.executable, "-c", code]), capture_output=True, text=True,
+                             env=self.env, timeout=30)  # fmt: skip
+        raw = out.stdout.strip()
+        if self.system == "mooncake":
+            return 2 if raw == "up" else None
+        return next((i for i in self.masters() if raw.startswith(self.net.ip(i) + ":")), None)
+
+    def _wait_leader(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self.leader() is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no master leader:\n" + self.procs["master2"].log_tail())
+            time.sleep(0.3)
+
+    def stop_clients(self, timeout_s: float = 60.0) -> None:
+        """Ask every workload client to stop (the stop file) and wait for them."""
+        self.stop_file.touch()
+        for p in self.procs.values():
+            if p.role == "client" and p.popen is not None:
+                if p.stopped:
+                    p.signal(signal.SIGCONT)
+                try:
+                    p.popen.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait()
+
+    def stop(self) -> None:
+        """SIGTERM every process (SIGCONT first), SIGKILL what is left after 15 s."""
+        for p in self.procs.values():
+            p.signal(signal.SIGCONT)
+            p.signal(signal.SIGTERM)
+        for p in self.procs.values():
+            if p.popen is None:
+                continue
+            try:
+                p.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
