@@ -5,8 +5,9 @@ its own (so each TTFT is clean), writes a JSON result and exits, so no KV surviv
 runs: a later engine can only reuse KV through the store. Result fields: ``tokens`` (greedy ids per prompt),
 ``prompt_tokens`` (prompt lengths), ``ttft_ms`` (engine-measured time to first token, ms),
 ``external_hit_tokens`` (vLLM's vllm:external_prefix_cache_hits counter), ``local_hit_tokens``,
-``wall_s`` (seconds of each generate call), ``preemptions`` (vllm:num_preemptions), ``finish_reasons``, ``kvplugins`` (the connector's ``vllm:kvplugins_*``
-counters as vLLM's Prometheus metrics show them, name without prefix -> value).
+``wall_s`` (seconds of each generate call), ``started_s`` (its start, Unix time), ``preemptions``
+(vllm:num_preemptions), ``finish_reasons``, ``kvplugins`` (the connector's ``vllm:kvplugins_*`` counters as vLLM's
+Prometheus metrics show them, name without prefix -> value).
 """
 
 from __future__ import annotations
@@ -156,12 +157,13 @@ def _child(spec: EngineSpec) -> dict:
     result = {"tokens": [], "prompt_tokens": [], "prompt_token_ids": [], "ttft_ms": [], "finish_reasons": []}
     groups = [spec.prompts] if spec.batch else [[p] for p in spec.prompts]
     for group in groups:
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         outs = llm.generate(
             [{"prompt_token_ids": p} if isinstance(p, list) else p for p in group], params, use_tqdm=False
         )
         wall = time.perf_counter() - t0
         result.setdefault("wall_s", []).append(wall)
+        result.setdefault("started_s", []).append(started)
         for out in outs:
             ttft = getattr(out.metrics, "first_token_latency", 0.0) or wall
             result["tokens"].append(list(out.outputs[0].token_ids))

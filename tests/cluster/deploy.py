@@ -2,10 +2,12 @@
 of their hosts, all with the cluster secret (every bind is non-loopback).
 
 kvplugins' layout, ``Deployment(net, tmp)`` with N >= 5 hosts:
-  h1          etcd (the HA masters' election and journal)
-  h2, h3      `kvplugins master --etcd` (an HA pair) + a workload client each (engine hosts without a node)
+  h1          an etcd member (the masters' election and journal: a three-member etcd on h1, h2 and h3)
+  h2, h3      an etcd member and `kvplugins master --etcd` (an HA pair) + a workload client each (engine hosts
+              without a node)
   h4 .. hN    `kvplugins store` (a DRAM node) + a workload client each (engine hosts with a node)
-Clients and nodes take ``etcd://10.99.0.1:2379`` as their master address and follow the leader.
+Clients and nodes take ``etcd://10.99.0.1:2379,10.99.0.2:2379,10.99.0.3:2379`` as their master address and follow
+the leader.
 
 Mooncake's layout (``system="mooncake"``), the same hosts doing the same jobs with Mooncake 0.3.13's own processes
 (mooncake_side.py): h2 runs ``mooncake_master`` with its HTTP metadata server (one master: its HA mode needs an
@@ -64,19 +66,30 @@ class Proc:
 class Deployment:
     """Starts etcd, the HA master pair, the nodes and the workload clients on ``net``; ``stop()`` stops all."""
 
-    def __init__(self, net: Net, tmp: Path, run: str, seed: int, system: str = "kvplugins", segment_mib: int = 512):
-        if net.n < 5:
+    def __init__(
+        self,
+        net: Net,
+        tmp: Path,
+        run: str,
+        seed: int,
+        system: str = "kvplugins",
+        segment_mib: int = 512,
+        spare: int = 0,
+    ):
+        if net.n - spare < 5:
             raise ValueError(f"hosts={net.n}: a deployment needs >= 5 (etcd, 2 masters, 2 nodes for 2 replicas)")
         if system not in ("kvplugins", "mooncake"):
             raise ValueError(f"system={system!r}: use 'kvplugins' or 'mooncake'")
         self.net, self.tmp, self.run, self.seed, self.system = net, tmp, run, seed, system
-        self.segment_mib = segment_mib
+        self.segment_mib, self.spare = segment_mib, spare  # spare: the last hosts run nothing of the store
         self.procs: dict[str, Proc] = {}
         token = tmp / "token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
         self.env = {**os.environ, "KVPLUGINS_AUTH_TOKEN_FILE": str(token), "PYTHONUNBUFFERED": "1"}
-        self.master = f"etcd://{net.ip(1)}:{ETCD_PORT}"
+        self.etcd_hosts = [1, 2, 3]  # a three-member etcd: losing one coordination host is survivable
+        self.etcd_urls = ",".join(f"http://{net.ip(i)}:{ETCD_PORT}" for i in self.etcd_hosts)
+        self.master = "etcd://" + ",".join(f"{net.ip(i)}:{ETCD_PORT}" for i in self.etcd_hosts)
         if system == "mooncake":
             self.master = mooncake_side.master_address(net.ip(2), MOONCAKE_RPC_PORT, MOONCAKE_META_PORT)
         self.stop_file = tmp / "stop"
@@ -86,17 +99,18 @@ class Deployment:
         return [2, 3] if self.system == "kvplugins" else [2]
 
     def node_hosts(self) -> list[int]:
-        return list(range(4, self.net.n + 1))
+        return list(range(4, self.net.n + 1 - self.spare))
 
     def client_hosts(self) -> list[int]:
-        return list(range(2, self.net.n + 1))
+        return list(range(2, self.net.n + 1 - self.spare))
 
-    def start(self) -> None:
+    def start(self, clients: bool = True) -> None:
+        """Start everything of the layout; ``clients=False``: no workload clients (a test brings its own)."""
         if self.system == "mooncake":
-            return self._start_mooncake()
+            return self._start_mooncake(clients)
         self._start_etcd()
         for i in self.masters():
-            self._add("master", i, [*KVP, "master", "--etcd", f"http://{self.net.ip(1)}:{ETCD_PORT}",
+            self._add("master", i, [*KVP, "master", "--etcd", self.etcd_urls,
                                     "--host", self.net.ip(i), "--port", str(MASTER_PORT)])  # fmt: skip
         self._wait_leader()
         for i in self.node_hosts():
@@ -104,10 +118,10 @@ class Deployment:
             self._add("node", i, [*KVP, "store", "--master", self.master, "--host", self.net.ip(i),
                                   "--segment-size", f"{self.segment_mib}MiB", "--ready-file", str(ready)])  # fmt: skip
             self._wait_file(self.procs[f"node{i}"], ready)
-        for i in self.client_hosts():
+        for i in self.client_hosts() if clients else ():
             self.add_client(i)
 
-    def _start_mooncake(self) -> None:
+    def _start_mooncake(self, clients: bool) -> None:
         argv = mooncake_side.master_command(self.net.ip(2), MOONCAKE_RPC_PORT, MOONCAKE_META_PORT, MOONCAKE_METRICS)
         self._add("master", 2, argv)
         self._wait_leader()
@@ -117,7 +131,7 @@ class Deployment:
                                   "--host-ip", self.net.ip(i), "--segment-size", str(self.segment_mib << 20),
                                   "--ready-file", str(ready)])  # fmt: skip
             self._wait_file(self.procs[f"node{i}"], ready)
-        for i in self.client_hosts():
+        for i in self.client_hosts() if clients else ():
             self.add_client(i)
 
     def add_client(self, i: int, final: Path | None = None, name: str | None = None) -> Proc:
@@ -130,13 +144,15 @@ class Deployment:
         return self._add("client", i, argv, name=name)
 
     def _start_etcd(self) -> None:
-        url = f"http://{self.net.ip(1)}"
-        argv = ["etcd", "--name", "h1", "--data-dir", str(self.tmp / "etcd"),
-                "--listen-client-urls", f"{url}:{ETCD_PORT}", "--advertise-client-urls", f"{url}:{ETCD_PORT}",
-                "--listen-peer-urls", f"{url}:{ETCD_PORT + 1}",
-                "--initial-advertise-peer-urls", f"{url}:{ETCD_PORT + 1}",
-                "--initial-cluster", f"h1={url}:{ETCD_PORT + 1}", "--logger", "zap", "--log-level", "warn"]  # fmt: skip
-        self._add("etcd", 1, argv)
+        peers = ",".join(f"h{i}=http://{self.net.ip(i)}:{ETCD_PORT + 1}" for i in self.etcd_hosts)
+        for i in self.etcd_hosts:
+            url = f"http://{self.net.ip(i)}"
+            argv = ["etcd", "--name", f"h{i}", "--data-dir", str(self.tmp / f"etcd{i}"),
+                    "--listen-client-urls", f"{url}:{ETCD_PORT}", "--advertise-client-urls", f"{url}:{ETCD_PORT}",
+                    "--listen-peer-urls", f"{url}:{ETCD_PORT + 1}",
+                    "--initial-advertise-peer-urls", f"{url}:{ETCD_PORT + 1}", "--initial-cluster", peers,
+                    "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "warn"]  # fmt: skip
+            self._add("etcd", i, argv)
 
     # ---- processes ------------------------------------------------------------------------------------
     def _add(self, role: str, i: int, argv: list[str], name: str | None = None) -> Proc:

@@ -135,8 +135,11 @@ class Nemesis:
 
     # ---- the kinds ------------------------------------------------------------------------------------
     def _isolate_host(self) -> Callable[[], None]:
-        i = self._host()
-        self._open("isolate_host", [f"h{i}"], [i])
+        return self.isolate(self._host())
+
+    def isolate(self, i: int, kind: str = "isolate_host") -> Callable[[], None]:
+        """Cut host i off (logged as ``kind``); returns the heal."""
+        self._open(kind, [f"h{i}"], [i])
         self.d.net.cut(i)
         return lambda: self.d.net.heal(i)
 
