@@ -26,6 +26,8 @@ COUNTERS = (
     ("segments lost", "segments_lost"),
     ("objects lost", "objects_lost"),
     ("objects restored", "objects_restored"),
+    ("replicas to copy again", "repairs_queued"),
+    ("re-replications", "repairs_started"),
     ("pending puts", "pending"),
     ("zombie ranges", "zombies"),
 )

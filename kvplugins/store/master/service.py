@@ -22,6 +22,7 @@ from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes,
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.master.metadata import Object, ObjectTable
 from kvplugins.store.master.quotas import Quotas, refuse
+from kvplugins.store.master.repair import Repairs
 from kvplugins.store.master.segments import Segment, SegmentOwned, SegmentRegistry, TooMany, owner_digest
 from kvplugins.store.master.slabs import Slabs
 from kvplugins.store.master.tiering import Tiering
@@ -60,6 +61,8 @@ COUNTERS = (
     "segments_refused",
     "lookup_keys",
     "lookup_hits",
+    "repairs_started",
+    "repairs_given_up",
 )
 
 
@@ -95,6 +98,7 @@ class MasterService:
         self.table = ObjectTable()
         self.segments = SegmentRegistry(config.alloc_align)
         self.manifests = liveness.Manifests()  # objects of segments removed for silence, by segment name
+        self.repairs = Repairs(self)  # objects short of the replicas they had, and their copy tasks (repair.py)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.quotas = Quotas(config, lambda: sum(s.size for s in self.segments))
         self.caller = ""  # identity of the request being run (master/quotas.py; "" = the cluster)
@@ -596,6 +600,8 @@ class MasterService:
         for obj in objs:
             held = obj.replicas
             obj.replicas = [(n, o) for n, o in held if n != name]
+            if obj.replicas and obj.complete:  # a second replica lives on: copy it again elsewhere
+                self.repairs.lost(obj, len(held))
             if obj.replicas or self.tiering.keeps(obj):  # (kept: it lives on in a node's disk)
                 changed.append(obj)
                 continue
@@ -642,6 +648,7 @@ class MasterService:
         self.slabs.tick(now)
         expire_soft_pins(self.table, now)
         self.tiering.tick(now)
+        self.repairs.tick(now)
         self.evict_watermarks(now)
         if self.shard is not None:
             self.shard.tick(self, now)
@@ -701,6 +708,7 @@ class MasterService:
             "segments": segs,
             "objects": len(self.table),
             "manifest_objects": len(self.manifests),
+            "repairs_queued": len(self.repairs),
             "pending": self.table.pending_count(),
             "pinned": self.table.pinned_count(),
             "zombies": len(self.zombies),
