@@ -5,7 +5,7 @@ Checks (issue #34):
 1. wrong bytes: a get or final_get answered bytes whose digest is not that of the key's one value. Must be 0.
 2. acknowledged objects lost: a key with an acknowledged put that the after-the-heal read (final_get) misses or
    fails. Explained when at least ``replicas`` store nodes were SIGKILLed after the put (every replica may have
-   been on them: nothing re-replicates yet); otherwise unexplained, and the run fails.
+   been on them, faster than re-replication could copy it); otherwise unexplained, and the run fails.
 3. unavailability per fault kind: for each window, the longest stretch in which a healthy client (not on a host the
    fault touched, not itself the target) saw its operations fail: from the first failing op's start to the end of
    the next op that succeeded (or the window's end plus the recovery allowance); and its slowest single operation
