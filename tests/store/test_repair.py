@@ -48,8 +48,11 @@ def test_a_lost_nodes_replicas_are_copied_again_so_a_second_loss_keeps_every_obj
         first.kill()
         _wait("the first node removed", lambda: fetch(c.master, 5000)["segments_lost"] == 1, 10)
         _wait(
-            "every object on 2 live segments again",
-            lambda: all(len(s) == 2 and first.address not in s for s in _segments(client, keys)),
+            "every object on 2 live segments again, and the repair queue empty",
+            lambda: (
+                all(len(s) == 2 and first.address not in s for s in _segments(client, keys))
+                and fetch(c.master, 5000)["repairs_queued"] == 0  # a sweep (tick_ms) after the last copy
+            ),
             20,
         )
         st = fetch(c.master, 5000)
