@@ -59,9 +59,10 @@ class EngineSpec:
     pp: int = 1
 
 
-def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = None) -> dict:
-    """Run ``spec`` in a new Python process; returns its result dict. Raises KVPluginsError (with the log's
-    tail) if the process fails or runs past ``timeout_s``."""
+def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = None, wrap=None) -> dict:
+    """Run ``spec`` in a new Python process; returns its result dict. ``wrap``: argv -> the argv to start instead
+    (e.g. inside a network namespace). Raises KVPluginsError (with the log's tail) if the process fails or runs
+    past ``timeout_s``."""
     with tempfile.TemporaryDirectory(prefix="kvp-engine-") as tmp:
         spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_file.write_text(json.dumps(asdict(spec)))
@@ -73,8 +74,9 @@ def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = N
         }
         log = Path(log_path) if log_path else Path(tmp, "engine.log")
         with open(log, "w") as fh:
+            argv = [sys.executable, "-m", "kvplugins.demo.engine", str(spec_file), str(out_file)]
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kvplugins.demo.engine", str(spec_file), str(out_file)],
+                wrap(argv) if wrap is not None else argv,
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 env=env,

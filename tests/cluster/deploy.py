@@ -197,12 +197,16 @@ class Deployment:
                 "from kvplugins.store.client.follower import leader_info\n"
                 f"info = leader_info({self.master!r}, 1500)\nprint(info['raw'] if info else '')"
             )
-        out = subprocess.run(self.net.command(2, [sys.executable, "-c", code]), capture_output=True, text=True,
-                             env=self.env, timeout=30)  # fmt: skip
-        raw = out.stdout.strip()
+        raw = self.ask(code)
         if self.system == "mooncake":
             return 2 if raw == "up" else None
         return next((i for i in self.masters() if raw.startswith(self.net.ip(i) + ":")), None)
+
+    def ask(self, code: str, host: int = 2, timeout_s: float = 30) -> str:
+        """What Python ``code`` prints, run as a process of ``host`` with the cluster's secret (stripped)."""
+        out = subprocess.run(self.net.command(host, [sys.executable, "-c", code]), capture_output=True, text=True,
+                             env=self.env, timeout=timeout_s)  # fmt: skip
+        return out.stdout.strip()
 
     def _wait_leader(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

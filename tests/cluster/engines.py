@@ -11,10 +11,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 
-from kvplugins.demo.engine import EngineSpec
+from kvplugins.demo.engine import EngineSpec, run_fresh
 from tests.cluster.net import Net
 
 SERVER_PORT = 8000  # inside each host's own namespace: nothing can collide
@@ -32,29 +32,12 @@ def prompts(n: int, seed: int = 34) -> list[list[int]]:
 
 
 def run_engine(net: Net, host: int, spec: EngineSpec, env: dict, out_dir: Path, name: str, timeout_s: float) -> dict:
-    """Run ``spec`` as a fresh engine process in ``host``; its result dict (demo/engine.py). Raises RuntimeError
-    with the log's tail when it fails or runs past ``timeout_s``."""
-    spec_file, out_file, log = out_dir / f"{name}.spec.json", out_dir / f"{name}.out.json", out_dir / f"{name}.log"
-    spec_file.write_text(json.dumps(asdict(spec)))
-    env = {**env, "VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    argv = [sys.executable, "-m", "kvplugins.demo.engine", str(spec_file), str(out_file)]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(net.command(host, argv), stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    if rc != 0 or not out_file.exists():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        raise RuntimeError(f"engine {name} failed (exit {rc}, limit {timeout_s:g} s); log tail:\n{tail}")
-    return json.loads(out_file.read_text())
+    """Run ``spec`` as a fresh engine process in ``host`` (demo/engine.py's run_fresh, its engine core in process),
+    with ``env``'s settings that differ from this process's; its result dict. Raises KVPluginsError with the log's
+    tail when it fails or runs past ``timeout_s``."""
+    extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    spec = replace(spec, env={**spec.env, **extra, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return run_fresh(spec, timeout_s, str(out_dir / f"{name}.log"), wrap=lambda argv: net.command(host, argv))
 
 
 class NsServer:

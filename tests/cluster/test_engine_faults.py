@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 
@@ -33,10 +31,10 @@ RPC_MS, TRANSFER_MS = 1000, 2000
 
 def _lookups(d: Deployment) -> int:
     """The master's lookup_keys counter (asked from inside host 2)."""
-    code = f"from kvplugins.cli.status import fetch\nprint(fetch({d.master!r}, 3000)['lookup_keys'])"
-    out = subprocess.run(d.net.command(2, [sys.executable, "-c", code]), capture_output=True, text=True,
-                         env=d.env, timeout=60)  # fmt: skip
-    return int(out.stdout.strip() or -1)
+    return int(
+        d.ask(f"from kvplugins.cli.status import fetch\nprint(fetch({d.master!r}, 3000)['lookup_keys'])", timeout_s=60)
+        or -1
+    )
 
 
 def _faults(nem: Nemesis, done: threading.Event) -> None:

@@ -93,17 +93,17 @@ def _chain(rng: random.Random, run: str, client: str, step: int) -> list[str]:
     return [page_key(run, f"chain{cid}", i, size) for i in range(pages)]
 
 
-def _get(store: Store, rec: Recorder, keys: list[str]) -> None:
+def _get(store: Store, rec: Recorder, keys: list[str], op: str = "get") -> None:
     t0 = time.time()
     try:
         got = store.batch_get(keys)
     except Exception as e:  # noqa: BLE001 - recorded, the history is the verdict
-        rec.record("get", keys, t0, ["error"] * len(keys), errors=[repr(e)] * len(keys))
+        rec.record(op, keys, t0, ["error"] * len(keys), errors=[repr(e)] * len(keys))
         return
     results = ["miss" if v is None else "error" if isinstance(v, Exception) else "ok" for v in got]
     digests = [digest_of(v) if isinstance(v, bytes) else None for v in got]
     errors = [repr(v) if isinstance(v, Exception) else None for v in got]
-    rec.record("get", keys, t0, results, digests, errors)
+    rec.record(op, keys, t0, results, digests, errors)
 
 
 def _put(store: Store, rec: Recorder, keys: list[str]) -> None:
@@ -136,17 +136,7 @@ def step(store: Store, rec: Recorder, rng: random.Random, run: str, client: str,
 def final(store: Store, rec: Recorder, keys: list[str], batch: int = 16) -> None:
     """Read every key once (op final_get), in batches."""
     for i in range(0, len(keys), batch):
-        part, t0 = keys[i : i + batch], time.time()
-        try:
-            got = store.batch_get(part)
-        except Exception as e:  # noqa: BLE001
-            rec.record("final_get", part, t0, ["error"] * len(part), errors=[repr(e)] * len(part))
-            continue
-        results = ["miss" if v is None else "error" if isinstance(v, Exception) else "ok" for v in got]
-        digests = [digest_of(v) if isinstance(v, bytes) else None for v in got]
-        rec.record(
-            "final_get", part, t0, results, digests, [repr(v) if isinstance(v, Exception) else None for v in got]
-        )
+        _get(store, rec, keys[i : i + batch], op="final_get")
 
 
 def main(argv: list[str] | None = None) -> None:

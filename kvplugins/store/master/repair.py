@@ -53,6 +53,8 @@ class Repairs:
     def tick(self, now: float) -> None:
         """Look at up to MAX_EXAMINED_PER_TICK queued keys (oldest first; those still waiting go to the back) and
         start at most MAX_STARTS_PER_TICK copy tasks."""
+        if not self.queue:
+            return
         svc, tasks = self.service, self.service.tiering.tasks
         busy = {t.key for t in tasks.active.values()}
         started = 0
