@@ -61,6 +61,13 @@ class ReplayConfig:
         default="",
         metadata={"help": "replay against this running master (host:port); '' = a private embedded store per capacity"},
     )
+    miss_on_store_error: bool = field(
+        default=False,
+        metadata={
+            "help": "a store error (master unreachable, timeout) serves that request as a miss and is counted, as the "
+            "connectors do; default: it ends the replay"
+        },
+    )
     limit: int = field(default=0, metadata={"help": "replay only the first N requests (0 = all)"})
     prefill_tok_s: float = field(
         default=0.0,

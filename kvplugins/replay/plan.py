@@ -9,7 +9,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from kvplugins.config import format_bytes
+from kvplugins.config import format_bytes, load
 from kvplugins.errors import ConfigError
 from kvplugins.replay import report, shapes, synth, trace
 from kvplugins.replay.caches import reference_hit_ratio
@@ -45,7 +45,13 @@ def plans(cfg: ReplayConfig, block_bytes: int) -> list[Plan]:
     "both tiers" (that local capacity in front of a pool of C)."""
     local = capacity_blocks(cfg.local_capacity, block_bytes, "--local-capacity")
     speed = cfg.speed if cfg.realtime else 0.0
-    common = dict(instances=cfg.instances, routing=cfg.routing, block_tokens=cfg.block_tokens, speed=speed)
+    common = dict(
+        instances=cfg.instances,
+        routing=cfg.routing,
+        block_tokens=cfg.block_tokens,
+        speed=speed,
+        miss_on_store_error=cfg.miss_on_store_error,
+    )
     if not cfg.sweep:
         pool = 0 if cfg.no_pool else capacity_blocks(cfg.pool_capacity, block_bytes, "--pool-capacity")
         label = "both tiers" if pool and local else "global pool" if pool else f"{cfg.instances} local caches"
@@ -143,7 +149,10 @@ def _one(cfg: ReplayConfig, p: Plan, reqs: list, sz: Sizes):
         def run(master: str):
             def make_pool(ns: str):
                 return PoolOps(
-                    StoreClient(ClientConfig(master=master, slab_bytes=0)), ns, sz.object_bytes, timed=bool(p.speed)
+                    StoreClient(load(ClientConfig, {"master": master, "slab_bytes": 0})),
+                    ns,
+                    sz.object_bytes,
+                    timed=bool(p.speed),
                 )
 
             return replay(reqs, p, make_pool, bar[1] if bar else None)

@@ -4,7 +4,7 @@
 one capacity, in its own process and discovery file, and stops it afterwards. ``PoolOps`` does what an engine's
 connector does per request: a ``batch_exists_prefix`` lookup, a ``batch_get`` of the hit prefix (which also
 refreshes the objects' recency in the master's LRU), and a ``batch_put`` of the blocks computed by prefill.
-Every stored object starts with the xxh64 of its key, so a get that returns another object's bytes is counted.
+Every stored object is the xxh64 of its key repeated, so a get that returns any other byte is counted.
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ def digest(key: str) -> bytes:
     return xxhash.xxh64_digest(key.encode())
 
 
+def value_of(key: str, size: int) -> bytes:
+    """The ``size`` bytes stored under ``key``: its xxh64 digest repeated, so a get can check every byte."""
+    d = digest(key)
+    return (d * (size // 8 + 1))[:size]
+
+
 class PoolOps:
     """One engine's view of the pool: keys ``<namespace>/<block id>``, objects of ``object_bytes`` bytes.
     ``latency``: per op ("exists", "get", "put") the ms of each call, when ``timed``."""
@@ -99,15 +105,15 @@ class PoolOps:
         for k, v in zip(keys, values):
             if isinstance(v, StoreError):
                 self.get_misses += 1
-            elif len(v) != self.object_bytes or v[:8] != digest(k):
+            elif v != value_of(k, self.object_bytes):
                 self.wrong_bytes += 1
 
     def store(self, keys: list[str]) -> None:
         """Put the blocks prefill computed; a failed put (StoreFull under load) is counted, not raised."""
         if not keys:
             return
-        pad = bytes(self.object_bytes - 8)
-        errs = self._timed("put", self.client.batch_put, keys, [digest(k) + pad for k in keys])
+        n = self.object_bytes
+        errs = self._timed("put", self.client.batch_put, keys, [value_of(k, n) for k in keys])
         self.puts += len(keys)
         self.put_failures += sum(e is not None for e in errs)
 

@@ -39,6 +39,7 @@ def row(res, block_bytes: int, reference: float | None, prefill_tok_s: float) ->
         "gets": res.gets,
         "get_misses": res.get_misses,
         "wrong_bytes": res.wrong_bytes,
+        "store_errors": res.store_errors,
         "puts_per_s": round(res.puts / res.seconds) if res.seconds else 0,
         "gets_per_s": round(res.gets / res.seconds) if res.seconds else 0,
     }

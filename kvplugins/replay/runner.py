@@ -20,6 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from kvplugins.errors import StoreError
 from kvplugins.replay.caches import LocalLRU, Router
 
 
@@ -27,7 +28,8 @@ from kvplugins.replay.caches import LocalLRU, Router
 class Plan:
     """One configuration: ``label``; the pool's capacity in blocks (0 = no pool); each instance's local capacity
     in blocks (0 = none); ``instances``; ``routing``; tokens per block; realtime ``speed`` (0 = as fast as
-    possible)."""
+    possible); ``miss_on_store_error``: a store error serves the request as a miss and is counted (what the
+    connectors do), instead of ending the replay."""
 
     label: str
     pool_blocks: int
@@ -36,6 +38,7 @@ class Plan:
     routing: str = "round_robin"
     block_tokens: int = 512
     speed: float = 0.0
+    miss_on_store_error: bool = False
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Result:
     gets: int = 0
     get_misses: int = 0
     wrong_bytes: int = 0
+    store_errors: int = 0  # requests served as a miss because the store raised (miss_on_store_error)
     seconds: float = 0.0
     max_lag_ms: float = 0.0
     latency: dict = field(default_factory=lambda: {"exists": [], "get": [], "put": []})
@@ -66,17 +70,14 @@ class Result:
 class _Instance:
     def __init__(self, plan: Plan, pool):
         self.local = LocalLRU(plan.local_blocks) if plan.local_blocks else None
-        self.pool = pool
+        self.pool, self.miss_on_error = pool, plan.miss_on_store_error
 
     def serve(self, req, res: Result, block_tokens: int, lock) -> None:
         blocks = req.blocks
         h1 = self.local.prefix(blocks) if self.local else 0
         h2 = 0
         if self.pool is not None and h1 < len(blocks):
-            keys = self.pool.keys(blocks[h1:])
-            h2 = self.pool.prefix(keys)
-            self.pool.fetch(keys[:h2])
-            self.pool.store(keys[h2:])
+            h2 = self._pool(blocks[h1:], res, lock)
         if self.local:
             self.local.admit(blocks)
         with lock:
@@ -87,11 +88,28 @@ class _Instance:
             res.tokens += req.input_length
             res.tokens_saved += min((h1 + h2) * block_tokens, req.input_length)
 
+    def _pool(self, blocks, res: Result, lock) -> int:
+        """Steps 3-4 for ``blocks``; returns the pool hits. A StoreError propagates, or with miss_on_error is
+        counted and the request is a miss (its blocks recomputed, not stored)."""
+        keys = self.pool.keys(blocks)
+        try:
+            hit = self.pool.prefix(keys)
+            self.pool.fetch(keys[:hit])
+            self.pool.store(keys[hit:])
+        except StoreError:
+            if not self.miss_on_error:
+                raise
+            with lock:
+                res.store_errors += 1
+            return 0
+        return hit
+
 
 def replay(requests, plan: Plan, make_pool, progress=None) -> Result:
     """Replay ``requests`` under ``plan``. ``make_pool(namespace)`` -> a PoolOps (its own StoreClient), or None
     with no pool; ``progress(n)`` is called after each request. Returns the Result; store errors other than a
-    failed put propagate (a store that stops answering ends the replay with its error)."""
+    failed put propagate (a store that stops answering ends the replay with its error) unless
+    ``plan.miss_on_store_error``."""
     ns = f"replay-{uuid.uuid4().hex[:8]}"
     res, lock = Result(plan), threading.Lock()
     pools = [make_pool(ns) if plan.pool_blocks else None for _ in range(plan.instances if plan.speed else 1)]

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from kvplugins.errors import MasterUnreachable
 from kvplugins.replay import trace
 from kvplugins.replay.caches import reference_hit_ratio
 from kvplugins.replay.config import ReplayConfig
@@ -17,6 +20,7 @@ from kvplugins.replay.plan import execute
 from kvplugins.replay.report import table
 from kvplugins.replay.synth import generate
 from kvplugins.store.embedded import CLI
+from tests.helpers.cluster import up_process
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
@@ -91,6 +95,32 @@ def test_realtime_replay_reports_latency_percentiles():
     for op in ("exists", "get", "put"):
         ms = row[f"{op}_ms"]
         assert ms["n"] > 0 and 0 < ms["p50"] <= ms["p99"]
+
+
+def test_a_store_killed_mid_replay_turns_its_requests_into_counted_misses(tmp_path):
+    """--miss-on-store-error, as a connector does: the store (a real `kvplugins up`) is SIGKILLed 1 s into a 3 s
+    realtime replay; every request is still served, the ones after the kill as misses counted in store_errors,
+    and no get returned a wrong byte. Without the flag, a dead store ends the replay with MasterUnreachable."""
+    with up_process("64MiB", tmp_path) as up:
+        cfg = ReplayConfig(
+            synth=True,
+            synth_requests=300,
+            synth_rate=100.0,
+            realtime=True,
+            instances=2,
+            master=up.address,
+            pool_capacity="2000",
+            miss_on_store_error=True,
+            progress=False,
+        )
+        killer = threading.Timer(1.0, up.kill)
+        killer.start()
+        [row] = execute(cfg, None, say=lambda s: None)
+        killer.join()
+    assert row["requests"] == 300 and row["wrong_bytes"] == 0, row
+    assert 50 < row["store_errors"] < 300 and row["pool_hit_ratio"] > 0, row
+    with pytest.raises(MasterUnreachable, match=up.address):
+        execute(replace(cfg, miss_on_store_error=False, realtime=False), None, say=lambda s: None)
 
 
 def test_synthetic_sessions_share_prefixes_and_routing_matters(tmp_path):
