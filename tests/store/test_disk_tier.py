@@ -242,6 +242,35 @@ def test_fast_restart_before_the_old_segment_times_out(tmp_path):
         assert [client.get(k) for k in sorted(on_disk)] == [_data(keys.index(k)) for k in sorted(on_disk)]
 
 
+def test_a_promoted_object_reads_from_disk_while_its_dram_replica_is_suspect(tmp_path):
+    """An object promoted back to DRAM keeps its disk copy. Its node SIGKILLed and restarted at once on the same
+    disk: the old segment stays registered but suspect (its DRAM replica is not read) for suspect_grace_ms, and a
+    get of the object promotes it again from the new process's disk instead of answering a miss until the old
+    segment is removed (found by the cluster run's disk tier schedule, issue #34)."""
+    flags = {"disk_dir": str(tmp_path / "disk"), "disk_capacity": "64MiB"}
+    with (
+        store_cluster(
+            nodes=1,
+            segment_size="4MiB",
+            master_flags={**MASTER, "heartbeat_timeout_ms": 1000, "suspect_grace_ms": 60000},
+            node_flags=flags,
+            tmp=tmp_path / "cluster",
+        ) as c,
+        StoreClient(ClientConfig(master=c.master)) as client,
+    ):
+        keys = _put_and_offload(client, "p", 24)
+        disk = tmp_path / "disk" / "objects"
+        promoted = sorted(k for k in keys if (disk / files.file_name(k)).exists())[:3]
+        assert promoted and [client.get(k) for k in promoted] == [_data(keys.index(k)) for k in promoted]
+        c.nodes[0].kill()
+        c.add_node("4MiB", **flags)
+        segs = _wait(lambda: [s for s in client._rpc.call("status")["segments"] if s["suspect"]], "old segment suspect")
+        assert len(segs) == 1 and len(client._rpc.call("status")["segments"]) == 2
+        assert client.batch_exists(promoted) == [True] * len(promoted)
+        assert [client.get(k) for k in promoted] == [_data(keys.index(k)) for k in promoted]
+        assert len(client._rpc.call("status")["segments"]) == 2  # read while the old segment is still there
+
+
 def test_offload_and_promote_are_published_as_kv_events(tmp_path):
     """KV events (master/events.py) over the disk tier: an offload is a removal from CPU plus a store on STORAGE,
     a promotion a store on CPU again; a remove of a disk-only object is a removal from STORAGE."""

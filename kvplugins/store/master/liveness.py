@@ -3,7 +3,8 @@ one leaves behind.
 
 A segment silent past ``heartbeat_timeout_ms`` is suspect (segments.py): placement leaves it out at once, and
 the answers built here leave its replicas out of gets and exists (a key whose every DRAM replica is suspect is
-a miss, so no reader waits on a paused or dead process). A node back within ``suspect_grace_ms`` resumes: its
+a miss, so no reader waits on a paused or dead process, unless it has a disk copy on a live node: then the get
+answers ON_DISK and the reader promotes it from there). A node back within ``suspect_grace_ms`` resumes: its
 objects never left the table. Silent longer, the segment is removed, and the objects that lost their last
 replica with it are kept as its manifest (key, size, offset, checksum, pin) for ``MANIFEST_KEEP_S``: when the
 same process (its owner token: segments.owner_digest) registers the same name and size again, every object of
@@ -120,21 +121,23 @@ def restore(table, seg, entries: list, now: float) -> list:
     return out
 
 
-def readable_cols(cols: tuple, suspect: set) -> tuple[tuple, int]:
+def readable_cols(cols: tuple, suspect: set) -> tuple[tuple, list[int]]:
     """A get_cols answer (metadata.ObjectTable.get_cols, with ``more`` as [(j, locations)]) without the replicas
-    on ``suspect`` segments: a key left with none is a miss. Returns (answer, hits turned into misses)."""
+    on ``suspect`` segments: a key left with none is a miss. Returns (answer, indices of the hits turned into
+    misses: the caller may still answer them from the disk tier)."""
     hits, sizes, names, regions, seg_idx, offs, more, sums, disk = cols
     bad = {i for i, n in enumerate(names) if n in suspect}
     if not bad and not any(loc[0] in suspect for _, locs in more for loc in locs):
-        return cols, 0
+        return cols, []
     index = {n: i for i, n in enumerate(names)}
-    multi, kept, lost = dict(more), [], 0
+    multi, kept, lost = dict(more), [], []
     for j, k in enumerate(seg_idx):
         if k < 0 or (k not in bad and j not in multi):
             continue
         alive = [loc for loc in multi.get(j, ()) if loc[0] not in suspect]
         if not alive:
-            sizes[j], seg_idx[j], lost = -1, -1, lost + 1
+            sizes[j], seg_idx[j] = -1, -1
+            lost.append(j)
             continue
         name, region, off = alive[0]
         if name not in index:
@@ -144,7 +147,7 @@ def readable_cols(cols: tuple, suspect: set) -> tuple[tuple, int]:
         seg_idx[j], offs[j] = index[name], off
         if len(alive) > 1:
             kept.append((j, alive))
-    return (hits - lost, sizes, names, regions, seg_idx, offs, kept, sums, disk), lost
+    return (hits - len(lost), sizes, names, regions, seg_idx, offs, kept, sums, disk), lost
 
 
 def readable(table, keys: list, found: list, suspect: set, on_disk) -> list:

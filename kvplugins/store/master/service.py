@@ -318,9 +318,10 @@ class MasterService:
         )
         more = [(j, o.locations) for j, o in more]
         if self.segments.suspect:  # replicas on silent segments are not handed out (liveness.py)
-            (hits, sizes, names, regions, seg_idx, offs, more, sums, disk), _ = liveness.readable_cols(
+            (hits, sizes, names, regions, seg_idx, offs, more, sums, disk), gone = liveness.readable_cols(
                 (hits, sizes, names, regions, seg_idx, offs, more, sums, disk), self.segments.suspect
             )
+            disk = [*disk, *self._disk_fallback(entries, gone)]
         self.counters["hits"] += hits
         self.counters["misses"] += len(entries) - hits
         if opts.cols:
@@ -374,7 +375,19 @@ class MasterService:
         return n
 
     def _on_disk(self, obj: Object) -> bool:
-        return self.tiering.copy(obj) is not None
+        """Whether ``obj`` has a disk copy on a node that is not suspect (a reader can promote it from there)."""
+        c = self.tiering.copy(obj)
+        return c is not None and c.segment not in self.segments.suspect
+
+    def _disk_fallback(self, entries: list, gone: list[int]) -> list:
+        """[(key index, Object)] of the keys in ``gone`` (every DRAM replica suspect) that have a disk copy on a
+        live node: their get answers ON_DISK instead of a miss."""
+        out = []
+        for j in gone:
+            obj = self.table.get(entries[j])
+            if obj is not None and self._on_disk(obj):
+                out.append((j, obj))
+        return out
 
     def op_remove(self, entries, opts, now):
         out = []

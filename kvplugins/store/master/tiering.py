@@ -95,7 +95,7 @@ class Tiering:
         return True
 
     def get(self, obj, now: float):
-        """A get found ``obj`` complete but with no DRAM replica: ``[ON_DISK, [node endpoint, size]]`` (promote it
+        """A get found ``obj`` complete but with no DRAM replica on a live segment: ``[ON_DISK, [node endpoint, size]]`` (promote it
         through that node, kvplugins.store.client.promote) or ``[NOT_FOUND, None]``."""
         c = self.copy(obj)
         if c is None or not self.nodes[c.segment].endpoint:
@@ -403,7 +403,8 @@ class Tiering:
     # ---- ops: promote on hit -------------------------------------------------------------------------
     def op_promote_start(self, entries, opts, now):
         """[key, ...] with opts {segment}: a DRAM offset in that node's segment for each disk-only key it holds
-        -> [[OK, [offset, size]] | [EXISTS, "in DRAM"/"busy"] | [NOT_FOUND, None] | [STORE_FULL, reason]]."""
+        (or whose every DRAM replica is on a suspect segment) -> [[OK, [offset, size]] | [EXISTS, "in DRAM"/"busy"]
+        | [NOT_FOUND, None] | [STORE_FULL, reason]]."""
         segment = opts.segment
         seg = self.service.segments.get(segment)
         if seg is None or segment not in self.nodes:
@@ -412,8 +413,9 @@ class Tiering:
         for key in entries:
             obj = self.service.table.get(key)
             c = self.copy(obj) if obj is not None else None
-            if obj is not None and (obj.replicas or key in self.flights):
-                out.append([EXISTS, "in DRAM" if obj.replicas else "busy"])
+            in_dram = obj is not None and any(n not in self.service.segments.suspect for n, _ in obj.replicas)
+            if obj is not None and (in_dram or key in self.flights):
+                out.append([EXISTS, "in DRAM" if in_dram else "busy"])
             elif c is None or c.segment != segment:
                 out.append([NOT_FOUND, None])
             else:
@@ -457,7 +459,7 @@ class Tiering:
             self.end_flight(key, now)  # its destination becomes the object's replica
             seg, off = f.dest
             obj = f.obj
-            obj.replicas = [(seg.name, off)]
+            obj.replicas = [*obj.replicas, (seg.name, off)]  # replicas on suspect segments stay (they may return)
             obj.lease_until = now + self.service.cfg.lease_ttl_ms / 1000  # until the client's get re-asks
             self.service.table.unpark(obj, now)
             self.service.journal.replicas_changed([obj])
