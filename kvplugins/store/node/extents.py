@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 
 import xxhash
@@ -86,11 +87,15 @@ class ShardedSegments:
         return out
 
     def close(self) -> None:
+        """Stop watching and release every extent at once: a stop waits for one unregister (at most its 1 s
+        timeout when a master does not answer), not one per extent."""
         self._stop.set()
         self._thread.join(timeout=5)
-        for i in range(len(self.regions)):
-            if self.owner[i] is not None:
-                self._release(i, time.monotonic())
+        held = [i for i in range(len(self.regions)) if self.owner[i] is not None]
+        if held:
+            now = time.monotonic()
+            with ThreadPoolExecutor(len(held), thread_name_prefix="kvp-release") as pool:
+                list(pool.map(lambda i: self._release(i, now), held))
 
     def _register(self, i: int, shard: str, address: str) -> None:
         rpc = control_client(address, self.cfg.rpc_timeout_ms, "node")
