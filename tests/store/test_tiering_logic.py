@@ -135,12 +135,40 @@ def test_a_failing_disk_gets_no_offloads_for_a_while():
         [["offload", c[1], False, "No space left on device", 0] for c in poll(svc, name)],
         {"segment": name},
     )
-    put(svc, "d")  # over high again: dropped, not offloaded
+    put(svc, "d")  # over high again: no offload while the node backs off, and the sweep drops nothing either
     assert poll(svc, name) == [] and svc.op_status([], {}, svc.clock())["offload_failures"] == 2
+    assert svc.handle("exists", ["a", "b", "c", "d"], {}) == [True] * 4
     svc.clock_.t += 1.5
     put(svc, "e", "f")  # over high once more: offloaded again
     cmds = poll(svc, name)
     assert cmds and all(c[0] == "offload" for c in cmds)
+
+
+def test_a_new_master_keeps_sweep_victims_until_it_learns_the_tiers():
+    """A leader that took over knows no node's tier until their next poll: for TIER_LEARN_S its sweep keeps the
+    victims in DRAM (they were dropped before, found by the cluster runs: issue #34); past it, a node that never
+    registered a tier has none, and the sweep evicts as without a disk tier. A master that did not take over
+    (test_master_logic) evicts at once."""
+    from kvplugins.store.master.tiering import TIER_LEARN_S
+
+    svc = master(high=0.6, low=0.3)
+    svc.tiering.took_over(svc.clock())  # what ha/recovery.py's restore does on a takeover
+    wire = {"v": 1, "segment_id": "s", "host_id": "h", "transports": {}, "regions": [[1, 4 * OBJ, None]]}
+    [(_, name)] = svc.handle("register_segment", [[wire, 1, 4 * OBJ]], {})
+    put(svc, "a", "b", "c")  # 75% > high, no tier known yet
+    assert svc.handle("exists", ["a", "b", "c"], {}) == [True] * 3
+    svc.handle("tier_register", [[name, "127.0.0.1:1", 1 << 20, []]], {})
+    svc.tick()
+    assert [c[:2] for c in poll(svc, name)] == [["offload", "a"], ["offload", "b"]]  # now the tier takes them
+
+    plain = master(high=0.6, low=0.3)
+    plain.tiering.took_over(plain.clock())
+    plain.handle("register_segment", [[wire, 1, 4 * OBJ]], {})
+    put(plain, "a", "b", "c")
+    assert len(plain.table) == 3
+    plain.clock_.t += TIER_LEARN_S + 0.1
+    plain.tick()  # no tier ever registered: evicted down to the low watermark
+    assert len(plain.table) == 1 and plain.op_status([], {}, plain.clock())["evictions"] >= 2
 
 
 def test_disk_only_objects_stay_out_of_the_eviction_scan():

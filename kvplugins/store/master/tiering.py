@@ -6,7 +6,9 @@ store node with ``--disk-dir`` registers its tier, an evicted object is dropped 
 
 * Offload (watermark sweep, ``urgent=False``): an ``offload`` command is queued for the node holding a replica;
   the node polls (``tier_poll``), writes the file durably and confirms (``tier_done``); only then are its DRAM
-  replicas freed (when the last reader's lease ends) and the object is disk-only. On-demand eviction
+  replicas freed (when the last reader's lease ends) and the object is disk-only. The sweep is no emergency: a
+  victim whose tier cannot take it now (backing off after a failed offload, e.g. a full disk, or not yet known
+  to a leader that just took over) stays in DRAM for a later sweep instead of being dropped. On-demand eviction
   (``urgent=True``, a put is waiting) never waits for disk: an object with a clean disk copy (promoted earlier)
   has its DRAM freed at once; any other victim is dropped (an offload in flight is cancelled, its file deleted).
 * Promote: a get of a disk-only object answers ``[ON_DISK, [node endpoint, size]]``; the client asks that node
@@ -52,6 +54,7 @@ COUNTERS = (
 LOST_COUNTER = {"evicted": "disk_evicted", "corrupt": "disk_corrupt"}
 CLEAN_SCAN = 256  # a promotion looks this far down the LRU for a victim that is already on disk
 OFFLOAD_BACKOFF_S = 1.0  # after a failed offload (disk full, I/O error) the node gets no offload this long
+TIER_LEARN_S = 5.0  # a new master (an HA leader that took over) learns the nodes' tiers within this
 
 
 class Tiering:
@@ -64,6 +67,7 @@ class Tiering:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.tasks = ReplicaTasks(self)  # replica copy/move tasks (master/replica_tasks.py)
         self._fid = 0
+        self._learn_until = 0.0  # after an HA takeover: until then, nodes' tiers may still be unknown (_later)
         self._held: list[tuple[float, int]] = []  # heap (until, fid): ended flights whose journal record stays
         # while their destination waits out a late write
 
@@ -83,6 +87,9 @@ class Tiering:
             return True
         node = self._offload_node(obj, now)
         if node is None:
+            if self._later(obj, now):
+                self.counters["offload_deferred"] += 1  # the sweep is no emergency: keep it for its tier
+                return True
             return False
         seg = self.service.segments.get(node.segment)
         if seg.used - node.offloading <= self.service.cfg.low_watermark * seg.size:
@@ -120,6 +127,10 @@ class Tiering:
             return False
         self.service.table.park(obj)
         return True
+
+    def took_over(self, now: float) -> None:
+        """This master recovered an HA leader's state: the nodes' tiers are learnt from their next poll."""
+        self._learn_until = now + TIER_LEARN_S
 
     def ops(self) -> dict:
         """Extra RPC ops: name -> fn(entries, opts, now)."""
@@ -255,6 +266,18 @@ class Tiering:
         for obj in lost:
             self.service.drop(obj, now)
         self.counters["disk_lost"] += len(lost)
+
+    def _later(self, obj, now: float) -> bool:
+        """Whether a tier may take ``obj`` later: a replica's node has a disk tier that only backs off after a
+        failed offload (disk full, I/O error), or this master took over as HA leader less than TIER_LEARN_S ago
+        (it learns the nodes' tiers from their next poll) and a replica's node has not registered a tier yet."""
+        for name, _ in obj.replicas:
+            node = self.nodes.get(name)
+            if node is None and now < self._learn_until:
+                return True
+            if node is not None and node.endpoint and not node.draining and obj.size <= node.capacity:
+                return True
+        return False
 
     def _offload_node(self, obj, now: float) -> DiskNode | None:
         for name, _ in obj.replicas:

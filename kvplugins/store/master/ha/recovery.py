@@ -33,6 +33,7 @@ def restore(service, segs: list, objs: list, now: float, slabs: list = ()) -> di
     """Load ``segs`` [(name, wire, region id, size)], ``objs`` [(key, size, replicas, checksum, pin, pending)]
     (oldest first) and ``slabs`` [(slab id, segment, start, end)] into ``service`` (an empty MasterService).
     Returns {"segments", "objects" (pending ones included), "pending", "dropped", "slab_bytes" (held)}."""
+    service.tiering.took_over(now)  # the nodes' disk tiers register again on their next poll
     for name, wire, region_id, size in segs:
         _add_segment(service, name, wire, region_id, size, now)
     placed: dict[str, list] = {}  # segment name -> [(offset, size, key)]
