@@ -10,6 +10,7 @@ Every stored object is the xxh64 of its key repeated, so a get that returns any 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import tempfile
@@ -21,6 +22,7 @@ import xxhash
 from kvplugins.errors import StoreError
 from kvplugins.store.embedded import CLI, wait_ready
 
+log = logging.getLogger(__name__)
 LEASE_TTL_MS = 100  # a private store's read lease: replayed reads take well under this
 # An as-fast-as-possible replay compresses the trace's hours into seconds, so a grace measured in wall time would
 # protect thousands of requests' blocks from eviction: it runs with none. Realtime keeps the lease as the grace.
@@ -107,6 +109,8 @@ class PoolOps:
                 self.get_misses += 1
             elif v != value_of(k, self.object_bytes):
                 self.wrong_bytes += 1
+                log.error("wrong bytes for %s: %d bytes starting %s, want %d starting %s", k, len(v), bytes(v[:8]).hex(),
+                          self.object_bytes, digest(k).hex())  # fmt: skip
 
     def store(self, keys: list[str]) -> None:
         """Put the blocks prefill computed; a failed put (StoreFull under load) is counted, not raised."""
