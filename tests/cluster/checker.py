@@ -5,7 +5,9 @@ Checks (issue #34):
 1. wrong bytes: a get or final_get answered bytes whose digest is not that of the key's one value. Must be 0.
 2. acknowledged objects lost: a key with an acknowledged put that the after-the-heal read (final_get) misses or
    fails. Explained when at least ``replicas`` store nodes were SIGKILLed after the put (every replica may have
-   been on them, faster than re-replication could copy it); otherwise unexplained, and the run fails.
+   been on them, faster than re-replication could copy it), or a shard membership change began after it (a move
+   costs misses by design: a key is not copied to its new shard and objects on moved extents go; docs/operations.md
+   *Sharded masters*); otherwise unexplained, and the run fails.
 3. unavailability per fault kind: for each window, the longest stretch in which a healthy client (not on a host the
    fault touched, not itself the target) saw its operations fail: from the first failing op's start to the end of
    the next op that succeeded (or the window's end plus the recovery allowance); and its slowest single operation
@@ -14,6 +16,8 @@ Checks (issue #34):
 4. crashes: a process that exited non-zero (or by a signal) that the nemesis did not send.
 5. no byte between hosts by shared memory or the same-host read: clients on hosts without a node moved 0 bytes over
    shm and cma (a host-id mistake would make every link fault bite nothing).
+6. the trace replay (kvplugins replay of the FAST'25 trace through the cluster, run.py): every request served,
+   no wrong byte (its own check of every byte it reads).
 """
 
 from __future__ import annotations
@@ -54,10 +58,12 @@ class Verdict:
     crashes: list[str] = field(default_factory=list)
     cross_host: list[str] = field(default_factory=list)
     kinds: dict[str, KindRow] = field(default_factory=dict)
+    replay: dict = field(default_factory=dict)  # the trace replay's result row (kvplugins.replay.report.row)
 
     @property
     def ok(self) -> bool:
-        return not (self.wrong_bytes or self.lost_unexplained or self.crashes or self.cross_host)
+        bad_replay = self.replay.get("wrong_bytes", 0) != 0
+        return not (self.wrong_bytes or self.lost_unexplained or self.crashes or self.cross_host or bad_replay)
 
     def table(self) -> str:
         lines = [
@@ -73,9 +79,16 @@ class Verdict:
             "",
             f"ops {self.ops}; wrong bytes {len(self.wrong_bytes)}; acknowledged objects {self.acknowledged}, lost "
             f"{len(self.lost_unexplained)} unexplained + {len(self.lost_explained)} explained (>= replicas nodes "
-            f"killed after the put); crashes {len(self.crashes)}; shm/cma bytes between hosts "
+            f"killed, or a shard move, after the put); crashes {len(self.crashes)}; shm/cma bytes between hosts "
             f"{len(self.cross_host)} clients",
         ]
+        if r := self.replay:
+            lines.append(
+                f"trace replay: {r['requests']} requests, {r['blocks']} blocks, hit ratio {r['hit_ratio']:.3f}, "
+                f"{r['store_errors']} requests served as misses on a store error, {r['put_failures']} of "
+                f"{r['puts']} puts failed, {r['get_misses']} of {r['gets']} hit reads missed, wrong bytes "
+                f"{r['wrong_bytes']}"
+            )
         for name, items in (("wrong", self.wrong_bytes), ("lost", self.lost_unexplained), ("crash", self.crashes),
                             ("cross-host", self.cross_host)):  # fmt: skip
             lines += [f"  {name}: {x}" for x in items[:10]]
@@ -89,15 +102,17 @@ def check(
     stats: dict[str, dict],
     node_hosts: set[int],
     node_kills: list[float],
+    moves: list[float] = (),
     replicas: int = 2,
     recovery_s: float = 5.0,
 ) -> Verdict:
     """``exits``: per process, (return code, killed by the nemesis) of each incarnation; ``stats``: per client
-    name, (host, transfer_stats); ``node_kills``: times of the nemesis's SIGKILLs of store nodes."""
+    name, (host, transfer_stats); ``node_kills``: times of the nemesis's SIGKILLs of store nodes; ``moves``: start
+    times of shard membership changes."""
     v = Verdict(ops=len(records))
     _wrong_bytes(v, records)
     _unavailability(v, records, windows, recovery_s)
-    _losses(v, records, windows, node_kills, replicas)
+    _losses(v, records, windows, node_kills, list(moves), replicas)
     for name, runs in exits.items():
         v.crashes += [f"{name} exited {code}" for code, by_nemesis in runs if code != 0 and not by_nemesis]
     for client, (host, st) in stats.items():
@@ -113,7 +128,9 @@ def _wrong_bytes(v: Verdict, records: list[Record]) -> None:
             v.wrong_bytes.append(f"{r.client} {r.op} {r.key} at {r.t0:.3f}")
 
 
-def _losses(v: Verdict, records: list[Record], windows: list[Window], node_kills: list[float], replicas: int) -> None:
+def _losses(
+    v: Verdict, records: list[Record], windows: list[Window], node_kills: list[float], moves: list[float], replicas: int
+) -> None:
     acked: dict[str, float] = {}
     for r in records:
         if r.op == "put" and r.result == "ok":
@@ -126,7 +143,8 @@ def _losses(v: Verdict, records: list[Record], windows: list[Window], node_kills
             continue
         why = f"{key} (final: {r.result if r else 'not read'}{': ' + str(r.error)[:80] if r and r.error else ''})"
         kills_after = sum(1 for k in node_kills if k >= t - 1.0)
-        (v.lost_explained if kills_after >= replicas else v.lost_unexplained).append(why)
+        moved = any(m >= t - 1.0 for m in moves)
+        (v.lost_explained if kills_after >= replicas or moved else v.lost_unexplained).append(why)
         for kind in {w.kind for w in windows if w.end >= t}:
             v.kinds[kind].lost_after += 1
 

@@ -7,7 +7,8 @@ kvplugins' layout, ``Deployment(net, tmp)`` with N >= 5 hosts:
               without a node)
   h4 .. hN    `kvplugins store` (a DRAM node) + a workload client each (engine hosts with a node)
 Clients and nodes take ``etcd://10.99.0.1:2379,10.99.0.2:2379,10.99.0.3:2379`` as their master address and follow
-the leader.
+the leader. With ``disk_mib``, every node also has a disk tier on its own tmpfs (``tmp/disk<i>``, unmounted by
+``stop()``) and the masters' watermarks make the sweep offload most objects, so reads promote from disk.
 
 Mooncake's layout (``system="mooncake"``), the same hosts doing the same jobs with Mooncake 0.3.13's own processes
 (mooncake_side.py): h2 runs ``mooncake_master`` with its HTTP metadata server (one master: its HA mode needs an
@@ -19,6 +20,7 @@ its targets from. Ports are fixed inside the namespaces (each has its own port s
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -32,6 +34,8 @@ from tests.cluster import mooncake_side
 from tests.cluster.net import Net
 
 ETCD_PORT, MASTER_PORT = 2379, 7100
+SHARD_IDS, SPARE_SHARD = "abcdefgz", "z"  # shard z is the one that joins and leaves (nemesis: shard_move)
+SHARD_PREFIX, MOVE_WINDOW_MS = "/kvplugins/cluster", 4000
 MOONCAKE_RPC_PORT, MOONCAKE_META_PORT, MOONCAKE_METRICS = 50051, 8080, 9003
 START_TIMEOUT_S = 60.0
 KVP = [sys.executable, "-c", "import sys; from kvplugins.cli import main; sys.exit(main())"]
@@ -42,10 +46,11 @@ class Proc:
     """One process of the deployment. ``killed``: the nemesis killed it (so its exit is no crash)."""
 
     name: str
-    role: str  # etcd | master | node | client
+    role: str  # etcd | master | node | client | replay
     host: int
     argv: list[str]
     log: Path
+    env: dict[str, str] = field(default_factory=dict)  # on top of the deployment's
     popen: subprocess.Popen | None = None
     killed: int = 0
     stopped: bool = False
@@ -75,6 +80,8 @@ class Deployment:
         system: str = "kvplugins",
         segment_mib: int = 512,
         spare: int = 0,
+        disk_mib: int = 0,
+        shards: tuple[str, ...] = (),
     ):
         if net.n - spare < 5:
             raise ValueError(f"hosts={net.n}: a deployment needs >= 5 (etcd, 2 masters, 2 nodes for 2 replicas)")
@@ -82,6 +89,15 @@ class Deployment:
             raise ValueError(f"system={system!r}: use 'kvplugins' or 'mooncake'")
         self.net, self.tmp, self.run, self.seed, self.system = net, tmp, run, seed, system
         self.segment_mib, self.spare = segment_mib, spare  # spare: the last hosts run nothing of the store
+        if disk_mib and system != "kvplugins":
+            raise ValueError("disk_mib: the disk tier layout is kvplugins' (Mooncake's is not deployed here)")
+        self.disk_mib = disk_mib  # > 0: each node has a disk tier on a tmpfs of this size (disk_dir)
+        self.mounts: list[Path] = []
+        if shards and (system != "kvplugins" or disk_mib):
+            raise ValueError("shards: kvplugins' sharded layout has no disk tier (a sharded node refuses one)")
+        if bad := [sid for sid in shards if sid not in SHARD_IDS or sid == SPARE_SHARD]:
+            raise ValueError(f"shard ids {bad}: use letters of {SHARD_IDS[:-1]!r} ({SPARE_SHARD!r} joins and leaves)")
+        self.shards = tuple(shards)  # sharded layout: each an HA pair on h2 and h3
         self.procs: dict[str, Proc] = {}
         token = tmp / "token"
         token.write_text(secrets.token_hex(32))
@@ -92,6 +108,8 @@ class Deployment:
         self.master = "etcd://" + ",".join(f"{net.ip(i)}:{ETCD_PORT}" for i in self.etcd_hosts)
         if system == "mooncake":
             self.master = mooncake_side.master_address(net.ip(2), MOONCAKE_RPC_PORT, MOONCAKE_META_PORT)
+        if shards:
+            self.master = self.master.replace("etcd://", "shards://") + SHARD_PREFIX
         self.stop_file = tmp / "stop"
 
     # ---- layout -------------------------------------------------------------------------------------
@@ -109,17 +127,94 @@ class Deployment:
         if self.system == "mooncake":
             return self._start_mooncake(clients)
         self._start_etcd()
-        for i in self.masters():
+        for sid in self.shards:
+            self.add_shard(sid)
+        for i in self.masters() if not self.shards else ():
             self._add("master", i, [*KVP, "master", "--etcd", self.etcd_urls,
-                                    "--host", self.net.ip(i), "--port", str(MASTER_PORT)])  # fmt: skip
+                                    "--host", self.net.ip(i), "--port", str(MASTER_PORT), *self._tiering()])  # fmt: skip
         self._wait_leader()
         for i in self.node_hosts():
             ready = self.tmp / f"node{i}.ready"
             self._add("node", i, [*KVP, "store", "--master", self.master, "--host", self.net.ip(i),
-                                  "--segment-size", f"{self.segment_mib}MiB", "--ready-file", str(ready)])  # fmt: skip
+                                  "--segment-size", f"{self.segment_mib}MiB", "--ready-file", str(ready),
+                                  *self._disk(i)])  # fmt: skip
             self._wait_file(self.procs[f"node{i}"], ready)
         for i in self.client_hosts() if clients else ():
             self.add_client(i)
+
+    # ---- the sharded layout ---------------------------------------------------------------------------
+    def add_shard(self, sid: str) -> None:
+        """Start (or restart) shard ``sid``'s HA pair on h2 and h3; it joins the ring once a leader is elected."""
+        port = str(MASTER_PORT + SHARD_IDS.index(sid))
+        for i in self.masters():
+            name = f"master{i}{sid}"
+            if name in self.procs:
+                if not self.procs[name].alive():
+                    self.spawn(self.procs[name])
+                continue
+            self._add("master", i, [*KVP, "master", "--cluster", self.master, "--shard", sid, "--etcd", self.etcd_urls,
+                                    "--host", self.net.ip(i), "--port", port,
+                                    "--shard-move-window-ms", str(MOVE_WINDOW_MS)], name=name)  # fmt: skip
+
+    def remove_shard(self, sid: str) -> None:
+        """``kvplugins shard remove sid`` from host 2 (its keys move to the others); raises RuntimeError if refused."""
+        out = subprocess.run(self.net.command(2, [*KVP, "shard", "remove", sid, "--master", self.master]),
+                             capture_output=True, text=True, env=self.env, timeout=60)  # fmt: skip
+        if out.returncode:
+            raise RuntimeError(f"shard remove {sid}: {out.stderr[-500:]}")
+
+    def retire_shard(self, sid: str) -> None:
+        """Stop a removed shard's masters (SIGTERM: they exit 0)."""
+        for i in self.masters():
+            p = self.procs[f"master{i}{sid}"]
+            p.signal(signal.SIGTERM)
+            assert p.popen is not None
+            p.popen.wait(timeout=30)
+
+    def ring(self) -> dict:
+        """The membership as seen from host 2: {"epoch", "members": [ids], "moving": bool, "leaders": {id: host}}."""
+        code = (
+            "import json\nfrom kvplugins.store.cluster.membership import Membership\n"
+            "from kvplugins.store.client.follower import leader_info\n"
+            f"st = Membership({self.master!r}).read()\nleaders = {{}}\n"
+            "for sid in st.members:\n"
+            f"    info = leader_info({self.master.replace('shards://', 'etcd://')!r} + '/shard/' + sid, 1500)\n"
+            "    leaders[sid] = info['raw'] if info else ''\n"
+            "print(json.dumps({'epoch': st.epoch, 'members': sorted(st.members), 'moving': st.moving(), "
+            "'leaders': leaders}))"
+        )
+        out = json.loads(self.ask(code) or "{}") or {"epoch": -1, "members": [], "moving": True, "leaders": {}}
+        ips = {self.net.ip(i): i for i in self.masters()}
+        out["leaders"] = {sid: ips.get(raw.rpartition(":")[0]) for sid, raw in out["leaders"].items()}
+        return out
+
+    def leaders(self) -> list[Proc]:
+        """The leader master of each shard (one for the unsharded layouts; none where no leader is known)."""
+        if not self.shards:
+            host = self.leader()
+            return [self.procs[f"master{host}"]] if host is not None else []
+        return [self.procs[f"master{h}{sid}"] for sid, h in self.ring()["leaders"].items() if h is not None]
+
+    def _tiering(self) -> list[str]:
+        """With a disk tier: watermarks low enough that the sweep offloads most objects, so reads promote from
+        disk all the time (what a disk tier does in a full pool, without filling DRAM and dropping objects)."""
+        return ["--high-watermark", "0.02", "--low-watermark", "0.01"] if self.disk_mib else []
+
+    def _disk(self, i: int) -> list[str]:
+        """The node's disk tier flags: its directory on a tmpfs of ``disk_mib`` (mounted once; a restarted node
+        finds its files there), 3/4 of it as the tier's capacity (so only a fault fills the file system)."""
+        if not self.disk_mib:
+            return []
+        path = self.disk_dir(i)
+        if path not in self.mounts:
+            path.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.disk_mib}m,mode=0700", "tmpfs", str(path)],
+                           check=True)  # fmt: skip
+            self.mounts.append(path)
+        return ["--disk-dir", str(path / "tier"), "--disk-capacity", f"{self.disk_mib * 3 // 4}MiB"]
+
+    def disk_dir(self, i: int) -> Path:
+        return self.tmp / f"disk{i}"
 
     def _start_mooncake(self, clients: bool) -> None:
         argv = mooncake_side.master_command(self.net.ip(2), MOONCAKE_RPC_PORT, MOONCAKE_META_PORT, MOONCAKE_METRICS)
@@ -142,6 +237,20 @@ class Deployment:
         if final is not None:
             argv += ["--final", str(final)]
         return self._add("client", i, argv, name=name)
+
+    def add_replay(self, i: int, trace: Path, limit: int, speed: float) -> Proc:
+        """``kvplugins replay`` of ``trace``'s first ``limit`` requests at its arrival times / ``speed``, through
+        the cluster from host i (two engine instances, 2 replicas, the workload's timeouts; a store error is a
+        counted miss, as in the connectors). Its result rows go to ``tmp/replay.json``."""
+        argv = [*KVP, "replay", str(trace), "--master", self.master, "--realtime", "--speed", f"{speed:.3f}",
+                "--limit", str(limit), "--instances", "2", "--miss-on-store-error", "--no-progress",
+                "--json", str(self.tmp / "replay.json")]  # fmt: skip
+        env = {"KVPLUGINS_CLIENT_HOST": self.net.ip(i), "KVPLUGINS_CLIENT_REPLICAS": "2",
+               "KVPLUGINS_CLIENT_RPC_TIMEOUT_MS": "1000", "KVPLUGINS_CLIENT_TRANSFER_TIMEOUT_MS": "3000"}  # fmt: skip
+        proc = Proc(f"replay{i}", "replay", i, argv, self.tmp / f"replay{i}.log", env)
+        self.procs[proc.name] = proc
+        self.spawn(proc)
+        return proc
 
     def _start_etcd(self) -> None:
         peers = ",".join(f"h{i}=http://{self.net.ip(i)}:{ETCD_PORT + 1}" for i in self.etcd_hosts)
@@ -172,7 +281,7 @@ class Deployment:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=self.env,
+                env={**self.env, **proc.env},
                 cwd=Path(__file__).resolve().parents[2],
                 start_new_session=True,
             )
@@ -202,6 +311,12 @@ class Deployment:
             return 2 if raw == "up" else None
         return next((i for i in self.masters() if raw.startswith(self.net.ip(i) + ":")), None)
 
+    def _led(self) -> bool:
+        if not self.shards:
+            return self.leader() is not None
+        ring = self.ring()
+        return set(ring["members"]) == set(self.shards) and None not in ring["leaders"].values()
+
     def ask(self, code: str, host: int = 2, timeout_s: float = 30) -> str:
         """What Python ``code`` prints, run as a process of ``host`` with the cluster's secret (stripped)."""
         out = subprocess.run(self.net.command(host, [sys.executable, "-c", code]), capture_output=True, text=True,
@@ -210,9 +325,10 @@ class Deployment:
 
     def _wait_leader(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while self.leader() is None:
+        while not self._led():
             if time.monotonic() > deadline:
-                raise RuntimeError("no master leader:\n" + self.procs["master2"].log_tail())
+                first = next(p for p in self.procs.values() if p.role == "master")
+                raise RuntimeError("no master leader:\n" + first.log_tail())
             time.sleep(0.3)
 
     def stop_clients(self, timeout_s: float = 60.0) -> None:
@@ -229,15 +345,20 @@ class Deployment:
                     p.popen.wait()
 
     def stop(self) -> None:
-        """SIGTERM every process (SIGCONT first), SIGKILL what is left after 15 s."""
-        for p in self.procs.values():
-            p.signal(signal.SIGCONT)
-            p.signal(signal.SIGTERM)
-        for p in self.procs.values():
-            if p.popen is None:
-                continue
-            try:
-                p.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
+        """SIGTERM every process (SIGCONT first) in an operator's order, clients first and etcd last, each role's
+        processes at once; SIGKILL what is left of a role after 15 s."""
+        for roles in (("client", "replay"), ("node",), ("master",), ("etcd",)):
+            procs = [p for p in self.procs.values() if p.role in roles and p.popen is not None]
+            for p in procs:
+                p.signal(signal.SIGCONT)
+                p.signal(signal.SIGTERM)
+            for p in procs:
+                assert p.popen is not None
+                try:
+                    p.popen.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait()
+        for path in self.mounts:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+        self.mounts.clear()

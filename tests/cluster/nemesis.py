@@ -17,13 +17,19 @@ runs, then heals (a killed process is started again, a stopped one continued, a 
   stop_leader       SIGSTOP of the leader master (10 s; 60 s in long runs)
   kill_client       SIGKILL of a workload client (restarted, appending to its history)
   stop_client       SIGSTOP of a workload client (10 s)
+  disk_full         a node's disk-tier file system filled (a file takes all its free space: offloads get ENOSPC);
+                    only in a deployment with disk tiers (``disk_mib``), and drawn only there
+  shard_move        a membership change of a sharded deployment (shard z joins, or is removed if it is a member)
+                    and, once the ring changed, SIGKILL of a shard's leader (restarted as a standby); the heal
+                    waits for the move to settle (and stops a removed z). Only with ``shards``
 
-Not yet: a node's disk tier full, a shard leader killed during a membership change (the deployment has neither a
-disk tier nor shards yet: issue #34).
+With shards, the leader kinds pick the leader of a random shard.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 import signal
 import threading
@@ -31,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from tests.cluster.deploy import Deployment, Proc
+from tests.cluster.deploy import SPARE_SHARD, Deployment, Proc
 
 KINDS = (
     "isolate_host",
@@ -47,7 +53,10 @@ KINDS = (
     "stop_leader",
     "kill_client",
     "stop_client",
+    "disk_full",
+    "shard_move",
 )
+SETTLE_S = 30.0  # shard_move: how long the heal waits for the move to settle
 
 
 @dataclass
@@ -72,15 +81,32 @@ class Nemesis:
     def schedule(self, minutes: float, kinds: list[str] | None = None) -> list[str]:
         """Every kind (of ``kinds``, default all) once in a seeded order, then random ones until ``minutes`` are
         filled. Raises ValueError naming an unknown kind."""
-        pool = list(kinds or KINDS)
+        pool = list(kinds or self.kinds())
         if unknown := set(pool) - set(KINDS):
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+        if missing := set(pool) - set(self.kinds()):
+            raise ValueError(
+                f"fault kinds {sorted(missing)} need another deployment (disk_full: run.py --disk-mib; shard_move: "
+                "--shards)"
+            )
         order = list(pool)
         self.rng.shuffle(order)
         per = self.duration_s + self.gap_s
         while len(order) * per < minutes * 60 - per:
             order.append(self.rng.choice(pool))
         return order
+
+    def kinds(self) -> list[str]:
+        """The kinds this deployment can suffer (disk_full needs disk tiers, shard_move shards)."""
+        needs = {"disk_full": bool(self.d.disk_mib), "shard_move": bool(self.d.shards)}
+        return [k for k in KINDS if needs.get(k, True)]
+
+    def seconds(self, kinds: list[str]) -> float:
+        """How long ``run(kinds)`` takes (its gaps and holds)."""
+        return sum(self.gap_s + self._hold(k) for k in kinds)
+
+    def _hold(self, kind: str) -> float:
+        return max(self.duration_s, self.stop_s) if kind.startswith("stop_") else self.duration_s
 
     def run(self, kinds: list[str], stop: threading.Event | None = None) -> None:
         for kind in kinds:
@@ -92,7 +118,7 @@ class Nemesis:
     def apply(self, kind: str) -> Window:
         heal = getattr(self, f"_{kind}")()
         win = self.windows[-1]
-        time.sleep(max(self.duration_s, self.stop_s) if kind.startswith("stop_") else self.duration_s)
+        time.sleep(self._hold(kind))
         heal()
         win.end = time.time()
         return win
@@ -108,10 +134,8 @@ class Nemesis:
         return self.rng.choice(procs)
 
     def _leader(self) -> Proc:
-        host = self.d.leader()
-        if host is None:
-            return self._pick("master")
-        return self.d.procs[f"master{host}"]
+        leaders = self.d.leaders()
+        return self.rng.choice(leaders) if leaders else self._pick("master")
 
     def _kill(self, kind: str, p: Proc) -> Callable[[], None]:
         self._open(kind, [p.name], [p.host])
@@ -216,6 +240,60 @@ class Nemesis:
 
     def _stop_client(self) -> Callable[[], None]:
         return self._stop("stop_client", self._pick("client"))
+
+    def _shard_move(self) -> Callable[[], None]:
+        d, sid = self.d, SPARE_SHARD
+        before = d.ring()
+        joining = sid not in before["members"]
+        win = self._open("shard_move", [f"{'join' if joining else 'remove'} {sid}"], [])
+        try:
+            d.add_shard(sid) if joining else d.remove_shard(sid)
+        except RuntimeError as e:  # refused (a move not yet swept): the kill below then hits a steady ring
+            win.notes.append(str(e))
+        deadline = time.monotonic() + SETTLE_S
+        while (ring := d.ring())["epoch"] <= before["epoch"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        win.notes.append(f"ring epoch {before['epoch']} -> {ring['epoch']}, members {ring['members']}")
+        victims = [d.procs[f"master{h}{s}"] for s, h in ring["leaders"].items() if h is not None]
+        p = self.rng.choice(victims)
+        win.targets.append(p.name)
+        win.hosts.append(p.host)
+        p.killed += 1
+        p.signal(signal.SIGKILL)
+
+        def heal() -> None:
+            d.spawn(p)
+            t0 = time.monotonic()
+            while (ring := d.ring())["moving"] and time.monotonic() - t0 < SETTLE_S:
+                time.sleep(0.5)
+            win.notes.append(f"settled {'in' if not ring['moving'] else 'not within'} {time.monotonic() - t0:.1f} s")
+            if not joining and not ring["moving"]:
+                d.retire_shard(sid)
+
+        return heal
+
+    def _disk_full(self) -> Callable[[], None]:
+        i = self.rng.choice(self.d.node_hosts())
+        fs = self.d.disk_dir(i)
+        filler = fs / "filler"
+        self._open("disk_full", [f"h{i}:{fs.name}"], [i])
+        _fill(filler)
+        return lambda: filler.unlink()
+
+
+def _fill(path) -> None:
+    """A file at ``path`` taking every free byte of its file system (tmpfs: fallocate takes the pages now, so the
+    next write of anyone gets ENOSPC): 1 MiB steps, then halves down to a page."""
+    with open(path, "wb") as f:
+        off, step = 0, 1 << 20
+        while step >= 4096:
+            try:
+                os.posix_fallocate(f.fileno(), off, step)
+                off += step
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                step //= 2
 
 
 def as_dicts(windows: list[Window]) -> list[dict]:

@@ -14,8 +14,10 @@ every namespace it made it removes (also on Ctrl-C). Needs root, iproute2, nftab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +29,9 @@ from tests.cluster.deploy import Deployment
 from tests.cluster.nemesis import KINDS, Nemesis, as_dicts
 from tests.cluster.net import Net
 
+REPLAY_GRACE_S = 120.0  # how long the trace replay may run past the schedule (its lag) before it is stopped
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -37,8 +42,32 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=8.0, help="seconds each fault holds (>= 2x heartbeat timeout)")
     p.add_argument("--gap", type=float, default=4.0, help="calm seconds between faults")
     p.add_argument("--stop-s", type=float, default=10.0, help="seconds a SIGSTOP holds (60 in long runs)")
-    p.add_argument("--kinds", default=",".join(KINDS), help="the fault kinds to draw from (comma list)")
+    p.add_argument(
+        "--kinds",
+        default="",
+        help=f"the fault kinds to draw from (comma list of {', '.join(KINDS)}); "
+        "default: every kind the deployment can suffer",
+    )
+    p.add_argument(
+        "--disk-mib",
+        type=int,
+        default=0,
+        help="give each node a disk tier on a tmpfs of this size (and the disk_full fault); 0 = DRAM only",
+    )
+    p.add_argument(
+        "--shards",
+        default="",
+        help="sharded masters: comma list of shard ids, e.g. a,b (each an HA pair on h2 and h3; shard z joins and "
+        "leaves in the shard_move fault); '' = one HA pair",
+    )
     p.add_argument("--out", type=Path, help="where histories and logs go (default: a temp dir)")
+    p.add_argument(
+        "--trace",
+        default=str(TRACE) if TRACE.exists() else "",
+        help="also replay this FAST'25 trace through the cluster, its clock scaled to the schedule; '' = "
+        "none (kvplugins only; default: ../shared's conversation trace where it exists)",
+    )
+    p.add_argument("--trace-limit", type=int, default=0, help="replay the trace's first N requests (0 = all)")
     return p.parse_args(argv)
 
 
@@ -46,21 +75,38 @@ def run(args: argparse.Namespace) -> checker.Verdict:
     out = args.out or Path(tempfile.mkdtemp(prefix="kvp-cluster-"))
     out.mkdir(parents=True, exist_ok=True)
     with Net(args.hosts) as net:
-        d = Deployment(net, out, run=f"r{args.seed}-{int(time.time())}", seed=args.seed, system=args.system)
+        d = Deployment(net, out, run=f"r{args.seed}-{int(time.time())}", seed=args.seed, system=args.system,
+                       disk_mib=args.disk_mib, shards=tuple(filter(None, args.shards.split(","))))  # fmt: skip
         try:
             d.start()
             nemesis = Nemesis(d, args.seed, args.duration, args.gap, args.stop_s)
-            kinds = nemesis.schedule(args.minutes, args.kinds.split(","))
+            kinds = nemesis.schedule(args.minutes, args.kinds.split(",") if args.kinds else None)
             print(f"cluster up in {out}; {len(kinds)} faults: {' '.join(kinds)}", flush=True)
+            replay = _start_replay(d, args, nemesis.seconds(kinds))
             nemesis.run(kinds)
             time.sleep(args.gap)
             d.stop_clients()
+            if replay is not None and replay.popen is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):  # then stopped: its exit shows as a crash
+                    replay.popen.wait(timeout=REPLAY_GRACE_S)  # it ends itself at the trace's end
             final = _final_read(d, out)
         finally:
             d.stop()
         verdict = _verdict(d, nemesis, out, final)
     (out / "verdict.json").write_text(json.dumps({**asdict(verdict), "windows": as_dicts(nemesis.windows)}))
     return verdict
+
+
+def _start_replay(d: Deployment, args: argparse.Namespace, seconds: float):
+    """The trace replay on host 3 (an engine host without a node), its clock sped up so its requests span the
+    schedule; None without --trace or for Mooncake (the replay speaks kvplugins' client API)."""
+    if not args.trace or d.system != "kvplugins":
+        return None
+    from kvplugins.replay import trace
+
+    reqs = trace.load(args.trace, args.trace_limit)
+    span_s = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
+    return d.add_replay(3, Path(args.trace), len(reqs), max(span_s / max(seconds, 1.0), 0.001))
 
 
 def _final_read(d: Deployment, out: Path) -> Path:
@@ -91,7 +137,14 @@ def _verdict(d: Deployment, nemesis: Nemesis, out: Path, final: Path) -> checker
         if p.role == "client" and f.exists():
             stats[p.name] = (p.host, json.loads(f.read_text()))
     node_kills = [w.start for w in nemesis.windows if w.kind == "kill_node"]
-    return checker.check(records, nemesis.windows, exits, stats, set(d.node_hosts()), node_kills)
+    moves = [w.start for w in nemesis.windows if w.kind == "shard_move"]
+    v = checker.check(records, nemesis.windows, exits, stats, set(d.node_hosts()), node_kills, moves)
+    replay = out / "replay.json"
+    if replay.exists():
+        v.replay = json.loads(replay.read_text())["results"][0]
+    elif any(p.role == "replay" for p in d.procs.values()):
+        v.crashes.append("the trace replay wrote no result (its log: replay3.log)")
+    return v
 
 
 def main(argv: list[str] | None = None) -> int:
