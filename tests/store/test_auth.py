@@ -102,6 +102,43 @@ def test_raw_rpc_refuses_missing_or_wrong_secret(secured, as_peer, which, reason
     assert ("sent data without authenticating" if which == "none" else "wrong shared secret") in log
 
 
+def test_a_failed_curve_handshake_with_a_leader_is_looked_up_again_not_taken_as_a_wrong_secret(
+    secured, as_peer, monkeypatch
+):
+    """zmq reports a leader that dies mid-handshake (SIGKILL) like a CURVE refusal. A leader-following control
+    client (an HA address) drops that leader and looks it up again; its raw-plane probe, which authenticates with
+    the same secret, tells a real refusal apart: a wrong secret still raises AuthError. (Mocked: the failed
+    handshake itself, since a peer's death cannot be timed into its handshake; found by the cluster runs, where
+    a node's heartbeat thread died of it and its segment and disk tier were dropped 32 s later, issue #34.)"""
+    from kvplugins.security import curve
+    from kvplugins.store.client.follower import LeaderClient
+
+    cluster, _ = secured
+    as_peer("right")
+    failures, real = [1], ZmqRpcClient._roundtrip
+
+    def dies_once(self, body, deadline):
+        if failures:
+            failures.pop()
+            self._reset()
+            raise curve.refused_error(self.address)
+        return real(self, body, deadline)
+
+    monkeypatch.setattr(ZmqRpcClient, "_roundtrip", dies_once)
+    ha = LeaderClient(f"{cluster.master},{cluster.master}", 3000, plane="zmq")
+    try:
+        assert len(ha.call("status")["segments"]) == 1 and not failures
+    finally:
+        ha.close()
+    as_peer("wrong")
+    ha = LeaderClient(f"{cluster.master},{cluster.master}", 3000, plane="zmq")
+    try:
+        with pytest.raises(AuthError):
+            ha.call("status")
+    finally:
+        ha.close()
+
+
 @pytest.mark.parametrize("which", ["none", None, "wrong"])
 def test_zmq_control_plane_refuses_missing_or_wrong_secret(secured, as_peer, which):
     cluster, _ = secured

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvplugins.errors import MasterUnreachable, StoreError
+from kvplugins.errors import AuthError, MasterUnreachable, StoreError
 from kvplugins.store.client.rpc import RawRpcClient, ZmqRpcClient
 from kvplugins.store.cluster.etcd import Etcd, parse_endpoint
 from kvplugins.store.wire.protocol import NOT_LEADER
@@ -113,6 +113,10 @@ class LeaderClient:
                         if isinstance(e, MasterUnreachable) and op in ONCE_PER_LEADER:
                             applied_by = self._leader_id
                         last = self._failed(e)
+                    except AuthError as e:
+                        if self.plane != "zmq":
+                            raise
+                        last = self._curve_failed(op, e)
                 if time.monotonic() + BACKOFF_S >= deadline:
                     raise MasterUnreachable(self.address, timeout_ms, f"{op}: no leader answered: {last}") from last
                 time.sleep(BACKOFF_S)
@@ -123,6 +127,14 @@ class LeaderClient:
             raise err
         self._drop()
         return err
+
+    def _curve_failed(self, op: str, err: AuthError) -> StoreError:
+        """A CURVE handshake with the leader's control plane failed. zmq reports a peer that dies mid-handshake
+        (a leader killed) like a refusal, and this process passed the leader's raw-plane handshake with the same
+        secret, so: drop the leader and look it up again; the lookup's probe raises AuthError if the secret is
+        really wrong."""
+        self._drop()
+        return MasterUnreachable(self.address, self.timeout_ms, f"{op}: {err}")
 
     def _attempt_ms(self, deadline: float) -> float:
         """Time for one attempt: all that is left on the raw plane (a dead peer's TCP connection fails at

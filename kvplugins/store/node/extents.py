@@ -123,3 +123,5 @@ class ShardedSegments:
                 self.rebalance()
             except StoreError as e:
                 log.warning("sharded store %s: membership not re-read: %s", self.address, e)
+            except Exception:  # noqa: BLE001 - a dead watcher would leave extents with a shard that left
+                log.exception("sharded store %s: rebalance failed; watching goes on", self.address)

@@ -13,7 +13,7 @@ import logging
 import secrets
 import threading
 
-from kvplugins.errors import MasterUnreachable, StoreError
+from kvplugins.errors import AuthError, MasterUnreachable, StoreError
 from kvplugins.security import resolve
 from kvplugins.security.secret import owner_proof
 from kvplugins.store.wire.protocol import NOT_FOUND, OK
@@ -58,9 +58,12 @@ class OwnedSegment:
                 if down:
                     log.info("master %s reachable again", self.rpc.address)
                 down = False
-            except (MasterUnreachable, StoreError) as e:
+            except (MasterUnreachable, StoreError, AuthError) as e:
                 if not down:
                     log.warning("heartbeat failed: %s", e)
+                down = True
+            except Exception:  # noqa: BLE001 - a dead heartbeat thread loses the segment 32 s later: keep beating
+                log.exception("heartbeat of %s failed; heart-beating goes on", self.name)
                 down = True
 
     def close(self) -> None:
