@@ -19,7 +19,7 @@ from pathlib import Path
 
 import xxhash
 
-from kvplugins.errors import StoreError
+from kvplugins.errors import KVPluginsError, StoreError
 from kvplugins.store.embedded import CLI, wait_ready
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class PoolOps:
         values = self._timed("get", self.client.batch_get, keys)
         self.gets += len(keys)
         for k, v in zip(keys, values):
-            if isinstance(v, StoreError):
+            if isinstance(v, KVPluginsError):  # a miss, or this key's read failed (StoreError, TransferFailed)
                 self.get_misses += 1
             elif v != value_of(k, self.object_bytes):
                 self.wrong_bytes += 1

@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from kvplugins.errors import StoreError
+from kvplugins.errors import StoreError, TransferError
 from kvplugins.replay.caches import LocalLRU, Router
 
 
@@ -89,14 +89,14 @@ class _Instance:
             res.tokens_saved += min((h1 + h2) * block_tokens, req.input_length)
 
     def _pool(self, blocks, res: Result, lock) -> int:
-        """Steps 3-4 for ``blocks``; returns the pool hits. A StoreError propagates, or with miss_on_error is
-        counted and the request is a miss (its blocks recomputed, not stored)."""
+        """Steps 3-4 for ``blocks``; returns the pool hits. A StoreError or TransferError propagates, or with
+        miss_on_error is counted and the request is a miss (its blocks recomputed, not stored)."""
         keys = self.pool.keys(blocks)
         try:
             hit = self.pool.prefix(keys)
             self.pool.fetch(keys[:hit])
             self.pool.store(keys[hit:])
-        except StoreError:
+        except (StoreError, TransferError):
             if not self.miss_on_error:
                 raise
             with lock:
