@@ -59,6 +59,7 @@ class Verdict:
     cross_host: list[str] = field(default_factory=list)
     kinds: dict[str, KindRow] = field(default_factory=dict)
     replay: dict = field(default_factory=dict)  # the trace replay's result row (kvplugins.replay.report.row)
+    evictions: int = -1  # the store's evictions at the end (-1: unknown): each may be a loss the checker counts
 
     @property
     def ok(self) -> bool:
@@ -80,7 +81,8 @@ class Verdict:
             f"ops {self.ops}; wrong bytes {len(self.wrong_bytes)}; acknowledged objects {self.acknowledged}, lost "
             f"{len(self.lost_unexplained)} unexplained + {len(self.lost_explained)} explained (>= replicas nodes "
             f"killed, or a shard move, after the put); crashes {len(self.crashes)}; shm/cma bytes between hosts "
-            f"{len(self.cross_host)} clients",
+            f"{len(self.cross_host)} clients; store evictions (sweep picks, offloads included) "
+            f"{self.evictions if self.evictions >= 0 else 'unknown'}",
         ]
         if r := self.replay:
             lines.append(

@@ -36,6 +36,8 @@ from tests.cluster.net import Net
 ETCD_PORT, MASTER_PORT = 2379, 7100
 SHARD_IDS, SPARE_SHARD = "abcdefgz", "z"  # shard z is the one that joins and leaves (nemesis: shard_move)
 SHARD_PREFIX, MOVE_WINDOW_MS = "/kvplugins/cluster", 4000
+REPLAY_SCALE = 65536  # replay objects of 1 KiB (llama3-8b's 64 MiB blocks / 65536): the whole trace, 2 replicas,
+# holds ~0.4 GB, so the 1.5 GiB of three nodes never evicts (an eviction is a miss the checker cannot tell from loss)
 MOONCAKE_RPC_PORT, MOONCAKE_META_PORT, MOONCAKE_METRICS = 50051, 8080, 9003
 START_TIMEOUT_S = 60.0
 KVP = [sys.executable, "-c", "import sys; from kvplugins.cli import main; sys.exit(main())"]
@@ -240,10 +242,11 @@ class Deployment:
 
     def add_replay(self, i: int, trace: Path, limit: int, speed: float) -> Proc:
         """``kvplugins replay`` of ``trace``'s first ``limit`` requests at its arrival times / ``speed``, through
-        the cluster from host i (two engine instances, 2 replicas, the workload's timeouts; a store error is a
-        counted miss, as in the connectors). Its result rows go to ``tmp/replay.json``."""
+        the cluster from host i (two engine instances, 1 KiB objects, 2 replicas, the workload's timeouts; a store
+        error is a counted miss, as in the connectors). Its result rows go to ``tmp/replay.json``."""
         argv = [*KVP, "replay", str(trace), "--master", self.master, "--realtime", "--speed", f"{speed:.3f}",
                 "--limit", str(limit), "--instances", "2", "--miss-on-store-error", "--no-progress",
+                "--scale", str(REPLAY_SCALE),
                 "--json", str(self.tmp / "replay.json")]  # fmt: skip
         env = {"KVPLUGINS_CLIENT_HOST": self.net.ip(i), "KVPLUGINS_CLIENT_REPLICAS": "2",
                "KVPLUGINS_CLIENT_RPC_TIMEOUT_MS": "1000", "KVPLUGINS_CLIENT_TRANSFER_TIMEOUT_MS": "3000"}  # fmt: skip

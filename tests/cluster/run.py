@@ -90,9 +90,11 @@ def run(args: argparse.Namespace) -> checker.Verdict:
                 with contextlib.suppress(subprocess.TimeoutExpired):  # then stopped: its exit shows as a crash
                     replay.popen.wait(timeout=REPLAY_GRACE_S)  # it ends itself at the trace's end
             final = _final_read(d, out)
+            evictions = _evictions(d)
         finally:
             d.stop()
         verdict = _verdict(d, nemesis, out, final)
+        verdict.evictions = evictions
     (out / "verdict.json").write_text(json.dumps({**asdict(verdict), "windows": as_dicts(nemesis.windows)}))
     return verdict
 
@@ -107,6 +109,19 @@ def _start_replay(d: Deployment, args: argparse.Namespace, seconds: float):
     reqs = trace.load(args.trace, args.trace_limit)
     span_s = (reqs[-1].timestamp_ms - reqs[0].timestamp_ms) / 1000
     return d.add_replay(3, Path(args.trace), len(reqs), max(span_s / max(seconds, 1.0), 0.001))
+
+
+def _evictions(d: Deployment) -> int:
+    """The store's evictions (the leader's counter; -1 if unknown: Mooncake, or no leader answered)."""
+    if d.system != "kvplugins":
+        return -1
+    code = (
+        "from kvplugins.store.client.connect import master_client\n"
+        f"try:\n    print(master_client({d.master!r}, 3000).call('status').get('evictions', -1))\n"
+        "except Exception:\n    print(-1)"
+    )
+    out = d.ask(code)
+    return int(out) if out.lstrip("-").isdigit() else -1
 
 
 def _final_read(d: Deployment, out: Path) -> Path:
