@@ -2,7 +2,9 @@
 ClientConfig defaults (``replicas``, ``preferred_segment``, ``pin``, ``pin_ttl_ms``).
 
 * ``replicas``: copies written by the put, each on a distinct segment (on distinct hosts first when the pool
-  has several hosts); fewer if the pool has fewer segments.
+  has several hosts); fewer if the pool has fewer registered segments. While registered segments are suspect
+  (silent) or not yet admitted, a put that cannot place min(replicas, registered segments) copies on live ones
+  is StoreFull (retry): it is never acknowledged with fewer copies than it asked for and the pool could hold.
 * ``preferred_segment``: segment name (as ``status`` lists it, "<segment id>:<region id>") that gets the first
   replica when it has room; otherwise the usual most-free-first order. '' = no preference.
 * ``pin``: "none" (plain LRU), "soft" (evicted only after every unpinned object, until ``pin_ttl_ms`` after the

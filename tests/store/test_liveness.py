@@ -96,6 +96,23 @@ def test_all_suspect_is_store_full_naming_them(m):
     assert code == STORE_FULL and "every segment is suspect" in why and s1 in why
 
 
+def test_put_of_two_replicas_with_one_live_segment_is_refused_not_acknowledged_with_one(m):
+    """A put is never acknowledged with fewer copies than it asked for and the pool could hold: with 2 segments
+    registered and one suspect, a 2-replica put is StoreFull naming the suspect one (a 1-replica put still
+    lands); once the silent one heartbeats again the put gets both. One registered segment stores one copy."""
+    (_, s1), (_, s2) = reg(m, "s1"), reg(m, "s2")
+    silence(m, TIMEOUT_S + 1, s2)
+    [(code, why)] = m.handle("put_start", [["two", 100]], {"replicas": 2})
+    assert code == STORE_FULL and "replicas=2" in why and "only 1 of the 2" in why and s1 in why, why
+    assert "two" not in m.table
+    assert [loc[0] for loc in put(m, "one")] == [s2]
+    m.handle("heartbeat", [s1], {})
+    assert {loc[0] for loc in put(m, "two", replicas=2)} == {s1, s2}
+    single = MasterService(MasterConfig(alloc_align=64), clock=Clock())
+    (_, s0) = reg(single, "s0")
+    assert [loc[0] for loc in put(single, "k", replicas=2)] == [s0]
+
+
 def test_removed_after_grace_then_same_process_gets_its_objects_back(m):
     (_, s1), (_, s2) = reg(m, "s1", owner="A"), reg(m, "s2", owner="B")
     placed = {f"k{i}": put(m, f"k{i}")[0] for i in range(8)}

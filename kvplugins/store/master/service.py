@@ -238,7 +238,9 @@ class MasterService:
             return "no segment is registered; start `kvplugins store` or `kvplugins up`"
         if -(-size // self.cfg.alloc_align) * self.cfg.alloc_align > biggest:
             return f"object of {size} bytes is larger than the largest segment ({biggest} bytes)"
-        want = min(replicas, len(order))
+        want = min(replicas, len(self.segments))  # a pool of fewer segments stores fewer copies
+        if len(order) < want:
+            return self._too_few_live(replicas, len(order))
         while True:
             placed = placement.try_place(size, want, order)
             if placed:
@@ -249,6 +251,17 @@ class MasterService:
             if victim is None:
                 return self._full_reason(size, now)
             self.evict(victim, now, urgent=True)
+
+    def _too_few_live(self, replicas: int, live: int) -> str:
+        """StoreFull reason for a put whose ``replicas`` cannot go to distinct segments now because registered
+        segments are suspect or not yet admitted: acknowledging fewer copies would let one host's fault lose it."""
+        down = sorted(self.segments.suspect | self.segments.unadmitted)
+        return (
+            f"the put asks for replicas={replicas} on distinct segments but only {live} of the "
+            f"{len(self.segments)} registered segments take placement now (suspect or not yet admitted: "
+            f"{down[:8]}); retry once they answer (heartbeat_timeout_ms={self.cfg.heartbeat_timeout_ms}), or "
+            "lower replicas"
+        )
 
     def grace_cutoff(self, now: float) -> float:
         """Objects committed after this master-clock time are within the eviction grace: never victims."""
