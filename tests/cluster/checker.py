@@ -13,7 +13,8 @@ Checks (issue #34):
    the next op that succeeded (or the window's end plus the recovery allowance); and its slowest single operation
    (a stall that ends in success is no failure, but shows there). Lost objects are also counted per kind of fault
    that ran after they were acknowledged (one loss may count under several kinds).
-4. crashes: a process that exited non-zero (or by a signal) that the nemesis did not send.
+4. crashes: a process that exited non-zero (or by a signal) that the nemesis did not send; run.py adds a master
+   whose periodic sweep raised (its log says "master tick failed").
 5. no byte between hosts by shared memory or the same-host read: clients on hosts without a node moved 0 bytes over
    shm and cma (a host-id mistake would make every link fault bite nothing).
 6. the trace replay (kvplugins replay of the FAST'25 trace through the cluster, run.py): every request served,

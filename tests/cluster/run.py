@@ -154,6 +154,10 @@ def _verdict(d: Deployment, nemesis: Nemesis, out: Path, final: Path) -> checker
     node_kills = [w.start for w in nemesis.windows if w.kind == "kill_node"]
     moves = [w.start for w in nemesis.windows if w.kind == "shard_move"]
     v = checker.check(records, nemesis.windows, exits, stats, set(d.node_hosts()), node_kills, moves)
+    for p in d.procs.values():  # a master whose sweep raises runs on without re-replication or eviction
+        failed = p.log.read_text(errors="replace").count("master tick failed") if p.role == "master" else 0
+        if failed:
+            v.crashes.append(f"{p.name}: its sweep raised ({failed} log lines 'master tick failed'; see {p.log})")
     replay = out / "replay.json"
     if replay.exists():
         v.replay = json.loads(replay.read_text())["results"][0]

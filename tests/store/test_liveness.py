@@ -113,6 +113,21 @@ def test_put_of_two_replicas_with_one_live_segment_is_refused_not_acknowledged_w
     assert [loc[0] for loc in put(single, "k", replicas=2)] == [s0]
 
 
+def test_a_removed_key_in_the_repair_queue_does_not_stop_the_sweep(m):
+    """An object queued for re-replication (it lost a replica with a removed segment) and then removed: the
+    sweep skips it and goes on. It raised TypeError (a key gone compared with its old view) on every tick from
+    then on, so no repair, eviction or shard sweep ran again (the 60 s SIGSTOP cluster run, issue #34)."""
+    _, (_, s2), (_, s3) = reg(m, "s1"), reg(m, "s2"), reg(m, "s3")
+    for k in ("a", "b"):
+        put(m, k, replicas=3)
+    silence(m, TIMEOUT_S + GRACE_S + 1, s2, s3)  # s1 removed: a and b are short of a replica
+    assert set(m.repairs.queue) == {"a", "b"}
+    m.handle("remove", ["a"], {})
+    m.clock.t += 0.5
+    m.tick()
+    assert "a" not in m.repairs.queue and "b" in m.repairs.queue
+
+
 def test_removed_after_grace_then_same_process_gets_its_objects_back(m):
     (_, s1), (_, s2) = reg(m, "s1", owner="A"), reg(m, "s2", owner="B")
     placed = {f"k{i}": put(m, f"k{i}")[0] for i in range(8)}

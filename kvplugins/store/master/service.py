@@ -654,8 +654,31 @@ class MasterService:
 
     # ---- sweep ---------------------------------------------------------------------------------------
     def tick(self) -> None:
-        """Periodic sweep: dead segments, expired pending puts, due zombie frees, watermark eviction."""
-        now = self.clock()
+        """Periodic sweep: dead segments, expired pending puts, due zombie frees, the disk tier, re-replication,
+        watermark eviction, the shard's sweep. Every step runs even if an earlier one raised (a bug in one must not
+        stop re-replication or eviction for good); the first error is raised after the last step (rpc_server
+        logs it)."""
+        now, errors = self.clock(), []
+        for step in (
+            self._sweep_segments,
+            self.tiering.tick,
+            self.repairs.tick,
+            self.evict_watermarks,
+            self._shard_tick,
+        ):
+            try:
+                step(now)
+            except Exception as e:  # noqa: BLE001 - re-raised below, once the other steps ran
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _shard_tick(self, now: float) -> None:
+        if self.shard is not None:
+            self.shard.tick(self, now)
+
+    def _sweep_segments(self, now: float) -> None:
+        """Dead segments, expired pending puts, due zombie frees, slabs and soft pins."""
         timeout_s, grace_s = self.cfg.heartbeat_timeout_ms / 1000, self.cfg.suspect_grace_ms / 1000
         new, dead = self.segments.sweep(now, timeout_s, grace_s)
         self.counters["segments_suspect"] += len(new)
@@ -673,11 +696,6 @@ class MasterService:
         self.free_due_zombies(now)
         self.slabs.tick(now)
         expire_soft_pins(self.table, now)
-        self.tiering.tick(now)
-        self.repairs.tick(now)
-        self.evict_watermarks(now)
-        if self.shard is not None:
-            self.shard.tick(self, now)
 
     def free_due_zombies(self, now: float) -> bool:
         """Free the removed objects whose lease (or put deadline) has run out; whether any were."""

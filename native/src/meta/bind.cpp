@@ -158,9 +158,10 @@ NB_MODULE(_meta, m) {
       .def("leased", [](const Obj& o, double now) { return o.r().lease_until > now; })
       .def("on_segment", [](const Obj& o, const std::string& name) {
              o.r(); auto id = o.pt->known(name); return id && o.pt->t.on_segment(o.i, *id); })
-      .def("__eq__", [](const Obj& a, nb::handle b) {
+      .def("__eq__", [](const Obj& a, nb::handle b) {  // any other (None included: a key gone) is unequal
              if (!nb::isinstance<Obj>(b)) return false;
-             const Obj& o = nb::cast<const Obj&>(b); return a.pt == o.pt && a.i == o.i && a.gen == o.gen; })
+             const Obj& o = nb::cast<const Obj&>(b); return a.pt == o.pt && a.i == o.i && a.gen == o.gen; },
+           nb::arg("other").none())
       .def("__hash__", [](const Obj& o) { return (size_t(o.i) << 20) ^ o.gen; })
       .def("__repr__", [](const Obj& o) {
              if (!o.pt->t.live(o.i, o.gen)) return std::string("<Object (removed)>");
