@@ -37,6 +37,7 @@ def run(args) -> int:
                     "epoch": st.epoch,
                     "members": st.members,
                     "previous": st.previous,
+                    "joining": {sid: j.address for sid, j in st.joining.items()},
                     "moving": st.moving(),
                     "swept": st.swept,
                 },

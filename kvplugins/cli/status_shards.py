@@ -31,6 +31,7 @@ def fetch(master: str, timeout_ms: float) -> dict:
             "epoch": st.epoch,
             "members": st.members,
             "previous": st.previous,
+            "joining": {sid: j.address for sid, j in st.joining.items()},
             "moving": st.moving(),
             "swept": st.swept,
             "shares": st.ring.shares(),
@@ -51,6 +52,7 @@ def run_sharded(master: str, timeout_ms: float, as_json: bool) -> int:
     m = out["membership"]
     print(
         f"epoch {m['epoch']}, {len(m['members'])} shards"
+        + (f", joining (waiting for extents): {', '.join(sorted(m['joining']))}" if m["joining"] else "")
         + (
             f", a move is on (previous shards: {', '.join(sorted(m['previous'] or {}))})"
             if m["moving"]

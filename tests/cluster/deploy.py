@@ -34,6 +34,7 @@ from tests.cluster import mooncake_side
 from tests.cluster.net import Net
 
 ETCD_PORT, MASTER_PORT = 2379, 7100
+SHARD_PUT_TIMEOUT_MS = 10_000  # a joining shard waits for the nodes' hand-over: lease TTL (5 s) + this
 SHARD_IDS, SPARE_SHARD = "abcdefgz", "z"  # shard z is the one that joins and leaves (nemesis: shard_move)
 SHARD_PREFIX, MOVE_WINDOW_MS = "/kvplugins/cluster", 4000
 REPLAY_SCALE = 65536  # replay objects of 1 KiB (llama3-8b's 64 MiB blocks / 65536): the whole trace, 2 replicas,
@@ -156,7 +157,8 @@ class Deployment:
                 continue
             self._add("master", i, [*KVP, "master", "--cluster", self.master, "--shard", sid, "--etcd", self.etcd_urls,
                                     "--host", self.net.ip(i), "--port", port,
-                                    "--shard-move-window-ms", str(MOVE_WINDOW_MS)], name=name)  # fmt: skip
+                                    "--shard-move-window-ms", str(MOVE_WINDOW_MS),
+                                    "--put-timeout-ms", str(SHARD_PUT_TIMEOUT_MS)], name=name)  # fmt: skip
 
     def remove_shard(self, sid: str) -> None:
         """``kvplugins shard remove sid`` from host 2 (its keys move to the others); raises RuntimeError if refused."""

@@ -20,7 +20,8 @@ runs, then heals (a killed process is started again, a stopped one continued, a 
   disk_full         a node's disk-tier file system filled (a file takes all its free space: offloads get ENOSPC);
                     only in a deployment with disk tiers (``disk_mib``), and drawn only there
   shard_move        a membership change of a sharded deployment (shard z joins, or is removed if it is a member)
-                    and, once the ring changed, SIGKILL of a shard's leader (restarted as a standby); the heal
+                    and, once the ring changed (a joining z first waits for the nodes to hand it extents), SIGKILL
+                    of a shard's leader (restarted as a standby); the heal
                     waits for the move to settle (and stops a removed z). Only with ``shards``
 
 With shards, the leader kinds pick the leader of a random shard.
@@ -57,6 +58,7 @@ KINDS = (
     "shard_move",
 )
 SETTLE_S = 30.0  # shard_move: how long the heal waits for the move to settle
+JOIN_S = 45.0  # shard_move: how long a joining z may take to become a member (nodes hand it extents first)
 
 
 @dataclass
@@ -250,7 +252,7 @@ class Nemesis:
             d.add_shard(sid) if joining else d.remove_shard(sid)
         except RuntimeError as e:  # refused (a move not yet swept): the kill below then hits a steady ring
             win.notes.append(str(e))
-        deadline = time.monotonic() + SETTLE_S
+        deadline = time.monotonic() + (JOIN_S if joining else SETTLE_S)
         while (ring := d.ring())["epoch"] <= before["epoch"] and time.monotonic() < deadline:
             time.sleep(0.2)
         win.notes.append(f"ring epoch {before['epoch']} -> {ring['epoch']}, members {ring['members']}")

@@ -31,7 +31,8 @@ class ShardedStore:
     nodes: list = field(default_factory=list)
 
     def add_master(self, shard: str, ha: bool = False, wait: bool = True) -> Proc:
-        """Start a master of ``shard`` (with ``ha``: one more of its HA pair); waits until it is a member."""
+        """Start a master of ``shard`` (with ``ha``: one more of its HA pair); with ``wait``, waits until it is a
+        member (it joins once nodes handed it extents, or after the hand-over wait: master/shard.py)."""
         n = sum(len(v) for v in self.masters.values())
         port_file = self.tmp / f"master{n}.port"
         flags = {"cluster": self.address, "shard": shard, "shard_move_window_ms": WINDOW_MS, **self.master_flags}
@@ -133,12 +134,13 @@ def sharded_store(
             {"lease_ttl_ms": 1000, "put_timeout_ms": 3000, "heartbeat_timeout_ms": 1500, **(master_flags or {})},
         )
         try:
-            for sid in shards:
-                store.add_master(sid, ha=sid in ha)
+            for sid in shards:  # a master joins once nodes handed it extents (master/shard.py): nodes next
+                store.add_master(sid, ha=sid in ha, wait=False)
                 if sid in ha:
-                    store.add_master(sid, ha=True)
+                    store.add_master(sid, ha=True, wait=False)
             for _ in range(nodes):
                 store.add_node(segment_size, **(node_flags or {}))
+            store.wait_for(lambda st: set(st.members) == set(shards) and not st.unswept(), f"shards {shards} to join")
             yield store
         finally:
             store.kill_all()

@@ -4,11 +4,18 @@ state of the last change (a *move*).
 Address of a sharded store: ``shards://host:port[,host:port...]/prefix`` (the etcd cluster and a key prefix).
 Keys under the prefix:
 - ``{prefix}/ring``: JSON ``{"epoch", "members": {shard id: master address}, "previous": {...} | null,
-  "changed_at": unix s, "window_ms"}``. A member's address is what master_client takes: ``host:port`` for a
+  "changed_at": unix s, "window_ms", "joining": {shard id: {"address", "since": unix s}}}``. A member's address is what master_client takes: ``host:port`` for a
   single master, ``etcd://host:port/{prefix}/shard/{id}`` for an HA pair (ha/).
 - ``{prefix}/swept/{id}``: JSON ``{"moved": epoch, "settled": epoch}``, written by shard ``id``'s master:
   ``moved`` = it dropped every key owned by neither the current nor the previous ring of that epoch,
   ``settled`` = the move window passed and it dropped every key it does not own now.
+
+A master joins in two steps. It first *announces* itself (``joining``; the epoch stays): it owns no key yet, but
+nodes already hand it their share of extents (node/extents.py; an extent leaving a shard is registrable again
+only after that shard's lease TTL + put timeout). Once its master holds DRAM (master/shard.py) it *joins*: it
+becomes a member and owns its part of the ring. So no key is ever owned by a shard without DRAM (before, puts of
+a new shard's keys were StoreFull for that wait, 21.6 s in the cluster runs; issue #34). The first master of an
+empty ring joins at once.
 
 A change (a master joins, or ``kvplugins shard remove``) bumps the epoch, keeps the old member set as
 ``previous`` and is refused while any member has not yet reported ``moved`` for the current epoch (so a range
@@ -18,6 +25,7 @@ never returns to a master still holding stale keys of it). Clients read through 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -50,6 +58,14 @@ def parse(address: str) -> tuple[str, str]:
 
 
 @dataclass(frozen=True)
+class Joining:
+    """A master that announced itself (module doc): where it answers and since when (unix s)."""
+
+    address: str
+    since: float
+
+
+@dataclass(frozen=True)
 class ClusterState:
     """One read of the membership (see the module doc). ``swept``: shard id -> (moved, settled) epochs."""
 
@@ -59,6 +75,7 @@ class ClusterState:
     changed_at: float = 0.0
     window_ms: int = 0
     swept: dict = field(default_factory=dict)
+    joining: dict = field(default_factory=dict)  # shard id -> Joining
 
     @cached_property
     def ring(self) -> Ring:
@@ -80,6 +97,11 @@ class ClusterState:
             self.swept.get(m, (0, 0))[1] < self.epoch for m in self.members if m in self.previous
         )
 
+    @cached_property
+    def extent_holders(self) -> dict:
+        """Shard id -> address of every master nodes give extents to: the members and the joining ones."""
+        return {**{sid: j.address for sid, j in self.joining.items()}, **self.members}
+
     def unswept(self) -> list[str]:
         """Members that have not reported ``moved`` for this epoch (a new change waits for them)."""
         return [m for m in self.members if self.swept.get(m, (0, 0))[0] < self.epoch]
@@ -92,6 +114,7 @@ class ClusterState:
                 "previous": self.previous,
                 "changed_at": self.changed_at,
                 "window_ms": self.window_ms,
+                "joining": {sid: {"address": j.address, "since": j.since} for sid, j in self.joining.items()},
             },
             sort_keys=True,
         ).encode()
@@ -120,12 +143,29 @@ class Membership:
         if raw is None:
             return ClusterState(swept=swept), None
         d = json.loads(raw)
-        return ClusterState(d["epoch"], d["members"], d["previous"], d["changed_at"], d["window_ms"], swept), raw
+        joining = {sid: Joining(j["address"], j["since"]) for sid, j in d.get("joining", {}).items()}
+        return ClusterState(
+            d["epoch"], d["members"], d["previous"], d["changed_at"], d["window_ms"], swept, joining
+        ), raw
 
     def report(self, shard: str, moved: int, settled: int) -> None:
         self.etcd.txn(
             [], [put_op(f"{self.prefix}/swept/{shard}", json.dumps({"moved": moved, "settled": settled}).encode())]
         )
+
+    def announce(self, shard: str, address: str, window_ms: int) -> ClusterState:
+        """Announce ``shard`` at ``address`` as joining (module doc; the first master of an empty ring joins at
+        once). Raises StoreError if another change won the race (retry)."""
+
+        def change(st: ClusterState):
+            if shard in st.members or st.joining.get(shard, Joining("", 0)).address == address:
+                return None
+            if not st.members:
+                return _moved(st, {shard: address}, window_ms)
+            since = st.joining[shard].since if shard in st.joining else time.time()
+            return dataclasses.replace(st, joining={**st.joining, shard: Joining(address, since)})
+
+        return self._change(change, f"announce shard {shard}")
 
     def join(self, shard: str, address: str, window_ms: int) -> ClusterState:
         """Add ``shard`` at ``address`` (or update its address; no keys move then). Raises StoreError if a
@@ -135,7 +175,7 @@ class Membership:
             if st.members.get(shard) == address:
                 return None
             if shard in st.members:  # a restarted master at a new address: same keys, same epoch
-                return ClusterState(st.epoch, {**st.members, shard: address}, st.previous, st.changed_at, st.window_ms)
+                return dataclasses.replace(st, members={**st.members, shard: address})
             return _moved(st, {**st.members, shard: address}, window_ms)
 
         return self._change(change, f"add shard {shard}")
@@ -145,9 +185,11 @@ class Membership:
         do not wait for unswept members (one is dead). Raises StoreError (unknown shard, move in progress)."""
 
         def change(st: ClusterState):
+            if shard in st.joining and shard not in st.members:  # announced only: it owns no key yet
+                return dataclasses.replace(st, joining={k: v for k, v in st.joining.items() if k != shard})
             if shard not in st.members:
                 raise StoreError(
-                    f"shard {shard!r} is not a member of {self.address} (members: {sorted(st.members) or 'none'})"
+                    f"shard {shard!r} is not a member of {self.address} (members: {sorted(st.members) or 'none'}, joining: {sorted(st.joining) or 'none'})"
                 )
             return _moved(st, {k: v for k, v in st.members.items() if k != shard}, window_ms)
 
@@ -174,5 +216,7 @@ class Membership:
 
 
 def _moved(st: ClusterState, members: dict, window_ms: int) -> ClusterState:
-    """The state after a change of the member set: previous = the members before (None if there were none)."""
-    return ClusterState(st.epoch + 1, members, dict(st.members) or None, time.time(), window_ms)
+    """The state after a change of the member set: previous = the members before (None if there were none); a
+    shard that became a member is no longer joining."""
+    joining = {k: v for k, v in st.joining.items() if k not in members}
+    return ClusterState(st.epoch + 1, members, dict(st.members) or None, time.time(), window_ms, joining=joining)

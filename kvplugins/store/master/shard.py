@@ -1,7 +1,10 @@
 """The shard role of a master (``kvplugins master --shard ID --cluster shards://...``).
 
-A watcher thread re-reads the membership (cluster.py) every POLL_S, joins the ring once at start (when the
-master holds no object: a master never joins with stale keys) and writes this shard's sweep reports. On the
+A watcher thread re-reads the membership (cluster/membership.py) every POLL_S, joins the ring once at start and
+writes this shard's sweep reports. Joining (when the master holds no object: a master never joins with stale
+keys): it announces itself, so nodes hand it extents, and becomes a member once it holds DRAM: its live segment
+count has been above 0 and unchanged for SETTLE_S (the nodes' hand-over is done), or, with no segment, once the
+hand-over wait (lease TTL + put timeout) and SETTLE_S more have passed since it announced (no node yet). On the
 master's own thread (MasterService.handle / tick):
 - ``route``: a put (``put_start``, ``put``) of a key this shard does not own answers WRONG_SHARD (the client
   re-reads the membership and retries): a client with a stale view never stores a key where readers will not
@@ -16,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 from kvplugins.errors import StoreError
 from kvplugins.store.cluster.membership import ClusterState, Membership, parse
@@ -26,16 +30,20 @@ from kvplugins.store.wire.schema import subset
 log = logging.getLogger(__name__)
 POLL_S = 0.5
 SWEEP_SLICE = 8192
+SETTLE_S = 2.0  # a joining master becomes a member once its live segment count held this long (module doc)
 
 
 class ShardMember:
     """Shard ``shard`` of the store at ``cluster``, answering at ``address`` (what clients dial: host:port, or
     the shard's HA address etcd://...). ``window_ms``: the move window of a change this master makes."""
 
-    def __init__(self, cluster: str, shard: str, address: str, window_ms: int):
+    def __init__(self, cluster: str, shard: str, address: str, window_ms: int, hand_over_s: float = 0.0):
         self.cluster, self.id, self.address, self.window_ms = cluster, shard, address, window_ms
+        self.hand_over_s = hand_over_s  # how long a node waits before an extent another shard had is registrable
         self.state: ClusterState | None = None  # the latest read (set by the watcher thread)
         self.objects = -1  # the serving table's object count (set on each tick)
+        self.segments = 0  # the serving table's live segments (set on each tick)
+        self._held = (0, 0.0)  # (live segments, monotonic s since when that count holds)
         self.joined = False
         self._scan = None  # [service, (epoch, phase), object views, next index]
         self._done = (None, (0, 0))  # (service, target) of the last finished sweep
@@ -74,6 +82,7 @@ class ShardMember:
     def tick(self, service, now: float) -> None:
         """One slice of the sweep this master owes the current membership (module doc)."""
         self.objects = len(service.table)
+        self.segments = len(service.segments.by_free_space())
         st = self.state
         if st is None:
             return
@@ -132,6 +141,16 @@ class ShardMember:
             return
         if self.id not in st.members and self.objects != 0:
             return  # first drop what this master holds (the sweep: it owns nothing yet)
+        if self.id not in st.members:
+            j = st.joining.get(self.id)
+            if j is None or j.address != self.address:
+                self.state = st = members.announce(self.id, self.address, self.window_ms)
+                if self.id not in st.members:
+                    log.warning("shard %s announced to %s at %s: it joins once nodes handed it extents",
+                                self.id, self.cluster, self.address)  # fmt: skip
+                    return
+            elif not self._holds_dram(j.since):
+                return
         self.state = members.join(self.id, self.address, self.window_ms)
         self.joined = True
         log.warning(
@@ -142,6 +161,15 @@ class ShardMember:
             self.state.epoch,
             ", ".join(sorted(self.state.members)),
         )
+
+    def _holds_dram(self, since: float) -> bool:
+        """Whether this joining master may join now (module doc). ``since``: unix s it announced."""
+        n, now = self.segments, time.monotonic()
+        if n != self._held[0]:
+            self._held = (n, now)
+        if n > 0:
+            return now - self._held[1] >= SETTLE_S
+        return time.time() - since >= self.hand_over_s + SETTLE_S
 
 
 def shard_defaults(cfg):
@@ -156,6 +184,7 @@ def start_shard(cfg, address: str) -> ShardMember | None:
     """The started shard role of a master with --shard (answering at ``address``), else None."""
     if not cfg.shard:
         return None
-    member = ShardMember(cfg.cluster, cfg.shard, address, cfg.shard_move_window_ms)
+    hand_over_s = (cfg.lease_ttl_ms + cfg.put_timeout_ms) / 1000
+    member = ShardMember(cfg.cluster, cfg.shard, address, cfg.shard_move_window_ms, hand_over_s)
     member.start()
     return member

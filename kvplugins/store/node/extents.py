@@ -1,7 +1,8 @@
 """A store node of a sharded store: its DRAM as ``shard_extents`` equal extents, each its own exported region
 registered as a segment with one shard's master (OwnedSegment: heartbeats, re-registration).
 
-Masters of a sharded store own disjoint segment sets: a master allocates only in segments registered with it,
+Extents go to every member and to masters that announced they join (they join once they hold DRAM, so no
+shard ever owns keys without any). Masters of a sharded store own disjoint segment sets: a master allocates only in segments registered with it,
 so no two masters ever hand out the same bytes and no cross-master allocation protocol is needed. Every node
 spreads its extents evenly over the shards (``assign``), so each shard gets about 1/N of every node's DRAM,
 as it gets about 1/N of the keys (ring.py). On a membership change a node moves as few extents as it can: an
@@ -70,13 +71,14 @@ class ShardedSegments:
     def rebalance(self) -> None:
         """Read the membership; unregister extents that must move, register the free ones with their shard."""
         st = self._members.read()
-        target = assign(self.owner, st.members, self.name)
+        holders = st.extent_holders  # members and joining masters (cluster/membership.py)
+        target = assign(self.owner, holders, self.name)
         now = time.monotonic()
         for i, want in enumerate(target):
-            if self.owner[i] is not None and (self.owner[i] != want or self.addrs[i] != st.members[want]):
+            if self.owner[i] is not None and (self.owner[i] != want or self.addrs[i] != holders[want]):
                 self._release(i, now)
             if self.owner[i] is None and want is not None and now >= self.free_at[i]:
-                self._register(i, want, st.members[want])
+                self._register(i, want, holders[want])
 
     def placements(self) -> dict:
         """Shard id -> segment names of this node registered with it."""
