@@ -209,3 +209,38 @@ def test_a_restarted_process_takes_over_its_disk_and_dram_losses_fall_back_to_it
     svc.tick()
     assert [a[0] for a in svc.handle("get", ["x", "y"], {})] == [ON_DISK, ON_DISK]
     assert svc.handle("get", ["x"], {})[0][1][0] == "127.0.0.1:2"
+
+
+def test_an_object_with_two_replicas_keeps_a_disk_copy_on_each_node_and_survives_losing_one():
+    """Replicated disk copies: the sweep offloads a 2-replica object to both replicas' nodes and frees DRAM only
+    once both hold their file, so losing one node (its disk with it) leaves the object on the other. A node whose
+    write failed gets the missing copy from a later sweep; until then the object stays in DRAM."""
+    svc = master(high=0.4, low=0.3)
+    a, _ = node(svc, "A", endpoint="127.0.0.1:1")
+    b, _ = node(svc, "B", endpoint="127.0.0.1:2")
+    started = svc.handle("put_start", [[k, OBJ] for k in ("x", "y", "z")], {"replicas": 2})
+    assert all(code == OK and len(locs) == 2 for code, locs in started)
+    svc.handle("put_commit", ["x", "y", "z"], {})
+    svc.tick()  # 75% of each segment > high: x and y go to disk (z is left: in flight brings it under low)
+    for name in (a, b):
+        assert [c[:2] for c in poll(svc, name)] == [["offload", "x"], ["offload", "y"]]
+
+    def in_dram(key):  # without a get (a get would touch the LRU)
+        return len(svc.table.get(key).replicas)
+
+    svc.handle("tier_done", [["offload", "x", True, 11, 0], ["offload", "y", True, 12, 0]], {"segment": a})
+    assert in_dram("x") == 2 and in_dram("y") == 2  # one copy of two: still in DRAM on both
+    svc.handle("tier_done", [["offload", "x", True, 11, 0], ["offload", "y", False, "ENOSPC", 0]], {"segment": b})
+    assert in_dram("x") == 0 and in_dram("y") == 2
+    st = svc.op_status([], {}, svc.clock())
+    assert (st["disk_objects"], st["disk_copies"], st["offloads"], st["offload_failures"]) == (2, 3, 1, 1)
+    svc.clock_.t += 2.0  # B's back-off over: the next sweep writes y's missing copy to B only
+    svc.tick()
+    assert [c[:2] for c in poll(svc, b)] == [["offload", "y"]] and poll(svc, a) == []
+    svc.handle("tier_done", [["offload", "y", True, 12, 0]], {"segment": b})
+    assert svc.handle("get", ["y"], {})[0][0] == ON_DISK
+    svc.handle("unregister", [a], {})  # node A and its disk are gone
+    svc.tick()
+    for key in ("x", "y"):
+        assert svc.handle("get", [key], {})[0] == [ON_DISK, ["127.0.0.1:2", OBJ]], key
+    assert svc.op_status([], {}, svc.clock())["disk_copies"] == 2

@@ -1,7 +1,8 @@
 """The master's view of the disk tier: which node holds a disk copy of which object, the commands queued for each
 node, and the copies in flight (offload, promote, migrate). Pure bookkeeping; tiering.py drives it.
 
-A disk copy or a flight names the Object it belongs to and is valid only while the table still maps the key to
+An object has a disk copy on each node of its DRAM replicas that has a tier (an offload writes them all: with
+``replicas`` >= 2 no single host's disk holds the only copy). A disk copy or a flight names the Object it belongs to and is valid only while the table still maps the key to
 that very Object (a removed and re-put key never reuses an old copy). A disk-only object holds no DRAM and is
 parked outside the table's LRU lists, so eviction never picks it. An object in flight stays evictable by an
 on-demand eviction (a put never waits for disk): it is dropped, the flight cancelled and its file deleted.
@@ -33,11 +34,12 @@ class Copy:
 class Flight:
     kind: str  # "offload" | "promote" | "migrate"
     obj: object  # metadata.Object: a view, dead once the object leaves the table
-    segment: str  # the node doing the work
+    segment: str  # the node doing the work (an offload: the first of ``pending``)
     deadline: float
     dest: tuple | None = None  # (Segment, offset) the node writes into (promote, migrate)
     fid: int = 0  # migrate: the id its command and the node's report carry (a late report of an
     # ended flight never matches a newer flight of the same key)
+    pending: set = field(default_factory=set)  # offload: the nodes still writing their copy
     size: int = field(init=False)  # obj.size, readable after obj is gone
 
     def __post_init__(self):

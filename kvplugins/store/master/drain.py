@@ -59,8 +59,9 @@ def plan(tier, node, now: float) -> None:
             return
         if _drop_extra_replica(tier, obj, seg, now):
             continue
-        if not any(n == seg.name for n, _ in obj.replicas) and obj.replicas:
-            tier.forget_copy(key, delete=True)  # DRAM lives elsewhere: the disk copy here just goes
+        elsewhere = obj.replicas or any(c.segment != seg.name for c in tier.copies_of(obj))
+        if not any(n == seg.name for n, _ in obj.replicas) and elsewhere:
+            tier.forget_copy(key, delete=True, segment=seg.name)  # DRAM or a disk copy lives elsewhere: this goes
             continue
         busy += _start_migration(tier, obj, node, seg, now)
 
@@ -116,7 +117,6 @@ def migrated(tier, key, segment: str, ok: bool, detail, now: float) -> None:
         svc.table.unpark(obj, now)
     obj.replicas = [(n, o) for n, o in obj.replicas if n != segment] + [(dest.name, off)]
     tier.free_at(old, max(now, obj.lease_until), now)  # readers that got the old location keep their lease
-    if (c := tier.copies.get(key)) is not None and c.segment == segment:
-        tier.forget_copy(key, delete=True)
+    tier.forget_copy(key, delete=True, segment=segment)
     svc.journal.replicas_changed([obj])
     tier.counters["migrations"] += 1

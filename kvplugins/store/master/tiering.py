@@ -4,13 +4,14 @@ and how a get answers a disk-resident object.
 MasterService owns one Tiering and calls evict/get/dropped/tick/status; ops() adds the tier's RPC ops. Until a
 store node with ``--disk-dir`` registers its tier, an evicted object is dropped (no disk tier).
 
-* Offload (watermark sweep, ``urgent=False``): an ``offload`` command is queued for the node holding a replica;
-  the node polls (``tier_poll``), writes the file durably and confirms (``tier_done``); only then are its DRAM
-  replicas freed (when the last reader's lease ends) and the object is disk-only. The sweep is no emergency: a
+* Offload (watermark sweep, ``urgent=False``): an ``offload`` command is queued for every node holding a replica
+  that has a tier (so an object put with 2 replicas keeps 2 disk copies on 2 hosts); each node polls
+  (``tier_poll``), writes the file durably and confirms (``tier_done``); only once every such node holds its
+  copy are the DRAM replicas freed (when the last reader's lease ends) and the object is disk-only. The sweep is no emergency: a
   victim whose tier cannot take it now (backing off after a failed offload, e.g. a full disk, or not yet known
   to a leader that just took over) stays in DRAM for a later sweep instead of being dropped. On-demand eviction
   (``urgent=True``, a put is waiting) never waits for disk: an object with a clean disk copy (promoted earlier)
-  has its DRAM freed at once; any other victim is dropped (an offload in flight is cancelled, its file deleted).
+  has its DRAM freed at once, even with fewer copies than replicas; any other victim is dropped (an offload in flight is cancelled, its file deleted).
 * Promote: a get of a disk-only object answers ``[ON_DISK, [node endpoint, size]]``; the client asks that node
   (kvplugins.store.client.promote), which calls ``promote_start`` (a DRAM offset in its own segment), loads and
   verifies the file there, and ``promote_commit``s; the object is in DRAM again and keeps its clean disk copy.
@@ -61,7 +62,7 @@ class Tiering:
     def __init__(self, service=None):
         self.service = service
         self.nodes: dict[str, DiskNode] = {}  # segment name -> node tier
-        self.copies: dict[str, Copy] = {}  # key -> its disk copy
+        self.copies: dict[str, dict[str, Copy]] = {}  # key -> node segment -> its disk copy there
         self.flights: dict[str, Flight] = {}  # key -> the copy in flight
         self.disk_bytes = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -77,28 +78,32 @@ class Tiering:
         let the service drop it. ``urgent``: a put is waiting for the space now (on-demand eviction), so only a
         step that frees DRAM at once helps; False from the watermark sweep. After True, ``obj`` must no longer be a
         victim (eviction.victims) or its DRAM must be free, or the on-demand loop would pick it again."""
-        if self.copy(obj) is not None:
-            self.to_disk_only(obj, now, max(now, obj.lease_until))  # clean copy: DRAM goes at once
+        have = {c.segment for c in self.copies_of(obj)}
+        missing = [n for n in self._tiers_of(obj) if n.segment not in have]
+        if have and (urgent or not missing):
+            self.to_disk_only(obj, now, max(now, obj.lease_until))  # clean copies: DRAM goes at once
             return True
         if urgent:
             return False  # a flight of obj is cancelled by dropped(); the node's file is then deleted
         if obj.key in self.flights or any(n in self.nodes and self.nodes[n].draining for n, _ in obj.replicas):
             self.counters["offload_deferred"] += 1  # already on its way to disk, or the drain moves it
             return True
-        node = self._offload_node(obj, now)
-        if node is None:
-            if self._later(obj, now):
-                self.counters["offload_deferred"] += 1  # the sweep is no emergency: keep it for its tier
+        ready = [n for n in missing if n.retry_at <= now]
+        if not ready:
+            if missing or self._later(obj, now):
+                self.counters["offload_deferred"] += 1  # the sweep is no emergency: keep it for its tiers
                 return True
             return False
-        seg = self.service.segments.get(node.segment)
-        if seg.used - node.offloading <= self.service.cfg.low_watermark * seg.size:
+        seg = self.service.segments.get(ready[0].segment)
+        if seg.used - ready[0].offloading <= self.service.cfg.low_watermark * seg.size:
             self.counters["offload_deferred"] += 1  # offloads in flight already bring it under low
             return True
-        off = dict(obj.replicas)[node.segment]
-        self.flights[obj.key] = Flight("offload", obj, node.segment, now + FLIGHT_TIMEOUT_S)
-        node.offloading += obj.size
-        node.queue.append(["offload", obj.key, off, obj.size, _checksum(obj)])
+        at = dict(obj.replicas)
+        f = Flight("offload", obj, ready[0].segment, now + FLIGHT_TIMEOUT_S, pending={n.segment for n in ready})
+        self.flights[obj.key] = f
+        for node in ready:
+            node.offloading += obj.size
+            node.queue.append(["offload", obj.key, at[node.segment], obj.size, _checksum(obj)])
         return True
 
     def get(self, obj, now: float):
@@ -113,8 +118,7 @@ class Tiering:
     def dropped(self, obj, now: float) -> None:
         """``obj`` is leaving the table (remove, eviction, loss): delete its disk copy, cancel its flight (a
         destination the node may still write is freed after put_timeout_ms)."""
-        c = self.copies.get(obj.key)
-        if c is not None and c.obj == obj:
+        if any(c.obj == obj for c in self.copies.get(obj.key, {}).values()):
             self.forget_copy(obj.key, delete=True)
         f = self.flights.get(obj.key)
         if f is not None and f.obj == obj:
@@ -160,6 +164,7 @@ class Tiering:
         return {
             **self.counters,
             "disk_objects": len(self.copies),
+            "disk_copies": sum(len(c) for c in self.copies.values()),
             "disk_bytes": self.disk_bytes,
             "disk_flights": len(self.flights),
             "disk_capacity": sum(n.capacity for n in self.nodes.values()),
@@ -171,27 +176,44 @@ class Tiering:
         }
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
+    def copies_of(self, obj) -> list[Copy]:
+        """``obj``'s valid disk copies (on nodes the master knows)."""
+        return [c for c in self.copies.get(obj.key, {}).values() if c.obj == obj and c.segment in self.nodes]
+
     def copy(self, obj) -> Copy | None:
-        """``obj``'s disk copy, if it has a valid one."""
-        c = self.copies.get(obj.key)
-        return c if c is not None and c.obj == obj and c.segment in self.nodes else None
+        """A disk copy of ``obj`` a reader can promote from: on a node whose segment is not suspect if there is
+        one, else any valid copy; None without one."""
+        found = self.copies_of(obj)
+        suspect = self.service.segments.suspect
+        return next((c for c in found if c.segment not in suspect), found[0] if found else None)
 
     def add_copy(self, obj, segment: str, checksum: int) -> None:
-        self.forget_copy(obj.key, delete=False)
-        self.copies[obj.key] = Copy(segment, obj, checksum)
+        held = self.copies.get(obj.key, {})
+        if any(c.obj != obj for c in held.values()):
+            self.forget_copy(obj.key, delete=False)  # copies of an older object of this key
+        self.forget_copy(obj.key, delete=False, segment=segment)
+        self.copies.setdefault(obj.key, {})[segment] = Copy(segment, obj, checksum)
         self.nodes[segment].keys.add(obj.key)
         self.disk_bytes += obj.size
 
-    def forget_copy(self, key: str, delete: bool) -> None:
-        c = self.copies.pop(key, None)
-        if c is None:
+    def forget_copy(self, key: str, delete: bool, segment: str | None = None) -> None:
+        """Forget ``key``'s disk copies (only the one on node ``segment`` if given); ``delete``: tell their nodes
+        to delete the files."""
+        held = self.copies.get(key)
+        if not held:
             return
-        self.disk_bytes -= c.size
-        node = self.nodes.get(c.segment)
-        if node is not None:
-            node.keys.discard(key)
-            if delete:
-                node.queue.append(["delete", key])
+        for name in [segment] if segment is not None else list(held):
+            c = held.pop(name, None)
+            if c is None:
+                continue
+            self.disk_bytes -= c.size
+            node = self.nodes.get(name)
+            if node is not None:
+                node.keys.discard(key)
+                if delete:
+                    node.queue.append(["delete", key])
+        if not held:
+            del self.copies[key]
 
     def to_disk_only(self, obj, now: float, free_at: float) -> None:
         """Free ``obj``'s DRAM replicas (at ``free_at``) and leave it on disk only."""
@@ -244,8 +266,9 @@ class Tiering:
             heapq.heappush(self._held, (free_dest_at, f.fid))  # a late write may land until then
         elif f.dest is not None:
             self.service.journal.flight_ended(f.fid)
-        if f.kind == "offload" and f.segment in self.nodes:
-            self.nodes[f.segment].offloading -= f.size
+        for name in f.pending if f.kind == "offload" else ():
+            if name in self.nodes:
+                self.nodes[name].offloading -= f.size
         if f.dest is not None and free_dest_at is not None:
             self.free_at([f.dest], free_dest_at, now)
         return f
@@ -253,16 +276,23 @@ class Tiering:
     def lose_node(self, name: str, now: float) -> None:
         """Node ``name``'s segment left: its files stay on its disk (announced again when it returns), so the
         master forgets them without deleting; objects that were only there are lost."""
-        node = self.nodes.pop(name)
-        for key in [k for k, f in self.flights.items() if f.segment == name]:
+        for key in [k for k, f in self.flights.items() if f.segment == name or name in f.pending]:
+            f = self.flights[key]
+            if f.kind == "offload" and len(f.pending) > 1:  # the other nodes' copies are still coming
+                self.nodes[name].offloading -= f.size
+                f.pending.discard(name)
+                f.segment = next(iter(f.pending))
+                continue
             self.end_flight(key, now, free_dest_at=now + self.service.cfg.put_timeout_ms / 1000)
+        node = self.nodes.pop(name)
         lost = []
         for key in list(node.keys):
-            c = self.copies.pop(key, None)
-            if c is not None:
-                self.disk_bytes -= c.size
-                if self.service.table.get(key) == c.obj and not c.obj.replicas:
-                    lost.append(c.obj)
+            c = self.copies.get(key, {}).get(name)
+            if c is None:
+                continue
+            self.forget_copy(key, delete=False, segment=name)
+            if self.service.table.get(key) == c.obj and not c.obj.replicas and not self.copies_of(c.obj):
+                lost.append(c.obj)
         for obj in lost:
             self.service.drop(obj, now)
         self.counters["disk_lost"] += len(lost)
@@ -279,23 +309,21 @@ class Tiering:
                 return True
         return False
 
-    def _offload_node(self, obj, now: float) -> DiskNode | None:
+    def _tiers_of(self, obj) -> list[DiskNode]:
+        """The tiers that can hold a copy of ``obj``: those of its DRAM replicas' nodes (one per node), not
+        draining, big enough."""
+        out = []
         for name, _ in obj.replicas:
             node = self.nodes.get(name)
-            if (
-                node is not None
-                and node.endpoint
-                and not node.draining
-                and obj.size <= node.capacity
-                and node.retry_at <= now
-            ):
-                return node
-        return None
+            if node is not None and node.endpoint and not node.draining and obj.size <= node.capacity:
+                if node not in out:
+                    out.append(node)
+        return out
 
     def flight(self, key, kind: str, segment: str):
         """The flight of ``kind`` for ``key`` by node ``segment`` if its object is still the table's."""
         f = self.flights.get(key)
-        if f is None or f.kind != kind or f.segment != segment:
+        if f is None or f.kind != kind or (f.segment != segment and segment not in f.pending):
             return None
         return f if self.service.table.get(key) == f.obj else None
 
@@ -328,7 +356,7 @@ class Tiering:
                 obj = table.new(key, size, [], complete=True, last_access=now, checksum=digest)
                 table.park(obj)
                 new.append(obj)
-            elif not (obj.complete and obj.size == size and self.copy(obj) is None and _checksum(obj) in (0, digest)):
+            elif not (obj.complete and obj.size == size and _checksum(obj) in (0, digest)):
                 stale.append(key)
                 continue
             self.add_copy(obj, segment, digest)
@@ -398,29 +426,36 @@ class Tiering:
 
     def _offloaded(self, key, segment: str, ok: bool, digest, now: float) -> None:
         f = self.flight(key, "offload", segment)
-        if f is None:  # cancelled (removed) or timed out: nobody wants that file any more
-            c = self.copies.get(key)
-            if ok and (c is None or c.segment != segment):
+        if f is None or segment not in f.pending:  # cancelled (removed) or timed out: nobody wants that file
+            if ok and segment not in self.copies.get(key, {}):
                 self.nodes[segment].queue.append(["delete", key])
             return
-        self.end_flight(key, now)
-        if not ok:
+        f.pending.discard(segment)
+        self.nodes[segment].offloading -= f.size
+        if ok:
+            self.add_copy(f.obj, segment, int(digest))
+        else:
             self.counters["offload_failures"] += 1
             self.nodes[segment].retry_at = now + OFFLOAD_BACKOFF_S  # a failing disk acts as none for a while
+        if f.pending:
+            f.segment = next(iter(f.pending))
             return
-        self.add_copy(f.obj, segment, int(digest))
-        self.to_disk_only(f.obj, now, max(now, f.obj.lease_until))  # readers that got it keep their lease
-        self.counters["offloads"] += 1
+        self.end_flight(key, now)
+        have = {c.segment for c in self.copies_of(f.obj)}
+        if have and all(n.segment in have for n in self._tiers_of(f.obj)):
+            self.to_disk_only(f.obj, now, max(now, f.obj.lease_until))  # readers that got it keep their lease
+            self.counters["offloads"] += 1  # (else it stays in DRAM: a later sweep writes the missing copies)
 
     def file_lost(self, key, segment: str, why: str, now: float) -> None:
         """Node ``segment`` no longer has ``key``'s file (``why``: "evicted" by its LRU, "corrupt", "missing");
         an object that was only there is dropped (a miss from now on)."""
-        c = self.copies.get(key)
-        if c is None or c.segment != segment:
+        c = self.copies.get(key, {}).get(segment)
+        if c is None:
             return
-        self.forget_copy(key, delete=False)
+        self.forget_copy(key, delete=False, segment=segment)
         self.counters[LOST_COUNTER.get(why, "disk_lost")] += 1
-        if self.service.table.get(key) == c.obj and not c.obj.replicas and key not in self.flights:
+        gone = not c.obj.replicas and not self.copies_of(c.obj) and key not in self.flights
+        if self.service.table.get(key) == c.obj and gone:
             self.service.drop(c.obj, now)
 
     # ---- ops: promote on hit -------------------------------------------------------------------------
@@ -435,11 +470,11 @@ class Tiering:
         out = []
         for key in entries:
             obj = self.service.table.get(key)
-            c = self.copy(obj) if obj is not None else None
+            held = {c.segment for c in self.copies_of(obj)} if obj is not None else set()
             in_dram = obj is not None and any(n not in self.service.segments.suspect for n, _ in obj.replicas)
             if obj is not None and (in_dram or key in self.flights):
                 out.append([EXISTS, "in DRAM" if in_dram else "busy"])
-            elif c is None or c.segment != segment:
+            elif segment not in held:
                 out.append([NOT_FOUND, None])
             else:
                 out.append(self._promote_alloc(obj, seg, now))
