@@ -55,6 +55,9 @@ class EtcdJournal(Journal):
     def seg_key(self, name: str) -> str:
         return f"{self.prefix}/seg/{name}"
 
+    def owner_key(self, name: str) -> str:
+        return f"{self.prefix}/segowner/{name}"
+
     def slab_key(self, slab_id: int) -> str:
         return f"{self.prefix}/slab/{int(slab_id)}"
 
@@ -99,10 +102,18 @@ class EtcdJournal(Journal):
 
     def segment_added(self, seg) -> None:
         value = msgpack.packb([seg.descriptor, seg.region_id, seg.size])
-        self._write({self.seg_key(seg.name): put_op(self.seg_key(seg.name), value)})
+        owner = msgpack.packb([seg.owner, seg.identity])  # who may re-register it, and get its manifest back
+        self._write(
+            {
+                self.seg_key(seg.name): put_op(self.seg_key(seg.name), value),
+                self.owner_key(seg.name): put_op(self.owner_key(seg.name), owner),
+            }
+        )
 
     def segment_removed(self, name: str) -> None:
-        self._write({self.seg_key(name): delete_op(self.seg_key(name))})
+        self._write(
+            {self.seg_key(name): delete_op(self.seg_key(name)), self.owner_key(name): delete_op(self.owner_key(name))}
+        )
 
     # ---- load ----------------------------------------------------------------------------------------
     def load(self) -> tuple[list, list, list]:
@@ -113,6 +124,13 @@ class EtcdJournal(Journal):
         objs = _decoded(self.etcd.range_prefix(self.prefix + "/obj/"), cut, decode_object)
         slabs = _decoded(self.etcd.range_prefix(self.prefix + "/slab/"), len(self.prefix) + len("/slab/"), decode_slab)
         return segs, objs, slabs
+
+    def load_owners(self) -> dict[str, tuple[bytes, str]]:
+        """Segment name -> (owner digest, named credential) of each journaled segment (decode_owner). Raises
+        StoreError."""
+        cut = len(self.prefix) + len("/segowner/")
+        return {name: (owner, ident) for name, owner, ident in _decoded(
+            self.etcd.range_prefix(self.prefix + "/segowner/"), cut, decode_owner)}  # fmt: skip
 
     def load_flights(self) -> list[tuple]:
         """[(flight id, segment, start, end)] of the disk-tier flights journaled (the same value as a slab's).
@@ -212,6 +230,7 @@ class _ObjectValue(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 _OBJECT = msgspec.msgpack.Decoder(_ObjectValue)
 _SEGMENT = msgspec.msgpack.Decoder(tuple[schema.Descriptor, schema.RegionId, schema.Size])
+_OWNER = msgspec.msgpack.Decoder(tuple[bytes, str])
 _SLAB = msgspec.msgpack.Decoder(tuple[schema.SegName, schema.Offset, schema.Offset])
 
 
@@ -251,6 +270,17 @@ def decode_segment(value: bytes) -> tuple:
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(f"journal segment value: {_named(e, _SEGMENT_FIELDS)}") from None
     return desc.wire(), region_id, size
+
+
+def decode_owner(value: bytes) -> tuple:
+    """(owner digest: b"" or 32 bytes, named credential) from segment_added's owner record. Raises ProtocolError."""
+    try:
+        owner, ident = _OWNER.decode(value)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"journal segment owner value: {e}") from None
+    if len(owner) not in (0, 32) or len(ident) > MAX_JOURNAL_KEY:
+        raise ProtocolError(f"journal segment owner value: a {len(owner)}-byte digest or a credential too long")
+    return owner, ident
 
 
 def decode_slab(value: bytes) -> tuple:

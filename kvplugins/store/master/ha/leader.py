@@ -91,7 +91,8 @@ class LeaderGuard:
         service = MasterService(self.cfg, zmq_endpoint=self.zmq_endpoint, journal=self.journal, shard=self.shard)
         service.prober = self.prober
         segs, objs, slabs = self.journal.load()
-        self.recovered = recovery.restore(service, segs, objs, service.clock(), slabs)
+        owners = self.journal.load_owners()
+        self.recovered = recovery.restore(service, segs, objs, service.clock(), slabs, owners)
         self.recovered["tasks"] = recovery.restore_tasks(service, self.journal.load_tasks(), service.clock())
         self.recovered["flight_bytes"] = recovery.hold_flights(service, self.journal.load_flights(), service.clock())
         self.inner, self.active = service, True

@@ -29,13 +29,16 @@ from kvplugins.store.master.replica_tasks import Task
 log = logging.getLogger(__name__)
 
 
-def restore(service, segs: list, objs: list, now: float, slabs: list = ()) -> dict:
+def restore(service, segs: list, objs: list, now: float, slabs: list = (), owners: dict | None = None) -> dict:
     """Load ``segs`` [(name, wire, region id, size)], ``objs`` [(key, size, replicas, checksum, pin, pending)]
     (oldest first) and ``slabs`` [(slab id, segment, start, end)] into ``service`` (an empty MasterService).
+    ``owners``: segment name -> (owner digest, named credential) (EtcdJournal.load_owners): a recovered segment
+    keeps its owner, so only its own process may re-register it, and, removed for silence, it leaves the
+    manifest its returning process gets its objects back from (liveness.py).
     Returns {"segments", "objects" (pending ones included), "pending", "dropped", "slab_bytes" (held)}."""
     service.tiering.took_over(now)  # the nodes' disk tiers register again on their next poll
     for name, wire, region_id, size in segs:
-        _add_segment(service, name, wire, region_id, size, now)
+        _add_segment(service, name, wire, region_id, size, now, (owners or {}).get(name, (b"", "")))
     placed: dict[str, list] = {}  # segment name -> [(offset, size, key)]
     kept, dropped = [], []
     for key, size, replicas, *extra in objs:
@@ -108,7 +111,7 @@ def restore_tasks(service, tasks: list, now: float) -> int:
     return len(tasks)
 
 
-def _add_segment(service, name: str, wire: dict, region_id: int, size: int, now: float) -> None:
+def _add_segment(service, name: str, wire: dict, region_id: int, size: int, now: float, owner: tuple) -> None:
     """Re-add journal segment ``name``, or skip it with a warning naming it: a descriptor that decodes but does
     not hold together (no such region, size beyond it), or one that is not this key's segment (the journal
     stores each segment under its own name; another one would replace that segment)."""
@@ -117,7 +120,7 @@ def _add_segment(service, name: str, wire: dict, region_id: int, size: int, now:
         log.warning("journal segment %r skipped: its descriptor is segment %r", name[:200], own[:200])
         return
     try:
-        service.segments.add(wire, region_id, size, now)
+        service.segments.add(wire, region_id, size, now, owner=owner[0], identity=owner[1])
         service.table.set_region(name, region_id)
     except (KVPluginsError, ValueError) as e:  # a descriptor that decodes but does not hold together
         log.warning("journal segment %r skipped: %s", name[:200], e)
