@@ -39,11 +39,18 @@ def test_tp2_prefill_hands_over_to_tp1_decode(pd_tp, baseline, model, turn_promp
     before, held = decode.metrics(), prefill.buckets("pd_handoff_seconds")
     out = http_json(proxy + "/v1/completions", body)
     assert out["choices"][0]["token_ids"] == baseline["tokens"][index]
-    time.sleep(1.5)  # the last steps' stats reach /metrics
-    after, held_after = decode.metrics(), prefill.buckets("pd_handoff_seconds")
 
     def delta(name):
         return after.get(f"vllm:kvplugins_{name}_total", 0) - before.get(f"vllm:kvplugins_{name}_total", 0)
+
+    deadline = time.monotonic() + 20.0  # the engine publishes its last steps' stats to /metrics after the reply
+    while True:  # (1.5 s was not always enough on 2 loaded CPUs); the counts are then checked exactly
+        time.sleep(0.5)
+        after, held_after = decode.metrics(), prefill.buckets("pd_handoff_seconds")
+        if delta("loaded_blocks") + delta("failed_blocks") + delta("direct_blocks") >= pages:
+            break
+        if time.monotonic() > deadline:
+            break
 
     logs = "\n".join(
         f"{s.log_path.name}: {ln}"
