@@ -102,13 +102,23 @@ def engine_pair(model: str, turn_prompts, master: str, ns_path) -> tuple[dict, d
     return a, b, json.loads(ns_path.read_text())
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A port free right now (vllm's OpenAI server takes a fixed --port; this is the closest to port 0)."""
+    """A port free right now and never handed out before in this process (vllm's OpenAI server takes a fixed
+    --port; this is the closest to port 0). The kernel may offer a just-closed port again: two servers then got
+    the same port, the later one's /health was answered by the earlier one, and a P/D test sent its prefill
+    requests to the decode server (a clean-clone CI run: 0 pages loaded)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 120):
