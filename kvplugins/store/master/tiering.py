@@ -68,7 +68,7 @@ class Tiering:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.tasks = ReplicaTasks(self)  # replica copy/move tasks (master/replica_tasks.py)
         self._fid = 0
-        self._learn_until = 0.0  # after an HA takeover: until then, nodes' tiers may still be unknown (_later)
+        self._learn_until = 0.0  # after an HA takeover: until then, nodes' tiers may still be unknown (_unlearnt)
         self._held: list[tuple[float, int]] = []  # heap (until, fid): ended flights whose journal record stays
         # while their destination waits out a late write
 
@@ -90,7 +90,7 @@ class Tiering:
             return True
         ready = [n for n in missing if n.retry_at <= now]
         if not ready:
-            if missing or self._later(obj, now):
+            if missing or self._unlearnt(obj, now):  # a tier backing off, or one not heard yet
                 self.counters["offload_deferred"] += 1  # the sweep is no emergency: keep it for its tiers
                 return True
             return False
@@ -297,28 +297,16 @@ class Tiering:
             self.service.drop(obj, now)
         self.counters["disk_lost"] += len(lost)
 
-    def _later(self, obj, now: float) -> bool:
-        """Whether a tier may take ``obj`` later: a replica's node has a disk tier that only backs off after a
-        failed offload (disk full, I/O error), or this master took over as HA leader less than TIER_LEARN_S ago
-        (it learns the nodes' tiers from their next poll) and a replica's node has not registered a tier yet."""
-        for name, _ in obj.replicas:
-            node = self.nodes.get(name)
-            if node is None and now < self._learn_until:
-                return True
-            if node is not None and node.endpoint and not node.draining and obj.size <= node.capacity:
-                return True
-        return False
+    def _unlearnt(self, obj, now: float) -> bool:
+        """Whether this master took over as HA leader less than TIER_LEARN_S ago (it learns the nodes' tiers from
+        their next poll) and a replica's node has not registered a tier yet: a tier may take ``obj`` later."""
+        return now < self._learn_until and any(name not in self.nodes for name, _ in obj.replicas)
 
     def _tiers_of(self, obj) -> list[DiskNode]:
-        """The tiers that can hold a copy of ``obj``: those of its DRAM replicas' nodes (one per node), not
-        draining, big enough."""
-        out = []
-        for name, _ in obj.replicas:
-            node = self.nodes.get(name)
-            if node is not None and node.endpoint and not node.draining and obj.size <= node.capacity:
-                if node not in out:
-                    out.append(node)
-        return out
+        """The tiers that can hold a copy of ``obj``: those of its DRAM replicas' nodes (distinct segments, so
+        one per node), not draining, big enough."""
+        nodes = (self.nodes.get(name) for name, _ in obj.replicas)
+        return [n for n in nodes if n is not None and n.endpoint and not n.draining and obj.size <= n.capacity]
 
     def flight(self, key, kind: str, segment: str):
         """The flight of ``kind`` for ``key`` by node ``segment`` if its object is still the table's."""
