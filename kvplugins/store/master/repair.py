@@ -7,8 +7,8 @@ Lifecycle, in call order:
   key with the replica count it had.
   ``tick(now)`` (the master's sweep) looks at the oldest queued keys and starts at most MAX_STARTS_PER_TICK
   copies: for each queued key whose object still has fewer replicas than it had and no copy or move task
-  running, a ``copy`` task (replica_tasks.py: the process behind a surviving replica writes the bytes through the
-  transfer core) to the live segment holding none of its replicas with the most free bytes, on a host none of
+  running, an internal ``copy`` task (replica_tasks.py: the process behind a surviving replica writes the bytes
+  through the transfer core; not journaled) to the live segment holding none of its replicas with the most free bytes, on a host none of
   its replicas is on where there is one. A key
   leaves the queue when its object is whole again, removed or replaced; after MAX_ATTEMPTS tasks that did not
   make it whole (no room, no source with a command link, a failed write) it is given up and counted.
@@ -72,7 +72,7 @@ class Repairs:
             target = None if key in busy else self._target(obj)
             if target is None:
                 continue  # a task of the key runs, or no live segment can take it now
-            code, _ = tasks.op_task_create([["copy", key, "", [target]]], {}, now)[0]
+            code, _ = tasks.create("copy", key, "", [target], now, internal=True)
             entry[2] += 1
             if code == OK:
                 started += 1

@@ -32,6 +32,11 @@ so a new leader answers ``task_query`` for every task the old one knew (ha/recov
 old leader was running ends on the new one (``failed_over``): SUCCESS if its targets hold their replicas
 already, else FAILED saying so (the targets done stay done; create it again for the rest), and the destination
 of its write in flight is held for put_timeout_ms, so no put lands where the old leader's node may still write.
+
+Internal tasks (``create(..., internal=True)``: the master's own re-replication, repair.py) are not journaled and
+not kept once finished: nobody holds their id to query, and the destination of their write in flight is held by
+a new leader anyway (tiering journals every flight). A node removed with 45,000 objects makes 45,000 of them;
+journaled, a new leader spent 30 s ending them one etcd write each before it served.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class Task:
     updated_ms: int = 0
     message: str = ""
     flight: Flight | None = None
+    internal: bool = False  # the master's own (repair.py): not journaled, forgotten when finished
     waiting_since: float | None = None  # master clock: since when it waits for another flight of its key
     src_off: int = -1  # the source replica's offset when its write started (checked at the report)
 
@@ -89,21 +95,23 @@ class ReplicaTasks:
 
     # ---- ops -----------------------------------------------------------------------------------------
     def op_task_create(self, entries, opts, now):
-        out = []
-        for kind, key, source, targets in entries:
-            checked = self._check(kind, key, source, list(targets))
-            if isinstance(checked, list):
-                out.append(checked)
-                continue
-            obj, source = checked
-            u = uuid.uuid4().int
-            task = Task((u >> 64, u & (2**64 - 1)), kind, key, obj, source, list(dict.fromkeys(targets)))
-            self.active[task.id] = task
-            self.advance(task, now)
-            if task.id in self.active:
-                self.tier.service.journal.task_changed(task)
-            out.append([OK, list(task.id)])
-        return out
+        return [self.create(kind, key, source, list(targets), now) for kind, key, source, targets in entries]
+
+    def create(self, kind: str, key: str, source: str, targets: list[str], now: float, internal: bool = False) -> list:
+        """Validate and start one task; [OK, [hi, lo]] or [code, reason] (see ``_check``). ``internal``: the
+        master's own (not journaled, forgotten when finished)."""
+        checked = self._check(kind, key, source, targets)
+        if isinstance(checked, list):
+            return checked
+        obj, source = checked
+        u = uuid.uuid4().int
+        task = Task((u >> 64, u & (2**64 - 1)), kind, key, obj, source, list(dict.fromkeys(targets)))
+        task.internal = internal
+        self.active[task.id] = task
+        self.advance(task, now)
+        if task.id in self.active:
+            self._journal(task)
+        return [OK, list(task.id)]
 
     def op_task_query(self, entries, opts, now):
         out = []
@@ -193,7 +201,7 @@ class ReplicaTasks:
         if busy is not None:
             busy[task.source] += 1
         task.status, task.updated_ms = "PROCESSING", _wall_ms()
-        self.tier.service.journal.task_changed(task)
+        self._journal(task)
 
     def migrated(self, task: Task, ok: bool, detail, now: float) -> None:
         """The source's process reported the write of the task's current target (its flight id matched)."""
@@ -263,10 +271,16 @@ class ReplicaTasks:
     def _finish(self, task: Task, status: str, message: str) -> None:
         task.status, task.message, task.updated_ms = status, message, _wall_ms()
         self.active.pop(task.id, None)
-        self.finished[task.id] = task
         task.obj = None
-        self.tier.service.journal.task_changed(task)
+        if task.internal:
+            return
+        self.finished[task.id] = task
+        self._journal(task)
         self._trim()
+
+    def _journal(self, task: Task) -> None:
+        if not task.internal:
+            self.tier.service.journal.task_changed(task)
 
     def _trim(self) -> None:
         while len(self.finished) > FINISHED_KEPT:

@@ -92,9 +92,11 @@ class LeaderGuard:
         service.prober = self.prober
         segs, objs, slabs = self.journal.load()
         owners = self.journal.load_owners()
-        self.recovered = recovery.restore(service, segs, objs, service.clock(), slabs, owners)
-        self.recovered["tasks"] = recovery.restore_tasks(service, self.journal.load_tasks(), service.clock())
-        self.recovered["flight_bytes"] = recovery.hold_flights(service, self.journal.load_flights(), service.clock())
+        with self.journal.batch():  # what recovery rewrites (ended tasks, held records) in MAX_TXN_OPS batches
+            self.recovered = recovery.restore(service, segs, objs, service.clock(), slabs, owners)
+            self.recovered["tasks"] = recovery.restore_tasks(service, self.journal.load_tasks(), service.clock())
+            flights = recovery.hold_flights(service, self.journal.load_flights(), service.clock())
+            self.recovered["flight_bytes"] = flights
         self.inner, self.active = service, True
         log.warning(
             "leader now: recovered %d segments, %d objects (%d of them pending puts, %d dropped), %d "
