@@ -11,8 +11,10 @@ connection); a server over its connection caps refuses with a reason, raised as 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -142,7 +144,7 @@ class TcpTransport(Transport):
         )
         for (sock, _), b in zip(conns, broken):
             if b:
-                sock.close()
+                _abort(sock)
             else:
                 self._release(peer, sock)
         if not bad:
@@ -250,6 +252,15 @@ class TcpTransport(Transport):
         for s in socks:
             s.close()
         self._peers_io.shutdown(wait=False)
+
+
+def _abort(sock: socket.socket) -> None:
+    """Close a connection that failed mid-batch with a reset (SO_LINGER 0): the kernel drops the bytes it has not
+    sent yet instead of delivering them once the peer or the link wakes up. A write its caller was told failed
+    must not land later: the store may have handed that space to another object by then."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
 
 
 def _connections(total: int, n: int, limit: int, conns: int) -> int:

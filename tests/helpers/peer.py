@@ -8,6 +8,7 @@ seeded random bytes, sends its SegmentDescriptor back, and answers digest/read/f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
@@ -149,6 +150,53 @@ class Peer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _write_main(conn, wire: dict, region_id: int, size: int, byte: int, timeout_ms: float) -> None:
+    eng = TransferEngine(TransferConfig(transports="tcp", tcp_connections=1))
+    src = np.full(size, byte, dtype=np.uint8)
+    local = eng.register(src)
+    desc = SegmentDescriptor.from_wire(wire)
+    eng.read_spans(desc, region_id, [local.addr], [0], [1])  # the one connection, authenticated and pooled
+    src[0] = byte
+    conn.send("ready")
+    conn.recv()  # go
+    [err] = eng.write_spans(desc, region_id, [local.addr], [0], [size], timeout_ms)
+    conn.send(repr(err))
+    eng.close()
+
+
+class Writer:
+    """A spawned process writing ``size`` bytes of ``byte`` to offset 0 of ``peer``'s shared region over TCP in
+    one batch with ``timeout_ms`` once told to (``go()``), over one connection it opened before; ``pid`` to pause
+    it, ``result(timeout)`` the repr of its status ("None": written)."""
+
+    def __init__(self, peer: Peer, size: int, byte: int, timeout_ms: float):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        args = (child, peer.descriptor.to_wire(), peer.region_id, size, byte, timeout_ms)
+        self.proc = ctx.Process(target=_write_main, args=args, daemon=True)
+        self.proc.start()
+        child.close()
+        if not (self._conn.poll(START_S) and self._conn.recv() == "ready"):
+            self.proc.kill()
+            raise RuntimeError(f"writer process did not start within {START_S} s")
+        self.pid = self.proc.pid
+
+    def go(self) -> None:
+        self._conn.send("go")
+
+    def result(self, timeout: float) -> str | None:
+        return self._conn.recv() if self._conn.poll(timeout) else None
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
+        self.proc.kill()
+        self.proc.join(5)
 
 
 def _state(pid: int) -> str:

@@ -4,12 +4,14 @@ answers out-of-range entries with a per-entry OutOfRange while the connection ke
 
 import dataclasses
 import logging
+import os
+import signal
 import time
 
 import numpy as np
 import pytest
 
-from helpers.peer import Peer, digest
+from helpers.peer import Peer, Writer, digest, seeded
 from kvplugins.errors import OutOfRange, TransferFailed
 from kvplugins.transfer import RegionInfo, TransferConfig, TransferEngine, TransferRequest
 
@@ -154,3 +156,33 @@ def test_peer_killed_mid_transfer_fails_fast(make_engine):
         st = fut.result(timeout=10)
     assert isinstance(st[0], TransferFailed) and "tcp peer 127.0.0.1" in str(st[0])
     assert time.monotonic() - t0 < 4.0
+
+
+def test_a_writer_paused_past_its_deadline_sends_nothing_more_on_resume():
+    """A TCP write batch whose process is frozen (SIGSTOP) mid-send and resumed after the batch's deadline sends
+    no further byte: it ends TransferFailed, and the peer's region holds only what was in the sockets when the
+    writer froze. Before, the resumed frame loop sent the rest of the batch first, landing a write its caller is
+    told failed (in the store: on space already handed to another object)."""
+    size = 48 << 20
+    with Peer(transports="tcp", size=size, seed=5, frame_timeout_ms=60_000) as peer:
+        before = seeded(size, 5)
+        with Writer(peer, size, 0xAB, timeout_ms=1500) as w:
+            peer.stop()
+            w.go()
+            time.sleep(0.5)  # the writer's socket fills and its frame loop waits in poll()
+            os.kill(w.pid, signal.SIGSTOP)
+            os.kill(peer.proc.pid, signal.SIGCONT)  # the peer takes what the sockets held
+            time.sleep(2.0)  # past the writer's deadline
+            landed = _landed(peer, before)
+            os.kill(w.pid, signal.SIGCONT)
+            status = w.result(timeout=10)
+            time.sleep(0.5)
+            assert status is not None and "TransferFailed" in status and "timeout" in status
+            assert landed < size // 4  # the sockets' buffers, not the batch
+            assert _landed(peer, before) == landed
+
+
+def _landed(peer, before) -> int:
+    """Bytes of the peer's region the writer changed (to 0xAB) so far."""
+    got = np.frombuffer(peer.read(0, len(before)), dtype=np.uint8)
+    return int(((got == 0xAB) & (before != 0xAB)).sum())

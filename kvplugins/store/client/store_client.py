@@ -75,7 +75,8 @@ class StoreClient:
                 f"contribute a segment; run `kvplugins store --master {self.master}` nodes instead"
             )
         self._rpc = master_client(self.master, cfg.rpc_timeout_ms)
-        self._rpc.call("info")
+        self._put_ttl_s = _put_ttl_s(self._rpc.call("info"))
+        self._grants: dict[str, float] = {}  # put session key -> write deadline (put_start below)
         self._engine = TransferEngine(
             transfer_config(
                 host=cfg.host,
@@ -299,16 +300,24 @@ class StoreClient:
         """Reserve ``keys`` of ``sizes`` bytes: per key (code, the replicas' list of Location where code is OK,
         else why) (store/wire/protocol.py codes; EXISTS for a stored key). Raises MasterUnreachable, StoreError
         for a malformed answer."""
-        cfg = config or self._put_cfg
+        cfg, sent = config or self._put_cfg, time.monotonic()
         started = self._rpc_entries("put_start", [[k, int(n)] for k, n in zip(keys, sizes)], cfg.wire)
+        deadline = self._write_deadline(sent)
+        for k, (code, _) in zip(keys, started):
+            if code == protocol.OK and deadline is not None:
+                self._grants[k] = deadline
         return [(code, replies.locations(value) if code == protocol.OK else value) for code, value in started]
 
     def put_commit(self, keys: list[str]) -> list:
         """Make reserved ``keys`` readable, without checksums: per key [code, detail]."""
+        for k in keys:
+            self._grants.pop(k, None)
         return self._rpc_entries("put_commit", list(keys), {"xxh3": [None] * len(keys)})
 
     def put_abort(self, keys: list[str]) -> list:
         """Drop reserved ``keys``: per key [code, detail]."""
+        for k in keys:
+            self._grants.pop(k, None)
         return self._rpc_entries("put_abort", list(keys))
 
     def locate(self, keys: list[str]) -> list:
@@ -333,7 +342,9 @@ class StoreClient:
         todo = {i: locs if kind == "write" else locs[:1] for i, locs in locations.items() if out[i] is None}
         failed: dict[int, StoreError] = {}
         descs = self._descriptors({loc.segment for locs in todo.values() for loc in locs})
-        self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, None)
+        grants = [self._grants[keys[i]] for i in todo if kind == "write" and keys[i] in self._grants]
+        deadline = min(grants) if grants else None
+        self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, None, deadline)
         for i, err in failed.items():
             out[i] = err
         return out
@@ -364,6 +375,7 @@ class StoreClient:
         the keys another writer's uncommitted put holds (PENDING): nothing was written for them."""
         if not todo:
             return []
+        sent = time.monotonic()
         started = self._rpc_entries("put_start", [[keys[i], flat.sizes[i]] for i in todo], config.wire)
         writes, pending = {}, []
         for i, (code, value) in zip(todo, started):
@@ -375,7 +387,7 @@ class StoreClient:
                 out[i] = protocol.entry_error(code, keys[i], value)
         if writes:
             sums = checksum.span_sums(flat)
-            failed = self._transfer("write", flat, writes, sums)
+            failed = self._transfer("write", flat, writes, sums, self._write_deadline(sent))
             self._finish_puts(keys, writes, failed, out, checksum.digests(flat, writes, sums))
         return pending
 
@@ -407,7 +419,7 @@ class StoreClient:
         slab, offsets = placed
         writes = {i: [Location(slab.segment, slab.region_id, off)] for i, off in zip(todo, offsets)}
         sums = checksum.span_sums(flat)
-        failed = self._transfer("write", flat, writes, sums)
+        failed = self._transfer("write", flat, writes, sums, slab.expires - self.cfg.rpc_timeout_ms / 1000)
         if failed:
             self._slabs.forget()  # e.g. the segment is gone: do not write there again
         ok = [i for i in todo if i not in failed]
@@ -605,22 +617,43 @@ class StoreClient:
             found = promote.resolve(self, keys, found)
         return [(code, replies.found(value) if code == protocol.OK else value) for code, value in found]
 
-    def _transfer(self, kind: str, flat, todo: dict, sums) -> dict[int, StoreError]:
+    def _transfer(self, kind: str, flat, todo: dict, sums, deadline: float | None = None) -> dict[int, StoreError]:
         """One array-form transfer per (segment, region) for keys ``todo`` (index -> locations to use); each
-        moved span's xxh3_64 goes to ``sums`` (checksum.span_sums). Returns index -> error."""
+        moved span's xxh3_64 goes to ``sums`` (checksum.span_sums). ``deadline``: as _run_groups. Returns
+        index -> error."""
         failed: dict[int, StoreError] = {}
         descs = self._descriptors({loc.segment for locs in todo.values() for loc in locs})
-        return self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, sums)
+        return self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, sums, deadline)
 
-    def _run_groups(self, kind: str, flat, groups: list, failed: dict, sums) -> dict[int, StoreError]:
+    def _write_deadline(self, sent: float) -> float | None:
+        """When a write into space granted by a put_start sent at monotonic ``sent`` must have ended: the
+        master reclaims the space put_timeout_ms after it, and may hand it to another put; less a margin for
+        bytes on the wire and the commit (the RPC timeout, at most a quarter of put_timeout_ms). None when the
+        master did not say its put_timeout_ms."""
+        ttl = self._put_ttl_s
+        return None if ttl is None else sent + ttl - min(self.cfg.rpc_timeout_ms / 1000, ttl / 4)
+
+    def _run_groups(
+        self, kind: str, flat, groups: list, failed: dict, sums, deadline: float | None = None
+    ) -> dict[int, StoreError]:
         """Run each (descriptor, region id, span indices, remote offsets) group, the xxh3_64 of each span it
-        moves into ``sums[span index]`` (unless ``sums`` is None); adds index -> error to ``failed``."""
+        moves into ``sums[span index]`` (unless ``sums`` is None); adds index -> error to ``failed``.
+        ``deadline`` (monotonic s): a write into granted space ends by then, or is not started: a client paused
+        (SIGSTOP) or slowed past it must not land bytes in space the master has reclaimed for another object."""
         fn = self._engine.write_spans if kind == "write" else self._engine.read_spans
         for desc, region_id, sel, roffs in groups:
             addrs, lens = batches.pick(flat.addrs, sel), batches.pick(flat.lens, sel)
             got = None if sums is None else np.zeros(len(sel), dtype=np.uint64)
+            timeout_ms = float(self.cfg.transfer_timeout_ms)
+            if deadline is not None:
+                timeout_ms = min(timeout_ms, (deadline - time.monotonic()) * 1000)
             try:
-                statuses = fn(desc, region_id, addrs, roffs, lens, timeout_ms=self.cfg.transfer_timeout_ms, digests=got)
+                if timeout_ms <= 0:
+                    raise TransferFailed(
+                        f"not sent: the space granted for it was due back to the master {-timeout_ms:.0f} ms "
+                        "ago (put_timeout_ms); this client was paused or its transfers were slow: put again"
+                    )
+                statuses = fn(desc, region_id, addrs, roffs, lens, timeout_ms=timeout_ms, digests=got)
                 if sums is not None:
                     sums[sel] = got
             except (TransferError, NativeError) as e:  # the whole batch failed
@@ -642,6 +675,12 @@ class StoreClient:
 def _slab_placed(config: PutConfig) -> bool:
     """Whether a put with ``config`` may go to the client's slab: one replica, no preferred segment, no pin."""
     return config.replicas == 1 and not config.preferred_segment and config.pin == "none"
+
+
+def _put_ttl_s(info) -> float | None:
+    """The master's put_timeout_ms (its ``info`` answer) in seconds; None where it does not say."""
+    ttl = info.get("put_timeout_ms") if isinstance(info, dict) else None
+    return ttl / 1000 if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0 else None
 
 
 def _raise_first(errors) -> None:

@@ -91,8 +91,12 @@ class Run {
     for (;;) {
       pfd.clear();
       who.clear();
+      // Past the deadline nothing more is sent: a process paused (SIGSTOP) mid-batch must not land a write,
+      // on resume, in space its grant no longer covers (the store reclaims it and hands it to another put).
+      const bool late = now_s() >= deadline;
       for (auto& c : cs) {
         if (c.st == St::kDone || c.st == St::kBroken) continue;
+        if (late) { broken(c, "did not answer within the timeout", false, kTimeout); continue; }
         drive(c);
         if (c.st == St::kDone || c.st == St::kBroken) continue;
         pfd.push_back({c.fd, c.wait, 0});

@@ -172,7 +172,8 @@ class NodeTier:
     ):
         """Write object ``key`` (``src``: its offset in this segment, -1: from this node's disk) to ``dest`` at
         ``off``, unless more than ``ttl_ms`` passed since the poll (its flight is over: the space may be another
-        object's by now). -> ["migrate", key, ok, detail, fid]."""
+        object's by now); the write itself ends by then too (a node paused mid-write sends nothing more on
+        resume). -> ["migrate", key, ok, detail, fid]."""
         if (time.monotonic() - self._polled) * 1000 > ttl_ms:
             return ["migrate", key, False, "expired before it ran", fid]
         if dest not in descs:
@@ -185,13 +186,16 @@ class NodeTier:
                 else:
                     self.disk.read_into(key, view[:size])
                     addr = base
+                left_ms = ttl_ms - (time.monotonic() - self._polled) * 1000  # the write ends within the flight
+                if left_ms <= 0:
+                    return ["migrate", key, False, "expired before it ran", fid]
                 [err] = self.engine.write_spans(
                     SegmentDescriptor.from_wire(descs[dest]),
                     region_id,
                     [addr],
                     [off],
                     [size],
-                    timeout_ms=self.cfg.rpc_timeout_ms,
+                    timeout_ms=min(float(self.cfg.rpc_timeout_ms), left_ms),
                 )
         except KeyNotFound:
             return ["migrate", key, False, "missing", fid]
