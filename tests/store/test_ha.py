@@ -506,3 +506,24 @@ def test_repair_tasks_are_not_journaled_and_a_new_leader_ends_task_records_in_fe
         second.handle("status", [], {})  # the first op elects B: it recovers from the journal
         assert second.recovered["tasks"] == users
         assert len(txns) <= 1 + 2 * -(-users // 128)  # the hand-over, then the task records' rewrite in batches
+
+
+def test_a_slow_takeover_gives_every_segment_a_full_heartbeat_timeout():
+    """A new leader whose recovery took longer than heartbeat timeout + suspect grace (46 s with 15,625 replica
+    tasks in the 60 s SIGSTOP run) removed every segment at its first sweep, each "silent" since recovery began:
+    every object lost a replica at once. Now each segment's clock starts when the leader starts serving. (The
+    slow recovery is a sleep in the journal's task load: 2.5 s here stands in for a big journal.)"""
+    cfg, kib = MasterConfig(heartbeat_timeout_ms=1000, suspect_grace_ms=1000), 1 << 10
+    with _guards("/kvp/slow", cfg) as (etcd, first, fail_over):
+        [(_, s1)] = first.handle("register_segment", [[_wire("s1", 64 * kib), 1, 64 * kib]], {})
+        keys = [f"k{i}" for i in range(8)]
+        first.handle("put_start", [[k, kib] for k in keys], {})
+        first.handle("put_commit", keys, {})
+        second = fail_over()
+        load = second.journal.load_tasks
+        second.journal.load_tasks = lambda: (time.sleep(2.5), load())[1]
+        second.handle("status", [], {})  # the first op: recovery, 2.5 s
+        second.journal.load_tasks = load
+        second.tick()
+        assert second.handle("exists", keys, {}) == [True] * len(keys)
+        assert [s["name"] for s in second.handle("status", [], {})["segments"]] == [s1]

@@ -152,6 +152,22 @@ def test_removed_after_grace_then_same_process_gets_its_objects_back(m):
     assert all((fresh[0][0], fresh[0][2]) != (loc[0], loc[2]) for k, loc in mine.items() if k != again)
 
 
+def test_a_repeated_registration_keeps_the_segment_and_its_objects(m):
+    """The node's register_segment resent (its RPC timed out and was retried: three registrations of one node
+    within 3 s in the 60 s SIGSTOP cluster run) is the same live segment, not new memory: before, each repeat
+    replaced it with an empty one and dropped every replica on it (objects restored from its manifest a moment
+    earlier were lost)."""
+    (_, s1), (_, s2) = reg(m, "s1", owner="A"), reg(m, "s2", owner="B")
+    placed = {f"k{i}": put(m, f"k{i}")[0] for i in range(8)}
+    mine = sorted(k for k, loc in placed.items() if loc[0] == s1)
+    assert mine and reg(m, "s1", owner="A") == [OK, s1]
+    assert m.handle("exists", mine, {}) == [True] * len(mine)
+    fresh = put(m, "after", 100, segment=s1)  # the space of its objects is still allocated
+    assert all((fresh[0][0], fresh[0][2]) != (placed[k][0], placed[k][2]) for k in mine)
+    assert reg(m, "s1", size=128 << 10, owner="A") == [OK, s1]  # another size: new memory, its objects gone
+    assert m.handle("exists", mine, {}) == [False] * len(mine)
+
+
 def test_another_process_or_size_gets_nothing_back(m):
     (_, s1), (_, s2) = reg(m, "s1", owner="A"), reg(m, "s2", owner="B")
     keys = [k for k in (f"k{i}" for i in range(6)) if put(m, k)[0][0] == s1]

@@ -99,6 +99,21 @@ class SegmentRegistry:
         self.suspect.discard(name)
         return seg
 
+    def repeated(self, wire: dict, region_id: int, size: int, owner: bytes) -> Segment | None:
+        """The live segment this registration repeats (same name, descriptor and size, by the same process:
+        ``owner``, non-empty), or None. A repeat is a resent request (its RPC timed out and was retried), not new
+        memory: the segment and the objects on it stay."""
+        seg = self._segments.get(f"{wire.get('segment_id')}:{region_id}") if isinstance(wire, dict) else None
+        if seg is None or not owner or not seg.owner or not hmac.compare_digest(seg.owner, owner):
+            return None
+        return seg if seg.descriptor == wire and seg.region_id == region_id and seg.size == size else None
+
+    def restart_clocks(self, now: float) -> None:
+        """Count every segment as heard at ``now``: a new HA leader, once recovered, gives each a full heartbeat
+        timeout from when it starts serving (it has heard none yet; its recovery may have taken longer)."""
+        for seg in self._segments.values():
+            seg.last_heartbeat = now
+
     def check_owner(self, name: str, owner: bytes, what: str) -> None:
         """Raise SegmentOwned when the live segment ``name`` is bound to an owner other than ``owner``."""
         seg = self._segments.get(name)

@@ -505,6 +505,11 @@ class MasterService:
         out, owner, probes = [], owner_digest(opts.owner), {}
         for desc, region_id, size in entries:
             wire = desc.wire()
+            same = self.segments.repeated(wire, region_id, size, owner)
+            if same is not None:  # the same request again (resent after a timeout): keep it and its objects
+                self.segments.heartbeat(same.name, now)
+                out.append([OK, same.name])
+                continue
             try:
                 seg = self.segments.add(
                     wire,

@@ -97,6 +97,7 @@ class LeaderGuard:
             self.recovered["tasks"] = recovery.restore_tasks(service, self.journal.load_tasks(), service.clock())
             flights = recovery.hold_flights(service, self.journal.load_flights(), service.clock())
             self.recovered["flight_bytes"] = flights
+        service.segments.restart_clocks(service.clock())
         self.inner, self.active = service, True
         log.warning(
             "leader now: recovered %d segments, %d objects (%d of them pending puts, %d dropped), %d "
