@@ -157,7 +157,7 @@ def test_a_repeated_registration_keeps_the_segment_and_its_objects(m):
     within 3 s in the 60 s SIGSTOP cluster run) is the same live segment, not new memory: before, each repeat
     replaced it with an empty one and dropped every replica on it (objects restored from its manifest a moment
     earlier were lost)."""
-    (_, s1), (_, s2) = reg(m, "s1", owner="A"), reg(m, "s2", owner="B")
+    (_, s1), _ = reg(m, "s1", owner="A"), reg(m, "s2", owner="B")
     placed = {f"k{i}": put(m, f"k{i}")[0] for i in range(8)}
     mine = sorted(k for k, loc in placed.items() if loc[0] == s1)
     assert mine and reg(m, "s1", owner="A") == [OK, s1]
