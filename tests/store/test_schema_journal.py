@@ -353,7 +353,7 @@ def test_recovery_keeps_the_first_of_two_overlapping_objects_and_frees_nothing_i
     ]
     with caplog.at_level(logging.WARNING):
         got = recovery.restore(service, segs, objs, 0.0)
-    assert got == {"segments": 1, "objects": 2, "dropped": 1, "pending": 0, "slab_bytes": 0}
+    assert got == {"segments": 1, "objects": 2, "dropped": 1, "pending": 0, "slab_bytes": 0, "manifest_objects": 0}
     assert service.table.get("b") is None and service.table.get("c").replicas == [("s0:1", 8192)]
     assert service.segments.get("s0:1").allocator.used_bytes == 8192
     assert any("'b'" in r.getMessage() for r in caplog.records)
@@ -369,7 +369,7 @@ def test_recovery_skips_segments_that_do_not_hold_together(caplog):
     ]  # larger than its region
     with caplog.at_level(logging.WARNING):
         got = recovery.restore(service, segs, [("k", 64, [("s1:1", 0)], None, 0)], 0.0)
-    assert got == {"segments": 1, "objects": 0, "dropped": 1, "pending": 0, "slab_bytes": 0}
+    assert got == {"segments": 1, "objects": 0, "dropped": 1, "pending": 0, "slab_bytes": 0, "manifest_objects": 0}
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert all(f"journal segment {n!r} skipped" in warned for n in ("s1:1", "s2:7", "s3:1"))
 
@@ -393,6 +393,21 @@ def test_task_records_load_and_hostile_ones_are_skipped(caplog):
     assert all(
         f"{k[len('/p/task/') :]!r} skipped" in warned or f"{k!r} skipped" in warned for k in items if k != "/p/task/1-2"
     )
+
+
+def test_parked_records_load_and_hostile_ones_are_skipped(caplog):
+    """Parked segment records (a removed segment's manifest kept, issue #34): a size loads; a negative size, a
+    string and a non-msgpack value are skipped, each named in a warning."""
+    items = {
+        "/p/parked/s:1": pack(1 << 20),
+        "/p/parked/a:1": pack(-1),
+        "/p/parked/b:1": pack("x"),
+        "/p/parked/c:1": b"\xc1",
+    }
+    with caplog.at_level(logging.WARNING, logger="kvplugins.store.master.ha.journal"):
+        assert EtcdJournal(FakeEtcd(items), "/p").load_parked() == {"s:1": 1 << 20}
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert all(f"{k!r} skipped" in warned for k in items if k != "/p/parked/s:1")
 
 
 class _Clock:

@@ -55,3 +55,13 @@ class Journal:
 
     def segment_removed(self, name: str) -> None:
         """Segment ``name`` left (unregister, heartbeat timeout, drained)."""
+
+    def segment_parked(self, seg) -> None:
+        """Segment ``seg`` was removed for silence and left a manifest (liveness.py): the objects it held last keep
+        their records (not ``removed``), so a new HA leader keeps the manifest and the returning process gets them
+        back from it too."""
+
+    def manifest_dropped(self, name: str, keys: list[str], forget_owner: bool) -> None:
+        """The manifest of parked segment ``name`` was used or dropped: ``keys`` (its objects neither restored nor
+        stored again) are gone, and so is the parked record (with ``forget_owner``, the segment's owner record
+        too: the name is not live)."""

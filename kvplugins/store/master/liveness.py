@@ -11,6 +11,9 @@ same process (its owner token: segments.owner_digest) registers the same name an
 the manifest whose key was not put again meanwhile is back at its offset, its bytes untouched in the node's
 memory (readers check them against the xxh3 checksum as always). A process that never returns (SIGKILL)
 leaves a manifest that ages out; the manifests hold at most ``MAX_MANIFEST_OBJECTS`` entries, oldest dropped.
+With HA the manifest is journaled (the segment parked, its objects' records kept: Journal.segment_parked), so a
+new leader rebuilds it (ha/recovery.py) and a failover between a node's removal and its return loses nothing;
+a manifest used or dropped reports its leftover entries (``on_drop``) so their records go too.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ class Manifest:
 class Manifests:
     """Manifests of removed segments by name, until their process re-registers or they age out."""
 
-    def __init__(self):
+    def __init__(self, on_drop=None):
         self._by_name: dict[str, Manifest] = {}
+        self._on_drop = on_drop  # (segment name, entries) of a manifest dropped unused
 
     def keep(self, seg, entries: list, now: float) -> None:
         """Record ``entries`` [(key, size, offset, checksum, pin, pin_until)]: the complete objects whose last
@@ -50,7 +54,9 @@ class Manifests:
     def take(self, seg) -> list:
         """The entries kept for ``seg`` (just registered) when it is the same process and size; else []."""
         entries = self.peek(seg)
-        self._by_name.pop(seg.name, None)
+        m = self._by_name.pop(seg.name, None)
+        if m is not None and not entries:  # another process or size took the name: the objects are gone
+            self._dropped(seg.name, m)
         return entries
 
     def peek(self, seg) -> list:
@@ -63,7 +69,7 @@ class Manifests:
     def tick(self, now: float) -> None:
         for name in [n for n, m in self._by_name.items() if m.until <= now]:
             log.info("manifest of segment %s dropped: its process did not return", name)
-            del self._by_name[name]
+            self._dropped(name, self._by_name.pop(name))
 
     def __len__(self) -> int:
         return sum(len(m.entries) for m in self._by_name.values())
@@ -73,7 +79,13 @@ class Manifests:
         for name in sorted(self._by_name, key=lambda n: self._by_name[n].until):
             if total <= MAX_MANIFEST_OBJECTS:
                 break
-            total -= len(self._by_name.pop(name).entries)
+            m = self._by_name.pop(name)
+            total -= len(m.entries)
+            self._dropped(name, m)
+
+    def _dropped(self, name: str, m: Manifest) -> None:
+        if self._on_drop is not None and m.entries:
+            self._on_drop(name, m.entries)
 
 
 def free_block(seg, entries: list, nbytes: int) -> tuple[int, int] | None:

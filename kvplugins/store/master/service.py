@@ -97,7 +97,7 @@ class MasterService:
         self.events_endpoints = ("", "")  # (PUB, replay) where events are published; empty when off
         self.table = ObjectTable()
         self.segments = SegmentRegistry(config.alloc_align)
-        self.manifests = liveness.Manifests()  # objects of segments removed for silence, by segment name
+        self.manifests = liveness.Manifests(self._manifest_dropped)  # objects of segments removed for silence
         self.repairs = Repairs(self)  # objects short of the replicas they had, and their copy tasks (repair.py)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.quotas = Quotas(config, lambda: sum(s.size for s in self.segments))
@@ -609,24 +609,34 @@ class MasterService:
         if entries:
             back = liveness.restore(self.table, seg, entries, now)
             self.counters["objects_restored"] += len(back)
-            self.journal.committed(back)
+            restored = {o.key for o in back}  # their records never left the journal (segment_parked)
+            self.journal.manifest_dropped(seg.name, [e[0] for e in entries if e[0] not in restored], False)
             self.events.stored(back)
+
+    def _manifest_dropped(self, name: str, entries: list) -> None:
+        """Manifest ``name`` aged out or its name went to another process: its objects' records go."""
+        gone = [e[0] for e in entries if e[0] not in self.table]  # a key stored again has a record of its own
+        self.journal.manifest_dropped(name, gone, self.segments.get(name) is None)
 
     def _remove_segment(self, seg: Segment, why: str, now: float | None = None) -> None:
         """Remove ``seg``; with ``now`` (removed for silence) the objects it held last are kept in its manifest."""
         self.segments.pop(seg.name)
-        self.journal.segment_removed(seg.name)
+        park = now is not None and bool(seg.owner)  # its process may come back for the objects it held last
         lost = self.table.on_segment(seg.name)
-        gone = self._lose_objects(seg.name, lost)
-        if now is not None:
+        gone = self._lose_objects(seg.name, lost, park)
+        if park and gone:
+            self.journal.segment_parked(seg)
             self.manifests.keep(seg, gone, now)
+        else:
+            self.journal.segment_removed(seg.name)
         self.counters["segments_lost"] += 1
         level = logging.INFO if why == "unregistered" and not lost else logging.WARNING  # a clean stop is news
         log.log(level, "segment %s removed (%s); %d objects lost a replica", seg.name, why, len(lost))
 
-    def _lose_objects(self, name: str, objs) -> list[tuple]:
+    def _lose_objects(self, name: str, objs, park: bool = False) -> list[tuple]:
         """Drop replica ``name`` of ``objs``. Returns liveness.Manifests entries (key, size, offset, checksum,
-        pin, pin_until) of the complete objects that lost their last replica with it and were removed."""
+        pin, pin_until) of the complete objects that lost their last replica with it and were removed; with
+        ``park`` their journal records stay (the segment's manifest, Journal.segment_parked)."""
         changed, gone, entries = [], [], []
         for obj in objs:
             held = obj.replicas
@@ -648,7 +658,7 @@ class MasterService:
         if len(done) < len(changed):
             self.journal.pending([o for o in changed if not o.complete])
         if gone:
-            self.journal.removed(gone)
+            self.journal.removed([o for o in gone if not (park and o.complete)])
         done = [o for o in gone if o.complete]
         if done:
             self.events.removed(done, "lost")

@@ -61,6 +61,9 @@ class EtcdJournal(Journal):
     def slab_key(self, slab_id: int) -> str:
         return f"{self.prefix}/slab/{int(slab_id)}"
 
+    def parked_key(self, name: str) -> str:
+        return f"{self.prefix}/parked/{name}"
+
     def flight_key(self, fid: int) -> str:
         return f"{self.prefix}/flight/{int(fid)}"
 
@@ -110,6 +113,21 @@ class EtcdJournal(Journal):
             }
         )
 
+    def segment_parked(self, seg) -> None:
+        self._write(
+            {
+                self.seg_key(seg.name): delete_op(self.seg_key(seg.name)),
+                self.parked_key(seg.name): put_op(self.parked_key(seg.name), msgpack.packb(seg.size)),
+            }
+        )
+
+    def manifest_dropped(self, name: str, keys: list[str], forget_owner: bool) -> None:
+        ops = {self.parked_key(name): delete_op(self.parked_key(name))}
+        if forget_owner:
+            ops[self.owner_key(name)] = delete_op(self.owner_key(name))
+        ops.update({self.obj_key(k): delete_op(self.obj_key(k)) for k in keys})
+        self._write(ops)
+
     def segment_removed(self, name: str) -> None:
         self._write(
             {self.seg_key(name): delete_op(self.seg_key(name)), self.owner_key(name): delete_op(self.owner_key(name))}
@@ -131,6 +149,14 @@ class EtcdJournal(Journal):
         cut = len(self.prefix) + len("/segowner/")
         return {name: (owner, ident) for name, owner, ident in _decoded(
             self.etcd.range_prefix(self.prefix + "/segowner/"), cut, decode_owner)}  # fmt: skip
+
+    def load_parked(self) -> dict[str, int]:
+        """Segment name -> size (bytes) of each parked segment (segment_parked): removed for silence, its manifest
+        kept. Raises StoreError."""
+        cut = len(self.prefix) + len("/parked/")
+        return {
+            name: size for name, size in _decoded(self.etcd.range_prefix(self.prefix + "/parked/"), cut, decode_parked)
+        }
 
     def load_flights(self) -> list[tuple]:
         """[(flight id, segment, start, end)] of the disk-tier flights journaled (the same value as a slab's).
@@ -231,6 +257,7 @@ class _ObjectValue(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 _OBJECT = msgspec.msgpack.Decoder(_ObjectValue)
 _SEGMENT = msgspec.msgpack.Decoder(tuple[schema.Descriptor, schema.RegionId, schema.Size])
 _OWNER = msgspec.msgpack.Decoder(tuple[bytes, str])
+_PARKED = msgspec.msgpack.Decoder(schema.Size)
 _SLAB = msgspec.msgpack.Decoder(tuple[schema.SegName, schema.Offset, schema.Offset])
 
 
@@ -281,6 +308,14 @@ def decode_owner(value: bytes) -> tuple:
     if len(owner) not in (0, 32) or len(ident) > MAX_JOURNAL_KEY:
         raise ProtocolError(f"journal segment owner value: a {len(owner)}-byte digest or a credential too long")
     return owner, ident
+
+
+def decode_parked(value: bytes) -> tuple:
+    """(segment size,) from segment_parked's record. Raises ProtocolError."""
+    try:
+        return (_PARKED.decode(value),)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"journal parked segment value: {e}") from None
 
 
 def decode_slab(value: bytes) -> tuple:

@@ -91,9 +91,9 @@ class LeaderGuard:
         service = MasterService(self.cfg, zmq_endpoint=self.zmq_endpoint, journal=self.journal, shard=self.shard)
         service.prober = self.prober
         segs, objs, slabs = self.journal.load()
-        owners = self.journal.load_owners()
+        owners, parked = self.journal.load_owners(), self.journal.load_parked()
         with self.journal.batch():  # what recovery rewrites (ended tasks, held records) in MAX_TXN_OPS batches
-            self.recovered = recovery.restore(service, segs, objs, service.clock(), slabs, owners)
+            self.recovered = recovery.restore(service, segs, objs, service.clock(), slabs, owners, parked)
             self.recovered["tasks"] = recovery.restore_tasks(service, self.journal.load_tasks(), service.clock())
             flights = recovery.hold_flights(service, self.journal.load_flights(), service.clock())
             self.recovered["flight_bytes"] = flights

@@ -21,6 +21,7 @@ node's report of it finds no flight on the new leader and the object stays where
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 from kvplugins.errors import KVPluginsError
 from kvplugins.store.master.allocator import reserve
@@ -29,20 +30,36 @@ from kvplugins.store.master.replica_tasks import Task
 log = logging.getLogger(__name__)
 
 
-def restore(service, segs: list, objs: list, now: float, slabs: list = (), owners: dict | None = None) -> dict:
+def restore(
+    service,
+    segs: list,
+    objs: list,
+    now: float,
+    slabs: list = (),
+    owners: dict | None = None,
+    parked: dict | None = None,
+) -> dict:
     """Load ``segs`` [(name, wire, region id, size)], ``objs`` [(key, size, replicas, checksum, pin, pending)]
     (oldest first) and ``slabs`` [(slab id, segment, start, end)] into ``service`` (an empty MasterService).
     ``owners``: segment name -> (owner digest, named credential) (EtcdJournal.load_owners): a recovered segment
     keeps its owner, so only its own process may re-register it, and, removed for silence, it leaves the
-    manifest its returning process gets its objects back from (liveness.py).
-    Returns {"segments", "objects" (pending ones included), "pending", "dropped", "slab_bytes" (held)}."""
+    manifest its returning process gets its objects back from (liveness.py). ``parked``: segment name -> size
+    of the segments removed for silence whose manifests were journaled (EtcdJournal.load_parked): the complete
+    objects whose replicas name such a segment, and no live one, make its manifest again.
+    Returns {"segments", "objects" (pending ones included), "pending", "dropped", "slab_bytes" (held),
+    "manifest_objects"}."""
     service.tiering.took_over(now)  # the nodes' disk tiers register again on their next poll
     for name, wire, region_id, size in segs:
         _add_segment(service, name, wire, region_id, size, now, (owners or {}).get(name, (b"", "")))
     placed: dict[str, list] = {}  # segment name -> [(offset, size, key)]
-    kept, dropped = [], []
+    kept, dropped, manifests = [], [], {}
     for key, size, replicas, *extra in objs:
         good = [(n, off) for n, off in dict.fromkeys(map(tuple, replicas)) if service.segments.get(n) is not None]
+        home = next(((n, off) for n, off in replicas if n in (parked or {})), None)
+        if not good and home is not None and not (extra and extra[-1]):  # complete, its segment parked
+            checksum, pin = (list(extra) + [None, 0])[:2]
+            manifests.setdefault(home[0], []).append((key, size, home[1], checksum, pin, 0.0))
+            continue
         if not good:
             dropped.append(key)
             continue
@@ -59,6 +76,7 @@ def restore(service, segs: list, objs: list, now: float, slabs: list = (), owner
             continue
         _add(service, key, size, replicas, now, *extra)
     held = _hold_slabs(service, slabs, now)
+    parked_objects = _park(service, parked or {}, manifests, owners or {}, now)
     if dropped:
         log.warning(
             "recovery dropped %d objects (segment unknown, offset outside it or overlapping another object), e.g. %s",
@@ -71,7 +89,23 @@ def restore(service, segs: list, objs: list, now: float, slabs: list = (), owner
         "dropped": len(dropped),
         "pending": service.table.pending_count(),
         "slab_bytes": held,
+        "manifest_objects": parked_objects,
     }
+
+
+def _park(service, parked: dict, manifests: dict, owners: dict, now: float) -> int:
+    """Rebuild the manifest of each parked segment (name -> size) from its objects ``manifests`` (name ->
+    entries); a parked record with no object or no owner left is dropped. Returns the objects kept."""
+    kept = 0
+    for name, size in parked.items():
+        owner = owners.get(name, (b"", ""))[0]
+        entries = manifests.get(name, [])
+        if service.segments.get(name) is not None or not owner or not entries:
+            service.journal.manifest_dropped(name, [e[0] for e in entries], service.segments.get(name) is None)
+            continue
+        service.manifests.keep(SimpleNamespace(name=name, owner=owner, size=size), entries, now)
+        kept += len(entries)
+    return kept
 
 
 def _hold_slabs(service, slabs: list, now: float) -> int:
