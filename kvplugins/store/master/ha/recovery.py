@@ -52,16 +52,16 @@ def restore(
     for name, wire, region_id, size in segs:
         _add_segment(service, name, wire, region_id, size, now, (owners or {}).get(name, (b"", "")))
     placed: dict[str, list] = {}  # segment name -> [(offset, size, key)]
-    kept, dropped, manifests = [], [], {}
+    kept, dropped, manifests, parked = [], [], {}, parked or {}
     for key, size, replicas, *extra in objs:
         good = [(n, off) for n, off in dict.fromkeys(map(tuple, replicas)) if service.segments.get(n) is not None]
-        home = next(((n, off) for n, off in replicas if n in (parked or {})), None)
-        if not good and home is not None and not (extra and extra[-1]):  # complete, its segment parked
-            checksum, pin = (list(extra) + [None, 0])[:2]
-            manifests.setdefault(home[0], []).append((key, size, home[1], checksum, pin, 0.0))
-            continue
         if not good:
-            dropped.append(key)
+            home = next((r for r in replicas if r[0] in parked), None)
+            checksum, pin, pending = (*extra, *(None, 0, 0)[len(extra) :])
+            if home is not None and not pending:  # complete, its segment parked: its manifest again
+                manifests.setdefault(home[0], []).append((key, size, home[1], checksum, pin, 0.0))
+            else:
+                dropped.append(key)
             continue
         kept.append((key, size, good, *extra))
         for n, off in good:
@@ -76,7 +76,7 @@ def restore(
             continue
         _add(service, key, size, replicas, now, *extra)
     held = _hold_slabs(service, slabs, now)
-    parked_objects = _park(service, parked or {}, manifests, owners or {}, now)
+    parked_objects = _park(service, parked, manifests, owners or {}, now)
     if dropped:
         log.warning(
             "recovery dropped %d objects (segment unknown, offset outside it or overlapping another object), e.g. %s",

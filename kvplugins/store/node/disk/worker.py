@@ -167,6 +167,10 @@ class NodeTier:
         self._report_lost("evicted", evicted)
         return ["offload", key, True, digest, 0]
 
+    def _left_ms(self, ttl_ms: float) -> float:
+        """What is left of a command's ``ttl_ms`` (ms from the poll that fetched it)."""
+        return ttl_ms - (time.monotonic() - self._polled) * 1000
+
     def _migrate(
         self, key: str, size: int, src: int, dest: str, region_id: int, off: int, fid: int, ttl_ms: float, descs: dict
     ):
@@ -174,8 +178,9 @@ class NodeTier:
         ``off``, unless more than ``ttl_ms`` passed since the poll (its flight is over: the space may be another
         object's by now); the write itself ends by then too (a node paused mid-write sends nothing more on
         resume). -> ["migrate", key, ok, detail, fid]."""
-        if (time.monotonic() - self._polled) * 1000 > ttl_ms:
-            return ["migrate", key, False, "expired before it ran", fid]
+        expired = ["migrate", key, False, "expired before it ran", fid]
+        if self._left_ms(ttl_ms) <= 0:
+            return expired
         if dest not in descs:
             return ["migrate", key, False, f"no descriptor for {dest}", fid]
         try:
@@ -186,9 +191,9 @@ class NodeTier:
                 else:
                     self.disk.read_into(key, view[:size])
                     addr = base
-                left_ms = ttl_ms - (time.monotonic() - self._polled) * 1000  # the write ends within the flight
+                left_ms = self._left_ms(ttl_ms)  # the write ends within the flight (the disk read took some)
                 if left_ms <= 0:
-                    return ["migrate", key, False, "expired before it ran", fid]
+                    return expired
                 [err] = self.engine.write_spans(
                     SegmentDescriptor.from_wire(descs[dest]),
                     region_id,
