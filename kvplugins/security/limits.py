@@ -133,12 +133,12 @@ class AcceptBackoff:
         """Record a failed accept; returns the seconds to stop accepting."""
         now = time.monotonic()
         with self._lock:
-            self.failures += 1
-            self._pause = min(self.max_s, max(self.first_s, self._pause * 2))
+            pause = self._pause = min(self.max_s, max(self.first_s, self._pause * 2))
             code = err.errno
             if now - self._last_log.get(code, -1e18) < self.log_interval_s:
                 self._hidden[code] = self._hidden.get(code, 0) + 1
-                return self._pause
+                self.failures += 1
+                return pause
             hidden, self._hidden[code], self._last_log[code] = self._hidden.get(code, 0), 0, now
         more = f" ({hidden} more since the last line)" if hidden else ""
         log.warning(
@@ -146,10 +146,12 @@ class AcceptBackoff:
             "%.0f ms%s; raise the descriptor limit (ulimit -n) or lower max_connections",
             self.what,
             err.strerror or err,
-            self._pause * 1000,
+            pause * 1000,
             more,
         )
-        return self._pause
+        with self._lock:  # counted once its line is out: a failure seen in the stats is in the log too
+            self.failures += 1
+        return pause
 
     def ok(self) -> None:
         """An accept succeeded: the next failure starts from the first pause again."""

@@ -5,9 +5,10 @@ Checks (issue #34):
 1. wrong bytes: a get or final_get answered bytes whose digest is not that of the key's one value. Must be 0.
 2. acknowledged objects lost: a key with an acknowledged put that the after-the-heal read (final_get) misses or
    fails. Explained when at least ``replicas`` store nodes were SIGKILLed after the put (every replica may have
-   been on them, faster than re-replication could copy it), or a shard membership change began after it (a move
-   costs misses by design: a key is not copied to its new shard and objects on moved extents go; docs/operations.md
-   *Sharded masters*); otherwise unexplained, and the run fails.
+   been on them, faster than re-replication could copy it), or the shard ring changed after MAX_VIEW_AGE_S before
+   the put began (a move costs misses by design: a key is not copied to its new shard and objects on moved extents
+   go, docs/operations.md *Sharded masters*; a master routes a put by a ring read at most MAX_VIEW_AGE_S before,
+   master/shard.py); otherwise unexplained, and the run fails.
 3. unavailability per fault kind: for each window, the longest stretch in which a healthy client (not on a host the
    fault touched, not itself the target) saw its operations fail: from the first failing op's start to the end of
    the next op that succeeded (or the window's end plus the recovery allowance); and its slowest single operation
@@ -27,6 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cache
 
+from kvplugins.store.master.shard import MAX_VIEW_AGE_S
 from tests.cluster.history import Record, digest_of, value_of
 from tests.cluster.nemesis import Window
 
@@ -110,7 +112,7 @@ def check(
     recovery_s: float = 5.0,
 ) -> Verdict:
     """``exits``: per process, (return code, killed by the nemesis) of each incarnation; ``stats``: per client
-    name, (host, transfer_stats); ``node_kills``: times of the nemesis's SIGKILLs of store nodes; ``moves``: start
+    name, (host, transfer_stats); ``node_kills``: times of the nemesis's SIGKILLs of store nodes; ``moves``: unix s
     times of shard membership changes."""
     v = Verdict(ops=len(records))
     _wrong_bytes(v, records)
@@ -134,19 +136,19 @@ def _wrong_bytes(v: Verdict, records: list[Record]) -> None:
 def _losses(
     v: Verdict, records: list[Record], windows: list[Window], node_kills: list[float], moves: list[float], replicas: int
 ) -> None:
-    acked: dict[str, float] = {}
+    acked: dict[str, tuple[float, float]] = {}  # key -> (start, ack) of its first acknowledged put
     for r in records:
         if r.op == "put" and r.result == "ok":
-            acked.setdefault(r.key, r.t1)
+            acked.setdefault(r.key, (r.t0, r.t1))
     v.acknowledged = len(acked)
     final = {r.key: r for r in records if r.op == "final_get"}
-    for key, t in acked.items():
+    for key, (t0, t) in acked.items():
         r = final.get(key)
         if r is not None and r.result == "ok":
             continue
         why = f"{key} (final: {r.result if r else 'not read'}{': ' + str(r.error)[:80] if r and r.error else ''})"
         kills_after = sum(1 for k in node_kills if k >= t - 1.0)
-        moved = any(m >= t - 1.0 for m in moves)
+        moved = any(m >= t0 - MAX_VIEW_AGE_S for m in moves)
         (v.lost_explained if kills_after >= replicas or moved else v.lost_unexplained).append(why)
         for kind in {w.kind for w in windows if w.end >= t}:
             v.kinds[kind].lost_after += 1

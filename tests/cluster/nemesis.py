@@ -73,12 +73,14 @@ class Window:
 
 class Nemesis:
     """Runs ``schedule(kinds)`` on ``d``: one fault at a time, ``duration_s`` each (stops: at least ``stop_s``),
-    ``gap_s`` of calm between. ``windows``: what was done, for the checker."""
+    ``gap_s`` of calm between. ``windows``: what was done, for the checker; ``ring_changes``: unix s at which
+    each shard_move's new ring epoch was seen (within 0.2 s of the change)."""
 
     def __init__(self, d: Deployment, seed: int, duration_s: float, gap_s: float, stop_s: float = 10.0):
         self.d, self.rng = d, random.Random(seed)
         self.duration_s, self.gap_s, self.stop_s = duration_s, gap_s, stop_s
         self.windows: list[Window] = []
+        self.ring_changes: list[float] = []
 
     def schedule(self, minutes: float, kinds: list[str] | None = None) -> list[str]:
         """Every kind (of ``kinds``, default all) once in a seeded order, then random ones until ``minutes`` are
@@ -255,6 +257,9 @@ class Nemesis:
         deadline = time.monotonic() + (JOIN_S if joining else SETTLE_S)
         while (ring := d.ring())["epoch"] <= before["epoch"] and time.monotonic() < deadline:
             time.sleep(0.2)
+        seen = ring["epoch"] > before["epoch"]
+        if seen:
+            self.ring_changes.append(time.time())  # (seen within a poll of the change: an upper bound)
         win.notes.append(f"ring epoch {before['epoch']} -> {ring['epoch']}, members {ring['members']}")
         victims = [d.procs[f"master{h}{s}"] for s, h in ring["leaders"].items() if h is not None]
         p = self.rng.choice(victims)
@@ -269,6 +274,8 @@ class Nemesis:
             while (ring := d.ring())["moving"] and time.monotonic() - t0 < SETTLE_S:
                 time.sleep(0.5)
             win.notes.append(f"settled {'in' if not ring['moving'] else 'not within'} {time.monotonic() - t0:.1f} s")
+            if ring["epoch"] > before["epoch"] and not seen:
+                self.ring_changes.append(time.time())  # the change came only after the wait above
             if not joining and not ring["moving"]:
                 d.retire_shard(sid)
 

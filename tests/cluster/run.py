@@ -152,8 +152,7 @@ def _verdict(d: Deployment, nemesis: Nemesis, out: Path, final: Path) -> checker
         if p.role == "client" and f.exists():
             stats[p.name] = (p.host, json.loads(f.read_text()))
     node_kills = [w.start for w in nemesis.windows if w.kind == "kill_node"]
-    moves = [w.start for w in nemesis.windows if w.kind == "shard_move"]
-    v = checker.check(records, nemesis.windows, exits, stats, set(d.node_hosts()), node_kills, moves)
+    v = checker.check(records, nemesis.windows, exits, stats, set(d.node_hosts()), node_kills, nemesis.ring_changes)
     for p in d.procs.values():  # a master whose sweep raises runs on without re-replication or eviction
         failed = p.log.read_text(errors="replace").count("master tick failed") if p.role == "master" else 0
         if failed:

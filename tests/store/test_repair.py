@@ -40,11 +40,16 @@ def test_a_lost_nodes_replicas_are_copied_again_so_a_second_loss_keeps_every_obj
         keys = [f"repair/{i}" for i in range(60)]
         values = [rng.randbytes(64 << 10) for _ in keys]
         assert client.batch_put(keys, values, PutConfig(replicas=2)) == [None] * len(keys)
-        first, second, third = c.nodes
-        pair = {first.address, second.address}
-        on_pair = [k for k, segs in zip(keys, _segments(client, keys)) if segs == pair]
-        on_first = [k for k, segs in zip(keys, _segments(client, keys)) if first.address in segs]
-        assert on_pair, "no object has its replicas on exactly the two nodes this test kills"
+        placed = _segments(client, keys)
+        assert all(len(s) == 2 for s in placed), placed
+        # the two nodes killed are the pair holding most objects: a node that missed a heartbeat under load (0.5 s
+        # here) is suspect and gets no new replicas, so the pair is read from the placement, not assumed
+        pair = max(({frozenset(s) for s in placed}), key=lambda p: sum(s == p for s in placed))
+        by_address = {n.address: n for n in c.nodes}
+        first, second = (by_address[a] for a in sorted(pair))
+        (third,) = (n for n in c.nodes if n.address not in pair)
+        on_pair = [k for k, segs in zip(keys, placed) if segs == pair]
+        on_first = [k for k, segs in zip(keys, placed) if first.address in segs]
         first.kill()
         _wait("the first node removed", lambda: fetch(c.master, 5000)["segments_lost"] == 1, 10)
         _wait(

@@ -3,8 +3,9 @@ behind `kvplugins pd-proxy`. Pages are stored per KV head (layout/shards.py), so
 TP 1, the heads the prefill side's two TP ranks wrote; the direct path needs the same TP size on both sides,
 so a request that asks for it is handed over through the store instead (the producer's workers exported KV
 for 2 ranks, the consumer has 1). Decode's tokens must equal a single instance's, its /metrics must count
-every prompt page loaded from the store and none read directly, and every handoff ends within 2 s (the
-producer does not hold the blocks waiting for an ack that cannot come)."""
+every prompt page loaded from the store and none read directly, and every handoff ends within 10 s (the
+producer does not hold the blocks waiting for an ack that cannot come: that wait ends at pd_hold_ms, 30 s; a
+handoff took 3.6 s once on 2 loaded CPUs, so 2 s was a speed bound, not a behaviour one)."""
 
 from __future__ import annotations
 
@@ -61,5 +62,5 @@ def test_tp2_prefill_hands_over_to_tp1_decode(pd_tp, baseline, model, turn_promp
     moved = (delta("loaded_blocks"), delta("failed_blocks"), delta("direct_blocks"))
     assert moved == (pages, 0, 0), f"loaded, failed, direct pages {moved}, expected {(pages, 0, 0)}\n{logs}"
     n = held_after.get("+Inf", 0) - held.get("+Inf", 0)
-    fast = held_after.get("2.0", 0) - held.get("2.0", 0)
-    assert n >= 1 and fast == n, f"handoffs {n}, within 2 s {fast}\n{logs}"
+    fast = held_after.get("10.0", 0) - held.get("10.0", 0)
+    assert n >= 1 and fast == n, f"handoffs {n}, within 10 s {fast}\n{logs}"

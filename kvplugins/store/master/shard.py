@@ -8,7 +8,9 @@ hand-over wait (lease TTL + put timeout) and SETTLE_S more have passed since it 
 master's own thread (MasterService.handle / tick):
 - ``route``: a put (``put_start``, ``put``) of a key this shard does not own answers WRONG_SHARD (the client
   re-reads the membership and retries): a client with a stale view never stores a key where readers will not
-  look.
+  look. Nor does a master with one: while its last membership read is older than MAX_VIEW_AGE_S (etcd slow or
+  unreachable from it), every put answers WRONG_SHARD, so a put it acknowledges was routed by a ring at most that
+  old (a change later than that may cost the key, like a put before the change).
 - ``tick``: after each change this master drops, in slices of SWEEP_SLICE objects per tick, every key owned by
   neither the current nor the previous ring (then reports ``moved``); once the move window is over, every key it
   does not own now (then ``settled``). Until then the keys it lost stay readable by the clients' dual lookup.
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 SWEEP_SLICE = 8192
 SETTLE_S = 2.0  # a joining master becomes a member once its live segment count held this long (module doc)
+MAX_VIEW_AGE_S = 3.0  # puts are refused while the last membership read is older (module doc)
 
 
 class ShardMember:
@@ -41,6 +44,7 @@ class ShardMember:
         self.cluster, self.id, self.address, self.window_ms = cluster, shard, address, window_ms
         self.hand_over_s = hand_over_s  # how long a node waits before an extent another shard had is registrable
         self.state: ClusterState | None = None  # the latest read (set by the watcher thread)
+        self.read_at = 0.0  # monotonic s of the latest read
         self.objects = -1  # the serving table's object count (set on each tick)
         self.segments = 0  # the serving table's live segments (set on each tick)
         self._held = (0, 0.0)  # (live segments, monotonic s since when that count holds)
@@ -63,9 +67,12 @@ class ShardMember:
     def route(self, op: str, entries, opts, run):
         """Run ``run(entries, opts)`` on the entries whose key (entry[0]) this shard owns; the others answer
         [WRONG_SHARD, why]."""
-        st = self.state
+        st, age = self.state, time.monotonic() - self.read_at
         if st is None:
             return [[WRONG_SHARD, f"shard {self.id} has not read the membership yet; retry"]] * len(entries)
+        if age > MAX_VIEW_AGE_S:
+            why = f"shard {self.id} last read the membership {age:.1f} s ago (> {MAX_VIEW_AGE_S} s); retry"
+            return [[WRONG_SHARD, why]] * len(entries)
         owners = st.ring.owners([e[0] for e in entries])
         own = [i for i, o in enumerate(owners) if o == self.id]
         if len(own) == len(entries):
@@ -120,7 +127,9 @@ class ShardMember:
         members, complained = Membership(self.cluster), ""
         while True:
             try:
-                self.state = st = members.read()
+                began = time.monotonic()
+                st = members.read()
+                self.read_at, self.state = began, st  # (route: the ring as of when the read began)
                 if self._swept != self._reported:
                     swept = self._swept
                     members.report(self.id, *swept)
