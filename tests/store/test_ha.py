@@ -307,6 +307,7 @@ def test_journal_batches_are_fenced_and_recovery_rebuilds_placement():
             ("objects", 290),
             ("pending", 0),
             ("segments", 2),
+            ("short", 0),
             ("slab_bytes", 0),
             ("tasks", 0),
         ]
@@ -357,6 +358,7 @@ def test_hostile_journal_values_are_skipped_on_recovery(caplog):
             ("objects", 1),
             ("pending", 0),
             ("segments", 1),
+            ("short", 0),
             ("slab_bytes", 0),
             ("tasks", 0),
         ]
@@ -576,3 +578,29 @@ def test_a_parked_manifest_taken_by_another_process_deletes_its_records():
         first.handle("register_segment", [[wire, 1, 256 * kib]], {"owner": "B"})
         assert etcd.range_prefix("/kvp/park2/obj/") == [] and etcd.range_prefix("/kvp/park2/parked/") == []
         assert first.handle("exists", keys, {}) == [False] * 16
+
+
+def test_a_new_leader_copies_the_objects_a_lost_segment_left_short():
+    """The re-replication queue was the leader's memory: objects short of a replica when the leader failed over
+    stayed short for good (one more node loss took them). Now a queued object's record says how many replicas it
+    had: leader A loses s1 (20 objects down to 1 replica, none copied: s2 holds them all, no third segment),
+    fails over to B, a third segment comes, and B copies all 20 there."""
+    cfg, kib = MasterConfig(put_timeout_ms=1500), 1 << 10
+    with _guards("/kvp/short", cfg) as (etcd, first, fail_over):
+        s1, s2 = (first.handle("register_segment", [[_wire(n, 256 * kib), 1, 256 * kib]], {})[0][1] for n in "ab")
+        keys = [f"k{i}" for i in range(20)]
+        assert [c for c, _ in first.handle("put_start", [[k, kib] for k in keys], {"replicas": 2})] == [OK] * 20
+        first.handle("put_commit", keys, {"xxh3": list(range(20))})
+        assert first.handle("unregister", [s1], {}) == [[OK, None]]
+        first.tick()
+        assert first.handle("status", [], {})["repairs_queued"] == 20  # no segment to copy to yet
+        second = fail_over()
+        second.handle("status", [], {})  # the first op elects B: it recovers from the journal
+        assert second.recovered["short"] == 20
+        [(_, s3)] = second.handle("register_segment", [[_wire("c", 256 * kib), 1, 256 * kib]], {})
+        for seg in (s2, s3):
+            assert second.handle("tier_register", [[seg, "", 0, [], ""]], {})[0][0] == OK
+        second.tick()
+        assert second.inner.counters["repairs_started"] == 20
+        [(_, (cmds, _))] = second.handle("tier_poll", [s2], {})
+        assert cmds and {c[1] for c in cmds} <= set(keys) and all(c[0] == "migrate" for c in cmds)

@@ -83,6 +83,7 @@ valid_object = st.tuples(
     st.one_of(st.none(), st.integers(0, U64)),
     st.sampled_from([0, 2]),
     st.sampled_from([0, 1]),
+    st.integers(0, 64),
 ).map(list)
 
 
@@ -90,8 +91,8 @@ def object_oracle(value: list):
     """The decoded tuple if ``value`` is a valid object value, else the regex its ProtocolError must match."""
     if len(value) < 2:
         return "of at least length 2"
-    if len(value) > 5:
-        return "of at most length 5"
+    if len(value) > 6:
+        return "of at most length 6"
     size, replicas, *rest = value
     if not (is_int(size) and 1 <= size <= MAX_SIZE):
         return r"size: .*at `\$\[0\]`"
@@ -107,7 +108,10 @@ def object_oracle(value: list):
     pending = rest[2] if len(rest) > 2 else 0
     if not (is_int(pending) and pending in (0, 1)):
         return r"pending: .*at `\$\[4\]`"
-    return size, [tuple(r) for r in replicas], checksum, pin, pending
+    wanted = rest[3] if len(rest) > 3 else 0
+    if not (is_int(wanted) and 0 <= wanted <= 64):
+        return r"wanted: .*at `\$\[5\]`"
+    return size, [tuple(r) for r in replicas], checksum, pin, pending, wanted
 
 
 def _bad_replicas(replicas) -> str | None:
@@ -136,7 +140,7 @@ def check_object(value: list) -> None:
 
 
 @SETTINGS
-@given(valid_object, st.integers(0, 4), hostile)
+@given(valid_object, st.integers(0, 5), hostile)
 def test_object_field_replaced(value, i, bad):
     value[i] = bad
     check_object(value)
@@ -152,9 +156,9 @@ def test_object_replica_item_replaced(value, data, bad):
 
 
 @SETTINGS
-@given(valid_object, st.integers(0, 4))
+@given(valid_object, st.integers(0, 5))
 def test_object_items_missing(value, keep):
-    check_object(value[:keep])  # checksum and pin may be left out (older values); size and replicas not
+    check_object(value[:keep])  # checksum, pin, pending, wanted may be left out (older values); size, replicas not
 
 
 @SETTINGS
@@ -353,7 +357,7 @@ def test_recovery_keeps_the_first_of_two_overlapping_objects_and_frees_nothing_i
     ]
     with caplog.at_level(logging.WARNING):
         got = recovery.restore(service, segs, objs, 0.0)
-    assert got == {"segments": 1, "objects": 2, "dropped": 1, "pending": 0, "slab_bytes": 0, "manifest_objects": 0}
+    assert got == dict(segments=1, objects=2, dropped=1, pending=0, slab_bytes=0, manifest_objects=0, short=0)
     assert service.table.get("b") is None and service.table.get("c").replicas == [("s0:1", 8192)]
     assert service.segments.get("s0:1").allocator.used_bytes == 8192
     assert any("'b'" in r.getMessage() for r in caplog.records)
@@ -369,7 +373,7 @@ def test_recovery_skips_segments_that_do_not_hold_together(caplog):
     ]  # larger than its region
     with caplog.at_level(logging.WARNING):
         got = recovery.restore(service, segs, [("k", 64, [("s1:1", 0)], None, 0)], 0.0)
-    assert got == {"segments": 1, "objects": 0, "dropped": 1, "pending": 0, "slab_bytes": 0, "manifest_objects": 0}
+    assert got == dict(segments=1, objects=0, dropped=1, pending=0, slab_bytes=0, manifest_objects=0, short=0)
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert all(f"journal segment {n!r} skipped" in warned for n in ("s1:1", "s2:7", "s3:1"))
 

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 
 class Journal:
-    """No persistence. Subclasses override every hook."""
+    """No persistence. Subclasses override every hook. ``wanted(obj)``: the replica count ``obj`` is short to
+    while re-replication owes it copies (MasterService sets it to Repairs.wanted), else 0: a journal that keeps
+    it lets a new HA leader take the copies over."""
+
+    def __init__(self) -> None:
+        self.wanted = _none_wanted
 
     def committed(self, objs: list) -> None:
         """``objs`` (metadata.Object) became complete (put_commit, promotion, migration)."""
@@ -65,3 +70,7 @@ class Journal:
         """The manifest of parked segment ``name`` was used or dropped: ``keys`` (its objects neither restored nor
         stored again) are gone, and so is the parked record (with ``forget_owner``, the segment's owner record
         too: the name is not live)."""
+
+
+def _none_wanted(obj) -> int:
+    return 0

@@ -13,8 +13,8 @@ Lifecycle, in call order:
   leaves the queue when its object is whole again, removed or replaced; after MAX_ATTEMPTS tasks that did not
   make it whole (no room, no source with a command link, a failed write) it is given up and counted.
 Counters: ``repairs_started`` (copy tasks created), ``repairs_given_up``; ``repairs_queued`` in the status.
-The queue is the leader's memory: after a failover, objects still short of replicas are not found again (the
-journal has no record of what an object had).
+A queued object's journal record carries the count it had (Journal.wanted, ha/journal.encode_object), so a new HA
+leader queues it again (ha/recovery.py), as it does an object whose record names a segment it does not know.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ class Repairs:
         self.service = service
         # key -> [object (a view of its table record: compared with ==), replicas it had, tasks started]
         self.queue: OrderedDict[str, list] = OrderedDict()
+
+    def wanted(self, obj) -> int:
+        """The replica count ``obj`` is queued to get back to, else 0."""
+        entry = self.queue.get(obj.key)
+        return entry[1] if entry is not None and entry[0] == obj else 0
 
     def lost(self, obj, had: int) -> None:
         """``obj`` (complete, still holding a replica) lost one of the ``had`` replicas it had."""

@@ -99,6 +99,7 @@ class MasterService:
         self.segments = SegmentRegistry(config.alloc_align)
         self.manifests = liveness.Manifests(self._manifest_dropped)  # objects of segments removed for silence
         self.repairs = Repairs(self)  # objects short of the replicas they had, and their copy tasks (repair.py)
+        self.journal.wanted = self.repairs.wanted  # journaled, so a new HA leader copies them too
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.quotas = Quotas(config, lambda: sum(s.size for s in self.segments))
         self.caller = ""  # identity of the request being run (master/quotas.py; "" = the cluster)

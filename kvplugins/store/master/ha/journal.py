@@ -40,6 +40,7 @@ class EtcdJournal(Journal):
     writes are conditional on (set by the leader guard); ``on_fenced(why)``: called when that no longer holds."""
 
     def __init__(self, etcd, prefix: str):
+        super().__init__()
         self.etcd, self.prefix = etcd, prefix.rstrip("/")
         self.fence: bytes = b""
         self.on_fenced = None
@@ -73,7 +74,7 @@ class EtcdJournal(Journal):
 
     # ---- hooks ---------------------------------------------------------------------------------------
     def committed(self, objs: list) -> None:
-        self._write({self.obj_key(o.key): put_op(self.obj_key(o.key), encode_object(o)) for o in objs})
+        self._write({self.obj_key(o.key): put_op(self.obj_key(o.key), encode_object(o, self.wanted(o))) for o in objs})
 
     def replicas_changed(self, objs: list) -> None:
         self.committed(objs)
@@ -135,7 +136,7 @@ class EtcdJournal(Journal):
 
     # ---- load ----------------------------------------------------------------------------------------
     def load(self) -> tuple[list, list, list]:
-        """([(name, wire, region id, size)], [(key, size, [(segment, offset)], checksum, pin, pending)],
+        """([(name, wire, region id, size)], [(key, size, [(segment, offset)], checksum, pin, pending, wanted)],
         [(slab id, segment, start, end)]), objects oldest first. Raises StoreError."""
         cut = len(self.prefix) + len("/seg/")  # == len("/obj/")
         segs = _decoded(self.etcd.range_prefix(self.prefix + "/seg/"), cut, decode_segment)
@@ -238,12 +239,15 @@ class EtcdJournal(Journal):
             )
 
 
-def encode_object(obj) -> bytes:
+def encode_object(obj, wanted: int = 0) -> bytes:
     """msgpack [size, [[segment, offset], ...], checksum or None, 2 if hard-pinned else 0, 1 if pending (a
     put_start not committed yet) else 0] (a soft pin's TTL and a put's deadline are master-clock times and are
-    not kept)."""
+    not kept), then ``wanted`` (the replica count re-replication owes it) where that exceeds its replicas."""
     hard = PIN_CODES["hard"] if obj.pin == PIN_CODES["hard"] else 0
-    return msgpack.packb([obj.size, [list(r) for r in obj.replicas], obj.checksum, hard, 0 if obj.complete else 1])
+    value = [obj.size, [list(r) for r in obj.replicas], obj.checksum, hard, 0 if obj.complete else 1]
+    if wanted > len(obj.replicas):
+        value.append(wanted)
+    return msgpack.packb(value)
 
 
 class _ObjectValue(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -252,6 +256,7 @@ class _ObjectValue(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     checksum: Union[schema.U64, None] = None
     pin: Literal[0, 2] = 0
     pending: Literal[0, 1] = 0
+    wanted: Annotated[int, Meta(ge=0, le=64)] = 0
 
 
 _OBJECT = msgspec.msgpack.Decoder(_ObjectValue)
@@ -274,19 +279,19 @@ class _TaskValue(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 _TASK = msgspec.msgpack.Decoder(_TaskValue)
-_OBJECT_FIELDS = ("size", "replicas", "checksum", "pin", "pending")
+_OBJECT_FIELDS = ("size", "replicas", "checksum", "pin", "pending", "wanted")
 _SEGMENT_FIELDS = ("descriptor", "region id", "size")
 
 
 def decode_object(value: bytes) -> tuple:
-    """(size in bytes, [(segment, offset)], checksum or None, pin) from encode_object's bytes. Raises
+    """(size in bytes, [(segment, offset)], checksum or None, pin, pending, wanted) from encode_object's bytes. Raises
     ProtocolError naming the field (``replicas: Expected `int` >= 0 - at `$[1][0][1]```) for a value that is
     not one (typed: msgspec, as the master's wire)."""
     try:
         o = _OBJECT.decode(value)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(f"journal object value: {_named(e, _OBJECT_FIELDS)}") from None
-    return o.size, o.replicas, o.checksum, o.pin, o.pending
+    return o.size, o.replicas, o.checksum, o.pin, o.pending, o.wanted
 
 
 def decode_segment(value: bytes) -> tuple:

@@ -16,6 +16,8 @@ come back for task_query; one the old leader was running ends (replica_tasks.fai
 of its write in flight is held for put_timeout_ms. So is the destination of every disk-tier flight (promote,
 drain migration: hold_flights) the old leader had started, or ended while a late write could still land; the
 node's report of it finds no flight on the new leader and the object stays where the journal has it.
+A complete object left with fewer replicas than its record names, or than re-replication owed it (the record's
+``wanted``), is queued for copies again (repair.py), so a failover does not forget what a lost node took.
 """
 
 from __future__ import annotations
@@ -47,34 +49,35 @@ def restore(
     of the segments removed for silence whose manifests were journaled (EtcdJournal.load_parked): the complete
     objects whose replicas name such a segment, and no live one, make its manifest again.
     Returns {"segments", "objects" (pending ones included), "pending", "dropped", "slab_bytes" (held),
-    "manifest_objects"}."""
+    "manifest_objects", "short" (complete objects queued for re-replication: repair.py)}."""
     service.tiering.took_over(now)  # the nodes' disk tiers register again on their next poll
     for name, wire, region_id, size in segs:
         _add_segment(service, name, wire, region_id, size, now, (owners or {}).get(name, (b"", "")))
     placed: dict[str, list] = {}  # segment name -> [(offset, size, key)]
     kept, dropped, manifests, parked = [], [], {}, parked or {}
     for key, size, replicas, *extra in objs:
-        good = [(n, off) for n, off in dict.fromkeys(map(tuple, replicas)) if service.segments.get(n) is not None]
+        listed = list(dict.fromkeys(map(tuple, replicas)))
+        good = [(n, off) for n, off in listed if service.segments.get(n) is not None]
         if not good:
             home = next((r for r in replicas if r[0] in parked), None)
-            checksum, pin, pending = (*extra, *(None, 0, 0)[len(extra) :])
+            checksum, pin, pending = (*extra, *(None, 0, 0)[len(extra) :])[:3]
             if home is not None and not pending:  # complete, its segment parked: its manifest again
                 manifests.setdefault(home[0], []).append((key, size, home[1], checksum, pin, 0.0))
             else:
                 dropped.append(key)
             continue
-        kept.append((key, size, good, *extra))
+        kept.append((key, size, good, len(listed), *extra))
         for n, off in good:
             placed.setdefault(n, []).append((off, size, key))
     bad = set()
     for name, blocks in placed.items():
         bad |= {(name, off, key) for off, key in reserve(service.segments.get(name).allocator, blocks)}
-    for key, size, replicas, *extra in kept:
+    for key, size, replicas, listed, *extra in kept:
         replicas = [(n, off) for n, off in replicas if (n, off, key) not in bad]
         if not replicas:
             dropped.append(key)
             continue
-        _add(service, key, size, replicas, now, *extra)
+        _add(service, key, size, replicas, now, *extra, listed=listed)
     held = _hold_slabs(service, slabs, now)
     parked_objects = _park(service, parked, manifests, owners or {}, now)
     if dropped:
@@ -90,6 +93,7 @@ def restore(
         "pending": service.table.pending_count(),
         "slab_bytes": held,
         "manifest_objects": parked_objects,
+        "short": len(service.repairs),
     }
 
 
@@ -161,13 +165,25 @@ def _add_segment(service, name: str, wire: dict, region_id: int, size: int, now:
 
 
 def _add(
-    service, key: str, size: int, replicas: list, now: float, checksum=None, pin: int = 0, pending: int = 0
+    service,
+    key: str,
+    size: int,
+    replicas: list,
+    now: float,
+    checksum=None,
+    pin: int = 0,
+    pending: int = 0,
+    wanted: int = 0,
+    listed: int = 0,
 ) -> None:
     """Add a recovered object with its checksum and pin (the pin picks its LRU list): complete, or a pending put
-    whose writer has put_timeout_ms from ``now`` to commit."""
+    whose writer has put_timeout_ms from ``now`` to commit. A complete one with fewer ``replicas`` than its
+    record ``listed`` (segments unknown, bytes taken) or ``wanted`` (re-replication owed) is queued for copies."""
     if pending:
         service.table.new(
             key, size, replicas, deadline=now + service.cfg.put_timeout_ms / 1000, last_access=now, pin=pin
         )
-    else:
-        service.table.new(key, size, replicas, complete=True, last_access=now, checksum=checksum, pin=pin)
+        return
+    obj = service.table.new(key, size, replicas, complete=True, last_access=now, checksum=checksum, pin=pin)
+    if max(wanted, listed) > len(replicas):
+        service.repairs.lost(obj, max(wanted, listed))
