@@ -9,14 +9,18 @@ pair it follows across fail-overs). While a move is on (ClusterState.moving):
 - removes go to both owners;
 - a put first asks the previous owner whether the key is stored (then it is a no-op, as on one master).
 A shard that does not answer costs only its own keys: reads of them are misses, writes fail with UNAVAILABLE
-(MasterUnreachable when no shard answered at all). WRONG_SHARD answers (this client's view was stale) make it
-re-read the membership and resend those entries. A watcher thread re-reads the membership every POLL_S.
+(MasterUnreachable when no shard answered at all). WRONG_SHARD answers make it re-read the membership and resend
+those entries, after a pause that doubles from RESEND_FIRST_S up to POLL_S, until the op's timeout: the stale
+view may be the master's (it reads the membership every 0.5 s too). (Before, during a move the resends were
+never sent, the entries still holding their first answer, and 54 of ~14,000 puts failed while a shard joined
+and left.) A watcher thread re-reads the membership every POLL_S.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvplugins.errors import MasterUnreachable, StoreError
@@ -25,7 +29,7 @@ from kvplugins.store.cluster.membership import ClusterState, Membership
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
-RESEND_ROUNDS = 5  # WRONG_SHARD resends (each after a fresh membership read)
+RESEND_FIRST_S = 0.05  # WRONG_SHARD: the first pause before a resend, doubling up to POLL_S (module doc)
 KEYED = frozenset(
     {
         "get",
@@ -141,15 +145,23 @@ class ShardedRpc:
     def _keyed(self, op: str, entries: list, opts: dict, timeout_ms) -> list:
         out: list = [None] * len(entries)
         todo = list(range(len(entries)))
-        for _ in range(RESEND_ROUNDS):
-            st = self.state
-            wrong = self._route(op, entries, opts, timeout_ms, st, todo, out)
+        deadline = time.monotonic() + (timeout_ms if timeout_ms is not None else self.timeout_ms) / 1000
+        pause = RESEND_FIRST_S
+        while True:
+            wrong = self._route(op, entries, opts, timeout_ms, self.state, todo, out)
             if not wrong:
                 return out
             todo = wrong
+            if time.monotonic() + pause >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S)
             self._refresh()
+            for i in todo:  # unanswered again (_stored_before sends only the entries without an answer)
+                out[i] = None
         for i in todo:
-            out[i] = [WRONG_SHARD, f"{_key(entries[i])}: the shards disagree on its owner; retry later"]
+            why = out[i][1] if isinstance(out[i], list) and len(out[i]) > 1 else ""
+            out[i] = [WRONG_SHARD, f"{_key(entries[i])}: the shards disagree on its owner until the timeout ({why})"]
         return out
 
     def _route(self, op, entries, opts, timeout_ms, st: ClusterState, todo: list[int], out: list) -> list[int]:

@@ -99,8 +99,10 @@ class ClusterState:
 
     @cached_property
     def extent_holders(self) -> dict:
-        """Shard id -> address of every master nodes give extents to: the members and the joining ones."""
-        return {**{sid: j.address for sid, j in self.joining.items()}, **self.members}
+        """Shard id -> address of every master nodes give extents to: the members, the joining ones and, while
+        the move window runs, the ones just removed (their keys are read from them until then: dual lookup)."""
+        leaving = {} if self.previous is None or self.window_over() else self.previous
+        return {**leaving, **{sid: j.address for sid, j in self.joining.items()}, **self.members}
 
     def unswept(self) -> list[str]:
         """Members that have not reported ``moved`` for this epoch (a new change waits for them)."""
