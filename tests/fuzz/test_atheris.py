@@ -1,6 +1,6 @@
 """CI run of the coverage-guided decoder fuzz (fuzz_decoders.py, atheris/libFuzzer), bounded in time (#11).
 
-Each target runs in its own process for KVPLUGINS_FUZZ_SECONDS (default 14 s; 6 targets, about 90 s in all;
+Each target runs in its own process for KVPLUGINS_FUZZ_SECONDS (default 6 s; 6 targets, about 45 s in all;
 set it higher for a longer hunt, e.g. KVPLUGINS_FUZZ_SECONDS=600). The run must end by its time limit with exit
 code 0 (no finding, no input over -timeout, no RSS over -rss_limit_mb) after at least MIN_RUNS inputs; a
 finding's input is saved next to the test's tmp dir and named in the failure (replay it with
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 HARNESS = Path(__file__).with_name("fuzz_decoders.py")
-SECONDS = int(os.environ.get("KVPLUGINS_FUZZ_SECONDS", "14"))
+SECONDS = int(os.environ.get("KVPLUGINS_FUZZ_SECONDS", "6"))
 MIN_RUNS = 2000  # the slowest target (disk: a file write per input) does ~5000/s on one core
 INPUT_TIMEOUT_S = 10  # one input taking longer is a hang (a finding)
 RSS_LIMIT_MB = 1024  # a decoder allocating past this on a <= 64 KiB input is a finding

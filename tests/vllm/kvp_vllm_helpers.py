@@ -210,7 +210,7 @@ class Server:
                 http_json(self.url + "/health", timeout=2)
                 return self
             except OSError:
-                time.sleep(1)
+                time.sleep(0.2)
 
     def metrics(self) -> dict[str, float]:
         """``vllm:kvplugins_*`` samples of /metrics (name without labels -> value, summed over label sets)."""
