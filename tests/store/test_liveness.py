@@ -187,3 +187,20 @@ def test_manifest_ages_out(m):
     m.tick()
     assert len(m.manifests) == 0
     assert reg(m, "s1", owner="A") == [OK, s1] and m.handle("exists", keys, {}) == [False] * len(keys)
+
+
+def test_a_replica_reported_corrupt_is_copied_again_from_a_good_one(m):
+    """A replica whose bytes failed a reader's checksum is dropped; the object, short of one, is queued for
+    re-replication like one that lost a node (repair.py): the next sweep copies it from the surviving replica
+    to a segment holding none (before: it stayed at one replica until a node loss took that too)."""
+    segs = [reg(m, f"s{i}")[1] for i in range(3)]
+    for seg in segs:
+        assert m.handle("tier_register", [[seg, "", 0, [], ""]], {})[0][0] == OK
+    locs = put(m, "k", replicas=2)
+    (bad, bad_off), (good, _) = [(loc[0], loc[2]) for loc in locs]
+    assert m.handle("report_corrupt", [["k", bad, bad_off, hash("k") & (2**64 - 1)]], {}) == [[OK, None]]
+    assert m.handle("status", [], {})["repairs_queued"] == 1
+    m.tick()
+    assert m.counters["repairs_started"] == 1
+    [(_, (cmds, _))] = m.handle("tier_poll", [good], {})
+    assert [c[:2] for c in cmds] == [["migrate", "k"]]

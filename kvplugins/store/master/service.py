@@ -417,8 +417,8 @@ class MasterService:
 
     def op_report_corrupt(self, entries, opts, now):
         """entries: [key, segment name, offset, checksum] of a replica whose bytes did not match ``checksum``.
-        That replica is dropped (its space freed once the object's lease ends); an object left without a
-        replica is removed. Stale reports (the key was re-put, the replica moved) are ignored: NOT_FOUND."""
+        That replica is dropped (its space freed once the object's lease ends) and copied again from a good
+        one (re-replication); an object left without a replica is removed. Stale reports (the key was re-put, the replica moved) are ignored: NOT_FOUND."""
         out = []
         for key, name, off, checksum in entries:
             obj = self.table.get(key)
@@ -427,6 +427,8 @@ class MasterService:
                 continue
             self.counters["corrupt_replicas"] += 1
             log.warning("replica of %s on %s at %s is corrupt (checksum mismatch); dropped", key, name, off)
+            if len(obj.replicas) > 1:  # copied again from a good one (repair.py)
+                self.repairs.lost(obj, len(obj.replicas))
             self._drop_replica(obj, name, off, now)
             out.append([OK, None])
         return out
