@@ -99,8 +99,11 @@ def dry_run(cfg: ReplayConfig, reqs: list, sz: Sizes, todo: list[Plan]) -> str:
     return "\n".join(lines)
 
 
-def execute(cfg: ReplayConfig, path: str | None, say=print) -> list[dict]:
-    """Run everything; returns the result rows (report.row). ``say`` gets the table and progress lines."""
+def execute(cfg: ReplayConfig, path: str | None, say=print, make_client=None) -> list[dict]:
+    """Run everything; returns the result rows (report.row). ``say`` gets the table and progress lines.
+    ``make_client(master)``: the pool's client of ``cfg.master`` for one engine instance (batch_exists_prefix,
+    batch_get answering bytes or a KVPluginsError per key, batch_put, close); default a StoreClient. The cluster
+    runs pass Mooncake's (tests/cluster/mooncake_side.py), so the same trace meets both stores."""
     reqs = requests_of(cfg, path)
     if not reqs:
         raise ConfigError("the trace holds no requests")
@@ -111,7 +114,7 @@ def execute(cfg: ReplayConfig, path: str | None, say=print) -> list[dict]:
         return []
     rows = []
     for p in todo:
-        res = _one(cfg, p, reqs, sz)
+        res = _one(cfg, p, reqs, sz, make_client)
         ref = None
         if not p.local_blocks and not p.speed:
             ref = reference_hit_ratio(reqs, p.pool_blocks)
@@ -142,18 +145,17 @@ def execute(cfg: ReplayConfig, path: str | None, say=print) -> list[dict]:
     return rows
 
 
-def _one(cfg: ReplayConfig, p: Plan, reqs: list, sz: Sizes):
+def _one(cfg: ReplayConfig, p: Plan, reqs: list, sz: Sizes, make_client=None):
     bar = _progress(cfg, p, len(reqs))
     try:
 
         def run(master: str):
             def make_pool(ns: str):
-                return PoolOps(
-                    StoreClient(load(ClientConfig, {"master": master, "slab_bytes": 0})),
-                    ns,
-                    sz.object_bytes,
-                    timed=bool(p.speed),
-                )
+                if make_client is not None:
+                    client = make_client(master)
+                else:
+                    client = StoreClient(load(ClientConfig, {"master": master, "slab_bytes": 0}))
+                return PoolOps(client, ns, sz.object_bytes, timed=bool(p.speed))
 
             return replay(reqs, p, make_pool, bar[1] if bar else None)
 

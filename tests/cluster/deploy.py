@@ -245,11 +245,16 @@ class Deployment:
     def add_replay(self, i: int, trace: Path, limit: int, speed: float) -> Proc:
         """``kvplugins replay`` of ``trace``'s first ``limit`` requests at its arrival times / ``speed``, through
         the cluster from host i (two engine instances, 1 KiB objects, 2 replicas, the workload's timeouts; a store
-        error is a counted miss, as in the connectors). Its result rows go to ``tmp/replay.json``."""
-        argv = [*KVP, "replay", str(trace), "--master", self.master, "--realtime", "--speed", f"{speed:.3f}",
+        error is a counted miss, as in the connectors). Its result rows go to ``tmp/replay.json``. On Mooncake, the
+        same replay with Mooncake's client as the pool (mooncake_side.py ``replay``)."""
+        argv = ["replay", str(trace), "--master", self.master, "--realtime", "--speed", f"{speed:.3f}",
                 "--limit", str(limit), "--instances", "2", "--miss-on-store-error", "--no-progress",
                 "--scale", str(REPLAY_SCALE),
                 "--json", str(self.tmp / "replay.json")]  # fmt: skip
+        if self.system == "mooncake":
+            argv = [sys.executable, "-m", "tests.cluster.mooncake_side", *argv, "--host-ip", self.net.ip(i)]
+        else:
+            argv = [*KVP, *argv]
         env = {"KVPLUGINS_CLIENT_HOST": self.net.ip(i), "KVPLUGINS_CLIENT_REPLICAS": "2",
                "KVPLUGINS_CLIENT_RPC_TIMEOUT_MS": "1000", "KVPLUGINS_CLIENT_TRANSFER_TIMEOUT_MS": "3000"}  # fmt: skip
         proc = Proc(f"replay{i}", "replay", i, argv, self.tmp / f"replay{i}.log", env)

@@ -5,6 +5,8 @@ under the same fault schedule as kvplugins.
   client that contributes no segment.
 * ``master_command``: the ``mooncake_master`` argv for one host (its RPC, HTTP metadata and metrics servers bind
   that host's address), with the lease and liveness settings that decide what a fault does.
+* ``python -m tests.cluster.mooncake_side replay TRACE --master MASTER --host-ip IP [kvplugins replay's flags]``:
+  the trace replay (kvplugins/replay) with ``ReplayClient``, Mooncake's client, as the pool.
 * ``python -m tests.cluster.mooncake_side node ...``: a store node, a process that only contributes a segment (the
   equivalent of a ``kvplugins store`` node)::
 
@@ -47,6 +49,10 @@ import signal
 import sys
 import threading
 from pathlib import Path
+
+from kvplugins.config import add_arguments
+from kvplugins.errors import KeyNotFound, StoreError
+from kvplugins.replay.config import ReplayConfig
 
 LOCAL_BUFFER = 64 << 20  # the client's registered buffer: a batch of 6 pages of 4 MiB is staged in it whole
 NODE_BUFFER = 16 << 20  # a store node reads and writes nothing itself
@@ -270,6 +276,50 @@ class MooncakeStore:
             self._s = None
 
 
+class ReplayClient:
+    """A MooncakeStore as the trace replay's pool client (kvplugins/replay/pool.py PoolOps): a miss is KeyNotFound,
+    any Mooncake failure a StoreError, so the replay counts them as kvplugins' client's (``--miss-on-store-error``:
+    a request whose lookup failed is served as a miss)."""
+
+    def __init__(self, store: MooncakeStore):
+        self._s = store
+
+    def batch_exists_prefix(self, keys: list[str]) -> int:
+        try:
+            return self._s.exists_prefix(keys)
+        except MooncakeError as e:
+            raise StoreError(str(e)) from None
+
+    def batch_get(self, keys: list[str]) -> list:
+        try:
+            got = self._s.batch_get(keys)
+        except Exception as e:  # noqa: BLE001 - Mooncake's binding may raise anything: every key failed
+            return [StoreError(f"{k}: get_batch raised {e!r}") for k in keys]
+        return [
+            KeyNotFound(k) if v is None else StoreError(f"{k}: {v}") if isinstance(v, Exception) else v
+            for k, v in zip(keys, got)
+        ]
+
+    def batch_put(self, keys: list[str], values: list[bytes]) -> list:
+        return self._s.batch_put(keys, values)
+
+    def close(self) -> None:
+        self._s.close()
+
+
+def replay(args) -> int:
+    """``kvplugins replay`` with Mooncake's client as the pool (the same flags, ReplayConfig, plus --host-ip and
+    --replicas); exits 1 on a wrong byte, as it does."""
+    from kvplugins.config import from_args
+    from kvplugins.replay.plan import execute
+
+    def make_client(master: str) -> ReplayClient:
+        return ReplayClient(MooncakeStore(master, args.host_ip, args.replicas))
+
+    rows = execute(from_args(ReplayConfig, args), args.trace, lambda s: print(s, flush=True), make_client)
+    return 1 if any(r["wrong_bytes"] for r in rows) else 0
+
+
 def node(master: str, host_ip: str, segment_size: int, ready_file: Path, buffer_size: int = NODE_BUFFER) -> int:
     """A store node: contribute a ``segment_size`` segment, write ``ready_file``, serve until SIGTERM/SIGINT,
     close, return 0. A failed setup prints Mooncake's code on stderr and returns it as an exit status: ``-code``
@@ -299,7 +349,14 @@ def main(argv: list[str] | None = None) -> None:
     n.add_argument("--segment-size", type=int, required=True, help="bytes of memory contributed")
     n.add_argument("--ready-file", type=Path, required=True, help="written once setup returned 0")
     n.add_argument("--buffer-size", type=int, default=NODE_BUFFER, help="the node's own local buffer")
+    r = sub.add_parser("replay", help="kvplugins replay of a trace with Mooncake's client as the pool")
+    r.add_argument("trace", nargs="?", help="FAST'25 or kvplugins JSONL trace (omit with --synth)")
+    r.add_argument("--host-ip", required=True, help="this host's address (the transfer engine binds it)")
+    r.add_argument("--replicas", type=int, default=2, help="replicas of each put")
+    add_arguments(r, ReplayConfig)
     args = p.parse_args(argv)
+    if args.cmd == "replay":
+        sys.exit(replay(args))
     sys.exit(node(args.master, args.host_ip, args.segment_size, args.ready_file, args.buffer_size))
 
 

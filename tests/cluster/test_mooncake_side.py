@@ -121,6 +121,9 @@ def test_real_mooncake_put_get_and_a_killed_node(tmp_path):
     assert o["put"] == [None, None, None]
     assert (o["exists_prefix"], o["exists_prefix_unknown_first"]) == (3, 0)
     assert o["get"] == ["ok", "ok", "ok", "miss"]
+    r = o["replay"]  # the trace replay's pool on Mooncake (run.py replays the trace on both stores)
+    assert r.get("requests") == 40 and r["wrong_bytes"] == 0 and r["store_errors"] == 0, r
+    assert r["pool_hit_ratio"] > 0 and r["puts"] > 0 and r["put_failures"] == 0, r
     assert o["raw_miss"] == {"get_batch": [""], "get_size": -704, "is_exist": 0}
     nodes = {ep.split(":")[0] for eps in o["replicas"].values() for ep in eps}
     assert nodes == set(NODE_IPS) and all(len({e.split(":")[0] for e in eps}) == 2 for eps in o["replicas"].values())
@@ -179,6 +182,20 @@ def _node(work: Path, master: str, ip: str, env: dict | None = None) -> tuple[su
     return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log, env=env), ready
 
 
+def _replay(work: Path, master: str) -> dict:
+    """``mooncake_side replay`` of a 40-request synthetic trace (two engine instances, Mooncake's client as the
+    pool, as the cluster runs replay on Mooncake): its result row."""
+    out = work / "replay.json"
+    cmd = [sys.executable, "-m", "tests.cluster.mooncake_side", "replay", "--synth", "--synth-requests", "40",
+           "--master", master, "--host-ip", CLIENT_IP, "--realtime", "--speed", "1000", "--instances", "2",
+           "--miss-on-store-error", "--no-progress", "--scale", "65536", "--json", str(out)]  # fmt: skip
+    with open(work / "replay.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=log, timeout=60).returncode
+    if rc != 0 or not out.exists():
+        return {"rc": rc, "log": (work / "replay.log").read_text()[-3000:]}
+    return json.loads(out.read_text())["results"][0]
+
+
 def scenario(work: Path) -> dict:
     from tests.cluster.history import page_key, value_of
 
@@ -221,6 +238,7 @@ def scenario(work: Path) -> dict:
             k: [r.get_memory_descriptor().buffer_descriptor.transport_endpoint for r in raw.get_replica_desc(k)]
             for k in keys
         }
+        o["replay"] = _replay(work, master)
 
         # SIGKILL the node that holds the first replica of keys[0] (the one its reads go to)
         victim = o["replicas"][keys[0]][0].split(":")[0]
