@@ -185,5 +185,6 @@ def _add(
         )
         return
     obj = service.table.new(key, size, replicas, complete=True, last_access=now, checksum=checksum, pin=pin)
-    if max(wanted, listed) > len(replicas):
-        service.repairs.lost(obj, max(wanted, listed))
+    had = max(wanted, listed)
+    if had > len(replicas):
+        service.repairs.lost(obj, had)
