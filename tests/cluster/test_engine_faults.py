@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+from helpers.installed import require
 
 from kvplugins.demo.engine import EngineSpec
 from tests.cluster.deploy import Deployment
@@ -69,7 +70,7 @@ def _overlapping(run: dict, w: Window) -> int:
 def test_engine_requests_complete_under_store_faults_within_the_load_timeout(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
-    pytest.importorskip("vllm")
+    require("vllm", "bash ci/install.sh")
     assert shutil.which("etcd"), "etcd missing: run `bash ci/install.sh`"
     from kvplugins.demo.model import ensure_model
 

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from helpers.installed import require
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 from tests.cluster.delay import delayed
@@ -46,7 +47,7 @@ def _extra(d: Deployment, host: int) -> dict:
 def test_pd_across_two_hosts_over_a_lossy_link_gives_the_single_instance_tokens(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
-    pytest.importorskip("vllm")
+    require("vllm", "bash ci/install.sh")
     from kvplugins.demo.model import ensure_model
     from kvplugins.demo.run import DemoConfig, prompts
 

@@ -8,6 +8,7 @@ import pytest
 
 from kvplugins.cli import main as cli_main
 from kvplugins.kt_expert_backend import shim
+from kvplugins.kt_expert_backend.native import kt_cpu_variant
 
 PROBE = "import site, sys; site.addsitedir(sys.argv[1]); import kt_kernel; print(kt_kernel.KTMoEWrapper.__module__)"
 
@@ -40,7 +41,9 @@ def test_enable_disable_roundtrip(tmp_path, capsys):
         text=True,
         timeout=60,
     ).stdout.strip()
-    assert variant in ("avx512_bf16", "avx512_vnni", "avx2", "scalar")  # kt-kernel's names for our tiers
+    # kt-kernel's names for our tiers
+    assert variant in ("amx", "avx512_bf16", "avx512_vnni", "avx512_base", "avx2", "scalar")
+    assert variant == kt_cpu_variant()  # this CPU's best tier
     assert cli_main(["kt", "disable", "--site-dir", str(tmp_path)]) == 0
     assert which_kt(tmp_path).startswith("error") and not shim.status(tmp_path).enabled
     assert cli_main(["kt", "disable", "--site-dir", str(tmp_path)]) == 0  # idempotent

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from helpers.installed import installed
 from kt_ref import ref_moe, random_experts, rel_err
 from kvplugins.kt_expert_backend import deferral, native, shim, weights
 
@@ -26,7 +27,7 @@ def _converted(root, experts):
 
 
 @pytest.mark.skipif(
-    __import__("importlib").util.find_spec("sglang") is None,
+    not installed("sglang"),
     reason="sglang 0.5.23 is not installed in this venv (ci/install-sglang.sh)",
 )
 def test_sglang_kt_ep_wrapper_runs_our_backend(tmp_path):

@@ -8,6 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+from helpers.installed import require
+
+require("sglang", "bash ci/install-sglang.sh")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import inspect
 
 import pytest
+from helpers.installed import require
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = pytest.mark.vllm
 
 

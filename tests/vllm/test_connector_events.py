@@ -4,9 +4,9 @@ announced only once every worker reported it, and only once."""
 
 from __future__ import annotations
 
-import pytest
+from helpers.installed import require
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 
 
 def test_a_page_is_announced_once_every_tp_worker_stored_it():

@@ -20,12 +20,13 @@ import threading
 import time
 
 import pytest
+from helpers.installed import require
 from helpers.cluster import store_cluster
 from kvp_vllm_helpers import BLOCK, engine_pair, flipped, object_bytes, replace_pages, restored, stored_page_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import socket
 
 import pytest
+from helpers.installed import require
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 
 BLOCK = 32
 

@@ -6,8 +6,9 @@ hit's end) and refuses other modes and kinds with a clear error."""
 from __future__ import annotations
 
 import pytest
+from helpers.installed import require
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 
 
 @pytest.fixture(scope="module")

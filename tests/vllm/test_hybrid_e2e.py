@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.installed import require
 from kvp_vllm_helpers import BLOCK, engine_pair, flipped, object_bytes, page_keys, replace_pages, stored_group_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 

@@ -7,8 +7,9 @@ is the CPU one here (CPU_ATTN); the layout part is what a GPU engine resolves to
 from __future__ import annotations
 
 import pytest
+from helpers.installed import require
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]
 
 

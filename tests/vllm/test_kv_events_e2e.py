@@ -12,6 +12,7 @@ import threading
 
 import msgspec
 import pytest
+from helpers.installed import require
 import zmq
 from helpers.cluster import store_cluster
 from kvp_vllm_helpers import BLOCK, page_hashes
@@ -19,7 +20,7 @@ from kvp_vllm_helpers import BLOCK, page_hashes
 from kvplugins.demo.engine import EngineSpec, run_fresh
 from kvplugins.layout import KeySpace
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.installed import require
 from helpers.cluster import store_cluster
 from kvp_vllm_helpers import BLOCK, object_bytes, object_keys, replace_pages
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 CHUNKS = 3
 

@@ -17,11 +17,12 @@ without the connector); Jamba / Mamba1 have no CPU selective scan."""
 from __future__ import annotations
 
 import pytest
+from helpers.installed import require
 from kvp_vllm_helpers import flipped, page_keys, replace_pages, stored_group_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 DTYPES = {"lfm2": "float32", "qwen3next": "bfloat16"}
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.installed import require
 from helpers.cluster import store_cluster
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 from kvplugins.mooncake import shim as mooncake_shim
 from kvplugins.store.client.connect import control_client
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.installed import require
 from helpers.cluster import store_cluster
 from kvp_vllm_helpers import BLOCK, object_bytes, page_keys, replace_pages, stored_page_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 MLA_BLOCK = 16  # vLLM-CPU's MLA decode kernel runs 16-token blocks only (platforms/cpu.py forces it)
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from helpers.installed import require
 from kvp_vllm_helpers import BLOCK, http_json, pd_pair
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 

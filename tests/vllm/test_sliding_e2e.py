@@ -10,11 +10,12 @@ never loaded: wrong tokens)."""
 from __future__ import annotations
 
 import pytest
+from helpers.installed import require
 from kvp_vllm_helpers import BLOCK, engine_pair, flipped, stored_page_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.installed import require
 from helpers.cluster import store_cluster
 from kvp_vllm_helpers import BLOCK, object_bytes, replace_pages, stored_page_keys
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 BOUNCE = 8 << 20  # 4 slots of 2 MiB: a 1,700-token prompt's pages move in several chunks
 

@@ -6,8 +6,9 @@ import os
 import signal
 
 import pytest
+from helpers.installed import require
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 
 

@@ -3,11 +3,11 @@ connector (embedded.VLLM_FLAGS, the same text flags_text prints)."""
 
 import shlex
 
-import pytest
+from helpers.installed import require
 
 from kvplugins.store.embedded import VLLM_FLAGS, flags_text
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 
 
 def test_vllm_reads_the_printed_flags():

@@ -9,8 +9,9 @@ import os
 import threading
 
 import pytest
+from helpers.installed import require
 
-pytest.importorskip("vllm")
+require("vllm", "bash ci/install.sh")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(60)]
 if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
     pytest.skip("needs Linux CPU affinity and >= 2 CPUs", allow_module_level=True)
