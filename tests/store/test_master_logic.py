@@ -108,6 +108,20 @@ def test_pending_reclaimed_and_late_commit_expires(m):
     assert put(m, "q", 128) == OK
 
 
+def test_a_commit_sent_again_after_its_reply_was_lost_is_ok_only_for_the_same_bytes(m):
+    """The follower resends put_commit to a leader whose connection failed after sending: the first commit was
+    applied, so the second finds the object complete. Same checksum: OK (the put is done); another checksum or
+    none: EXPIRED (not this put's bytes, or unknown)."""
+    reg(m)
+    m.handle("put_start", [["a", 64]], {})
+    assert m.handle("put_commit", ["a"], {"xxh3": [7]}) == [[OK, None]]
+    assert m.handle("put_commit", ["a"], {"xxh3": [7]}) == [[OK, None]]
+    assert m.handle("put_commit", ["a"], {"xxh3": [8]})[0][0] == EXPIRED
+    assert m.handle("put_commit", ["a"], {})[0][0] == EXPIRED
+    assert m.handle("status", [], {})["commits"] == 1
+    assert m.handle("get", ["a"], {})[0][1][3] == 7
+
+
 def test_removed_leased_object_space_freed_after_lease(m):
     reg(m, size=128)
     put(m, "a", 128)

@@ -7,7 +7,8 @@ leads; standbys refuse). Same interface as RawRpcClient (call / send_deferred / 
 (re-resolved) leader until the op's timeout; then MasterUnreachable names the address and the timeout.
 Retrying is safe for the store's ops: puts are idempotent by key (a put_start the dead leader had not journaled
 is simply allocated again; its put_commit on the new leader answers "expired", so the put is not acknowledged);
-put_start is not re-sent to a still-living leader whose connection failed after it was sent (ONCE_PER_LEADER).
+put_start is not re-sent to a still-living leader whose connection failed after it was sent (ONCE_PER_LEADER);
+a put_commit re-sent to a leader that had applied it answers OK, matched by the object's checksum.
 """
 
 from __future__ import annotations

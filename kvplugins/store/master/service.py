@@ -285,13 +285,18 @@ class MasterService:
         )
 
     def op_put_commit(self, entries, opts, now):
-        """opts.xxh3: [xxh3_64 of each entry's bytes] (optional; stored and returned by get)."""
+        """opts.xxh3: [xxh3_64 of each entry's bytes] (optional; stored and returned by get). A key already
+        committed answers OK when its stored checksum equals this commit's (the same commit sent again after its
+        reply was lost, or the same bytes): the put is done; else EXPIRED."""
         out, done = [], []
         sums = opts.xxh3
         if sums is not None and len(sums) != len(entries):
             raise ValueError(f"put_commit: opts: xxh3 has {len(sums)} checksums for {len(entries)} keys")
         for j, key in enumerate(entries):
             obj = self.table.get(key)
+            if obj is not None and obj.complete and _same_bytes(obj.checksum, sums, j):
+                out.append([OK, None])  # this commit again, resent after a lost reply (follower.py)
+                continue
             if obj is None or obj.complete:
                 out.append([EXPIRED, "no pending put (reclaimed after put_timeout_ms, removed, or never started)"])
                 continue
@@ -795,3 +800,8 @@ def _free(held) -> None:
     for seg, off in held:
         if seg is not None:  # a lost segment took its space with it
             seg.allocator.free(off)
+
+
+def _same_bytes(stored: int | None, sums, j: int) -> bool:
+    """Whether a committed object's checksum ``stored`` is the one a put_commit names for entry ``j``."""
+    return stored is not None and sums is not None and sums[j] == stored
