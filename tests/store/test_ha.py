@@ -301,6 +301,7 @@ def test_journal_batches_are_fenced_and_recovery_rebuilds_placement():
         assert [v[3] for _, v in got[10:]] == list(range(10, 300))  # checksums recovered
         assert all(second.table.get(k).pin == 2 for k in keys[10:])
         assert sorted(second.recovered.items()) == [
+            ("disk_only", 0),
             ("dropped", 0),
             ("flight_bytes", 0),
             ("manifest_objects", 0),
@@ -352,6 +353,7 @@ def test_hostile_journal_values_are_skipped_on_recovery(caplog):
         assert code == OK and value[3] == 42
         assert second.handle("exists", ["nested", "strsize", "truncated"], {}) == [False] * 3
         assert sorted(second.recovered.items()) == [
+            ("disk_only", 0),
             ("dropped", 0),
             ("flight_bytes", 0),
             ("manifest_objects", 0),

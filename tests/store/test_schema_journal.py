@@ -357,7 +357,9 @@ def test_recovery_keeps_the_first_of_two_overlapping_objects_and_frees_nothing_i
     ]
     with caplog.at_level(logging.WARNING):
         got = recovery.restore(service, segs, objs, 0.0)
-    assert got == dict(segments=1, objects=2, dropped=1, pending=0, slab_bytes=0, manifest_objects=0, short=0)
+    assert got == dict(
+        segments=1, objects=2, dropped=1, pending=0, slab_bytes=0, manifest_objects=0, short=0, disk_only=0
+    )
     assert service.table.get("b") is None and service.table.get("c").replicas == [("s0:1", 8192)]
     assert service.segments.get("s0:1").allocator.used_bytes == 8192
     assert any("'b'" in r.getMessage() for r in caplog.records)
@@ -373,7 +375,9 @@ def test_recovery_skips_segments_that_do_not_hold_together(caplog):
     ]  # larger than its region
     with caplog.at_level(logging.WARNING):
         got = recovery.restore(service, segs, [("k", 64, [("s1:1", 0)], None, 0)], 0.0)
-    assert got == dict(segments=1, objects=0, dropped=1, pending=0, slab_bytes=0, manifest_objects=0, short=0)
+    assert got == dict(
+        segments=1, objects=0, dropped=1, pending=0, slab_bytes=0, manifest_objects=0, short=0, disk_only=0
+    )
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert all(f"journal segment {n!r} skipped" in warned for n in ("s1:1", "s2:7", "s3:1"))
 

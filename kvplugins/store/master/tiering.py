@@ -22,6 +22,7 @@ Disk-only objects hold no DRAM: they are parked outside the table's LRU lists, s
 from __future__ import annotations
 
 import heapq
+import logging
 from itertools import islice
 
 from kvplugins.store.master import drain
@@ -38,6 +39,7 @@ from kvplugins.store.master.eviction import victims
 from kvplugins.store.master.replica_tasks import ReplicaTasks
 from kvplugins.store.wire.protocol import EXISTS, NOT_FOUND, OK, ON_DISK, STORE_FULL
 
+log = logging.getLogger(__name__)
 COUNTERS = (
     "offloads",
     "offload_failures",
@@ -69,6 +71,7 @@ class Tiering:
         self.tasks = ReplicaTasks(self)  # replica copy/move tasks (master/replica_tasks.py)
         self._fid = 0
         self._learn_until = 0.0  # after an HA takeover: until then, nodes' tiers may still be unknown (_unlearnt)
+        self._awaiting: list = []  # recovered disk-only objects, dropped at _learn_until if no tier named them
         self._held: list[tuple[float, int]] = []  # heap (until, fid): ended flights whose journal record stays
         # while their destination waits out a late write
 
@@ -136,6 +139,25 @@ class Tiering:
         """This master recovered an HA leader's state: the nodes' tiers are learnt from their next poll."""
         self._learn_until = now + TIER_LEARN_S
 
+    def await_copies(self, objs: list) -> None:
+        """Recovered disk-only objects (the journal keeps no disk copies): a node's tier registration names each
+        copy again (_adopt); one no tier has named by the end of TIER_LEARN_S is dropped (tick). Until then the
+        key exists, so no put re-stores it meanwhile and its disk copies are adopted, not deleted as stale."""
+        self._awaiting += objs
+
+    def _drop_unclaimed(self, now: float) -> None:
+        table, gone = self.service.table, []
+        for obj in self._awaiting:
+            if obj.alive() and table.get(obj.key) == obj and not obj.replicas and not self.copies_of(obj):
+                gone.append(obj)
+        self._awaiting = []
+        for obj in gone:
+            self.service.drop(obj, now)
+        self.counters["disk_lost"] += len(gone)
+        if gone:
+            log.warning("%d recovered disk-only objects dropped: no node's tier named a copy within %.0f s of the "
+                        "takeover (a tier that registers later adds them back)", len(gone), TIER_LEARN_S)  # fmt: skip
+
     def ops(self) -> dict:
         """Extra RPC ops: name -> fn(entries, opts, now)."""
         return {
@@ -151,6 +173,8 @@ class Tiering:
 
     def tick(self, now: float) -> None:
         """Called on every master sweep: forget nodes whose segment left, abandon flights past their deadline."""
+        if self._awaiting and now >= self._learn_until:
+            self._drop_unclaimed(now)
         for name in [n for n in self.nodes if self.service.segments.get(n) is None]:
             self.lose_node(name, now)
         for key in [k for k, f in self.flights.items() if f.deadline <= now]:

@@ -252,7 +252,8 @@ def encode_object(obj, wanted: int = 0) -> bytes:
 
 class _ObjectValue(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     size: schema.Size
-    replicas: Annotated[list[tuple[schema.SegName, schema.Offset]], Meta(min_length=1, max_length=64)]
+    # none for a disk-only object (tiering.to_disk_only; recovery.py restores it awaiting its nodes' tiers)
+    replicas: Annotated[list[tuple[schema.SegName, schema.Offset]], Meta(max_length=64)]
     checksum: Union[schema.U64, None] = None
     pin: Literal[0, 2] = 0
     pending: Literal[0, 1] = 0

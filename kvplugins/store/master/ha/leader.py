@@ -100,12 +100,13 @@ class LeaderGuard:
         service.segments.restart_clocks(service.clock())
         self.inner, self.active = service, True
         log.warning(
-            "leader now: recovered %d segments, %d objects (%d of them pending puts, %d dropped, %d short of "
-            "replicas: queued for copies), %d bytes of slabs and %d of disk-tier flights held, %d replica tasks "
-            "in %.0f ms",
+            "leader now: recovered %d segments, %d objects (%d of them pending puts, %d on disk only, %d dropped, "
+            "%d short of replicas: queued for copies), %d bytes of slabs and %d of disk-tier flights held, %d "
+            "replica tasks in %.0f ms",
             self.recovered["segments"],
             self.recovered["objects"],
             self.recovered["pending"],
+            self.recovered["disk_only"],
             self.recovered["dropped"],
             self.recovered["short"],
             self.recovered["slab_bytes"],

@@ -18,6 +18,9 @@ drain migration: hold_flights) the old leader had started, or ended while a late
 node's report of it finds no flight on the new leader and the object stays where the journal has it.
 A complete object left with fewer replicas than its record names, or than re-replication owed it (the record's
 ``wanted``), is queued for copies again (repair.py), so a failover does not forget what a lost node took.
+A complete object on disk only (no replica in its record) comes back with none, awaiting the nodes' tier
+registrations that name its copies (tiering.await_copies): were it left out, a put in that window would start
+the key anew and the registration would find it pending and delete the disk copies as stale.
 """
 
 from __future__ import annotations
@@ -49,13 +52,17 @@ def restore(
     of the segments removed for silence whose manifests were journaled (EtcdJournal.load_parked): the complete
     objects whose replicas name such a segment, and no live one, make its manifest again.
     Returns {"segments", "objects" (pending ones included), "pending", "dropped", "slab_bytes" (held),
-    "manifest_objects", "short" (complete objects queued for re-replication: repair.py)}."""
+    "manifest_objects", "short" (complete objects queued for re-replication: repair.py), "disk_only" (complete
+    objects with no DRAM replica, restored awaiting their nodes' tiers: tiering.await_copies)}."""
     service.tiering.took_over(now)  # the nodes' disk tiers register again on their next poll
     for name, wire, region_id, size in segs:
         _add_segment(service, name, wire, region_id, size, now, (owners or {}).get(name, (b"", "")))
     placed: dict[str, list] = {}  # segment name -> [(offset, size, key)]
-    kept, dropped, manifests, parked = [], [], {}, parked or {}
+    kept, dropped, manifests, parked, disk_only = [], [], {}, parked or {}, []
     for key, size, replicas, *extra in objs:
+        if not replicas and not (extra[2:3] or [0])[0]:  # complete, on disk only: its nodes' tiers name it again
+            disk_only.append((key, size, *extra[:2]))
+            continue
         listed = list(dict.fromkeys(map(tuple, replicas)))
         good = [(n, off) for n, off in listed if service.segments.get(n) is not None]
         if not good:
@@ -78,6 +85,7 @@ def restore(
             dropped.append(key)
             continue
         _add(service, key, size, replicas, now, *extra, listed=listed)
+    service.tiering.await_copies([_add_disk_only(service, *o, now=now) for o in disk_only])
     held = _hold_slabs(service, slabs, now)
     parked_objects = _park(service, parked, manifests, owners or {}, now)
     if dropped:
@@ -94,7 +102,15 @@ def restore(
         "slab_bytes": held,
         "manifest_objects": parked_objects,
         "short": len(service.repairs),
+        "disk_only": len(disk_only),
     }
+
+
+def _add_disk_only(service, key: str, size: int, checksum=None, pin: int = 0, *, now: float):
+    """A recovered complete object with no DRAM replica (tiering.to_disk_only), parked out of the LRU lists."""
+    obj = service.table.new(key, size, [], complete=True, last_access=now, checksum=checksum, pin=pin)
+    service.table.park(obj)
+    return obj
 
 
 def _park(service, parked: dict, manifests: dict, owners: dict, now: float) -> int:
