@@ -11,9 +11,11 @@ the leader. With ``disk_mib``, every node also has a disk tier on its own tmpfs 
 ``stop()``) and the masters' watermarks make the sweep offload most objects, so reads promote from disk.
 
 Mooncake's layout (``system="mooncake"``), the same hosts doing the same jobs with Mooncake 0.3.13's own processes
-(mooncake_side.py): h2 runs ``mooncake_master`` with its HTTP metadata server (one master: its HA mode needs an
-etcd-enabled build and was not tried), h3 only a client, h4 .. hN a segment-only Mooncake process each (its store
-node), clients on h2 .. hN; h1 stays idle. Every process
+(mooncake_side.py): h2 runs ``mooncake_master`` with its HTTP metadata server, h3 only a client, h4 .. hN a
+segment-only Mooncake process each (its store node), clients on h2 .. hN; h1 stays idle. With ``mooncake_ha``,
+Mooncake's HA pair instead: etcd on h1 .. h3 as for kvplugins, ``mooncake_master --enable_ha --enable_oplog`` on
+h2 and h3 (the leader elected in etcd, its metadata replicated to the standby), clients and nodes finding it
+through etcd, transfer metadata P2PHANDSHAKE. Every process
 writes its log to ``tmp/<name>.log``; ``procs`` maps name -> Proc with its role and host, which the nemesis picks
 its targets from. Ports are fixed inside the namespaces (each has its own port space; nothing can collide).
 """
@@ -85,6 +87,7 @@ class Deployment:
         spare: int = 0,
         disk_mib: int = 0,
         shards: tuple[str, ...] = (),
+        mooncake_ha: bool = False,
     ):
         if net.n - spare < 5:
             raise ValueError(f"hosts={net.n}: a deployment needs >= 5 (etcd, 2 masters, 2 nodes for 2 replicas)")
@@ -109,15 +112,23 @@ class Deployment:
         self.etcd_hosts = [1, 2, 3]  # a three-member etcd: losing one coordination host is survivable
         self.etcd_urls = ",".join(f"http://{net.ip(i)}:{ETCD_PORT}" for i in self.etcd_hosts)
         self.master = "etcd://" + ",".join(f"{net.ip(i)}:{ETCD_PORT}" for i in self.etcd_hosts)
+        if mooncake_ha and system != "mooncake":
+            raise ValueError("mooncake_ha: the HA master pair of Mooncake's layout (kvplugins' is always HA)")
+        self.mooncake_ha = mooncake_ha  # Mooncake's masters on h2 and h3 electing in etcd, metadata P2PHANDSHAKE
+        self.mooncake_etcd = ";".join(f"{net.ip(i)}:{ETCD_PORT}" for i in self.etcd_hosts)
         if system == "mooncake":
-            self.master = mooncake_side.master_address(net.ip(2), MOONCAKE_RPC_PORT, MOONCAKE_META_PORT)
+            self.master = (
+                mooncake_side.ha_master_address(self.mooncake_etcd)
+                if mooncake_ha
+                else mooncake_side.master_address(net.ip(2), MOONCAKE_RPC_PORT, MOONCAKE_META_PORT)
+            )
         if shards:
             self.master = self.master.replace("etcd://", "shards://") + SHARD_PREFIX
         self.stop_file = tmp / "stop"
 
     # ---- layout -------------------------------------------------------------------------------------
     def masters(self) -> list[int]:
-        return [2, 3] if self.system == "kvplugins" else [2]
+        return [2, 3] if self.system == "kvplugins" or self.mooncake_ha else [2]
 
     def node_hosts(self) -> list[int]:
         return list(range(4, self.net.n + 1 - self.spare))
@@ -221,8 +232,13 @@ class Deployment:
         return self.tmp / f"disk{i}"
 
     def _start_mooncake(self, clients: bool) -> None:
-        argv = mooncake_side.master_command(self.net.ip(2), MOONCAKE_RPC_PORT, MOONCAKE_META_PORT, MOONCAKE_METRICS)
-        self._add("master", 2, argv)
+        if self.mooncake_ha:
+            self._start_etcd()
+        for i in self.masters():
+            argv = mooncake_side.master_command(self.net.ip(i), MOONCAKE_RPC_PORT, MOONCAKE_META_PORT,
+                                                MOONCAKE_METRICS, etcd_endpoints=self.mooncake_etcd if
+                                                self.mooncake_ha else "")  # fmt: skip
+            self._add("master", i, argv)
         self._wait_leader()
         for i in self.node_hosts():
             ready = self.tmp / f"node{i}.ready"
@@ -306,7 +322,13 @@ class Deployment:
 
     def leader(self) -> int | None:
         """The host of the current leader master (asked from inside host 2), or None."""
-        if self.system == "mooncake":
+        if self.mooncake_ha:  # the leader's address, which Mooncake keeps under a key ending in master_view
+            code = (
+                "from kvplugins.store.cluster.etcd import Etcd\n"
+                f"kv = Etcd({self.etcd_urls!r}, 1.5).range_prefix('mooncake-store/')\n"
+                "print(b' '.join(v for k, v in kv if k.endswith('master_view')).decode(errors='replace'))"
+            )
+        elif self.system == "mooncake":
             code = (
                 f"import socket\ntry:\n socket.create_connection(({self.net.ip(2)!r}, {MOONCAKE_RPC_PORT}), 1).close()"
             )
@@ -317,6 +339,8 @@ class Deployment:
                 f"info = leader_info({self.master!r}, 1500)\nprint(info['raw'] if info else '')"
             )
         raw = self.ask(code)
+        if self.mooncake_ha:
+            return next((i for i in self.masters() if f"{self.net.ip(i)}:{MOONCAKE_RPC_PORT}" in raw), None)
         if self.system == "mooncake":
             return 2 if raw == "up" else None
         return next((i for i in self.masters() if raw.startswith(self.net.ip(i) + ":")), None)

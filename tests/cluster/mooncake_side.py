@@ -16,6 +16,10 @@ under the same fault schedule as kvplugins.
 The master string. A kvplugins master is one address; Mooncake needs two, its master's RPC address and the HTTP
 metadata server (which the master embeds), so here ``master`` is ``"<master_ip>:<rpc_port>|<metadata_url>"``, e.g.
 ``"10.99.0.2:50051|http://10.99.0.2:8080/metadata"`` (``master_address`` builds it, ``parse_master`` splits it).
+With Mooncake's HA masters (``master_command(..., etcd_endpoints=)``: two or more masters elect a leader in etcd,
+its address kept under MASTER_VIEW_KEY), clients find the leader through etcd and the transfer engines exchange
+their metadata peer to peer, so nothing runs on one master's host alone:
+``"etcd://10.99.0.1:2379;10.99.0.2:2379|P2PHANDSHAKE"`` (``ha_master_address``).
 
 What Mooncake 0.3.13 does (read from its source, seen against the real wheel in test_mooncake_side.py):
 
@@ -104,11 +108,22 @@ def master_address(host_ip: str, rpc_port: int, metadata_port: int) -> str:
     return f"{host_ip}:{rpc_port}|http://{host_ip}:{metadata_port}/metadata"
 
 
+def ha_master_address(etcd_endpoints: str) -> str:
+    """The master string of HA masters started with ``master_command(..., etcd_endpoints=etcd_endpoints)``
+    (``"ip:port;ip:port"``, Mooncake's separator)."""
+    return f"etcd://{etcd_endpoints}|P2PHANDSHAKE"
+
+
 def parse_master(master: str) -> tuple[str, str]:
-    """``"<ip>:<rpc_port>|<metadata_url>"`` -> (the master's RPC address, the HTTP metadata URL)."""
+    """``"<ip>:<rpc_port>|<metadata_url>"`` or ``"etcd://<endpoints>|P2PHANDSHAKE"`` -> (what Mooncake's client
+    takes as its master address, the transfer engine's metadata server)."""
     rpc, sep, metadata = master.partition("|")
-    if not sep or ":" not in rpc or not metadata.startswith("http"):
-        raise ValueError(f"mooncake master {master!r} is not '<ip>:<rpc_port>|http://<ip>:<port>/metadata'")
+    ha = rpc.startswith("etcd://") and metadata == "P2PHANDSHAKE"
+    if not sep or ":" not in rpc or not (ha or metadata.startswith("http")):
+        raise ValueError(
+            f"mooncake master {master!r} is not '<ip>:<rpc_port>|http://<ip>:<port>/metadata' "
+            "or 'etcd://<ip>:<port>[;...]|P2PHANDSHAKE'"
+        )
     return rpc, metadata
 
 
@@ -137,9 +152,15 @@ def master_command(
     eviction_high_watermark_ratio: float = 0.9,
     eviction_ratio: float = 0.05,
     metadata_cleanup_on_timeout: bool = False,
+    etcd_endpoints: str = "",
+    oplog: bool = True,
     binary: str | None = None,
 ) -> list[str]:
-    """The argv of a ``mooncake_master`` whose RPC, HTTP metadata and metrics servers bind ``host_ip``.
+    """The argv of a ``mooncake_master`` whose RPC, HTTP metadata and metrics servers bind ``host_ip``; with
+    ``etcd_endpoints`` (``"ip:port;ip:port"``) an HA master (``--enable_ha``: it elects itself leader in etcd
+    or waits as a standby) and no HTTP metadata server (clients use P2PHANDSHAKE: ``ha_master_address``);
+    ``oplog`` (``--enable_oplog``, off in Mooncake by default, on here): the leader's object metadata reaches the
+    standby through Mooncake's batch-record OpLog (without it a new leader starts with no objects).
 
     The settings that decide what a fault does, each at Mooncake 0.3.13's own default (``mooncake_master --help``)
     unless a caller changes it, and always passed explicitly so the argv documents the run:
@@ -157,15 +178,21 @@ def master_command(
     * ``metadata_cleanup_on_timeout`` (``--enable_metadata_cleanup_on_timeout``, false): whether a timed-out
       client's transfer-engine entries are also removed from the HTTP metadata server.
 
-    HA, snapshots and offload stay off (Mooncake's defaults); metric reporting (log lines) is off.
+    Snapshots and offload stay off (Mooncake's defaults); metric reporting (log lines) is off.
     """
+    if etcd_endpoints:
+        where = ["--enable_ha=true", f"--etcd_endpoints={etcd_endpoints}", f"--enable_oplog={str(oplog).lower()}"]
+    else:
+        where = [
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={host_ip}",
+            f"--http_metadata_server_port={metadata_port}",
+        ]
     return [
         binary or master_binary(),
         f"--rpc_address={host_ip}",
         f"--rpc_port={rpc_port}",
-        "--enable_http_metadata_server=true",
-        f"--http_metadata_server_host={host_ip}",
-        f"--http_metadata_server_port={metadata_port}",
+        *where,
         f"--metrics_host={host_ip}",
         f"--metrics_port={metrics_port}",
         "--enable_metric_reporting=false",
@@ -344,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Mooncake's side of a cluster run")
     sub = p.add_subparsers(dest="cmd", required=True)
     n = sub.add_parser("node", help="a store node: contribute a segment until SIGTERM/SIGINT")
-    n.add_argument("--master", required=True, help="<ip>:<rpc_port>|<metadata_url>")
+    n.add_argument("--master", required=True, help="<ip>:<rpc_port>|<metadata_url> or etcd://...|P2PHANDSHAKE")
     n.add_argument("--host-ip", required=True, help="this host's address (the transfer engine binds it)")
     n.add_argument("--segment-size", type=int, required=True, help="bytes of memory contributed")
     n.add_argument("--ready-file", type=Path, required=True, help="written once setup returned 0")

@@ -1,6 +1,7 @@
 """A fault run of the whole store on a network-namespace cluster (issue #34), a person's command and CI's:
 
-    python -m tests.cluster.run --hosts 6 --minutes 10 --seed 7 [--system mooncake] [--out DIR] [--duration 8]
+    python -m tests.cluster.run --hosts 6 --minutes 10 --seed 7 [--system mooncake [--mooncake-ha]] [--out DIR]
+        [--duration 8]
 
 Makes the hosts (net.py), deploys the store (deploy.py), runs a workload client per engine host (workload.py),
 applies the nemesis's seeded schedule (nemesis.py: every fault kind at least once, then random ones until
@@ -36,6 +37,11 @@ TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_co
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--system", choices=("kvplugins", "mooncake"), default="kvplugins", help="the store under test")
+    p.add_argument(
+        "--mooncake-ha",
+        action="store_true",
+        help="with --system mooncake: Mooncake's HA masters on h2 and h3 electing in etcd (default: one master)",
+    )
     p.add_argument("--hosts", type=int, default=6)
     p.add_argument("--minutes", type=float, default=10.0, help="length of the fault schedule")
     p.add_argument("--seed", type=int, default=7)
@@ -76,7 +82,8 @@ def run(args: argparse.Namespace) -> checker.Verdict:
     out.mkdir(parents=True, exist_ok=True)
     with Net(args.hosts) as net:
         d = Deployment(net, out, run=f"r{args.seed}-{int(time.time())}", seed=args.seed, system=args.system,
-                       disk_mib=args.disk_mib, shards=tuple(filter(None, args.shards.split(","))))  # fmt: skip
+                       disk_mib=args.disk_mib, shards=tuple(filter(None, args.shards.split(","))),
+                       mooncake_ha=args.mooncake_ha)  # fmt: skip
         try:
             d.start()
             nemesis = Nemesis(d, args.seed, args.duration, args.gap, args.stop_s)

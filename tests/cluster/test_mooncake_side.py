@@ -84,6 +84,18 @@ def test_master_command_binds_the_host_and_states_the_lease_flags():
     assert "--client_ttl=3" in ms.master_command("h", 1, 2, 3, client_ttl_s=3, binary="m")
 
 
+def test_ha_masters_elect_in_etcd_and_clients_find_them_there():
+    m = ms.ha_master_address("10.99.0.1:2379;10.99.0.2:2379")
+    assert ms.parse_master(m) == ("etcd://10.99.0.1:2379;10.99.0.2:2379", "P2PHANDSHAKE")
+    with pytest.raises(ValueError, match="is not"):
+        ms.parse_master("10.99.0.2:50051|P2PHANDSHAKE")  # not a layout of ours
+    argv = ms.master_command("10.99.0.3", 50051, 8080, 9003, etcd_endpoints="10.99.0.1:2379", binary="m")
+    flags = dict(a[2:].split("=", 1) for a in argv[1:])
+    assert flags["enable_ha"] == "true" and flags["etcd_endpoints"] == "10.99.0.1:2379"
+    assert flags["enable_oplog"] == "true"  # metadata reaches the standby (off: a new leader starts empty)
+    assert flags["rpc_address"] == "10.99.0.3" and "enable_http_metadata_server" not in flags
+
+
 def test_mooncake_error_names_the_code():
     assert str(ms.MooncakeError("put_batch", -800)) == "mooncake put_batch: code -800 (TRANSFER_FAIL)"
 
