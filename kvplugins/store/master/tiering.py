@@ -145,6 +145,13 @@ class Tiering:
         key exists, so no put re-stores it meanwhile and its disk copies are adopted, not deleted as stale."""
         self._awaiting += objs
 
+    def disk_only_object(self, key: str, size: int, checksum, now: float, pin: int = 0):
+        """A new complete object of ``size`` bytes with no DRAM replica, parked out of the LRU lists (eviction
+        never walks it): one a tier announced (_adopt), or one a new HA leader recovered (ha/recovery.py)."""
+        obj = self.service.table.new(key, size, [], complete=True, last_access=now, checksum=checksum, pin=pin)
+        self.service.table.park(obj)
+        return obj
+
     def _drop_unclaimed(self, now: float) -> None:
         table, gone = self.service.table, []
         for obj in self._awaiting:
@@ -365,8 +372,7 @@ class Tiering:
         for key, size, digest in files:
             obj = table.get(key)
             if obj is None:
-                obj = table.new(key, size, [], complete=True, last_access=now, checksum=digest)
-                table.park(obj)
+                obj = self.disk_only_object(key, size, digest, now)
                 new.append(obj)
             elif not (obj.complete and obj.size == size and _checksum(obj) in (0, digest)):
                 stale.append(key)

@@ -60,14 +60,14 @@ def restore(
     placed: dict[str, list] = {}  # segment name -> [(offset, size, key)]
     kept, dropped, manifests, parked, disk_only = [], [], {}, parked or {}, []
     for key, size, replicas, *extra in objs:
-        if not replicas and not (extra[2:3] or [0])[0]:  # complete, on disk only: its nodes' tiers name it again
-            disk_only.append((key, size, *extra[:2]))
+        checksum, pin, pending = (*extra, *(None, 0, 0)[len(extra) :])[:3]
+        if not replicas and not pending:  # complete, on disk only: its nodes' tiers name it again
+            disk_only.append((key, size, checksum, pin))
             continue
         listed = list(dict.fromkeys(map(tuple, replicas)))
         good = [(n, off) for n, off in listed if service.segments.get(n) is not None]
         if not good:
             home = next((r for r in replicas if r[0] in parked), None)
-            checksum, pin, pending = (*extra, *(None, 0, 0)[len(extra) :])[:3]
             if home is not None and not pending:  # complete, its segment parked: its manifest again
                 manifests.setdefault(home[0], []).append((key, size, home[1], checksum, pin, 0.0))
             else:
@@ -85,7 +85,8 @@ def restore(
             dropped.append(key)
             continue
         _add(service, key, size, replicas, now, *extra, listed=listed)
-    service.tiering.await_copies([_add_disk_only(service, *o, now=now) for o in disk_only])
+    tier = service.tiering
+    tier.await_copies([tier.disk_only_object(k, n, checksum, now, pin) for k, n, checksum, pin in disk_only])
     held = _hold_slabs(service, slabs, now)
     parked_objects = _park(service, parked, manifests, owners or {}, now)
     if dropped:
@@ -104,13 +105,6 @@ def restore(
         "short": len(service.repairs),
         "disk_only": len(disk_only),
     }
-
-
-def _add_disk_only(service, key: str, size: int, checksum=None, pin: int = 0, *, now: float):
-    """A recovered complete object with no DRAM replica (tiering.to_disk_only), parked out of the LRU lists."""
-    obj = service.table.new(key, size, [], complete=True, last_access=now, checksum=checksum, pin=pin)
-    service.table.park(obj)
-    return obj
 
 
 def _park(service, parked: dict, manifests: dict, owners: dict, now: float) -> int:
