@@ -10,6 +10,7 @@ KVPluginsError
 │   ├── ProtocolError      malformed or unknown-version frame on the wire
 │   ├── OutOfRange         a request outside a registered region
 │   └── TransferFailed     the bytes did not move (peer gone, timeout, every transport failed)
+│       └── LeaseExpired   a store read ended after its read lease: its bytes may be stale, so they are not used
 └── StoreError             the store (kvplugins/store)
     ├── KeyNotFound
     │   └── ChecksumMismatch   every replica read failed its checksum (a miss; never wrong bytes)
@@ -63,6 +64,12 @@ class OutOfRange(TransferError, IndexError):
 
 class TransferFailed(TransferError):
     """A transfer did not complete: the peer is gone, timed out, or every transport failed."""
+
+
+class LeaseExpired(TransferFailed):
+    """A store read ended after the read lease its lookup granted (lease_ttl_ms): the object's space may have
+    been handed to another object meanwhile, so the bytes are not used. The store client reads such entries
+    again under a new lease (store_client.LEASE_ROUNDS rounds) before it returns this."""
 
 
 class StoreError(KVPluginsError):

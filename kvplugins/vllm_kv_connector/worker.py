@@ -260,15 +260,12 @@ class WorkerSide:
         return failed
 
     def _store_fallback(self, batch: PageBatch, block_ids: list[int]) -> list[int]:
-        """Load ``block_ids`` (of ``batch``) from the store, retrying once the pages that failed (a read may
-        outlive its lease on a loaded host); returns the ids still missing."""
+        """Load ``block_ids`` (of ``batch``) from the store (pages read past their lease are read again by the
+        store client); returns the ids still missing."""
+        if not block_ids:
+            return block_ids
         idx = {b: i for i, b in enumerate(batch.block_ids)}
-        for _ in range(2):
-            if block_ids:
-                block_ids = self.group_pages[self.groups[0].uid].load(
-                    block_ids, [batch.hashes[idx[b]] for b in block_ids]
-                )
-        return block_ids
+        return self.group_pages[self.groups[0].uid].load(block_ids, [batch.hashes[idx[b]] for b in block_ids])
 
     def _direct_ack(self, remote: RemoteLoad) -> None:
         """Ack the producer ranks this rank answers for: its own, and at another producer TP size every rank

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import random
 import subprocess
@@ -239,7 +240,9 @@ def test_adding_and_removing_a_master_mid_workload_never_returns_wrong_bytes(sto
         finally:
             stop.set()
             worker.join(timeout=60)
+        t_final = time.monotonic()
         final = c.batch_get(sorted(acked))
+        print(f"final read {time.monotonic() - t_final:.2f} s")
     assert not wrong, f"wrong bytes for {wrong[:5]}"
     # d owned no key before it held DRAM: no put failed (before, puts of d's keys were StoreFull "no segment is
     # registered" for the nodes' hand-over wait, lease TTL + put timeout: issue #34)
@@ -252,7 +255,9 @@ def test_adding_and_removing_a_master_mid_workload_never_returns_wrong_bytes(sto
     assert all(g == value(k) for k, g in zip(sorted(acked), final) if isinstance(g, bytes))
     assert dual_hits > 0.5 * len(moved), (dual_hits, len(moved))
     assert on_d and sum(isinstance(g, bytes) for g in leaving) > 0.5 * len(on_d), (len(on_d), leaving[:3])
-    assert counts["hits"] > counts["misses"] and sum(isinstance(g, bytes) for g in final) > 0.3 * len(acked)
+    why = collections.Counter(type(g).__name__ + ": " + str(g)[:80] for g in final if not isinstance(g, bytes))
+    assert counts["hits"] > counts["misses"], counts
+    assert sum(isinstance(g, bytes) for g in final) > 0.3 * len(acked), why.most_common(5)
     store.masters.pop("d")[0].kill()
 
 

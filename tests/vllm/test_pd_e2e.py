@@ -86,7 +86,7 @@ def connector_lines(*servers) -> str:
 def test_pd_direct_read_without_the_producers_lease_falls_back_to_the_store(pd, baseline, model, turn_prompts):
     """Direct-path params whose token the producer never held (as after pd_hold_ms, or a producer restart):
     decode waits pd_wait_ms for the lease, does not read, and loads the pages from the store instead (the
-    producer saved them too; a store read that outlives its lease on this loaded host is retried once); the
+    producer saved them too; a store read that outlives its lease is read again by the store client); the
     tokens are still the single instance's."""
     prefill, decode, _ = pd
     body = {

@@ -26,6 +26,7 @@ class ClientStats:
                 "commit_failures",
                 "checksum_errors",
                 "corrupt_reported",
+                "lease_rereads",
             ),
             0,
         )
@@ -62,6 +63,11 @@ class ClientStats:
         with self._lock:
             self._c["checksum_errors"] += n
             self._c["corrupt_reported"] += reported
+
+    def lease_reread(self, n: int) -> None:
+        """``n`` entries whose read ended after its lease are read again under a new one."""
+        with self._lock:
+            self._c["lease_rereads"] += n
 
     def snapshot(self) -> dict:
         with self._lock:

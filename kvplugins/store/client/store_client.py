@@ -9,7 +9,8 @@ allocates, object pending) -> one transfer batch writes every span to every repl
 object's xxh3_64 (complete; ``put_abort`` for entries whose transfer failed).
 Get: ``get`` (lookup + lease) -> one transfer batch reads the spans -> the bytes are checked against the
 checksum (a mismatch tries the next replica, is reported to the master with ``report_corrupt``, and with no good
-replica left is a ChecksumMismatch miss) -> if the read outlived the lease, TransferFailed (never stale bytes).
+replica left is a ChecksumMismatch miss). A transfer group that ends after the get's lease fails its entries with
+LeaseExpired (never stale bytes); those alone are read again under a new lease, up to LEASE_ROUNDS times.
 Placement per put: store/placement.py PutConfig (replicas, preferred segment, soft/hard pin).
 Errors (kvplugins/errors.py): KeyNotFound (ChecksumMismatch), StoreFull, BufferNotRegistered, SizeMismatch,
 MasterUnreachable, TransferFailed. Follows the Mooncake store client design (FAST'25 §4).
@@ -35,6 +36,7 @@ from kvplugins.errors import (
     SizeMismatch,
     StoreError,
     TransferError,
+    LeaseExpired,
     TransferFailed,
 )
 from kvplugins.security import roles
@@ -54,6 +56,7 @@ from kvplugins.transfer.config import transfer_config
 from kvplugins.transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
+LEASE_ROUNDS = 3  # re-reads of the entries whose read ended after its lease (LeaseExpired), each under a new lease
 Span = tuple[int, int]  # (address, nbytes) inside a registered buffer
 
 
@@ -157,9 +160,10 @@ class StoreClient:
         """One lookup RPC + one transfer batch. Per-key None, KeyNotFound (ChecksumMismatch when no replica's
         bytes matched the checksum), SizeMismatch or TransferFailed."""
         t0 = time.perf_counter()
-        keys = list(keys)
+        keys, spans_per_key = list(keys), list(spans_per_key)
         read = self._read_cols if len(keys) > batches.SMALL and not self._sharded else self._read
-        out, sizes = read(keys, list(spans_per_key))
+        out, sizes = read(keys, spans_per_key)
+        self._read_late_again(keys, spans_per_key, out)
         self._stats.record("get", sizes, out, t0)
         return out
 
@@ -199,6 +203,7 @@ class StoreClient:
                 spans.append([(base + off, n)] if n else [])
                 off += n
             errs, _ = self._read(keys, spans, found, lease_t0)
+            self._read_late_again(keys, spans, errs)
             self._stats.record("get", sizes, errs, t0)
             return [
                 e if e is not None else bytes(mv[s[0][0] - base : s[0][0] - base + s[0][1]])
@@ -241,7 +246,7 @@ class StoreClient:
 
     def stats(self) -> dict:
         """hits, misses, puts, gets, bytes_put, bytes_got, checksum_errors (replica reads that failed their
-        checksum), corrupt_reported, put/get latency p50/p99 (µs), own segment name."""
+        checksum), corrupt_reported, lease_rereads (entries read again: their read ended after its lease), put/get latency p50/p99 (µs), own segment name."""
         return {**self._stats.snapshot(), "master": self.master, "segment": self.segment_name}
 
     def transfer_stats(self) -> dict:
@@ -501,23 +506,25 @@ class StoreClient:
                 )
             else:
                 reads[i] = value
-        failed, corrupt = self._read_replicas(reads, flat, keys)
+        ttl = min((v.lease_ttl_ms for v in reads.values()), default=0)
+        failed, corrupt = self._read_replicas(reads, flat, keys, t0 + ttl / 1000)
         for i, err in failed.items():
             out[i] = err
-        ttl = min((v.lease_ttl_ms for v in reads.values()), default=0)
-        self._settle_lease(keys, out, list(reads), corrupt, t0, ttl)
+        self._report_corrupt(corrupt)
         return out, flat.sizes
 
-    def _settle_lease(self, keys, out, read: list[int], corrupt: list, t0: float, ttl: int) -> None:
-        """A read that outlived its lease may have raced a reallocation of the object's space: its entries fail
-        with TransferFailed (a checksum mismatch there proves nothing about the replica, so it is not
-        reported). Within the lease, mismatches are real corruption and are reported to the master."""
-        if read and time.monotonic() - t0 > ttl / 1000:
-            for i in read:
-                if out[i] is None or isinstance(out[i], ChecksumMismatch):
-                    out[i] = TransferFailed(f"{keys[i]}: read outlived its {ttl} ms lease; bytes may be stale")
-            return
-        self._report_corrupt(corrupt)
+    def _read_late_again(self, keys: list[str], spans_per_key: list, out: list) -> None:
+        """Read again, each round under a new lease, the entries of ``out`` that failed with LeaseExpired (the
+        last transfer groups of a big batch on a loaded host end after a short lease); at most LEASE_ROUNDS
+        rounds, each of the entries still late. Updates ``out`` in place."""
+        for _ in range(LEASE_ROUNDS):
+            late = [i for i, e in enumerate(out) if isinstance(e, LeaseExpired)]
+            if not late:
+                return
+            self._stats.lease_reread(len(late))
+            again, _ = self._read([keys[i] for i in late], [spans_per_key[i] for i in late])
+            for i, err in zip(late, again):
+                out[i] = err
 
     def _read_cols(self, keys, spans_per_key) -> tuple[list[StoreError | None], list[int]]:
         """_read for a big batch: the master answers in columns and the spans are planned with numpy (no
@@ -558,7 +565,7 @@ class StoreClient:
             flat, ok, (names, regions, np.array(seg_idx), np.array(offs)), self._descriptors(set(names)), failed
         )
         span_sums = checksum.span_sums(flat) if self.cfg.verify_checksums else None
-        for i, err in self._run_groups("read", flat, groups, failed, span_sums).items():
+        for i, err in self._run_groups("read", flat, groups, failed, span_sums, stale_at=t0 + ttl / 1000).items():
             out[i] = err
         corrupt, idx = [], np.flatnonzero(ok).tolist()
         if self.cfg.verify_checksums:
@@ -567,13 +574,16 @@ class StoreClient:
             for i in bad:
                 out[i] = ChecksumMismatch(f"{keys[i]}: bytes read do not match the object's checksum")
             corrupt = [[keys[i], names[seg_idx[i]], offs[i], sums[i]] for i in bad]
-        self._settle_lease(keys, out, idx, corrupt, t0, ttl)
+        self._report_corrupt(corrupt)
         return out, flat.sizes
 
-    def _read_replicas(self, reads: dict[int, Found], flat, keys) -> tuple[dict[int, StoreError], list]:
+    def _read_replicas(
+        self, reads: dict[int, Found], flat, keys, stale_at: float
+    ) -> tuple[dict[int, StoreError], list]:
         """Read each object from its first replica; entries that failed (transfer error or checksum mismatch)
-        retry on the next replica, one transfer batch per round. Returns (index -> error of the entries no
-        replica could serve, the mismatched replicas as report_corrupt entries)."""
+        retry on the next replica, one transfer batch per round; those past their lease (monotonic ``stale_at``)
+        do not. Returns (index -> error of the entries no replica could serve, the mismatched replicas as
+        report_corrupt entries)."""
         failed: dict[int, StoreError] = {}
         pending, corrupt = dict(reads), []
         for r in range(max((len(v.replicas) for v in reads.values()), default=0)):
@@ -581,7 +591,7 @@ class StoreClient:
             if not attempt:
                 break
             sums = checksum.span_sums(flat) if self.cfg.verify_checksums else None
-            errors = self._transfer("read", flat, attempt, sums)
+            errors = self._transfer("read", flat, attempt, sums, stale_at=stale_at)
             if self.cfg.verify_checksums:
                 done = {i: reads[i].checksum for i in attempt if i not in errors}
                 for i in checksum.mismatched(flat, done, sums):
@@ -591,7 +601,7 @@ class StoreClient:
             for i in attempt:
                 failed.pop(i, None)
             failed.update(errors)
-            pending = {i: reads[i] for i in errors}
+            pending = {i: reads[i] for i, e in errors.items() if not isinstance(e, LeaseExpired)}
         return failed, corrupt
 
     def _report_corrupt(self, entries: list) -> None:
@@ -617,13 +627,16 @@ class StoreClient:
             found = promote.resolve(self, keys, found)
         return [(code, replies.found(value) if code == protocol.OK else value) for code, value in found]
 
-    def _transfer(self, kind: str, flat, todo: dict, sums, deadline: float | None = None) -> dict[int, StoreError]:
+    def _transfer(
+        self, kind: str, flat, todo: dict, sums, deadline: float | None = None, stale_at: float | None = None
+    ) -> dict[int, StoreError]:
         """One array-form transfer per (segment, region) for keys ``todo`` (index -> locations to use); each
-        moved span's xxh3_64 goes to ``sums`` (checksum.span_sums). ``deadline``: as _run_groups. Returns
-        index -> error."""
+        moved span's xxh3_64 goes to ``sums`` (checksum.span_sums). ``deadline``, ``stale_at``: as
+        _run_groups. Returns index -> error."""
         failed: dict[int, StoreError] = {}
         descs = self._descriptors({loc.segment for locs in todo.values() for loc in locs})
-        return self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, sums, deadline)
+        groups = batches.groups(flat, todo, descs, failed)
+        return self._run_groups(kind, flat, groups, failed, sums, deadline, stale_at)
 
     def _write_deadline(self, sent: float) -> float | None:
         """When a write into space granted by a put_start sent at monotonic ``sent`` must have ended: the
@@ -634,14 +647,26 @@ class StoreClient:
         return None if ttl is None else sent + ttl - min(self.cfg.rpc_timeout_ms / 1000, ttl / 4)
 
     def _run_groups(
-        self, kind: str, flat, groups: list, failed: dict, sums, deadline: float | None = None
+        self,
+        kind: str,
+        flat,
+        groups: list,
+        failed: dict,
+        sums,
+        deadline: float | None = None,
+        stale_at: float | None = None,
     ) -> dict[int, StoreError]:
         """Run each (descriptor, region id, span indices, remote offsets) group, the xxh3_64 of each span it
         moves into ``sums[span index]`` (unless ``sums`` is None); adds index -> error to ``failed``.
         ``deadline`` (monotonic s): a write into granted space ends by then, or is not started: a client paused
-        (SIGSTOP) or slowed past it must not land bytes in space the master has reclaimed for another object."""
+        (SIGSTOP) or slowed past it must not land bytes in space the master has reclaimed for another object.
+        ``stale_at`` (monotonic s): the end of a read's lease; a group that ends after it (or would start
+        after it) fails its entries with LeaseExpired, since the space may hold another object by then."""
         fn = self._engine.write_spans if kind == "write" else self._engine.read_spans
         for desc, region_id, sel, roffs in groups:
+            if stale_at is not None and time.monotonic() > stale_at:
+                _fail_late(flat, sel, failed, stale_at)
+                continue
             addrs, lens = batches.pick(flat.addrs, sel), batches.pick(flat.lens, sel)
             got = None if sums is None else np.zeros(len(sel), dtype=np.uint64)
             timeout_ms = float(self.cfg.transfer_timeout_ms)
@@ -662,6 +687,8 @@ class StoreClient:
                 if err is not None:
                     idx = int(flat.owner[sel[j]])  # sel: a list or an index array
                     failed.setdefault(idx, TransferFailed(f"{kind} of entry {idx} failed: {err}"))
+            if stale_at is not None and time.monotonic() > stale_at:
+                _fail_late(flat, sel, failed, stale_at)
         return failed
 
     def _descriptors(self, names: set[str]) -> dict:
@@ -681,6 +708,16 @@ def _put_ttl_s(info) -> float | None:
     """The master's put_timeout_ms (its ``info`` answer) in seconds; None where it does not say."""
     ttl = info.get("put_timeout_ms") if isinstance(info, dict) else None
     return ttl / 1000 if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0 else None
+
+
+def _fail_late(flat, sel, failed: dict, stale_at: float) -> None:
+    """Fail the entries of spans ``sel`` not failed yet with LeaseExpired (their read ends past ``stale_at``)."""
+    late = LeaseExpired(
+        f"read ended {1000 * (time.monotonic() - stale_at):.0f} ms after its lease (lease_ttl_ms): "
+        "its bytes may be stale, so they are not used"
+    )
+    for j in range(len(sel)):
+        failed.setdefault(int(flat.owner[sel[j]]), late)
 
 
 def _raise_first(errors) -> None:
