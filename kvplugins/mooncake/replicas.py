@@ -11,6 +11,7 @@ A descriptor names our location: ``transport_endpoint`` is the segment name (`kv
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 
 from kvplugins.store.wire import protocol, replies
@@ -122,10 +123,11 @@ class ReplicaMethods:
     ) -> list[list[list[int]]]:
         """For buffer b and its keys k, copy object bytes [src, src + size) to buffer_ptrs[b] + dst, range by
         range. Per range the bytes copied, or a code (OBJECT_NOT_FOUND, INVALID_PARAMS past the object's end);
-        one lookup and one transfer batch for everything."""
+        one lookup and one transfer batch for everything (ranges read past the lookup's lease: looked up and read
+        again, StoreClient.transfer_ranges)."""
         flat = [(b, k, key) for b, keys in enumerate(all_keys) for k, key in enumerate(keys)]
         wanted = sorted({key for _, _, key in flat})
-        found = dict(zip(wanted, self._c.locate(wanted)))
+        t0, found = time.monotonic(), dict(zip(wanted, self._c.locate(wanted)))
         entries, spans, offs, locations, out = [], [], [], {}, []
         for b, keys in enumerate(all_keys):
             out.append([])
@@ -139,11 +141,12 @@ class ReplicaMethods:
                 out[b].append(list(n) if ok else [INVALID_PARAMS] * max(1, len(n)))
                 if ok:
                     locations[len(entries)] = value.replicas
-                    entries.append((b, k))
+                    entries.append((b, k, key, value.lease_ttl_ms))
                     spans.append([(buffer_ptrs[b] + d, m) for d, m in zip(dst, n)])
                     offs.append(list(src))
-        errs = self._c.transfer_ranges("read", [f"{b}/{k}" for b, k in entries], spans, offs, locations)
-        for (b, k), err in zip(entries, errs):
+        lease_end = t0 + min((e[3] for e in entries), default=0) / 1000
+        errs = self._c.transfer_ranges("read", [e[2] for e in entries], spans, offs, locations, lease_end)
+        for (b, k, _, _), err in zip(entries, errs):
             if err is not None:
                 out[b][k] = [code_of(err)] * len(out[b][k])
         return out

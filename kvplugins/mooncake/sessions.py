@@ -8,7 +8,8 @@ drops them. A get session: ``batch_get_session_start`` looks objects up once (0 
 ``batch_get_into_multi_buffer_ranges`` reads byte ranges of them, ``batch_get_session_end`` forgets them. A key
 with no session, or a range past the object's end, answers INVALID_PARAMS: each code as a real mooncake_master
 answered it (tests/store/test_mooncake_api.py). A session's objects are committed without a checksum (no one holds
-the whole object); a get session whose lease ran out looks its object up again before reading.
+the whole object); a get session whose lease ran out looks its object up again before reading, and a read that
+ends after the lease is read again under a new one (StoreClient.transfer_ranges), never stale bytes.
 """
 
 from __future__ import annotations
@@ -107,8 +108,15 @@ class SessionMethods:
             self.batch_get_session_start(stale)
             with lock:
                 known = [gets.get(k) for k in keys]
+        lease_end = min((s[2] for s in known if s is not None), default=None)
         return self._ranges(
-            "read", keys, [None if s is None else s[:2] for s in known], all_buffer_ptrs, all_sizes, all_src_offsets
+            "read",
+            keys,
+            [None if s is None else s[:2] for s in known],
+            all_buffer_ptrs,
+            all_sizes,
+            all_src_offsets,
+            lease_end,
         )
 
     @pybind
@@ -134,9 +142,10 @@ class SessionMethods:
             for k in keys
         ]
 
-    def _ranges(self, kind: str, keys, known, ptrs, sizes, offsets) -> list[int]:
+    def _ranges(self, kind: str, keys, known, ptrs, sizes, offsets, lease_end: float | None = None) -> list[int]:
         """Per key the bytes moved, or INVALID_PARAMS (no session, lists that do not line up, a range past the
-        object's end), or the transfer's code."""
+        object's end), or the transfer's code. ``lease_end``: as StoreClient.transfer_ranges (reads ending
+        after the session's lease are looked up and read again)."""
         out, locations = [INVALID_PARAMS] * len(keys), {}
         spans, offs = [[] for _ in keys], [[] for _ in keys]
         for i, (session, p, n, o) in enumerate(zip(known, ptrs, sizes, offsets)):
@@ -145,5 +154,5 @@ class SessionMethods:
             locs, size = session
             if all(off + m <= size for off, m in zip(o, n)):
                 locations[i], spans[i], offs[i], out[i] = locs, list(zip(p, n)), list(o), sum(n)
-        errs = self._c.transfer_ranges(kind, list(keys), spans, offs, locations)
+        errs = self._c.transfer_ranges(kind, list(keys), spans, offs, locations, lease_end)
         return [code_of(e) if e is not None and i in locations else out[i] for i, e in enumerate(errs)]

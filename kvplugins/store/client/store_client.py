@@ -337,10 +337,38 @@ class StoreClient:
         spans: list[list[Span]],
         offsets: list[list[int]],
         locations: dict[int, list[Location]],
+        lease_end: float | None = None,
     ) -> list[StoreError | None]:
         """Write (``kind`` "write") or read each key's spans (address, bytes) at ``offsets`` (bytes) inside the
-        object, at ``locations[i]`` (every replica for a write, the first for a read). Per key None or the error
-        (a span outside registered memory: BufferNotRegistered; a failed transfer: TransferFailed)."""
+        object, at ``locations[i]`` (every replica for a write, the first for a read). ``lease_end`` (a read;
+        monotonic s): when the read lease of the lookup that gave ``locations`` ends; entries whose read ends
+        after it are looked up and read again under a new lease (LEASE_ROUNDS rounds), then fail with
+        LeaseExpired. Per key None or the error (a span outside registered memory: BufferNotRegistered; a failed
+        transfer: TransferFailed; a key gone or shrunk by the new lookup: KeyNotFound, SizeMismatch)."""
+        out = self._ranges_once(kind, keys, spans, offsets, locations, lease_end)
+        for _ in range(LEASE_ROUNDS if kind == "read" and lease_end is not None else 0):
+            late = [i for i, e in enumerate(out) if isinstance(e, LeaseExpired)]
+            if not late:
+                break
+            self._stats.lease_reread(len(late))
+            t0, found = time.monotonic(), self._lookup([keys[i] for i in late])
+            locs = {}
+            for j, (i, (code, value)) in enumerate(zip(late, found)):
+                if code != protocol.OK:
+                    out[i] = KeyNotFound(keys[i])
+                elif any(o + n > value.size for o, (_, n) in zip(offsets[i], spans[i])):
+                    out[i] = SizeMismatch(f"{keys[i]}: now {value.size} bytes, shorter than the ranges asked")
+                else:
+                    locs[j] = value.replicas
+            ttl = min((found[j][1].lease_ttl_ms for j in locs), default=0)
+            sub = [keys[i] for i in late], [spans[i] for i in late], [offsets[i] for i in late]
+            for j, err in enumerate(self._ranges_once(kind, *sub, locs, t0 + ttl / 1000)):
+                if j in locs:
+                    out[late[j]] = err
+        return out
+
+    def _ranges_once(self, kind, keys, spans, offsets, locations, lease_end) -> list[StoreError | None]:
+        """transfer_ranges without the reads again."""
         out: list[StoreError | None] = [None] * len(keys)
         flat = batches.arrays(batches.flatten(self._engine, keys, spans, out))
         flat.inner = np.fromiter((o for offs in offsets for o in offs), dtype=np.uint64, count=len(flat.lens))
@@ -349,7 +377,8 @@ class StoreClient:
         descs = self._descriptors({loc.segment for locs in todo.values() for loc in locs})
         grants = [self._grants[keys[i]] for i in todo if kind == "write" and keys[i] in self._grants]
         deadline = min(grants) if grants else None
-        self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, None, deadline)
+        stale_at = lease_end if kind == "read" else None
+        self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, None, deadline, stale_at)
         for i, err in failed.items():
             out[i] = err
         return out
