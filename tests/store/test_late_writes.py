@@ -11,6 +11,7 @@ import pytest
 from helpers.cluster import store_cluster
 from kvplugins.errors import TransferFailed
 from kvplugins.store import ClientConfig, StoreClient
+from kvplugins.store.client import store_client
 from kvplugins.store.wire import protocol
 
 PUT_TIMEOUT_MS = 1000
@@ -34,3 +35,24 @@ def test_a_writer_paused_past_put_timeout_writes_nothing_over_the_next_put(trans
             assert isinstance(err, TransferFailed) and "granted" in str(err)
             assert other.batch_get([f"next{i}" for i in range(8)]) == [mine] * 8
             assert other.stats()["checksum_errors"] == 0
+
+
+def test_put_session_grants_never_ended_are_pruned_and_a_write_without_one_is_refused(monkeypatch):
+    """A put session the caller never ends leaves its write grant behind; once past GRANTS_PRUNED_PAST grants
+    the expired ones go (memory stays bounded), and a range write of a key with no grant is refused, never
+    sent without a deadline."""
+    monkeypatch.setattr(store_client, "GRANTS_PRUNED_PAST", 8)
+    flags = {"put_timeout_ms": PUT_TIMEOUT_MS}
+    with store_cluster(nodes=1, segment_size="1MiB", master_flags=flags, node_flags={"transports": "tcp"}) as c:
+        with StoreClient(ClientConfig(master=c.master, transports="tcp")) as client:
+            started = client.put_start([f"left/{i}" for i in range(8)], [4096] * 8)
+            assert [code for code, _ in started] == [protocol.OK] * 8
+            time.sleep(PUT_TIMEOUT_MS / 1000 + 0.1)  # every grant has expired
+            [(code, locs)] = client.put_start(["fresh"], [4096])
+            assert code == protocol.OK and sorted(client._grants) == ["fresh"]  # the 8 expired ones were pruned
+            buf = np.zeros(4096, dtype=np.uint8)
+            base = client.register_buffer(buf).addr
+            [stale, ok] = client.transfer_ranges(
+                "write", ["left/0", "fresh"], [[(base, 4096)], [(base, 4096)]], [[0], [0]], {0: started[0][1], 1: locs}
+            )
+            assert isinstance(stale, TransferFailed) and "no write grant" in str(stale) and ok is None

@@ -56,6 +56,7 @@ from kvplugins.transfer.config import transfer_config
 from kvplugins.transfer.staging import StagingPool
 
 log = logging.getLogger(__name__)
+GRANTS_PRUNED_PAST = 4096  # put-session grants kept before the expired ones are dropped (put_start)
 LEASE_ROUNDS = 3  # re-reads of the entries whose read ended after its lease (LeaseExpired), each under a new lease
 Span = tuple[int, int]  # (address, nbytes) inside a registered buffer
 
@@ -80,6 +81,7 @@ class StoreClient:
         self._rpc = master_client(self.master, cfg.rpc_timeout_ms)
         self._put_ttl_s = _put_ttl_s(self._rpc.call("info"))
         self._grants: dict[str, float] = {}  # put session key -> write deadline (put_start below)
+        self._prune_grants_at = GRANTS_PRUNED_PAST
         self._engine = TransferEngine(
             transfer_config(
                 host=cfg.host,
@@ -311,6 +313,10 @@ class StoreClient:
         for k, (code, _) in zip(keys, started):
             if code == protocol.OK and deadline is not None:
                 self._grants[k] = deadline
+        if len(self._grants) > self._prune_grants_at:  # sessions never ended: their grants are expired by now
+            now = time.monotonic()
+            self._grants = {k: d for k, d in self._grants.items() if d > now}
+            self._prune_grants_at = max(GRANTS_PRUNED_PAST, 2 * len(self._grants))
         return [(code, replies.locations(value) if code == protocol.OK else value) for code, value in started]
 
     def put_commit(self, keys: list[str]) -> list:
@@ -375,8 +381,14 @@ class StoreClient:
         todo = {i: locs if kind == "write" else locs[:1] for i, locs in locations.items() if out[i] is None}
         failed: dict[int, StoreError] = {}
         descs = self._descriptors({loc.segment for locs in todo.values() for loc in locs})
-        grants = [self._grants[keys[i]] for i in todo if kind == "write" and keys[i] in self._grants]
-        deadline = min(grants) if grants else None
+        deadline = None
+        if kind == "write" and self._put_ttl_s is not None:  # every put_start left a grant (pruned once expired)
+            for i in [i for i in todo if keys[i] not in self._grants]:
+                del todo[i]
+                failed[i] = TransferFailed(
+                    f"{keys[i]}: no write grant held (its put_start expired, or this client made none): put_start again"
+                )
+            deadline = min((self._grants[keys[i]] for i in todo), default=None)
         stale_at = lease_end if kind == "read" else None
         self._run_groups(kind, flat, batches.groups(flat, todo, descs, failed), failed, None, deadline, stale_at)
         for i, err in failed.items():
