@@ -104,10 +104,13 @@ class PoolOps:
             return
         values = self._timed("get", self.client.batch_get, keys)
         self.gets += len(keys)
+        missed = [(k, v) for k, v in zip(keys, values) if isinstance(v, KVPluginsError)]
+        if missed:  # a miss, or the key's read failed (StoreError, TransferFailed): named, so a run can trace it
+            self.get_misses += len(missed)
+            log.warning("%d of %d hit reads missed (first: %s: %s: %s)", len(missed), len(keys), missed[0][0],
+                        type(missed[0][1]).__name__, missed[0][1])  # fmt: skip
         for k, v in zip(keys, values):
-            if isinstance(v, KVPluginsError):  # a miss, or this key's read failed (StoreError, TransferFailed)
-                self.get_misses += 1
-            elif v != value_of(k, self.object_bytes):
+            if not isinstance(v, KVPluginsError) and v != value_of(k, self.object_bytes):
                 self.wrong_bytes += 1
                 log.error("wrong bytes for %s: %d bytes starting %s, want %d starting %s", k, len(v), bytes(v[:8]).hex(),
                           self.object_bytes, digest(k).hex())  # fmt: skip
