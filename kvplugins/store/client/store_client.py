@@ -248,7 +248,8 @@ class StoreClient:
 
     def stats(self) -> dict:
         """hits, misses, puts, gets, bytes_put, bytes_got, checksum_errors (replica reads that failed their
-        checksum), corrupt_reported, lease_rereads (entries read again: their read ended after its lease), put/get latency p50/p99 (µs), own segment name."""
+        checksum), corrupt_reported, lease_rereads (entries read again: their read ended after its lease),
+        put/get latency p50/p99 (µs), own segment name."""
         return {**self._stats.snapshot(), "master": self.master, "segment": self.segment_name}
 
     def transfer_stats(self) -> dict:
@@ -352,25 +353,27 @@ class StoreClient:
         LeaseExpired. Per key None or the error (a span outside registered memory: BufferNotRegistered; a failed
         transfer: TransferFailed; a key gone or shrunk by the new lookup: KeyNotFound, SizeMismatch)."""
         out = self._ranges_once(kind, keys, spans, offsets, locations, lease_end)
-        for _ in range(LEASE_ROUNDS if kind == "read" and lease_end is not None else 0):
-            late = [i for i, e in enumerate(out) if isinstance(e, LeaseExpired)]
-            if not late:
-                break
-            self._stats.lease_reread(len(late))
-            t0, found = time.monotonic(), self._lookup([keys[i] for i in late])
-            locs = {}
-            for j, (i, (code, value)) in enumerate(zip(late, found)):
-                if code != protocol.OK:
-                    out[i] = KeyNotFound(keys[i])
-                elif any(o + n > value.size for o, (_, n) in zip(offsets[i], spans[i])):
-                    out[i] = SizeMismatch(f"{keys[i]}: now {value.size} bytes, shorter than the ranges asked")
-                else:
-                    locs[j] = value.replicas
-            ttl = min((found[j][1].lease_ttl_ms for j in locs), default=0)
-            sub = [keys[i] for i in late], [spans[i] for i in late], [offsets[i] for i in late]
-            for j, err in enumerate(self._ranges_once(kind, *sub, locs, t0 + ttl / 1000)):
-                if j in locs:
-                    out[late[j]] = err
+        if kind == "read" and lease_end is not None:
+            self._again_while_late(out, lambda late: self._ranges_looked_up(keys, spans, offsets, late))
+        return out
+
+    def _ranges_looked_up(self, keys, spans, offsets, late: list[int]) -> list[StoreError | None]:
+        """The range reads of entries ``late``, at the locations of a new lookup (a new lease)."""
+        t0, found = time.monotonic(), self._lookup([keys[i] for i in late])
+        out: list[StoreError | None] = [None] * len(late)
+        locs = {}
+        for j, (i, (code, value)) in enumerate(zip(late, found)):
+            if code != protocol.OK:
+                out[j] = KeyNotFound(keys[i])
+            elif any(o + n > value.size for o, (_, n) in zip(offsets[i], spans[i])):
+                out[j] = SizeMismatch(f"{keys[i]}: now {value.size} bytes, shorter than the ranges asked")
+            else:
+                locs[j] = value.replicas
+        ttl = min((found[j][1].lease_ttl_ms for j in locs), default=0)
+        sub = [keys[i] for i in late], [spans[i] for i in late], [offsets[i] for i in late]
+        for j, err in enumerate(self._ranges_once("read", *sub, locs, t0 + ttl / 1000)):
+            if j in locs:
+                out[j] = err
         return out
 
     def _ranges_once(self, kind, keys, spans, offsets, locations, lease_end) -> list[StoreError | None]:
@@ -555,16 +558,21 @@ class StoreClient:
         return out, flat.sizes
 
     def _read_late_again(self, keys: list[str], spans_per_key: list, out: list) -> None:
-        """Read again, each round under a new lease, the entries of ``out`` that failed with LeaseExpired (the
-        last transfer groups of a big batch on a loaded host end after a short lease); at most LEASE_ROUNDS
-        rounds, each of the entries still late. Updates ``out`` in place."""
+        """Read again the entries of ``out`` that failed with LeaseExpired (the last transfer groups of a big
+        batch on a loaded host end after a short lease), each round a new lookup and lease."""
+        self._again_while_late(
+            out, lambda late: self._read([keys[i] for i in late], [spans_per_key[i] for i in late])[0]
+        )
+
+    def _again_while_late(self, out: list, reread) -> None:
+        """Up to LEASE_ROUNDS rounds: the entries of ``out`` that failed with LeaseExpired take the answers of
+        ``reread(their indices)`` (read under a new lease). Updates ``out`` in place."""
         for _ in range(LEASE_ROUNDS):
             late = [i for i, e in enumerate(out) if isinstance(e, LeaseExpired)]
             if not late:
                 return
             self._stats.lease_reread(len(late))
-            again, _ = self._read([keys[i] for i in late], [spans_per_key[i] for i in late])
-            for i, err in zip(late, again):
+            for i, err in zip(late, reread(late)):
                 out[i] = err
 
     def _read_cols(self, keys, spans_per_key) -> tuple[list[StoreError | None], list[int]]:
