@@ -582,6 +582,33 @@ def test_a_parked_manifest_taken_by_another_process_deletes_its_records():
         assert first.handle("exists", keys, {}) == [False] * 16
 
 
+def test_a_key_put_again_while_its_segment_was_parked_keeps_its_record_when_the_segment_returns():
+    """The 10-minute 60 s SIGSTOP run (seed 7) lost 9 acknowledged objects: each had its last replica on a node
+    removed for silence and was put again (to another node) before that node came back; the restore skipped it
+    (the new copy wins) but then deleted the manifest leftovers' journal records, the new copy's among them, so
+    the next leader did not know it. Here: s1 removed for silence, 8 of its keys put again on s2, s1 returns
+    (the other 56 restored), then a fail-over: all 64 keys are there, the 8 at their new place."""
+    cfg, kib = MasterConfig(heartbeat_timeout_ms=300, suspect_grace_ms=300), 1 << 10
+    with _guards("/kvp/again", cfg) as (etcd, first, fail_over):
+        wire = _wire("s1", 256 * kib)
+        [(_, s1)] = first.handle("register_segment", [[wire, 1, 256 * kib]], {"owner": "A"})
+        keys = [f"k{i}" for i in range(64)]
+        first.handle("put_start", [[k, kib] for k in keys], {})
+        first.handle("put_commit", keys, {"xxh3": list(range(64))})
+        time.sleep(0.8)
+        first.tick()  # silent past timeout + grace: removed, its objects in its manifest
+        [(_, s2)] = first.handle("register_segment", [[_wire("s2", 256 * kib), 1, 256 * kib]], {"owner": "B"})
+        assert [c for c, _ in first.handle("put_start", [[k, 2 * kib] for k in keys[:8]], {})] == [OK] * 8
+        first.handle("put_commit", keys[:8], {"xxh3": list(range(100, 108))})
+        assert first.handle("register_segment", [[wire, 1, 256 * kib]], {"owner": "A"}) == [[OK, s1]]
+        assert first.handle("exists", keys, {}) == [True] * 64
+        second = fail_over()
+        got = second.handle("get", keys, {})
+        assert [c for c, _ in got] == [OK] * 64
+        assert [(v[0], v[1][0][0], v[3]) for _, v in got[:8]] == [(2 * kib, s2, 100 + i) for i in range(8)]
+        assert {v[1][0][0] for _, v in got[8:]} == {s1}
+
+
 def test_a_new_leader_copies_the_objects_a_lost_segment_left_short():
     """The re-replication queue was the leader's memory: objects short of a replica when the leader failed over
     stayed short for good (one more node loss took them). Now a queued object's record says how many replicas it

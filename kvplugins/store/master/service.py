@@ -617,8 +617,9 @@ class MasterService:
         if entries:
             back = liveness.restore(self.table, seg, entries, now)
             self.counters["objects_restored"] += len(back)
-            restored = {o.key for o in back}  # their records never left the journal (segment_parked)
-            self.journal.manifest_dropped(seg.name, [e[0] for e in entries if e[0] not in restored], False)
+            # the restored objects' records never left the journal (segment_parked); a key put again meanwhile
+            # has a record of its own (the new copy): only the records of keys in neither go
+            self.journal.manifest_dropped(seg.name, [e[0] for e in entries if e[0] not in self.table], False)
             self.events.stored(back)
 
     def _manifest_dropped(self, name: str, entries: list) -> None:
