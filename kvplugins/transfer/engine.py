@@ -5,10 +5,13 @@ See kvplugins/transfer/api.py for the lifecycle. Routing and fallback between tr
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import secrets
 import socket
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -45,6 +48,7 @@ class TransferEngine:
         self._router = Router(self._transports, self._regions)
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvp-transfer")
         self._closed = False
+        _OPEN.add(self)
 
     def _start_transports(self) -> list[Transport]:
         """The configured transports in preference order; cma only where the kernel has process_vm_readv, rdma
@@ -226,6 +230,7 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         self._pool.shutdown(wait=True, cancel_futures=True)
         for t in self._transports:
             t.close()
@@ -238,3 +243,16 @@ class TransferEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_OPEN: weakref.WeakSet[TransferEngine] = weakref.WeakSet()  # engines not closed yet
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """At interpreter exit, close the engines their owners left open (a script that never closed its store
+    client): their native server threads are joined and their native objects freed before the interpreter
+    finalizes, so the process exits 0 and silently (nanobind reported them as leaked instances)."""
+    for eng in list(_OPEN):
+        with contextlib.suppress(Exception):  # exiting: a failed close must not turn the exit into a traceback
+            eng.close()
