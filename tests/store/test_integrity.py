@@ -74,6 +74,21 @@ def test_every_flipped_byte_is_detected_on_every_read_path(pool):
         assert client._rpc.call("status")["corrupt_replicas"] >= n
 
 
+@pytest.mark.parametrize("form", ["per key", "column"])
+def test_the_warning_shows_the_bytes_read(pool, caplog, form):
+    """A fault run tells whose bytes lie in a bad replica by the warning: the key, segment, offset and the first
+    16 bytes read (hex)."""
+    keys = [f"head/{form}/{pool[1]}/{i}" for i in range(40)]
+    with client_of(pool) as client:
+        assert client.batch_put(keys, [bytes(range(32)) * 2] * 40) == [None] * 40
+        flip_stored_byte(client, keys[0], at=1, mask=0xF0)
+        with caplog.at_level("WARNING", logger="kvplugins.store.client.store_client"):
+            got = client.batch_get(keys if form == "column" else keys[:1])
+        assert isinstance(got[0], ChecksumMismatch)
+    assert f"read bytes start {(bytes([0, 1 ^ 0xF0]) + bytes(range(2, 16))).hex()}" in caplog.text, caplog.text
+    assert keys[0] in caplog.text
+
+
 def test_a_corrupt_replica_fails_over_to_the_good_one(pool):
     rng = np.random.default_rng(3)
     with client_of(pool, replicas=2) as client:

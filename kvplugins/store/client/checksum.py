@@ -11,9 +11,13 @@ object of several spans is hashed natively over its spans (``native.hash_keys``)
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from kvplugins import native
+
+HEAD_BYTES = 16  # how much of a mismatched object's read bytes a warning shows
 
 
 def span_sums(flat) -> np.ndarray:
@@ -57,3 +61,11 @@ def mismatched(flat, expected: dict[int, int | None], sums: np.ndarray | None = 
         return []
     got = digests(flat, want, sums)
     return [i for i, s in want.items() if got[i] != s]
+
+
+def head(flat, i: int) -> str:
+    """The first HEAD_BYTES bytes (hex) read into key ``i``'s first span: a warning about a checksum mismatch
+    shows them, so a fault run can tell whose bytes lie there (zeros, another object's, a torn write)."""
+    owner = np.asarray(flat.owner, dtype=np.int64)
+    j = int(np.flatnonzero(owner == i)[0])
+    return ctypes.string_at(int(flat.addrs[j]), min(HEAD_BYTES, int(flat.lens[j]))).hex()

@@ -551,10 +551,10 @@ class StoreClient:
             else:
                 reads[i] = value
         ttl = min((v.lease_ttl_ms for v in reads.values()), default=0)
-        failed, corrupt = self._read_replicas(reads, flat, keys, t0 + ttl / 1000)
+        failed, corrupt, first = self._read_replicas(reads, flat, keys, t0 + ttl / 1000)
         for i, err in failed.items():
             out[i] = err
-        self._report_corrupt(corrupt)
+        self._report_corrupt(corrupt, first)
         return out, flat.sizes
 
     def _read_late_again(self, keys: list[str], spans_per_key: list, out: list) -> None:
@@ -623,18 +623,18 @@ class StoreClient:
             for i in bad:
                 out[i] = ChecksumMismatch(f"{keys[i]}: bytes read do not match the object's checksum")
             corrupt = [[keys[i], names[seg_idx[i]], offs[i], sums[i]] for i in bad]
-        self._report_corrupt(corrupt)
+        self._report_corrupt(corrupt, checksum.head(flat, bad[0]) if corrupt else "")
         return out, flat.sizes
 
     def _read_replicas(
         self, reads: dict[int, Found], flat, keys, stale_at: float
-    ) -> tuple[dict[int, StoreError], list]:
+    ) -> tuple[dict[int, StoreError], list, str]:
         """Read each object from its first replica; entries that failed (transfer error or checksum mismatch)
         retry on the next replica, one transfer batch per round; those past their lease (monotonic ``stale_at``)
         do not. Returns (index -> error of the entries no replica could serve, the mismatched replicas as
-        report_corrupt entries)."""
+        report_corrupt entries, the first mismatched read's leading bytes in hex (checksum.head) or '')."""
         failed: dict[int, StoreError] = {}
-        pending, corrupt = dict(reads), []
+        pending, corrupt, first = dict(reads), [], ""
         for r in range(max((len(v.replicas) for v in reads.values()), default=0)):
             attempt = {i: v.replicas[r : r + 1] for i, v in pending.items() if r < len(v.replicas)}
             if not attempt:
@@ -645,16 +645,18 @@ class StoreClient:
                 done = {i: reads[i].checksum for i in attempt if i not in errors}
                 for i in checksum.mismatched(flat, done, sums):
                     errors[i] = ChecksumMismatch(f"{keys[i]}: bytes read do not match the object's checksum")
+                    first = first or checksum.head(flat, i)
                     loc = attempt[i][0]
                     corrupt.append([keys[i], loc.segment, loc.offset, reads[i].checksum])
             for i in attempt:
                 failed.pop(i, None)
             failed.update(errors)
             pending = {i: reads[i] for i, e in errors.items() if not isinstance(e, LeaseExpired)}
-        return failed, corrupt
+        return failed, corrupt, first
 
-    def _report_corrupt(self, entries: list) -> None:
-        """Tell the master which replicas ([key, segment, offset, checksum]) failed their checksum."""
+    def _report_corrupt(self, entries: list, first: str = "") -> None:
+        """Tell the master which replicas ([key, segment, offset, checksum]) failed their checksum; the warning
+        names the first and the leading bytes read for it (``first``, hex)."""
         if not entries:
             return
         try:
@@ -663,7 +665,12 @@ class StoreClient:
             log.warning("report_corrupt of %d replicas failed: %s", len(entries), e)
             reported = 0
         log.warning(
-            "%d replica read(s) failed their checksum (first: %s on %s)", len(entries), entries[0][0], entries[0][1]
+            "%d replica read(s) failed their checksum (first: %s on %s at %s, read bytes start %s)",
+            len(entries),
+            entries[0][0],
+            entries[0][1],
+            entries[0][2],
+            first or "?",
         )
         self._stats.checksum_failed(len(entries), reported)
 
