@@ -40,6 +40,18 @@ def _peer(conn, host: str) -> None:
     eng.close()
 
 
+PERFTEST_PORT = 18515  # perftest's default port
+
+
+def _wait_listening(server: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Until perftest's server listens on PERFTEST_PORT (its client, started before, fails at once)."""
+    end = time.monotonic() + timeout_s
+    while not subprocess.run(["ss", "-Hltn", f"sport = :{PERFTEST_PORT}"], capture_output=True, text=True).stdout:
+        if server.poll() is not None or time.monotonic() > end:
+            raise RuntimeError(f"perftest's server did not listen on port {PERFTEST_PORT}: {server.stdout.read()}")
+        time.sleep(0.05)
+
+
 def perftest(tool: str, nic, size: int, iters: int) -> float:
     """One perftest run on ``nic`` over its own address: MB/sec average (bw tools) or t_typical µs (lat)."""
     args = [
@@ -55,9 +67,11 @@ def perftest(tool: str, nic, size: int, iters: int) -> float:
         "-n",
         str(iters),
         "-F",
+        "-p",
+        str(PERFTEST_PORT),
     ]
     server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(1.0)
+    _wait_listening(server)
     client = subprocess.run(args + [nic.ipv4.split("/")[0]], capture_output=True, text=True, timeout=600)
     server.wait(60)
     row = [ln.split() for ln in client.stdout.splitlines() if re.match(rf"\s*{size}\s+{iters}\s", ln)]
@@ -91,8 +105,8 @@ class Ours:
         return dt
 
     def cpu_per_wr(self, rounds: int, n: int, size: int, stride: int) -> dict[str, float]:
-        """CPU µs per posted work request over ``rounds`` batches: user (our Python, pyverbs) and system (the
-        kernel, where soft-RoCE does the NIC's work inside ibv_post_send)."""
+        """CPU µs per posted work request over ``rounds`` batches: user (our Python and native verbs layer) and
+        system (the kernel, where soft-RoCE does the NIC's work inside ibv_post_send)."""
         wrs0, t0 = self.eng.stats()["rdma"]["wrs"], os.times()
         for _ in range(rounds):
             self.batch(True, n, size, stride)

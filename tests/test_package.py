@@ -100,7 +100,13 @@ def test_the_readme_layout_names_every_folder():
     assert not missing, f"README Layout does not name {missing}"
 
 
-NATIVE = {"kvplugins._native", "kvplugins._moe", "kvplugins._meta", "kvplugins._tcp"}  # raw nanobind modules
+NATIVE = {
+    "kvplugins._native",
+    "kvplugins._moe",
+    "kvplugins._meta",
+    "kvplugins._tcp",
+    "kvplugins._verbs",
+}  # raw nanobind modules
 PRIVATE_OK = {"_replace", "_asdict", "_fields", "_exit", "_getframe", "_make", "_actions"}  # stdlib's own API
 
 

@@ -24,7 +24,7 @@ class TransferConfig:
         metadata={
             "help": "transports offered, fastest first (shm, cma, rdma, tcp); cma (same-host copies out of a peer's "
             "own memory) is dropped where the kernel lacks process_vm_readv, rdma, with one log line saying "
-            "why, where this host has no usable RDMA NIC or no pyverbs"
+            "why, where this host has no usable RDMA NIC or no libibverbs"
         },
     )
     tcp_connections: int = field(default=4, metadata={"help": "TCP connections per peer; a batch spreads over them"})

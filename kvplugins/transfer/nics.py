@@ -8,8 +8,9 @@ Sources followed (the same facts ``ibv_devinfo -v`` prints):
   ``ports/<p>/{state,lid,link_layer,rate}``, ``ports/<p>/gids/<i>`` (the GID, 8 colon-separated groups of 4 hex
   digits), ``ports/<p>/gid_attrs/types/<i>`` ("RoCE v2", or "IB/RoCE v1"; EINVAL for an unused entry) and
   ``ports/<p>/gid_attrs/ndevs/<i>`` (the netdev a RoCE GID was made from);
-* rdma-core's verbs through pyverbs (pyverbs/device.pyx): ``Context(name=...).query_port(p)`` for the port state,
-  active MTU (an ``ibv_mtu`` enum, 1..5 = 256..4096 bytes), LID and link layer — what ``ibv_devinfo`` reports;
+* rdma-core's verbs through the native verbs layer (rdma_verbs.query_ports: ibv_open_device + ibv_query_port)
+  for the port state, active MTU (an ``ibv_mtu`` enum, 1..5 = 256..4096 bytes), LID and link layer — what
+  ``ibv_devinfo`` reports;
 * iproute2 (``ip -j -4 addr show``) for the netdev's IPv4 address and prefix length.
 """
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvplugins.config import format_bytes
+from kvplugins.errors import TransferFailed
 
 SYSFS = "/sys"
 ROCE_V2, ROCE_V1, IB = "RoCE v2", "RoCE v1", "IB"
@@ -36,12 +38,12 @@ CAP_IPC_LOCK = 14  # capability bit: lock memory past RLIMIT_MEMLOCK (linux/capa
 V4_MAPPED = "0000:0000:0000:0000:0000:ffff:"
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 PCI_ADDRESS = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
-# pyverbs enums (rdma-core verbs.h): ibv_port_state, ibv_mtu, IBV_LINK_LAYER_*; names as the kernel's sysfs "state"
+# verbs.h enums (rdma-core): ibv_port_state, ibv_mtu, IBV_LINK_LAYER_*; names as the kernel's sysfs "state"
 PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 LINK_LAYERS = {0: INFINIBAND, 1: INFINIBAND, 2: ETHERNET}  # 0 = unspecified, reported as InfiniBand
 
-FIX_PYVERBS = "bash ci/install.sh (installs Debian's python3-pyverbs and links it into the venv)"
+FIX_VERBS = "apt-get install libibverbs1 ibverbs-providers libibverbs-dev, then bash ci/install.sh (rebuilds kvplugins)"
 FIX_DRIVER = "load the driver (mlx5_ib, or soft-RoCE: modprobe rdma_rxe && rdma link add rxe0 type rxe netdev eth0)"
 FIX_NAMES = "set transfer rdma_devices to names listed by `ibv_devices` (or leave it empty for every device)"
 FIX_OPEN = (
@@ -109,9 +111,9 @@ def discover(
     devices: Sequence[str] | str | None = None, *, sysfs: str | os.PathLike = SYSFS, verbs: bool = True
 ) -> Discovery:
     """Every port of the RDMA devices under ``<sysfs>/class/infiniband`` (only those named in ``devices``, a
-    sequence or comma list of names; None or empty = all). ``verbs``: also open each device with pyverbs for the
+    sequence or comma list of names; None or empty = all). ``verbs``: also open each device with libibverbs for the
     port attributes (state, active MTU, LID, link layer); False reads sysfs only (active_mtu 0), which is what
-    a test over a fake sysfs tree does. Never raises for a missing driver, device or pyverbs: the Discovery says
+    a test over a fake sysfs tree does. Never raises for a missing driver, device or libibverbs: the Discovery says
     why and how to fix it."""
     root = Path(sysfs, "class", "infiniband")
     present = _listdir(root)
@@ -124,11 +126,12 @@ def discover(
         return Discovery((), f"no RDMA device named {', '.join(wanted)} (present: {', '.join(present)})", FIX_NAMES)
     nics = _with_ipv4([nic for name in names for nic in _device_ports(Path(sysfs), name)])
     if verbs:
-        try:
-            from pyverbs.device import Context
-        except (ImportError, OSError) as e:
-            return Discovery(tuple(nics), f"pyverbs is not importable ({e})", FIX_PYVERBS, notes)
-        nics, failed = _with_verbs(Context, nics)
+        from kvplugins.transfer import rdma_verbs
+
+        why = rdma_verbs.load_error()
+        if why:
+            return Discovery(tuple(nics), why, FIX_VERBS, notes)
+        nics, failed = _with_verbs(rdma_verbs.query_ports, nics)
         notes += failed
     return Discovery(tuple(nics), *_why_unusable(nics, notes), notes)
 
@@ -292,35 +295,29 @@ def _pick_ipv4(nic: Nic, addrs: list[str]) -> str | None:
     return addrs[0] if addrs else None
 
 
-# -- pyverbs --------------------------------------------------------------------------------------------
-def _with_verbs(context, nics: list[Nic]) -> tuple[list[Nic], tuple[str, ...]]:
+# -- verbs ----------------------------------------------------------------------------------------------
+def _with_verbs(query_ports, nics: list[Nic]) -> tuple[list[Nic], tuple[str, ...]]:
     """``nics`` with state, active MTU, LID and link layer from query_port; a device that cannot be opened
     is left out and named in the notes."""
     out: list[Nic] = []
     notes: list[str] = []
     for name in dict.fromkeys(n.name for n in nics):
         try:
-            out += _query_ports(context, name, [n for n in nics if n.name == name])
-        except Exception as e:  # noqa: BLE001 - PyverbsRDMAError/PyverbsError: no uverbs node, permissions
-            notes.append(f"{name}: cannot be opened with pyverbs ({e})")
+            ports = [n for n in nics if n.name == name]
+            out += [_port_attrs(n, a) for n, a in zip(ports, query_ports(name, [n.port for n in ports]))]
+        except TransferFailed as e:  # no uverbs node, permissions
+            notes.append(f"{name}: cannot be opened ({e})")
     return out, tuple(notes)
 
 
-def _query_ports(context, name: str, ports: list[Nic]) -> list[Nic]:
-    ctx = context(name=name)
-    try:
-        return [_port_attrs(n, ctx.query_port(n.port)) for n in ports]
-    finally:
-        ctx.close()
-
-
-def _port_attrs(nic: Nic, attr) -> Nic:
+def _port_attrs(nic: Nic, attr: tuple[int, int, int, int]) -> Nic:
+    state, mtu, lid, link_layer = attr
     return dataclasses.replace(
         nic,
-        state=PORT_STATES.get(attr.state, str(attr.state)),
-        lid=int(attr.lid),
-        active_mtu=MTU_BYTES.get(attr.active_mtu, 0),
-        link_layer=LINK_LAYERS.get(attr.link_layer, nic.link_layer),
+        state=PORT_STATES.get(state, str(state)),
+        lid=int(lid),
+        active_mtu=MTU_BYTES.get(mtu, 0),
+        link_layer=LINK_LAYERS.get(link_layer, nic.link_layer),
     )
 
 

@@ -1,8 +1,9 @@
-"""RDMA transport: one-sided RDMA READ/WRITE over RC queue pairs (pyverbs), several NICs, failover to TCP.
+"""RDMA transport: one-sided RDMA READ/WRITE over RC queue pairs (native verbs: rdma_verbs.py), several NICs,
+failover to TCP.
 
 Lifecycle (within a TransferEngine, kvplugins/transfer/api.py):
   1. ``RdmaTransport.probe(config, tcp)``  opens every usable NIC (kvplugins/transfer/nics.py), or returns
-                                 (None, reason) when there is none or no pyverbs: the engine logs the reason once
+                                 (None, reason) when there is none or no libibverbs: the engine logs the reason once
                                  and runs without RDMA. It registers the "rdma" control handler on the TCP
                                  transport's server: queue pairs are set up over that authenticated connection
                                  (no second server).
@@ -13,7 +14,7 @@ Lifecycle (within a TransferEngine, kvplugins/transfer/api.py):
   3. ``transfer``                per peer: entries coalesced, cut at ``rdma_max_wr``, striped over the healthy NIC
                                  paths by measured throughput, spread over ``rdma_qps_per_peer`` QPs per path,
                                  posted as chains of one-sided work requests with selective signalling and
-                                 polled (rdma_verbs.run). Chunks of a failed path are retried once on another
+                                 completed in one native call (rdma_verbs.run). Chunks of a failed path are retried once on another
                                  path; what still fails is TransferFailed, which the router retries on TCP.
                                  A dead QP is rebuilt, and a down path probed back, by a background thread
                                  every ``rdma_probe_ms`` (the queue pairs and their set-up: rdma_qps.py).
@@ -62,8 +63,8 @@ class RdmaTransport(Transport):
 
     @classmethod
     def probe(cls, config: TransferConfig, tcp) -> tuple["RdmaTransport | None", str | None]:
-        """(transport, None), or (None, why RDMA is absent here: no pyverbs, no device, no active port)."""
-        _, why = verbs.import_pyverbs()
+        """(transport, None), or (None, why RDMA is absent here: no libibverbs, no device, no active port)."""
+        why = verbs.load_error()
         if why:
             return None, why
         wanted = [d.strip() for d in config.rdma_devices.split(",") if d.strip()] or None
@@ -104,7 +105,7 @@ class RdmaTransport(Transport):
         for nic in self._nics:
             try:
                 mrs.append(nic.register(region.addr, region.length, access))
-            except Exception as e:  # noqa: BLE001 - PyverbsRDMAError and kin: TCP serves this region
+            except TransferFailed as e:  # ENOMEM over RLIMIT_MEMLOCK and kin: TCP serves this region
                 log.warning(
                     "rdma: could not register region %d (%d bytes) on %s: %s; run `kvplugins doctor` "
                     "(RLIMIT_MEMLOCK); TCP serves it",
@@ -137,12 +138,10 @@ class RdmaTransport(Transport):
 
     @staticmethod
     def _access(region: Region) -> int:
-        import pyverbs.enums as e
-
         if region.readonly:
-            return e.IBV_ACCESS_REMOTE_READ if region.exported else 0
-        remote = e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE if region.exported else 0
-        return e.IBV_ACCESS_LOCAL_WRITE | remote
+            return verbs.ACCESS_REMOTE_READ if region.exported else 0
+        remote = verbs.ACCESS_REMOTE_READ | verbs.ACCESS_REMOTE_WRITE if region.exported else 0
+        return verbs.ACCESS_LOCAL_WRITE | remote
 
     def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
         ep = remote.transports.get("rdma")

@@ -1,43 +1,71 @@
-"""The RDMA transport's verbs layer over rdma-core's pyverbs (Debian 12's python3-pyverbs, rdma-core 44).
+"""The RDMA transport's verbs layer: a small wrapper over the native ``kvplugins._verbs`` (native/src/verbs),
+which loads libibverbs (rdma-core) at run time, so this imports on any host.
 
-``Nic``: one opened device port (context, protection domain, memory regions); ``QueuePair``: one RC queue pair
-with its own completion queue; ``run(work, deadline)``: posts chains of one-sided RDMA READ/WRITE work requests
-on several queue pairs at once and polls their completions, from the calling thread.
-
-Polling: pyverbs' ``CompChannel.get_cq_event`` blocks in C while holding the GIL (pyverbs/cq.pyx), so a
-completion channel would stall every other Python thread; ``run`` polls the CQs instead, yielding the GIL
-between polls (``time.sleep(0)``, then sleeps growing to 0.5 ms), so no other thread waits on it.
-Selective signalling: one work request in ``signal_every`` asks for a completion (and the last one); a
-successful signalled completion confirms every earlier request on that QP (RC completes in order). An error
-completion, a failed post or the deadline marks the QP dead: moved to the error state, its unconfirmed work
-returned as failed for the caller to retry elsewhere.
-Sources: ibv_post_send(3), ibv_poll_cq(3), ibv_modify_qp(3) (RC INIT -> RTR -> RTS attributes as in
-rdma-core's libibverbs/examples/rc_pingpong.c), pyverbs qp.pyx / wr.pyx / cq.pyx.
+``Nic``: one opened device port (context, protection domain, one completion channel, memory regions);
+``QueuePair``: one RC queue pair with its own completion queue; ``run(works, deadline)``: posts chains of one-sided
+RDMA READ/WRITE work requests on several queue pairs at once and completes them, in one native call with the GIL
+released: it polls the CQs while completions come, spins 100 us after the last one, then sleeps on the devices'
+completion channels (a batch waiting on a slow peer burns no core).
+Selective signalling: one work request in ``signal_every`` asks for a completion (and the last one, and the one
+that fills a send queue); a successful signalled completion confirms every earlier request on that QP (RC
+completes in order). An error completion, a refused post or the deadline marks the QP dead: moved to the error
+state, its unconfirmed work returned as failed for the caller to retry elsewhere.
+Native failures (``_verbs.VerbsError``) become TransferFailed here and nowhere else.
+Sources: ibv_post_send(3), ibv_poll_cq(3), ibv_modify_qp(3), ibv_get_cq_event(3) (RC INIT -> RTR -> RTS
+attributes as in rdma-core's libibverbs/examples/rc_pingpong.c).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import secrets
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
+import numpy as np
+
+from kvplugins.errors import TransferFailed
 from kvplugins.transfer.nics import MTU_BYTES
 
 MTU_ENUM = {b: e for e, b in MTU_BYTES.items()}  # bytes -> enum ibv_mtu
-_QP_TIMEOUT, _RETRY, _RNR_RETRY, _RD_ATOMIC = 14, 7, 7, 16  # 4.096 us * 2^14 = 67 ms per try, 7 tries
+ACCESS_LOCAL_WRITE, ACCESS_REMOTE_WRITE, ACCESS_REMOTE_READ = 1, 2, 4  # enum ibv_access_flags
+PORT_ACTIVE = 4  # enum ibv_port_state
 
 
-def import_pyverbs() -> tuple[Any, str | None]:
-    """(the pyverbs.enums module, None), or (None, why it cannot be imported)."""
+def load_error() -> str | None:
+    """None when the verbs layer can be used here, else why not and the fix (the module is not built, or
+    libibverbs cannot be loaded)."""
     try:
-        import pyverbs.enums as e
-        import pyverbs.qp  # noqa: F401  - the modules run() needs, imported once here
+        from kvplugins import _verbs
+    except ImportError as e:
+        return f"kvplugins was built without RDMA verbs ({e}): apt-get install libibverbs-dev, then bash ci/install.sh"
+    return _verbs.load_error() or None
 
-        return e, None
-    except ImportError as ex:
-        return None, f"pyverbs is not importable ({ex})"
+
+def _mod():
+    from kvplugins import _verbs
+
+    return _verbs
+
+
+@contextlib.contextmanager
+def _native(what: str) -> Iterator[None]:
+    """VerbsError (and the module's ValueError for bad arguments) as TransferFailed naming ``what``."""
+    try:
+        yield
+    except _mod().VerbsError as e:
+        raise TransferFailed(f"{what}: {e}") from None
+
+
+def query_ports(name: str, ports: list[int]) -> list[tuple[int, int, int, int]]:
+    """(state, active_mtu, lid, link_layer) of each of device ``name``'s ``ports`` as ibv_query_port gives
+    them (enums ibv_port_state, ibv_mtu, IBV_LINK_LAYER_*). Raises TransferFailed when the device cannot be
+    opened or queried (no uverbs node, permissions), naming it."""
+    with _native(f"RDMA device {name}"):
+        ctx = _mod().Context(name)
+        return [ctx.query_port(p) for p in ports]
 
 
 @dataclass(frozen=True)
@@ -54,29 +82,28 @@ class Chunk:
 class Nic:
     """One opened RDMA device port: context, protection domain and an MR per registered region.
 
-    ``info``: the kvplugins.transfer.nics.Nic it was opened from. Thread-safe. Raises PyverbsError
-    (an OSError subclass for the errno forms) when the device cannot be opened."""
+    ``info``: the kvplugins.transfer.nics.Nic it was opened from. Thread-safe. Raises TransferFailed when the
+    device cannot be opened."""
 
     def __init__(self, info):
-        import pyverbs.device as d
-        from pyverbs.pd import PD
-
         self.info = info
-        self.ctx = d.Context(name=info.name)
-        self.pd = PD(self.ctx)
+        with _native(f"opening RDMA device {info.name}"):
+            self.ctx = _mod().Context(info.name)
         self._lock = threading.Lock()
         self._mrs: dict[tuple[int, int, int], list] = {}  # (addr, length, access) -> [MR, refs]
 
     def register(self, addr: int, length: int, access: int):
-        """The MR of [addr, addr+length) with ``access`` (ibv_access_flags), registered once and shared by
-        later identical registrations (refcounted). Raises PyverbsRDMAError (e.g. ENOMEM over RLIMIT_MEMLOCK)."""
-        from pyverbs.mr import MR
-
+        """The MR (``lkey``, ``rkey``) of [addr, addr+length) with ``access`` (ACCESS_* flags), registered once
+        and shared by later identical registrations (refcounted). Raises TransferFailed (e.g. ENOMEM over
+        RLIMIT_MEMLOCK)."""
         key = (addr, length, access)
         with self._lock:
             hit = self._mrs.get(key)
             if hit is None:
-                hit = self._mrs[key] = [MR(self.pd, length, access, address=addr), 0]
+                if self.ctx is None:
+                    raise TransferFailed(f"RDMA device {self.info.name} is closed")
+                with _native(f"registering {length} bytes at {addr:#x} on {self.info.name}"):
+                    hit = self._mrs[key] = [_mod().MemoryRegion(self.ctx, addr, length, access), 0]
             hit[1] += 1
             return hit[0]
 
@@ -91,42 +118,39 @@ class Nic:
                 hit[0].close()
 
     def port_active(self) -> bool:
-        """Whether the port is ACTIVE now (one query_port verb)."""
-        import pyverbs.enums as e
-
+        """Whether the port is ACTIVE now (one query_port verb); False once closed or for a device gone."""
+        ctx = self.ctx
         try:
-            return self.ctx.query_port(self.info.port).state == e.IBV_PORT_ACTIVE
-        except Exception:  # noqa: BLE001 - a device gone away reads as down
+            return ctx is not None and ctx.query_port(self.info.port)[0] == PORT_ACTIVE
+        except _mod().VerbsError:
             return False
 
     def close(self) -> None:
+        """Deregister every MR and drop the device; it closes once its last queue pair is closed too."""
         with self._lock:
             mrs, self._mrs = [m for m, _ in self._mrs.values()], {}
+            self.ctx = None
         for mr in mrs:
             mr.close()
-        self.pd.close()
-        self.ctx.close()
 
 
 class QueuePair:
     """One RC queue pair on ``nic`` with its own CQ; created in INIT, connected by ``connect``.
-    Used by one batch at a time (the transport's pool checks it out)."""
+    Used by one batch at a time (the transport's pool checks it out). Raises TransferFailed."""
 
     def __init__(self, nic: Nic, depth: int):
-        import pyverbs.enums as e
-        from pyverbs.cq import CQ
-        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
-
         self.nic, self.depth = nic, depth
-        self.cq = CQ(nic.ctx, depth + 1, None, None, 0)
-        cap = QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        attr = QPAttr()
-        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
-        attr.port_num = nic.info.port
-        self.qp = QP(nic.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap), attr)
-        self.qpn = self.qp.qp_num
+        if nic.ctx is None:
+            raise TransferFailed(f"RDMA device {nic.info.name} is closed")
+        with _native(f"creating a queue pair on {nic.info.name}"):
+            self.qp = _mod().QueuePair(nic.ctx, depth, nic.info.port)
+        self.qpn = self.qp.qpn
         self.psn = secrets.randbelow(1 << 24)
-        self.dead = False
+
+    @property
+    def dead(self) -> bool:
+        """Killed (error state) or closed: never used again."""
+        return bool(self.qp.dead)
 
     def local(self) -> dict[str, Any]:
         """What the peer's QP needs to connect to this one: qpn, psn, gid, lid, mtu (bytes)."""
@@ -135,42 +159,30 @@ class QueuePair:
 
     def connect(self, remote: dict[str, Any]) -> None:
         """INIT -> RTR -> RTS towards the remote QP described by ``remote`` (as local() gives). The path MTU is
-        the smaller of the two ports'. Raises PyverbsRDMAError where the device refuses the attributes."""
-        import pyverbs.enums as e
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-        from pyverbs.qp import QPAttr
-
+        the smaller of the two ports'. Raises TransferFailed where the device refuses the attributes, ValueError
+        for a malformed GID."""
         n = self.nic.info
-        attr = QPAttr(qp_state=e.IBV_QPS_RTR)
-        attr.path_mtu = MTU_ENUM[min(n.active_mtu, int(remote["mtu"]))]
-        attr.dest_qp_num, attr.rq_psn, attr.sq_psn = int(remote["qpn"]), int(remote["psn"]), self.psn
-        attr.max_dest_rd_atomic = attr.max_rd_atomic = _RD_ATOMIC
-        attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, _QP_TIMEOUT, _RETRY, _RNR_RETRY
-        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
-        if n.link_layer == "InfiniBand" and not remote["gid"]:
-            attr.ah_attr = AHAttr(dlid=int(remote["lid"]), port_num=n.port)
-        else:
-            gr = GlobalRoute(dgid=GID(str(remote["gid"])), sgid_index=n.gid_index, hop_limit=64)
-            attr.ah_attr = AHAttr(gr=gr, is_global=1, dlid=int(remote["lid"]), port_num=n.port)
-        self.qp.to_rts(attr)
+        lid_route = n.link_layer == "InfiniBand" and not remote["gid"]
+        dgid = b"" if lid_route else ipaddress.IPv6Address(str(remote["gid"])).packed
+        with _native(f"connecting QP {self.qpn} to QP {remote['qpn']}"):
+            self.qp.connect(
+                MTU_ENUM[min(n.active_mtu, int(remote["mtu"]))],
+                int(remote["qpn"]),
+                int(remote["psn"]),
+                self.psn,
+                dgid,
+                int(remote["lid"]),
+                n.gid_index,
+                n.port,
+            )
 
     def kill(self) -> None:
         """Move the QP to the error state (outstanding work is flushed, the NIC stops touching its memory)."""
-        import pyverbs.enums as e
-        from pyverbs.qp import QPAttr
-
-        self.dead = True
-        try:
-            self.qp.modify(QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
-        except Exception:  # noqa: BLE001 - a QP already in error, or a device gone away
-            pass
+        self.qp.kill()
 
     def close(self) -> None:
-        for obj in (self.qp, self.cq):
-            try:
-                obj.close()
-            except Exception:  # noqa: BLE001 - closing after a device error must not raise
-                pass
+        """Destroy the QP, its CQ and channel (after a batch still running on it ends). Idempotent."""
+        self.qp.close()
 
 
 @dataclass
@@ -188,95 +200,15 @@ class Work:
 
 def run(op_read: bool, works: list[Work], deadline_at: float, signal_every: int) -> int:
     """Post and complete every Work's chunks (RDMA READ if ``op_read`` else WRITE) by ``deadline_at``
-    (time.monotonic()). A QP that fails (error completion, post refused, deadline) is killed and its
-    unconfirmed chunks land in ``work.failed`` with ``work.error``. Returns the work requests posted."""
-    import pyverbs.enums as e
-
-    opcode = e.IBV_WR_RDMA_READ if op_read else e.IBV_WR_RDMA_WRITE
-    live, posted, idle = [w for w in works if w.chunks], 0, 0
-    while live:
-        progress = False
-        for w in live:
-            posted += _post(w, opcode, signal_every, e)
-            progress |= _poll(w, e)
-        live = [w for w in live if not w.qp.dead and w.done < len(w.chunks)]
-        if progress:
-            idle = 0
-            continue
-        if time.monotonic() > deadline_at:
-            for w in live:
-                _fail(w, "no completion before the deadline")
-            break
-        idle += 1
-        time.sleep(0 if idle < 64 else min(5e-4, 1e-5 * (idle - 63)))  # yield the GIL, then back off
+    (time.monotonic()), in one native call with the GIL released. A QP that fails (error completion, post
+    refused, deadline) is killed and its unconfirmed chunks land in ``work.failed`` with ``work.error``.
+    Returns the work requests posted. Raises ValueError for a chunk over 1 GiB or a QP given twice."""
+    rows = [np.array([(c.laddr, c.lkey, c.raddr, c.rkey, c.length) for c in w.chunks], dtype=np.uint64).reshape(-1, 5)
+            for w in works]  # fmt: skip
+    posted, out = _mod().run(op_read, [w.qp.qp for w in works], rows, deadline_at, max(1, int(signal_every)))
+    for w, (done, sent, finished_at, error) in zip(works, out):
+        w.done, w.posted, w.finished_at = done, sent, finished_at
+        if error:
+            w.error = w.error or error
+            w.failed = w.chunks[done:]
     return posted
-
-
-def _post(w: Work, opcode: int, signal_every: int, e) -> int:
-    """Post the next chain of w's chunks that fits its send queue; returns how many were posted."""
-    from pyverbs.wr import SGE, SendWR
-
-    room = w.qp.depth - (w.posted - w.done)
-    end = min(len(w.chunks), w.posted + room)
-    if end <= w.posted or w.qp.dead:
-        return 0
-    head = prev = None
-    keep = []  # the SendWR/SGE objects must live until post_send returns
-    for k in range(w.posted, end):
-        c = w.chunks[k]
-        sge = SGE(c.laddr, c.length, c.lkey)
-        flags = e.IBV_SEND_SIGNALED if (k + 1) % signal_every == 0 or k == len(w.chunks) - 1 else 0
-        wr = SendWR(wr_id=k, opcode=opcode, num_sge=1, sg=[sge], send_flags=flags)
-        wr.set_wr_rdma(c.rkey, c.raddr)
-        keep.append((wr, sge))
-        if prev is None:
-            head = wr
-        else:
-            prev.next_wr = wr
-        prev = wr
-    try:
-        w.qp.qp.post_send(head)
-    except Exception as ex:  # noqa: BLE001 - PyverbsRDMAError: QP in error, device gone
-        _fail(w, f"post_send refused: {ex}")
-        return 0
-    n = end - w.posted
-    w.posted = end
-    return n
-
-
-def _poll(w: Work, e) -> bool:
-    """Take w's completions; True if any arrived."""
-    if w.qp.dead or w.done == w.posted:
-        return False
-    try:
-        n, wcs = w.qp.cq.poll(w.qp.depth)
-    except Exception as ex:  # noqa: BLE001
-        _fail(w, f"poll_cq failed: {ex}")
-        return True
-    for wc in wcs:
-        if wc.status != e.IBV_WC_SUCCESS:
-            _fail(w, f"work completion status {wc.status} ({_WC_NAMES.get(wc.status, 'error')})")
-            return True
-        w.done = max(w.done, wc.wr_id + 1)
-    if w.done == len(w.chunks):
-        w.finished_at = time.monotonic()
-    return n > 0
-
-
-def _fail(w: Work, why: str) -> None:
-    w.error = w.error or why
-    w.failed = w.chunks[w.done :]
-    w.qp.kill()
-
-
-_WC_NAMES = {
-    1: "local length error",
-    2: "local QP operation error",
-    4: "local protection error",
-    5: "flushed",
-    9: "remote invalid request",
-    10: "remote access error",
-    11: "remote operation error",
-    12: "transport retry counter exceeded",
-    13: "RNR retry counter exceeded",
-}

@@ -3,6 +3,11 @@ routing is unchanged; the pure parts (NIC pairing, striping weights, path health
 itself is tested on real verbs in the soft-RoCE guest (tests/rdma/guest)."""
 
 import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -17,9 +22,37 @@ def test_absent_rdma_is_one_log_line_and_routing_is_unchanged(caplog):
             desc = eng.descriptor()
             stats = eng.stats()
     lines = [r.getMessage() for r in caplog.records if "rdma transport absent" in r.getMessage()]
-    assert len(lines) == 1 and ("pyverbs" in lines[0] or "/sys/class/infiniband" in lines[0]), lines
+    assert len(lines) == 1 and ("libibverbs" in lines[0] or "/sys/class/infiniband" in lines[0]), lines
     assert list(desc.transports) == ["shm", "tcp"] and "rdma" not in stats
     assert all(r.rdma is None for r in desc.regions)
+
+
+def _libibverbs() -> str | None:
+    """The path the dynamic loader resolves libibverbs.so.1 to, or None."""
+    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
+    m = re.search(r"libibverbs\.so\.1 \(.*\) => (\S+)", out)
+    return os.path.realpath(m.group(1)) if m else None
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare (mount namespace)")
+@pytest.mark.skipif(_libibverbs() is None, reason="libibverbs1 is not installed (ci/install.sh installs it)")
+def test_a_process_without_libibverbs_imports_and_falls_back_with_one_line():
+    """libibverbs is loaded at run time: in a mount namespace where libibverbs.so.1 is /dev/null, a process
+    still imports kvplugins, its engine offers shm and tcp, and the one log line names the library and the fix."""
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+        "from kvplugins.transfer import TransferConfig, TransferEngine, rdma_verbs\n"
+        "print('load_error:', rdma_verbs.load_error())\n"
+        "with TransferEngine(TransferConfig(transports='rdma,tcp')) as eng:\n"
+        "    print('transports:', list(eng.descriptor().transports))\n"
+    )
+    script = f'mount --bind /dev/null {_libibverbs()} && exec {sys.executable} -c "$0"'
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "load_error: libibverbs.so.1 cannot be loaded (" in r.stdout and "apt-get install libibverbs1" in r.stdout
+    assert "transports: ['tcp']" in r.stdout, r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if "rdma transport absent" in ln]
+    assert len(lines) == 1 and "libibverbs.so.1 cannot be loaded" in lines[0], r.stderr
 
 
 def test_default_transports_offer_rdma_first_after_the_same_host_ones():
