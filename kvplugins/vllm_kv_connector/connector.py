@@ -57,6 +57,20 @@ log = logging.getLogger(__name__)
 __all__ = ["KVPluginsConnector", "KVPluginsConnectorMetadata"]
 
 
+def log_through_vllm() -> None:
+    """kvplugins' log records (INFO and up) go where vLLM's go, in its format, where the process configured no
+    logging of its own (no handler on the root or ``kvplugins`` logger): an operator reads the connector's lines
+    (its layout at start, a store that stopped answering) in the engine's log. (They showed before only because
+    importing pyverbs called logging.basicConfig.)"""
+    ours, vllm_log = logging.getLogger("kvplugins"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not vllm_log.handlers:
+        return
+    for handler in vllm_log.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
+
+
 class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
     """Shares full KV pages between vLLM instances through the kvplugins store (see package docstring).
     Hybrid models (vLLM's hybrid memory allocator): every full-attention and sliding-window KV cache group is
@@ -66,6 +80,7 @@ class KVPluginsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_through_vllm()
         cfg = VllmConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
