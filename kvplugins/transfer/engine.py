@@ -121,7 +121,10 @@ class TransferEngine:
         return self._regions.find(addr, length)
 
     def unregister(self, region: Region) -> None:
-        """Forget ``region`` (alloc_shared memory is unmapped). Raises BufferNotRegistered if unknown."""
+        """Forget ``region`` (alloc_shared memory is unmapped). Raises BufferNotRegistered if unknown. A no-op on a
+        closed engine (close released every region: an owner closing after the engine was closed at exit)."""
+        if self._closed:
+            return
         owner = self._regions.remove(region)
         for t in self._transports:
             t.remove_region(region)
