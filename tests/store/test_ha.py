@@ -23,7 +23,8 @@ from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.cluster.etcd import Etcd, put_op
 from kvplugins.store.client.follower import leader_info
-from kvplugins.store.master.ha.journal import EtcdJournal
+from kvplugins.store.master.ha import journal as ha_journal
+from kvplugins.store.master.ha.journal import EtcdJournal, decode_object
 from kvplugins.store.master.ha.leader import LeaderGuard
 from kvplugins.store.wire.protocol import NOT_FOUND, OK, PENDING, STORE_FULL
 from kvplugins.store.client.rpc import RawRpcClient
@@ -607,6 +608,61 @@ def test_a_key_put_again_while_its_segment_was_parked_keeps_its_record_when_the_
         assert [c for c, _ in got] == [OK] * 64
         assert [(v[0], v[1][0][0], v[3]) for _, v in got[:8]] == [(2 * kib, s2, 100 + i) for i in range(8)]
         assert {v[1][0][0] for _, v in got[8:]} == {s1}
+
+
+def _naming(etcd, prefix: str, seg: str) -> int:
+    """Object records under ``prefix`` whose replica list names segment ``seg``."""
+    return sum(any(n == seg for n, _ in decode_object(v)[1]) for _, v in etcd.range_prefix(prefix + "/obj/"))
+
+
+def _two_segments_full(first, n: int):
+    kib = 1 << 10
+    s1, s2 = (first.handle("register_segment", [[_wire(x, 8 << 20), 1, 8 << 20]], {"owner": x})[0][1] for x in "ab")
+    keys = [f"k{i}" for i in range(n)]
+    for i in range(0, n, 1000):
+        part = keys[i : i + 1000]
+        assert [c for c, _ in first.handle("put_start", [[k, kib] for k in part], {"replicas": 2})] == [OK] * len(part)
+        first.handle("put_commit", part, {"xxh3": list(range(len(part)))})
+    return s1, s2, keys
+
+
+def test_removing_a_segment_rewrites_its_objects_records_over_later_turns(monkeypatch):
+    """A leader removing a segment rewrote every record naming it in that op's turn: three nodes leaving with
+    242,583 replicas kept the leader from answering (or stopping) for over 15 s at the cluster run's stop. Now the
+    op persists the removal and one turn's share (LATER_PER_TURN) of the rewrites, later turns the rest; a record
+    not rewritten yet reads right on a new leader (the removed segment is unknown there: the object is short, and
+    queued for a copy), and that leader rewrites it too."""
+    monkeypatch.setattr(ha_journal, "LATER_PER_TURN", 256)
+    with _guards("/kvp/lazy", MasterConfig(put_timeout_ms=1500)) as (etcd, first, fail_over):
+        s1, s2, keys = _two_segments_full(first, 3000)
+        txns, real = [], etcd.txn
+        etcd.txn = lambda *a, **kw: txns.append(1) or real(*a, **kw)
+        assert first.handle("unregister", [s1], {"owner": "a"}) == [[OK, None]]
+        etcd.txn = real
+        assert len(txns) <= 1 + 256 // 128  # not 3000 / 128 = 24 transactions
+        assert _naming(etcd, "/kvp/lazy", s1) == 3000 - 256 == first.journal.pending_rewrites()
+        first.handle("status", [], {})  # a later turn: its share
+        assert _naming(etcd, "/kvp/lazy", s1) == 3000 - 512
+        second = fail_over()
+        got = second.handle("get", keys, {})
+        assert [c for c, _ in got] == [OK] * 3000 and {v[1][0][0] for _, v in got} == {s2}
+        assert second.recovered["short"] == 3000 and 0 < second.journal.pending_rewrites() <= 3000 - 512
+        for _ in range(12):
+            second.handle("status", [], {})
+        assert _naming(etcd, "/kvp/lazy", s1) == 0 and second.journal.pending_rewrites() == 0
+
+
+def test_a_removed_segments_name_registered_again_first_rewrites_the_records_naming_it(monkeypatch):
+    """Records still naming a removed segment would name its new incarnation (other bytes) once that name is
+    registered again: they are all rewritten in the registration's own batch."""
+    monkeypatch.setattr(ha_journal, "LATER_PER_TURN", 256)
+    with _guards("/kvp/lazy2", MasterConfig(put_timeout_ms=1500)) as (etcd, first, _):
+        s1, s2, keys = _two_segments_full(first, 2000)
+        assert first.handle("unregister", [s1], {"owner": "a"}) == [[OK, None]]
+        assert _naming(etcd, "/kvp/lazy2", s1) > 0
+        assert first.handle("register_segment", [[_wire("a", 8 << 20), 1, 8 << 20]], {"owner": "a"}) == [[OK, s1]]
+        assert _naming(etcd, "/kvp/lazy2", s1) == 0 and first.journal.pending_rewrites() == 0
+        assert {v[1][0][0] for _, v in first.handle("get", keys, {})} == {s2}
 
 
 def test_a_new_leader_copies_the_objects_a_lost_segment_left_short():

@@ -27,7 +27,13 @@ class Journal:
         """``objs`` left the table (remove, eviction without offload, lost every replica)."""
 
     def replicas_changed(self, objs: list) -> None:
-        """``objs`` still exist but their replica list or tier changed (segment lost, offload, drain)."""
+        """``objs`` still exist but their replica list or tier changed (offload, drain, a copy added)."""
+
+    def replicas_lost(self, objs: list, segment: str) -> None:
+        """Complete ``objs`` lost their replica on ``segment``, which was removed (its ``segment_removed`` or
+        ``segment_parked`` comes in the same op): their records may be rewritten later, over several turns, since a
+        record naming a removed segment reads right (a new HA leader ignores replicas on segments it does not
+        know), but they are rewritten before ``segment`` is added again."""
 
     def pending(self, objs) -> None:
         """``objs`` were allocated for a put not committed yet (put_start), or their replicas changed meanwhile:

@@ -662,8 +662,10 @@ class MasterService:
                     (obj.key, obj.size, off, obj.checksum, obj.pin, obj.pin_until) for n, off in held if n == name
                 ]
         done = [o for o in changed if o.complete]
-        if done:
-            self.journal.replicas_changed(done)
+        if any(o.replicas for o in done):  # their records are rewritten over the next turns (Journal.replicas_lost)
+            self.journal.replicas_lost([o for o in done if o.replicas], name)
+        if not all(o.replicas for o in done):  # on disk only: a record naming just a removed segment reads as lost
+            self.journal.replicas_changed([o for o in done if not o.replicas])
         if len(done) < len(changed):
             self.journal.pending([o for o in changed if not o.complete])
         if gone:

@@ -56,14 +56,18 @@ class LeaderGuard:
             return fn()
         try:
             with self.journal.batch():  # persisted before the reply is sent
-                return fn()
+                out = fn()
         except StoreError as e:  # the journal could not persist: the op is not acknowledged
             raise ValueError(str(e)) from e
+        self.journal.rewrite_some()
+        return out
 
     def sync(self) -> None:
         """Group commit (group_commit.py): persist the writes of every op since the last sync, before the
-        server sends their replies. Raises StoreError if they could not be persisted."""
+        server sends their replies, then a share of the deferred record rewrites (EtcdJournal.replicas_lost).
+        Raises StoreError if the writes could not be persisted."""
         self.journal.commit()
+        self.journal.rewrite_some()
 
     def tick(self) -> None:
         if self._check():
@@ -86,6 +90,7 @@ class LeaderGuard:
 
     def _take_over(self) -> None:
         t0 = time.monotonic()
+        self.journal.drop_deferred()
         self.journal.fence = self.elector.value
         self.journal.on_fenced = self.elector.lost
         service = MasterService(self.cfg, zmq_endpoint=self.zmq_endpoint, journal=self.journal, shard=self.shard)
@@ -117,6 +122,7 @@ class LeaderGuard:
 
     def _step_down(self) -> None:
         log.warning("no longer leader: dropping the in-memory metadata (the new leader recovers it from etcd)")
+        self.journal.drop_deferred()
         self.inner, self.active = MasterService(self.cfg, zmq_endpoint=self.zmq_endpoint), False
 
     def _refusal(self) -> str:

@@ -59,6 +59,7 @@ def restore(
         _add_segment(service, name, wire, region_id, size, now, (owners or {}).get(name, (b"", "")))
     placed: dict[str, list] = {}  # segment name -> [(offset, size, key)]
     kept, dropped, manifests, parked, disk_only = [], [], {}, parked or {}, []
+    stale: dict[str, list[str]] = {}  # key -> removed segments its record still names
     for key, size, replicas, *extra in objs:
         checksum, pin, pending = (*extra, *(None, 0, 0)[len(extra) :])[:3]
         if not replicas and not pending:  # complete, on disk only: its nodes' tiers name it again
@@ -74,6 +75,8 @@ def restore(
                 dropped.append(key)
             continue
         kept.append((key, size, good, len(listed), *extra))
+        if len(good) < len(listed):  # the record names removed segments: rewritten soon (Journal.replicas_lost)
+            stale[key] = [n for n, _ in listed if service.segments.get(n) is None]
         for n, off in good:
             placed.setdefault(n, []).append((off, size, key))
     bad = set()
@@ -85,6 +88,8 @@ def restore(
             dropped.append(key)
             continue
         _add(service, key, size, replicas, now, *extra, listed=listed)
+        for name in stale.get(key, ()):
+            service.journal.replicas_lost([service.table.get(key)], name)
     tier = service.tiering
     tier.await_copies([tier.disk_only_object(k, n, checksum, now, pin) for k, n, checksum, pin in disk_only])
     held = _hold_slabs(service, slabs, now)
