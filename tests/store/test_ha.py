@@ -536,6 +536,18 @@ def test_a_slow_takeover_gives_every_segment_a_full_heartbeat_timeout():
         assert [s["name"] for s in second.handle("status", [], {})["segments"]] == [s1]
 
 
+def _segment_of_64(first):
+    """Segment s1 (256 KiB, owner A) holding 64 committed 1 KiB objects k0..k63 (checksums 0..63): (its wire
+    descriptor, its name, the keys)."""
+    kib = 1 << 10
+    wire = _wire("s1", 256 * kib)
+    [(_, s1)] = first.handle("register_segment", [[wire, 1, 256 * kib]], {"owner": "A"})
+    keys = [f"k{i}" for i in range(64)]
+    first.handle("put_start", [[k, kib] for k in keys], {})
+    first.handle("put_commit", keys, {"xxh3": list(range(64))})
+    return wire, s1, keys
+
+
 def test_a_parked_segments_objects_survive_a_failover_and_come_back_in_one_transaction():
     """The fourth 60 s SIGSTOP run lost 1,075 objects: a node removed for silence under one leader left its
     manifest in that leader's memory, the objects' records were deleted, and the restore's rewrite of ~100,000
@@ -544,11 +556,7 @@ def test_a_parked_segments_objects_survive_a_failover_and_come_back_in_one_trans
     all 64 objects back (same places, sizes, checksums), in one etcd transaction; no parked record is left."""
     cfg, kib = MasterConfig(heartbeat_timeout_ms=300, suspect_grace_ms=300), 1 << 10
     with _guards("/kvp/park", cfg) as (etcd, first, fail_over):
-        wire = _wire("s1", 256 * kib)
-        [(_, s1)] = first.handle("register_segment", [[wire, 1, 256 * kib]], {"owner": "A"})
-        keys = [f"k{i}" for i in range(64)]
-        first.handle("put_start", [[k, kib] for k in keys], {})
-        first.handle("put_commit", keys, {"xxh3": list(range(64))})
+        wire, s1, keys = _segment_of_64(first)
         before = first.handle("get", keys, {})
         time.sleep(0.8)
         first.tick()  # silent past timeout + grace: removed, its objects in its manifest
@@ -591,11 +599,7 @@ def test_a_key_put_again_while_its_segment_was_parked_keeps_its_record_when_the_
     (the other 56 restored), then a fail-over: all 64 keys are there, the 8 at their new place."""
     cfg, kib = MasterConfig(heartbeat_timeout_ms=300, suspect_grace_ms=300), 1 << 10
     with _guards("/kvp/again", cfg) as (etcd, first, fail_over):
-        wire = _wire("s1", 256 * kib)
-        [(_, s1)] = first.handle("register_segment", [[wire, 1, 256 * kib]], {"owner": "A"})
-        keys = [f"k{i}" for i in range(64)]
-        first.handle("put_start", [[k, kib] for k in keys], {})
-        first.handle("put_commit", keys, {"xxh3": list(range(64))})
+        wire, s1, keys = _segment_of_64(first)
         time.sleep(0.8)
         first.tick()  # silent past timeout + grace: removed, its objects in its manifest
         [(_, s2)] = first.handle("register_segment", [[_wire("s2", 256 * kib), 1, 256 * kib]], {"owner": "B"})
