@@ -139,7 +139,7 @@ def worker(name, label, fmt, args) -> dict:
                 label,
                 T,
                 f"{dt * 1e3:.2f}",
-                round(gbs, 1) if dec else "",
+                float(f"{gbs:.3g}") if dec else "",  # 3 significant figures: a tiny shape reads < 0.05 GB/s
                 "",
                 _gflops(T * K * 6 * H * I / dt / 1e9),
             ]

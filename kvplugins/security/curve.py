@@ -145,11 +145,11 @@ class CurveServer:
                 continue
             ev = recv_monitor_message(self._monitor)
             if ev["event"] == zmq.EVENT_ACCEPTED:
-                peers[ev["value"]] = _peer_of(ev["value"])
+                peers[ev["value"]] = _peer_of(ev["value"], ev["endpoint"])
             elif ev["event"] & FAILED:
                 failed.append(_describe(ev))
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
-                peer = peers.pop(ev["value"], "?:?")
+                peer = peers.pop(ev["value"], UNKNOWN_PEER)
                 if failed:
                     self.refusals.refused(
                         "zmq control-plane connection", peer, f"{failed.pop(0)}: missing or wrong shared secret"
@@ -166,14 +166,21 @@ class CurveServer:
         self._zap.close(0)
 
 
-def _peer_of(fd: int) -> str:
-    """host:port of the connection on ``fd`` (best effort: it may already be closed)."""
+UNKNOWN_PEER = "a peer that closed before its address was read"
+
+
+def _peer_of(fd: int, listening: bytes) -> str:
+    """host:port of the connection libzmq accepted on ``fd`` from its ``listening`` endpoint (``tcp://h:port``).
+    Best effort: a refused client may close first, and its fd number may then belong to another socket, so an
+    fd not bound to the listening port reads as UNKNOWN_PEER rather than someone else's address."""
     try:
         with socket.socket(fileno=os.dup(fd)) as s:
+            if str(s.getsockname()[1]) != listening.decode().rsplit(":", 1)[-1]:
+                return UNKNOWN_PEER
             host, port = s.getpeername()[:2]
             return f"{host}:{port}"
-    except OSError:
-        return "?:?"
+    except (OSError, TypeError, IndexError):
+        return UNKNOWN_PEER
 
 
 def _describe(ev: dict) -> str:

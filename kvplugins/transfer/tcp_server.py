@@ -78,7 +78,8 @@ class TcpServer:
         self._unwatch = regions.watch(self._native.add_region, self._native.remove_region)
         self._events = threading.Thread(target=self._event_loop, name=f"kvp-tcp-events-{self.port}", daemon=True)
         self._events.start()
-        threading.Thread(target=self._accept_loop, name=f"kvp-tcp-accept-{self.port}", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvp-tcp-accept-{self.port}", daemon=True)
+        self._acceptor.start()
 
     def set_control(self, kind: str, handler: "Callable[[dict, Any], dict]") -> None:
         """Serve control requests (wire.OP_CONTROL) of ``kind`` with ``handler(body, peer address) -> reply``,
@@ -236,6 +237,9 @@ class TcpServer:
         self._sock.close()
         self._unwatch()
         self._native.close()
+        # joined, not left to die: a daemon thread still running at interpreter exit keeps this server (and its
+        # native object) alive past finalization, which nanobind reports as a leak on stderr
+        self._acceptor.join(timeout=2)
         self._events.join(timeout=2 * EVENT_POLL_S + 1)
 
 
