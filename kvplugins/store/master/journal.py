@@ -35,6 +35,12 @@ class Journal:
         record naming a removed segment reads right (a new HA leader ignores replicas on segments it does not
         know), but they are rewritten before ``segment`` is added again."""
 
+    def records_gone(self, keys: list[str], segments) -> None:
+        """The objects ``keys`` lost their last replica with removed ``segments`` (names) and left the table, or a
+        new HA leader's recovery dropped them (their records name only segments it does not know): their records may
+        be deleted later, like ``replicas_lost``'s rewrites (a record naming only unknown segments reads as gone on a
+        new leader), but before any of ``segments`` is added again."""
+
     def pending(self, objs) -> None:
         """``objs`` were allocated for a put not committed yet (put_start), or their replicas changed meanwhile:
         a new HA leader learns them, so their writers' commits succeed and no other put gets their bytes.

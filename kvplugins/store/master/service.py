@@ -668,8 +668,8 @@ class MasterService:
             self.journal.replicas_changed([o for o in done if not o.replicas])
         if len(done) < len(changed):
             self.journal.pending([o for o in changed if not o.complete])
-        if gone:
-            self.journal.removed([o for o in gone if not (park and o.complete)])
+        if gone:  # their records are deleted over the next turns (Journal.records_gone)
+            self.journal.records_gone([o.key for o in gone if not (park and o.complete)], [name])
         done = [o for o in gone if o.complete]
         if done:
             self.events.removed(done, "lost")

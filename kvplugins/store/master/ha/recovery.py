@@ -71,8 +71,9 @@ def restore(
             home = next((r for r in replicas if r[0] in parked), None)
             if home is not None and not pending:  # complete, its segment parked: its manifest again
                 manifests.setdefault(home[0], []).append((key, size, home[1], checksum, pin, 0.0))
-            else:
+            else:  # a new leader deletes its record later (Journal.records_gone), as the old one would have
                 dropped.append(key)
+                service.journal.records_gone([key], {n for n, _ in listed})
             continue
         kept.append((key, size, good, len(listed), *extra))
         if len(good) < len(listed):  # the record names removed segments: rewritten soon (Journal.replicas_lost)
@@ -84,8 +85,9 @@ def restore(
         bad |= {(name, off, key) for off, key in reserve(service.segments.get(name).allocator, blocks)}
     for key, size, replicas, listed, *extra in kept:
         replicas = [(n, off) for n, off in replicas if (n, off, key) not in bad]
-        if not replicas:
+        if not replicas:  # its place overlaps another's: its record goes now, in recovery's own batch
             dropped.append(key)
+            service.journal.removed([SimpleNamespace(key=key)])
             continue
         _add(service, key, size, replicas, now, *extra, listed=listed)
         for name in stale.get(key, ()):
