@@ -164,6 +164,7 @@ class TransferEngine:
         lengths,
         timeout_ms: float | None = None,
         digests=None,
+        fenced: bool = False,
     ) -> list[TransferError | None]:
         """Array form of batch_write for one remote region: span j copies ``lengths[j]`` bytes from local
         address ``local_addrs[j]`` (inside any registered region) to offset ``remote_offsets[j]`` of region
@@ -173,10 +174,21 @@ class TransferEngine:
         region). ``digests``: a writable uint64 numpy array of one entry per span, set to the xxh3_64
         (``xxhash.xxh3_64_intdigest``) of each span moved (the shm transport hashes in its copy pass; others
         are hashed from local memory after the move); spans are then not coalesced, and a failed span's entry
-        is meaningless. Raises ValueError for arrays of different lengths, a bad ``digests`` or timeout,
+        is meaningless. ``fenced``: the bytes must land within ``timeout_ms`` or not at all, also at the peer:
+        over TCP a frame reaching a peer (or read by it) after that fails with a "late write" TransferFailed
+        and writes nothing more (hosts' clocks must agree: the check uses the peer's wall clock); other transports
+        stop issuing then. Raises ValueError for arrays of different lengths, a bad ``digests`` or timeout,
         OutOfRange for negative values, TransferFailed if closed."""
         return self._router.run_spans(
-            Op.WRITE, remote, remote_region, local_addrs, remote_offsets, lengths, self._timeout(timeout_ms), digests
+            Op.WRITE,
+            remote,
+            remote_region,
+            local_addrs,
+            remote_offsets,
+            lengths,
+            self._timeout(timeout_ms),
+            digests,
+            fenced,
         )
 
     def read_spans(

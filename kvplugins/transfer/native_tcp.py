@@ -83,22 +83,24 @@ class Client:
         limit: int,
         max_frame: int,
         timeout_s: float,
+        land_by_ms: int = 0,
     ) -> tuple[bytes, list[tuple[int, str]], list[int]]:
         """Move span j: ``lens[j]`` bytes between local ``addrs[j]`` and (``regions[j]``, ``offs[j]``) of the
-        peer (uint64 sequences). Returns (per-span outcome codes OK/SERVER/FAILED/RETRY as bytes, [(span, text)]
-        for the spans not OK, per-connection broken flags: close those)."""
+        peer (uint64 sequences). ``land_by_ms`` (writes; unix ms, 0 = none): sent as each frame's "dl", past which
+        the peer drops the frame's bytes (wire.LATE_WRITE). Returns (per-span outcome codes OK/SERVER/FAILED/RETRY
+        as bytes, [(span, text)] for the spans not OK, per-connection broken flags: close those)."""
         arr = [np.ascontiguousarray(a, dtype=np.uint64) for a in (addrs, regions, offs, lens)]
         try:
             return self._c.transfer(
-                op, fds, [1 if r else 0 for r in reused], *arr, int(limit), int(max_frame), float(timeout_s)
+                op, fds, [1 if r else 0 for r in reused], *arr, int(limit), int(max_frame), float(timeout_s), land_by_ms
             )
         except ValueError as e:
             raise NativeError(str(e)) from None
 
 
-def decode_request(header: bytes, payload_len: int, max_frame: int) -> tuple[str, int, int, list]:
-    """The native server's decoding of a request header: ("data", op, id, [(region, offset, length)]) or
-    ("control", 0, 0, []) (Python decodes those). Raises ProtocolError naming the field (tests and fuzzers)."""
+def decode_request(header: bytes, payload_len: int, max_frame: int) -> tuple[str, int, int, list, int]:
+    """The native server's decoding of a request header: ("data", op, id, [(region, offset, length)], land_by_ms)
+    or ("control", 0, 0, [], 0) (Python decodes those). Raises ProtocolError naming the field (tests, fuzzers)."""
     try:
         return _mod().decode_request(bytes(header), int(payload_len), int(max_frame))
     except ValueError as e:

@@ -66,13 +66,14 @@ class Router:
         lens,
         timeout_ms: float,
         digests: np.ndarray | None = None,
+        fenced: bool = False,
     ) -> list[TransferError | None]:
         """The array form (spans.py): every span between local memory and region ``region_id`` of ``remote``.
         ``digests``: filled with each moved span's xxh3_64 (TransferEngine.write_spans): by the transport in its
         copy pass where the first candidate can (``hashes_in_copy``; spans then stay uncoalesced), else natively
         here over the caller's spans in local memory after the move (the source of a write, the destination of
-        a read)."""
-        deadline = Deadline(timeout_ms)
+        a read). ``fenced``: see Deadline."""
+        deadline = Deadline(timeout_ms, fenced)
         small = is_small(addrs, roffs, lens)
         if not small:
             addrs, roffs, lens = as_u64(addrs, "local_addrs"), as_u64(roffs, "remote_offsets"), as_u64(lens, "lengths")

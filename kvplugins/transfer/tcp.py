@@ -141,6 +141,7 @@ class TcpTransport(Transport):
             limit,
             self._cfg.max_frame,
             max(0.0, deadline.remaining()),
+            deadline.land_by_ms if op is Op.WRITE else 0,
         )
         for (sock, _), b in zip(conns, broken):
             if b:
@@ -154,7 +155,9 @@ class TcpTransport(Transport):
         status: list = [None] * n
         retry = []
         for j, text in bad:
-            if codes[j] == native_tcp.SERVER:
+            if codes[j] == native_tcp.SERVER and text.startswith(wire.LATE_WRITE):
+                status[j] = TransferFailed(f"tcp peer {peer[0]}:{peer[1]} refused a {text}")
+            elif codes[j] == native_tcp.SERVER:
                 status[j] = OutOfRange(text)
             elif codes[j] == native_tcp.RETRY and not fresh:
                 retry.append(j)

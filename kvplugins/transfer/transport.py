@@ -49,11 +49,15 @@ class Entry:
 
 
 class Deadline:
-    """When a batch must be done: ``at`` in time.monotonic() seconds, from a timeout of ``timeout_ms``."""
+    """When a batch must be done: ``at`` in time.monotonic() seconds, from a timeout of ``timeout_ms``.
+    ``fenced`` (writes): its bytes must land by then or not at all; ``land_by_ms`` is that moment in unix ms, for
+    a transport whose peer can check it (TCP sends it as the frames' "dl", wire.py); one-sided transports (shm,
+    same-host, RDMA) only stop issuing at ``at``."""
 
-    def __init__(self, timeout_ms: float):
+    def __init__(self, timeout_ms: float, fenced: bool = False):
         self.timeout_ms = float(timeout_ms)
         self.at = time.monotonic() + self.timeout_ms / 1000.0
+        self.land_by_ms = int(time.time() * 1000 + self.timeout_ms) if fenced else 0
 
     def remaining(self) -> float:
         """Seconds left (<= 0 when passed)."""

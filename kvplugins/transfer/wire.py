@@ -2,8 +2,14 @@
 
 Frame = prefix (16 bytes, little-endian: magic b"KVPT", u32 header_len, u64 payload_len)
         + msgpack header (header_len bytes) + raw payload (payload_len bytes).
-Request header:  {"v": 1, "op": 1 (write) | 2 (read), "id": u63, "e": [[region u32, offset u63, length u63], ...]}
-                 a write's payload is the entries' bytes concatenated; a read's payload is empty.
+Request header:  {"v": 1, "op": 1 (write) | 2 (read), "id": u63, "e": [[region u32, offset u63, length u63], ...],
+                  optional "dl": u63}
+                 a write's payload is the entries' bytes concatenated; a read's payload is empty. "dl" (a write's
+                 deadline, unix ms): a server whose clock is past it when the header, or any later part of the
+                 payload, is read drops the rest of the frame and answers every entry LATE_WRITE + why (none of
+                 the frame counts as written). The store sends it for writes into space a grant holds only until
+                 then (a writer's or a node's stall must not land bytes in space given to another object since);
+                 hosts' clocks must agree within the grant's margin (NTP).
 Response header: {"v": 1, "op": 3, "id": same id, "st": [None | "error text", ...]} one status per entry;
                  a read response's payload is the bytes of the entries whose status is None, in order.
 Control request: {"v": 1, "op": 4, "id": u63, "c": {"kind": str, ...}} with an empty payload: connection set-up of
@@ -41,6 +47,7 @@ MAX_ENTRIES = 4096
 MAX_STATUS = 4096  # characters of one entry's error text in a response
 OP_WRITE, OP_READ, OP_RESP, OP_CONTROL = 1, 2, 3, 4
 MAX_CONTROL_FIELDS, MAX_CONTROL_LIST = 32, 64
+LATE_WRITE = "late write: "  # the start of each entry's status of a write frame that arrived after its "dl"
 _U32, _U63 = (1 << 32) - 1, (1 << 63) - 1
 
 
@@ -53,6 +60,7 @@ class Request:
     req_id: int
     entries: tuple[tuple[int, int, int], ...]
     control: dict | None = None
+    land_by_ms: int = 0
 
 
 def payload_limit(max_frame: int) -> int:
@@ -60,10 +68,14 @@ def payload_limit(max_frame: int) -> int:
     return max_frame - MAX_HEADER
 
 
-def encode_request(op: int, req_id: int, entries: list[tuple[int, int, int]]) -> bytes:
-    """Prefix + header of a request frame (the caller sends the write payload after it)."""
+def encode_request(op: int, req_id: int, entries: list[tuple[int, int, int]], land_by_ms: int = 0) -> bytes:
+    """Prefix + header of a request frame (the caller sends the write payload after it); "dl" when
+    ``land_by_ms``."""
     payload = sum(e[2] for e in entries) if op == OP_WRITE else 0
-    return _frame({"v": VERSION, "op": op, "id": req_id, "e": [list(e) for e in entries]}, payload)
+    head = {"v": VERSION, "op": op, "id": req_id, "e": [list(e) for e in entries]}
+    if land_by_ms:
+        head["dl"] = land_by_ms
+    return _frame(head, payload)
 
 
 def encode_control(req_id: int, body: dict) -> bytes:
@@ -126,6 +138,7 @@ class _RequestHeader(msgspec.Struct, forbid_unknown_fields=True):
     op: Annotated[int, Meta(ge=OP_WRITE, le=OP_READ)]
     id: Annotated[int, Meta(ge=0, le=_U63)]
     e: _Entries
+    dl: Annotated[int, Meta(ge=0, le=_U63)] = 0
 
 
 class _ControlHeader(msgspec.Struct, forbid_unknown_fields=True):
@@ -185,7 +198,7 @@ def decode_request(header: bytes | memoryview, payload_len: int, max_frame: int)
         raise ProtocolError(f"payload of {payload_len} bytes, entries need {want}")
     if op == OP_READ and total > payload_limit(max_frame):
         raise ProtocolError(f"read of {total} bytes exceeds the frame limit {payload_limit(max_frame)}")
-    return Request(op, obj.id, entries)
+    return Request(op, obj.id, entries, land_by_ms=obj.dl)
 
 
 def decode_response(header: bytes | memoryview, req_id: int, n_entries: int) -> list[str | None]:

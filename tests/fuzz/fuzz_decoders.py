@@ -118,7 +118,7 @@ def _check_request(req, plen: int) -> None:
     total = sum(e[2] for e in req.entries)
     assert plen == (total if req.op == wire.OP_WRITE else 0)
     assert req.op == wire.OP_WRITE or total <= wire.payload_limit(MAX_FRAME)
-    again = wire.encode_request(req.op, req.req_id, list(req.entries))
+    again = wire.encode_request(req.op, req.req_id, list(req.entries), req.land_by_ms)
     assert wire.decode_request(again[wire.PREFIX.size :], plen, MAX_FRAME) == req  # canonical round trip
 
 

@@ -59,7 +59,7 @@ _value = st.one_of(
     st.lists(_entry, max_size=5),
     st.binary(max_size=4),
 )
-_header = st.dictionaries(st.sampled_from(["v", "op", "id", "e", "x", "st"]), _value, max_size=6)
+_header = st.dictionaries(st.sampled_from(["v", "op", "id", "e", "dl", "x", "st"]), _value, max_size=7)
 _good = st.fixed_dictionaries(
     {
         "v": st.just(1),
@@ -70,7 +70,8 @@ _good = st.fixed_dictionaries(
             min_size=1,
             max_size=20,
         ),
-    }
+    },
+    optional={"dl": st.integers(0, (1 << 63) - 1)},
 )
 
 
@@ -83,11 +84,11 @@ def _python(header: bytes, plen: int):
 
 def _native(header: bytes, plen: int):
     try:
-        kind, op, req_id, entries = native_tcp.decode_request(header, plen, MAX_FRAME)
+        kind, op, req_id, entries, land_by = native_tcp.decode_request(header, plen, MAX_FRAME)
     except ProtocolError as e:
         assert str(e)  # a reason, for the log line
         return None
-    return kind if kind == "control" else wire.Request(op, req_id, tuple(entries))
+    return kind if kind == "control" else wire.Request(op, req_id, tuple(entries), land_by_ms=land_by)
 
 
 def _agree(header: bytes, plen: int) -> None:
@@ -115,7 +116,8 @@ def test_native_decoder_accepts_every_valid_request(h):
     entries = [list(e) for e in h["e"]]
     plen = sum(e[2] for e in entries) if h["op"] == 1 else 0
     header = msgpack.packb({**h, "e": entries}, use_bin_type=True)
-    assert _native(header, plen) == wire.Request(h["op"], h["id"], tuple(map(tuple, entries)))
+    want = wire.Request(h["op"], h["id"], tuple(map(tuple, entries)), land_by_ms=h.get("dl", 0))
+    assert _native(header, plen) == want == _python(header, plen)
     _agree(header, plen + 1)  # a payload the entries do not account for: refused by both
 
 

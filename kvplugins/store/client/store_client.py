@@ -734,7 +734,8 @@ class StoreClient:
                         f"not sent: the space granted for it was due back to the master {-timeout_ms:.0f} ms "
                         "ago (put_timeout_ms); this client was paused or its transfers were slow: put again"
                     )
-                statuses = fn(desc, region_id, addrs, roffs, lens, timeout_ms=timeout_ms, digests=got)
+                fence = {"fenced": True} if deadline is not None else {}  # a write: the peer drops it once late
+                statuses = fn(desc, region_id, addrs, roffs, lens, timeout_ms=timeout_ms, digests=got, **fence)
                 if sums is not None:
                     sums[sel] = got
             except (TransferError, NativeError) as e:  # the whole batch failed

@@ -73,12 +73,12 @@ class PyClient {
   // Returns (codes bytes (one SpanCode per span), [(span, text) for failed spans], [broken flag per connection]).
   std::tuple<nb::bytes, std::vector<std::tuple<size_t, std::string>>, std::vector<uint8_t>> transfer(
       int op, std::vector<int> fds, std::vector<uint8_t> reused, U64 addrs, U64 regions, U64 offs, U64 lens,
-      uint64_t limit, uint64_t max_frame, double timeout_s) {
+      uint64_t limit, uint64_t max_frame, double timeout_s, uint64_t land_by_ms) {
     const size_t n = addrs.shape(0);
     if (regions.shape(0) != n || offs.shape(0) != n || lens.shape(0) != n || reused.size() != fds.size())
       throw std::invalid_argument("tcp transfer: span arrays (or fds and reused) differ in length");
     if (op != kWrite && op != kRead) throw std::invalid_argument("tcp transfer: op must be 1 (write) or 2 (read)");
-    Batch b{op, addrs.data(), regions.data(), offs.data(), lens.data(), n, limit, max_frame, timeout_s};
+    Batch b{op, addrs.data(), regions.data(), offs.data(), lens.data(), n, limit, max_frame, timeout_s, land_by_ms};
     Result r;
     { kvp::GilRelease rel; r = kvp::tcp::transfer(b, fds, reused, ids_); }
     std::vector<std::tuple<size_t, std::string>> bad;
@@ -90,19 +90,21 @@ class PyClient {
   std::atomic<uint64_t> ids_{1};
 };
 
-// ("data", op, id, [(region, offset, length)]) | ("control", 0, 0, []); ValueError(reason) if malformed.
-std::tuple<std::string, int, uint64_t, std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>> py_decode_request(
-    nb::bytes header, uint64_t plen, uint64_t max_frame) {
+// ("data", op, id, [(region, offset, length)], land_by_ms) | ("control", 0, 0, [], 0); ValueError(reason) if
+// malformed.
+std::tuple<std::string, int, uint64_t, std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>, uint64_t>
+py_decode_request(nb::bytes header, uint64_t plen, uint64_t max_frame) {
   int op = 0;
-  uint64_t id = 0;
+  uint64_t id = 0, land_by = 0;
   std::vector<WireEntry> ents;
   std::string err;
   Decoded d = decode_request(reinterpret_cast<const uint8_t*>(header.c_str()), header.size(), plen, max_frame, op, id,
-                             ents, err);
+                             ents, land_by, err);
   if (d == Decoded::kError) throw nb::value_error(err.c_str());
   std::vector<std::tuple<uint64_t, uint64_t, uint64_t>> out;
   for (auto& e : ents) out.emplace_back(e.region, e.offset, e.length);
-  return {d == Decoded::kControl ? "control" : "data", op, id, std::move(out)};
+  if (d == Decoded::kControl) return {"control", 0, 0, {}, 0};
+  return {"data", op, id, std::move(out), land_by};
 }
 
 std::vector<double> py_loopback(uint64_t nbytes, int rounds) {

@@ -123,7 +123,8 @@ class Run {
     uint64_t payload = 0;
     for (size_t i = s; i < e; ++i) { ents.push_back(p_.pieces[i].e); payload += p_.pieces[i].e.length; }
     c.rid = ids_++;
-    encode_request(c.out, b_.op, c.rid, ents.data(), ents.size(), b_.op == kWrite ? payload : 0);
+    encode_request(c.out, b_.op, c.rid, ents.data(), ents.size(), b_.op == kWrite ? payload : 0,
+                   b_.op == kWrite ? b_.land_by_ms : 0);
     c.iov.reset();
     c.iov.add(c.out.data(), c.out.size());
     if (b_.op == kWrite)

@@ -21,6 +21,7 @@ struct Batch {
   uint64_t limit;                           // payload bytes per frame (peer's and our max_frame, less header)
   uint64_t max_frame;                       // our max_frame (a response frame over it is a protocol error)
   double timeout_s;
+  uint64_t land_by_ms;                      // writes: unix ms the peer drops this batch's bytes after (0: none)
 };
 
 struct Result {

@@ -52,9 +52,11 @@ class IovCursor {
     return 0;
   }
   // readv until every buffer is full: 0 when done, EAGAIN when the socket would block, kPeerClosed, else errno.
-  static constexpr int kPeerClosed = -1;
-  int recv_from(int fd) {
+  // With `land_by` (unix ms, from `clock`): kLate, before any readv once clock() is past it.
+  static constexpr int kPeerClosed = -1, kLate = -2;
+  int recv_from(int fd, uint64_t land_by = 0, uint64_t (*clock)() = nullptr) {
     while (!done()) {
+      if (land_by && clock() > land_by) return kLate;
       ssize_t got = ::readv(fd, vec(), count());
       if (got > 0) { advance(size_t(got)); continue; }
       if (got == 0) return kPeerClosed;
@@ -62,6 +64,13 @@ class IovCursor {
       return errno == EWOULDBLOCK ? EAGAIN : errno;
     }
     return 0;
+  }
+  // The bytes still expected land in `scratch` (`cap` bytes, reused) instead of where they were going.
+  void redirect(void* scratch, size_t cap) {
+    uint64_t rest = left();
+    v_.clear();
+    i_ = 0;
+    for (; rest; rest -= std::min<uint64_t>(rest, cap)) add(scratch, std::min<uint64_t>(rest, cap));
   }
   // Fill from already-buffered bytes buf[b0, b1) (advances b0).
   void take_from(const uint8_t* buf, size_t& b0, size_t b1) {

@@ -25,6 +25,20 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+uint64_t unix_ms() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::system_clock::now().time_since_epoch()).count());
+}
+
+// The status of every entry of a write frame that reached this server after its "dl" (the writer's grant of
+// the space ended then: the store may have given it to another object). Python matches the prefix
+// (kvplugins/transfer/wire.py LATE_WRITE).
+std::string late_text(uint64_t land_by, uint64_t now) {
+  return "late write: its bytes reached this peer " + std::to_string(now - land_by) +
+         " ms after their deadline (unix ms " + std::to_string(land_by) +
+         " by this host's clock); none of this frame counts as written: the space may be another object's by now";
+}
+
 enum class Phase { kHead, kPayload, kSend };
 enum class Step { kMore, kWaitIn, kWaitOut, kClose };
 
@@ -40,7 +54,7 @@ struct Conn {
   uint32_t mask = EPOLLIN;
   // the request being served
   int op = 0;
-  uint64_t rid = 0;
+  uint64_t rid = 0, land_by = 0;            // land_by: a write's "dl" (unix ms), 0 = none
   std::vector<WireEntry> entries;
   std::vector<std::shared_ptr<Region>> pins;
   IovCursor iov;
@@ -86,6 +100,7 @@ class Worker {
   Step step(Conn& c);
   Step head(Conn& c);
   Step payload(Conn& c);
+  void late(Conn& c, uint64_t now);
   Step send(Conn& c);
   void start_data(Conn& c, const uint8_t* h, uint32_t hlen);
   void respond(Conn& c, uint64_t payload);
@@ -181,7 +196,7 @@ Step Worker::head(Conn& c) {
       const uint8_t* h = &c.buf[c.b0 + kPrefix];
       int op = 0;
       uint64_t id = 0;
-      Decoded d = decode_request(h, hlen, plen, s_.cfg.max_frame, op, id, c.entries, err);
+      Decoded d = decode_request(h, hlen, plen, s_.cfg.max_frame, op, id, c.entries, c.land_by, err);
       if (d == Decoded::kError) return fail(c, EventKind::kProtocol, err);
       if (d == Decoded::kControl) {
         try {
@@ -264,6 +279,7 @@ void Worker::start_data(Conn& c, const uint8_t*, uint32_t) {
         left -= k;
       }
     }
+    if (c.land_by && unix_ms() > c.land_by) late(c, unix_ms());
     c.iov.take_from(c.buf.data(), c.b0, c.b1);
     if (c.b0 == c.b1) c.b0 = c.b1 = 0;
     c.phase = Phase::kPayload;
@@ -281,8 +297,25 @@ void Worker::respond(Conn& c, uint64_t payload) {
   c.phase = Phase::kSend;
 }
 
+// The write frame's deadline passed (this worker was stalled, or the bytes were): the rest of its payload is
+// read into scratch and every entry answers late_text, also those that landed in time (the writer puts again).
+void Worker::late(Conn& c, uint64_t now) {
+  const uint64_t land_by = c.land_by;
+  c.land_by = 0;                  // decided once: the rest of this frame goes to scratch
+  c.ok.assign(c.entries.size(), false);
+  c.errs.assign(c.entries.size(), late_text(land_by, now));
+  const uint64_t rest = c.iov.left();
+  if (!rest) return;
+  if (c.scratch.size() < std::min<uint64_t>(rest, 1 << 20)) c.scratch.resize(std::min<uint64_t>(rest, 1 << 20));
+  c.iov.redirect(c.scratch.data(), c.scratch.size());
+}
+
 Step Worker::payload(Conn& c) {
-  int e = c.iov.recv_from(c.fd);
+  int e = c.iov.recv_from(c.fd, c.land_by, unix_ms);
+  if (e == IovCursor::kLate) {
+    late(c, unix_ms());
+    return Step::kMore;
+  }
   if (e == EAGAIN) return Step::kWaitIn;
   if (e == IovCursor::kPeerClosed)
     return fail(c, EventKind::kError, "peer closed the connection with " + std::to_string(c.iov.left()) +

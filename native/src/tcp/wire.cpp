@@ -84,24 +84,28 @@ bool parse_prefix(const uint8_t* p, uint64_t max_frame, uint32_t& hlen, uint64_t
 }
 
 Decoded decode_request(const uint8_t* h, size_t n, uint64_t plen, uint64_t max_frame, int& op, uint64_t& id,
-                       std::vector<WireEntry>& entries, std::string& err) {
-  static const char* const kNames[] = {"v", "op", "id", "e", "c"};
+                       std::vector<WireEntry>& entries, uint64_t& land_by_ms, std::string& err) {
+  static const char* const kNames[] = {"v", "op", "id", "e", "c", "dl"};
   MpReader r(h, n);
   uint64_t v = 0, o = 0;
   uint32_t seen = 0;
-  bool ok = fields(r, kNames, 5, seen, [&](int k) {
+  land_by_ms = 0;
+  bool ok = fields(r, kNames, 6, seen, [&](int k) {
     switch (k) {
       case 0: return r.uint(v, "`$.v`");
       case 1: return r.uint(o, "`$.op`");
       case 2: return r.uint(id, "`$.id`") && (id <= kU63 || r.fail("Expected `int` <= " + std::to_string(kU63) + " - at `$.id`"));
       case 3: return entries_of(r, entries);
+      case 5:
+        return r.uint(land_by_ms, "`$.dl`") &&
+               (land_by_ms <= kU63 || r.fail("Expected `int` <= " + std::to_string(kU63) + " - at `$.dl`"));
       default: return r.fail("control body");   // "c": only an op-4 request has one (Python decodes those)
     }
   });
   if (!ok && r.err() == "control body") return Decoded::kControl;
   if (ok && o == kControl) return Decoded::kControl;
   if (ok && !r.done()) ok = r.fail("trailing bytes after the header");
-  if (ok && seen != 0xf) {
+  if (ok && (seen & 0xf) != 0xf) {
     static const char* const kField[] = {"v", "op", "id", "e"};
     for (int k = 0; k < 4; ++k)
       if (!(seen & (1u << k))) { ok = r.fail(std::string("Object missing required field `") + kField[k] + "`"); break; }
@@ -124,14 +128,16 @@ Decoded decode_request(const uint8_t* h, size_t n, uint64_t plen, uint64_t max_f
   return Decoded::kData;
 }
 
-void encode_request(std::string& out, int op, uint64_t id, const WireEntry* e, size_t n, uint64_t payload) {
+void encode_request(std::string& out, int op, uint64_t id, const WireEntry* e, size_t n, uint64_t payload,
+                    uint64_t land_by_ms) {
   std::string head;
-  head.reserve(24 + 12 * n);
+  head.reserve(36 + 12 * n);
   MpWriter w(head);
-  w.map(4);
+  w.map(land_by_ms ? 5 : 4);
   w.str("v"); w.uint(kVersion);
   w.str("op"); w.uint(uint64_t(op));
   w.str("id"); w.uint(id);
+  if (land_by_ms) { w.str("dl"); w.uint(land_by_ms); }
   w.str("e"); w.array(uint32_t(n));
   for (size_t i = 0; i < n; ++i) { w.array(3); w.uint(e[i].region); w.uint(e[i].offset); w.uint(e[i].length); }
   frame(out, head, payload);

@@ -22,13 +22,15 @@ struct WireEntry { uint64_t region, offset, length; };
 bool parse_prefix(const uint8_t* p, uint64_t max_frame, uint32_t& hlen, uint64_t& plen, std::string& err);
 
 enum class Decoded { kData, kControl, kError };
-// A data request (op 1/2) into op/id/entries, with the payload checks; kControl for an op-4 request (decoded
-// by Python, wire.decode_request); kError with `err`.
+// A data request (op 1/2) into op/id/entries/land_by_ms (its "dl": unix ms a write's bytes must land by, 0
+// when absent), with the payload checks; kControl for an op-4 request (decoded by Python,
+// wire.decode_request); kError with `err`.
 Decoded decode_request(const uint8_t* h, size_t n, uint64_t plen, uint64_t max_frame, int& op, uint64_t& id,
-                       std::vector<WireEntry>& entries, std::string& err);
+                       std::vector<WireEntry>& entries, uint64_t& land_by_ms, std::string& err);
 
-// Prefix + header of a request frame (the write payload follows on the socket).
-void encode_request(std::string& out, int op, uint64_t id, const WireEntry* e, size_t n, uint64_t payload);
+// Prefix + header of a request frame (the write payload follows on the socket); "dl" only when land_by_ms.
+void encode_request(std::string& out, int op, uint64_t id, const WireEntry* e, size_t n, uint64_t payload,
+                    uint64_t land_by_ms = 0);
 
 // Prefix + header of a response; status[i] empty (ok[i]) means None.
 void encode_response(std::string& out, uint64_t id, const std::vector<std::string>& errs,

@@ -51,7 +51,7 @@ class NodeTier:
             else None
         )
         self._registered = False
-        self._polled = 0.0  # monotonic time of the last poll's answer (migrate TTLs count from it)
+        self._polled = 0.0  # monotonic time the last poll was sent (migrate TTLs count from it)
         self._stop = threading.Event()
         self._thread = None
         try:
@@ -104,12 +104,13 @@ class NodeTier:
                 log.exception("disk tier poll failed; polling goes on")
 
     def _poll_once(self) -> None:
+        sent = time.monotonic()  # TTLs count from the request: its answer may have spent seconds on the wire
         [(code, value)] = self.rpc.call("tier_poll", [self.segment.name])
         if code == NOT_FOUND:
             self._registered = False
             return
         cmds, descs = value
-        self._polled = time.monotonic()
+        self._polled = sent
         done = [r for r in self._run_all(cmds, descs) if r is not None]
         with self._lock:
             done += self._lost
@@ -168,7 +169,10 @@ class NodeTier:
         return ["offload", key, True, digest, 0]
 
     def _left_ms(self, ttl_ms: float) -> float:
-        """What is left of a command's ``ttl_ms`` (ms from the poll that fetched it)."""
+        """What is left of a command's ``ttl_ms`` (ms from when the poll that fetched it was sent: the master
+        counted it from a moment after that, so this end is never later than the master's, however long the
+        answer took to arrive; counted from the answer, a copy delayed by a cut landed after its space was
+        given to another object)."""
         return ttl_ms - (time.monotonic() - self._polled) * 1000
 
     def _migrate(
@@ -201,6 +205,7 @@ class NodeTier:
                     [off],
                     [size],
                     timeout_ms=min(float(self.cfg.rpc_timeout_ms), left_ms),
+                    fenced=True,  # the destination's node drops it once late (its space may be reused then)
                 )
         except KeyNotFound:
             return ["migrate", key, False, "missing", fid]
