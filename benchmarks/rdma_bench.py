@@ -94,8 +94,18 @@ class Ours:
         self.buf = np.zeros(40 * MIB, np.uint8)
         self.reg = self.eng.register(self.buf)
 
-    def batch(self, read: bool, n: int, size: int, stride: int) -> float:
-        """Seconds for one batch of ``n`` entries of ``size`` bytes, ``stride`` apart on both sides."""
+    def batch(self, read: bool, n: int, size: int, stride: int, spans: bool = False) -> float:
+        """Seconds for one batch of ``n`` entries of ``size`` bytes, ``stride`` apart on both sides: TransferRequest
+        objects (batch_read/batch_write), or with ``spans`` the array form the store uses (read_spans/write_spans)."""
+        if spans:
+            offs = np.arange(n, dtype=np.uint64) * np.uint64(stride)
+            fn = self.eng.read_spans if read else self.eng.write_spans
+            t = time.perf_counter()
+            st = fn(self.desc, self.region, offs + np.uint64(self.reg.addr), offs, np.full(n, size, np.uint64))
+            dt = time.perf_counter() - t
+            if st.count(None) != n:
+                raise RuntimeError(f"batch failed: {[e for e in st if e][:1]}")
+            return dt
         reqs = [TransferRequest(self.reg, i * stride, self.desc, self.region, i * stride, size) for i in range(n)]
         t = time.perf_counter()
         st = (self.eng.batch_read if read else self.eng.batch_write)(reqs)
@@ -104,12 +114,12 @@ class Ours:
             raise RuntimeError(f"batch failed: {[e for e in st if e][:1]}")
         return dt
 
-    def cpu_per_wr(self, rounds: int, n: int, size: int, stride: int) -> dict[str, float]:
+    def cpu_per_wr(self, rounds: int, n: int, size: int, stride: int, spans: bool = False) -> dict[str, float]:
         """CPU µs per posted work request over ``rounds`` batches: user (our Python and native verbs layer) and
         system (the kernel, where soft-RoCE does the NIC's work inside ibv_post_send)."""
         wrs0, t0 = self.eng.stats()["rdma"]["wrs"], os.times()
         for _ in range(rounds):
-            self.batch(True, n, size, stride)
+            self.batch(True, n, size, stride, spans)
         t1, wrs = os.times(), self.eng.stats()["rdma"]["wrs"] - wrs0
         return {"user": (t1.user - t0.user) * 1e6 / wrs, "system": (t1.system - t0.system) * 1e6 / wrs}
 
@@ -139,7 +149,8 @@ def main() -> None:
             "bash ci/rxe-guest.sh -- .venv/bin/python benchmarks/rdma_bench.py"
         )
     nic, ours = nics[0], Ours(args.host)
-    rows: dict[str, list[float]] = {k: [] for k in ("ib_read_bw", "ib_write_bw", "ib_read_lat", "read", "write", "lat")}
+    keys = ("ib_read_bw", "ib_write_bw", "ib_read_lat", "read", "write", "lat", "lat_spans")
+    rows: dict[str, list[float]] = {k: [] for k in keys}
     try:
         ours.batch(True, 32, MIB, MIB)  # connect QPs, warm up
         for _ in range(args.rounds):
@@ -151,8 +162,12 @@ def main() -> None:
             rows["lat"].append(
                 statistics.median(ours.batch(True, 1, SMALL, SMALL) * 1e6 for _ in range(args.lat_samples))
             )
+            rows["lat_spans"].append(
+                statistics.median(ours.batch(True, 1, SMALL, SMALL, True) * 1e6 for _ in range(args.lat_samples))
+            )
         cpu = {
             "4KiB_scattered": ours.cpu_per_wr(3, SMALL_N, SMALL, SMALL_STRIDE),
+            "4KiB_scattered_spans": ours.cpu_per_wr(3, SMALL_N, SMALL, SMALL_STRIDE, spans=True),
             "1MiB": ours.cpu_per_wr(3, 32, MIB, MIB),
         }
     finally:
@@ -171,6 +186,7 @@ def main() -> None:
             "read_vs_ib_read_bw": med["read"] / med["ib_read_bw"],
             "write_vs_ib_write_bw": med["write"] / med["ib_write_bw"],
             "lat_vs_ib_read_lat": med["lat"] / med["ib_read_lat"],
+            "lat_spans_vs_ib_read_lat": med["lat_spans"] / med["ib_read_lat"],
         },
         "cpu_us_per_wr": cpu,
     }
@@ -193,6 +209,8 @@ def _report(r: dict) -> None:
         f"{'WRITE 32 x 1 MiB (MiB/s)':34} {m['write']:10.1f} {m['ib_write_bw']:10.1f} {q['write_vs_ib_write_bw']:7.2f}"
     )
     print(f"{'single 4 KiB read p50 (us)':34} {m['lat']:10.1f} {m['ib_read_lat']:10.1f} {q['lat_vs_ib_read_lat']:7.2f}")
+    lat_s = q["lat_spans_vs_ib_read_lat"]
+    print(f"{'  the same, read_spans (us)':34} {m['lat_spans']:10.1f} {m['ib_read_lat']:10.1f} {lat_s:7.2f}")
     for case, c in r["cpu_us_per_wr"].items():
         print(f"CPU us per posted work request, {case}: user {c['user']:.1f}, system {c['system']:.1f}")
 

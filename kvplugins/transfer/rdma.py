@@ -11,7 +11,8 @@ Lifecycle (within a TransferEngine, kvplugins/transfer/api.py):
                                  exported); ``region_info`` publishes its address and one rkey per NIC in the
                                  descriptor's region table; ``endpoint`` publishes the NICs (name, GID, LID, MTU,
                                  subnet, NUMA node).
-  3. ``transfer``                per peer: entries coalesced, cut at ``rdma_max_wr``, striped over the healthy NIC
+  3. ``transfer`` / ``transfer_spans``  per peer: spans coalesced and cut at ``rdma_max_wr`` as arrays of work
+                                 requests (rdma_wrs.py: no Python object per request), striped over the healthy NIC
                                  paths by measured throughput, spread over ``rdma_qps_per_peer`` QPs per path,
                                  posted as chains of one-sided work requests with selective signalling and
                                  completed in one native call (rdma_verbs.run). Chunks of a failed path are retried once on another
@@ -28,11 +29,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, Iterator
+
+import numpy as np
 
 from kvplugins.errors import TransferError, TransferFailed
 from kvplugins.transfer import rdma_verbs as verbs
+from kvplugins.transfer import rdma_wrs
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
 from kvplugins.transfer.config import TransferConfig
 from kvplugins.transfer.nics import discover
@@ -41,19 +45,6 @@ from kvplugins.transfer.rdma_qps import QpPool
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
 log = logging.getLogger("kvplugins.transfer.rdma")
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Coalesced entries ``first..last`` (inclusive): ``length`` bytes at local addr <-> remote addr."""
-
-    first: int
-    last: int
-    laddr: int
-    region_id: int
-    raddr: int
-    rkeys: tuple[int, ...]
-    length: int
 
 
 class RdmaTransport(Transport):
@@ -169,116 +160,142 @@ class RdmaTransport(Transport):
             by_peer.setdefault(e.remote.segment_id, []).append(i)
         for seg, idxs in by_peer.items():
             self._qps.remember(entries[idxs[0]].remote)
-            pieces = self._pieces(entries, idxs, status)
-            failed, why = self._run(op, seg, pieces, deadline)
-            if failed:
-                err = TransferFailed(f"rdma to {seg}: {why}")
-                for p in failed:
-                    for i in range(p.first, p.last + 1):
-                        status[idxs[i]] = status[idxs[i]] or err
+            ok = [i for i in idxs if self._registered(entries[i].local, status, i)]
+            if not ok:
+                continue
+            es = [entries[i] for i in ok]
+            wrs = rdma_wrs.build(
+                _u64([e.local_addr for e in es]),
+                _u64([e.remote_region.rdma[0] + e.remote_offset for e in es]),
+                _u64([e.length for e in es]),
+                np.array([self._lkeys(e.local.region_id) for e in es], dtype=np.uint64),
+                np.array([e.remote_region.rdma[1] for e in es], dtype=np.uint64),
+                int(self._cfg.rdma_max_wr),
+            )
+            for k, err in self._run(op, seg, wrs, {e.local.region_id for e in es}, deadline):
+                status[ok[k]] = status[ok[k]] or err
         return status
 
-    def _pieces(self, entries: list[Entry], idxs: list[int], status: list) -> list[_Piece]:
-        """Coalesced pieces of one peer's entries, cut at rdma_max_wr (first/last index into ``idxs``)."""
-        out: list[_Piece] = []
-        for k, i in enumerate(idxs):
-            e = entries[i]
-            if e.local.region_id not in self._keys:
-                status[i] = TransferFailed(f"local region {e.local.region_id} has no RDMA registration")
-                continue
-            raddr = e.remote_region.rdma[0] + e.remote_offset
-            last = out[-1] if out else None
-            if (
-                last
-                and last.last == k - 1
-                and last.region_id == e.local.region_id
-                and last.laddr + last.length == e.local_addr
-                and last.raddr + last.length == raddr
-                and last.rkeys == e.remote_region.rdma[1]
-            ):
-                out[-1] = replace(last, last=k, length=last.length + e.length)
-            else:
-                out.append(_Piece(k, k, e.local_addr, e.local.region_id, raddr, e.remote_region.rdma[1], e.length))
-        cut, limit = [], int(self._cfg.rdma_max_wr)
-        for p in out:
-            if p.length <= limit:
-                cut.append(p)
-                continue
-            for off in range(0, p.length, limit):
-                cut.append(replace(p, laddr=p.laddr + off, raddr=p.raddr + off, length=min(limit, p.length - off)))
-        return cut
+    def transfer_spans(self, op: Op, batch, deadline: Deadline) -> list[TransferError | None] | None:
+        """The array form: the spans become work-request rows without a Python object per span (rdma_wrs.py)."""
+        self._qps.remember(batch.remote)
+        n = len(batch)
+        status: list[TransferError | None] = [None] * n
+        uniq = {id(r): r for r in batch.regions}
+        pos = {k: j for j, k in enumerate(uniq)}
+        idx = (
+            np.zeros(n, dtype=np.int64)
+            if len(uniq) == 1
+            else np.fromiter((pos[id(r)] for r in batch.regions), np.int64, n)
+        )
+        usable = np.array([self._registered(r, None, 0) for r in uniq.values()], dtype=bool)
+        sel = np.flatnonzero(usable[idx])
+        for j in np.flatnonzero(~usable[idx]).tolist():
+            self._registered(batch.regions[j], status, j)
+        if len(sel):
+            table = np.array([self._lkeys(r.region_id) if ok else [0] * len(self._nics)
+                              for r, ok in zip(uniq.values(), usable)], dtype=np.uint64)  # fmt: skip
+            addrs, roffs, lens = (np.asarray(a, dtype=np.uint64)[sel] for a in (batch.addrs, batch.roffs, batch.lens))
+            wrs = rdma_wrs.build(
+                addrs,
+                roffs + np.uint64(batch.info.rdma[0]),
+                lens,
+                table[idx[sel]],
+                np.array([batch.info.rdma[1]], dtype=np.uint64),
+                int(self._cfg.rdma_max_wr),
+                coalesce=False,  # the router coalesced them already
+            )
+            regions = {r.region_id for r, ok in zip(uniq.values(), usable) if ok}
+            for k, err in self._run(op, batch.remote.segment_id, wrs, regions, deadline):
+                status[int(sel[k])] = status[int(sel[k])] or err
+        return None if status.count(None) == n else status
 
-    def _run(self, op: Op, seg: str, pieces: list[_Piece], deadline: Deadline) -> tuple[list[_Piece], str]:
-        """Run ``pieces`` to peer ``seg`` over its healthy paths; a failed path's pieces get one more round on
-        the others. Returns (pieces that failed, why)."""
-        todo, why, tried = pieces, "no healthy RDMA path", set()
-        while todo:
-            paths = [p for p in self._live_paths(seg, pieces) if p not in tried]
+    def _registered(self, region: Region, status: list | None, i: int) -> bool:
+        """Whether ``region`` has an MR on every NIC; if not, ``status[i]`` says so (unless ``status`` is None)."""
+        if region.region_id in self._keys:
+            return True
+        if status is not None:
+            status[i] = TransferFailed(f"local region {region.region_id} has no RDMA registration")
+        return False
+
+    def _lkeys(self, region_id: int) -> list[int]:
+        return [mr.lkey for mr in self._keys[region_id][1]]
+
+    def _run(
+        self, op: Op, seg: str, wrs: rdma_wrs.Wrs, regions: set[int], deadline: Deadline
+    ) -> Iterator[tuple[int, TransferFailed]]:
+        """Run ``wrs`` to peer ``seg`` over its healthy paths; a failed path's work requests get one more round on
+        the others. Yields (caller's span index, TransferFailed) for each span of a work request that failed."""
+        todo, why, tried = np.arange(len(wrs), dtype=np.int64), "no healthy RDMA path", set()
+        while len(todo):
+            paths = [p for p in self._live_paths(seg, regions) if p not in tried]
             if not paths:
-                return todo, why
-            todo, why, bad = self._round(op, seg, todo, paths, deadline)
+                break
+            todo, why, bad = self._round(op, seg, wrs, todo, paths, deadline)
             tried |= bad
             if not bad:
-                return todo, why
-        return [], ""
+                break
+        if len(todo):
+            err = TransferFailed(f"rdma to {seg}: {why}")
+            for w in todo.tolist():
+                for k in range(int(wrs.first[w]), int(wrs.last[w]) + 1):
+                    yield k, err
 
-    def _live_paths(self, seg: str, pieces: list[_Piece]) -> list[Path]:
+    def _live_paths(self, seg: str, regions: set[int]) -> list[Path]:
         ep, up = self._qps.endpoint(seg), self._qps.nics_up
         paths = [p for p in (self._paths(ep) if ep else []) if up[p.local] and self._stats.up((seg, p.local, p.remote))]
-        regions = {p.region_id for p in pieces}
         near = [
             p for p in paths if all(self._numa.get(r, -1) in (-1, self._nics[p.local].info.numa_node) for r in regions)
         ]
         return near or paths
 
-    def _round(self, op: Op, seg: str, pieces: list[_Piece], paths: list[Path], deadline: Deadline):
-        """One striped attempt; returns (failed pieces, why, failed paths)."""
-        owner = self._stripe(seg, pieces, paths)
+    def _round(self, op: Op, seg: str, wrs: rdma_wrs.Wrs, todo: np.ndarray, paths: list[Path], deadline: Deadline):
+        """One striped attempt of work requests ``todo``; returns (those that failed, why, failed paths)."""
+        owner = self._stripe(seg, wrs.length[todo], paths)
         works, failed, why, bad = [], [], "", set()
         held: list[tuple[tuple, verbs.QueuePair]] = []
         for k, path in enumerate(paths):
-            mine = [p for p, o in zip(pieces, owner) if o == k]
-            if not mine:
+            mine = todo[owner == k]
+            if not len(mine):
                 continue
             qps, err = self._qps.acquire(seg, path, len(mine), deadline)
             if not qps:
-                failed += mine
+                failed.append(mine)
                 why = err
                 bad.add(path)
                 continue
             held += [((seg, path), q) for q in qps]
             for j, q in enumerate(qps):
-                works.append(
-                    (path, verbs.Work(q, [self._chunk(p, path) for p in mine[j :: len(qps)]]), mine[j :: len(qps)])
-                )
+                part = mine[j :: len(qps)]
+                works.append((path, verbs.Work(q, wrs.rows(part, path.local, path.remote)), part))
         start = time.monotonic()
         posted = verbs.run(op is Op.READ, [w for _, w, _ in works], deadline.at, self._cfg.rdma_signal_every)
         self._stats.add("wrs", posted)
         self._stats.add("striped_batches", int(len({id(p) for p, _, _ in works}) > 1))
-        failed, why, bad = self._settle(seg, works, start, failed, why, bad)
+        why = self._settle(seg, works, start, failed, why, bad)
         self._qps.release(held)
-        return failed, why, bad
+        return (np.concatenate(failed) if failed else todo[:0]), why, bad
 
-    def _stripe(self, seg: str, pieces: list[_Piece], paths: list[Path]) -> list[int]:
-        """Path index per piece: by measured throughput (rdma_paths.stripe); a small batch takes the best path."""
+    def _stripe(self, seg: str, lengths: np.ndarray, paths: list[Path]) -> np.ndarray:
+        """Path index per work request: by measured throughput (rdma_paths.stripe); a small batch takes the best
+        path."""
         if len(paths) == 1:
-            return [0] * len(pieces)
+            return np.zeros(len(lengths), dtype=np.int64)
         speeds = [self._nics[p.local].info.speed_gbps or 1.0 for p in paths]
         weights = [self._stats.weight((seg, p.local, p.remote), s * 125e6) for p, s in zip(paths, speeds)]
-        if sum(p.length for p in pieces) <= self._cfg.rdma_max_wr:
+        if int(lengths.sum()) <= self._cfg.rdma_max_wr:
             weights = [w if w == max(weights) else 0.0 for w in weights]
-        return stripe([p.length for p in pieces], weights)
+        return np.asarray(stripe(lengths.tolist(), weights), dtype=np.int64)
 
-    def _settle(self, seg, works, start, failed, why, bad):
-        """Telemetry and failures of a round's works (failed chunks map back to their pieces)."""
+    def _settle(self, seg, works, start, failed: list, why: str, bad: set) -> str:
+        """Telemetry and failures of a round's works: a failed work's unconfirmed requests go to ``failed``."""
         moved: dict[Path, list] = {}
-        for path, w, mine in works:
+        for path, w, part in works:
             acc = moved.setdefault(path, [0, start])
-            acc[0] += sum(c.length for c in w.chunks[: w.done])
+            acc[0] += int(w.rows[: w.done, 4].sum())
             acc[1] = max(acc[1], w.finished_at or time.monotonic())
             if w.error:
-                done = {id(c) for c in w.chunks[: w.done]}
-                failed += [p for p, c in zip(mine, w.chunks) if id(c) not in done]
+                failed.append(part[w.done :])
                 why = f"{self._nics[path.local].info.name}: {w.error}"
                 if path not in bad:
                     bad.add(path)
@@ -297,11 +314,7 @@ class RdmaTransport(Transport):
                 nbytes,
                 end - start,
             )
-        return failed, why, bad
-
-    def _chunk(self, p: _Piece, path: Path) -> verbs.Chunk:
-        mr = self._keys[p.region_id][1][path.local]
-        return verbs.Chunk(p.laddr, mr.lkey, p.raddr, p.rkeys[path.remote], p.length)
+        return why
 
     def stats(self) -> dict[str, Any]:
         """wrs posted, path_failures, qp_rebuilds, striped_batches, path_mbps (measured MB/s per peer and path),
@@ -312,3 +325,7 @@ class RdmaTransport(Transport):
         self._qps.close()
         for nic in self._nics:
             nic.close()
+
+
+def _u64(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.uint64)

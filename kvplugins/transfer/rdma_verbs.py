@@ -21,7 +21,7 @@ import contextlib
 import ipaddress
 import secrets
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
@@ -66,17 +66,6 @@ def query_ports(name: str, ports: list[int]) -> list[tuple[int, int, int, int]]:
     with _native(f"RDMA device {name}"):
         ctx = _mod().Context(name)
         return [ctx.query_port(p) for p in ports]
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One work request: ``length`` bytes (<= 1 GiB) between local (addr, lkey) and remote (addr, rkey)."""
-
-    laddr: int
-    lkey: int
-    raddr: int
-    rkey: int
-    length: int
 
 
 class Nic:
@@ -187,28 +176,26 @@ class QueuePair:
 
 @dataclass
 class Work:
-    """The chunks one QP runs in a batch, and how far it got: ``done`` chunks confirmed, ``posted`` posted."""
+    """The work requests one QP runs in a batch, as (laddr, lkey, raddr, rkey, length) uint64 ``rows`` (each <= 1 GiB
+    bytes; rdma_wrs.Wrs.rows), and how far it got: ``done`` rows confirmed, ``posted`` posted."""
 
     qp: QueuePair
-    chunks: list[Chunk]
+    rows: np.ndarray
     done: int = 0
     posted: int = 0
     finished_at: float = 0.0
     error: str | None = None
-    failed: list[Chunk] = field(default_factory=list)
 
 
 def run(op_read: bool, works: list[Work], deadline_at: float, signal_every: int) -> int:
-    """Post and complete every Work's chunks (RDMA READ if ``op_read`` else WRITE) by ``deadline_at``
+    """Post and complete every Work's rows (RDMA READ if ``op_read`` else WRITE) by ``deadline_at``
     (time.monotonic()), in one native call with the GIL released. A QP that fails (error completion, post
-    refused, deadline) is killed and its unconfirmed chunks land in ``work.failed`` with ``work.error``.
-    Returns the work requests posted. Raises ValueError for a chunk over 1 GiB or a QP given twice."""
-    rows = [np.array([(c.laddr, c.lkey, c.raddr, c.rkey, c.length) for c in w.chunks], dtype=np.uint64).reshape(-1, 5)
-            for w in works]  # fmt: skip
+    refused, deadline) is killed; its rows from ``work.done`` on are unconfirmed, ``work.error`` says why.
+    Returns the work requests posted. Raises ValueError for a row over 1 GiB or a QP given twice."""
+    rows = [np.ascontiguousarray(w.rows, dtype=np.uint64).reshape(-1, 5) for w in works]
     posted, out = _mod().run(op_read, [w.qp.qp for w in works], rows, deadline_at, max(1, int(signal_every)))
     for w, (done, sent, finished_at, error) in zip(works, out):
         w.done, w.posted, w.finished_at = done, sent, finished_at
         if error:
             w.error = w.error or error
-            w.failed = w.chunks[done:]
     return posted

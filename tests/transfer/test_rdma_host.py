@@ -9,11 +9,13 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kvplugins.errors import ConfigError
 from kvplugins.transfer import TransferConfig, TransferEngine
 from kvplugins.transfer.rdma_paths import Path, PathStats, pair, stripe
+from kvplugins.transfer.rdma_wrs import build
 
 
 def test_absent_rdma_is_one_log_line_and_routing_is_unchanged(caplog):
@@ -116,3 +118,21 @@ def test_path_stats_measure_fail_and_recover():
 
     time.sleep(0.06)
     assert stats.up(key)  # probed back after probe_s
+
+
+def test_work_requests_coalesce_contiguous_spans_and_cut_at_the_limit():
+    """rdma_wrs.build: spans contiguous on both sides with the same keys become one work request, one over the
+    limit is cut, and each request names the caller's spans it covers (a failed request fails exactly those)."""
+    u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
+    lkeys = np.array([[7, 8], [7, 8], [7, 8], [9, 9]], dtype=np.uint64)
+    w = build(u(0, 100, 300, 400), u(1000, 1100, 1300, 1400), u(100, 200, 100, 50), lkeys, u(5, 6)[None, :], 120)
+    # spans 0, 1 and 2 are contiguous on both sides with the same keys: 400 bytes, cut at 120; span 3 has other
+    # lkeys: a request of its own
+    assert w.length.tolist() == [120, 120, 120, 40, 50]
+    assert w.laddr.tolist() == [0, 120, 240, 360, 400] and w.raddr.tolist() == [1000, 1120, 1240, 1360, 1400]
+    assert list(zip(w.first.tolist(), w.last.tolist())) == [(0, 2)] * 4 + [(3, 3)]
+    assert w.rows(np.array([4]), 1, 0).tolist() == [[400, 9, 1400, 5, 50]]
+    apart = build(u(0, 100), u(0, 200), u(100, 100), lkeys[:2], u(5, 6)[None, :], 1 << 20)
+    assert apart.length.tolist() == [100, 100] and apart.first.tolist() == [0, 1] == apart.last.tolist()
+    kept = build(u(0, 100), u(0, 100), u(100, 100), lkeys[:2], u(5, 6)[None, :], 1 << 20, coalesce=False)
+    assert kept.length.tolist() == [100, 100]
