@@ -11,12 +11,13 @@ Lifecycle (within a TransferEngine, kvplugins/transfer/api.py):
                                  exported); ``region_info`` publishes its address and one rkey per NIC in the
                                  descriptor's region table; ``endpoint`` publishes the NICs (name, GID, LID, MTU,
                                  subnet, NUMA node).
-  3. ``transfer`` / ``transfer_spans``  per peer: spans coalesced and cut at ``rdma_max_wr`` as arrays of work
-                                 requests (rdma_wrs.py: no Python object per request), striped over the healthy NIC
-                                 paths by measured throughput, spread over ``rdma_qps_per_peer`` QPs per path,
-                                 posted as chains of one-sided work requests with selective signalling and
-                                 completed in one native call (rdma_verbs.run). Chunks of a failed path are retried once on another
-                                 path; what still fails is TransferFailed, which the router retries on TCP.
+  3. ``transfer`` / ``transfer_spans``  per peer: the spans as columns (rdma_wrs.py: no Python object per span or
+                                 work request), striped over the healthy NIC paths by measured throughput; per
+                                 path one native call (rdma_verbs.run_spans) cuts them at ``rdma_max_wr``, deals
+                                 the work requests over ``rdma_qps_per_peer`` QPs, posts them as chains with
+                                 selective signalling and completes them. Spans of a failed path are retried once
+                                 on another path; what still fails is TransferFailed, which the router retries on
+                                 TCP.
                                  A dead QP is rebuilt, and a down path probed back, by a background thread
                                  every ``rdma_probe_ms`` (the queue pairs and their set-up: rdma_qps.py).
   4. ``remove_region``, ``close``.
@@ -164,50 +165,41 @@ class RdmaTransport(Transport):
             if not ok:
                 continue
             es = [entries[i] for i in ok]
-            wrs = rdma_wrs.build(
-                _u64([e.local_addr for e in es]),
-                _u64([e.remote_region.rdma[0] + e.remote_offset for e in es]),
-                _u64([e.length for e in es]),
-                np.array([self._lkeys(e.local.region_id) for e in es], dtype=np.uint64),
-                np.array([e.remote_region.rdma[1] for e in es], dtype=np.uint64),
-                int(self._cfg.rdma_max_wr),
+            spans = rdma_wrs.coalesce(
+                [e.local_addr for e in es],
+                [e.remote_region.rdma[0] + e.remote_offset for e in es],
+                [e.length for e in es],
+                [self._lkeys(e.local.region_id) for e in es],
+                [e.remote_region.rdma[1] for e in es],
             )
-            for k, err in self._run(op, seg, wrs, {e.local.region_id for e in es}, deadline):
+            for k, err in self._run(op, seg, spans, {e.local.region_id for e in es}, deadline):
                 status[ok[k]] = status[ok[k]] or err
         return status
 
     def transfer_spans(self, op: Op, batch, deadline: Deadline) -> list[TransferError | None] | None:
-        """The array form: the spans become work-request rows without a Python object per span (rdma_wrs.py)."""
+        """The array form (the store's path): the router's coalesced spans go to the native call as columns."""
         self._qps.remember(batch.remote)
         n = len(batch)
         status: list[TransferError | None] = [None] * n
         uniq = {id(r): r for r in batch.regions}
-        pos = {k: j for j, k in enumerate(uniq)}
-        idx = (
-            np.zeros(n, dtype=np.int64)
-            if len(uniq) == 1
-            else np.fromiter((pos[id(r)] for r in batch.regions), np.int64, n)
-        )
-        usable = np.array([self._registered(r, None, 0) for r in uniq.values()], dtype=bool)
-        sel = np.flatnonzero(usable[idx])
-        for j in np.flatnonzero(~usable[idx]).tolist():
-            self._registered(batch.regions[j], status, j)
-        if len(sel):
-            table = np.array([self._lkeys(r.region_id) if ok else [0] * len(self._nics)
-                              for r, ok in zip(uniq.values(), usable)], dtype=np.uint64)  # fmt: skip
-            addrs, roffs, lens = (np.asarray(a, dtype=np.uint64)[sel] for a in (batch.addrs, batch.roffs, batch.lens))
-            wrs = rdma_wrs.build(
-                addrs,
-                roffs + np.uint64(batch.info.rdma[0]),
-                lens,
-                table[idx[sel]],
-                np.array([batch.info.rdma[1]], dtype=np.uint64),
-                int(self._cfg.rdma_max_wr),
-                coalesce=False,  # the router coalesced them already
-            )
-            regions = {r.region_id for r, ok in zip(uniq.values(), usable) if ok}
-            for k, err in self._run(op, batch.remote.segment_id, wrs, regions, deadline):
-                status[int(sel[k])] = status[int(sel[k])] or err
+        if not all(self._registered(r, None, 0) for r in uniq.values()):
+            for j, r in enumerate(batch.regions):
+                self._registered(r, status, j)
+            keep = [j for j in range(n) if status[j] is None]
+            if keep:
+                for j, err in zip(keep, self.transfer_spans(op, batch.subset(keep), deadline) or []):
+                    status[j] = err
+            return status
+        if len(uniq) == 1:
+            lkeys = [[k] for k in self._lkeys(batch.regions[0].region_id)]
+        else:
+            lkeys = [list(col) for col in zip(*(self._lkeys(r.region_id) for r in batch.regions))]
+        base, rkeys = batch.info.rdma
+        roffs = batch.roffs
+        raddr = [base + r for r in roffs] if isinstance(roffs, list) else roffs + np.uint64(base)
+        spans = rdma_wrs.Spans(batch.addrs, raddr, batch.lens, lkeys, [[k] for k in rkeys])
+        for k, err in self._run(op, batch.remote.segment_id, spans, {r.region_id for r in uniq.values()}, deadline):
+            status[k] = status[k] or err
         return None if status.count(None) == n else status
 
     def _registered(self, region: Region, status: list | None, i: int) -> bool:
@@ -222,24 +214,29 @@ class RdmaTransport(Transport):
         return [mr.lkey for mr in self._keys[region_id][1]]
 
     def _run(
-        self, op: Op, seg: str, wrs: rdma_wrs.Wrs, regions: set[int], deadline: Deadline
+        self, op: Op, seg: str, spans: rdma_wrs.Spans, regions: set[int], deadline: Deadline
     ) -> Iterator[tuple[int, TransferFailed]]:
-        """Run ``wrs`` to peer ``seg`` over its healthy paths; a failed path's work requests get one more round on
-        the others. Yields (caller's span index, TransferFailed) for each span of a work request that failed."""
-        todo, why, tried = np.arange(len(wrs), dtype=np.int64), "no healthy RDMA path", set()
-        while len(todo):
-            paths = [p for p in self._live_paths(seg, regions) if p not in tried]
+        """Run ``spans`` to peer ``seg`` over its healthy paths; a failed path's spans get one more round on the
+        others. Yields (caller's entry index, TransferFailed) for each entry of a span that failed."""
+        todo: list[int] | None = None  # None: every span
+        why, tried = "no healthy RDMA path", set()
+        paths = self._live_paths(seg, regions)
+        if len(paths) > 1:  # striped: paths share a big span's work requests
+            spans = spans.cut(int(self._cfg.rdma_max_wr))
+        while todo is None or todo:
+            if tried:
+                paths = [p for p in self._live_paths(seg, regions) if p not in tried]
             if not paths:
                 break
-            todo, why, bad = self._round(op, seg, wrs, todo, paths, deadline)
+            todo, why, bad = self._round(op, seg, spans, todo, paths, deadline)
             tried |= bad
             if not bad:
                 break
-        if len(todo):
+        left = list(range(len(spans))) if todo is None else todo
+        if left:
             err = TransferFailed(f"rdma to {seg}: {why}")
-            for w in todo.tolist():
-                for k in range(int(wrs.first[w]), int(wrs.last[w]) + 1):
-                    yield k, err
+            for k in spans.callers(left):
+                yield k, err
 
     def _live_paths(self, seg: str, regions: set[int]) -> list[Path]:
         ep, up = self._qps.endpoint(seg), self._qps.nics_up
@@ -249,72 +246,65 @@ class RdmaTransport(Transport):
         ]
         return near or paths
 
-    def _round(self, op: Op, seg: str, wrs: rdma_wrs.Wrs, todo: np.ndarray, paths: list[Path], deadline: Deadline):
-        """One striped attempt of work requests ``todo``; returns (those that failed, why, failed paths)."""
-        owner = self._stripe(seg, wrs.length[todo], paths)
-        works, failed, why, bad = [], [], "", set()
-        held: list[tuple[tuple, verbs.QueuePair]] = []
+    def _round(self, op: Op, seg: str, spans: rdma_wrs.Spans, todo: list[int] | None, paths: list[Path], deadline):
+        """One striped attempt of spans ``todo`` (None: all); returns (spans that failed, why, failed paths)."""
+        owner = self._stripe(seg, spans, todo, paths)
+        failed: list[int] = []
+        why, bad, held = "", set(), []
         for k, path in enumerate(paths):
-            mine = todo[owner == k]
-            if not len(mine):
+            mine = todo if owner is None else [j for j, o in owner if o == k]
+            count = len(spans) if mine is None else len(mine)
+            if not count:
                 continue
-            qps, err = self._qps.acquire(seg, path, len(mine), deadline)
+            qps, err = self._qps.acquire(seg, path, count, deadline)
             if not qps:
-                failed.append(mine)
+                failed += range(len(spans)) if mine is None else mine
                 why = err
                 bad.add(path)
                 continue
             held += [((seg, path), q) for q in qps]
-            for j, q in enumerate(qps):
-                part = mine[j :: len(qps)]
-                works.append((path, verbs.Work(q, wrs.rows(part, path.local, path.remote)), part))
-        start = time.monotonic()
-        posted = verbs.run(op is Op.READ, [w for _, w, _ in works], deadline.at, self._cfg.rdma_signal_every)
-        self._stats.add("wrs", posted)
-        self._stats.add("striped_batches", int(len({id(p) for p, _, _ in works}) > 1))
-        why = self._settle(seg, works, start, failed, why, bad)
+            start = time.monotonic()
+            posted, runs, lost = verbs.run_spans(
+                op is Op.READ,
+                qps,
+                *spans.path(mine, path.local, path.remote),
+                int(self._cfg.rdma_max_wr),
+                deadline.at,
+                self._cfg.rdma_signal_every,
+            )
+            self._stats.add("wrs", posted)
+            why = self._settle(seg, path, runs, start, bad) or why
+            failed += lost if mine is None else [mine[j] for j in lost]
+        self._stats.add("striped_batches", int(owner is not None and len({o for _, o in owner}) > 1))
         self._qps.release(held)
-        return (np.concatenate(failed) if failed else todo[:0]), why, bad
+        return failed, why, bad
 
-    def _stripe(self, seg: str, lengths: np.ndarray, paths: list[Path]) -> np.ndarray:
-        """Path index per work request: by measured throughput (rdma_paths.stripe); a small batch takes the best
-        path."""
+    def _stripe(self, seg: str, spans: rdma_wrs.Spans, todo: list[int] | None, paths: list[Path]):
+        """(span, path index) for each span of ``todo`` (None: all), by measured throughput (rdma_paths.stripe; a
+        small batch takes the best path); None for one path (every span on it)."""
         if len(paths) == 1:
-            return np.zeros(len(lengths), dtype=np.int64)
+            return None
+        idx = list(range(len(spans))) if todo is None else todo
+        lengths = [int(spans.length[j]) for j in idx]
         speeds = [self._nics[p.local].info.speed_gbps or 1.0 for p in paths]
         weights = [self._stats.weight((seg, p.local, p.remote), s * 125e6) for p, s in zip(paths, speeds)]
-        if int(lengths.sum()) <= self._cfg.rdma_max_wr:
+        if sum(lengths) <= self._cfg.rdma_max_wr:
             weights = [w if w == max(weights) else 0.0 for w in weights]
-        return np.asarray(stripe(lengths.tolist(), weights), dtype=np.int64)
+        return list(zip(idx, stripe(lengths, weights)))
 
-    def _settle(self, seg, works, start, failed: list, why: str, bad: set) -> str:
-        """Telemetry and failures of a round's works: a failed work's unconfirmed requests go to ``failed``."""
-        moved: dict[Path, list] = {}
-        for path, w, part in works:
-            acc = moved.setdefault(path, [0, start])
-            acc[0] += int(w.rows[: w.done, 4].sum())
-            acc[1] = max(acc[1], w.finished_at or time.monotonic())
-            if w.error:
-                failed.append(part[w.done :])
-                why = f"{self._nics[path.local].info.name}: {w.error}"
-                if path not in bad:
-                    bad.add(path)
-                    self._stats.failed((seg, path.local, path.remote))
-                    log.warning(
-                        "rdma path %s -> %s of %s failed (%s); retrying its work on another path",
-                        self._nics[path.local].info.name,
-                        path.remote,
-                        seg,
-                        w.error,
-                    )
-        for path, (nbytes, end) in moved.items():
-            self._stats.sample(
-                (seg, path.local, path.remote),
-                f"{self._nics[path.local].info.name}->{path.remote}",
-                nbytes,
-                end - start,
+    def _settle(self, seg: str, path: Path, runs: list, start: float, bad: set) -> str:
+        """Telemetry of one path's queue pairs; a failed one marks the path bad. Returns why it failed ("")."""
+        key, name = (seg, path.local, path.remote), self._nics[path.local].info.name
+        end = max([r.finished_at for r in runs if r.finished_at] or [time.monotonic()])
+        self._stats.sample(key, f"{name}->{path.remote}", sum(r.nbytes for r in runs), end - start)
+        error = next((r.error for r in runs if r.error), "")
+        if error and path not in bad:
+            bad.add(path)
+            self._stats.failed(key)
+            log.warning(
+                "rdma path %s -> %s of %s failed (%s); retrying its work on another path", name, path.remote, seg, error
             )
-        return why
+        return f"{name}: {error}" if error else ""
 
     def stats(self) -> dict[str, Any]:
         """wrs posted, path_failures, qp_rebuilds, striped_batches, path_mbps (measured MB/s per peer and path),
@@ -325,7 +315,3 @@ class RdmaTransport(Transport):
         self._qps.close()
         for nic in self._nics:
             nic.close()
-
-
-def _u64(values: list[int]) -> np.ndarray:
-    return np.array(values, dtype=np.uint64)

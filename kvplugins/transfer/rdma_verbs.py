@@ -174,28 +174,48 @@ class QueuePair:
         self.qp.close()
 
 
-@dataclass
-class Work:
-    """The work requests one QP runs in a batch, as (laddr, lkey, raddr, rkey, length) uint64 ``rows`` (each <= 1 GiB
-    bytes; rdma_wrs.Wrs.rows), and how far it got: ``done`` rows confirmed, ``posted`` posted."""
+@dataclass(frozen=True)
+class QpRun:
+    """How far one queue pair got in a run_spans call: ``done`` work requests confirmed (``nbytes`` bytes),
+    ``posted`` posted, when it finished (time.monotonic()), and ``error`` ("" if none: then every request is done)."""
 
-    qp: QueuePair
-    rows: np.ndarray
-    done: int = 0
-    posted: int = 0
-    finished_at: float = 0.0
-    error: str | None = None
+    done: int
+    posted: int
+    finished_at: float
+    error: str
+    nbytes: int
 
 
-def run(op_read: bool, works: list[Work], deadline_at: float, signal_every: int) -> int:
-    """Post and complete every Work's rows (RDMA READ if ``op_read`` else WRITE) by ``deadline_at``
-    (time.monotonic()), in one native call with the GIL released. A QP that fails (error completion, post
-    refused, deadline) is killed; its rows from ``work.done`` on are unconfirmed, ``work.error`` says why.
-    Returns the work requests posted. Raises ValueError for a row over 1 GiB or a QP given twice."""
-    rows = [np.ascontiguousarray(w.rows, dtype=np.uint64).reshape(-1, 5) for w in works]
-    posted, out = _mod().run(op_read, [w.qp.qp for w in works], rows, deadline_at, max(1, int(signal_every)))
-    for w, (done, sent, finished_at, error) in zip(works, out):
-        w.done, w.posted, w.finished_at = done, sent, finished_at
-        if error:
-            w.error = w.error or error
-    return posted
+def run_spans(
+    op_read: bool,
+    qps: list[QueuePair],
+    laddr,
+    lkey,
+    raddr,
+    rkey,
+    length,
+    limit: int,
+    deadline_at: float,
+    signal_every: int,
+) -> tuple[int, list[QpRun], list[int]]:
+    """Move span j: ``length[j]`` bytes between local (``laddr[j]``, lkey) and remote (``raddr[j]``, rkey) by RDMA
+    READ (``op_read``) or WRITE, cut into work requests of at most ``limit`` bytes dealt round robin over ``qps``,
+    all posted and completed by ``deadline_at`` (time.monotonic()) in one native call with the GIL released. The
+    columns are uint64 arrays, or int lists (a small batch: no numpy call); ``lkey``/``rkey`` hold one per span or
+    one for all. A QP that fails (error completion, post refused, deadline) is killed. Returns (work requests
+    posted, a QpRun per QP, the spans not confirmed). Raises ValueError for mismatched columns, keys over 32 bits,
+    a limit outside 1 .. 1 GiB, or a QP given twice."""
+    posted, out, failed = _mod().run_spans(
+        op_read,
+        [q.qp for q in qps],
+        laddr,
+        lkey,
+        raddr,
+        rkey,
+        length,
+        int(limit),
+        deadline_at,
+        max(1, int(signal_every)),
+    )
+    lost = [] if failed.count(1) == 0 else np.flatnonzero(np.frombuffer(failed, dtype=np.bool_)).tolist()
+    return posted, [QpRun(*r) for r in out], lost

@@ -20,7 +20,7 @@ from kvplugins import native
 from kvplugins.errors import OutOfRange, TransferError, TransferFailed
 from kvplugins.transfer.api import RegionInfo, SegmentDescriptor, TransferRequest
 from kvplugins.transfer.memory import RegionTable, span_addr
-from kvplugins.transfer.spans import SpanBatch, as_u64, is_small, prepare, prepare_small
+from kvplugins.transfer.spans import SpanBatch, as_u64, prepare, prepare_small, small_lists
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
 log = logging.getLogger("kvplugins.transfer")
@@ -74,8 +74,11 @@ class Router:
         here over the caller's spans in local memory after the move (the source of a write, the destination of
         a read). ``fenced``: see Deadline."""
         deadline = Deadline(timeout_ms, fenced)
-        small = is_small(addrs, roffs, lens)
-        if not small:
+        lists = small_lists(addrs, roffs, lens)
+        small = lists is not None
+        if lists is not None:
+            addrs, roffs, lens = lists
+        else:
             addrs, roffs, lens = as_u64(addrs, "local_addrs"), as_u64(roffs, "remote_offsets"), as_u64(lens, "lengths")
         if not len(addrs) == len(roffs) == len(lens):
             raise ValueError(

@@ -66,9 +66,18 @@ def as_list(values) -> list[int]:
     return values if isinstance(values, list) else values.tolist()
 
 
-def is_small(*seqs) -> bool:
-    """Whether the spans are int lists short enough for the pure-Python path."""
-    return all(type(s) is list and len(s) <= SMALL for s in seqs)
+def small_lists(*seqs) -> list[list] | None:
+    """The span sequences as lists when there are few enough for the pure-Python path (numpy arrays of integers
+    become lists of ints), else None."""
+    out = []
+    for s in seqs:
+        if type(s) is list and len(s) <= SMALL:
+            out.append(s)
+        elif isinstance(s, np.ndarray) and s.ndim == 1 and s.dtype.kind in "iu" and len(s) <= SMALL:
+            out.append(s.tolist())
+        else:
+            return None
+    return out
 
 
 def prepare_small(

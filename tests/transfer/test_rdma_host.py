@@ -15,7 +15,7 @@ import pytest
 from kvplugins.errors import ConfigError
 from kvplugins.transfer import TransferConfig, TransferEngine
 from kvplugins.transfer.rdma_paths import Path, PathStats, pair, stripe
-from kvplugins.transfer.rdma_wrs import build
+from kvplugins.transfer.rdma_wrs import Spans, coalesce
 
 
 def test_absent_rdma_is_one_log_line_and_routing_is_unchanged(caplog):
@@ -120,19 +120,32 @@ def test_path_stats_measure_fail_and_recover():
     assert stats.up(key)  # probed back after probe_s
 
 
-def test_work_requests_coalesce_contiguous_spans_and_cut_at_the_limit():
-    """rdma_wrs.build: spans contiguous on both sides with the same keys become one work request, one over the
-    limit is cut, and each request names the caller's spans it covers (a failed request fails exactly those)."""
+def test_entries_coalesce_into_spans_that_name_the_entries_they_cover():
+    """rdma_wrs.coalesce: entries contiguous on both sides with the same keys become one span (the native call cuts
+    spans into work requests), and a failed span maps back to exactly the entries it covers."""
+    lkeys = [(7, 8), (7, 8), (7, 8), (9, 9)]
+    s = coalesce([0, 100, 300, 400], [1000, 1100, 1300, 1400], [100, 200, 100, 50], lkeys, [(5, 6)] * 4)
+    # entries 0, 1 and 2 are contiguous on both sides with the same keys; entry 3 has other lkeys
+    assert (s.length, s.laddr, s.raddr, s.lkeys, s.rkeys) == (
+        [400, 50],
+        [0, 400],
+        [1000, 1400],
+        [[7, 9], [8, 9]],
+        [[5, 5], [6, 6]],
+    )
+    assert s.callers([1]) == [3] and s.callers([0, 1]) == [0, 1, 2, 3]
+    assert s.path([1], 1, 0) == ([400], [9], [1400], [5], [50])
+    apart = coalesce([0, 100], [0, 200], [100, 100], lkeys[:2], [(5, 6)] * 2)
+    assert apart.length == [100, 100] and apart.callers([1]) == [1]
     u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
-    lkeys = np.array([[7, 8], [7, 8], [7, 8], [9, 9]], dtype=np.uint64)
-    w = build(u(0, 100, 300, 400), u(1000, 1100, 1300, 1400), u(100, 200, 100, 50), lkeys, u(5, 6)[None, :], 120)
-    # spans 0, 1 and 2 are contiguous on both sides with the same keys: 400 bytes, cut at 120; span 3 has other
-    # lkeys: a request of its own
-    assert w.length.tolist() == [120, 120, 120, 40, 50]
-    assert w.laddr.tolist() == [0, 120, 240, 360, 400] and w.raddr.tolist() == [1000, 1120, 1240, 1360, 1400]
-    assert list(zip(w.first.tolist(), w.last.tolist())) == [(0, 2)] * 4 + [(3, 3)]
-    assert w.rows(np.array([4]), 1, 0).tolist() == [[400, 9, 1400, 5, 50]]
-    apart = build(u(0, 100), u(0, 200), u(100, 100), lkeys[:2], u(5, 6)[None, :], 1 << 20)
-    assert apart.length.tolist() == [100, 100] and apart.first.tolist() == [0, 1] == apart.last.tolist()
-    kept = build(u(0, 100), u(0, 100), u(100, 100), lkeys[:2], u(5, 6)[None, :], 1 << 20, coalesce=False)
-    assert kept.length.tolist() == [100, 100]
+    one = Spans(u(0, 8192), u(0, 8192), u(4096, 4096), [[7]], [[5]])  # the array path: one key for all
+    assert [list(map(int, a)) for a in one.path([1], 0, 0)] == [[8192], [7], [8192], [5], [4096]]
+    assert one.callers([0, 1]) == [0, 1]
+
+
+def test_spans_cut_for_striping_keep_naming_their_entries():
+    s = coalesce([0, 100, 500], [0, 100, 900], [100, 150, 10], [(1,)] * 3, [(2,)] * 3)
+    c = s.cut(100)  # spans [0, 250) (entries 0, 1) and [500, 510) (entry 2)
+    assert c.length.tolist() == [100, 100, 50, 10] and c.laddr.tolist() == [0, 100, 200, 500]
+    assert c.raddr.tolist() == [0, 100, 200, 900] and c.callers([1]) == [0, 1] and c.callers([3]) == [2]
+    assert c.callers([0, 2]) == [0, 1]  # each entry once

@@ -8,6 +8,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <set>
 #include <stdexcept>
 
@@ -15,27 +16,62 @@
 
 namespace nb = nanobind;
 using namespace kvp::verbs;
-// One row per work request: laddr, lkey, raddr, rkey, length.
-using Rows = nb::ndarray<const uint64_t, nb::ndim<2>, nb::shape<-1, 5>, nb::c_contig, nb::device::cpu>;
 
 namespace {
 
-// Returns (work requests posted, [(done, posted, finished_at, error) per QP]).
-std::tuple<size_t, std::vector<std::tuple<size_t, size_t, double, std::string>>> py_run(
-    bool read, std::vector<QueuePair*> qps, std::vector<Rows> chunks, double deadline_at, size_t signal_every) {
-  if (qps.size() != chunks.size()) throw std::invalid_argument("run: one chunk array per queue pair");
-  if (std::set<QueuePair*>(qps.begin(), qps.end()).size() != qps.size())
-    throw std::invalid_argument("run: a queue pair appears twice");
-  std::vector<Work> works(qps.size());
-  for (size_t j = 0; j < qps.size(); ++j) {
-    if (!qps[j]) throw std::invalid_argument("run: a queue pair is None");
-    works[j].qp = qps[j];
-    const uint64_t* r = chunks[j].data();
-    works[j].chunks.resize(chunks[j].shape(0));
-    for (size_t k = 0; k < works[j].chunks.size(); ++k, r += 5) {
-      if (r[1] >> 32 || r[3] >> 32 || r[4] > (uint64_t(1) << 30))
-        throw std::invalid_argument("run: a chunk's keys must fit 32 bits and its length 1 GiB");
-      works[j].chunks[k] = Chunk{r[0], r[2], uint32_t(r[1]), uint32_t(r[3]), uint32_t(r[4])};
+using U64 = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using QpResult = std::tuple<size_t, size_t, double, std::string, uint64_t>;
+
+// A column of run_spans: a 1-D uint64 array (not copied) or a list of ints (a small batch: no numpy call at all
+// on the Python side, each of which costs more than the verbs in the TCG guest).
+struct Col {
+  U64 arr;
+  std::vector<uint64_t> own;
+  const uint64_t* p = nullptr;
+  size_t n = 0;
+  Col(nb::handle h, const char* what) {
+    if (nb::try_cast(h, arr)) {
+      p = arr.data(), n = arr.shape(0);
+      return;
+    }
+    if (!nb::try_cast(h, own))
+      throw std::invalid_argument(std::string("run_spans: ") + what + " must be a uint64 array or a list of ints");
+    p = own.data(), n = own.size();
+  }
+};
+
+// Spans of one NIC path: span j moves length[j] bytes between (laddr[j], lkey) and (raddr[j], rkey), cut into work
+// requests of at most `limit` bytes dealt round robin over `qps` (request i to qps[i % n]); lkey and rkey hold one
+// value per span, or one for all. Returns (work requests posted, [(done, posted, finished_at, error, bytes
+// confirmed) per QP], one byte per span: 1 when a request of it was not confirmed).
+std::tuple<size_t, std::vector<QpResult>, nb::bytes> py_run_spans(bool read, std::vector<QueuePair*> qps,
+                                                                  nb::handle laddr, nb::handle lkey, nb::handle raddr,
+                                                                  nb::handle rkey, nb::handle length, uint64_t limit,
+                                                                  double deadline_at, size_t signal_every) {
+  const Col cla(laddr, "laddr"), clk(lkey, "lkey"), cra(raddr, "raddr"), crk(rkey, "rkey"), clen(length, "length");
+  const size_t n = clen.n, nq = qps.size();
+  if (cla.n != n || cra.n != n) throw std::invalid_argument("run_spans: laddr, raddr and length differ in length");
+  if ((clk.n != n && clk.n != 1) || (crk.n != n && crk.n != 1))
+    throw std::invalid_argument("run_spans: lkey and rkey need one value per span, or one");
+  if (limit == 0 || limit > (uint64_t(1) << 30)) throw std::invalid_argument("run_spans: limit must be 1 .. 1 GiB");
+  if (nq == 0 || std::set<QueuePair*>(qps.begin(), qps.end()).size() != nq)
+    throw std::invalid_argument("run_spans: give one or more distinct queue pairs");
+  const uint64_t *la = cla.p, *lk = clk.p, *ra = cra.p, *rk = crk.p, *len = clen.p;
+  const bool lk_all = clk.n == 1, rk_all = crk.n == 1;
+  std::vector<Work> works(nq);
+  std::vector<std::vector<uint32_t>> span_of(nq);  // per QP: the span of each of its requests
+  for (size_t q = 0; q < nq; ++q) {
+    if (!qps[q]) throw std::invalid_argument("run_spans: a queue pair is None");
+    works[q].qp = qps[q];
+  }
+  size_t i = 0;
+  for (size_t j = 0; j < n; ++j) {
+    const uint64_t l = lk[lk_all ? 0 : j], r = rk[rk_all ? 0 : j];
+    if (l >> 32 || r >> 32) throw std::invalid_argument("run_spans: an lkey or rkey over 32 bits");
+    for (uint64_t off = 0; off < len[j]; off += limit, ++i) {
+      works[i % nq].chunks.push_back(
+          Chunk{la[j] + off, ra[j] + off, uint32_t(l), uint32_t(r), uint32_t(std::min(limit, len[j] - off))});
+      span_of[i % nq].push_back(uint32_t(j));
     }
   }
   size_t posted;
@@ -43,9 +79,18 @@ std::tuple<size_t, std::vector<std::tuple<size_t, size_t, double, std::string>>>
     kvp::GilRelease rel;
     posted = run(read, works, deadline_at, signal_every);
   }
-  std::vector<std::tuple<size_t, size_t, double, std::string>> out;
-  for (Work& w : works) out.emplace_back(w.done, w.posted, w.finished_at, std::move(w.error));
-  return {posted, std::move(out)};
+  std::string failed(n, '\0');
+  std::vector<QpResult> out;
+  for (size_t q = 0; q < nq; ++q) {
+    Work& w = works[q];
+    uint64_t moved = 0;
+    for (size_t k = 0; k < w.chunks.size(); ++k) {
+      if (k < w.done) moved += w.chunks[k].length;
+      else failed[span_of[q][k]] = 1;
+    }
+    out.emplace_back(w.done, w.posted, w.finished_at, std::move(w.error), moved);
+  }
+  return {posted, std::move(out), nb::bytes(failed.data(), n)};
 }
 
 }  // namespace
@@ -83,6 +128,7 @@ NB_MODULE(_verbs, m) {
         kvp::GilRelease rel;  // may wait for a batch on another thread
         q.close();
       });
-  m.def("run", &py_run, nb::arg("read"), nb::arg("qps"), nb::arg("chunks"), nb::arg("deadline_at"),
+  m.def("run_spans", &py_run_spans, nb::arg("read"), nb::arg("qps"), nb::arg("laddr"), nb::arg("lkey"),
+        nb::arg("raddr"), nb::arg("rkey"), nb::arg("length"), nb::arg("limit"), nb::arg("deadline_at"),
         nb::arg("signal_every"));
 }
