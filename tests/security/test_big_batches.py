@@ -1,7 +1,7 @@
 """A big batch keeps no other client waiting (issue #30 items 3 and 5), on a real master: another process sends a
 65,536-key put_start, put_commit, get (column answer), exists and remove, each run in slices (master/batches.py),
 and checks that every answer is the whole batch's, in order; meanwhile this process's exists each answer in
-< 100 ms. (The big client is its own process so that its encoding and decoding do not hold this one's GIL.)"""
+< 250 ms. (The big client is its own process so that its encoding and decoding do not hold this one's GIL.)"""
 
 import subprocess
 import sys
@@ -47,7 +47,9 @@ def test_a_65536_key_batch_keeps_no_other_client_waiting(tmp_path):
                 waits.append(time.perf_counter() - t0)
             output = proc.communicate(timeout=60)[0]
             assert proc.returncode == 0 and "big batches ok" in output, output
-            assert len(waits) >= 20 and max(waits) < 0.1, (len(waits), sorted(waits)[-5:])
+            # an op run unsliced holds everyone for seconds; decoding the big request's one frame is not sliced and
+            # took up to 120 ms on CI's 2 loaded cores (one wait of 7,008)
+            assert len(waits) >= 20 and max(waits) < 0.25, (len(waits), sorted(waits)[-5:])
             assert other.call("status")["objects"] == 0
         finally:
             other.close()
