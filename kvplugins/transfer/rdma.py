@@ -161,7 +161,10 @@ class RdmaTransport(Transport):
             by_peer.setdefault(e.remote.segment_id, []).append(i)
         for seg, idxs in by_peer.items():
             self._qps.remember(entries[idxs[0]].remote)
-            ok = [i for i in idxs if self._registered(entries[i].local, status, i)]
+            for i in idxs:
+                if entries[i].local.region_id not in self._keys:
+                    status[i] = _no_mr(entries[i].local)
+            ok = [i for i in idxs if status[i] is None]
             if not ok:
                 continue
             es = [entries[i] for i in ok]
@@ -182,9 +185,10 @@ class RdmaTransport(Transport):
         n = len(batch)
         status: list[TransferError | None] = [None] * n
         uniq = {id(r): r for r in batch.regions}
-        if not all(self._registered(r, None, 0) for r in uniq.values()):
+        if any(r.region_id not in self._keys for r in uniq.values()):
             for j, r in enumerate(batch.regions):
-                self._registered(r, status, j)
+                if r.region_id not in self._keys:
+                    status[j] = _no_mr(r)
             keep = [j for j in range(n) if status[j] is None]
             if keep:
                 for j, err in zip(keep, self.transfer_spans(op, batch.subset(keep), deadline) or []):
@@ -201,14 +205,6 @@ class RdmaTransport(Transport):
         for k, err in self._run(op, batch.remote.segment_id, spans, {r.region_id for r in uniq.values()}, deadline):
             status[k] = status[k] or err
         return None if status.count(None) == n else status
-
-    def _registered(self, region: Region, status: list | None, i: int) -> bool:
-        """Whether ``region`` has an MR on every NIC; if not, ``status[i]`` says so (unless ``status`` is None)."""
-        if region.region_id in self._keys:
-            return True
-        if status is not None:
-            status[i] = TransferFailed(f"local region {region.region_id} has no RDMA registration")
-        return False
 
     def _lkeys(self, region_id: int) -> list[int]:
         return [mr.lkey for mr in self._keys[region_id][1]]
@@ -315,3 +311,8 @@ class RdmaTransport(Transport):
         self._qps.close()
         for nic in self._nics:
             nic.close()
+
+
+def _no_mr(region: Region) -> TransferFailed:
+    """The status of a span in a local region without an MR on every NIC (TCP serves it: the router retries)."""
+    return TransferFailed(f"local region {region.region_id} has no RDMA registration")
