@@ -137,8 +137,9 @@ def run(args) -> list[dict]:
                     p.wait(timeout=60)
             if args.master:
                 totals["master"].append(_total(mlog))
-        for side, (zero, full) in totals.items():
-            if side == "client" or args.master:
+        for side, counts in totals.items():
+            if counts:  # the master's only with --master
+                zero, full = counts
                 rows.append(
                     {
                         "op": op,

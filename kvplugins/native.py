@@ -72,3 +72,58 @@ def hash_keys(addrs, lengths, owner, nkeys: int, threads: int = 1, isa: str = "a
 def hash_tiers() -> list[str]:
     """The xxh3 tiers this CPU and OS support, best first (``avx512``, ``avx2``, ``sse2``)."""
     return _mod().hash_tiers().split(",")
+
+
+def shm_maps():
+    """A native table of the peer regions this process maps over shm (the shm transport keeps it: ``add(segment id,
+    region id, address, length, pidfd)``, ``alias(segment name, segment id)``, ``forget(segment id)``, ``clear()``,
+    ``counts()`` -> (reads, bytes) done by get_one). forget and clear wait for reads in flight."""
+    return _mod().ShmMaps()
+
+
+def get_one(fd: int, rid: int, key: str, addrs: list[int], lens: list[int], timeout_ms: float, maps, verify: bool):
+    """One store get in one native call, GIL released (native/src/store/one_op.h): sends the master's ``get``
+    of ``key`` as request ``rid`` on the connected socket ``fd``, reads the reply frame and, when the object's
+    first replica is in a region of ``maps``, reads its bytes into the local spans (addresses and byte lengths
+    of writable registered memory, summing to the object's size) and checks its xxh3_64 (``verify``). Returns
+    (True, size in bytes) when done, (True, None) for a miss (the key is not stored), (False, reply body) for
+    the caller to go on from. Raises TimeoutError (no reply within ``timeout_ms``), ConnectionError (the socket
+    failed; the connection is not usable after either)."""
+    return _op(_mod().get_one(fd, rid, key, addrs, lens, float(timeout_ms), maps, bool(verify)))
+
+
+def put_one(
+    fd: int,
+    rid: int,
+    key: str,
+    addrs: list[int],
+    lens: list[int],
+    slab: tuple[str, int, int, int],
+    write_ms: float,
+    timeout_ms: float,
+    maps,
+):
+    """One slab put in one native call, GIL released (native/src/store/one_op.h): copies the local spans
+    (addresses and byte lengths of registered memory) to ``slab`` = (segment name, region id, offset, slab id)
+    where ``maps`` maps that region, hashing them, then sends the master's ``put`` of ``key`` as request ``rid``
+    on socket ``fd`` and reads its reply. ``write_ms``: the time left to write into the slab. Returns (True,
+    None) when nothing was written or sent (the region is not mapped here, its owner is gone, or no time is
+    left), (True, the entry's code: OK or EXISTS) when done, (False, reply body) for the caller to go on from.
+    Raises TimeoutError, ConnectionError as get_one."""
+    segment, region, offset, slab_id = slab
+    return _op(
+        _mod().put_one(
+            fd, rid, key, addrs, lens, segment, region, offset, slab_id, float(write_ms), float(timeout_ms), maps
+        )
+    )
+
+
+def _op(result: tuple[int, object]) -> tuple[bool, object]:
+    """A native store op's (status, value) as (done, value); its I/O failures raised as TimeoutError and
+    ConnectionError (the one place its status codes become exceptions)."""
+    status, value = result
+    if status in (0, 1, 5):
+        return True, value
+    if status == 2:
+        return False, value
+    raise (TimeoutError if status == 4 else ConnectionError)(value)

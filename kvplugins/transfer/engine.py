@@ -217,6 +217,12 @@ class TransferEngine:
             ok[j] = index.find(int(addrs[j]), int(lens[j])) is not None
         return ok
 
+    def shm_maps(self):
+        """The shm transport's native table of mapped peer regions (native.shm_maps) when shm is this engine's
+        first choice, else None: the store client's one-call reads (native.get_one) go through it."""
+        first = self._transports[0] if self._transports else None
+        return first.maps if isinstance(first, ShmTransport) else None
+
     def submit_write(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> Future:
         """batch_write on an engine worker thread; a Future of the status list. Raises as batch_write
         for a closed engine or a bad timeout (immediately, not through the Future)."""

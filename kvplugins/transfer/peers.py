@@ -53,6 +53,12 @@ class PeerWatch:
             return self._gone(segment_id, pid, "exited during the transfer")
         return None
 
+    def pidfd(self, segment_id: str) -> int:
+        """The pidfd watching ``segment_id``'s process (opened by ``check``), or -1 (not checked yet, or no pidfd on
+        this kernel). Stays this table's: a holder beyond the next ``forget`` duplicates it."""
+        with self._lock:
+            return self._pidfds.get(segment_id, (-1, None))[0]
+
     def forget(self, segment_id: str) -> None:
         """Close the pidfd of ``segment_id`` (the next check opens a new one)."""
         with self._lock:

@@ -252,8 +252,9 @@ class Router:
         failed}}; every transport in use appears with zeros before its first entry."""
         out: dict[str, Any] = {"batches": {}, "errors": {}, "fallbacks": {}}
         for t in self._transports:
-            out[t.name] = {"entries": 0, "bytes": 0, "failed": 0, **t.stats()}
+            out[t.name] = {"entries": 0, "bytes": 0, "failed": 0, **t.stats()}  # its own: the native reads
         with self._lock:
             for (group, key), n in self._counts.items():
-                out.setdefault(group, {})[key] = n
+                got = out.setdefault(group, {})
+                got[key] = got.get(key, 0) + n
         return out

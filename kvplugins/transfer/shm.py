@@ -4,6 +4,8 @@ The peer's memory arrives as a file descriptor from its owner over a Unix socket
 path a descriptor named; this process hands its own alloc_shared memory out the same way (``offer``). One copy
 per entry via the native ``copy_batch`` (GIL released); no socket on the data path. Peer liveness is checked
 per batch with a pidfd, so a dead peer gives TransferFailed rather than writes into memory nobody reads.
+Every mapping is also listed in a native table (``maps``, native.shm_maps) with a duplicate of its peer's pidfd,
+for the store client's one-call reads (native.get_one); a mapping leaves it before it is unmapped.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class ShmTransport(Transport):
         self._maps: dict[tuple[str, int], Mapping] = {}
         self._peers = PeerWatch(self.name)  # a pidfd per peer: a dead one fails its batches
         self._server: fdpass.FdServer | None = None  # hands our shared regions out; started by share()
+        self.maps = native.shm_maps()  # every mapping of _maps, for native one-call reads
 
     def endpoint(self) -> dict[str, Any]:
         return {"pid": os.getpid(), **({"fd_socket": self._server.name} if self._server else {})}
@@ -119,6 +122,10 @@ class ShmTransport(Transport):
             mine = map_fd(fd, region.length, f"{remote.segment_id}:{region.region_id}")
             with self._lock:
                 m = self._maps.setdefault(key, mine)
+                if m is mine:
+                    self.maps.add(
+                        remote.segment_id, region.region_id, m.addr, region.length, self._peers.pidfd(remote.segment_id)
+                    )
             if m is not mine:  # another thread mapped it first
                 mine.close()
         pin = m.array
@@ -137,13 +144,20 @@ class ShmTransport(Transport):
         """Unmap a dead peer's regions (its memory is freed once nobody maps it)."""
         with self._lock:
             maps = [self._maps.pop(k) for k in list(self._maps) if k[0] == segment_id]
+            self.maps.forget(segment_id)  # waits for native reads from them
         for m in maps:
             m.close()
+
+    def stats(self) -> dict[str, Any]:
+        """The reads native one-call gets did from the mappings (counted beside the engine's own entries)."""
+        entries, nbytes = self.maps.counts()
+        return {"entries": entries, "bytes": nbytes}
 
     def close(self) -> None:
         with self._lock:
             maps = list(self._maps.values())
             self._maps.clear()
+            self.maps.clear()
             server, self._server = self._server, None
         if server is not None:
             server.close()

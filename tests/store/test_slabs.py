@@ -112,8 +112,10 @@ def test_a_put_over_the_watermark_frees_due_space_before_evicting():
 
 
 def _counting(client):
-    ops, real = [], client._rpc.call
+    """The master ops ``client`` sends from now on, in order (its one-call native ops too: one round trip each)."""
+    ops, real, native = [], client._rpc.call, client._rpc.call_native
     client._rpc.call = lambda op, *a, **k: (ops.append(op), real(op, *a, **k))[1]
+    client._rpc.call_native = lambda op, *a, **k: (ops.append(op), native(op, *a, **k))[1]
     return ops
 
 

@@ -57,6 +57,10 @@ class _Base:
             except (OSError, ProtocolError, TimeoutError) as e:
                 self._reset()
                 raise MasterUnreachable(self.address, timeout, f"{op}: {e or type(e).__name__}") from e
+        return self._accepted(op, ok, payload)
+
+    def _accepted(self, op: str, ok: bool, payload):
+        """``payload`` of a reply the master answered with ``ok``. Raises Forbidden or StoreError for a refusal."""
         if not ok:
             if type(payload) is str and payload.startswith(FORBIDDEN):
                 raise Forbidden(f"master {self.address} refused {op}: {payload.removeprefix(FORBIDDEN)}")
@@ -101,6 +105,32 @@ class RawRpcClient(_Base):
                 self._reset()
                 raise MasterUnreachable(self.address, self.timeout_ms, f"{op}: {e or type(e).__name__}") from e
             self._deferred.append((rid, op, on_reply))
+
+    def call_native(self, op: str, run, timeout_ms: float | None = None) -> tuple[bool, object]:
+        """Run ``run(fd, request_id, ms_left)``: a native call that sends request ``request_id`` of ``op`` on this
+        connection's socket ``fd`` and reads its reply frame within ``ms_left`` (kvplugins.native.get_one).
+        ``run`` returns (True, its result) when it finished the op itself, or (False, reply body) for this client
+        to parse; this returns (True, the result) or (False, the op's payload). The deferred replies are read
+        first. Raises MasterUnreachable (``run``'s OSError or TimeoutError too), Forbidden, StoreError as call."""
+        timeout = self.timeout_ms if timeout_ms is None else timeout_ms
+        rid = next(self._ids)
+        with self._lock:
+            deadline = time.monotonic() + timeout / 1000
+            try:
+                if self._deferred:
+                    self._sock.settimeout(_left(deadline))
+                    self._drain(deadline)
+                sock = self._connect(deadline)
+                if self._rbuf:
+                    raise ProtocolError(f"{len(self._rbuf)} bytes from the master that no request asked for")
+                done, value = run(sock.fileno(), rid, _left(deadline) * 1000)
+                if done:
+                    return True, value
+                ok, payload = protocol.parse_response(protocol.unpack(value), rid)
+            except (OSError, ProtocolError, TimeoutError) as e:
+                self._reset()
+                raise MasterUnreachable(self.address, timeout, f"{op}: {e or type(e).__name__}") from e
+        return False, self._accepted(op, ok, payload)
 
     def flush(self, timeout_ms: float | None = None) -> None:
         """Read the replies of every deferred request. Raises MasterUnreachable (those requests are then

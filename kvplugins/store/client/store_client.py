@@ -7,7 +7,10 @@ client reserved earlier (a slab) -> ``put`` with each object's xxh3_64 (complete
 (slab.py, master/slabs.py). Otherwise, or when no slab space is to be had: ``put_start`` (master
 allocates, object pending) -> one transfer batch writes every span to every replica -> ``put_commit`` with each
 object's xxh3_64 (complete; ``put_abort`` for entries whose transfer failed).
-Get: ``get`` (lookup + lease) -> one transfer batch reads the spans -> the bytes are checked against the
+One key's get from a same-host segment already mapped runs in ONE native call (native.get_one: the get RPC on
+this client's connection, the copy + xxh3 out of the mapping, the checksum compare); any other answer is handed
+back and goes on below from the same reply. Get: ``get`` (lookup + lease) -> one transfer batch reads the spans
+-> the bytes are checked against the
 checksum (a mismatch tries the next replica, is reported to the master with ``report_corrupt``, and with no good
 replica left is a ChecksumMismatch miss). A transfer group that ends after the get's lease fails its entries with
 LeaseExpired (never stale bytes); those alone are read again under a new lease, up to LEASE_ROUNDS times.
@@ -24,6 +27,7 @@ import time
 
 import numpy as np
 
+from kvplugins import native
 from kvplugins.config import load
 from kvplugins.errors import (
     BufferNotRegistered,
@@ -43,6 +47,7 @@ from kvplugins.security import roles
 from kvplugins.store import embedded
 from kvplugins.store.client import batches, checksum, promote
 from kvplugins.store.client.connect import master_client
+from kvplugins.store.client.rpc import RawRpcClient
 from kvplugins.store.client.slab import SlabSpace
 from kvplugins.store.client.stats import ClientStats
 from kvplugins.store.config import ClientConfig, StoreNodeConfig
@@ -91,6 +96,8 @@ class StoreClient:
             )
         )
         self._descs: dict = {}
+        # one-call gets (native.get_one): over a single master's connection, with shm the engine's first choice
+        self._shm_maps = self._engine.shm_maps() if type(self._rpc) is RawRpcClient else None
         self._buffers: dict[int, object] = {}
         self._staging = StagingPool.registered(self._engine, cfg.staging_size)
         self._slabs = (
@@ -148,6 +155,42 @@ class StoreClient:
         """Scatter object ``key`` into ``spans``. Raises KeyNotFound, SizeMismatch (sum of lengths != size)."""
         _raise_first(self.batch_get_into([key], [spans]))
 
+    def _get_one(self, key: str, spans: list[Span]) -> StoreError | None:
+        """batch_get_into of one key, in one native call when its spans are writable registered memory and its
+        first replica lies in a mapped same-host region (native.get_one); else from the reply that call read."""
+        t0, lease_t0 = time.perf_counter(), time.monotonic()
+        addrs, lens = self._writable(spans)
+        if addrs is None:  # the general path names the problem
+            return self._read_batch([key], [spans], t0)[0]
+        maps, verify = self._shm_maps, self.cfg.verify_checksums
+        done, value = self._rpc.call_native(
+            "get", lambda fd, rid, ms: native.get_one(fd, rid, key, addrs, lens, ms, maps, verify)
+        )
+        if done:
+            err = None if value is not None else KeyNotFound(key)
+            self._stats.record("get", [sum(lens)], [err], t0)
+            return err
+        out, sizes = self._read([key], [spans], value, lease_t0)
+        self._read_late_again([key], [spans], out)
+        self._stats.record("get", sizes, out, t0)
+        return out[0]
+
+    def _writable(self, spans) -> tuple[list[int], list[int]] | tuple[None, None]:
+        """The spans' (addresses, byte lengths) when each is a non-empty span of writable registered memory."""
+        addrs, lens = [], []
+        for span in spans:
+            addr, n = span
+            if type(addr) is not int or type(n) is not int or addr < 0 or n <= 0:
+                return None, None
+            try:
+                if self._engine.region_for(addr, n).readonly:
+                    return None, None
+            except BufferNotRegistered:
+                return None, None
+            addrs.append(addr)
+            lens.append(n)
+        return (addrs, lens) if addrs else (None, None)
+
     def batch_put_from(
         self, keys: list[str], spans_per_key: list[list[Span]], config: PutConfig | None = None
     ) -> list[StoreError | None]:
@@ -161,8 +204,12 @@ class StoreClient:
     def batch_get_into(self, keys: list[str], spans_per_key: list[list[Span]]) -> list[StoreError | None]:
         """One lookup RPC + one transfer batch. Per-key None, KeyNotFound (ChecksumMismatch when no replica's
         bytes matched the checksum), SizeMismatch or TransferFailed."""
-        t0 = time.perf_counter()
         keys, spans_per_key = list(keys), list(spans_per_key)
+        if len(keys) == 1 and self._shm_maps is not None and type(keys[0]) is str and len(spans_per_key) == 1:
+            return [self._get_one(keys[0], spans_per_key[0])]
+        return self._read_batch(keys, spans_per_key, time.perf_counter())
+
+    def _read_batch(self, keys: list[str], spans_per_key: list, t0: float) -> list[StoreError | None]:
         read = self._read_cols if len(keys) > batches.SMALL and not self._sharded else self._read
         out, sizes = read(keys, spans_per_key)
         self._read_late_again(keys, spans_per_key, out)
@@ -466,24 +513,28 @@ class StoreClient:
         if placed is None:
             return todo
         slab, offsets = placed
-        writes = {i: [Location(slab.segment, slab.region_id, off)] for i, off in zip(todo, offsets)}
-        sums = checksum.span_sums(flat)
-        failed = self._transfer("write", flat, writes, sums, slab.expires - self.cfg.rpc_timeout_ms / 1000)
-        if failed:
-            self._slabs.forget()  # e.g. the segment is gone: do not write there again
-        ok = [i for i in todo if i not in failed]
-        if not ok:
-            return list(failed)
-        digests, sent = checksum.digests(flat, ok, sums), time.monotonic()
-        try:
-            answers = self._rpc.call(
-                "put",
-                [[keys[i], flat.sizes[i], slab.id, writes[i][0].offset] for i in ok],
-                {"xxh3": [digests[i] for i in ok]},
-            )
-        except StoreError:
-            self._slabs.forget()
-            raise
+        one = self._put_one(keys[todo[0]], flat, slab, offsets[0]) if len(todo) == 1 else None
+        if one is not None:
+            failed, ok, (sent, answers) = {}, todo, one
+        else:
+            writes = {i: [Location(slab.segment, slab.region_id, off)] for i, off in zip(todo, offsets)}
+            sums = checksum.span_sums(flat)
+            failed = self._transfer("write", flat, writes, sums, slab.expires - self.cfg.rpc_timeout_ms / 1000)
+            if failed:
+                self._slabs.forget()  # e.g. the segment is gone: do not write there again
+            ok = [i for i in todo if i not in failed]
+            if not ok:
+                return list(failed)
+            digests, sent = checksum.digests(flat, ok, sums), time.monotonic()
+            try:
+                answers = self._rpc.call(
+                    "put",
+                    [[keys[i], flat.sizes[i], slab.id, writes[i][0].offset] for i in ok],
+                    {"xxh3": [digests[i] for i in ok]},
+                )
+            except StoreError:
+                self._slabs.forget()
+                raise
         self._slabs.renewed(slab, sent)
         again = [*failed, *(i for i, (code, _) in zip(ok, answers) if code == protocol.EXPIRED)]
         pending = [i for i, (code, _) in zip(ok, answers) if code == protocol.PENDING]  # put_start waits for them
@@ -493,6 +544,26 @@ class StoreClient:
         if again:
             self._slabs.forget()
         return again + pending
+
+    def _put_one(self, key: str, flat, slab, offset: int) -> tuple[float, list] | None:
+        """The slab write and ``put`` of one key in one native call (native.put_one) when the slab's region is
+        mapped here: (monotonic time before it, the put's answers). None when nothing was written or sent."""
+        if self._shm_maps is None or type(flat.addrs) is not list:
+            return None
+        sent = time.monotonic()
+        write_ms = (slab.expires - self.cfg.rpc_timeout_ms / 1000 - sent) * 1000  # as _transfer's deadline
+        where, maps = (slab.segment, slab.region_id, offset, slab.id), self._shm_maps
+        try:
+            done, value = self._rpc.call_native(
+                "put",
+                lambda fd, rid, ms: native.put_one(fd, rid, key, flat.addrs, flat.lens, where, write_ms, ms, maps),
+            )
+        except StoreError:
+            self._slabs.forget()
+            raise
+        if done and value is None:
+            return None
+        return sent, [[value, None]] if done else value
 
     def _finish_puts(self, keys, writes, failed: dict, out, sums: dict) -> None:
         ok = [i for i in writes if i not in failed]
@@ -752,7 +823,9 @@ class StoreClient:
         missing = [n for n in names if n not in self._descs]
         for name, (code, wire) in zip(missing, self._rpc_entries("describe", missing)):
             if code == protocol.OK:
-                self._descs[name] = SegmentDescriptor.from_wire(wire)
+                desc = self._descs[name] = SegmentDescriptor.from_wire(wire)
+                if self._shm_maps is not None:
+                    self._shm_maps.alias(name, desc.segment_id)
         return self._descs
 
 

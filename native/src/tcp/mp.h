@@ -18,6 +18,9 @@ class MpReader {
   bool is_nil() { if (p_ < end_ && *p_ == 0xc0) { ++p_; return true; } return false; }
   bool str(std::string_view& s, const char* what);
   bool uint(uint64_t& v, const char* what);
+  bool boolean(bool& v, const char* what);
+  // Any one value (containers nested at most 32 deep), unchecked beyond its encoding.
+  bool skip(const char* what, int depth = 0);
   const std::string& err() const { return err_; }
   bool fail(std::string msg) { if (err_.empty()) err_ = std::move(msg); return false; }
 
@@ -71,6 +74,55 @@ inline bool MpReader::uint(uint64_t& v, const char* what) {
   }
   if (t >= 0xe0) return fail(std::string("expected an int >= 0 at ") + what);
   return fail(std::string("expected int at ") + what);
+}
+
+inline bool MpReader::boolean(bool& v, const char* what) {
+  if (need(1) && (*p_ == 0xc2 || *p_ == 0xc3)) { v = *p_++ == 0xc3; return true; }
+  return fail(std::string("expected bool at ") + what);
+}
+
+inline bool MpReader::skip(const char* what, int depth) {
+  if (depth > 32) return fail(std::string("values nested over 32 deep at ") + what);
+  if (!need(1)) return fail(std::string("truncated value at ") + what);
+  const uint8_t t = *p_;
+  uint32_t n;
+  std::string_view s;
+  uint64_t v;
+  if (t < 0x80 || t >= 0xe0 || t == 0xc0 || t == 0xc2 || t == 0xc3) { ++p_; return true; }
+  if ((t & 0xf0) == 0x80 || t == 0xde || t == 0xdf) {
+    if (!map(n, what)) return false;
+    for (uint64_t i = 0; i < 2ull * n; ++i) if (!skip(what, depth + 1)) return false;
+    return true;
+  }
+  if ((t & 0xf0) == 0x90 || t == 0xdc || t == 0xdd) {
+    if (!array(n, what)) return false;
+    for (uint32_t i = 0; i < n; ++i) if (!skip(what, depth + 1)) return false;
+    return true;
+  }
+  if ((t & 0xe0) == 0xa0 || (t >= 0xd9 && t <= 0xdb)) return str(s, what);
+  if ((t >= 0xcc && t <= 0xcf) || (t >= 0xd0 && t <= 0xd3)) {
+    static const int kWidth[4] = {1, 2, 4, 8};
+    const size_t w = kWidth[(t - 0xcc) & 3];
+    if (!need(1 + w)) return fail(std::string("truncated int at ") + what);
+    p_ += 1 + w;
+    return true;
+  }
+  if (t == 0xca || t == 0xcb) {
+    const size_t w = t == 0xca ? 4 : 8;
+    if (!need(1 + w)) return fail(std::string("truncated float at ") + what);
+    p_ += 1 + w;
+    return true;
+  }
+  if (t >= 0xc4 && t <= 0xc6) {   // bin 8/16/32
+    const int w = 1 << (t - 0xc4);
+    if (!need(1 + w)) return fail(std::string("truncated bin at ") + what);
+    ++p_;
+    v = be(w);
+    if (!need(v)) return fail(std::string("truncated bin at ") + what);
+    p_ += v;
+    return true;
+  }
+  return fail(std::string("unsupported msgpack type at ") + what);
 }
 
 class MpWriter {

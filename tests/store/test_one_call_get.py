@@ -1,0 +1,92 @@
+"""One key's get from a same-host segment in one native call (native.get_one, issue #35), on real processes: a
+master and a store node. The native reads are counted in the shm transport's table (ShmMaps.counts), so each
+test can tell which path served it: the common case must be native, and everything the native call does not
+finish (a first read before the mapping exists, a miss, a size mismatch, a flipped byte, a dead node, read-only
+memory) must end exactly as the Python path ends it."""
+
+import numpy as np
+import pytest
+
+from helpers.cluster import store_cluster
+from helpers.corrupt import flip_stored_byte
+from kvplugins.errors import ChecksumMismatch, KeyNotFound, MasterUnreachable, SizeMismatch, TransferFailed
+from kvplugins.store import ClientConfig, StoreClient
+
+SIZE = 4096
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with store_cluster(nodes=1, segment_size="8MiB", node_flags={"transports": "shm,tcp"}) as c:
+        yield c
+
+
+def native_reads(client) -> int:
+    return client._engine.shm_maps().counts()[0]
+
+
+def stored(client, prefix: str, n: int, seed: int):
+    """n random SIZE-byte objects put under prefix/i; (their bytes, a registered zeroed buffer of n objects)."""
+    src = np.random.default_rng(seed).integers(0, 256, n * SIZE, dtype=np.uint8)
+    a = client.register_buffer(src).addr
+    keys = [f"{prefix}/{i}" for i in range(n)]
+    assert client.batch_put_from(keys, [[(a + i * SIZE, SIZE)] for i in range(n)]) == [None] * n
+    dst = np.zeros_like(src)
+    client.register_buffer(dst)
+    return src, dst, keys
+
+
+def test_gets_after_the_first_are_one_native_call_each(pool):
+    with StoreClient(ClientConfig(master=pool.master, transports="shm,tcp")) as c:
+        src, dst, keys = stored(c, "one/hot", 20, 1)
+        base = dst.ctypes.data
+        before = native_reads(c)  # the puts mapped the node's segment
+        for i, k in enumerate(keys):
+            c.get_into(k, [(base + i * SIZE, SIZE)])
+        assert np.array_equal(dst, src)
+        assert native_reads(c) - before == len(keys)
+        dst[:] = 0
+        c.get_into(keys[3], [(base, 1000), (base + 3 * SIZE, SIZE - 1000)])  # two spans: hashed after the copy
+        assert np.array_equal(dst[:1000], src[3 * SIZE : 3 * SIZE + 1000])
+        assert np.array_equal(dst[3 * SIZE : 4 * SIZE - 1000], src[3 * SIZE + 1000 : 4 * SIZE])
+        assert native_reads(c) - before == len(keys) + 1
+        shm = c.transfer_stats()["shm"]
+        assert shm["entries"] >= 2 * len(keys) + 1 and shm["bytes"] >= (2 * len(keys) + 1) * SIZE
+        assert c.stats()["gets"] == len(keys) + 1 and c.stats()["hits"] == len(keys) + 1
+
+
+def test_what_the_native_call_leaves_ends_as_on_the_python_path(pool):
+    with StoreClient(ClientConfig(master=pool.master, transports="shm,tcp")) as c:
+        src, dst, keys = stored(c, "one/edge", 4, 2)
+        base, n0 = dst.ctypes.data, native_reads(c)
+        with pytest.raises(KeyNotFound):
+            c.get_into("one/edge/absent", [(base, SIZE)])
+        with pytest.raises(SizeMismatch, match="object is 4096 bytes"):
+            c.get_into(keys[0], [(base, SIZE - 1)])
+        flip_stored_byte(c, keys[1])
+        with pytest.raises(ChecksumMismatch):
+            c.get_into(keys[1], [(base, SIZE)])
+        assert c.stats()["corrupt_reported"] == 1 and c.batch_exists([keys[1]]) == [False]
+        frozen = np.frombuffer(src.tobytes(), dtype=np.uint8)  # bytes: read-only memory
+        c.register_buffer(frozen)
+        with pytest.raises(TransferFailed, match="read-only"):
+            c.get_into(keys[2], [(frozen.ctypes.data, SIZE)])
+        assert native_reads(c) == n0  # none of them was finished natively
+        c.get_into(keys[2], [(base, SIZE)])
+        assert np.array_equal(dst[:SIZE], src[2 * SIZE : 3 * SIZE]) and native_reads(c) == n0 + 1
+
+
+def test_a_dead_node_or_master_is_an_error_not_a_hang_or_stale_bytes():
+    with store_cluster(nodes=1, segment_size="8MiB", node_flags={"transports": "shm,tcp"}) as cluster:
+        with StoreClient(ClientConfig(master=cluster.master, transports="shm,tcp", rpc_timeout_ms=2000)) as c:
+            src, dst, keys = stored(c, "one/dead", 2, 3)
+            base = dst.ctypes.data
+            c.get_into(keys[0], [(base, SIZE)])
+            n0 = native_reads(c)
+            cluster.nodes[0].kill()
+            with pytest.raises((TransferFailed, KeyNotFound)):  # the master still lists it, or dropped it
+                c.get_into(keys[1], [(base + SIZE, SIZE)])
+            assert not dst[SIZE:].any() and native_reads(c) == n0
+            cluster.master_proc.kill()
+            with pytest.raises(MasterUnreachable):
+                c.get_into(keys[0], [(base, SIZE)])
