@@ -53,7 +53,14 @@ def masters(n_shards: int, per_shard_bytes: int, tmp: Path, ha_first: bool = Fal
         try:
             for i in range(n_shards):
                 for j in range(2 if ha_first and i == 0 else 1):
-                    flags = ["--heartbeat-timeout-ms", str(10**9), "--lease-ttl-ms", "1000"]
+                    flags = [
+                        "--heartbeat-timeout-ms",
+                        str(10**9),
+                        "--lease-ttl-ms",
+                        "1000",
+                        "--admission-probe-ms",
+                        "0",
+                    ]  # byte-less segments
                     if n_shards > 1 or ha_first:
                         flags += ["--cluster", cluster, "--shard", f"s{i}", "--shard-move-window-ms", "0"]
                     if ha_first and i == 0:
@@ -89,14 +96,20 @@ def _wait(check, timeout_s: float = 60.0) -> None:
 
 def _register(address: str, size: int) -> None:
     """One byte-less segment of ``size`` per master (registered by RPC; never heart-beats: timeout 10^9 ms)."""
+    import secrets
+
+    from kvplugins.security import resolve
+    from kvplugins.security.secret import owner_proof
     from kvplugins.store.client.connect import master_client
     from kvplugins.store.cluster.membership import Membership
 
     addrs = Membership(address).read().members if address.startswith("shards://") else {"s0": address}
     for sid, addr in addrs.items():
-        rpc = master_client(addr, 10_000)
+        rpc = master_client(addr, 10_000, "node")  # registering a segment is a node's op
         wire = {"v": 1, "segment_id": f"bench-{sid}", "host_id": "h", "transports": {}, "regions": [[1, size, None]]}
-        [(code, why)] = rpc.call("register_segment", [[wire, 1, size]])
+        owner = secrets.token_hex(32)
+        opts = {"owner": owner, **owner_proof(resolve(), owner)}
+        [(code, why)] = rpc.call("register_segment", [[wire, 1, size]], opts)
         rpc.close()
         if code != 0:
             raise SystemExit(f"segment refused by {sid}: {why}")

@@ -2,6 +2,7 @@
 instruction counts where a latency goal is missed; this VM exposes no hardware counters to ``perf``).
 
     .venv/bin/python benchmarks/op_instructions.py [--transports shm,tcp] [--ops get,put,rpc] [-n 2000] [--master]
+        [--python-path]
 
 It starts ``kvplugins master`` and one ``kvplugins store`` node on loopback, then runs a client process under
 callgrind twice, doing 0 and ``n`` ops of each kind (a 4 KiB ``put_from``, a 4 KiB ``get_into``, or the bare
@@ -50,13 +51,16 @@ def _total(log: Path) -> int:
     return int(found[-1])
 
 
-def client(master: str, transports: str, op: str, n: int) -> None:
-    """The measured process: ``n`` ops of ``op`` after KEYS objects were put (those puts are in both runs)."""
+def client(master: str, transports: str, op: str, n: int, python_path: bool) -> None:
+    """The measured process: ``n`` ops of ``op`` after KEYS objects were put (those puts are in both runs).
+    ``python_path``: without the one-call native ops (what every op cost before them; diagnostics)."""
     import numpy as np
 
     from kvplugins.store import ClientConfig, StoreClient
 
     with StoreClient(ClientConfig(master=master, transports=transports)) as c:
+        if python_path:
+            c._shm_maps = None
         buf = np.zeros(4 * OBJECT_BYTES, dtype=np.uint8)
         c.register_buffer(buf)
         src, dst = [(buf.ctypes.data, OBJECT_BYTES)], [(buf.ctypes.data + OBJECT_BYTES, OBJECT_BYTES)]
@@ -125,7 +129,8 @@ def run(args) -> list[dict]:
                             op,
                             "-n",
                             str(n),
-                        ],
+                        ]
+                        + (["--python-path"] if args.python_path else []),
                         stdout=subprocess.DEVNULL,
                         stderr=f,
                         check=True,
@@ -145,6 +150,7 @@ def run(args) -> list[dict]:
                         "op": op,
                         "side": side,
                         "transports": args.transports,
+                        "path": "python" if args.python_path else "native where it applies",
                         "n": args.n,
                         "instructions_per_op": round((full - zero) / args.n),
                     }
@@ -158,10 +164,11 @@ def main() -> None:
     ap.add_argument("--ops", default="get,put,rpc", help="comma list of get, put, rpc (the bare get RPC)")
     ap.add_argument("-n", type=int, default=2000, help="ops per measured run")
     ap.add_argument("--master", action="store_true", help="also count the master's instructions per op")
+    ap.add_argument("--python-path", action="store_true", help="without the one-call native ops (the path before)")
     ap.add_argument("--child", metavar="MASTER", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        client(args.child, args.transports, args.ops, args.n)
+        client(args.child, args.transports, args.ops, args.n, args.python_path)
         return
     for row in run(args):
         print(json.dumps(row))

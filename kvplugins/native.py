@@ -77,53 +77,97 @@ def hash_tiers() -> list[str]:
 def shm_maps():
     """A native table of the peer regions this process maps over shm (the shm transport keeps it: ``add(segment id,
     region id, address, length, pidfd)``, ``alias(segment name, segment id)``, ``forget(segment id)``, ``clear()``,
-    ``counts()`` -> (reads, bytes) done by get_one). forget and clear wait for reads in flight."""
+    ``counts()`` -> (objects, bytes) moved by get_many and put_many). forget and clear wait for copies in flight."""
     return _mod().ShmMaps()
 
 
-def get_one(fd: int, rid: int, key: str, addrs: list[int], lens: list[int], timeout_ms: float, maps, verify: bool):
-    """One store get in one native call, GIL released (native/src/store/one_op.h): sends the master's ``get``
-    of ``key`` as request ``rid`` on the connected socket ``fd``, reads the reply frame and, when the object's
-    first replica is in a region of ``maps``, reads its bytes into the local spans (addresses and byte lengths
-    of writable registered memory, summing to the object's size) and checks its xxh3_64 (``verify``). Returns
-    (True, size in bytes) when done, (True, None) for a miss (the key is not stored), (False, reply body) for
-    the caller to go on from. Raises TimeoutError (no reply within ``timeout_ms``), ConnectionError (the socket
-    failed; the connection is not usable after either)."""
-    return _op(_mod().get_one(fd, rid, key, addrs, lens, float(timeout_ms), maps, bool(verify)))
+def get_many(fd: int, rid: int, keys: list[str], addrs, lens, starts, timeout_ms: float, maps, verify: bool):
+    """A store get of ``keys`` in one native call, GIL released (native/src/store/one_op.h): sends the master's
+    column-form ``get`` as request ``rid`` on the connected socket ``fd``, reads the reply and reads each hit whose
+    first replica is in a region of ``maps`` into its key's spans (key k's: ``[starts[k], starts[k+1])`` of the
+    uint64 arrays ``addrs``, ``lens``: writable registered memory), checking its xxh3_64 (``verify``) and its
+    lease. Returns (per key a byte: 0 read and checked, 1 not stored, 2 for the caller to go on from the reply;
+    the reply body when a key is 2, else None). ``addrs``, ``lens``, ``starts``: int lists or uint64 arrays. Raises TimeoutError (no reply within ``timeout_ms``),
+    ConnectionError (the socket failed; the connection is not usable after either), NativeError for spans not
+    matching the keys, TypeError for a key that is not a str."""
+    lists = type(addrs) is list and type(lens) is list and type(starts) is list
+    run = _mod().get_many_lists if lists else _mod().get_many
+    try:
+        status, codes, body = run(fd, rid, keys, *_columns(lists, addrs, lens, starts), timeout_ms, maps, verify)
+    except ValueError as e:
+        raise NativeError(str(e)) from e
+    _raise_failed(status, body)
+    return codes, body
 
 
-def put_one(
+def put_many(
     fd: int,
     rid: int,
-    key: str,
-    addrs: list[int],
-    lens: list[int],
-    slab: tuple[str, int, int, int],
+    keys: list[str],
+    addrs,
+    lens,
+    starts,
+    slab: tuple[str, int, int],
+    offsets,
     write_ms: float,
     timeout_ms: float,
     maps,
 ):
-    """One slab put in one native call, GIL released (native/src/store/one_op.h): copies the local spans
-    (addresses and byte lengths of registered memory) to ``slab`` = (segment name, region id, offset, slab id)
-    where ``maps`` maps that region, hashing them, then sends the master's ``put`` of ``key`` as request ``rid``
-    on socket ``fd`` and reads its reply. ``write_ms``: the time left to write into the slab. Returns (True,
-    None) when nothing was written or sent (the region is not mapped here, its owner is gone, or no time is
-    left), (True, the entry's code: OK or EXISTS) when done, (False, reply body) for the caller to go on from.
-    Raises TimeoutError, ConnectionError as get_one."""
-    segment, region, offset, slab_id = slab
-    return _op(
-        _mod().put_one(
-            fd, rid, key, addrs, lens, segment, region, offset, slab_id, float(write_ms), float(timeout_ms), maps
+    """A slab put of ``keys`` in one native call, GIL released (native/src/store/one_op.h): copies each key's spans
+    (as get_many's, registered memory) to ``offsets[k]`` of the slab ``slab`` = (segment name, region id, slab id)
+    where ``maps`` maps its region, hashing them, then sends the master's ``put`` as request ``rid`` on socket
+    ``fd`` and reads its reply. ``write_ms``: the time left to write into the slab. Returns None when nothing was
+    written or sent (the region is not mapped here, its owner is gone, no time is left, an object would not fit),
+    else (per key the answer's code as a byte, the reply body when an answer is not OK or EXISTS, else None).
+    Raises as get_many."""
+    segment, region, slab_id = slab
+    lists = type(addrs) is list and type(lens) is list and type(starts) is list and type(offsets) is list
+    run = _mod().put_many_lists if lists else _mod().put_many
+    addrs, lens, starts, offsets = _columns(lists, addrs, lens, starts, offsets)
+    try:
+        status, codes, body = run(
+            fd, rid, keys, addrs, lens, starts, segment, region, offsets, slab_id, write_ms, timeout_ms, maps
         )
-    )
+    except ValueError as e:
+        raise NativeError(str(e)) from e
+    if status == 5:
+        return None
+    _raise_failed(status, body)
+    return codes, body
 
 
-def _op(result: tuple[int, object]) -> tuple[bool, object]:
-    """A native store op's (status, value) as (done, value); its I/O failures raised as TimeoutError and
-    ConnectionError (the one place its status codes become exceptions)."""
-    status, value = result
-    if status in (0, 1, 5):
-        return True, value
-    if status == 2:
-        return False, value
-    raise (TimeoutError if status == 4 else ConnectionError)(value)
+def _columns(lists: bool, *cols) -> tuple:
+    """Span columns for the native call: int lists as they are, else each as a uint64 array."""
+    return cols if lists else tuple(np.ascontiguousarray(c, dtype=np.uint64) for c in cols)
+
+
+def _raise_failed(status: int, why) -> None:
+    """A native store op's failed exchange as TimeoutError (4) or ConnectionError (3): the one place these status
+    codes become exceptions."""
+    if status in (3, 4):
+        raise (TimeoutError if status == 4 else ConnectionError)(why)
+
+
+def shard_exists(fds: list[int], rids: list[int], keys: list[str], points, point_shard, timeout_ms: float):
+    """A sharded store's ``exists`` in one native call, GIL released (native/src/store/shards.h): each key hashed
+    onto the ring (``points``: ascending uint64 positions; ``point_shard``: uint32 index of each point's shard),
+    request ``rids[s]`` sent on shard s's connected socket ``fds[s]`` with that shard's keys, every reply read in
+    one poll loop. Returns (per key a uint8: 1 stored, 0 not, 2 its shard did not answer here; per shard: True
+    (answered), None (none of the keys is on it), the reply body (bytes) for the caller to parse (a refusal), or
+    the ConnectionError / TimeoutError of its connection, which is then not usable). Raises NativeError for a
+    malformed ring, TypeError for a key that is not a str."""
+    try:
+        flags, per_shard = _mod().shard_exists(
+            fds, rids, keys, np.ascontiguousarray(points), np.ascontiguousarray(point_shard), float(timeout_ms)
+        )
+    except ValueError as e:
+        raise NativeError(str(e)) from e
+    out: list = []
+    for status, value in per_shard:
+        try:
+            _raise_failed(status, value)
+        except OSError as e:
+            out.append(e)
+        else:
+            out.append({0: True, 2: value}.get(status))
+    return np.frombuffer(flags, dtype=np.uint8), out

@@ -25,7 +25,7 @@ from kvplugins.transfer.memory import RegionTable, buffer_span, view_of
 from kvplugins.transfer.rdma import RdmaTransport
 from kvplugins.transfer.routing import Router
 from kvplugins.transfer.shm import ShmTransport
-from kvplugins.transfer.spans import as_u64
+from kvplugins.transfer.spans import SMALL, as_u64
 from kvplugins.transfer.tcp import TcpTransport
 from kvplugins.transfer.transport import Op, Transport
 
@@ -222,6 +222,20 @@ class TransferEngine:
         first choice, else None: the store client's one-call reads (native.get_one) go through it."""
         first = self._transports[0] if self._transports else None
         return first.maps if isinstance(first, ShmTransport) else None
+
+    def all_writable(self, local_addrs, lengths) -> bool:
+        """Whether every span (addresses and byte lengths: int lists or 1-D integer arrays) lies inside one
+        registered region a read may land in (not read-only). Conservative: a span only inside overlapping
+        registrations counts as not writable. Lists of at most spans.SMALL take no numpy."""
+        index = self._regions.index
+        if type(local_addrs) is list and len(local_addrs) <= SMALL:
+            regions = [index.find(a, n) for a, n in zip(local_addrs, lengths)]
+            return all(r is not None and not r.readonly for r in regions)
+        addrs, lens = as_u64(local_addrs, "local_addrs"), as_u64(lengths, "lengths")
+        if not len(index.regions):
+            return not len(addrs)
+        idx = index.locate(addrs, lens)
+        return bool(((idx >= 0) & index.np_writable[np.maximum(idx, 0)]).all())
 
     def submit_write(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> Future:
         """batch_write on an engine worker thread; a Future of the status list. Raises as batch_write

@@ -10,13 +10,16 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kvp_copy.h"
 #include "store/one_op.h"
+#include "store/shards.h"
 
 namespace nb = nanobind;
 using U64Vec = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using U64Out = nb::ndarray<uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using U32Vec = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 static const kvp::HashOps* tier(const std::string& isa) {
   const kvp::HashOps* ops = kvp::hash_ops(isa.c_str());
@@ -55,43 +58,93 @@ static void copy(uint64_t dst, uint64_t src, uint64_t len) {
 
 using kvp::store::ShmMaps;
 
-// A kvp::store::OpResult as (status, value): (0, size or code), (1, None), (2, reply body bytes), (3|4, why),
-// (5, None).
-static nb::tuple op_result(const kvp::store::OpResult& r) {
-  switch (r.status) {
-    case kvp::store::kDone: return nb::make_tuple(r.status, r.size);
-    case kvp::store::kMiss: case kvp::store::kNotSent: return nb::make_tuple(r.status, nb::none());
-    case kvp::store::kAsPython: return nb::make_tuple(r.status, nb::bytes(r.text.data(), r.text.size()));
-    default: return nb::make_tuple(r.status, r.text);
-  }
+// The spans of a batch's keys, checked: key k's are [starts[k], starts[k+1]) of (addrs, lens).
+static kvp::store::KeySpans key_spans(size_t keys, const uint64_t* addrs, size_t na, const uint64_t* lens, size_t nl,
+                                      const uint64_t* starts, size_t ns) {
+  if (nl != na || ns != keys + 1 || starts[0] != 0 || starts[keys] != na)
+    throw std::invalid_argument("key spans: addrs and lens differ in length, or starts is not keys + 1 offsets from 0 to the span count");
+  for (size_t k = 0; k < keys; ++k)
+    if (starts[k] > starts[k + 1]) throw std::invalid_argument("key spans: starts must not decrease");
+  return {addrs, lens, starts, keys};
 }
 
-static nb::tuple get_one(int fd, uint64_t rid, const std::string& key, const std::vector<uint64_t>& addrs,
-                         const std::vector<uint64_t>& lens, double timeout_ms, ShmMaps& maps, bool verify,
-                         const std::string& isa) {
-  if (addrs.size() != lens.size()) throw std::invalid_argument("get_one: addrs and lens differ in length");
-  const kvp::HashOps* ops = tier(isa);
-  kvp::store::OpResult r{0};
-  {
-    kvp::GilRelease release;
-    r = kvp::store::get_one(fd, rid, key, addrs.data(), lens.data(), addrs.size(), timeout_ms, maps, verify, ops);
-  }
-  return op_result(r);
+// A BatchResult as (status, per-key codes bytes, reply body bytes or None); a failure as (status, b"", why).
+static nb::tuple batch_result(const kvp::store::BatchResult& r) {
+  if (r.status == kvp::store::kIoError || r.status == kvp::store::kTimeout)
+    return nb::make_tuple(r.status, nb::bytes("", 0), r.body);
+  nb::object body = r.body.empty() ? nb::none() : nb::object(nb::bytes(r.body.data(), r.body.size()));
+  return nb::make_tuple(r.status, nb::bytes(r.codes.data(), r.codes.size()), body);
 }
 
-static nb::tuple put_one(int fd, uint64_t rid, const std::string& key, const std::vector<uint64_t>& addrs,
-                         const std::vector<uint64_t>& lens, const std::string& segment, uint32_t region,
-                         uint64_t offset, uint64_t slab, double write_ms, double timeout_ms, ShmMaps& maps,
-                         const std::string& isa) {
-  if (addrs.size() != lens.size()) throw std::invalid_argument("put_one: addrs and lens differ in length");
+// get_many and put_many take their span columns as uint64 arrays (a big batch); get_many_lists and put_many_lists
+// as int lists (a small one: no numpy on the caller's side, no failed array conversion first). Cols is either.
+template <class Cols>
+static std::pair<const uint64_t*, size_t> col(const Cols& c) {
+  if constexpr (std::is_same_v<Cols, U64Vec>) return {c.data(), c.shape(0)};
+  else return {c.data(), c.size()};
+}
+
+template <class Cols>
+static nb::tuple get_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const Cols& addrs,
+                          const Cols& lens, const Cols& starts, double timeout_ms, ShmMaps& maps, bool verify,
+                          const std::string& isa) {
+  auto [a, na] = col(addrs);
+  auto [l, nl] = col(lens);
+  auto [s, ns] = col(starts);
+  const kvp::store::KeySpans spans = key_spans(keys.size(), a, na, l, nl, s, ns);
   const kvp::HashOps* ops = tier(isa);
-  kvp::store::OpResult r{0};
+  kvp::store::BatchResult r;
   {
     kvp::GilRelease release;
-    r = kvp::store::put_one(fd, rid, key, addrs.data(), lens.data(), addrs.size(), segment, region, offset, slab,
-                            write_ms, timeout_ms, maps, ops);
+    r = kvp::store::get_many(fd, rid, keys, spans, timeout_ms, maps, verify, ops);
   }
-  return op_result(r);
+  return batch_result(r);
+}
+
+template <class Cols>
+static nb::tuple put_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const Cols& addrs,
+                          const Cols& lens, const Cols& starts, const std::string& segment, uint32_t region,
+                          const Cols& offsets, uint64_t slab, double write_ms, double timeout_ms, ShmMaps& maps,
+                          const std::string& isa) {
+  auto [a, na] = col(addrs);
+  auto [l, nl] = col(lens);
+  auto [s, ns] = col(starts);
+  auto [o, no] = col(offsets);
+  const kvp::store::KeySpans spans = key_spans(keys.size(), a, na, l, nl, s, ns);
+  if (no != keys.size()) throw std::invalid_argument("put_many: one offset per key");
+  const kvp::HashOps* ops = tier(isa);
+  kvp::store::BatchResult r;
+  {
+    kvp::GilRelease release;
+    r = kvp::store::put_many(fd, rid, keys, spans, segment, region, o, slab, write_ms, timeout_ms, maps, ops);
+  }
+  return batch_result(r);
+}
+
+// (key flags as bytes: 1 stored, 0 not, 2 unanswered; per shard (status, value): (0|5, None), (2, reply body), (3|4, why)).
+static nb::tuple shard_exists(const std::vector<int>& fds, const std::vector<uint64_t>& rids,
+                              const std::vector<std::string>& keys, U64Vec points, U32Vec point_shard,
+                              double timeout_ms, const std::string& isa) {
+  const size_t np = points.shape(0);
+  if (fds.size() != rids.size()) throw std::invalid_argument("shard_exists: fds and rids differ in length");
+  if (np == 0 || point_shard.shape(0) != np) throw std::invalid_argument("shard_exists: the ring is empty or its arrays differ in length");
+  for (size_t i = 0; i < np; ++i)
+    if (point_shard.data()[i] >= fds.size()) throw std::invalid_argument("shard_exists: a ring point names no given shard");
+  const kvp::HashOps* ops = tier(isa);
+  std::string out(keys.size(), '\2');
+  std::vector<kvp::store::ShardAnswer> answers;
+  {
+    kvp::GilRelease release;
+    answers = kvp::store::shard_exists(fds, rids, keys, points.data(), point_shard.data(), np, timeout_ms, ops,
+                                       reinterpret_cast<uint8_t*>(out.data()));
+  }
+  nb::list per_shard;
+  for (const auto& a : answers) {
+    if (a.status == kvp::store::kAsPython) per_shard.append(nb::make_tuple(a.status, nb::bytes(a.text.data(), a.text.size())));
+    else if (a.status == kvp::store::kIoError || a.status == kvp::store::kTimeout) per_shard.append(nb::make_tuple(a.status, a.text));
+    else per_shard.append(nb::make_tuple(a.status, nb::none()));
+  }
+  return nb::make_tuple(nb::bytes(out.data(), out.size()), per_shard);
 }
 
 static void bind_store(nb::module_& m) {
@@ -103,11 +156,21 @@ static void bind_store(nb::module_& m) {
       .def("forget", [](ShmMaps& s, const std::string& segment) { kvp::GilRelease r; s.forget(segment); })
       .def("clear", [](ShmMaps& s) { kvp::GilRelease r; s.clear(); })
       .def("counts", [](const ShmMaps& s) { return std::make_pair(s.entries(), s.bytes()); });
-  m.def("get_one", &get_one, nb::arg("fd"), nb::arg("rid"), nb::arg("key"), nb::arg("addrs"), nb::arg("lens"),
-        nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("verify"), nb::arg("isa") = "auto");
-  m.def("put_one", &put_one, nb::arg("fd"), nb::arg("rid"), nb::arg("key"), nb::arg("addrs"), nb::arg("lens"),
-        nb::arg("segment"), nb::arg("region"), nb::arg("offset"), nb::arg("slab"), nb::arg("write_ms"),
-        nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("isa") = "auto");
+  using List = std::vector<uint64_t>;
+  m.def("get_many", &get_many<U64Vec>, nb::arg("fd"), nb::arg("rid"), nb::arg("keys"), nb::arg("addrs"),
+        nb::arg("lens"), nb::arg("starts"), nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("verify"),
+        nb::arg("isa") = "auto");
+  m.def("get_many_lists", &get_many<List>, nb::arg("fd"), nb::arg("rid"), nb::arg("keys"), nb::arg("addrs"),
+        nb::arg("lens"), nb::arg("starts"), nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("verify"),
+        nb::arg("isa") = "auto");
+  m.def("put_many", &put_many<U64Vec>, nb::arg("fd"), nb::arg("rid"), nb::arg("keys"), nb::arg("addrs"),
+        nb::arg("lens"), nb::arg("starts"), nb::arg("segment"), nb::arg("region"), nb::arg("offsets"),
+        nb::arg("slab"), nb::arg("write_ms"), nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("isa") = "auto");
+  m.def("put_many_lists", &put_many<List>, nb::arg("fd"), nb::arg("rid"), nb::arg("keys"), nb::arg("addrs"),
+        nb::arg("lens"), nb::arg("starts"), nb::arg("segment"), nb::arg("region"), nb::arg("offsets"),
+        nb::arg("slab"), nb::arg("write_ms"), nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("isa") = "auto");
+  m.def("shard_exists", &shard_exists, nb::arg("fds"), nb::arg("rids"), nb::arg("keys"), nb::arg("points"),
+        nb::arg("point_shard"), nb::arg("timeout_ms"), nb::arg("isa") = "auto");
 }
 
 NB_MODULE(_native, m) {

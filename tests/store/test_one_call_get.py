@@ -1,8 +1,8 @@
-"""One key's get from a same-host segment in one native call (native.get_one, issue #35), on real processes: a
-master and a store node. The native reads are counted in the shm transport's table (ShmMaps.counts), so each
-test can tell which path served it: the common case must be native, and everything the native call does not
-finish (a first read before the mapping exists, a miss, a size mismatch, a flipped byte, a dead node, read-only
-memory) must end exactly as the Python path ends it."""
+"""Store gets and slab puts from/into a same-host segment in one native call each (native.get_many / put_many,
+issue #35), on real processes: a master and a store node. The objects the native calls move are counted in the
+shm transport's table (ShmMaps.counts), so each test can tell which path served it: the common case must be
+native, and everything the native call does not finish (a first read before the mapping exists, a miss, a size
+mismatch, a flipped byte, a dead node, read-only memory) must end exactly as the Python path ends it."""
 
 import numpy as np
 import pytest
@@ -17,11 +17,12 @@ SIZE = 4096
 
 @pytest.fixture(scope="module")
 def pool():
-    with store_cluster(nodes=1, segment_size="8MiB", node_flags={"transports": "shm,tcp"}) as c:
+    """A master and one node whose 64 MiB segment offers slabs (1/64 of it: one-round-trip puts)."""
+    with store_cluster(nodes=1, segment_size="64MiB", node_flags={"transports": "shm,tcp"}) as c:
         yield c
 
 
-def native_reads(client) -> int:
+def native_objects(client) -> int:
     return client._engine.shm_maps().counts()[0]
 
 
@@ -40,16 +41,16 @@ def test_gets_after_the_first_are_one_native_call_each(pool):
     with StoreClient(ClientConfig(master=pool.master, transports="shm,tcp")) as c:
         src, dst, keys = stored(c, "one/hot", 20, 1)
         base = dst.ctypes.data
-        before = native_reads(c)  # the puts mapped the node's segment
+        before = native_objects(c)  # the puts mapped the node's segment
         for i, k in enumerate(keys):
             c.get_into(k, [(base + i * SIZE, SIZE)])
         assert np.array_equal(dst, src)
-        assert native_reads(c) - before == len(keys)
+        assert native_objects(c) - before == len(keys)
         dst[:] = 0
         c.get_into(keys[3], [(base, 1000), (base + 3 * SIZE, SIZE - 1000)])  # two spans: hashed after the copy
         assert np.array_equal(dst[:1000], src[3 * SIZE : 3 * SIZE + 1000])
         assert np.array_equal(dst[3 * SIZE : 4 * SIZE - 1000], src[3 * SIZE + 1000 : 4 * SIZE])
-        assert native_reads(c) - before == len(keys) + 1
+        assert native_objects(c) - before == len(keys) + 1
         shm = c.transfer_stats()["shm"]
         assert shm["entries"] >= 2 * len(keys) + 1 and shm["bytes"] >= (2 * len(keys) + 1) * SIZE
         assert c.stats()["gets"] == len(keys) + 1 and c.stats()["hits"] == len(keys) + 1
@@ -58,7 +59,7 @@ def test_gets_after_the_first_are_one_native_call_each(pool):
 def test_what_the_native_call_leaves_ends_as_on_the_python_path(pool):
     with StoreClient(ClientConfig(master=pool.master, transports="shm,tcp")) as c:
         src, dst, keys = stored(c, "one/edge", 4, 2)
-        base, n0 = dst.ctypes.data, native_reads(c)
+        base, n0 = dst.ctypes.data, native_objects(c)
         with pytest.raises(KeyNotFound):
             c.get_into("one/edge/absent", [(base, SIZE)])
         with pytest.raises(SizeMismatch, match="object is 4096 bytes"):
@@ -71,9 +72,9 @@ def test_what_the_native_call_leaves_ends_as_on_the_python_path(pool):
         c.register_buffer(frozen)
         with pytest.raises(TransferFailed, match="read-only"):
             c.get_into(keys[2], [(frozen.ctypes.data, SIZE)])
-        assert native_reads(c) == n0  # none of them was finished natively
+        assert native_objects(c) == n0  # none of them was finished natively
         c.get_into(keys[2], [(base, SIZE)])
-        assert np.array_equal(dst[:SIZE], src[2 * SIZE : 3 * SIZE]) and native_reads(c) == n0 + 1
+        assert np.array_equal(dst[:SIZE], src[2 * SIZE : 3 * SIZE]) and native_objects(c) == n0 + 1
 
 
 def test_a_dead_node_or_master_is_an_error_not_a_hang_or_stale_bytes():
@@ -82,11 +83,35 @@ def test_a_dead_node_or_master_is_an_error_not_a_hang_or_stale_bytes():
             src, dst, keys = stored(c, "one/dead", 2, 3)
             base = dst.ctypes.data
             c.get_into(keys[0], [(base, SIZE)])
-            n0 = native_reads(c)
+            n0 = native_objects(c)
             cluster.nodes[0].kill()
             with pytest.raises((TransferFailed, KeyNotFound)):  # the master still lists it, or dropped it
                 c.get_into(keys[1], [(base + SIZE, SIZE)])
-            assert not dst[SIZE:].any() and native_reads(c) == n0
+            assert not dst[SIZE:].any() and native_objects(c) == n0
             cluster.master_proc.kill()
             with pytest.raises(MasterUnreachable):
                 c.get_into(keys[0], [(base, SIZE)])
+
+
+def test_a_batch_is_one_native_call_and_its_odd_keys_end_as_on_the_python_path(pool):
+    with StoreClient(ClientConfig(master=pool.master, transports="shm,tcp")) as c:
+        src, dst, keys = stored(c, "one/batch", 40, 4)  # warms the mapping and the slab
+        n0 = native_objects(c)
+        more = [f"one/batch/more/{i}" for i in range(24)]
+        a = src.ctypes.data
+        assert c.batch_put_from(more, [[(a + i * SIZE, SIZE)] for i in range(24)]) == [None] * 24
+        assert native_objects(c) - n0 == 24  # the slab put of the whole batch: native
+        flip_stored_byte(c, keys[5])
+        asked = keys + ["one/batch/absent"]
+        base = dst.ctypes.data
+        spans = [[(base + i * SIZE, SIZE)] for i in range(40)] + [[(base, SIZE)]]
+        spans[7] = [(base + 7 * SIZE, SIZE - 8)]  # too short for its object
+        n1 = native_objects(c)
+        out = c.batch_get_into(asked, spans)
+        assert isinstance(out[5], ChecksumMismatch) and isinstance(out[7], SizeMismatch)
+        assert isinstance(out[40], KeyNotFound) and not isinstance(out[40], ChecksumMismatch)
+        good = [i for i in range(40) if i not in (5, 7)]
+        assert [out[i] for i in good] == [None] * len(good)
+        assert all(np.array_equal(dst[i * SIZE : (i + 1) * SIZE], src[i * SIZE : (i + 1) * SIZE]) for i in good)
+        assert native_objects(c) - n1 == len(good)
+        assert c.stats()["corrupt_reported"] == 1

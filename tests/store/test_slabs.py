@@ -113,9 +113,9 @@ def test_a_put_over_the_watermark_frees_due_space_before_evicting():
 
 def _counting(client):
     """The master ops ``client`` sends from now on, in order (its one-call native ops too: one round trip each)."""
-    ops, real, native = [], client._rpc.call, client._rpc.call_native
+    ops, real, held = [], client._rpc.call, client._rpc.held
     client._rpc.call = lambda op, *a, **k: (ops.append(op), real(op, *a, **k))[1]
-    client._rpc.call_native = lambda op, *a, **k: (ops.append(op), native(op, *a, **k))[1]
+    client._rpc.held = lambda op, *a, **k: (ops.append(op), held(op, *a, **k))[1]
     return ops
 
 

@@ -8,7 +8,9 @@ pair it follows across fail-overs). While a move is on (ClusterState.moving):
 - reads (get, exists, get_size) that miss on the new owner ask the previous owner (dual lookup);
 - removes go to both owners;
 - a put first asks the previous owner whether the key is stored (then it is a no-op, as on one master).
-A shard that does not answer costs only its own keys: reads of them are misses, writes fail with UNAVAILABLE
+``exists`` (and ``exists_prefix``) while no move is on and every shard is a single master runs as ONE native call
+(native.shard_exists: hashing, one request per shard on its connection, the replies read in one poll loop and
+merged, GIL released); the rest below is the same for it. A shard that does not answer costs only its own keys: reads of them are misses, writes fail with UNAVAILABLE
 (MasterUnreachable when no shard answered at all). WRONG_SHARD answers make it re-read the membership and resend
 those entries, after a pause that doubles from RESEND_FIRST_S up to POLL_S, until the op's timeout: the stale
 view may be the master's (it reads the membership every 0.5 s too). (Before, during a move the resends were
@@ -18,12 +20,15 @@ and left.) A watcher thread re-reads the membership every POLL_S.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from kvplugins.errors import MasterUnreachable, StoreError
+from kvplugins import native
+from kvplugins.errors import MasterUnreachable, ProtocolError, StoreError
+from kvplugins.store.client.rpc import RawRpcClient
 from kvplugins.store.wire.protocol import EXISTS, NOT_FOUND, OK, UNAVAILABLE, WRONG_SHARD
 from kvplugins.store.cluster.membership import ClusterState, Membership
 
@@ -143,6 +148,10 @@ class ShardedRpc:
 
     # ---- routing ---------------------------------------------------------------------------------------
     def _keyed(self, op: str, entries: list, opts: dict, timeout_ms) -> list:
+        if op == "exists" and entries:
+            found = self._exists_native(entries, self.state, timeout_ms)
+            if found is not None:
+                return found
         out: list = [None] * len(entries)
         todo = list(range(len(entries)))
         deadline = time.monotonic() + (timeout_ms if timeout_ms is not None else self.timeout_ms) / 1000
@@ -191,6 +200,44 @@ class ShardedRpc:
             else:
                 self._second(op, entries, opts, timeout_ms, st.previous, moved, out, keep_hits=False)
         return [i for i in todo if _code(out[i]) == WRONG_SHARD] if op in PUTS else []
+
+    def _exists_native(self, keys: list, st: ClusterState, timeout_ms) -> list[bool] | None:
+        """``exists`` of ``keys`` in one native fan-out over every shard (module doc); None where it does not
+        apply (a move is on, a shard is an HA pair, a key is not a str): the caller routes in Python then."""
+        if st.moving():
+            return None
+        sids = st.ring.members
+        clients = [self._client(sid, st.members[sid]) for sid in sids]
+        if any(type(c) is not RawRpcClient for c in clients):
+            return None
+        timeout = self.timeout_ms if timeout_ms is None else timeout_ms
+        errors: dict[str, StoreError] = {}
+        with contextlib.ExitStack() as stack:
+            held = []
+            for sid, c in zip(sids, clients):  # in ring order: concurrent fan-outs take the locks in one order
+                try:
+                    held.append(stack.enter_context(c.held("exists", timeout)))
+                except StoreError as e:
+                    held.append(None)
+                    errors[sid] = e
+            try:
+                flags, answers = native.shard_exists(
+                    [h.fd if h else -1 for h in held],
+                    [h.rid if h else 0 for h in held],
+                    keys,
+                    st.ring.points,
+                    st.ring.point_shard,
+                    timeout,
+                )
+            except TypeError:
+                return None
+            for sid, h, answer in zip(sids, held, answers):
+                if h is not None and answer is not True and answer is not None:
+                    errors[sid] = _refused(h, answer)
+        asked = [sid for sid, a in zip(sids, answers) if a is not None]
+        if asked and len(asked) == len(st.members) and all(sid in errors for sid in asked):
+            raise errors[asked[0]]
+        return (flags == 1).tolist()
 
     def _stored_before(self, entries, todo, cur, prev, st, timeout_ms, out):
         """Puts of moved keys already stored on their previous owner answer EXISTS (the no-op of one master);
@@ -303,6 +350,18 @@ class ShardedRpc:
             self._fresh.set()
             self._wake.wait(POLL_S)
             self._wake.clear()
+
+
+def _refused(held, answer) -> StoreError:
+    """The StoreError of a shard's exchange that did not answer ``exists``: its connection failed (``answer`` an
+    exception), or its reply (bytes) was a refusal or malformed."""
+    if isinstance(answer, Exception):
+        return held.failed(answer)
+    try:
+        held.payload(answer)
+    except StoreError as e:
+        return e
+    return held.failed(ProtocolError("a malformed exists answer"))
 
 
 def _key(entry) -> str:

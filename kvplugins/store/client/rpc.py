@@ -106,31 +106,26 @@ class RawRpcClient(_Base):
                 raise MasterUnreachable(self.address, self.timeout_ms, f"{op}: {e or type(e).__name__}") from e
             self._deferred.append((rid, op, on_reply))
 
-    def call_native(self, op: str, run, timeout_ms: float | None = None) -> tuple[bool, object]:
-        """Run ``run(fd, request_id, ms_left)``: a native call that sends request ``request_id`` of ``op`` on this
-        connection's socket ``fd`` and reads its reply frame within ``ms_left`` (kvplugins.native.get_one).
-        ``run`` returns (True, its result) when it finished the op itself, or (False, reply body) for this client
-        to parse; this returns (True, the result) or (False, the op's payload). The deferred replies are read
-        first. Raises MasterUnreachable (``run``'s OSError or TimeoutError too), Forbidden, StoreError as call."""
-        timeout = self.timeout_ms if timeout_ms is None else timeout_ms
-        rid = next(self._ids)
-        with self._lock:
-            deadline = time.monotonic() + timeout / 1000
-            try:
-                if self._deferred:
-                    self._sock.settimeout(_left(deadline))
-                    self._drain(deadline)
-                sock = self._connect(deadline)
-                if self._rbuf:
-                    raise ProtocolError(f"{len(self._rbuf)} bytes from the master that no request asked for")
-                done, value = run(sock.fileno(), rid, _left(deadline) * 1000)
-                if done:
-                    return True, value
-                ok, payload = protocol.parse_response(protocol.unpack(value), rid)
-            except (OSError, ProtocolError, TimeoutError) as e:
-                self._reset()
-                raise MasterUnreachable(self.address, timeout, f"{op}: {e or type(e).__name__}") from e
-        return False, self._accepted(op, ok, payload)
+    def held(self, op: str, timeout_ms: float | None = None) -> "Held":
+        """This connection for one native exchange of ``op`` (a request sent and its reply read by native code on
+        the socket: kvplugins.native.get_many), as a context manager: entering takes this client's lock, connects
+        (authenticated) and reads the deferred replies; raises MasterUnreachable when it cannot."""
+        return Held(self, op, self.timeout_ms if timeout_ms is None else timeout_ms)
+
+    def _ready(self, op: str, timeout: float) -> tuple[int, float]:
+        """(socket fd, ms left) of the connection made ready for a native exchange; call with the lock held."""
+        deadline = time.monotonic() + timeout / 1000
+        try:
+            if self._deferred:
+                self._sock.settimeout(_left(deadline))
+                self._drain(deadline)
+            sock = self._connect(deadline)
+            if self._rbuf:
+                raise ProtocolError(f"{len(self._rbuf)} bytes from the master that no request asked for")
+            return sock.fileno(), _left(deadline) * 1000
+        except (OSError, ProtocolError, TimeoutError) as e:
+            self._reset()
+            raise MasterUnreachable(self.address, timeout, f"{op}: {e or type(e).__name__}") from e
 
     def flush(self, timeout_ms: float | None = None) -> None:
         """Read the replies of every deferred request. Raises MasterUnreachable (those requests are then
@@ -211,6 +206,43 @@ class RawRpcClient(_Base):
             handshake.check_refused(self._rbuf, f"master {self.address}")  # AuthError if it refused us
             raise ConnectionError("master closed the connection")
         self._rbuf += chunk
+
+
+class Held:
+    """One native exchange on a RawRpcClient's connection (RawRpcClient.held), inside ``with``: socket ``fd``,
+    request id ``rid``, ``ms`` left for it."""
+
+    def __init__(self, client: RawRpcClient, op: str, timeout_ms: float):
+        self.client, self.op, self.timeout_ms = client, op, timeout_ms
+        self.rid = next(client._ids)
+        self.fd, self.ms = -1, 0.0
+
+    def __enter__(self) -> "Held":
+        self.client._lock.acquire()
+        try:
+            self.fd, self.ms = self.client._ready(self.op, self.timeout_ms)
+        except BaseException:
+            self.client._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client._lock.release()
+
+    def payload(self, body: bytes):
+        """The payload of reply ``body``, checked as call checks it. Raises MasterUnreachable (a malformed reply:
+        the connection is closed), Forbidden, StoreError (a refusal)."""
+        try:
+            ok, payload = protocol.parse_response(protocol.unpack(body), self.rid)
+        except ProtocolError as e:
+            raise self.failed(e) from e
+        return self.client._accepted(self.op, ok, payload)
+
+    def failed(self, err: Exception) -> MasterUnreachable:
+        """The exchange failed with ``err`` (its OSError or TimeoutError): the connection is closed (bytes may be in
+        flight); returns the MasterUnreachable to raise."""
+        self.client._reset()
+        return MasterUnreachable(self.client.address, self.timeout_ms, f"{self.op}: {err or type(err).__name__}")
 
 
 class ZmqRpcClient(_Base):

@@ -7,10 +7,10 @@ client reserved earlier (a slab) -> ``put`` with each object's xxh3_64 (complete
 (slab.py, master/slabs.py). Otherwise, or when no slab space is to be had: ``put_start`` (master
 allocates, object pending) -> one transfer batch writes every span to every replica -> ``put_commit`` with each
 object's xxh3_64 (complete; ``put_abort`` for entries whose transfer failed).
-One key's get from a same-host segment already mapped runs in ONE native call (native.get_one: the get RPC on
-this client's connection, the copy + xxh3 out of the mapping, the checksum compare); any other answer is handed
-back and goes on below from the same reply. Get: ``get`` (lookup + lease) -> one transfer batch reads the spans
--> the bytes are checked against the
+With shm the engine's first choice, a get (any batch) and a slab put run as ONE native call (native.get_many /
+put_many: the RPC on this client's connection, the copies + xxh3 out of / into the same-host mappings, the
+checksum and lease checks); the keys it does not finish go on below from the same reply.
+Get: ``get`` (lookup + lease) -> one transfer batch reads the spans -> the bytes are checked against the
 checksum (a mismatch tries the next replica, is reported to the master with ``report_corrupt``, and with no good
 replica left is a ChecksumMismatch miss). A transfer group that ends after the get's lease fails its entries with
 LeaseExpired (never stale bytes); those alone are read again under a new lease, up to LEASE_ROUNDS times.
@@ -21,6 +21,8 @@ MasterUnreachable, TransferFailed. Follows the Mooncake store client design (FAS
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import threading
 import time
@@ -96,7 +98,7 @@ class StoreClient:
             )
         )
         self._descs: dict = {}
-        # one-call gets (native.get_one): over a single master's connection, with shm the engine's first choice
+        # one-call ops (native.get_many/put_many): over a single master's connection, shm the engine's first choice
         self._shm_maps = self._engine.shm_maps() if type(self._rpc) is RawRpcClient else None
         self._buffers: dict[int, object] = {}
         self._staging = StagingPool.registered(self._engine, cfg.staging_size)
@@ -153,43 +155,63 @@ class StoreClient:
 
     def get_into(self, key: str, spans: list[Span]) -> None:
         """Scatter object ``key`` into ``spans``. Raises KeyNotFound, SizeMismatch (sum of lengths != size)."""
+        if self._shm_maps is not None and type(key) is str:
+            cols = self._one_key_spans(spans)
+            if cols is not None:
+                _raise_first(self._read_native([key], [spans], cols))
+                return
         _raise_first(self.batch_get_into([key], [spans]))
 
-    def _get_one(self, key: str, spans: list[Span]) -> StoreError | None:
-        """batch_get_into of one key, in one native call when its spans are writable registered memory and its
-        first replica lies in a mapped same-host region (native.get_one); else from the reply that call read."""
+    def _read_native(self, keys: list[str], spans_per_key: list, spans: tuple) -> list[StoreError | None] | None:
+        """batch_get_into in one native call (native.get_many); ``spans``: the batch's (addresses, lengths, key
+        starts, bytes per key) in writable registered memory (_writable_spans). The keys it leaves go on from
+        its reply (_read). None where it does not apply (nothing was sent)."""
         t0, lease_t0 = time.perf_counter(), time.monotonic()
-        addrs, lens = self._writable(spans)
-        if addrs is None:  # the general path names the problem
-            return self._read_batch([key], [spans], t0)[0]
         maps, verify = self._shm_maps, self.cfg.verify_checksums
-        done, value = self._rpc.call_native(
-            "get", lambda fd, rid, ms: native.get_one(fd, rid, key, addrs, lens, ms, maps, verify)
-        )
-        if done:
-            err = None if value is not None else KeyNotFound(key)
-            self._stats.record("get", [sum(lens)], [err], t0)
-            return err
-        out, sizes = self._read([key], [spans], value, lease_t0)
-        self._read_late_again([key], [spans], out)
-        self._stats.record("get", sizes, out, t0)
-        return out[0]
+        with self._rpc.held("get") as h:
+            try:
+                codes, body = native.get_many(h.fd, h.rid, keys, *spans[:3], h.ms, maps, verify)
+            except (OSError, TimeoutError) as e:
+                raise h.failed(e) from e
+            except TypeError:  # a key that is not a str
+                return None
+            cols = h.payload(body) if body is not None else None
+        out: list[StoreError | None] = [None if c != 1 else KeyNotFound(k) for k, c in zip(keys, codes)]
+        if body is not None:  # some key is for Python: code 2
+            later = [i for i, c in enumerate(codes) if c == 2]
+            found = self._cols_found(cols)
+            sub = [keys[i] for i in later], [spans_per_key[i] for i in later], [found[i] for i in later]
+            for i, err in zip(later, self._read(*sub, lease_t0)[0]):
+                out[i] = err
+            self._read_late_again(keys, spans_per_key, out)
+        self._stats.record("get", spans[3], out, t0)
+        return out
 
-    def _writable(self, spans) -> tuple[list[int], list[int]] | tuple[None, None]:
-        """The spans' (addresses, byte lengths) when each is a non-empty span of writable registered memory."""
+    def _one_key_spans(self, spans) -> tuple | None:
+        """_writable_spans of one key's spans, without flattening (a single get_into)."""
         addrs, lens = [], []
-        for span in spans:
-            addr, n = span
+        for addr, n in spans:
             if type(addr) is not int or type(n) is not int or addr < 0 or n <= 0:
-                return None, None
+                return None
             try:
                 if self._engine.region_for(addr, n).readonly:
-                    return None, None
+                    return None
             except BufferNotRegistered:
-                return None, None
+                return None
             addrs.append(addr)
             lens.append(n)
-        return (addrs, lens) if addrs else (None, None)
+        return (addrs, lens, [0, len(addrs)], [sum(lens)]) if addrs else None
+
+    def _writable_spans(self, keys, spans_per_key):
+        """(addresses, lengths, per-key start offsets, bytes per key) of a batch whose every span is in writable
+        registered memory, else None: int lists for a small batch (no numpy), else arrays."""
+        out: list[StoreError | None] = [None] * len(keys)
+        flat = batches.flatten(self._engine, keys, spans_per_key, out)
+        if any(e is not None for e in out) or not self._engine.all_writable(flat.addrs, flat.lens):
+            return None
+        if type(flat.owner) is list:
+            return flat.addrs, flat.lens, [0, *itertools.accumulate(map(len, spans_per_key))], flat.sizes
+        return flat.addrs, flat.lens, np.searchsorted(flat.owner, np.arange(len(keys) + 1)), flat.sizes
 
     def batch_put_from(
         self, keys: list[str], spans_per_key: list[list[Span]], config: PutConfig | None = None
@@ -205,8 +227,11 @@ class StoreClient:
         """One lookup RPC + one transfer batch. Per-key None, KeyNotFound (ChecksumMismatch when no replica's
         bytes matched the checksum), SizeMismatch or TransferFailed."""
         keys, spans_per_key = list(keys), list(spans_per_key)
-        if len(keys) == 1 and self._shm_maps is not None and type(keys[0]) is str and len(spans_per_key) == 1:
-            return [self._get_one(keys[0], spans_per_key[0])]
+        if self._shm_maps is not None and keys and len(keys) == len(spans_per_key):
+            spans = self._writable_spans(keys, spans_per_key)
+            done = None if spans is None else self._read_native(keys, spans_per_key, spans)
+            if done is not None:
+                return done
         return self._read_batch(keys, spans_per_key, time.perf_counter())
 
     def _read_batch(self, keys: list[str], spans_per_key: list, t0: float) -> list[StoreError | None]:
@@ -513,7 +538,7 @@ class StoreClient:
         if placed is None:
             return todo
         slab, offsets = placed
-        one = self._put_one(keys[todo[0]], flat, slab, offsets[0]) if len(todo) == 1 else None
+        one = self._put_native(keys, flat, todo, slab, offsets)
         if one is not None:
             failed, ok, (sent, answers) = {}, todo, one
         else:
@@ -545,25 +570,47 @@ class StoreClient:
             self._slabs.forget()
         return again + pending
 
-    def _put_one(self, key: str, flat, slab, offset: int) -> tuple[float, list] | None:
-        """The slab write and ``put`` of one key in one native call (native.put_one) when the slab's region is
-        mapped here: (monotonic time before it, the put's answers). None when nothing was written or sent."""
-        if self._shm_maps is None or type(flat.addrs) is not list:
+    def _put_native(self, keys, flat, todo: list[int], slab, offsets: list[int]) -> tuple[float, list] | None:
+        """The slab write and ``put`` of keys ``todo`` in one native call (native.put_many) when the slab's region
+        is mapped here: (monotonic time before it, the put's answers). None when nothing was written or sent."""
+        if self._shm_maps is None:
             return None
+        addrs, lens, owner = flat.addrs, flat.lens, flat.owner
+        if type(owner) is list:  # a small batch: no numpy
+            if len(todo) != flat.nkeys:
+                pos = {k: j for j, k in enumerate(todo)}
+                picked = [j for j, o in enumerate(owner) if o in pos]
+                addrs, lens, owner = (
+                    [addrs[j] for j in picked],
+                    [lens[j] for j in picked],
+                    [pos[owner[j]] for j in picked],
+                )
+            starts = [bisect.bisect_left(owner, k) for k in range(len(todo) + 1)]
+        else:
+            if len(todo) != flat.nkeys:
+                sel = np.isin(owner, todo)
+                addrs, lens, owner = addrs[sel], lens[sel], np.searchsorted(todo, owner[sel])
+            starts = np.searchsorted(owner, np.arange(len(todo) + 1))
         sent = time.monotonic()
         write_ms = (slab.expires - self.cfg.rpc_timeout_ms / 1000 - sent) * 1000  # as _transfer's deadline
-        where, maps = (slab.segment, slab.region_id, offset, slab.id), self._shm_maps
+        where, sub = (slab.segment, slab.region_id, slab.id), [keys[i] for i in todo]
         try:
-            done, value = self._rpc.call_native(
-                "put",
-                lambda fd, rid, ms: native.put_one(fd, rid, key, flat.addrs, flat.lens, where, write_ms, ms, maps),
-            )
+            with self._rpc.held("put") as h:
+                try:
+                    got = native.put_many(
+                        h.fd, h.rid, sub, addrs, lens, starts, where, offsets, write_ms, h.ms, self._shm_maps
+                    )
+                except (OSError, TimeoutError) as e:
+                    raise h.failed(e) from e
+                except TypeError:  # a key that is not a str
+                    return None
+                if got is None:
+                    return None
+                codes, body = got
+                return sent, h.payload(body) if body is not None else [[c, None] for c in codes]
         except StoreError:
             self._slabs.forget()
             raise
-        if done and value is None:
-            return None
-        return sent, [[value, None]] if done else value
 
     def _finish_puts(self, keys, writes, failed: dict, out, sums: dict) -> None:
         ok = [i for i in writes if i not in failed]
@@ -651,23 +698,10 @@ class StoreClient:
         per-key Python objects). Objects with several replicas take the general path."""
         t0 = time.monotonic()
         out: list[StoreError | None] = [None] * len(keys)
-        ttl, sizes, names, regions, seg_idx, offs, more, sums, disk = self._rpc.call("get", keys, {"cols": 1})
+        cols = self._rpc.call("get", keys, {"cols": 1})
+        ttl, sizes, names, regions, seg_idx, offs, more, sums, disk = cols
         if more or disk:
-            found = [
-                disk.get(j, [protocol.NOT_FOUND, None])
-                if n < 0
-                else [
-                    protocol.OK,
-                    Found(
-                        n,
-                        replies.locations(more[j]) if more.get(j) else [Location(names[k], regions[k], off)],
-                        ttl,
-                        sums[j],
-                    ),
-                ]
-                for j, (n, k, off) in enumerate(zip(sizes, seg_idx, offs))
-            ]
-            return self._read(keys, spans_per_key, found, t0)
+            return self._read(keys, spans_per_key, self._cols_found(cols), t0)
         flat = batches.arrays(batches.flatten(self._engine, keys, spans_per_key, out))
         got, want = np.array(sizes, dtype=np.int64), np.array(flat.sizes, dtype=np.int64)
         for i in np.flatnonzero(got != want).tolist():
@@ -696,6 +730,26 @@ class StoreClient:
             corrupt = [[keys[i], names[seg_idx[i]], offs[i], sums[i]] for i in bad]
         self._report_corrupt(corrupt, checksum.head(flat, bad[0]) if corrupt else "")
         return out, flat.sizes
+
+    @staticmethod
+    def _cols_found(cols) -> list:
+        """Per key of a column-form get answer (master/service.py op_get), its per-entry form: [code, Found or
+        the value]."""
+        ttl, sizes, names, regions, seg_idx, offs, more, sums, disk = cols
+        return [
+            disk.get(j, [protocol.NOT_FOUND, None])
+            if n < 0
+            else [
+                protocol.OK,
+                Found(
+                    n,
+                    replies.locations(more[j]) if more.get(j) else [Location(names[k], regions[k], off)],
+                    ttl,
+                    sums[j],
+                ),
+            ]
+            for j, (n, k, off) in enumerate(zip(sizes, seg_idx, offs))
+        ]
 
     def _read_replicas(
         self, reads: dict[int, Found], flat, keys, stale_at: float

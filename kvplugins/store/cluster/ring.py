@@ -30,9 +30,11 @@ class Ring:
     def __init__(self, members):
         self.members = tuple(sorted(members))
         pts = sorted((xxhash.xxh3_64_intdigest(f"{m}#{i}".encode()), m) for m in self.members for i in range(VNODES))
-        self._points = np.array([p for p, _ in pts], dtype=np.uint64)
+        self.points = np.array([p for p, _ in pts], dtype=np.uint64)  # ascending ring positions
         self._owner = [m for _, m in pts]
-        self._plist = self._points.tolist()
+        index = {m: i for i, m in enumerate(self.members)}
+        self.point_shard = np.array([index[m] for m in self._owner], dtype=np.uint32)  # point -> members index
+        self._plist = self.points.tolist()
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Ring) and other.members == self.members
@@ -52,7 +54,7 @@ class Ring:
         if not self._owner:
             return [None] * len(keys)
         pts = np.fromiter(map(xxhash.xxh3_64_intdigest, map(_UTF8, keys)), dtype=np.uint64, count=len(keys))
-        idx = np.searchsorted(self._points, pts, side="left") % len(self._owner)
+        idx = np.searchsorted(self.points, pts, side="left") % len(self._owner)
         owner = self._owner
         return [owner[j] for j in idx.tolist()]
 
@@ -67,7 +69,7 @@ class Ring:
         """Fraction of the 64-bit key space each member owns."""
         if not self._owner:
             return {}
-        span = np.diff(self._points.astype(np.float64), prepend=self._points[-1].astype(np.float64) - 2.0**64)
+        span = np.diff(self.points.astype(np.float64), prepend=self.points[-1].astype(np.float64) - 2.0**64)
         out = dict.fromkeys(self.members, 0.0)
         for m, s in zip(self._owner, span.tolist()):
             out[m] += s / 2.0**64

@@ -11,89 +11,13 @@
 #include <mutex>
 #include <vector>
 
-#include "../tcp/mp.h"
+#include "frames.h"
 #include "kvp_copy.h"
 
 namespace kvp::store {
 namespace {
 
-constexpr uint64_t kVersion = 1;               // store/wire/protocol.py VERSION
-constexpr uint64_t kOk = 0, kNotFound = 1, kExists = 3;   // per-entry codes
-constexpr uint32_t kMaxReply = 64u << 20;      // a one-key get answer is a few hundred bytes
-
-using Clock = std::chrono::steady_clock;
-
-double ms_left(Clock::time_point deadline) {
-  return std::chrono::duration<double, std::milli>(deadline - Clock::now()).count();
-}
-
-// Waits for `events` on fd until the deadline: 1 ready, 0 timed out, -1 error (errno).
-int wait_fd(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    double left = ms_left(deadline);
-    if (left <= 0) return 0;
-    pollfd p{fd, events, 0};
-    int r = ::poll(&p, 1, int(left) + 1);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return r;
-    return 1;
-  }
-}
-
-OpResult io_fail(int status, std::string what) { return {status, 0, std::move(what)}; }
-
-bool send_all(int fd, const std::string& out, Clock::time_point deadline, OpResult& fail) {
-  size_t sent = 0;
-  while (sent < out.size()) {
-    ssize_t k = ::send(fd, out.data() + sent, out.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (k > 0) { sent += size_t(k); continue; }
-    if (k < 0 && errno == EINTR) continue;
-    if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
-      fail = io_fail(kIoError, std::string("send: ") + std::strerror(errno));
-      return false;
-    }
-    int w = wait_fd(fd, POLLOUT, deadline);
-    if (w <= 0) {
-      fail = w == 0 ? io_fail(kTimeout, "send timed out") : io_fail(kIoError, std::string("poll: ") + std::strerror(errno));
-      return false;
-    }
-  }
-  return true;
-}
-
-// Reads one frame (4-byte big-endian length, then the body) into `body`. Bytes past that frame are a protocol
-// error: nothing else is in flight on this connection.
-bool recv_frame(int fd, std::string& body, Clock::time_point deadline, OpResult& fail) {
-  std::vector<uint8_t> buf(4096);
-  size_t have = 0, want = 4;
-  bool sized = false;
-  for (;;) {
-    if (!sized && have >= 4) {
-      uint32_t n = (uint32_t(buf[0]) << 24) | (uint32_t(buf[1]) << 16) | (uint32_t(buf[2]) << 8) | buf[3];
-      if (n > kMaxReply) { fail = io_fail(kIoError, "reply frame of " + std::to_string(n) + " bytes"); return false; }
-      want = 4 + size_t(n);
-      sized = true;
-      if (buf.size() < want) buf.resize(want);
-    }
-    if (sized && have >= want) break;
-    ssize_t k = ::recv(fd, buf.data() + have, buf.size() - have, MSG_DONTWAIT);
-    if (k > 0) { have += size_t(k); continue; }
-    if (k == 0) { fail = io_fail(kIoError, "master closed the connection"); return false; }
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) {
-      fail = io_fail(kIoError, std::string("recv: ") + std::strerror(errno));
-      return false;
-    }
-    int w = wait_fd(fd, POLLIN, deadline);
-    if (w <= 0) {
-      fail = w == 0 ? io_fail(kTimeout, "no reply in time") : io_fail(kIoError, std::string("poll: ") + std::strerror(errno));
-      return false;
-    }
-  }
-  if (have != want) { fail = io_fail(kIoError, "bytes past the reply frame"); return false; }
-  body.assign(reinterpret_cast<const char*>(buf.data()) + 4, want - 4);
-  return true;
-}
+constexpr uint64_t kOk = 0, kExists = 3;   // per-entry codes (store/wire/protocol.py)
 
 bool alive(int pidfd) {
   if (pidfd < 0) return true;   // no pidfd on this kernel: the Python path checked /proc when it mapped
@@ -101,73 +25,93 @@ bool alive(int pidfd) {
   return ::poll(&p, 1, 0) == 0;
 }
 
-// The fields of a one-key `get` answer the native read needs.
-struct Answer {
-  uint64_t code = 0, size = 0, region = 0, offset = 0, ttl_ms = 0, checksum = 0;
-  bool has_checksum = false;
-  std::string_view segment;
+// The column answer of a get (master/service.py op_get with {"cols": 1}), as views into the reply body.
+struct Cols {
+  uint64_t ttl_ms = 0;
+  std::vector<int64_t> sizes, seg_idx;     // -1: a miss
+  std::vector<std::string_view> names;     // segment names, with their region ids
+  std::vector<uint64_t> regions, offs, sums;
+  std::vector<uint8_t> has_sum, python;    // python: the key has more replicas or is on disk
 };
 
-// Reads [1, rid, true, [[code, ...: the header of a one-entry answer, up to its code.
-bool entry_code(tcp::MpReader& r, uint64_t rid, uint64_t& code) {
-  uint32_t n;
-  uint64_t v;
-  bool ok;
-  return r.array(n, "reply") && n == 4 && r.uint(v, "version") && v == kVersion && r.uint(v, "id") && v == rid &&
-         r.boolean(ok, "ok") && ok && r.array(n, "entries") && n == 1 && r.array(n, "entry") && n == 2 &&
-         r.uint(code, "code");
+// An array of n ints read with `read` (MpReader::sint or ::uint) into `out`.
+template <class T>
+bool column(tcp::MpReader& r, size_t n, std::vector<T>& out, bool (tcp::MpReader::*read)(T&, const char*),
+            const char* what) {
+  uint32_t m;
+  if (!r.array(m, what) || m != n) return false;
+  out.resize(n);
+  for (auto& v : out)
+    if (!(r.*read)(v, what)) return false;
+  return true;
 }
 
-// [1, rid, true, [[code, value]]]; value of an OK entry: [size, [[segment, region, offset], ...], ttl, xxh3|nil].
-// false: anything else (the Python client parses it and raises or goes on).
-bool parse(const std::string& body, uint64_t rid, Answer& a) {
-  tcp::MpReader r(reinterpret_cast<const uint8_t*>(body.data()), body.size());
-  if (!entry_code(r, rid, a.code)) return false;
-  if (a.code != kOk) return true;
-  uint32_t fields, replicas, loc;
-  if (!r.array(fields, "value") || fields < 3 || fields > 4 || !r.uint(a.size, "size") ||
-      !r.array(replicas, "replicas") || replicas < 1 || !r.array(loc, "location") || loc != 3 ||
-      !r.str(a.segment, "segment") || !r.uint(a.region, "region") || !r.uint(a.offset, "offset"))
-    return false;
-  for (uint32_t i = 1; i < replicas; ++i)
-    if (!r.skip("replica")) return false;
-  if (!r.uint(a.ttl_ms, "lease")) return false;
-  if (fields == 4 && !r.is_nil()) {
-    if (!r.uint(a.checksum, "checksum")) return false;
-    a.has_checksum = true;
+// A {key index: value} map: marks those keys for Python.
+bool marked(tcp::MpReader& r, std::vector<uint8_t>& python, const char* what) {
+  uint32_t m;
+  uint64_t j;
+  if (!r.map(m, what)) return false;
+  for (uint32_t i = 0; i < m; ++i) {
+    if (!r.uint(j, what) || j >= python.size() || !r.skip(what)) return false;
+    python[j] = 1;
   }
-  return r.done() && a.region <= UINT32_MAX;
+  return true;
 }
 
-// A request frame: the 4-byte length, then [1, rid, op, ...] with the entries and opts `body` writes.
-template <class Body>
-std::string request(uint64_t rid, const char* op, Body body) {
-  std::string out(4, '\0');
-  tcp::MpWriter w(out);
-  w.array(5);
-  w.uint(kVersion);
-  w.uint(rid);
-  w.str(op);
-  body(w);
-  const uint32_t n = uint32_t(out.size() - 4);
-  for (int i = 0; i < 4; ++i) out[i] = char((n >> (8 * (3 - i))) & 0xff);
-  return out;
+bool parse_cols(const std::string& body, uint64_t rid, size_t n, Cols& c) {
+  tcp::MpReader r(reinterpret_cast<const uint8_t*>(body.data()), body.size());
+  uint32_t fields, m;
+  if (!accepted(r, rid) || !r.array(fields, "payload") || fields != 9 || !r.uint(c.ttl_ms, "ttl") ||
+      !column(r, n, c.sizes, &tcp::MpReader::sint, "sizes") || !r.array(m, "names"))
+    return false;
+  c.names.resize(m);
+  for (auto& name : c.names)
+    if (!r.str(name, "names")) return false;
+  c.python.assign(n, 0);
+  if (!column(r, m, c.regions, &tcp::MpReader::uint, "regions") ||
+      !column(r, n, c.seg_idx, &tcp::MpReader::sint, "seg_idx") || !column(r, n, c.offs, &tcp::MpReader::uint, "offs") ||
+      !marked(r, c.python, "more") || !r.array(m, "sums") || m != n)
+    return false;
+  c.sums.assign(n, 0);
+  c.has_sum.assign(n, 0);
+  for (size_t k = 0; k < n; ++k) {
+    if (r.is_nil()) continue;
+    if (!r.uint(c.sums[k], "sums")) return false;
+    c.has_sum[k] = 1;
+  }
+  return marked(r, c.python, "disk") && r.done();
 }
 
-bool roundtrip(int fd, const std::string& frame, Clock::time_point deadline, OpResult& res) {
-  return send_all(fd, frame, deadline, res) && recv_frame(fd, res.text, deadline, res);
-}
-
-// Copies the object at `src` into the local spans; true when its bytes check out.
-bool read_into(uint64_t src, const uint64_t* addrs, const uint64_t* lens, size_t n, const Answer& a, bool verify,
-               const HashOps* ops) {
-  const bool check = verify && a.has_checksum;
-  if (n == 1 && check)
-    return ops->copy_hash(reinterpret_cast<char*>(addrs[0]), reinterpret_cast<const char*>(src), lens[0]) == a.checksum;
-  std::vector<uint64_t> from(n);
-  for (size_t j = 0, off = 0; j < n; off += lens[j], ++j) from[j] = src + off;
-  kvp::copy_batch(addrs, from.data(), lens, n, 1);
-  return !check || ops->hash_spans(addrs, lens, n) == a.checksum;
+// Reads key k's object (its answer in `c`) into its spans: kDone, kMiss or kAsPython.
+uint8_t read_key(const Cols& c, size_t k, const KeySpans& s, ShmMaps& maps, bool verify, const HashOps* ops,
+                 Clock::time_point lease_end) {
+  if (c.python[k]) return kAsPython;
+  if (c.sizes[k] < 0) return kMiss;
+  const uint64_t *addrs = s.addrs + s.starts[k], *lens = s.lens + s.starts[k];
+  const size_t n = s.starts[k + 1] - s.starts[k];
+  uint64_t size = 0;
+  for (size_t j = 0; j < n; ++j) size += lens[j];
+  const int64_t seg = c.seg_idx[k];
+  if (size != uint64_t(c.sizes[k]) || size == 0 || seg < 0 || size_t(seg) >= c.names.size() ||
+      c.regions[seg] > UINT32_MAX)
+    return kAsPython;   // a SizeMismatch: the Python client names it
+  const ShmMaps::Mapping* m = maps.find(c.names[seg], uint32_t(c.regions[seg]));
+  const uint64_t off = c.offs[k];
+  if (m == nullptr || off > m->length || size > m->length - off || !alive(m->pidfd)) return kAsPython;
+  const char* src = reinterpret_cast<const char*>(m->base + off);
+  const bool check = verify && c.has_sum[k];
+  uint64_t digest = 0;
+  if (n == 1) {
+    digest = ops->copy_hash(reinterpret_cast<char*>(addrs[0]), src, size);
+  } else {
+    std::vector<uint64_t> from(n);
+    for (size_t j = 0, o = 0; j < n; o += lens[j], ++j) from[j] = m->base + off + o;
+    kvp::copy_batch(addrs, from.data(), lens, n, 1);
+    if (check) digest = ops->hash_spans(addrs, lens, n);
+  }
+  if ((check && digest != c.sums[k]) || !alive(m->pidfd) || Clock::now() > lease_end) return kAsPython;
+  maps.count(size);
+  return kDone;
 }
 
 }  // namespace
@@ -214,68 +158,85 @@ const ShmMaps::Mapping* ShmMaps::find(std::string_view name, uint32_t region) co
   return it == maps_.end() ? nullptr : &it->second;
 }
 
-OpResult get_one(int fd, uint64_t rid, const std::string& key, const uint64_t* addrs, const uint64_t* lens,
-                  size_t n, double timeout_ms, ShmMaps& maps, bool verify, const HashOps* ops) {
+BatchResult get_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const KeySpans& spans,
+                     double timeout_ms, ShmMaps& maps, bool verify, const HashOps* ops) {
   const auto t0 = Clock::now();
-  const auto deadline = t0 + std::chrono::microseconds(int64_t(timeout_ms * 1000));
-  OpResult res{kAsPython};
-  const std::string frame = request(rid, "get", [&](tcp::MpWriter& w) { w.array(1); w.str(key); w.map(0); });
-  if (!roundtrip(fd, frame, deadline, res)) return res;
-  Answer a;
-  if (!parse(res.text, rid, a)) return res;
-  if (a.code == kNotFound) return {kMiss};
-  if (a.code != kOk || a.size == 0) return res;
-  uint64_t total = 0;
-  for (size_t j = 0; j < n; ++j) total += lens[j];
-  if (total != a.size) return res;   // SizeMismatch: the Python client names it
-  std::shared_lock l(maps.mutex());
-  const ShmMaps::Mapping* m = maps.find(a.segment, uint32_t(a.region));
-  if (m == nullptr || a.offset > m->length || a.size > m->length - a.offset || !alive(m->pidfd)) return res;
-  const bool good = read_into(m->base + a.offset, addrs, lens, n, a, verify, ops);
-  const auto lease_end = t0 + std::chrono::milliseconds(a.ttl_ms);
-  if (!good || !alive(m->pidfd) || Clock::now() > lease_end) return res;   // the Python client reads again
-  maps.count(a.size);
-  return {kDone, a.size};
+  std::vector<Conn> one{Conn{fd, request(rid, "get", [&](tcp::MpWriter& w) {
+                               w.array(uint32_t(keys.size()));
+                               for (const auto& k : keys) w.str(k);
+                               w.map(1);
+                               w.str("cols");
+                               w.uint(1);
+                             })}};
+  exchange(one, deadline_in(timeout_ms));
+  BatchResult res;
+  if (one[0].status != kReplied) return {one[0].status, {}, std::move(one[0].body)};
+  res.codes.assign(keys.size(), char(kAsPython));
+  Cols c;
+  if (parse_cols(one[0].body, rid, keys.size(), c)) {
+    const auto lease_end = t0 + std::chrono::milliseconds(c.ttl_ms);
+    std::shared_lock l(maps.mutex());
+    for (size_t k = 0; k < keys.size(); ++k) res.codes[k] = char(read_key(c, k, spans, maps, verify, ops, lease_end));
+  }
+  if (res.codes.find(char(kAsPython)) != std::string::npos) res.body = std::move(one[0].body);
+  return res;
 }
 
-OpResult put_one(int fd, uint64_t rid, const std::string& key, const uint64_t* addrs, const uint64_t* lens,
-                 size_t n, const std::string& segment, uint32_t region, uint64_t offset, uint64_t slab,
-                 double write_ms, double timeout_ms, ShmMaps& maps, const HashOps* ops) {
-  const auto t0 = Clock::now();
-  uint64_t size = 0, digest = 0;
-  for (size_t j = 0; j < n; ++j) size += lens[j];
+BatchResult put_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const KeySpans& spans,
+                     const std::string& segment, uint32_t region, const uint64_t* offsets, uint64_t slab,
+                     double write_ms, double timeout_ms, ShmMaps& maps, const HashOps* ops) {
+  const auto deadline = deadline_in(timeout_ms);
+  const size_t n = keys.size();
+  std::vector<uint64_t> sizes(n, 0), digests(n, 0);
   {
     std::shared_lock l(maps.mutex());
     const ShmMaps::Mapping* m = maps.find(segment, region);
-    if (write_ms <= 0 || size == 0 || m == nullptr || offset > m->length || size > m->length - offset || !alive(m->pidfd))
-      return {kNotSent};
-    if (n == 1) {
-      digest = ops->copy_hash(reinterpret_cast<char*>(m->base + offset), reinterpret_cast<const char*>(addrs[0]), size);
-    } else {
-      std::vector<uint64_t> to(n);
-      for (size_t j = 0, off = 0; j < n; off += lens[j], ++j) to[j] = m->base + offset + off;
-      kvp::copy_batch(to.data(), addrs, lens, n, 1);
-      digest = ops->hash_spans(addrs, lens, n);
+    if (write_ms <= 0 || m == nullptr || !alive(m->pidfd)) return {kNotSent};
+    for (size_t k = 0; k < n; ++k) {
+      for (uint64_t j = spans.starts[k]; j < spans.starts[k + 1]; ++j) sizes[k] += spans.lens[j];
+      if (sizes[k] == 0 || offsets[k] > m->length || sizes[k] > m->length - offsets[k]) return {kNotSent};
     }
-    maps.count(size);
+    for (size_t k = 0; k < n; ++k) {
+      const uint64_t *addrs = spans.addrs + spans.starts[k], *lens = spans.lens + spans.starts[k];
+      const size_t ns = spans.starts[k + 1] - spans.starts[k];
+      if (ns == 1) {
+        digests[k] = ops->copy_hash(reinterpret_cast<char*>(m->base + offsets[k]), reinterpret_cast<const char*>(addrs[0]), sizes[k]);
+        continue;
+      }
+      std::vector<uint64_t> to(ns);
+      for (size_t j = 0, o = 0; j < ns; o += lens[j], ++j) to[j] = m->base + offsets[k] + o;
+      kvp::copy_batch(to.data(), addrs, lens, ns, 1);
+      digests[k] = ops->hash_spans(addrs, lens, ns);
+    }
+    for (size_t k = 0; k < n; ++k) maps.count(sizes[k]);
   }
-  OpResult res{kAsPython};
-  const std::string frame = request(rid, "put", [&](tcp::MpWriter& w) {
-    w.array(1);
-    w.array(4);
-    w.str(key);
-    w.uint(size);
-    w.uint(slab);
-    w.uint(offset);
-    w.map(1);
-    w.str("xxh3");
-    w.array(1);
-    w.uint(digest);
-  });
-  if (!roundtrip(fd, frame, t0 + std::chrono::microseconds(int64_t(timeout_ms * 1000)), res)) return res;
-  tcp::MpReader r(reinterpret_cast<const uint8_t*>(res.text.data()), res.text.size());
+  std::vector<Conn> one{Conn{fd, request(rid, "put", [&](tcp::MpWriter& w) {
+                               w.array(uint32_t(n));
+                               for (size_t k = 0; k < n; ++k) {
+                                 w.array(4);
+                                 w.str(keys[k]);
+                                 w.uint(sizes[k]);
+                                 w.uint(slab);
+                                 w.uint(offsets[k]);
+                               }
+                               w.map(1);
+                               w.str("xxh3");
+                               w.array(uint32_t(n));
+                               for (uint64_t d : digests) w.uint(d);
+                             })}};
+  exchange(one, deadline);
+  if (one[0].status != kReplied) return {one[0].status, {}, std::move(one[0].body)};
+  BatchResult res;
+  tcp::MpReader r(reinterpret_cast<const uint8_t*>(one[0].body.data()), one[0].body.size());
+  uint32_t m, pair;
   uint64_t code;
-  if (entry_code(r, rid, code) && (code == kOk || code == kExists) && r.skip("value") && r.done()) return {kDone, code};
+  bool plain = accepted(r, rid) && r.array(m, "answers") && m == n;
+  for (size_t k = 0; plain && k < n; ++k) {
+    plain = r.array(pair, "answer") && pair == 2 && r.uint(code, "code") && r.skip("value") &&
+            (code == kOk || code == kExists);
+    res.codes.push_back(char(code));
+  }
+  if (!plain || !r.done()) res.body = std::move(one[0].body);
   return res;
 }
 

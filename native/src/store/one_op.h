@@ -1,7 +1,7 @@
 // One store op in one native call (issue #35), with the GIL released throughout.
-// get_one: the master's `get` RPC on the client's authenticated connection, the copy + xxh3 out of a same-host
+// get_many: the master's `get` RPC on the client's authenticated connection, the copy + xxh3 out of a same-host
 // segment this process already maps (the shm transport's mappings, mirrored in ShmMaps), the checksum compare.
-// put_one: the copy + xxh3 into the client's slab in such a segment, then the master's `put` RPC.
+// put_many: the copy + xxh3 into the client's slab in such a segment, then the master's `put` RPC.
 // Whatever the common case does not cover (a miss on disk, a mapping not made yet, a peer gone, a checksum
 // mismatch, a read past its lease, a refusal, an expired slab) hands the master's reply body back, so the
 // Python client goes on from it with no second round trip and the same errors. Wrapped by kvplugins/native.py;
@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "kvp_hash.h"
 
@@ -51,25 +52,34 @@ class ShmMaps {
 
 enum OpStatus : int { kDone = 0, kMiss = 1, kAsPython = 2, kIoError = 3, kTimeout = 4, kNotSent = 5 };
 
-struct OpResult {
-  int status;         // OpStatus
-  uint64_t size = 0;  // kDone: the object's bytes (get), the entry's code, OK or EXISTS (put)
-  std::string text;   // kAsPython: the reply body (msgpack); kIoError/kTimeout: what failed
+// A batch's local spans: key k's are [starts[k], starts[k+1]) of (addrs, lens) (bytes; registered memory,
+// writable for a get: the caller checked).
+struct KeySpans {
+  const uint64_t *addrs, *lens, *starts;
+  size_t keys;
 };
 
-// Sends [1, rid, "get", [key], {}] on socket `fd` (blocking or not: poll decides), reads its reply frame, and
-// for an OK answer whose first replica lies in a mapped region reads the object into the n local spans
-// (addresses and byte lengths; the caller checked they are writable registered memory). `verify`: compare the
-// bytes' xxh3_64 with the object's checksum. Never throws.
-OpResult get_one(int fd, uint64_t rid, const std::string& key, const uint64_t* addrs, const uint64_t* lens,
-                  size_t n, double timeout_ms, ShmMaps& maps, bool verify, const HashOps* ops);
+struct BatchResult {
+  int status = kDone;   // kDone (replied: codes set), kIoError / kTimeout (body: what failed), kNotSent (put)
+  std::string codes;    // per key: get: kDone, kMiss or kAsPython; put: the answer's code (OK, EXISTS, ...)
+  std::string body;     // the reply body where the caller must read it (a get with a kAsPython key, a put with a
+                        // code other than OK/EXISTS or an answer not parsed), else empty
+};
 
-// Copies the n local spans (readable registered memory) to `offset` of region `region` of segment `segment`
-// (the master's name) hashing them, then sends [1, rid, "put", [[key, size, slab, offset]], {"xxh3": [digest]}]
-// and reads its reply. kNotSent: nothing was written or sent (no mapping of that region, its owner is gone, or
-// `write_ms` (the time left to write into the slab) is not positive). kDone: the answer was OK or EXISTS.
-OpResult put_one(int fd, uint64_t rid, const std::string& key, const uint64_t* addrs, const uint64_t* lens,
-                 size_t n, const std::string& segment, uint32_t region, uint64_t offset, uint64_t slab,
-                 double write_ms, double timeout_ms, ShmMaps& maps, const HashOps* ops);
+// Sends the column-form get of `keys` ([1, rid, "get", keys, {"cols": 1}]: master/service.py op_get) on socket
+// `fd` and reads its reply; each hit whose first replica lies in a mapped region is read into its spans (copy +
+// xxh3 in one pass), its checksum compared (`verify`) and its lease checked (kDone), each plain miss is kMiss,
+// anything else kAsPython (another replica count, the disk tier, an unmapped region, a dead owner, a size or
+// checksum mismatch, a read ending past its lease). Never throws.
+BatchResult get_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const KeySpans& spans,
+                     double timeout_ms, ShmMaps& maps, bool verify, const HashOps* ops);
+
+// Copies each key's spans to offsets[k] of region `region` of segment `segment` (the master's name: the
+// client's slab `slab`), hashing them, then sends [1, rid, "put", [[key, size, slab, offset], ...], {"xxh3":
+// [...]}] and reads the reply. kNotSent: nothing was written or sent (no mapping of that region, its owner is
+// gone, or `write_ms`, the time left to write into the slab, is not positive).
+BatchResult put_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const KeySpans& spans,
+                     const std::string& segment, uint32_t region, const uint64_t* offsets, uint64_t slab,
+                     double write_ms, double timeout_ms, ShmMaps& maps, const HashOps* ops);
 
 }  // namespace kvp::store

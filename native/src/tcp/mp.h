@@ -18,6 +18,7 @@ class MpReader {
   bool is_nil() { if (p_ < end_ && *p_ == 0xc0) { ++p_; return true; } return false; }
   bool str(std::string_view& s, const char* what);
   bool uint(uint64_t& v, const char* what);
+  bool sint(int64_t& v, const char* what);   // any int encoding of a value in int64
   bool boolean(bool& v, const char* what);
   // Any one value (containers nested at most 32 deep), unchecked beyond its encoding.
   bool skip(const char* what, int depth = 0);
@@ -74,6 +75,24 @@ inline bool MpReader::uint(uint64_t& v, const char* what) {
   }
   if (t >= 0xe0) return fail(std::string("expected an int >= 0 at ") + what);
   return fail(std::string("expected int at ") + what);
+}
+
+inline bool MpReader::sint(int64_t& v, const char* what) {
+  if (need(1) && *p_ >= 0xe0) { v = int8_t(*p_++); return true; }
+  if (need(1) && *p_ >= 0xd0 && *p_ <= 0xd3) {
+    static const int kWidth[4] = {1, 2, 4, 8};
+    const int w = kWidth[*p_ - 0xd0];
+    if (!need(1 + w)) return fail(std::string("truncated int at ") + what);
+    ++p_;
+    const uint64_t raw = be(w);
+    v = w == 8 ? int64_t(raw) : int64_t(raw << (64 - 8 * w)) >> (64 - 8 * w);   // sign-extend
+    return true;
+  }
+  uint64_t u;
+  if (!uint(u, what)) return false;
+  if (u > uint64_t(INT64_MAX)) return fail(std::string("int out of range at ") + what);
+  v = int64_t(u);
+  return true;
 }
 
 inline bool MpReader::boolean(bool& v, const char* what) {
