@@ -115,3 +115,20 @@ def test_a_batch_is_one_native_call_and_its_odd_keys_end_as_on_the_python_path(p
         assert all(np.array_equal(dst[i * SIZE : (i + 1) * SIZE], src[i * SIZE : (i + 1) * SIZE]) for i in good)
         assert native_objects(c) - n1 == len(good)
         assert c.stats()["corrupt_reported"] == 1
+
+
+def test_a_batch_over_the_native_limit_takes_the_general_path(pool):
+    """A batch of more than NATIVE_MAX_BYTES is not copied inside the native call (it would hold the master
+    connection's lock for the whole copy): the general path serves it, with the same bytes."""
+    from kvplugins.store.client.store_client import NATIVE_MAX_BYTES
+
+    with StoreClient(ClientConfig(master=pool.master, transports="shm,tcp")) as c:
+        n = NATIVE_MAX_BYTES + SIZE
+        src = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        c.register_buffer(src)
+        c.register_buffer(dst)
+        c.put_from("one/big", [(src.ctypes.data, n)])
+        n0 = native_objects(c)
+        c.get_into("one/big", [(dst.ctypes.data, n)])
+        assert np.array_equal(dst, src) and native_objects(c) == n0

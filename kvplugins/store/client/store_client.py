@@ -7,8 +7,8 @@ client reserved earlier (a slab) -> ``put`` with each object's xxh3_64 (complete
 (slab.py, master/slabs.py). Otherwise, or when no slab space is to be had: ``put_start`` (master
 allocates, object pending) -> one transfer batch writes every span to every replica -> ``put_commit`` with each
 object's xxh3_64 (complete; ``put_abort`` for entries whose transfer failed).
-With shm the engine's first choice, a get (any batch) and a slab put run as ONE native call (native.get_many /
-put_many: the RPC on this client's connection, the copies + xxh3 out of / into the same-host mappings, the
+With shm the engine's first choice, a get and a slab put of up to NATIVE_MAX_BYTES run as ONE native call
+(native.get_many / put_many: the RPC on this client's connection, the copies + xxh3 out of / into the same-host mappings, the
 checksum and lease checks); the keys it does not finish go on below from the same reply.
 Get: ``get`` (lookup + lease) -> one transfer batch reads the spans -> the bytes are checked against the
 checksum (a mismatch tries the next replica, is reported to the master with ``report_corrupt``, and with no good
@@ -65,6 +65,9 @@ from kvplugins.transfer.staging import StagingPool
 log = logging.getLogger(__name__)
 GRANTS_PRUNED_PAST = 4096  # put-session grants kept before the expired ones are dropped (put_start)
 LEASE_ROUNDS = 3  # re-reads of the entries whose read ended after its lease (LeaseExpired), each under a new lease
+# Batches up to this many bytes run as one native call: it copies while holding the master connection's lock, so a
+# bigger batch takes the general path (copies outside that lock, where other threads' requests go on meanwhile).
+NATIVE_MAX_BYTES = 4 << 20
 Span = tuple[int, int]  # (address, nbytes) inside a registered buffer
 
 
@@ -200,7 +203,7 @@ class StoreClient:
                 return None
             addrs.append(addr)
             lens.append(n)
-        return (addrs, lens, [0, len(addrs)], [sum(lens)]) if addrs else None
+        return (addrs, lens, [0, len(addrs)], [sum(lens)]) if addrs and sum(lens) <= NATIVE_MAX_BYTES else None
 
     def _writable_spans(self, keys, spans_per_key):
         """(addresses, lengths, per-key start offsets, bytes per key) of a batch whose every span is in writable
@@ -229,7 +232,8 @@ class StoreClient:
         keys, spans_per_key = list(keys), list(spans_per_key)
         if self._shm_maps is not None and keys and len(keys) == len(spans_per_key):
             spans = self._writable_spans(keys, spans_per_key)
-            done = None if spans is None else self._read_native(keys, spans_per_key, spans)
+            small = spans is not None and sum(spans[3]) <= NATIVE_MAX_BYTES
+            done = self._read_native(keys, spans_per_key, spans) if small else None
             if done is not None:
                 return done
         return self._read_batch(keys, spans_per_key, time.perf_counter())
@@ -573,7 +577,7 @@ class StoreClient:
     def _put_native(self, keys, flat, todo: list[int], slab, offsets: list[int]) -> tuple[float, list] | None:
         """The slab write and ``put`` of keys ``todo`` in one native call (native.put_many) when the slab's region
         is mapped here: (monotonic time before it, the put's answers). None when nothing was written or sent."""
-        if self._shm_maps is None:
+        if self._shm_maps is None or sum(flat.sizes[i] for i in todo) > NATIVE_MAX_BYTES:
             return None
         addrs, lens, owner = flat.addrs, flat.lens, flat.owner
         if type(owner) is list:  # a small batch: no numpy
