@@ -11,6 +11,7 @@ from helpers.cluster import store_cluster
 from helpers.corrupt import flip_stored_byte
 from kvplugins.errors import ChecksumMismatch, KeyNotFound, MasterUnreachable, SizeMismatch, TransferFailed
 from kvplugins.store import ClientConfig, StoreClient
+from kvplugins.store.client.store_client import NATIVE_MAX_BYTES
 
 SIZE = 4096
 
@@ -75,6 +76,17 @@ def test_what_the_native_call_leaves_ends_as_on_the_python_path(pool):
         assert native_objects(c) == n0  # none of them was finished natively
         c.get_into(keys[2], [(base, SIZE)])
         assert np.array_equal(dst[:SIZE], src[2 * SIZE : 3 * SIZE]) and native_objects(c) == n0 + 1
+        # a batch over NATIVE_MAX_BYTES is not copied inside the native call (it would hold the master connection's
+        # lock for the whole copy): the general path serves it, with the same bytes
+        n = NATIVE_MAX_BYTES + SIZE
+        big = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
+        back = np.zeros_like(big)
+        c.register_buffer(big)
+        c.register_buffer(back)
+        c.put_from("one/edge/big", [(big.ctypes.data, n)])
+        n1 = native_objects(c)
+        c.get_into("one/edge/big", [(back.ctypes.data, n)])
+        assert np.array_equal(back, big) and native_objects(c) == n1
 
 
 def test_a_dead_node_or_master_is_an_error_not_a_hang_or_stale_bytes():
@@ -115,20 +127,3 @@ def test_a_batch_is_one_native_call_and_its_odd_keys_end_as_on_the_python_path(p
         assert all(np.array_equal(dst[i * SIZE : (i + 1) * SIZE], src[i * SIZE : (i + 1) * SIZE]) for i in good)
         assert native_objects(c) - n1 == len(good)
         assert c.stats()["corrupt_reported"] == 1
-
-
-def test_a_batch_over_the_native_limit_takes_the_general_path(pool):
-    """A batch of more than NATIVE_MAX_BYTES is not copied inside the native call (it would hold the master
-    connection's lock for the whole copy): the general path serves it, with the same bytes."""
-    from kvplugins.store.client.store_client import NATIVE_MAX_BYTES
-
-    with StoreClient(ClientConfig(master=pool.master, transports="shm,tcp")) as c:
-        n = NATIVE_MAX_BYTES + SIZE
-        src = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
-        dst = np.zeros_like(src)
-        c.register_buffer(src)
-        c.register_buffer(dst)
-        c.put_from("one/big", [(src.ctypes.data, n)])
-        n0 = native_objects(c)
-        c.get_into("one/big", [(dst.ctypes.data, n)])
-        assert np.array_equal(dst, src) and native_objects(c) == n0
