@@ -99,6 +99,11 @@ class TcpTransport(Transport):
         regions = np.full(len(batch), batch.info.region_id, dtype=np.uint64)
         return self._batch(op, batch.remote.transports["tcp"], batch.addrs, regions, batch.roffs, batch.lens, deadline)
 
+    def stats(self) -> dict[str, Any]:
+        """The server's counters (TcpServer.stats: connections open now, refused, accept failures, closed idle,
+        closed slow), each prefixed "server_"."""
+        return {f"server_{k}": v for k, v in self._server.stats().items()}
+
     @property
     def server(self) -> TcpServer:
         """This process's transfer server (another transport registers its control handler on it)."""

@@ -14,15 +14,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
 import kvplugins
 from helpers.auth import FILE_ENV, TOKEN_ENV, read_until_closed, use_secret, zmq_endpoint
-from helpers.cluster import store_cluster
+from helpers.cluster import master_process, store_cluster
 from kvplugins.errors import AuthError
-from kvplugins.security import handshake
+from kvplugins.security import curve, handshake
 from kvplugins.security.curve import UNKNOWN_PEER
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.embedded import CLI
+from kvplugins.store.client import rpc
 from kvplugins.store.client.rpc import RawRpcClient, ZmqRpcClient
 from kvplugins.store.client.connect import control_client
 from kvplugins.transfer import SegmentDescriptor, wire
@@ -283,3 +285,42 @@ def test_default_binds_are_loopback():
         for name, default in hosts.items():
             assert is_loopback(default), f"{cls.__name__}.{name} defaults to {default!r}"
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "", "10.1.2.3"))
+
+
+def test_an_idle_control_client_whose_port_answers_other_keys_leaves_the_control_plane_working(monkeypatch):
+    """A control-plane client that was answered stays connected while idle; once its master is gone and a CURVE
+    server with other keys (another cluster's master) holds the port, libzmq reconnects and fails the handshake
+    every reconnect interval. Those failures used to queue on the client's unread handshake monitor until, at its
+    high-water mark (~2,000), the shared zmq context's I/O thread blocked: every later control-plane call in the
+    process (here: to another, healthy master) got no reply (a CI failure, stop 55). The reconnect interval is
+    cut to 1 ms so 2,500 failures take seconds; the stand-in server counts them."""
+    monkeypatch.setattr(rpc, "RECONNECT_IVL_MS", 1)
+    with master_process() as gone, master_process() as healthy:
+        idle = control_client(gone.address, 3000)
+        assert "segments" in idle.call("status")
+        port = int(idle.address.rsplit(":", 1)[1])
+        gone.kill()
+        ctx = zmq.Context()
+        other = ctx.socket(zmq.ROUTER)
+        other.curve_server = True
+        other.curve_publickey, other.curve_secretkey = zmq.curve_keypair()
+        monitor = other.get_monitor_socket(curve.FAILED)
+        other.bind(f"tcp://127.0.0.1:{port}")
+        try:
+            failures, deadline = 0, time.monotonic() + 60
+            while failures < 2500 and time.monotonic() < deadline and monitor.poll(2000):
+                monitor.recv_multipart()
+                failures += 1
+            # the idle client's reconnects stop when this process's zmq I/O thread blocks
+            assert failures >= 2500, f"the idle client stopped reconnecting after {failures} failed handshakes"
+            ctl = control_client(healthy.address, 3000)
+            try:
+                assert "segments" in ctl.call("status")
+            finally:
+                ctl.close()
+        finally:
+            idle.close()
+            other.disable_monitor()
+            monitor.close(0)
+            other.close(0)
+            ctx.term()

@@ -25,6 +25,7 @@ from kvplugins.transfer.sockio import reusable
 
 RECV_CHUNK = 1 << 16
 IDLE_CHECK_S = 1.0  # a connection unused this long is checked for a close by the master before reuse
+RECONNECT_IVL_MS = 100  # ZMQ_RECONNECT_IVL of a control-plane socket (libzmq's default); tests shorten it
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -246,7 +247,14 @@ class Held:
 
 
 class ZmqRpcClient(_Base):
-    """A zmq DEALER connected to the master's ROUTER endpoint (``tcp://host:port`` from the ``info`` op)."""
+    """A zmq DEALER connected to the master's ROUTER endpoint (``tcp://host:port`` from the ``info`` op).
+
+    Until its first reply, a socket carries a monitor of failed CURVE handshakes, read when a call times out to
+    tell a refusal (AuthError) from silence. After it, the monitor goes: libzmq keeps reconnecting an idle socket,
+    and where its master's port came to answer with other keys, every reconnect's failure was queued on the unread
+    monitor until, at the pipe's high-water mark (~2,000 events, ~200 s at the 100 ms reconnect interval), the
+    shared context's I/O thread blocked on the next one, and every control-plane call of the process got no reply.
+    The monitor is stopped (disable_monitor) before either socket closes, so no event is sent to a closed reader."""
 
     def __init__(self, endpoint: str, timeout_ms: float, role: str = "client"):
         super().__init__(endpoint, timeout_ms, role)
@@ -255,16 +263,23 @@ class ZmqRpcClient(_Base):
         self._sock = self._monitor = None
 
     def _reset(self) -> None:
+        self._unmonitor()
         if self._sock is not None:
             self._sock.close(0)
+            self._sock = None
+
+    def _unmonitor(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
             self._monitor.close(0)
-            self._sock = self._monitor = None
+            self._monitor = None
 
     def _roundtrip(self, body: bytes, deadline: float) -> bytes:
         zmq = self._zmq
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
             self._monitor = self._curve.client_monitor(self._sock)
             self._curve.client_socket(self._sock, self._secret, self.role)  # the role's CURVE keys
             self._sock.connect(self.address)
@@ -274,6 +289,7 @@ class ZmqRpcClient(_Base):
                 self._reset()
                 raise self._curve.refused_error(self.address)
             raise TimeoutError("no reply")
+        self._unmonitor()  # the handshake succeeded: nothing left to tell apart (class doc)
         return self._sock.recv()
 
 
