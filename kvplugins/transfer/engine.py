@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvplugins import native
 from kvplugins.errors import OutOfRange, TransferError, TransferFailed
 from kvplugins.transfer import cma, shmem
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor, TransferRequest
@@ -25,7 +26,7 @@ from kvplugins.transfer.memory import RegionTable, buffer_span, view_of
 from kvplugins.transfer.rdma import RdmaTransport
 from kvplugins.transfer.routing import Router
 from kvplugins.transfer.shm import ShmTransport
-from kvplugins.transfer.spans import SMALL, as_u64
+from kvplugins.transfer.spans import as_u64
 from kvplugins.transfer.tcp import TcpTransport
 from kvplugins.transfer.transport import Op, Transport
 
@@ -219,23 +220,18 @@ class TransferEngine:
 
     def shm_maps(self):
         """The shm transport's native table of mapped peer regions (native.shm_maps) when shm is this engine's
-        first choice, else None: the store client's one-call reads (native.get_one) go through it."""
+        first choice, else None: the store client's one-call reads (native.get_many) go through it."""
         first = self._transports[0] if self._transports else None
         return first.maps if isinstance(first, ShmTransport) else None
 
-    def all_writable(self, local_addrs, lengths) -> bool:
-        """Whether every span (addresses and byte lengths: int lists or 1-D integer arrays) lies inside one
-        registered region a read may land in (not read-only). Conservative: a span only inside overlapping
-        registrations counts as not writable. Lists of at most spans.SMALL take no numpy."""
+    def writable_spans(self, spans_per_key: list) -> tuple | None:
+        """``spans_per_key`` (a list: per key a list or tuple of (address, bytes) int pairs) as uint64 arrays
+        (addresses, lengths, per-key start offsets: key k's spans are [starts[k], starts[k+1])), bytes per key (an
+        int list) and the batch's total bytes, when every span lies inside one registered region a read may land in (not
+        read-only); else None. One native pass (native.writable_spans); conservative: a span only inside
+        overlapping registrations counts as not writable."""
         index = self._regions.index
-        if type(local_addrs) is list and len(local_addrs) <= SMALL:
-            regions = [index.find(a, n) for a, n in zip(local_addrs, lengths)]
-            return all(r is not None and not r.readonly for r in regions)
-        addrs, lens = as_u64(local_addrs, "local_addrs"), as_u64(lengths, "lengths")
-        if not len(index.regions):
-            return not len(addrs)
-        idx = index.locate(addrs, lens)
-        return bool(((idx >= 0) & index.np_writable[np.maximum(idx, 0)]).all())
+        return native.writable_spans(spans_per_key, index.np_starts, index.np_ends, index.np_writable)
 
     def submit_write(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> Future:
         """batch_write on an engine worker thread; a Future of the status list. Raises as batch_write

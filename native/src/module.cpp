@@ -7,6 +7,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -147,6 +148,62 @@ static nb::tuple shard_exists(const std::vector<int>& fds, const std::vector<uin
   return nb::make_tuple(nb::bytes(out.data(), out.size()), per_shard);
 }
 
+using BoolVec = nb::ndarray<const bool, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// One (address, bytes) pair of a span list: a 2-item tuple or list of non-negative ints.
+static bool span_of(PyObject* pair, uint64_t& addr, uint64_t& len) {
+  if (!(PyTuple_CheckExact(pair) || PyList_CheckExact(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) return false;
+  PyObject** items = PySequence_Fast_ITEMS(pair);
+  if (!PyLong_Check(items[0]) || !PyLong_Check(items[1])) return false;
+  addr = PyLong_AsUnsignedLongLong(items[0]);
+  len = PyLong_AsUnsignedLongLong(items[1]);
+  if (PyErr_Occurred()) {   // negative, or over 64 bits
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+// A batch's spans (per key a list or tuple of (address, bytes) pairs) as uint64 columns, when every span lies in
+// one writable registered region by memory._Index.locate's rule (the last-starting region that starts at or
+// before the span must hold it whole) over the index columns (starts, ends, writable); else None. Returns
+// (addrs, lens, per-key starts, bytes per key) as bytes of native uint64, and the batch's total bytes.
+static nb::object writable_spans(nb::handle spans_per_key, U64Vec rstarts, U64Vec rends, BoolVec writable) {
+  PyObject* keys = spans_per_key.ptr();
+  const size_t nr = rstarts.shape(0);
+  if (!PyList_CheckExact(keys) || rends.shape(0) != nr || writable.shape(0) != nr) return nb::none();
+  const Py_ssize_t nk = PyList_GET_SIZE(keys);
+  const uint64_t *rs = rstarts.data(), *re = rends.data();
+  std::vector<uint64_t> addrs, lens, starts{0}, sizes;
+  addrs.reserve(size_t(nk));
+  lens.reserve(size_t(nk));
+  sizes.reserve(size_t(nk));
+  uint64_t total = 0;
+  for (Py_ssize_t k = 0; k < nk; ++k) {
+    PyObject* spans = PyList_GET_ITEM(keys, k);
+    if (!PyList_CheckExact(spans) && !PyTuple_CheckExact(spans)) return nb::none();
+    const Py_ssize_t ns = PySequence_Fast_GET_SIZE(spans);
+    PyObject** items = PySequence_Fast_ITEMS(spans);
+    uint64_t size = 0;
+    for (Py_ssize_t j = 0; j < ns; ++j) {
+      uint64_t a, n;
+      if (!span_of(items[j], a, n)) return nb::none();
+      const size_t i = size_t(std::upper_bound(rs, rs + nr, a) - rs);
+      if (i == 0 || a > re[i - 1] || n > re[i - 1] - a || !writable.data()[i - 1]) return nb::none();
+      addrs.push_back(a);
+      lens.push_back(n);
+      size += n;
+    }
+    starts.push_back(addrs.size());
+    sizes.push_back(size);
+    total += size;
+  }
+  auto as_bytes = [](const std::vector<uint64_t>& v) {
+    return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(uint64_t));
+  };
+  return nb::make_tuple(as_bytes(addrs), as_bytes(lens), as_bytes(starts), as_bytes(sizes), total);
+}
+
 static void bind_store(nb::module_& m) {
   nb::class_<ShmMaps>(m, "ShmMaps")
       .def(nb::init<>())
@@ -169,6 +226,8 @@ static void bind_store(nb::module_& m) {
   m.def("put_many_lists", &put_many<List>, nb::arg("fd"), nb::arg("rid"), nb::arg("keys"), nb::arg("addrs"),
         nb::arg("lens"), nb::arg("starts"), nb::arg("segment"), nb::arg("region"), nb::arg("offsets"),
         nb::arg("slab"), nb::arg("write_ms"), nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("isa") = "auto");
+  m.def("writable_spans", &writable_spans, nb::arg("spans_per_key"), nb::arg("starts"), nb::arg("ends"),
+        nb::arg("writable"));
   m.def("shard_exists", &shard_exists, nb::arg("fds"), nb::arg("rids"), nb::arg("keys"), nb::arg("points"),
         nb::arg("point_shard"), nb::arg("timeout_ms"), nb::arg("isa") = "auto");
 }

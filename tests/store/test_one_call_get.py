@@ -127,3 +127,19 @@ def test_a_batch_is_one_native_call_and_its_odd_keys_end_as_on_the_python_path(p
         assert all(np.array_equal(dst[i * SIZE : (i + 1) * SIZE], src[i * SIZE : (i + 1) * SIZE]) for i in good)
         assert native_objects(c) - n1 == len(good)
         assert c.stats()["corrupt_reported"] == 1
+        # a span in read-only memory, or an address that is no Python int: the whole batch takes the general path
+        frozen = np.frombuffer(src.tobytes(), dtype=np.uint8)
+        c.register_buffer(frozen)
+        dst[: 3 * SIZE] = 0
+        out = c.batch_get_into(keys[:2], [[(frozen.ctypes.data, SIZE)], [(base, SIZE)]])
+        assert isinstance(out[0], TransferFailed) and "read-only" in str(out[0]) and out[1] is None
+        out = c.batch_get_into(keys[1:3], [[(np.uint64(base + SIZE), SIZE)], [(base + 2 * SIZE, SIZE)]])
+        assert out == [None, None] and np.array_equal(dst[:SIZE], src[SIZE : 2 * SIZE])  # the first batch's key 1
+        assert np.array_equal(dst[SIZE : 3 * SIZE], src[SIZE : 3 * SIZE])
+        assert native_objects(c) - n1 == len(good)
+        dst[3 * SIZE : 5 * SIZE] = 0  # a key in two spans (a tuple), the next in one: native
+        out = c.batch_get_into(keys[3:5], [((base + 4 * SIZE, 100), (base + 3 * SIZE, SIZE - 100)), [(base, SIZE)]])
+        assert out == [None, None] and native_objects(c) - n1 == len(good) + 2
+        assert np.array_equal(dst[4 * SIZE : 4 * SIZE + 100], src[3 * SIZE : 3 * SIZE + 100])
+        assert np.array_equal(dst[3 * SIZE : 4 * SIZE - 100], src[3 * SIZE + 100 : 4 * SIZE])
+        assert np.array_equal(dst[:SIZE], src[4 * SIZE : 5 * SIZE])

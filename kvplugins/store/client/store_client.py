@@ -22,7 +22,6 @@ MasterUnreachable, TransferFailed. Follows the Mooncake store client design (FAS
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 import threading
 import time
@@ -167,7 +166,7 @@ class StoreClient:
 
     def _read_native(self, keys: list[str], spans_per_key: list, spans: tuple) -> list[StoreError | None] | None:
         """batch_get_into in one native call (native.get_many); ``spans``: the batch's (addresses, lengths, key
-        starts, bytes per key) in writable registered memory (_writable_spans). The keys it leaves go on from
+        starts, bytes per key) in writable registered memory (engine.writable_spans). The keys it leaves go on from
         its reply (_read). None where it does not apply (nothing was sent)."""
         t0, lease_t0 = time.perf_counter(), time.monotonic()
         maps, verify = self._shm_maps, self.cfg.verify_checksums
@@ -191,7 +190,7 @@ class StoreClient:
         return out
 
     def _one_key_spans(self, spans) -> tuple | None:
-        """_writable_spans of one key's spans, without flattening (a single get_into)."""
+        """engine.writable_spans of one key's spans, as int lists (a single get_into)."""
         addrs, lens = [], []
         for addr, n in spans:
             if type(addr) is not int or type(n) is not int or addr < 0 or n <= 0:
@@ -204,17 +203,6 @@ class StoreClient:
             addrs.append(addr)
             lens.append(n)
         return (addrs, lens, [0, len(addrs)], [sum(lens)]) if addrs and sum(lens) <= NATIVE_MAX_BYTES else None
-
-    def _writable_spans(self, keys, spans_per_key):
-        """(addresses, lengths, per-key start offsets, bytes per key) of a batch whose every span is in writable
-        registered memory, else None: int lists for a small batch (no numpy), else arrays."""
-        out: list[StoreError | None] = [None] * len(keys)
-        flat = batches.flatten(self._engine, keys, spans_per_key, out)
-        if any(e is not None for e in out) or not self._engine.all_writable(flat.addrs, flat.lens):
-            return None
-        if type(flat.owner) is list:
-            return flat.addrs, flat.lens, [0, *itertools.accumulate(map(len, spans_per_key))], flat.sizes
-        return flat.addrs, flat.lens, np.searchsorted(flat.owner, np.arange(len(keys) + 1)), flat.sizes
 
     def batch_put_from(
         self, keys: list[str], spans_per_key: list[list[Span]], config: PutConfig | None = None
@@ -231,8 +219,8 @@ class StoreClient:
         bytes matched the checksum), SizeMismatch or TransferFailed."""
         keys, spans_per_key = list(keys), list(spans_per_key)
         if self._shm_maps is not None and keys and len(keys) == len(spans_per_key):
-            spans = self._writable_spans(keys, spans_per_key)
-            small = spans is not None and sum(spans[3]) <= NATIVE_MAX_BYTES
+            spans = self._engine.writable_spans(spans_per_key)
+            small = spans is not None and spans[4] <= NATIVE_MAX_BYTES
             done = self._read_native(keys, spans_per_key, spans) if small else None
             if done is not None:
                 return done

@@ -82,36 +82,88 @@ bool parse_cols(const std::string& body, uint64_t rid, size_t n, Cols& c) {
   return marked(r, c.python, "disk") && r.done();
 }
 
-// Reads key k's object (its answer in `c`) into its spans: kDone, kMiss or kAsPython.
-uint8_t read_key(const Cols& c, size_t k, const KeySpans& s, ShmMaps& maps, bool verify, const HashOps* ops,
-                 Clock::time_point lease_end) {
-  if (c.python[k]) return kAsPython;
-  if (c.sizes[k] < 0) return kMiss;
-  const uint64_t *addrs = s.addrs + s.starts[k], *lens = s.lens + s.starts[k];
-  const size_t n = s.starts[k + 1] - s.starts[k];
+// Where key k's object lies (its answer in `c`): its mapping, or nullptr with `code` kMiss or kAsPython.
+const ShmMaps::Mapping* source(const Cols& c, size_t k, const KeySpans& s, const ShmMaps& maps, uint8_t& code) {
+  code = kAsPython;
+  if (c.python[k]) return nullptr;
+  if (c.sizes[k] < 0) {
+    code = kMiss;
+    return nullptr;
+  }
   uint64_t size = 0;
-  for (size_t j = 0; j < n; ++j) size += lens[j];
+  for (uint64_t j = s.starts[k]; j < s.starts[k + 1]; ++j) size += s.lens[j];
   const int64_t seg = c.seg_idx[k];
   if (size != uint64_t(c.sizes[k]) || size == 0 || seg < 0 || size_t(seg) >= c.names.size() ||
       c.regions[seg] > UINT32_MAX)
-    return kAsPython;   // a SizeMismatch: the Python client names it
+    return nullptr;   // a SizeMismatch: the Python client names it
   const ShmMaps::Mapping* m = maps.find(c.names[seg], uint32_t(c.regions[seg]));
-  const uint64_t off = c.offs[k];
-  if (m == nullptr || off > m->length || size > m->length - off || !alive(m->pidfd)) return kAsPython;
-  const char* src = reinterpret_cast<const char*>(m->base + off);
+  if (m == nullptr || c.offs[k] > m->length || size > m->length - c.offs[k]) return nullptr;
+  code = kDone;
+  return m;
+}
+
+// Copies key k's object out of mapping `m` into its spans (copy + xxh3 in one pass for one span): whether its
+// checksum matched (or was not asked) and it ended within its lease.
+bool copy_key(const Cols& c, size_t k, const KeySpans& s, const ShmMaps::Mapping& m, bool verify,
+              const HashOps* ops, Clock::time_point lease_end) {
+  const uint64_t *addrs = s.addrs + s.starts[k], *lens = s.lens + s.starts[k];
+  const size_t n = s.starts[k + 1] - s.starts[k];
+  const uint64_t size = uint64_t(c.sizes[k]), from = m.base + c.offs[k];
   const bool check = verify && c.has_sum[k];
   uint64_t digest = 0;
   if (n == 1) {
-    digest = ops->copy_hash(reinterpret_cast<char*>(addrs[0]), src, size);
+    digest = ops->copy_hash(reinterpret_cast<char*>(addrs[0]), reinterpret_cast<const char*>(from), size);
   } else {
-    std::vector<uint64_t> from(n);
-    for (size_t j = 0, o = 0; j < n; o += lens[j], ++j) from[j] = m->base + off + o;
-    kvp::copy_batch(addrs, from.data(), lens, n, 1);
+    std::vector<uint64_t> src(n);
+    for (size_t j = 0, o = 0; j < n; o += lens[j], ++j) src[j] = from + o;
+    kvp::copy_batch(addrs, src.data(), lens, n, 1);
     if (check) digest = ops->hash_spans(addrs, lens, n);
   }
-  if ((check && digest != c.sums[k]) || !alive(m->pidfd) || Clock::now() > lease_end) return kAsPython;
-  maps.count(size);
-  return kDone;
+  return (!check || digest == c.sums[k]) && Clock::now() <= lease_end;
+}
+
+// The owners (pidfds) of a batch's mappings, each checked alive once before the copies and once after (a poll
+// per owner, not per key): a key whose owner died by then goes to Python.
+struct Owners {
+  std::vector<int> fds;
+  std::vector<uint8_t> live;
+  size_t index(int fd) {
+    for (size_t i = 0; i < fds.size(); ++i)
+      if (fds[i] == fd) return i;
+    fds.push_back(fd);
+    live.push_back(1);
+    return fds.size() - 1;
+  }
+  void check() {
+    for (size_t i = 0; i < fds.size(); ++i) live[i] = live[i] && alive(fds[i]);
+  }
+};
+
+// Reads every key of `c` whose object lies in a mapped region: per key kDone, kMiss or kAsPython (in `codes`).
+void read_keys(const Cols& c, const KeySpans& s, ShmMaps& maps, bool verify, const HashOps* ops,
+               Clock::time_point lease_end, std::string& codes) {
+  const size_t n = codes.size();
+  std::vector<const ShmMaps::Mapping*> src(n);
+  std::vector<uint32_t> owner(n);
+  Owners owners;
+  for (size_t k = 0; k < n; ++k) {
+    uint8_t code;
+    src[k] = source(c, k, s, maps, code);
+    codes[k] = char(code);
+    if (src[k] != nullptr) owner[k] = uint32_t(owners.index(src[k]->pidfd));
+  }
+  owners.check();
+  for (size_t k = 0; k < n; ++k)
+    if (src[k] != nullptr && (!owners.live[owner[k]] || !copy_key(c, k, s, *src[k], verify, ops, lease_end)))
+      codes[k] = char(kAsPython);
+  owners.check();
+  for (size_t k = 0; k < n; ++k) {
+    if (codes[k] != char(kDone)) continue;
+    if (owners.live[owner[k]])
+      maps.count(uint64_t(c.sizes[k]));
+    else
+      codes[k] = char(kAsPython);
+  }
 }
 
 }  // namespace
@@ -176,7 +228,7 @@ BatchResult get_many(int fd, uint64_t rid, const std::vector<std::string>& keys,
   if (parse_cols(one[0].body, rid, keys.size(), c)) {
     const auto lease_end = t0 + std::chrono::milliseconds(c.ttl_ms);
     std::shared_lock l(maps.mutex());
-    for (size_t k = 0; k < keys.size(); ++k) res.codes[k] = char(read_key(c, k, spans, maps, verify, ops, lease_end));
+    read_keys(c, spans, maps, verify, ops, lease_end, res.codes);
   }
   if (res.codes.find(char(kAsPython)) != std::string::npos) res.body = std::move(one[0].body);
   return res;
