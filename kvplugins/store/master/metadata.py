@@ -69,6 +69,11 @@ class ObjectTable:
             heapq.heappush(self._soft, (pin_until, key))
         return obj
 
+    def new_committed(self, key: str, size: int, replicas, now: float, checksum: int | None) -> Object:
+        """new(key, size, replicas, complete=True, born=now, last_access=now, checksum=checksum) without the
+        keyword handling: a slab put adds a batch of these (slabs.py)."""
+        return self._t.insert(key, size, replicas, True, now, now, 0, 0.0, checksum)
+
     def commit(self, obj: Object, now: float) -> None:
         """Pending ``obj`` becomes complete, born ``now``, most recently used."""
         self._t.commit(obj, now)

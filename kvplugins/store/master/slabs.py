@@ -115,7 +115,7 @@ class Slabs:
         sums = opts.xxh3
         if sums is not None and len(sums) != len(entries):
             raise ValueError(f"put: opts: xxh3 has {len(sums)} checksums for {len(entries)} keys")
-        get, new, expires = svc.table.get, svc.table.new, now + svc.cfg.put_timeout_ms / 1000
+        get, new, expires = svc.table.get, svc.table.new_committed, now + svc.cfg.put_timeout_ms / 1000
         for j, (key, size, sid, off) in enumerate(entries):
             slab = live[sid] if sid in live else live.setdefault(sid, self._live(sid, now, expires))
             if slab is None:
@@ -133,8 +133,9 @@ class Slabs:
                 )
                 continue
             seg = slab.seg
-            end = off + seg.allocator.rounded(size)
-            if off < slab.front or end > slab.end or off & (seg.allocator.align - 1):
+            align = seg.allocator.align
+            end = off + ((size + align - 1) & -align)
+            if off < slab.front or end > slab.end or off & (align - 1):
                 out.append(
                     [
                         INVALID,
@@ -144,16 +145,7 @@ class Slabs:
                 )
                 continue
             self._carve(slab, off, end)
-            obj = new(
-                key,
-                size,
-                [(seg.name, off)],
-                complete=True,
-                last_access=now,
-                born=now,  # most recently
-                checksum=None if sums is None else sums[j],
-            )  # used, as put_commit
-            done.append(obj)
+            done.append(new(key, size, [(seg.name, off)], now, None if sums is None else sums[j]))  # as put_commit
             out.append([OK, None])
         svc.counters["puts"] += len(done)
         svc.counters["commits"] += len(done)
