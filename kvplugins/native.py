@@ -81,14 +81,14 @@ def shm_maps():
     return _mod().ShmMaps()
 
 
-def writable_spans(spans_per_key: list, starts, ends, writable) -> tuple | None:
+def writable_spans(spans_per_key: list, starts, ends, writable, small: int) -> tuple | None:
     """A batch's spans (per key a list or tuple of (address, bytes) int pairs) as uint64 arrays (addresses, lengths,
-    per-key start offsets), bytes per key (an int list) and the total bytes, when each span lies whole in the last-starting region
+    per-key start offsets; int lists for at most ``small`` spans), bytes per key (an int list) and the total bytes, when each span lies whole in the last-starting region
     of the sorted region index (``starts``, ``ends``: uint64 arrays, ``writable``: bool array) that starts at or
     before it, and that region is writable; None otherwise (or for anything else than int pairs in lists)."""
-    got = _mod().writable_spans(spans_per_key, starts, ends, writable)
-    if got is None:
-        return None
+    got = _mod().writable_spans(spans_per_key, starts, ends, writable, small)
+    if got is None or type(got[0]) is list:
+        return got
     addrs, lens, starts, sizes, total = got
     arrays = (np.frombuffer(c, dtype=np.uint64) for c in (addrs, lens, starts))
     return (*arrays, np.frombuffer(sizes, dtype=np.uint64).tolist(), total)

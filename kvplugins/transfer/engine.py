@@ -26,7 +26,7 @@ from kvplugins.transfer.memory import RegionTable, buffer_span, view_of
 from kvplugins.transfer.rdma import RdmaTransport
 from kvplugins.transfer.routing import Router
 from kvplugins.transfer.shm import ShmTransport
-from kvplugins.transfer.spans import as_u64
+from kvplugins.transfer.spans import SMALL, as_u64
 from kvplugins.transfer.tcp import TcpTransport
 from kvplugins.transfer.transport import Op, Transport
 
@@ -231,7 +231,12 @@ class TransferEngine:
         read-only); else None. One native pass (native.writable_spans); conservative: a span only inside
         overlapping registrations counts as not writable."""
         index = self._regions.index
-        return native.writable_spans(spans_per_key, index.np_starts, index.np_ends, index.np_writable)
+        return native.writable_spans(spans_per_key, index.np_starts, index.np_ends, index.np_writable, SMALL)
+
+    def registered_spans(self, spans_per_key: list) -> tuple | None:
+        """As writable_spans, for spans a write reads from: any registered region (read-only ones too)."""
+        index = self._regions.index
+        return native.writable_spans(spans_per_key, index.np_starts, index.np_ends, index.np_any, SMALL)
 
     def submit_write(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> Future:
         """batch_write on an engine worker thread; a Future of the status list. Raises as batch_write

@@ -96,6 +96,7 @@ class _Index:
         self.np_starts = np.array(self.starts, dtype=np.uint64)
         self.np_ends = np.array(self.ends, dtype=np.uint64)
         self.np_writable = np.array([not r.readonly for r in self.regions], dtype=bool)
+        self.np_any = np.ones(len(self.regions), dtype=bool)
 
     def find(self, addr: int, length: int) -> Region | None:
         """A region holding [addr, addr+length) (the last-starting one where registrations overlap), or None."""

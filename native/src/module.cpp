@@ -167,8 +167,10 @@ static bool span_of(PyObject* pair, uint64_t& addr, uint64_t& len) {
 // A batch's spans (per key a list or tuple of (address, bytes) pairs) as uint64 columns, when every span lies in
 // one writable registered region by memory._Index.locate's rule (the last-starting region that starts at or
 // before the span must hold it whole) over the index columns (starts, ends, writable); else None. Returns
-// (addrs, lens, per-key starts, bytes per key) as bytes of native uint64, and the batch's total bytes.
-static nb::object writable_spans(nb::handle spans_per_key, U64Vec rstarts, U64Vec rends, BoolVec writable) {
+// (addrs, lens, per-key starts, bytes per key) as bytes of native uint64 (int lists where the batch has at most
+// `small` spans), and the batch's total bytes.
+static nb::object writable_spans(nb::handle spans_per_key, U64Vec rstarts, U64Vec rends, BoolVec writable,
+                                 size_t small) {
   PyObject* keys = spans_per_key.ptr();
   const size_t nr = rstarts.shape(0);
   if (!PyList_CheckExact(keys) || rends.shape(0) != nr || writable.shape(0) != nr) return nb::none();
@@ -197,6 +199,14 @@ static nb::object writable_spans(nb::handle spans_per_key, U64Vec rstarts, U64Ve
     starts.push_back(addrs.size());
     sizes.push_back(size);
     total += size;
+  }
+  if (addrs.size() <= small) {   // a few spans: int lists (a numpy array costs more than the batch)
+    auto as_list = [](const std::vector<uint64_t>& v) {
+      nb::list out;
+      for (uint64_t x : v) out.append(x);
+      return out;
+    };
+    return nb::make_tuple(as_list(addrs), as_list(lens), as_list(starts), as_list(sizes), total);
   }
   auto as_bytes = [](const std::vector<uint64_t>& v) {
     return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(uint64_t));
@@ -227,7 +237,7 @@ static void bind_store(nb::module_& m) {
         nb::arg("lens"), nb::arg("starts"), nb::arg("segment"), nb::arg("region"), nb::arg("offsets"),
         nb::arg("slab"), nb::arg("write_ms"), nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("isa") = "auto");
   m.def("writable_spans", &writable_spans, nb::arg("spans_per_key"), nb::arg("starts"), nb::arg("ends"),
-        nb::arg("writable"));
+        nb::arg("writable"), nb::arg("small"));
   m.def("shard_exists", &shard_exists, nb::arg("fds"), nb::arg("rids"), nb::arg("keys"), nb::arg("points"),
         nb::arg("point_shard"), nb::arg("timeout_ms"), nb::arg("isa") = "auto");
 }

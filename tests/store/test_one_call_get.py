@@ -9,7 +9,14 @@ import pytest
 
 from helpers.cluster import store_cluster
 from helpers.corrupt import flip_stored_byte
-from kvplugins.errors import ChecksumMismatch, KeyNotFound, MasterUnreachable, SizeMismatch, TransferFailed
+from kvplugins.errors import (
+    BufferNotRegistered,
+    ChecksumMismatch,
+    KeyNotFound,
+    MasterUnreachable,
+    SizeMismatch,
+    TransferFailed,
+)
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.client.store_client import NATIVE_MAX_BYTES
 
@@ -113,6 +120,10 @@ def test_a_batch_is_one_native_call_and_its_odd_keys_end_as_on_the_python_path(p
         a = src.ctypes.data
         assert c.batch_put_from(more, [[(a + i * SIZE, SIZE)] for i in range(24)]) == [None] * 24
         assert native_objects(c) - n0 == 24  # the slab put of the whole batch: native
+        # an empty object or a span outside registered memory: the batch takes the general path, which names them
+        odd = c.batch_put_from(["one/batch/e", "one/batch/u", "one/batch/ok"], [[(a, 0)], [(8, SIZE)], [(a, SIZE)]])
+        assert "empty object" in str(odd[0]) and isinstance(odd[1], BufferNotRegistered) and odd[2] is None
+        assert native_objects(c) - n0 == 25 and c.batch_exists(["one/batch/e", "one/batch/u"]) == [False, False]
         flip_stored_byte(c, keys[5])
         asked = keys + ["one/batch/absent"]
         base = dst.ctypes.data

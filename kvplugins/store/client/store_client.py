@@ -468,6 +468,9 @@ class StoreClient:
 
     def _write(self, keys, spans_per_key, config: PutConfig) -> tuple[list[StoreError | None], list[int]]:
         """(per-key None or error, bytes per key)."""
+        done = self._write_native(keys, spans_per_key, config)
+        if done is not None:
+            return done
         out: list[StoreError | None] = [None] * len(keys)
         flat = batches.flatten(self._engine, keys, spans_per_key, out)
         batches.reject_empty(keys, flat, out)
@@ -522,6 +525,35 @@ class StoreClient:
             delay = min(2 * delay, 0.05)
             pending = self._start_and_write(keys, flat, pending, out, config)
 
+    def _write_native(self, keys, spans_per_key, config: PutConfig) -> tuple[list, list[int]] | None:
+        """A whole batch's slab put in one native call, its spans checked and flattened in one native pass
+        (engine.registered_spans): _write's result, or None where it does not apply (no shm, no slab, a span
+        outside registered memory, an empty object, over NATIVE_MAX_BYTES, the slab busy or full, the slab's
+        region not mapped yet): then the general path puts the batch."""
+        slabs = self._slabs
+        if self._shm_maps is None or slabs is None or not keys or len(keys) != len(spans_per_key):
+            return None
+        spans = self._engine.registered_spans(spans_per_key) if _slab_placed(config) else None
+        if spans is None or spans[4] > NATIVE_MAX_BYTES or min(spans[3]) <= 0:
+            return None
+        if not slabs.lock.acquire(blocking=False):
+            return None
+        try:
+            placed = slabs.place(spans[3])
+            one = self._put_native(keys, spans[:3], *placed) if placed is not None else None
+            if one is None:
+                return None
+            out: list[StoreError | None] = [None] * len(keys)
+            again = self._slab_answered(keys, placed[0], *one, list(range(len(keys))), {}, out)
+        finally:
+            slabs.lock.release()
+        if again:  # EXPIRED or PENDING: put_start for those (rare: the general path's flatten for them)
+            flat = batches.flatten(self._engine, keys, spans_per_key, out)
+            pending = self._start_and_write(keys, flat, again, out, config)
+            if pending:
+                self._wait_pending(keys, flat, pending, out, config)
+        return out, spans[3]
+
     def _write_slab(self, keys, flat, todo: list[int], out) -> list[int]:
         """One round trip: write keys ``todo`` into this client's reserved slab, then one ``put`` RPC
         (slab.py). Sets ``out[i]`` for refused keys; returns the keys to put with put_start instead (no
@@ -530,68 +562,65 @@ class StoreClient:
         if placed is None:
             return todo
         slab, offsets = placed
-        one = self._put_native(keys, flat, todo, slab, offsets)
+        one = None
+        if sum(flat.sizes[i] for i in todo) <= NATIVE_MAX_BYTES:
+            one = self._put_native([keys[i] for i in todo], _todo_columns(flat, todo), slab, offsets)
         if one is not None:
-            failed, ok, (sent, answers) = {}, todo, one
-        else:
-            writes = {i: [Location(slab.segment, slab.region_id, off)] for i, off in zip(todo, offsets)}
-            sums = checksum.span_sums(flat)
-            failed = self._transfer("write", flat, writes, sums, slab.expires - self.cfg.rpc_timeout_ms / 1000)
-            if failed:
-                self._slabs.forget()  # e.g. the segment is gone: do not write there again
-            ok = [i for i in todo if i not in failed]
-            if not ok:
-                return list(failed)
-            digests, sent = checksum.digests(flat, ok, sums), time.monotonic()
-            try:
-                answers = self._rpc.call(
-                    "put",
-                    [[keys[i], flat.sizes[i], slab.id, writes[i][0].offset] for i in ok],
-                    {"xxh3": [digests[i] for i in ok]},
-                )
-            except StoreError:
-                self._slabs.forget()
-                raise
+            return self._slab_answered(keys, slab, *one, todo, {}, out)
+        writes = {i: [Location(slab.segment, slab.region_id, off)] for i, off in zip(todo, offsets)}
+        sums = checksum.span_sums(flat)
+        failed = self._transfer("write", flat, writes, sums, slab.expires - self.cfg.rpc_timeout_ms / 1000)
+        if failed:
+            self._slabs.forget()  # e.g. the segment is gone: do not write there again
+        ok = [i for i in todo if i not in failed]
+        if not ok:
+            return list(failed)
+        digests, sent = checksum.digests(flat, ok, sums), time.monotonic()
+        try:
+            answers = self._rpc.call(
+                "put",
+                [[keys[i], flat.sizes[i], slab.id, writes[i][0].offset] for i in ok],
+                {"xxh3": [digests[i] for i in ok]},
+            )
+        except StoreError:
+            self._slabs.forget()
+            raise
+        return self._slab_answered(keys, slab, sent, answers, ok, failed, out)
+
+    def _slab_answered(self, keys, slab, sent: float, answers: list, ok: list[int], failed: dict, out) -> list[int]:
+        """The master's answers to a ``put`` into ``slab`` sent at monotonic ``sent``, one per key of ``ok``: sets
+        ``out[i]`` for refused keys; returns the keys to put with put_start instead (``failed``: their writes
+        failed; EXPIRED: the master no longer knew the slab; PENDING: another writer's put, put_start waits)."""
         self._slabs.renewed(slab, sent)
-        again = [*failed, *(i for i, (code, _) in zip(ok, answers) if code == protocol.EXPIRED)]
-        pending = [i for i, (code, _) in zip(ok, answers) if code == protocol.PENDING]  # put_start waits for them
+        again, pending = list(failed), []
         for i, (code, value) in zip(ok, answers):
-            if code not in (protocol.OK, protocol.EXISTS, protocol.EXPIRED, protocol.PENDING):
+            if code == protocol.OK or code == protocol.EXISTS:
+                continue
+            if code == protocol.EXPIRED:
+                again.append(i)
+            elif code == protocol.PENDING:
+                pending.append(i)
+            else:
                 out[i] = protocol.entry_error(code, keys[i], value)
         if again:
             self._slabs.forget()
         return again + pending
 
-    def _put_native(self, keys, flat, todo: list[int], slab, offsets: list[int]) -> tuple[float, list] | None:
-        """The slab write and ``put`` of keys ``todo`` in one native call (native.put_many) when the slab's region
-        is mapped here: (monotonic time before it, the put's answers). None when nothing was written or sent."""
-        if self._shm_maps is None or sum(flat.sizes[i] for i in todo) > NATIVE_MAX_BYTES:
+    def _put_native(self, keys: list[str], cols: tuple, slab, offsets: list[int]) -> tuple[float, list] | None:
+        """The slab write and ``put`` of ``keys`` (their spans' addresses, lengths and per-key starts: ``cols``)
+        in one native call (native.put_many) when the slab's region is mapped here: (monotonic time before it,
+        the put's answers). None when nothing was written or sent."""
+        if self._shm_maps is None:
             return None
-        addrs, lens, owner = flat.addrs, flat.lens, flat.owner
-        if type(owner) is list:  # a small batch: no numpy
-            if len(todo) != flat.nkeys:
-                pos = {k: j for j, k in enumerate(todo)}
-                picked = [j for j, o in enumerate(owner) if o in pos]
-                addrs, lens, owner = (
-                    [addrs[j] for j in picked],
-                    [lens[j] for j in picked],
-                    [pos[owner[j]] for j in picked],
-                )
-            starts = [bisect.bisect_left(owner, k) for k in range(len(todo) + 1)]
-        else:
-            if len(todo) != flat.nkeys:
-                sel = np.isin(owner, todo)
-                addrs, lens, owner = addrs[sel], lens[sel], np.searchsorted(todo, owner[sel])
-            starts = np.searchsorted(owner, np.arange(len(todo) + 1))
         sent = time.monotonic()
         write_ms = (slab.expires - self.cfg.rpc_timeout_ms / 1000 - sent) * 1000  # as _transfer's deadline
-        where, sub = (slab.segment, slab.region_id, slab.id), [keys[i] for i in todo]
         try:
             with self._rpc.held("put") as h:
                 try:
                     got = native.put_many(
-                        h.fd, h.rid, sub, addrs, lens, starts, where, offsets, write_ms, h.ms, self._shm_maps
-                    )
+                        h.fd, h.rid, keys, *cols, (slab.segment, slab.region_id, slab.id), offsets, write_ms, h.ms,
+                        self._shm_maps,
+                    )  # fmt: skip
                 except (OSError, TimeoutError) as e:
                     raise h.failed(e) from e
                 except TypeError:  # a key that is not a str
@@ -873,6 +902,21 @@ class StoreClient:
                 if self._shm_maps is not None:
                     self._shm_maps.alias(name, desc.segment_id)
         return self._descs
+
+
+def _todo_columns(flat, todo: list[int]) -> tuple:
+    """(addresses, lengths, per-key starts) of the spans of keys ``todo`` (sorted key indices) of ``flat``."""
+    addrs, lens, owner = flat.addrs, flat.lens, flat.owner
+    if type(owner) is list:  # a small batch: no numpy
+        if len(todo) != flat.nkeys:
+            pos = {k: j for j, k in enumerate(todo)}
+            picked = [j for j, o in enumerate(owner) if o in pos]
+            addrs, lens, owner = [addrs[j] for j in picked], [lens[j] for j in picked], [pos[owner[j]] for j in picked]
+        return addrs, lens, [bisect.bisect_left(owner, k) for k in range(len(todo) + 1)]
+    if len(todo) != flat.nkeys:
+        sel = np.isin(owner, todo)
+        addrs, lens, owner = addrs[sel], lens[sel], np.searchsorted(todo, owner[sel])
+    return addrs, lens, np.searchsorted(owner, np.arange(len(todo) + 1))
 
 
 def _slab_placed(config: PutConfig) -> bool:
