@@ -45,6 +45,8 @@ def test_puts_carve_objects_from_the_slab_front():
     assert m.handle("put", [["a", 100, sid, off], ["b", 64, sid, off + 128]], {"xxh3": [7, 8]}) == [[OK, None]] * 2
     [(code, (size, locs, _, xxh))] = m.handle("get", ["a"], {})
     assert (code, size, locs, xxh) == (OK, 100, [[name, region, off]], 7)
+    # a back-to-back batch is carved in one pass: the same allocations as one split per object
+    assert [seg.allocator.size_at(o) for o in (off, off + 128, off + 192)] == [128, 64, length - 192]
     assert m.handle("put", [["a", 100, sid, off + 192]], {}) == [[EXISTS, "complete"]]  # nothing carved
     [(code, why)] = m.handle("put", [["c", 64, sid, off]], {})  # behind the front
     assert code == INVALID and "front" in why
@@ -52,10 +54,21 @@ def test_puts_carve_objects_from_the_slab_front():
     assert code == INVALID
     assert m.handle("put", [["c", 64, sid, off + 1024]], {}) == [[OK, None]]  # skips a gap ...
     assert seg.allocator.used_bytes == length - (1024 - 192)  # ... freed at once
-    m.handle("remove", ["a", "b", "c"], {})
+    # a key repeated in one batch: the first is stored, the second is the same key (EXISTS); a None checksum is none
+    d = off + 1024 + 64
+    assert m.handle("put", [["d", 64, sid, d], ["d", 64, sid, d + 64]], {"xxh3": [None, 5]}) == [
+        [OK, None],
+        [EXISTS, "complete"],
+    ]
+    [(code, (_, locs, _, xxh))] = m.handle("get", ["d"], {})
+    assert (code, locs, xxh) == (OK, [[name, region, d]], None)
+    e = d + 64  # the slab's front: a run of two, one checksum unknown
+    assert m.handle("put", [["e", 64, sid, e], ["f", 64, sid, e + 64]], {"xxh3": [None, 9]}) == [[OK, None]] * 2
+    assert [a[1][3] for a in m.handle("get", ["e", "f"], {})] == [None, 9]
+    m.handle("remove", ["a", "b", "c", "d", "e", "f"], {})
     m.clock_.t += 1.1  # past every lease
     m.tick()
-    assert seg.allocator.used_bytes == length - 1024 - 64  # only the remainder
+    assert seg.allocator.used_bytes == length - 1024 - 256  # only the remainder
     reserve(m, release=[sid])  # given back
     assert seg.allocator.used_bytes == length
     assert seg.allocator.free_blocks() == 1  # all freed space coalesced; the new slab at its start

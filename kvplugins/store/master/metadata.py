@@ -74,6 +74,12 @@ class ObjectTable:
         keyword handling: a slab put adds a batch of these (slabs.py)."""
         return self._t.insert(key, size, replicas, True, now, now, 0, 0.0, checksum)
 
+    def insert_new(self, keys: list[str], sizes: list[int], segment: str, offsets: list[int], now: float, sums):
+        """new_committed for a batch in one native pass: ``keys`` (none present, none repeated) at ``offsets`` of
+        ``segment``, ``sums`` None or one checksum (or None) per key. Returns their Objects, or None with nothing
+        changed where a key is present or repeats."""
+        return self._t.insert_new(keys, sizes, segment, offsets, now, sums)
+
     def commit(self, obj: Object, now: float) -> None:
         """Pending ``obj`` becomes complete, born ``now``, most recently used."""
         self._t.commit(obj, now)

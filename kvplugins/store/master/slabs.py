@@ -111,11 +111,26 @@ class Slabs:
         [OK, None], [EXISTS, "complete"] (nothing recorded), [PENDING, why] (another writer's put of the key
         has not committed: nothing recorded, the client retries), [EXPIRED, why] (slab unknown or expired: put again
         with put_start) or [INVALID, why] (the range is not at or after the slab's front, or overruns it)."""
-        svc, out, done, live = self.svc, [], [], {}
-        sums = opts.xxh3
+        svc, sums = self.svc, opts.xxh3
         if sums is not None and len(sums) != len(entries):
             raise ValueError(f"put: opts: xxh3 has {len(sums)} checksums for {len(entries)} keys")
-        get, new, expires = svc.table.get, svc.table.new_committed, now + svc.cfg.put_timeout_ms / 1000
+        expires, out = now + svc.cfg.put_timeout_ms / 1000, []
+        done = self._put_run(entries, sums, now, expires)
+        if done is not None:
+            out = [[OK, None] for _ in done]
+        else:
+            done = self._put_each(entries, sums, now, expires, out)
+        svc.counters["puts"] += len(done)
+        svc.counters["commits"] += len(done)
+        svc.journal.committed(done)
+        svc.events.stored(done)
+        svc.evict_watermarks(now)
+        return out
+
+    def _put_each(self, entries, sums, now: float, expires: float, out: list) -> list:
+        """op_put key by key: appends each entry's answer to ``out``; returns the new objects."""
+        svc, done, live = self.svc, [], {}
+        get, new = svc.table.get, svc.table.new_committed
         for j, (key, size, sid, off) in enumerate(entries):
             slab = live[sid] if sid in live else live.setdefault(sid, self._live(sid, now, expires))
             if slab is None:
@@ -147,12 +162,31 @@ class Slabs:
             self._carve(slab, off, end)
             done.append(new(key, size, [(seg.name, off)], now, None if sums is None else sums[j]))  # as put_commit
             out.append([OK, None])
-        svc.counters["puts"] += len(done)
-        svc.counters["commits"] += len(done)
-        svc.journal.committed(done)
-        svc.events.stored(done)
-        svc.evict_watermarks(now)
-        return out
+        return done
+
+    def _put_run(self, entries, sums, now: float, expires: float) -> list | None:
+        """The common batch in one native pass: every entry in one live slab, back to back from its front and
+        inside it, no key stored or repeated. Returns the new objects (every entry answered OK), or None with
+        nothing changed: then op_put answers key by key, with the same outcome."""
+        sid = entries[0][2] if entries else None
+        if sid is None or any(e[2] != sid for e in entries):
+            return None
+        slab = self._slabs.get(sid)
+        if slab is None or slab.expires <= now or not self._usable(slab):
+            return None
+        seg = slab.seg
+        align, front = seg.allocator.align, slab.front
+        sizes = [e[1] for e in entries]
+        rounded = [(n + align - 1) & -align for n in sizes]
+        offsets = [e[3] for e in entries]
+        if offsets != list(itertools.accumulate(rounded[:-1], initial=front)) or offsets[-1] + rounded[-1] > slab.end:
+            return None
+        objs = self.svc.table.insert_new([e[0] for e in entries], sizes, seg.name, offsets, now, sums)
+        if objs is not None:
+            slab.expires = expires
+            seg.allocator.split_run(offsets, rounded)
+            slab.front = offsets[-1] + rounded[-1]
+        return objs
 
     def _live(self, sid: int, now: float, expires: float) -> Slab | None:
         """Slab ``sid`` if it can take puts (renewed until ``expires``), else None."""

@@ -4,11 +4,14 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
+#include <nanobind/stl/vector.h>
 
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
+#include <vector>
 
 #include "table.h"
 
@@ -126,6 +129,43 @@ nb::tuple get_cols(PyTable& pt, nb::list keys, double now, double lease) {
   return nb::make_tuple(hits, sizes, names, regions, seg_idx, offs, more, sums, disk);
 }
 
+// A slab put's new objects in one pass (kvplugins/store/master/slabs.py): when no key of `keys` is in the table
+// and none repeats, each becomes a complete object of sizes[k] bytes at offs[k] on segment `seg`, born and last
+// used `now`, with checksum sums[k] (`sums` None, or an element None: unknown), most recently used, and their views
+// come back in order. Returns None, changing nothing, when a key is present or repeats (the caller goes key by key).
+nb::object insert_new(PyTable& pt, nb::list keys, const std::vector<uint64_t>& sizes, const std::string& seg,
+                      const std::vector<uint64_t>& offs, double now, nb::object sums) {
+  const size_t n = nb::len(keys);
+  if (sizes.size() != n || offs.size() != n || (!sums.is_none() && nb::len(sums) != n))
+    throw std::invalid_argument("insert_new: keys, sizes, offsets and checksums differ in length");
+  std::vector<std::string_view> ks(n);
+  std::unordered_set<std::string_view> seen;
+  seen.reserve(n);
+  for (size_t k = 0; k < n; ++k) {
+    ks[k] = utf8(keys[k]);
+    if (pt.t.find(ks[k]) != NONE || !seen.insert(ks[k]).second) return nb::none();
+  }
+  std::vector<std::optional<uint64_t>> digests(n);
+  if (!sums.is_none())
+    for (size_t k = 0; k < n; ++k) {
+      nb::handle d = sums[k];
+      if (!d.is_none()) digests[k] = nb::cast<uint64_t>(d);
+    }
+  const uint32_t sid = pt.seg_id(seg);
+  nb::list out;
+  for (size_t k = 0; k < n; ++k) {
+    const uint32_t i = pt.t.insert(ks[k]);
+    Rec& r = pt.t.rec(i);
+    r.size = sizes[k], r.t = now, r.last_access = now, r.pin = 0;
+    r.has_sum = digests[k].has_value(), r.checksum = digests[k].value_or(0);
+    pt.t.set_complete(i, true);
+    pt.t.set_replicas(i, {Replica{sid, offs[k]}});
+    pt.t.link(i, UNPINNED);
+    out.append(view(pt, i));
+  }
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_meta, m) {
@@ -217,6 +257,8 @@ NB_MODULE(_meta, m) {
              for (nb::handle k : keys) { const uint32_t i = pt.t.find(utf8(k)); if (i == NONE || !pt.t.rec(i).complete) break; ++n; }
              return n; })
       .def("get_cols", &get_cols)
+      .def("insert_new", &insert_new, nb::arg("keys"), nb::arg("sizes"), nb::arg("seg"), nb::arg("offs"),
+           nb::arg("now"), nb::arg("sums").none())
       .def("on_segment", [](PyTable& pt, const std::string& name, size_t limit) {
              nb::list out; auto id = pt.known(name);
              const uint64_t want = id ? pt.t.seg_count(*id) : 0;
@@ -237,6 +279,9 @@ NB_MODULE(_meta, m) {
       .def("__getitem__", [](const SizeMap& s, uint64_t off) {
              uint64_t v; if (!s.get(off, &v)) throw nb::key_error(std::to_string(off).c_str()); return v; })
       .def("__setitem__", &SizeMap::set)
+      .def("set_run", [](SizeMap& s, const std::vector<uint64_t>& offs, const std::vector<uint64_t>& sizes) {
+             if (offs.size() != sizes.size()) throw std::invalid_argument("set_run: offsets and sizes differ in length");
+             for (size_t k = 0; k < offs.size(); ++k) s.set(offs[k], sizes[k]); })
       .def("pop", [](SizeMap& s, uint64_t off) {
              uint64_t v; if (!s.pop(off, &v)) throw nb::key_error(std::to_string(off).c_str()); return v; })
       .def("nbytes", &SizeMap::bytes);
