@@ -10,6 +10,8 @@ caller try-acquires; a concurrent put takes put_start + put_commit instead).
 
 from __future__ import annotations
 
+import itertools
+
 import logging
 import threading
 import time
@@ -57,12 +59,10 @@ class SlabSpace:
             slab = self._reserve(now)
             if slab is None or slab.end - slab.front < self._need(sizes, slab):
                 return None
-        offsets, off = [], slab.front
-        for n in sizes:
-            offsets.append(off)
-            off += -(-n // slab.align) * slab.align
-        slab.front = off
-        return slab, offsets
+        align = slab.align
+        ends = list(itertools.accumulate([-(-n // align) * align for n in sizes], initial=slab.front))
+        slab.front = ends.pop()
+        return slab, ends
 
     def renewed(self, slab: Slab, sent_at: float) -> None:
         """A ``put`` into ``slab`` sent at monotonic ``sent_at`` was answered: its lease runs from then."""
@@ -86,7 +86,8 @@ class SlabSpace:
 
     @staticmethod
     def _need(sizes: list[int], slab: Slab) -> int:
-        return sum(-(-n // slab.align) * slab.align for n in sizes)
+        align = slab.align
+        return sum([-(-n // align) * align for n in sizes])
 
     def _reserve(self, now: float) -> Slab | None:
         self.forget()

@@ -37,14 +37,17 @@ class ClientStats:
         us = (time.perf_counter() - t0) * 1e6
         done = misses = errors = 0
         nbytes = 0
-        for size, err in zip(sizes, out):
-            if err is None:
-                done += 1
-                nbytes += size
-            elif isinstance(err, KeyNotFound):
-                misses += 1
-            else:
-                errors += 1
+        if out.count(None) == len(out):  # every key done: no loop
+            done, nbytes = len(out), int(sum(sizes))
+        else:
+            for size, err in zip(sizes, out):
+                if err is None:
+                    done += 1
+                    nbytes += size
+                elif isinstance(err, KeyNotFound):
+                    misses += 1
+                else:
+                    errors += 1
         with self._lock:
             self._lat[kind].append(us)
             self._c[kind + "s"] += len(out)

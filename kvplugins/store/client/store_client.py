@@ -588,12 +588,13 @@ class StoreClient:
         return self._slab_answered(keys, slab, sent, answers, ok, failed, out)
 
     def _slab_answered(self, keys, slab, sent: float, answers: list, ok: list[int], failed: dict, out) -> list[int]:
-        """The master's answers to a ``put`` into ``slab`` sent at monotonic ``sent``, one per key of ``ok``: sets
-        ``out[i]`` for refused keys; returns the keys to put with put_start instead (``failed``: their writes
-        failed; EXPIRED: the master no longer knew the slab; PENDING: another writer's put, put_start waits)."""
+        """The master's answers to a ``put`` into ``slab`` sent at monotonic ``sent``, one per key of ``ok`` (None:
+        every one OK or EXISTS): sets ``out[i]`` for refused keys; returns the keys to put with put_start instead
+        (``failed``: their writes failed; EXPIRED: the master no longer knew the slab; PENDING: another writer's
+        put, put_start waits)."""
         self._slabs.renewed(slab, sent)
         again, pending = list(failed), []
-        for i, (code, value) in zip(ok, answers):
+        for i, (code, value) in zip(ok, answers or ()):
             if code == protocol.OK or code == protocol.EXISTS:
                 continue
             if code == protocol.EXPIRED:
@@ -609,7 +610,7 @@ class StoreClient:
     def _put_native(self, keys: list[str], cols: tuple, slab, offsets: list[int]) -> tuple[float, list] | None:
         """The slab write and ``put`` of ``keys`` (their spans' addresses, lengths and per-key starts: ``cols``)
         in one native call (native.put_many) when the slab's region is mapped here: (monotonic time before it,
-        the put's answers). None when nothing was written or sent."""
+        the put's answers, None when every one is OK or EXISTS). None when nothing was written or sent."""
         if self._shm_maps is None:
             return None
         sent = time.monotonic()
@@ -627,8 +628,8 @@ class StoreClient:
                     return None
                 if got is None:
                     return None
-                codes, body = got
-                return sent, h.payload(body) if body is not None else [[c, None] for c in codes]
+                body = got[1]  # None: every answer OK or EXISTS
+                return sent, h.payload(body) if body is not None else None
         except StoreError:
             self._slabs.forget()
             raise
