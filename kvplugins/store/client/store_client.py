@@ -563,7 +563,7 @@ class StoreClient:
             return todo
         slab, offsets = placed
         one = None
-        if sum(flat.sizes[i] for i in todo) <= NATIVE_MAX_BYTES:
+        if self._shm_maps is not None and sum(flat.sizes[i] for i in todo) <= NATIVE_MAX_BYTES:
             one = self._put_native([keys[i] for i in todo], _todo_columns(flat, todo), slab, offsets)
         if one is not None:
             return self._slab_answered(keys, slab, *one, todo, {}, out)
