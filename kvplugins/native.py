@@ -81,6 +81,16 @@ def shm_maps():
     return _mod().ShmMaps()
 
 
+def tcp_peers(per_peer: int, max_frame: int):
+    """The TCP transport's native pool of idle, authenticated connections (native/src/tcp/peers.h), at most
+    ``per_peer`` per peer (a "host:port" string): ``take(peer)`` -> fd or -1 (the caller owns it), ``give(peer,
+    fd)`` -> False when full (the caller closes fd), ``drop(peer)`` / ``clear()`` -> the fds removed (the caller
+    closes them); and the routes a store client's native get reads over: ``route(segment name, region id, region
+    bytes, peer, frame payload limit)``, ``unroute(segment name)``; ``counts()`` -> (objects, bytes) read that way.
+    ``max_frame``: this process's largest frame (bytes)."""
+    return _mod().TcpPeers(int(per_peer), int(max_frame))
+
+
 def writable_spans(spans_per_key: list, starts, ends, writable, small: int) -> tuple | None:
     """A batch's spans (per key a list or tuple of (address, bytes) int pairs) as uint64 arrays (addresses, lengths,
     per-key start offsets; int lists for at most ``small`` spans), bytes per key (an int list) and the total bytes, when each span lies whole in the last-starting region
@@ -94,23 +104,39 @@ def writable_spans(spans_per_key: list, starts, ends, writable, small: int) -> t
     return (*arrays, np.frombuffer(sizes, dtype=np.uint64).tolist(), total)
 
 
-def get_many(fd: int, rid: int, keys: list[str], addrs, lens, starts, timeout_ms: float, maps, verify: bool):
+def get_many(
+    fd: int,
+    rid: int,
+    keys: list[str],
+    addrs,
+    lens,
+    starts,
+    timeout_ms: float,
+    maps,
+    verify: bool,
+    peers=None,
+    transfer_timeout_ms: float = 0.0,
+):
     """A store get of ``keys`` in one native call, GIL released (native/src/store/one_op.h): sends the master's
     column-form ``get`` as request ``rid`` on the connected socket ``fd``, reads the reply and reads each hit whose
-    first replica is in a region of ``maps`` into its key's spans (key k's: ``[starts[k], starts[k+1])`` of the
-    uint64 arrays ``addrs``, ``lens``: writable registered memory), checking its xxh3_64 (``verify``) and its
-    lease. Returns (per key a byte: 0 read and checked, 1 not stored, 2 for the caller to go on from the reply;
-    the reply body when a key is 2, else None). ``addrs``, ``lens``, ``starts``: int lists or uint64 arrays. Raises TimeoutError (no reply within ``timeout_ms``),
-    ConnectionError (the socket failed; the connection is not usable after either), NativeError for spans not
-    matching the keys, TypeError for a key that is not a str."""
+    first replica is in a region of ``maps`` into its key's spans (key k's: ``[starts[k], starts[k+1])``
+    of the uint64 arrays ``addrs``, ``lens``: writable registered memory), checking its xxh3_64 (``verify``) and
+    its lease; hits in a region ``peers`` (tcp_peers, or None) routes to a TCP peer are planned as frame batches
+    over its idle pooled connections (within ``transfer_timeout_ms``). Returns (per key a byte: 0 read and checked, 1 not stored, 2 for the caller to go on from the reply,
+    6 a TCP read planned; the reply body when a key is 2, else None; the planned TCP reads or None: ``tcp.run(codes)``
+    -> the codes with each 6 now 0 or 2 (to look up again), GIL released, called once the socket ``fd`` is free for
+    other threads, while the spans' memory stays registered). ``addrs``, ``lens``, ``starts``: int lists or uint64 arrays.
+    Raises TimeoutError (no reply within ``timeout_ms``), ConnectionError (the socket failed; the connection is
+    not usable after either), NativeError for spans not matching the keys, TypeError for a key that is not a str."""
     lists = type(addrs) is list and type(lens) is list and type(starts) is list
     run = _mod().get_many_lists if lists else _mod().get_many
+    cols = _columns(lists, addrs, lens, starts)
     try:
-        status, codes, body = run(fd, rid, keys, *_columns(lists, addrs, lens, starts), timeout_ms, maps, verify)
+        status, codes, body, tcp = run(fd, rid, keys, *cols, timeout_ms, maps, verify, peers, transfer_timeout_ms)
     except ValueError as e:
         raise NativeError(str(e)) from e
     _raise_failed(status, body)
-    return codes, body
+    return codes, body, tcp
 
 
 def put_many(
@@ -125,6 +151,7 @@ def put_many(
     write_ms: float,
     timeout_ms: float,
     maps,
+    written: list[int] | None = None,
 ):
     """A slab put of ``keys`` in one native call, GIL released (native/src/store/one_op.h): copies each key's spans
     (as get_many's, registered memory) to ``offsets[k]`` of the slab ``slab`` = (segment name, region id, slab id)
@@ -132,14 +159,15 @@ def put_many(
     ``fd`` and reads its reply. ``write_ms``: the time left to write into the slab. Returns None when nothing was
     written or sent (the region is not mapped here, its owner is gone, no time is left, an object would not fit),
     else (per key the answer's code as a byte, the reply body when an answer is not OK or EXISTS, else None).
-    Raises as get_many."""
+    ``written``: the bytes are already in the slab (write_tcp), with these xxh3_64 digests per key: only the ``put``
+    is sent. Raises as get_many."""
     segment, region, slab_id = slab
     lists = type(addrs) is list and type(lens) is list and type(starts) is list and type(offsets) is list
     run = _mod().put_many_lists if lists else _mod().put_many
     addrs, lens, starts, offsets = _columns(lists, addrs, lens, starts, offsets)
     try:
-        status, codes, body = run(
-            fd, rid, keys, addrs, lens, starts, segment, region, offsets, slab_id, write_ms, timeout_ms, maps
+        status, codes, body, _ = run(
+            fd, rid, keys, addrs, lens, starts, segment, region, offsets, slab_id, write_ms, timeout_ms, maps, written
         )
     except ValueError as e:
         raise NativeError(str(e)) from e
@@ -147,6 +175,23 @@ def put_many(
         return None
     _raise_failed(status, body)
     return codes, body
+
+
+def write_tcp(peers, addrs, lens, starts, segment: str, region: int, offsets, timeout_ms: float, land_by_ms: int):
+    """Writes each key's spans (as put_many's) to ``offsets[k]`` of region ``region`` of segment ``segment`` (the
+    master's name) over one idle pooled connection to the TCP peer ``peers`` (tcp_peers) routes it to, GIL
+    released, within ``timeout_ms``, fenced at ``land_by_ms`` (unix ms: the peer drops bytes arriving later).
+    Returns each key's xxh3_64 (an int list) once every byte was written; [] when a frame failed (bytes may be
+    partly written, fenced); None when nothing was sent (no route or idle connection, an object past the region's
+    end). Raises NativeError for
+    spans not matching the keys."""
+    lists = type(addrs) is list and type(lens) is list and type(starts) is list and type(offsets) is list
+    run = _mod().write_tcp_lists if lists else _mod().write_tcp
+    addrs, lens, starts, offsets = _columns(lists, addrs, lens, starts, offsets)
+    try:
+        return run(peers, addrs, lens, starts, segment, region, offsets, timeout_ms, land_by_ms)
+    except ValueError as e:
+        raise NativeError(str(e)) from e
 
 
 def _columns(lists: bool, *cols) -> tuple:

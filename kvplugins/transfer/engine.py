@@ -224,6 +224,24 @@ class TransferEngine:
         first = self._transports[0] if self._transports else None
         return first.maps if isinstance(first, ShmTransport) else None
 
+    def tcp_peers(self):
+        """The TCP transport's native pool of idle connections and read routes (native.tcp_peers) when this
+        engine has TCP, else None: the store client's one-call reads (native.get_many) go through it."""
+        tcp = next((t for t in self._transports if isinstance(t, TcpTransport)), None)
+        return None if tcp is None else tcp.peers
+
+    def route_natively(self, name: str, remote: SegmentDescriptor) -> bool:
+        """Route each region of ``remote`` (the segment the master calls ``name``) whose first transport here is
+        TCP to it in tcp_peers(), so native reads and writes of it take that transport's pooled connections. A
+        region first reached another way (shm, cma, rdma) is not routed. Returns whether any region was."""
+        routed = False
+        for info in remote.regions:
+            first = self._router.first(remote, info.region_id)
+            if isinstance(first, TcpTransport):
+                first.route(name, remote, info)
+                routed = True
+        return routed
+
     def writable_spans(self, spans_per_key: list) -> tuple | None:
         """``spans_per_key`` (a list: per key a list or tuple of (address, bytes) int pairs) as uint64 arrays
         (addresses, lengths, per-key start offsets: key k's spans are [starts[k], starts[k+1])), bytes per key (an

@@ -184,6 +184,13 @@ class Router:
             )
         return Entry(req.local, addr, req.remote, info, remote_off, length, pin), cands
 
+    def first(self, remote: SegmentDescriptor, region_id: int) -> Transport | None:
+        """The transport a batch to region ``region_id`` of ``remote`` tries first, or None (no common one)."""
+        try:
+            return self._remote(remote, region_id)[1][0]
+        except TransferError:
+            return None
+
     def _remote(self, remote: SegmentDescriptor, region_id: int) -> tuple[RegionInfo, list[Transport]]:
         info = remote.region(region_id)
         cands = [t for t in self._transports if t.name in remote.transports and t.reaches(remote, info)]

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
 import struct
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from kvplugins import security
+from kvplugins import native, security
 from kvplugins.errors import AuthError, OutOfRange, ProtocolError, TransferError, TransferFailed
 from kvplugins.security import handshake
 from kvplugins.transfer import native_tcp, wire
@@ -46,8 +46,7 @@ class TcpTransport(Transport):
         self._server = TcpServer(
             config.host, config.tcp_port, regions, config.max_frame, config.server_limits(), secret=self._secret
         )
-        self._lock = threading.Lock()
-        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self.peers = native.tcp_peers(config.tcp_connections, config.max_frame)  # idle connections, routes
         self._native = native_tcp.Client()
         self._peers_io = ThreadPoolExecutor(config.workers, thread_name_prefix="kvp-tcp-peer")
         self._ids = itertools.count(1)
@@ -101,8 +100,18 @@ class TcpTransport(Transport):
 
     def stats(self) -> dict[str, Any]:
         """The server's counters (TcpServer.stats: connections open now, refused, accept failures, closed idle,
-        closed slow), each prefixed "server_"."""
-        return {f"server_{k}": v for k, v in self._server.stats().items()}
+        closed slow), each prefixed "server_"; "native_entries"/"native_bytes": objects (and their bytes) a store
+        client's one-call get read over the pooled connections (native.get_many)."""
+        entries, nbytes = self.peers.counts()
+        out = {f"server_{k}": v for k, v in self._server.stats().items()}
+        return {**out, "native_entries": entries, "native_bytes": nbytes}
+
+    def route(self, name: str, remote: SegmentDescriptor, region: RegionInfo) -> None:
+        """Let a store client's native get (native.get_many) read region ``region`` of ``remote`` (the segment the
+        master calls ``name``) over this transport's pooled connections, cut to the frame limit _batch uses."""
+        ep = remote.transports["tcp"]
+        limit = wire.payload_limit(max(MIN_FRAME, min(self._cfg.max_frame, ep.get("max_frame", self._cfg.max_frame))))
+        self.peers.route(name, region.region_id, region.length, _peer_key((ep["host"], ep["port"])), limit)
 
     @property
     def server(self) -> TcpServer:
@@ -234,32 +243,29 @@ class TcpTransport(Transport):
         """An idle pooled connection to ``peer``, or None. One the server closed meanwhile
         (transfer.idle_timeout_ms, a restart) fails before any reply byte, and its spans are retried on a fresh
         connection (native RETRY); a control request checks first (``reusable``), it has no retry."""
-        with self._lock:
-            idle = self._idle.get(peer)
-            return idle.pop() if idle else None
+        fd = self.peers.take(_peer_key(peer))
+        return None if fd < 0 else socket.socket(fileno=fd)
 
     def _release(self, peer: tuple[str, int], sock: socket.socket) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(peer, [])
-            if len(idle) < self._cfg.tcp_connections:
-                idle.append(sock)
-                return
-        sock.close()
+        """Back to the idle pool (the native table owns the fd from then on), or closed when it is full."""
+        fd = sock.detach()
+        if not self.peers.give(_peer_key(peer), fd):
+            os.close(fd)
 
     def _drop_idle(self, peer: tuple[str, int]) -> None:
-        with self._lock:
-            socks = self._idle.pop(peer, [])
-        for s in socks:
-            s.close()
+        for fd in self.peers.drop(_peer_key(peer)):
+            os.close(fd)
 
     def close(self) -> None:
         self._server.close()
-        with self._lock:
-            socks = [s for idle in self._idle.values() for s in idle]
-            self._idle.clear()
-        for s in socks:
-            s.close()
+        for fd in self.peers.clear():
+            os.close(fd)
         self._peers_io.shutdown(wait=False)
+
+
+def _peer_key(peer: tuple[str, int]) -> str:
+    """A peer's name in the native pool (``host:port``)."""
+    return f"{peer[0]}:{peer[1]}"
 
 
 def _abort(sock: socket.socket) -> None:

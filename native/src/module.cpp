@@ -69,12 +69,24 @@ static kvp::store::KeySpans key_spans(size_t keys, const uint64_t* addrs, size_t
   return {addrs, lens, starts, keys};
 }
 
-// A BatchResult as (status, per-key codes bytes, reply body bytes or None); a failure as (status, b"", why).
-static nb::tuple batch_result(const kvp::store::BatchResult& r) {
+// A BatchResult as (status, per-key codes bytes, reply body bytes or None, planned TCP reads or None); a failure
+// as (status, b"", why, None).
+static nb::tuple batch_result(kvp::store::BatchResult& r) {
   if (r.status == kvp::store::kIoError || r.status == kvp::store::kTimeout)
-    return nb::make_tuple(r.status, nb::bytes("", 0), r.body);
+    return nb::make_tuple(r.status, nb::bytes("", 0), r.body, nb::none());
   nb::object body = r.body.empty() ? nb::none() : nb::object(nb::bytes(r.body.data(), r.body.size()));
-  return nb::make_tuple(r.status, nb::bytes(r.codes.data(), r.codes.size()), body);
+  nb::object tcp = r.tcp ? nb::cast(r.tcp.release(), nb::rv_policy::take_ownership) : nb::none();
+  return nb::make_tuple(r.status, nb::bytes(r.codes.data(), r.codes.size()), body, tcp);
+}
+
+// Runs a get's planned TCP reads (GIL released): the per-key codes with each kTcp key now kDone or kAsPython.
+static nb::bytes run_tcp_reads(kvp::store::TcpReads& reads, nb::bytes codes) {
+  std::string c(codes.c_str(), codes.size());
+  {
+    kvp::GilRelease release;
+    reads.run(c);
+  }
+  return nb::bytes(c.data(), c.size());
 }
 
 // get_many and put_many take their span columns as uint64 arrays (a big batch); get_many_lists and put_many_lists
@@ -88,7 +100,7 @@ static std::pair<const uint64_t*, size_t> col(const Cols& c) {
 template <class Cols>
 static nb::tuple get_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const Cols& addrs,
                           const Cols& lens, const Cols& starts, double timeout_ms, ShmMaps& maps, bool verify,
-                          const std::string& isa) {
+                          kvp::tcp::Peers* peers, double transfer_timeout_ms, const std::string& isa) {
   auto [a, na] = col(addrs);
   auto [l, nl] = col(lens);
   auto [s, ns] = col(starts);
@@ -97,7 +109,7 @@ static nb::tuple get_many(int fd, uint64_t rid, const std::vector<std::string>& 
   kvp::store::BatchResult r;
   {
     kvp::GilRelease release;
-    r = kvp::store::get_many(fd, rid, keys, spans, timeout_ms, maps, verify, ops);
+    r = kvp::store::get_many(fd, rid, keys, spans, timeout_ms, maps, verify, ops, peers, transfer_timeout_ms);
   }
   return batch_result(r);
 }
@@ -106,20 +118,44 @@ template <class Cols>
 static nb::tuple put_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const Cols& addrs,
                           const Cols& lens, const Cols& starts, const std::string& segment, uint32_t region,
                           const Cols& offsets, uint64_t slab, double write_ms, double timeout_ms, ShmMaps& maps,
-                          const std::string& isa) {
+                          const std::optional<std::vector<uint64_t>>& written, const std::string& isa) {
   auto [a, na] = col(addrs);
   auto [l, nl] = col(lens);
   auto [s, ns] = col(starts);
   auto [o, no] = col(offsets);
   const kvp::store::KeySpans spans = key_spans(keys.size(), a, na, l, nl, s, ns);
   if (no != keys.size()) throw std::invalid_argument("put_many: one offset per key");
+  if (written && written->size() != keys.size()) throw std::invalid_argument("put_many: one written digest per key");
   const kvp::HashOps* ops = tier(isa);
+  const uint64_t* w = written ? written->data() : nullptr;
   kvp::store::BatchResult r;
   {
     kvp::GilRelease release;
-    r = kvp::store::put_many(fd, rid, keys, spans, segment, region, o, slab, write_ms, timeout_ms, maps, ops);
+    r = kvp::store::put_many(fd, rid, keys, spans, segment, region, o, slab, write_ms, timeout_ms, maps, ops, w);
   }
   return batch_result(r);
+}
+
+// write_tcp's digests (a list, one per key), an empty list where a frame failed, None where nothing was sent.
+template <class Cols>
+static std::optional<std::vector<uint64_t>> write_tcp(kvp::tcp::Peers& peers, const Cols& addrs, const Cols& lens,
+                                                      const Cols& starts, const std::string& segment, uint32_t region,
+                                                      const Cols& offsets, double timeout_ms, uint64_t land_by_ms,
+                                                      const std::string& isa) {
+  auto [a, na] = col(addrs);
+  auto [l, nl] = col(lens);
+  auto [s, ns] = col(starts);
+  auto [o, no] = col(offsets);
+  const kvp::store::KeySpans spans = key_spans(no, a, na, l, nl, s, ns);
+  const kvp::HashOps* ops = tier(isa);
+  std::vector<uint64_t> digests;
+  kvp::store::WriteStatus st;
+  {
+    kvp::GilRelease release;
+    st = kvp::store::write_tcp(peers, spans, segment, region, o, timeout_ms, land_by_ms, ops, digests);
+  }
+  if (st == kvp::store::kWriteNotSent) return std::nullopt;
+  return digests;   // empty: kWriteFailed
 }
 
 // (key flags as bytes: 1 stored, 0 not, 2 unanswered; per shard (status, value): (0|5, None), (2, reply body), (3|4, why)).
@@ -223,19 +259,39 @@ static void bind_store(nb::module_& m) {
       .def("forget", [](ShmMaps& s, const std::string& segment) { kvp::GilRelease r; s.forget(segment); })
       .def("clear", [](ShmMaps& s) { kvp::GilRelease r; s.clear(); })
       .def("counts", [](const ShmMaps& s) { return std::make_pair(s.entries(), s.bytes()); });
+  nb::class_<kvp::store::TcpReads>(m, "TcpReads").def("run", &run_tcp_reads, nb::arg("codes"));
+  using kvp::tcp::Peers;
+  nb::class_<Peers>(m, "TcpPeers")
+      .def(nb::init<size_t, uint64_t>(), nb::arg("per_peer"), nb::arg("max_frame"))
+      .def("take", &Peers::take, nb::arg("peer"))
+      .def("give", &Peers::give, nb::arg("peer"), nb::arg("fd"))
+      .def("drop", &Peers::drop, nb::arg("peer"))
+      .def("clear", &Peers::clear)
+      .def("route", &Peers::route, nb::arg("name"), nb::arg("region"), nb::arg("length"), nb::arg("peer"),
+           nb::arg("limit"))
+      .def("unroute", &Peers::unroute, nb::arg("name"))
+      .def("counts", [](const Peers& p) { return std::make_pair(p.entries(), p.bytes()); });
   using List = std::vector<uint64_t>;
   m.def("get_many", &get_many<U64Vec>, nb::arg("fd"), nb::arg("rid"), nb::arg("keys"), nb::arg("addrs"),
         nb::arg("lens"), nb::arg("starts"), nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("verify"),
-        nb::arg("isa") = "auto");
+        nb::arg("peers").none(), nb::arg("transfer_timeout_ms"), nb::arg("isa") = "auto");
   m.def("get_many_lists", &get_many<List>, nb::arg("fd"), nb::arg("rid"), nb::arg("keys"), nb::arg("addrs"),
         nb::arg("lens"), nb::arg("starts"), nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("verify"),
-        nb::arg("isa") = "auto");
+        nb::arg("peers").none(), nb::arg("transfer_timeout_ms"), nb::arg("isa") = "auto");
   m.def("put_many", &put_many<U64Vec>, nb::arg("fd"), nb::arg("rid"), nb::arg("keys"), nb::arg("addrs"),
         nb::arg("lens"), nb::arg("starts"), nb::arg("segment"), nb::arg("region"), nb::arg("offsets"),
-        nb::arg("slab"), nb::arg("write_ms"), nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("isa") = "auto");
+        nb::arg("slab"), nb::arg("write_ms"), nb::arg("timeout_ms"), nb::arg("maps"),
+        nb::arg("written").none() = nb::none(), nb::arg("isa") = "auto");
   m.def("put_many_lists", &put_many<List>, nb::arg("fd"), nb::arg("rid"), nb::arg("keys"), nb::arg("addrs"),
         nb::arg("lens"), nb::arg("starts"), nb::arg("segment"), nb::arg("region"), nb::arg("offsets"),
-        nb::arg("slab"), nb::arg("write_ms"), nb::arg("timeout_ms"), nb::arg("maps"), nb::arg("isa") = "auto");
+        nb::arg("slab"), nb::arg("write_ms"), nb::arg("timeout_ms"), nb::arg("maps"),
+        nb::arg("written").none() = nb::none(), nb::arg("isa") = "auto");
+  m.def("write_tcp", &write_tcp<U64Vec>, nb::arg("peers"), nb::arg("addrs"), nb::arg("lens"), nb::arg("starts"),
+        nb::arg("segment"), nb::arg("region"), nb::arg("offsets"), nb::arg("timeout_ms"), nb::arg("land_by_ms"),
+        nb::arg("isa") = "auto");
+  m.def("write_tcp_lists", &write_tcp<List>, nb::arg("peers"), nb::arg("addrs"), nb::arg("lens"), nb::arg("starts"),
+        nb::arg("segment"), nb::arg("region"), nb::arg("offsets"), nb::arg("timeout_ms"), nb::arg("land_by_ms"),
+        nb::arg("isa") = "auto");
   m.def("writable_spans", &writable_spans, nb::arg("spans_per_key"), nb::arg("starts"), nb::arg("ends"),
         nb::arg("writable"), nb::arg("small"));
   m.def("shard_exists", &shard_exists, nb::arg("fds"), nb::arg("rids"), nb::arg("keys"), nb::arg("points"),

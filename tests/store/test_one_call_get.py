@@ -9,6 +9,7 @@ import pytest
 
 from helpers.cluster import store_cluster
 from helpers.corrupt import flip_stored_byte
+from helpers.objects import stored
 from kvplugins.errors import (
     BufferNotRegistered,
     ChecksumMismatch,
@@ -34,20 +35,9 @@ def native_objects(client) -> int:
     return client._engine.shm_maps().counts()[0]
 
 
-def stored(client, prefix: str, n: int, seed: int):
-    """n random SIZE-byte objects put under prefix/i; (their bytes, a registered zeroed buffer of n objects)."""
-    src = np.random.default_rng(seed).integers(0, 256, n * SIZE, dtype=np.uint8)
-    a = client.register_buffer(src).addr
-    keys = [f"{prefix}/{i}" for i in range(n)]
-    assert client.batch_put_from(keys, [[(a + i * SIZE, SIZE)] for i in range(n)]) == [None] * n
-    dst = np.zeros_like(src)
-    client.register_buffer(dst)
-    return src, dst, keys
-
-
 def test_gets_after_the_first_are_one_native_call_each(pool):
     with StoreClient(ClientConfig(master=pool.master, transports="shm,tcp")) as c:
-        src, dst, keys = stored(c, "one/hot", 20, 1)
+        src, dst, keys = stored(c, "one/hot", 20, SIZE, 1)
         base = dst.ctypes.data
         before = native_objects(c)  # the puts mapped the node's segment
         for i, k in enumerate(keys):
@@ -66,7 +56,7 @@ def test_gets_after_the_first_are_one_native_call_each(pool):
 
 def test_what_the_native_call_leaves_ends_as_on_the_python_path(pool):
     with StoreClient(ClientConfig(master=pool.master, transports="shm,tcp")) as c:
-        src, dst, keys = stored(c, "one/edge", 4, 2)
+        src, dst, keys = stored(c, "one/edge", 4, SIZE, 2)
         base, n0 = dst.ctypes.data, native_objects(c)
         with pytest.raises(KeyNotFound):
             c.get_into("one/edge/absent", [(base, SIZE)])
@@ -99,7 +89,7 @@ def test_what_the_native_call_leaves_ends_as_on_the_python_path(pool):
 def test_a_dead_node_or_master_is_an_error_not_a_hang_or_stale_bytes():
     with store_cluster(nodes=1, segment_size="8MiB", node_flags={"transports": "shm,tcp"}) as cluster:
         with StoreClient(ClientConfig(master=cluster.master, transports="shm,tcp", rpc_timeout_ms=2000)) as c:
-            src, dst, keys = stored(c, "one/dead", 2, 3)
+            src, dst, keys = stored(c, "one/dead", 2, SIZE, 3)
             base = dst.ctypes.data
             c.get_into(keys[0], [(base, SIZE)])
             n0 = native_objects(c)
@@ -114,7 +104,7 @@ def test_a_dead_node_or_master_is_an_error_not_a_hang_or_stale_bytes():
 
 def test_a_batch_is_one_native_call_and_its_odd_keys_end_as_on_the_python_path(pool):
     with StoreClient(ClientConfig(master=pool.master, transports="shm,tcp")) as c:
-        src, dst, keys = stored(c, "one/batch", 40, 4)  # warms the mapping and the slab
+        src, dst, keys = stored(c, "one/batch", 40, SIZE, 4)  # warms the mapping and the slab
         n0 = native_objects(c)
         more = [f"one/batch/more/{i}" for i in range(24)]
         a = src.ctypes.data

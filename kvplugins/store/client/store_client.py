@@ -100,8 +100,15 @@ class StoreClient:
             )
         )
         self._descs: dict = {}
-        # one-call ops (native.get_many/put_many): over a single master's connection, shm the engine's first choice
-        self._shm_maps = self._engine.shm_maps() if type(self._rpc) is RawRpcClient else None
+        # one-call ops (native.get_many/put_many) over a single master's connection: the bytes through the shm
+        # transport's mappings (shm the engine's first choice) or the TCP transport's pooled connections
+        one_call = type(self._rpc) is RawRpcClient
+        self._shm_maps = self._engine.shm_maps() if one_call else None
+        self._tcp_peers = self._engine.tcp_peers() if one_call else None
+        self._tcp_routed: set[str] = set()  # segments (the master's names) with a region routed in _tcp_peers
+        self._one_call_maps = self._shm_maps
+        if self._one_call_maps is None and self._tcp_peers is not None:
+            self._one_call_maps = native.shm_maps()  # none mapped: the native get reads over TCP only
         self._buffers: dict[int, object] = {}
         self._staging = StagingPool.registered(self._engine, cfg.staging_size)
         self._slabs = (
@@ -157,7 +164,7 @@ class StoreClient:
 
     def get_into(self, key: str, spans: list[Span]) -> None:
         """Scatter object ``key`` into ``spans``. Raises KeyNotFound, SizeMismatch (sum of lengths != size)."""
-        if self._shm_maps is not None and type(key) is str:
+        if self._one_call_maps is not None and type(key) is str:
             cols = self._one_key_spans(spans)
             if cols is not None:
                 _raise_first(self._read_native([key], [spans], cols))
@@ -169,22 +176,30 @@ class StoreClient:
         starts, bytes per key) in writable registered memory (engine.writable_spans). The keys it leaves go on from
         its reply (_read). None where it does not apply (nothing was sent)."""
         t0, lease_t0 = time.perf_counter(), time.monotonic()
-        maps, verify = self._shm_maps, self.cfg.verify_checksums
+        maps, peers, verify = self._one_call_maps, self._tcp_peers, self.cfg.verify_checksums
         with self._rpc.held("get") as h:
             try:
-                codes, body = native.get_many(h.fd, h.rid, keys, *spans[:3], h.ms, maps, verify)
+                codes, body, tcp = native.get_many(
+                    h.fd, h.rid, keys, *spans[:3], h.ms, maps, verify, peers, self.cfg.transfer_timeout_ms
+                )
             except (OSError, TimeoutError) as e:
                 raise h.failed(e) from e
             except TypeError:  # a key that is not a str
                 return None
             cols = h.payload(body) if body is not None else None
-        out: list[StoreError | None] = [None if c != 1 else KeyNotFound(k) for k, c in zip(keys, codes)]
-        if body is not None:  # some key is for Python: code 2
+        ran = codes if tcp is None else tcp.run(codes)  # TCP reads, the master's connection free again
+        out: list[StoreError | None] = [None if c != 1 else KeyNotFound(k) for k, c in zip(keys, ran)]
+        if body is not None:  # some key is for Python (code 2): it goes on from the reply
             later = [i for i, c in enumerate(codes) if c == 2]
             found = self._cols_found(cols)
             sub = [keys[i] for i in later], [spans_per_key[i] for i in later], [found[i] for i in later]
             for i, err in zip(later, self._read(*sub, lease_t0)[0]):
                 out[i] = err
+        if tcp is not None and 2 in ran:  # a TCP read that did not end well: looked up and read again in Python
+            again = [i for i, (c, r) in enumerate(zip(codes, ran)) if c == 6 and r == 2]
+            for i, err in zip(again, self._read([keys[i] for i in again], [spans_per_key[i] for i in again])[0]):
+                out[i] = err
+        if body is not None or 2 in ran:
             self._read_late_again(keys, spans_per_key, out)
         self._stats.record("get", spans[3], out, t0)
         return out
@@ -218,7 +233,7 @@ class StoreClient:
         """One lookup RPC + one transfer batch. Per-key None, KeyNotFound (ChecksumMismatch when no replica's
         bytes matched the checksum), SizeMismatch or TransferFailed."""
         keys, spans_per_key = list(keys), list(spans_per_key)
-        if self._shm_maps is not None and keys and len(keys) == len(spans_per_key):
+        if self._one_call_maps is not None and keys and len(keys) == len(spans_per_key):
             spans = self._engine.writable_spans(spans_per_key)
             small = spans is not None and spans[4] <= NATIVE_MAX_BYTES
             done = self._read_native(keys, spans_per_key, spans) if small else None
@@ -527,11 +542,11 @@ class StoreClient:
 
     def _write_native(self, keys, spans_per_key, config: PutConfig) -> tuple[list, list[int]] | None:
         """A whole batch's slab put in one native call, its spans checked and flattened in one native pass
-        (engine.registered_spans): _write's result, or None where it does not apply (no shm, no slab, a span
-        outside registered memory, an empty object, over NATIVE_MAX_BYTES, the slab busy or full, the slab's
-        region not mapped yet): then the general path puts the batch."""
+        (engine.registered_spans): _write's result, or None where it does not apply (no one-call ops, no slab, a
+        span outside registered memory, an empty object, over NATIVE_MAX_BYTES, the slab busy or full, the slab's
+        region neither mapped nor routed over TCP yet, a failed TCP write): then the general path puts the batch."""
         slabs = self._slabs
-        if self._shm_maps is None or slabs is None or not keys or len(keys) != len(spans_per_key):
+        if self._one_call_maps is None or slabs is None or not keys or len(keys) != len(spans_per_key):
             return None
         spans = self._engine.registered_spans(spans_per_key) if _slab_placed(config) else None
         if spans is None or spans[4] > NATIVE_MAX_BYTES or min(spans[3]) <= 0:
@@ -563,7 +578,7 @@ class StoreClient:
             return todo
         slab, offsets = placed
         one = None
-        if self._shm_maps is not None and sum(flat.sizes[i] for i in todo) <= NATIVE_MAX_BYTES:
+        if self._one_call_maps is not None and sum(flat.sizes[i] for i in todo) <= NATIVE_MAX_BYTES:
             one = self._put_native([keys[i] for i in todo], _todo_columns(flat, todo), slab, offsets)
         if one is not None:
             return self._slab_answered(keys, slab, *one, todo, {}, out)
@@ -609,18 +624,29 @@ class StoreClient:
 
     def _put_native(self, keys: list[str], cols: tuple, slab, offsets: list[int]) -> tuple[float, list] | None:
         """The slab write and ``put`` of ``keys`` (their spans' addresses, lengths and per-key starts: ``cols``)
-        in one native call (native.put_many) when the slab's region is mapped here: (monotonic time before it,
-        the put's answers, None when every one is OK or EXISTS). None when nothing was written or sent."""
-        if self._shm_maps is None:
-            return None
+        in one native call (native.put_many) when the slab's region is mapped here, or a native write over TCP
+        (native.write_tcp, fenced as _run_groups fences) and then that call: (monotonic time before it, the put's
+        answers, None when every one is OK or EXISTS). None when nothing was written or sent."""
         sent = time.monotonic()
         write_ms = (slab.expires - self.cfg.rpc_timeout_ms / 1000 - sent) * 1000  # as _transfer's deadline
+        written = None
+        if slab.segment in self._tcp_routed and write_ms > 0:  # a slab reached over TCP: written before the RPC
+            timeout_ms = min(float(self.cfg.transfer_timeout_ms), write_ms)
+            land_by = int(time.time() * 1000 + timeout_ms)
+            written = native.write_tcp(
+                self._tcp_peers, *cols, slab.segment, slab.region_id, offsets, timeout_ms, land_by
+            )
+            if written == []:  # a frame failed (the node may be gone or stalled): no slab write there again
+                self._slabs.forget()
+                return None
+        if written is None and self._shm_maps is None:
+            return None
         try:
             with self._rpc.held("put") as h:
                 try:
                     got = native.put_many(
                         h.fd, h.rid, keys, *cols, (slab.segment, slab.region_id, slab.id), offsets, write_ms, h.ms,
-                        self._shm_maps,
+                        self._one_call_maps, written,
                     )  # fmt: skip
                 except (OSError, TimeoutError) as e:
                     raise h.failed(e) from e
@@ -902,6 +928,8 @@ class StoreClient:
                 desc = self._descs[name] = SegmentDescriptor.from_wire(wire)
                 if self._shm_maps is not None:
                     self._shm_maps.alias(name, desc.segment_id)
+                if self._tcp_peers is not None and self._engine.route_natively(name, desc):
+                    self._tcp_routed.add(name)
         return self._descs
 
 

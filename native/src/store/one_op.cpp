@@ -8,11 +8,14 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <vector>
 
 #include "frames.h"
 #include "kvp_copy.h"
+#include "../tcp/client.h"
+#include "../tcp/wire.h"
 
 namespace kvp::store {
 namespace {
@@ -82,20 +85,27 @@ bool parse_cols(const std::string& body, uint64_t rid, size_t n, Cols& c) {
   return marked(r, c.python, "disk") && r.done();
 }
 
-// Where key k's object lies (its answer in `c`): its mapping, or nullptr with `code` kMiss or kAsPython.
-const ShmMaps::Mapping* source(const Cols& c, size_t k, const KeySpans& s, const ShmMaps& maps, uint8_t& code) {
+// Whether key k of `c` is a plain hit (one replica in memory, sized as its spans): then its bytes, else `code`
+// kMiss or kAsPython.
+bool plain_hit(const Cols& c, size_t k, const KeySpans& s, uint64_t& size, uint8_t& code) {
   code = kAsPython;
-  if (c.python[k]) return nullptr;
+  if (c.python[k]) return false;
   if (c.sizes[k] < 0) {
     code = kMiss;
-    return nullptr;
+    return false;
   }
-  uint64_t size = 0;
+  size = 0;
   for (uint64_t j = s.starts[k]; j < s.starts[k + 1]; ++j) size += s.lens[j];
   const int64_t seg = c.seg_idx[k];
-  if (size != uint64_t(c.sizes[k]) || size == 0 || seg < 0 || size_t(seg) >= c.names.size() ||
-      c.regions[seg] > UINT32_MAX)
-    return nullptr;   // a SizeMismatch: the Python client names it
+  return size == uint64_t(c.sizes[k]) && size != 0 && seg >= 0 && size_t(seg) < c.names.size() &&
+         c.regions[seg] <= UINT32_MAX;   // else a SizeMismatch: the Python client names it
+}
+
+// Where key k's object lies (its answer in `c`): its mapping, or nullptr with `code` kMiss or kAsPython.
+const ShmMaps::Mapping* source(const Cols& c, size_t k, const KeySpans& s, const ShmMaps& maps, uint8_t& code) {
+  uint64_t size;
+  if (!plain_hit(c, k, s, size, code)) return nullptr;
+  const int64_t seg = c.seg_idx[k];
   const ShmMaps::Mapping* m = maps.find(c.names[seg], uint32_t(c.regions[seg]));
   if (m == nullptr || c.offs[k] > m->length || size > m->length - c.offs[k]) return nullptr;
   code = kDone;
@@ -166,6 +176,41 @@ void read_keys(const Cols& c, const KeySpans& s, ShmMaps& maps, bool verify, con
   }
 }
 
+// Plans the TCP reads of every key still kAsPython that is a plain hit in a region `peers` routes to a TCP peer:
+// one frame batch per peer, each key marked kTcp. Run by TcpReads::run once the master's connection is free.
+std::unique_ptr<TcpReads> plan_tcp(const Cols& c, const KeySpans& s, tcp::Peers& peers, bool verify,
+                                   const HashOps* ops, Clock::time_point lease_end, double timeout_s,
+                                   std::string& codes) {
+  std::map<std::string, size_t> index;
+  auto reads = std::make_unique<TcpReads>();
+  for (size_t k = 0; k < codes.size(); ++k) {
+    uint64_t size;
+    uint8_t code;
+    if (codes[k] != char(kAsPython) || !plain_hit(c, k, s, size, code)) continue;
+    const int64_t seg = c.seg_idx[k];
+    const auto route = peers.find(c.names[seg], uint32_t(c.regions[seg]));
+    if (!route || c.offs[k] > route->length || size > route->length - c.offs[k]) continue;
+    auto [it, added] = index.try_emplace(route->peer, reads->groups.size());
+    if (added) reads->groups.push_back({route->peer, route->limit});
+    TcpReads::Group& g = reads->groups[it->second];
+    g.keys.push_back({k, g.lens.size(), uint64_t(c.sizes[k]), verify && c.has_sum[k], c.sums[k]});
+    uint64_t off = c.offs[k];
+    for (uint64_t j = s.starts[k]; j < s.starts[k + 1]; off += s.lens[j], ++j) {
+      g.addrs.push_back(s.addrs[j]);
+      g.regions.push_back(c.regions[seg]);
+      g.offs.push_back(off);
+      g.lens.push_back(s.lens[j]);
+    }
+    codes[k] = char(kTcp);
+  }
+  if (reads->groups.empty()) return nullptr;
+  reads->peers = &peers;
+  reads->ops = ops;
+  reads->lease_end = lease_end;
+  reads->timeout_s = timeout_s;
+  return reads;
+}
+
 }  // namespace
 
 ShmMaps::~ShmMaps() { clear(); }
@@ -210,8 +255,35 @@ const ShmMaps::Mapping* ShmMaps::find(std::string_view name, uint32_t region) co
   return it == maps_.end() ? nullptr : &it->second;
 }
 
+void TcpReads::run(std::string& codes) {
+  for (const Group& g : groups) read_group(g, codes);
+}
+
+void TcpReads::read_group(const Group& g, std::string& codes) {
+  for (const Key& key : g.keys) codes[key.k] = char(kAsPython);
+  const int fd = peers->take(g.peer);
+  if (fd < 0) return;
+  const tcp::Batch b{tcp::kRead, g.addrs.data(), g.regions.data(), g.offs.data(), g.lens.data(), g.lens.size(),
+                     g.limit, peers->max_frame(), timeout_s, 0};
+  const tcp::Result r = tcp::transfer(b, {fd}, {1}, peers->ids());
+  if (r.broken[0]) tcp::abort_fd(fd);
+  else if (!peers->give(g.peer, fd)) ::close(fd);
+  if (Clock::now() > lease_end) return;
+  for (size_t i = 0; i < g.keys.size(); ++i) {
+    const Key& key = g.keys[i];
+    const size_t end = i + 1 < g.keys.size() ? g.keys[i + 1].first : g.lens.size();
+    bool ok = true;
+    for (size_t j = key.first; j < end; ++j) ok = ok && r.code[j] == tcp::kOk;
+    if (ok && key.check) ok = ops->hash_spans(&g.addrs[key.first], &g.lens[key.first], end - key.first) == key.sum;
+    if (!ok) continue;
+    codes[key.k] = char(kDone);
+    peers->count(key.size);
+  }
+}
+
 BatchResult get_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const KeySpans& spans,
-                     double timeout_ms, ShmMaps& maps, bool verify, const HashOps* ops) {
+                     double timeout_ms, ShmMaps& maps, bool verify, const HashOps* ops, tcp::Peers* peers,
+                     double transfer_timeout_ms) {
   const auto t0 = Clock::now();
   std::vector<Conn> one{Conn{fd, request(rid, "get", [&](tcp::MpWriter& w) {
                                w.array(uint32_t(keys.size()));
@@ -227,20 +299,63 @@ BatchResult get_many(int fd, uint64_t rid, const std::vector<std::string>& keys,
   Cols c;
   if (parse_cols(one[0].body, rid, keys.size(), c)) {
     const auto lease_end = t0 + std::chrono::milliseconds(c.ttl_ms);
-    std::shared_lock l(maps.mutex());
-    read_keys(c, spans, maps, verify, ops, lease_end, res.codes);
+    {
+      std::shared_lock l(maps.mutex());
+      read_keys(c, spans, maps, verify, ops, lease_end, res.codes);
+    }
+    if (peers != nullptr && res.codes.find(char(kAsPython)) != std::string::npos)
+      res.tcp = plan_tcp(c, spans, *peers, verify, ops, lease_end, transfer_timeout_ms / 1000, res.codes);
   }
   if (res.codes.find(char(kAsPython)) != std::string::npos) res.body = std::move(one[0].body);
   return res;
 }
 
+WriteStatus write_tcp(tcp::Peers& peers, const KeySpans& s, const std::string& segment, uint32_t region,
+                      const uint64_t* offsets, double timeout_ms, uint64_t land_by_ms, const HashOps* ops,
+                      std::vector<uint64_t>& digests) {
+  const auto route = peers.find(segment, region);
+  if (!route || timeout_ms <= 0 || s.keys == 0) return kWriteNotSent;
+  const size_t n = s.starts[s.keys];
+  std::vector<uint64_t> regions(n, region), offs(n);
+  for (size_t k = 0; k < s.keys; ++k) {
+    uint64_t off = offsets[k];
+    if (off > route->length || s.starts[k] == s.starts[k + 1]) return kWriteNotSent;
+    for (uint64_t j = s.starts[k]; j < s.starts[k + 1]; off += s.lens[j], ++j) offs[j] = off;
+    if (off - offsets[k] > route->length - offsets[k]) return kWriteNotSent;
+  }
+  const int fd = peers.take(route->peer);
+  if (fd < 0) return kWriteNotSent;
+  const tcp::Batch b{tcp::kWrite, s.addrs, regions.data(), offs.data(), s.lens, n, route->limit, peers.max_frame(),
+                     timeout_ms / 1000, land_by_ms};
+  const tcp::Result r = tcp::transfer(b, {fd}, {1}, peers.ids());
+  if (r.broken[0]) tcp::abort_fd(fd);
+  else if (!peers.give(route->peer, fd)) ::close(fd);
+  for (uint8_t code : r.code)
+    if (code != tcp::kOk) return kWriteFailed;
+  digests.resize(s.keys);
+  for (size_t k = 0; k < s.keys; ++k) {
+    const size_t first = s.starts[k], count = s.starts[k + 1] - first;
+    digests[k] = ops->hash_spans(s.addrs + first, s.lens + first, count);
+    uint64_t size = 0;
+    for (size_t j = first; j < first + count; ++j) size += s.lens[j];
+    peers.count(size);
+  }
+  return kWritten;
+}
+
 BatchResult put_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const KeySpans& spans,
                      const std::string& segment, uint32_t region, const uint64_t* offsets, uint64_t slab,
-                     double write_ms, double timeout_ms, ShmMaps& maps, const HashOps* ops) {
+                     double write_ms, double timeout_ms, ShmMaps& maps, const HashOps* ops,
+                     const uint64_t* written) {
   const auto deadline = deadline_in(timeout_ms);
   const size_t n = keys.size();
   std::vector<uint64_t> sizes(n, 0), digests(n, 0);
-  {
+  if (written != nullptr) {
+    for (size_t k = 0; k < n; ++k) {
+      for (uint64_t j = spans.starts[k]; j < spans.starts[k + 1]; ++j) sizes[k] += spans.lens[j];
+      digests[k] = written[k];
+    }
+  } else {
     std::shared_lock l(maps.mutex());
     const ShmMaps::Mapping* m = maps.find(segment, region);
     if (write_ms <= 0 || m == nullptr || !alive(m->pidfd)) return {kNotSent};
