@@ -75,6 +75,7 @@ class RdmaTransport(Transport):
         self._numa: dict[int, int] = {}
         self._pairs: dict[tuple, list[Path]] = {}  # a peer's subnets -> paths (a few peers' worth)
         self._qps = QpPool(config, tcp, self._nics, self._stats)
+        self._fast: dict[str, Path] = {}  # peer -> the path its last good batch took (fast_spans)
         log.info("rdma transport on %s", ", ".join(f"{n.info.name} (GID {n.info.gid})" for n in self._nics))
 
     # -- endpoint and regions ----------------------------------------------------------------------
@@ -206,6 +207,70 @@ class RdmaTransport(Transport):
             status[k] = status[k] or err
         return None if status.count(None) == n else status
 
+    def fast_spans(
+        self, op: Op, remote: SegmentDescriptor, region_id: int, spans: tuple, deadline: Deadline, regions
+    ) -> bool:
+        """A small batch in one native call (issue #35): ``spans`` = (local addresses, remote offsets, lengths), int
+        lists of at most spans.SMALL spans and ``rdma_max_wr`` bytes (a batch _stripe gives one path), to region
+        ``region_id`` of ``remote`` over the path the peer's last good batch took, when every span lies in one
+        local registered region with an MR (``regions``: the engine's RegionTable; writable for a read) and inside
+        the remote region. True once every span completed; False where it does not apply or a work request failed
+        (that path is marked as _round marks it): the caller then runs the batch its general way (the same bytes
+        moved again), which names any error and falls back."""
+        seg = remote.segment_id
+        path = self._fast.get(seg)
+        addrs, roffs, lens = spans
+        if path is None or not lens or sum(lens) > self._cfg.rdma_max_wr:  # more: striped over the paths
+            return False
+        try:
+            info = remote.region(region_id)
+        except TransferError:  # OutOfRange: the general path names it
+            return False
+        local = regions.index.find(addrs[0], lens[0])
+        entry = self._keys.get(local.region_id) if local is not None else None
+        if entry is None or info.rdma is None or (op is Op.READ and local.readonly):
+            return False
+        lo, hi = local.addr, local.addr + local.length
+        for a, r, n in zip(addrs, roffs, lens):
+            if (
+                type(a) is not int
+                or type(r) is not int
+                or not 0 < n <= info.length - r
+                or r < 0
+                or a < lo
+                or a + n > hi
+            ):
+                return False
+        pin = regions.pin(local)  # the memory stays mapped until the work requests completed
+        qps, _ = self._qps.acquire(seg, path, 1, deadline)
+        if not qps:
+            return False
+        base, rkeys = info.rdma
+        start = time.monotonic()
+        try:
+            posted, runs, lost = verbs.run_spans(
+                op is Op.READ,
+                qps,
+                addrs,
+                [entry[1][path.local].lkey],
+                [base + r for r in roffs],
+                [rkeys[path.remote]],
+                lens,
+                int(self._cfg.rdma_max_wr),
+                deadline.at,
+                self._cfg.rdma_signal_every,
+            )
+        finally:
+            self._qps.release([((seg, path), q) for q in qps])
+            del pin
+        failed = any(r.error for r in runs)
+        if failed:  # marks the path as a failed batch does (a small batch's timing is no throughput sample)
+            self._settle(seg, path, runs, start, set())
+        done = not failed and not lost
+        self._stats.add("wrs", posted)
+        self._stats.add("fast_batches", int(done))
+        return done
+
     def _lkeys(self, region_id: int) -> list[int]:
         return [mr.lkey for mr in self._keys[region_id][1]]
 
@@ -271,6 +336,8 @@ class RdmaTransport(Transport):
             self._stats.add("wrs", posted)
             why = self._settle(seg, path, runs, start, bad) or why
             failed += lost if mine is None else [mine[j] for j in lost]
+            if not lost and path not in bad:
+                self._fast[seg] = path
         self._stats.add("striped_batches", int(owner is not None and len({o for _, o in owner}) > 1))
         self._qps.release(held)
         return failed, why, bad
@@ -294,6 +361,8 @@ class RdmaTransport(Transport):
         end = max([r.finished_at for r in runs if r.finished_at] or [time.monotonic()])
         self._stats.sample(key, f"{name}->{path.remote}", sum(r.nbytes for r in runs), end - start)
         error = next((r.error for r in runs if r.error), "")
+        if error:
+            self._fast.pop(seg, None)
         if error and path not in bad:
             bad.add(path)
             self._stats.failed(key)
@@ -303,8 +372,9 @@ class RdmaTransport(Transport):
         return f"{name}: {error}" if error else ""
 
     def stats(self) -> dict[str, Any]:
-        """wrs posted, path_failures, qp_rebuilds, striped_batches, path_mbps (measured MB/s per peer and path),
-        path_bytes (per local NIC -> peer NIC index), paths_down, qps (ours), qps_served (for peers), nics_up."""
+        """wrs posted, fast_batches (small batches done by fast_spans), path_failures, qp_rebuilds, striped_batches,
+        path_mbps (measured MB/s per peer and path), path_bytes (per local NIC -> peer NIC index), paths_down, qps
+        (ours), qps_served (for peers), nics_up."""
         return {**self._stats.snapshot(), **self._qps.stats()}
 
     def close(self) -> None:

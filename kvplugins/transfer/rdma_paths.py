@@ -56,7 +56,13 @@ class PathStats:
         self._lock = threading.Lock()
         self._rate: dict[tuple, float] = {}
         self._down: dict[tuple, float] = {}
-        self.counts: dict[str, int] = {"wrs": 0, "path_failures": 0, "qp_rebuilds": 0, "striped_batches": 0}
+        self.counts: dict[str, int] = {
+            "wrs": 0,
+            "fast_batches": 0,
+            "path_failures": 0,
+            "qp_rebuilds": 0,
+            "striped_batches": 0,
+        }
         self._bytes: dict[str, int] = {}
 
     def weight(self, key: tuple, seed: float) -> float:

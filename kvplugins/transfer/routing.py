@@ -20,7 +20,7 @@ from kvplugins import native
 from kvplugins.errors import OutOfRange, TransferError, TransferFailed
 from kvplugins.transfer.api import RegionInfo, SegmentDescriptor, TransferRequest
 from kvplugins.transfer.memory import RegionTable, span_addr
-from kvplugins.transfer.spans import SpanBatch, as_u64, prepare, prepare_small, small_lists
+from kvplugins.transfer.spans import SMALL, SpanBatch, as_u64, prepare, prepare_small, small_lists
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
 log = logging.getLogger("kvplugins.transfer")
@@ -32,12 +32,18 @@ class Router:
 
     def __init__(self, transports: list[Transport], regions: RegionTable):
         self._transports, self._regions = transports, regions
+        first = transports[0] if transports else None
+        self._fast = first if first is not None and first.name == "rdma" else None  # RdmaTransport.fast_spans
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
         self._logged: set[tuple[str, str]] = set()
 
     def run(self, op: Op, reqs: list[TransferRequest], timeout_ms: float) -> list[TransferError | None]:
         deadline = Deadline(timeout_ms)
+        if self._fast is not None and 0 < len(reqs) <= SMALL:
+            one = _one_region(reqs)
+            if one is not None and self._fast_spans(op, one[0], one[1], one[2], deadline):
+                return [None] * len(reqs)
         status: list[TransferError | None] = [None] * len(reqs)
         pending: dict[int, tuple[Entry, list[Transport]]] = {}
         pins: dict[int, Any] = {}  # per batch: local region id -> pin
@@ -76,6 +82,12 @@ class Router:
         deadline = Deadline(timeout_ms, fenced)
         lists = small_lists(addrs, roffs, lens)
         small = lists is not None
+        if small and self._fast is not None and not fenced and self._fast_spans(op, remote, region_id, lists, deadline):
+            if digests is not None:  # hashed here after the move, as below for a transport that cannot hash
+                n = len(lists[2])
+                a, ln = np.asarray(lists[0], dtype=np.uint64), np.asarray(lists[2], dtype=np.uint64)
+                digests[:] = native.hash_keys(a, ln, np.arange(n), n)
+            return [None] * len(lists[2])
         if lists is not None:
             addrs, roffs, lens = lists
         else:
@@ -127,6 +139,19 @@ class Router:
                         status[j] = merged[g]
         self._count(op, status)
         return status
+
+    def _fast_spans(self, op: Op, remote: SegmentDescriptor, region_id: int, lists: list, deadline: Deadline) -> bool:
+        """A small batch through the first transport's fast path (RdmaTransport.fast_spans), counted as run_spans
+        counts it; False where it does not apply or failed (run_spans then runs it its general way)."""
+        try:
+            done = self._fast.fast_spans(op, remote, region_id, tuple(lists), deadline, self._regions)
+        except Exception:  # noqa: BLE001 - as _transfer: the general path runs the batch and names the error
+            log.exception("the %s fast path raised", self._fast.name)
+            return False
+        if done:
+            self._record(self._fast.name, len(lists[2]), sum(lists[2]), 0)
+            self._count(op, [])
+        return done
 
     def _spans_rounds(self, op: Op, batch: SpanBatch, cands: list[Transport], deadline: Deadline) -> list:
         """Run ``batch`` on the first candidate; TransferFailed spans retry on the next ones."""
@@ -265,3 +290,23 @@ class Router:
                 got = out.setdefault(group, {})
                 got[key] = got.get(key, 0) + n
         return out
+
+
+def _one_region(reqs: list) -> tuple[SegmentDescriptor, int, list] | None:
+    """(remote, region id, [local addresses, remote offsets, lengths]) of a batch of TransferRequests that all go to
+    one remote region, each a non-empty range of its local region (int fields), for the fast path; else None."""
+    first = reqs[0]
+    if type(first) is not TransferRequest:
+        return None
+    remote, region_id = first.remote, first.remote_region
+    addrs, roffs, lens = [], [], []
+    for req in reqs:
+        if type(req) is not TransferRequest or req.remote is not remote or req.remote_region != region_id:
+            return None
+        off, n = req.local_offset, req.length
+        if type(off) is not int or type(n) is not int or off < 0 or n <= 0 or off + n > req.local.length:
+            return None
+        addrs.append(req.local.addr + off)
+        roffs.append(req.remote_offset)
+        lens.append(n)
+    return remote, region_id, [addrs, roffs, lens]

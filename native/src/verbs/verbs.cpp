@@ -1,6 +1,8 @@
 // The verbs layer (see verbs.h): libibverbs loaded at run time, devices, MRs, RC QPs, and the batch loop.
 #include "verbs.h"
 
+#include <atomic>
+
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -89,7 +91,20 @@ std::string failed(const std::string& what, int err) { return what + " failed: "
 
 constexpr int kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
 constexpr uint8_t kTimeout = 14, kRetry = 7, kRnrRetry = 7, kRdAtomic = 16;  // 4.096 us * 2^14 = 67 ms a try
-constexpr double kSpinS = 100e-6;  // spin this long after the last completion before waiting on the channels
+// Adaptive spin: after the last completion a batch spins this long before it waits on the channels: twice the
+// process's recent completion gap (an EWMA of the time from a post, or the previous completion, to the next
+// completion), within [kSpinMinS, kSpinMaxS]. On a real NIC the gap is microseconds and the spin its floor; on a
+// slow device (soft-RoCE under emulation: ~150 us a 4 KiB READ) it covers one completion, so a small read does
+// not pay a sleep and a wake-up on top of it; an idle process spins not at all.
+constexpr double kSpinMinS = 100e-6, kSpinMaxS = 2e-3;
+std::atomic<double> g_gap_s{0};
+
+double spin_s() { return std::clamp(2 * g_gap_s.load(std::memory_order_relaxed), kSpinMinS, kSpinMaxS); }
+
+void gap_seen(double s) {
+  const double old = g_gap_s.load(std::memory_order_relaxed);
+  g_gap_s.store(old == 0 ? s : 0.875 * old + 0.125 * s, std::memory_order_relaxed);
+}
 // One wait on the channels at most: the deadline is checked between, and a batch whose event another batch on
 // the same device took (between its last poll and its wait) re-polls within this.
 constexpr double kWaitMaxS = 0.005;
@@ -372,6 +387,7 @@ size_t run(bool read, std::vector<Work>& works, double deadline_at, size_t signa
   std::vector<ibv_wc> wcs;
   size_t posted = 0;
   double last = monotonic_s();
+  const double spin = spin_s();
   bool armed = false;
   while (!live.empty()) {
     bool progress = false;
@@ -384,6 +400,7 @@ size_t run(bool read, std::vector<Work>& works, double deadline_at, size_t signa
                live.end());
     const double now = monotonic_s();
     if (progress) {
+      gap_seen(now - last);
       last = now, armed = false;
       continue;
     }
@@ -391,7 +408,7 @@ size_t run(bool read, std::vector<Work>& works, double deadline_at, size_t signa
       for (Work* w : live) fail(*w, "no completion before the deadline");
       break;
     }
-    if (now - last < kSpinS) continue;
+    if (now - last < spin) continue;
     if (!armed) {  // armed, then polled once more before sleeping: a completion in between is not missed
       arm(live);
       armed = true;

@@ -150,6 +150,48 @@ def test_qp_in_error_state_is_rebuilt(peer):
         eng.close()
 
 
+def test_small_batches_take_the_fast_path_and_a_failed_one_ends_on_the_general_path(peer):
+    """A small batch (read_spans/write_spans of a few spans, or a few TransferRequests to one remote region) after
+    the first good batch to a peer is one native call over the path that batch took (RdmaTransport.fast_spans:
+    stats fast_batches); with its queue pairs forced into the error state it fails there, and the general path
+    serves it with the right bytes."""
+    eng = rdma_engine(rdma_devices="rxe0")
+    try:
+        dst = np.zeros(8 * 4096, np.uint8)
+        reg = eng.register(dst)
+        want = seeded(PEER_SIZE, 3)
+        desc, rid = peer.descriptor, peer.region_id
+        offs = [5 * 4096 * i + 123 for i in range(4)]
+
+        def read() -> list:
+            return eng.read_spans(desc, rid, [reg.addr + 4096 * i for i in range(4)], offs, [4096] * 4)
+
+        assert read() == [None] * 4  # the general path: learns the path
+        fast0 = rdma_of(eng)["fast_batches"]
+        dst[:] = 0
+        for _ in range(3):
+            assert read() == [None] * 4
+        assert rdma_of(eng)["fast_batches"] == fast0 + 3
+        assert all(np.array_equal(dst[4096 * i : 4096 * (i + 1)], want[o : o + 4096]) for i, o in enumerate(offs))
+        src = np.frombuffer(np.random.default_rng(8).bytes(4096), np.uint8).copy()
+        sreg = eng.register(src)
+        assert eng.write_spans(desc, rid, [sreg.addr], [WRITE_AT + 4096], [4096]) == [None]
+        assert rdma_of(eng)["fast_batches"] == fast0 + 4 and peer.digest(WRITE_AT + 4096, 4096) == digest(src)
+        dst[:] = 0  # TransferRequest objects to one remote region: the same fast path
+        reqs = [TransferRequest(reg, 4096 * i, desc, rid, offs[i], 4096) for i in range(2)]
+        assert eng.batch_read(reqs) == [None, None] and rdma_of(eng)["fast_batches"] == fast0 + 5
+        assert all(np.array_equal(dst[4096 * i : 4096 * (i + 1)], want[o : o + 4096]) for i, o in enumerate(offs[:2]))
+        rdma = next(t for t in eng._transports if t.name == "rdma")  # noqa: SLF001 - the test's fault injection
+        for q in rdma._qps.idle():  # noqa: SLF001
+            q.kill()
+        dst[:] = 0
+        assert read() == [None] * 4  # failed on the fast path, served by the general path (or TCP)
+        assert rdma_of(eng)["fast_batches"] == fast0 + 5
+        assert all(np.array_equal(dst[4096 * i : 4096 * (i + 1)], want[o : o + 4096]) for i, o in enumerate(offs))
+    finally:
+        eng.close()
+
+
 def test_peer_without_the_secret_is_refused_before_any_qp(monkeypatch):
     secret = "rdma-secret-" + "7a" * 16
     with pytest.MonkeyPatch.context() as mp:
