@@ -94,6 +94,26 @@ def test_objects_within_the_grace_are_never_evicted_and_a_put_says_why():
     assert m.handle("exists", list("bcdef"), {}) == [False, True, True, True, True]
 
 
+def test_a_full_store_refuses_a_whole_batch_after_one_scan(monkeypatch):
+    """A batch put_start on a store full of young objects answers STORE_FULL for every key after one scan for a
+    victim (each key scanned every object: a 128-key batch on 16k objects held the master's loop ~0.8 s), and the
+    next op, past the grace, evicts and places again."""
+    from kvplugins.store.master import service as service_mod
+
+    m, clock = service(slots=64, grace_ms=1000, high=1.0, low=1.0)
+    for i in range(64):
+        assert put(m, f"o{i}") == OK
+    scans, real = [], service_mod.victims
+    monkeypatch.setattr(service_mod, "victims", lambda *a, **k: scans.append(1) or real(*a, **k))
+    got = m.handle("put_start", [[f"n{i}", SLOT] for i in range(32)], {})
+    assert [code for code, _ in got] == [STORE_FULL] * 32 and len(scans) == 1
+    assert len({why for _, why in got}) == 1 and f"{64 * SLOT} bytes committed" in got[0][1]
+    clock.t += 1.01  # past the grace: each key evicts the least recently used object
+    got = m.handle("put_start", [[f"n{i}", SLOT] for i in range(32)], {})
+    assert [code for code, _ in got] == [OK] * 32
+    assert m.handle("exists", ["o0", "o31", "o32", "o63"], {}) == [False, False, True, True]
+
+
 def test_a_put_of_a_pending_key_is_never_stored():
     m, clock = service()
     assert m.handle("put_start", [["k", SLOT]], {})[0][0] == OK  # writer A, not committed

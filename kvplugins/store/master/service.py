@@ -110,6 +110,7 @@ class MasterService:
         self._ops.update(admin_ops.ops(self))  # get_size, remove_by_regex, remove_all (compat)
         self.slabs = Slabs(self)
         self._ops.update(self.slabs.ops())  # reserve, put: one round trip per put
+        self._full: tuple | None = None  # (now, hard-pinned count, their bytes, young bytes): _full_reason
 
     def handle(self, op: str, entries, opts, defer: bool = False, caller: str = ""):
         """Run one batch op; returns its payload. ``entries``/``opts``: as ``self.schemas`` decoded them (the RPC
@@ -133,6 +134,7 @@ class MasterService:
 
     def _run(self, op: str, entries, opts, now: float, caller: str = ""):
         self.caller = caller
+        self._full = None  # what a StoreFull answer found, valid within this op only (place)
         if self.shard is not None and op in SHARD_ROUTED:  # only this shard's keys are put here
             return self.shard.route(op, entries, opts, lambda e, o: self._ops[op](e, o, now))
         return self._ops[op](entries, opts, now)
@@ -248,7 +250,11 @@ class MasterService:
                 return placed
             if self.free_due_zombies(now):  # space whose lease ended since the last sweep (tick_ms)
                 continue
-            victim = next(victims(self.table, now, self.grace_cutoff(now)), None)
+            # a batch's later keys do not scan again once one found nothing to evict at this op's time: nothing
+            # becomes evictable within an op (its new objects are pending), and the scan visits every object
+            # when all are young (a full store under a steady write load): per key, it stalled the master
+            full = self._full is not None and self._full[0] == now
+            victim = None if full else next(victims(self.table, now, self.grace_cutoff(now)), None)
             if victim is None:
                 return self._full_reason(size, now)
             self.evict(victim, now, urgent=True)
@@ -272,8 +278,9 @@ class MasterService:
     def _full_reason(self, size: int, now: float) -> str:
         """Why nothing can be evicted for a put of ``size`` bytes: a StoreFull message naming what holds the
         space and when the zombies' part of it returns."""
-        n, held = hard_pinned_bytes(self.table)
-        young = young_bytes(self.table, self.grace_cutoff(now))
+        if self._full is None or self._full[0] != now:  # counted once per op (place)
+            self._full = (now, *hard_pinned_bytes(self.table), young_bytes(self.table, self.grace_cutoff(now)))
+        _, n, held, young = self._full
         due = self.zombies.next_due()
         back = f", the first back in {max(0, (due - now) * 1000):.0f} ms" if due is not None else ""
         return (
@@ -692,6 +699,7 @@ class MasterService:
             self.evict_watermarks,
             self._shard_tick,
         ):
+            self._full = None  # as _run: what a StoreFull found holds within one step at most
             try:
                 step(now)
             except Exception as e:  # noqa: BLE001 - re-raised below, once the other steps ran
