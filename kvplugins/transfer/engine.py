@@ -24,7 +24,7 @@ from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor, Transf
 from kvplugins.transfer.config import TransferConfig
 from kvplugins.transfer.memory import RegionTable, buffer_span, view_of
 from kvplugins.transfer.rdma import RdmaTransport
-from kvplugins.transfer.routing import Router
+from kvplugins.transfer.routing import Router, one_region
 from kvplugins.transfer.shm import ShmTransport
 from kvplugins.transfer.spans import SMALL, as_u64
 from kvplugins.transfer.tcp import TcpTransport
@@ -47,6 +47,9 @@ class TransferEngine:
         self._regions = RegionTable()
         self._transports = self._start_transports()
         self._router = Router(self._transports, self._regions)
+        first = self._transports[0] if self._transports else None
+        self._rdma = first if isinstance(first, RdmaTransport) else None  # small batches: one native call
+        self._fast = self._rdma.fast.native if self._rdma is not None else None
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvp-transfer")
         self._closed = False
         _OPEN.add(self)
@@ -150,11 +153,26 @@ class TransferEngine:
         OutOfRange (outside a region / not exported) or TransferFailed (peer gone, timeout after
         ``timeout_ms``, default config.timeout_ms). Never raises for a per-entry failure; raises TypeError
         for a non-TransferRequest entry, ValueError for a bad timeout, TransferFailed if closed."""
-        return self._router.run(Op.WRITE, reqs, self._timeout(timeout_ms))
+        return self._fast_requests(False, reqs, timeout_ms) or self._router.run(
+            Op.WRITE, reqs, self._timeout(timeout_ms)
+        )
 
     def batch_read(self, reqs: list[TransferRequest], timeout_ms: float | None = None) -> list[TransferError | None]:
         """Copy each request's remote bytes into its local region; statuses as batch_write."""
-        return self._router.run(Op.READ, reqs, self._timeout(timeout_ms))
+        return self._fast_requests(True, reqs, timeout_ms) or self._router.run(Op.READ, reqs, self._timeout(timeout_ms))
+
+    def _fast_requests(self, read: bool, reqs, timeout_ms) -> list[None] | None:
+        """A small batch of requests to one remote region done by rdma's native route table (write_spans), or None."""
+        fast = self._fast
+        if fast is None or not 0 < len(reqs) <= SMALL:
+            return None
+        one = one_region(reqs)
+        if one is None:
+            return None
+        n = (fast.read if read else fast.write)(one[0], one[1], *one[2], timeout_ms)
+        if n < 0:
+            self._rdma.fast_failed(one[0].segment_id)
+        return [None] * n if n > 0 else None
 
     def write_spans(
         self,
@@ -179,7 +197,16 @@ class TransferEngine:
         over TCP a frame reaching a peer (or read by it) after that fails with a "late write" TransferFailed
         and writes nothing more (hosts' clocks must agree: the check uses the peer's wall clock); other transports
         stop issuing then. Raises ValueError for arrays of different lengths, a bad ``digests`` or timeout,
-        OutOfRange for negative values, TransferFailed if closed."""
+        OutOfRange for negative values, TransferFailed if closed.
+        A small batch over rdma (the first transport) to a region its last small batch reached is checked and
+        posted in one native call (rdma_fast.py); anything else goes through the router (routing.py)."""
+        fast = self._fast
+        if fast is not None and digests is None and not fenced:
+            n = fast.write(remote, remote_region, local_addrs, remote_offsets, lengths, timeout_ms)
+            if n > 0:
+                return [None] * n
+            if n < 0:
+                self._rdma.fast_failed(remote.segment_id)
         return self._router.run_spans(
             Op.WRITE,
             remote,
@@ -204,6 +231,13 @@ class TransferEngine:
     ) -> list[TransferError | None]:
         """Array form of batch_read: span j copies remote bytes into local address ``local_addrs[j]``
         (writable registered memory). As write_spans otherwise (``digests`` hash the bytes read)."""
+        fast = self._fast
+        if fast is not None and digests is None:
+            n = fast.read(remote, remote_region, local_addrs, remote_offsets, lengths, timeout_ms)
+            if n > 0:
+                return [None] * n
+            if n < 0:
+                self._rdma.fast_failed(remote.segment_id)
         return self._router.run_spans(
             Op.READ, remote, remote_region, local_addrs, remote_offsets, lengths, self._timeout(timeout_ms), digests
         )
@@ -284,6 +318,7 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
+        self._fast = None
         _OPEN.discard(self)
         self._pool.shutdown(wait=True, cancel_futures=True)
         for t in self._transports:

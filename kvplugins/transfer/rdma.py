@@ -41,6 +41,7 @@ from kvplugins.transfer import rdma_wrs
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
 from kvplugins.transfer.config import TransferConfig
 from kvplugins.transfer.nics import discover
+from kvplugins.transfer.rdma_fast import FastRoutes
 from kvplugins.transfer.rdma_paths import Path, PathStats, numa_of, pair, stripe
 from kvplugins.transfer.rdma_qps import QpPool
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
@@ -76,6 +77,7 @@ class RdmaTransport(Transport):
         self._pairs: dict[tuple, list[Path]] = {}  # a peer's subnets -> paths (a few peers' worth)
         self._qps = QpPool(config, tcp, self._nics, self._stats)
         self._fast: dict[str, Path] = {}  # peer -> the path its last good batch took (fast_spans)
+        self.fast = FastRoutes(config)  # small batches in one native call (rdma_fast.py)
         log.info("rdma transport on %s", ", ".join(f"{n.info.name} (GID {n.info.gid})" for n in self._nics))
 
     # -- endpoint and regions ----------------------------------------------------------------------
@@ -113,6 +115,7 @@ class RdmaTransport(Transport):
         with self._lock:
             self._keys[region.region_id] = (access, mrs)
             self._numa[region.region_id] = numa_of(region.addr)
+        self.fast.add_local(region, [mr.lkey for mr in mrs])
 
     def region_info(self, region: Region, info: RegionInfo) -> RegionInfo:
         with self._lock:
@@ -122,6 +125,7 @@ class RdmaTransport(Transport):
         return replace(info, rdma=(region.addr, tuple(mr.rkey for mr in entry[1])))
 
     def remove_region(self, region: Region) -> None:
+        self.fast.drop_local(region.region_id)  # waits for its fast batches in flight
         with self._lock:
             entry = self._keys.pop(region.region_id, None)
             self._numa.pop(region.region_id, None)
@@ -267,6 +271,8 @@ class RdmaTransport(Transport):
         if failed:  # marks the path as a failed batch does (a small batch's timing is no throughput sample)
             self._settle(seg, path, runs, start, set())
         done = not failed and not lost
+        if done:  # the next small batch there runs natively from the API's entry
+            self.fast.put(remote, region_id, qps[0], path, base, info.length, rkeys[path.remote])
         self._stats.add("wrs", posted)
         self._stats.add("fast_batches", int(done))
         return done
@@ -363,6 +369,7 @@ class RdmaTransport(Transport):
         error = next((r.error for r in runs if r.error), "")
         if error:
             self._fast.pop(seg, None)
+            self.fast.drop(seg)
         if error and path not in bad:
             bad.add(path)
             self._stats.failed(key)
@@ -371,13 +378,34 @@ class RdmaTransport(Transport):
             )
         return f"{name}: {error}" if error else ""
 
+    def fast_failed(self, seg: str) -> None:
+        """A native fast batch to peer ``seg`` failed (its queue pair is killed): forget the peer's routes and mark
+        the path as a failed batch does; the caller runs the batch its general way."""
+        self._fast.pop(seg, None)
+        self._qps.drop_dead(seg)
+        for path in self.fast.drop(seg):
+            self._stats.failed((seg, path.local, path.remote))
+            log.warning(
+                "rdma path %s -> %s of %s failed in a small batch; retrying its work on the general path",
+                self._nics[path.local].info.name,
+                path.remote,
+                seg,
+            )
+
     def stats(self) -> dict[str, Any]:
-        """wrs posted, fast_batches (small batches done by fast_spans), path_failures, qp_rebuilds, striped_batches,
-        path_mbps (measured MB/s per peer and path), path_bytes (per local NIC -> peer NIC index), paths_down, qps
-        (ours), qps_served (for peers), nics_up."""
-        return {**self._stats.snapshot(), **self._qps.stats()}
+        """wrs posted, fast_batches (small batches done by fast_spans or natively from the engine's entry),
+        path_failures, qp_rebuilds, striped_batches, path_mbps (measured MB/s per peer and path), path_bytes (per
+        local NIC -> peer NIC index), paths_down, qps (ours), qps_served (for peers), nics_up; "native": the native
+        fast batches' reads, writes, entries and bytes (the router folds them into its counters)."""
+        out = {**self._stats.snapshot(), **self._qps.stats()}
+        native = self.fast.counts()
+        out["wrs"] = out.get("wrs", 0) + native.pop("wrs")
+        out["fast_batches"] = out.get("fast_batches", 0) + native["reads"] + native["writes"]
+        out["native"] = native
+        return out
 
     def close(self) -> None:
+        self.fast.clear()
         self._qps.close()
         for nic in self._nics:
             nic.close()

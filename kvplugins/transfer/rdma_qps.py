@@ -100,6 +100,21 @@ class QpPool:
             why = "" if got else "every queue pair of the path stayed busy until the deadline"
         return got, why
 
+    def drop_dead(self, seg: str) -> None:
+        """Close peer ``seg``'s idle QPs that died in the pool (a failed batch of the native fast path kills its
+        QP without checking it out); the prober rebuilds them."""
+        dead = []
+        with self._lock:
+            for key, idle in self._pools.items():
+                gone = [q for q in idle if q.dead] if key[0] == seg else []
+                for q in gone:
+                    idle.remove(q)
+                    self._counts[key] -= 1
+                    self._rebuild.setdefault(key, 0)
+                dead += gone
+        for qp in dead:
+            qp.close()
+
     def release(self, held: list[tuple[tuple, verbs.QueuePair]]) -> None:
         dead = []
         with self._lock:

@@ -4,8 +4,9 @@ which loads libibverbs (rdma-core) at run time, so this imports on any host.
 ``Nic``: one opened device port (context, protection domain, one completion channel, memory regions);
 ``QueuePair``: one RC queue pair with its own completion queue; ``run(works, deadline)``: posts chains of one-sided
 RDMA READ/WRITE work requests on several queue pairs at once and completes them, in one native call with the GIL
-released: it polls the CQs while completions come, spins 100 us after the last one, then sleeps on the devices'
-completion channels (a batch waiting on a slow peer burns no core).
+released: it polls the CQs while completions come, spins after the last one (twice the process's recent
+completion gap, 100 us .. 2 ms), then sleeps on the devices' completion channels (a batch waiting on a slow peer
+burns no core). ``fast_routes``: the native table of small-batch routes (rdma_fast.py).
 Selective signalling: one work request in ``signal_every`` asks for a completion (and the last one, and the one
 that fills a send queue); a successful signalled completion confirms every earlier request on that QP (RC
 completes in order). An error completion, a refused post or the deadline marks the QP dead: moved to the error
@@ -219,3 +220,9 @@ def run_spans(
     )
     lost = [] if failed.count(1) == 0 else np.flatnonzero(np.frombuffer(failed, dtype=np.bool_)).tolist()
     return posted, [QpRun(*r) for r in out], lost
+
+
+def fast_routes(max_bytes: int, max_spans: int, signal_every: int, timeout_ms: float):
+    """The native ``_verbs.FastRoutes`` table (rdma_fast.py; native/src/verbs/fast.h): batches of at most
+    ``max_spans`` spans and ``max_bytes`` bytes, ``timeout_ms`` when a call gives none."""
+    return _mod().FastRoutes(int(max_bytes), int(max_spans), max(1, int(signal_every)), float(timeout_ms))

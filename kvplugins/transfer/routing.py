@@ -41,7 +41,7 @@ class Router:
     def run(self, op: Op, reqs: list[TransferRequest], timeout_ms: float) -> list[TransferError | None]:
         deadline = Deadline(timeout_ms)
         if self._fast is not None and 0 < len(reqs) <= SMALL:
-            one = _one_region(reqs)
+            one = one_region(reqs)
             if one is not None and self._fast_spans(op, one[0], one[1], one[2], deadline):
                 return [None] * len(reqs)
         status: list[TransferError | None] = [None] * len(reqs)
@@ -141,8 +141,9 @@ class Router:
         return status
 
     def _fast_spans(self, op: Op, remote: SegmentDescriptor, region_id: int, lists: list, deadline: Deadline) -> bool:
-        """A small batch through the first transport's fast path (RdmaTransport.fast_spans), counted as run_spans
-        counts it; False where it does not apply or failed (run_spans then runs it its general way)."""
+        """A small batch through the first transport's fast path (RdmaTransport.fast_spans; TransferEngine tried
+        its native route table before), counted as run_spans counts it; False where it does not apply or failed
+        (run_spans then runs it its general way)."""
         try:
             done = self._fast.fast_spans(op, remote, region_id, tuple(lists), deadline, self._regions)
         except Exception:  # noqa: BLE001 - as _transfer: the general path runs the batch and names the error
@@ -284,7 +285,15 @@ class Router:
         failed}}; every transport in use appears with zeros before its first entry."""
         out: dict[str, Any] = {"batches": {}, "errors": {}, "fallbacks": {}}
         for t in self._transports:
-            out[t.name] = {"entries": 0, "bytes": 0, "failed": 0, **t.stats()}  # its own: the native reads
+            own = t.stats()
+            native = own.pop("native", None)  # rdma: batches done by its native fast path, not counted here
+            out[t.name] = {"entries": 0, "bytes": 0, "failed": 0, **own}  # its own: the native reads
+            if native:
+                out[t.name]["entries"] += native["entries"]
+                out[t.name]["bytes"] += native["bytes"]
+                for op in ("read", "write"):
+                    if native[op + "s"]:
+                        out["batches"][op] = out["batches"].get(op, 0) + native[op + "s"]
         with self._lock:
             for (group, key), n in self._counts.items():
                 got = out.setdefault(group, {})
@@ -292,7 +301,7 @@ class Router:
         return out
 
 
-def _one_region(reqs: list) -> tuple[SegmentDescriptor, int, list] | None:
+def one_region(reqs: list) -> tuple[SegmentDescriptor, int, list] | None:
     """(remote, region id, [local addresses, remote offsets, lengths]) of a batch of TransferRequests that all go to
     one remote region, each a non-empty range of its local region (int fields), for the fast path; else None."""
     first = reqs[0]

@@ -9,9 +9,11 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cstring>
 #include <set>
 #include <stdexcept>
 
+#include "fast.h"
 #include "verbs.h"
 
 namespace nb = nanobind;
@@ -93,6 +95,86 @@ std::tuple<size_t, std::vector<QpResult>, nb::bytes> py_run_spans(bool read, std
   return {posted, std::move(out), nb::bytes(failed.data(), n)};
 }
 
+// A fast-path column, copied: a list of at most kFastCols non-negative ints, or a 1-D C-contiguous array of 64-bit
+// integers (the buffer protocol: no DLPack capsule, which costs more than the read in the TCG guest); false for
+// anything else (the general path then takes the batch and names what is wrong with it).
+constexpr size_t kFastCols = 64;
+struct FastCol {
+  uint64_t own[kFastCols];
+  const uint64_t* p = own;
+  size_t n = 0;
+  bool take(nb::handle h) {
+    PyObject* o = h.ptr();
+    if (PyList_CheckExact(o)) {
+      n = size_t(PyList_GET_SIZE(o));
+      if (n > kFastCols) return false;
+      for (size_t i = 0; i < n; ++i) {
+        PyObject* v = PyList_GET_ITEM(o, Py_ssize_t(i));
+        if (!PyLong_CheckExact(v)) return false;
+        own[i] = PyLong_AsUnsignedLongLong(v);
+        if (own[i] == uint64_t(-1) && PyErr_Occurred()) {
+          PyErr_Clear();
+          return false;
+        }
+      }
+      return true;
+    }
+    return PyObject_CheckBuffer(o) && take_buffer(o);
+  }
+  bool take_buffer(PyObject* o) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(o, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    const char* f = v.format ? v.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') ++f;
+    const bool is_signed = (f[0] == 'q' || f[0] == 'l') && !f[1];
+    const bool ok = v.ndim == 1 && v.itemsize == 8 && (is_signed || ((f[0] == 'Q' || f[0] == 'L') && !f[1])) &&
+                    size_t(v.shape[0]) <= kFastCols;
+    if (ok) {
+      n = size_t(v.shape[0]);
+      std::memcpy(own, v.buf, n * 8);
+    }
+    PyBuffer_Release(&v);
+    if (ok && is_signed)
+      for (size_t i = 0; i < n; ++i)
+        if (int64_t(own[i]) < 0) return false;
+    return ok;
+  }
+};
+
+// FastRoutes with the engine's default timeout (read/write from TransferEngine's entry) for Python.
+struct PyFast {
+  FastRoutes t;
+  double timeout_ms;
+  PyFast(uint64_t max_bytes, size_t max_spans, size_t signal_every, double timeout)
+      : t(max_bytes, max_spans, signal_every), timeout_ms(timeout) {}
+
+  long run_at(bool read, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
+              double deadline_at) {
+    FastCol a, r, l;
+    if (!a.take(la) || !r.take(ro) || !l.take(len) || a.n != l.n || r.n != l.n) return 0;
+    std::string seg;
+    kvp::GilRelease rel;
+    return t.run(read, remote.ptr(), region, a.p, r.p, l.p, l.n, deadline_at, seg);
+  }
+
+  long run_in(bool read, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
+              nb::handle timeout) {
+    double ms = timeout_ms;
+    if (!timeout.is_none()) {
+      if (!PyFloat_CheckExact(timeout.ptr()) && !PyLong_CheckExact(timeout.ptr())) return 0;
+      ms = PyFloat_AsDouble(timeout.ptr());
+      if (!(ms > 0 && ms < 1e12)) {  // NaN, <= 0, an error: the general path raises ValueError
+        PyErr_Clear();
+        return 0;
+      }
+    }
+    return run_at(read, remote, region, la, ro, len, monotonic_s() + ms / 1000);
+  }
+};
+
 }  // namespace
 
 NB_MODULE(_verbs, m) {
@@ -127,6 +209,52 @@ NB_MODULE(_verbs, m) {
       .def("close", [](QueuePair& q) {
         kvp::GilRelease rel;  // may wait for a batch on another thread
         q.close();
+      });
+  nb::class_<PyFast>(m, "FastRoutes")
+      .def(nb::init<uint64_t, size_t, size_t, double>(), nb::arg("max_bytes"), nb::arg("max_spans"),
+           nb::arg("signal_every"), nb::arg("timeout_ms"))
+      .def("read",
+           [](PyFast& f, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
+              nb::handle timeout_ms) { return f.run_in(true, remote, region, la, ro, len, timeout_ms); },
+           nb::arg("remote"), nb::arg("region"), nb::arg("laddr"), nb::arg("roff"), nb::arg("length"),
+           nb::arg("timeout_ms") = nb::none())
+      .def("write",
+           [](PyFast& f, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
+              nb::handle timeout_ms) { return f.run_in(false, remote, region, la, ro, len, timeout_ms); },
+           nb::arg("remote"), nb::arg("region"), nb::arg("laddr"), nb::arg("roff"), nb::arg("length"),
+           nb::arg("timeout_ms") = nb::none())
+      .def("run", &PyFast::run_at, nb::arg("read"), nb::arg("remote"), nb::arg("region"), nb::arg("laddr"),
+           nb::arg("roff"), nb::arg("length"), nb::arg("deadline_at"))
+      .def("add_local",
+           [](PyFast& f, uint64_t id, uint64_t addr, uint64_t length, bool readonly, std::vector<uint32_t> lkeys) {
+             kvp::GilRelease rel;
+             f.t.add_local(FastLocal{id, addr, length, readonly, std::move(lkeys)});
+           })
+      .def("drop_local",
+           [](PyFast& f, uint64_t id) {
+             kvp::GilRelease rel;
+             f.t.drop_local(id);
+           })
+      .def("put_route",
+           [](PyFast& f, nb::handle remote, uint64_t region, std::string segment, QueuePair* qp, size_t nic,
+              uint64_t raddr, uint64_t rlength, uint32_t rkey) {
+             if (!qp) throw std::invalid_argument("put_route: the queue pair is None");
+             kvp::GilRelease rel;
+             f.t.put_route(FastRoute{remote.ptr(), region, std::move(segment), qp, nic, raddr, rlength, rkey});
+           })
+      .def("drop_routes",
+           [](PyFast& f, std::string segment) {
+             kvp::GilRelease rel;
+             f.t.drop_routes(segment);
+           })
+      .def("clear",
+           [](PyFast& f) {
+             kvp::GilRelease rel;
+             f.t.clear();
+           })
+      .def("counts", [](PyFast& f) {
+        FastCounts c = f.t.counts();
+        return std::make_tuple(c.reads, c.writes, c.entries, c.bytes, c.wrs);
       });
   m.def("run_spans", &py_run_spans, nb::arg("read"), nb::arg("qps"), nb::arg("laddr"), nb::arg("lkey"),
         nb::arg("raddr"), nb::arg("rkey"), nb::arg("length"), nb::arg("limit"), nb::arg("deadline_at"),

@@ -373,12 +373,16 @@ void wait(const std::vector<Work*>& live, double seconds) {
 }  // namespace
 
 size_t run(bool read, std::vector<Work>& works, double deadline_at, size_t signal_every) {
+  std::vector<std::unique_lock<std::mutex>> held;
+  for (Work& w : works) held.emplace_back(w.qp->busy_);
+  return run_held(read, works, deadline_at, signal_every);
+}
+
+size_t run_held(bool read, std::vector<Work>& works, double deadline_at, size_t signal_every) {
   const ibv_wr_opcode op = read ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
   const size_t every = std::max<size_t>(signal_every, 1);
   std::vector<Work*> live;
-  std::vector<std::unique_lock<std::mutex>> held;
   for (Work& w : works) {
-    held.emplace_back(w.qp->busy_);
     if (!w.qp->qp()) w.error = "the queue pair is closed";
     else if (!w.chunks.empty()) live.push_back(&w);
   }

@@ -94,6 +94,7 @@ class QueuePair {
   bool dead_ = false;
   std::mutex busy_;  // held by run() for the batch
   friend size_t run(bool, std::vector<Work>&, double, size_t);
+  friend class FastRoutes;
 };
 
 // One work request: length bytes between local (laddr, lkey) and remote (raddr, rkey).
@@ -115,6 +116,8 @@ struct Work {
 // then waits on the CQs' completion channels (an idle wait burns no core). A QP that fails (error completion,
 // post refused, deadline) is moved to the error state with work.error set. Returns work requests posted.
 size_t run(bool read, std::vector<Work>& works, double deadline_at, size_t signal_every);
+// run() for a caller that holds every work's queue pair (FastRoutes: its try_lock).
+size_t run_held(bool read, std::vector<Work>& works, double deadline_at, size_t signal_every);
 
 double monotonic_s();
 

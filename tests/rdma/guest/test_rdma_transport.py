@@ -152,9 +152,12 @@ def test_qp_in_error_state_is_rebuilt(peer):
 
 def test_small_batches_take_the_fast_path_and_a_failed_one_ends_on_the_general_path(peer):
     """A small batch (read_spans/write_spans of a few spans, or a few TransferRequests to one remote region) after
-    the first good batch to a peer is one native call over the path that batch took (RdmaTransport.fast_spans:
-    stats fast_batches); with its queue pairs forced into the error state it fails there, and the general path
-    serves it with the right bytes."""
+    the first good batch to a peer runs over the path that batch took in one native call (RdmaTransport.fast_spans,
+    which teaches the route to the native table); from then on it is checked and posted by the native route table
+    straight from the engine's entry (rdma_fast.py: no Python in between). Spans outside the remote region or
+    registered memory still get the general path's errors. A route whose work request fails (here an rkey the peer
+    never issued: a remote access error) ends with its queue pair killed, the route dropped, the path marked, and
+    the general path serving the batch with the right bytes; a route whose queue pair died is not taken."""
     eng = rdma_engine(rdma_devices="rxe0")
     try:
         dst = np.zeros(8 * 4096, np.uint8)
@@ -162,32 +165,53 @@ def test_small_batches_take_the_fast_path_and_a_failed_one_ends_on_the_general_p
         want = seeded(PEER_SIZE, 3)
         desc, rid = peer.descriptor, peer.region_id
         offs = [5 * 4096 * i + 123 for i in range(4)]
+        rdma = next(t for t in eng._transports if t.name == "rdma")  # noqa: SLF001 - the test's fault injection
 
         def read() -> list:
             return eng.read_spans(desc, rid, [reg.addr + 4096 * i for i in range(4)], offs, [4096] * 4)
 
+        def landed(n: int = 4) -> bool:
+            return all(
+                np.array_equal(dst[4096 * i : 4096 * (i + 1)], want[o : o + 4096]) for i, o in enumerate(offs[:n])
+            )
+
         assert read() == [None] * 4  # the general path: learns the path
         fast0 = rdma_of(eng)["fast_batches"]
+        assert read() == [None] * 4  # the path's fast call: learns the native route
+        assert rdma_of(eng)["fast_batches"] == fast0 + 1 and rdma.fast.counts()["reads"] == 0
         dst[:] = 0
-        for _ in range(3):
-            assert read() == [None] * 4
-        assert rdma_of(eng)["fast_batches"] == fast0 + 3
-        assert all(np.array_equal(dst[4096 * i : 4096 * (i + 1)], want[o : o + 4096]) for i, o in enumerate(offs))
+        addrs = np.array([reg.addr + 4096 * i for i in range(4)], np.int64)  # an int64 array: the same native call
+        assert eng.read_spans(desc, rid, addrs, np.array(offs, np.uint64), np.full(4, 4096)) == [None] * 4
+        assert read() == [None] * 4 and landed()
+        assert rdma.fast.counts() == {"reads": 2, "writes": 0, "entries": 8, "bytes": 8 * 4096, "wrs": 8}
+        assert rdma_of(eng)["fast_batches"] == fast0 + 3 and eng.stats()["rdma"]["entries"] >= 16
         src = np.frombuffer(np.random.default_rng(8).bytes(4096), np.uint8).copy()
         sreg = eng.register(src)
         assert eng.write_spans(desc, rid, [sreg.addr], [WRITE_AT + 4096], [4096]) == [None]
-        assert rdma_of(eng)["fast_batches"] == fast0 + 4 and peer.digest(WRITE_AT + 4096, 4096) == digest(src)
-        dst[:] = 0  # TransferRequest objects to one remote region: the same fast path
+        assert rdma.fast.counts()["writes"] == 1 and peer.digest(WRITE_AT + 4096, 4096) == digest(src)
+        dst[:] = 0  # TransferRequest objects to one remote region: the same native call
         reqs = [TransferRequest(reg, 4096 * i, desc, rid, offs[i], 4096) for i in range(2)]
-        assert eng.batch_read(reqs) == [None, None] and rdma_of(eng)["fast_batches"] == fast0 + 5
-        assert all(np.array_equal(dst[4096 * i : 4096 * (i + 1)], want[o : o + 4096]) for i, o in enumerate(offs[:2]))
-        rdma = next(t for t in eng._transports if t.name == "rdma")  # noqa: SLF001 - the test's fault injection
-        for q in rdma._qps.idle():  # noqa: SLF001
-            q.kill()
+        assert eng.batch_read(reqs) == [None, None] and rdma.fast.counts()["reads"] == 3 and landed(2)
+        [beyond] = eng.read_spans(desc, rid, [reg.addr], [PEER_SIZE - 100], [4096])  # the general path names it
+        spare = np.zeros(4096, np.uint8)  # never registered
+        [unregistered] = eng.read_spans(desc, rid, [spare.ctypes.data], [0], [4096])
+        assert type(beyond).__name__ == "OutOfRange" and type(unregistered).__name__ == "OutOfRange"
+        assert rdma.fast.counts()["reads"] == 3 and not spare.any()
+
+        base, rkeys = desc.region(rid).rdma  # a route whose rkey the peer never issued: remote access error
+        qp, path = rdma._qps.idle()[0], rdma._fast[desc.segment_id]  # noqa: SLF001
+        rdma.fast.put(desc, rid, qp, path, base, desc.region(rid).length, rkeys[0] ^ 0x5A5A5A)
+        failures = rdma_of(eng)["path_failures"]
         dst[:] = 0
-        assert read() == [None] * 4  # failed on the fast path, served by the general path (or TCP)
-        assert rdma_of(eng)["fast_batches"] == fast0 + 5
-        assert all(np.array_equal(dst[4096 * i : 4096 * (i + 1)], want[o : o + 4096]) for i, o in enumerate(offs))
+        assert read() == [None] * 4 and landed()  # failed natively, served by the general path
+        assert qp.dead and rdma_of(eng)["path_failures"] == failures + 1 and rdma.fast.counts()["reads"] == 3
+        # the path is down until probed back (rdma_probe_ms), then the route is learnt again
+        wait_for(lambda: read() == [None] * 4 and rdma.fast.counts()["reads"] > 3, "native small reads again")
+        for q in rdma._qps.idle():  # noqa: SLF001 - the native route's queue pair killed behind its back
+            q.kill()
+        reads_before, dst[:] = rdma.fast.counts()["reads"], 0
+        assert read() == [None] * 4 and landed()  # not taken natively: the general path serves it
+        assert rdma.fast.counts()["reads"] == reads_before
     finally:
         eng.close()
 
