@@ -198,11 +198,11 @@ class TransferEngine:
         and writes nothing more (hosts' clocks must agree: the check uses the peer's wall clock); other transports
         stop issuing then. Raises ValueError for arrays of different lengths, a bad ``digests`` or timeout,
         OutOfRange for negative values, TransferFailed if closed.
-        A small batch over rdma (the first transport) to a region its last small batch reached is checked and
-        posted in one native call (rdma_fast.py); anything else goes through the router (routing.py)."""
+        A small batch over rdma (the first transport) to a region its last small batch reached is checked,
+        posted and hashed in one native call (rdma_fast.py); anything else goes through the router (routing.py)."""
         fast = self._fast
-        if fast is not None and digests is None and not fenced:
-            n = fast.write(remote, remote_region, local_addrs, remote_offsets, lengths, timeout_ms)
+        if fast is not None:  # rdma's fence is its deadline: nothing is posted after it
+            n = fast.write(remote, remote_region, local_addrs, remote_offsets, lengths, timeout_ms, digests)
             if n > 0:
                 return [None] * n
             if n < 0:
@@ -232,8 +232,8 @@ class TransferEngine:
         """Array form of batch_read: span j copies remote bytes into local address ``local_addrs[j]``
         (writable registered memory). As write_spans otherwise (``digests`` hash the bytes read)."""
         fast = self._fast
-        if fast is not None and digests is None:
-            n = fast.read(remote, remote_region, local_addrs, remote_offsets, lengths, timeout_ms)
+        if fast is not None:
+            n = fast.read(remote, remote_region, local_addrs, remote_offsets, lengths, timeout_ms, digests)
             if n > 0:
                 return [None] * n
             if n < 0:

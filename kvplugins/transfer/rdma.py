@@ -395,12 +395,14 @@ class RdmaTransport(Transport):
     def stats(self) -> dict[str, Any]:
         """wrs posted, fast_batches (small batches done by fast_spans or natively from the engine's entry),
         path_failures, qp_rebuilds, striped_batches, path_mbps (measured MB/s per peer and path), path_bytes (per
-        local NIC -> peer NIC index), paths_down, qps (ours), qps_served (for peers), nics_up; "native": the native
-        fast batches' reads, writes, entries and bytes (the router folds them into its counters)."""
+        local NIC -> peer NIC index), paths_down, qps (ours), qps_served (for peers), nics_up, native_batches (of
+        fast_batches, those done natively from the engine's entry); "native": their reads, writes, entries and bytes
+        (the router folds them into its counters)."""
         out = {**self._stats.snapshot(), **self._qps.stats()}
         native = self.fast.counts()
         out["wrs"] = out.get("wrs", 0) + native.pop("wrs")
-        out["fast_batches"] = out.get("fast_batches", 0) + native["reads"] + native["writes"]
+        out["native_batches"] = native["reads"] + native["writes"]
+        out["fast_batches"] = out.get("fast_batches", 0) + out["native_batches"]
         out["native"] = native
         return out
 

@@ -7,7 +7,8 @@ Lifecycle, in call order (all from RdmaTransport):
                         queue pair, remote address, rkey). The next small batch there (at most spans.SMALL
                         spans and ``rdma_max_wr`` bytes, every span inside one writable-for-a-read local region
                         and the remote region) is checked and posted by ``native.read`` / ``native.write`` /
-                        ``native.run`` alone; they return the spans done, 0 where the table cannot take the
+                        ``native.run`` alone (and hashed: ``digests``, a writable uint64 array of one entry per
+                        span, gets each span's xxh3_64 of its local bytes); they return the spans done, 0 where the table cannot take the
                         batch (nothing posted: the general path runs it), or -1 when a work request failed (the
                         queue pair is killed; the caller calls ``drop`` and runs the batch its general way).
   3. ``drop``           a peer's routes, when one of its paths failed; ``drop_local`` before an MR goes.

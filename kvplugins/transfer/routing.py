@@ -82,7 +82,7 @@ class Router:
         deadline = Deadline(timeout_ms, fenced)
         lists = small_lists(addrs, roffs, lens)
         small = lists is not None
-        if small and self._fast is not None and not fenced and self._fast_spans(op, remote, region_id, lists, deadline):
+        if small and self._fast is not None and self._fast_spans(op, remote, region_id, lists, deadline):
             if digests is not None:  # hashed here after the move, as below for a transport that cannot hash
                 n = len(lists[2])
                 a, ln = np.asarray(lists[0], dtype=np.uint64), np.asarray(lists[2], dtype=np.uint64)

@@ -144,6 +144,33 @@ struct FastCol {
   }
 };
 
+// The caller's digests array for a fast batch, held while the GIL is released: None, or a writable 1-D
+// C-contiguous uint64 array of exactly n entries (anything else: the batch is not taken, and the general path
+// raises ValueError naming it).
+struct FastDigests {
+  Py_buffer v{};
+  bool held = false;
+  uint64_t* p = nullptr;
+  bool take(nb::handle h, size_t n) {
+    if (h.is_none()) return true;
+    if (!PyObject_CheckBuffer(h.ptr()) ||
+        PyObject_GetBuffer(h.ptr(), &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    held = true;
+    const char* f = v.format ? v.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') ++f;
+    if (v.ndim != 1 || v.itemsize != 8 || size_t(v.shape[0]) != n || (f[0] != 'Q' && f[0] != 'L') || f[1])
+      return false;
+    p = static_cast<uint64_t*>(v.buf);
+    return true;
+  }
+  ~FastDigests() {
+    if (held) PyBuffer_Release(&v);  // with the GIL held again: declared before the GilRelease in run_at
+  }
+};
+
 // FastRoutes with the engine's default timeout (read/write from TransferEngine's entry) for Python.
 struct PyFast {
   FastRoutes t;
@@ -152,16 +179,18 @@ struct PyFast {
       : t(max_bytes, max_spans, signal_every), timeout_ms(timeout) {}
 
   long run_at(bool read, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
-              double deadline_at) {
+              double deadline_at, nb::handle digests) {
     FastCol a, r, l;
     if (!a.take(la) || !r.take(ro) || !l.take(len) || a.n != l.n || r.n != l.n) return 0;
+    FastDigests d;
+    if (!d.take(digests, l.n)) return 0;
     std::string seg;
     kvp::GilRelease rel;
-    return t.run(read, remote.ptr(), region, a.p, r.p, l.p, l.n, deadline_at, seg);
+    return t.run(read, remote.ptr(), region, a.p, r.p, l.p, l.n, deadline_at, seg, d.p);
   }
 
   long run_in(bool read, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
-              nb::handle timeout) {
+              nb::handle timeout, nb::handle digests) {
     double ms = timeout_ms;
     if (!timeout.is_none()) {
       if (!PyFloat_CheckExact(timeout.ptr()) && !PyLong_CheckExact(timeout.ptr())) return 0;
@@ -171,7 +200,7 @@ struct PyFast {
         return 0;
       }
     }
-    return run_at(read, remote, region, la, ro, len, monotonic_s() + ms / 1000);
+    return run_at(read, remote, region, la, ro, len, monotonic_s() + ms / 1000, digests);
   }
 };
 
@@ -215,16 +244,18 @@ NB_MODULE(_verbs, m) {
            nb::arg("signal_every"), nb::arg("timeout_ms"))
       .def("read",
            [](PyFast& f, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
-              nb::handle timeout_ms) { return f.run_in(true, remote, region, la, ro, len, timeout_ms); },
+              nb::handle timeout_ms,
+              nb::handle digests) { return f.run_in(true, remote, region, la, ro, len, timeout_ms, digests); },
            nb::arg("remote"), nb::arg("region"), nb::arg("laddr"), nb::arg("roff"), nb::arg("length"),
-           nb::arg("timeout_ms") = nb::none())
+           nb::arg("timeout_ms") = nb::none(), nb::arg("digests") = nb::none())
       .def("write",
            [](PyFast& f, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
-              nb::handle timeout_ms) { return f.run_in(false, remote, region, la, ro, len, timeout_ms); },
+              nb::handle timeout_ms,
+              nb::handle digests) { return f.run_in(false, remote, region, la, ro, len, timeout_ms, digests); },
            nb::arg("remote"), nb::arg("region"), nb::arg("laddr"), nb::arg("roff"), nb::arg("length"),
-           nb::arg("timeout_ms") = nb::none())
+           nb::arg("timeout_ms") = nb::none(), nb::arg("digests") = nb::none())
       .def("run", &PyFast::run_at, nb::arg("read"), nb::arg("remote"), nb::arg("region"), nb::arg("laddr"),
-           nb::arg("roff"), nb::arg("length"), nb::arg("deadline_at"))
+           nb::arg("roff"), nb::arg("length"), nb::arg("deadline_at"), nb::arg("digests") = nb::none())
       .def("add_local",
            [](PyFast& f, uint64_t id, uint64_t addr, uint64_t length, bool readonly, std::vector<uint32_t> lkeys) {
              kvp::GilRelease rel;

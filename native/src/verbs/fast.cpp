@@ -1,6 +1,8 @@
 // FastRoutes (see fast.h): small batches checked and posted in one native call.
 #include "fast.h"
 
+#include "kvp_hash.h"
+
 #include <algorithm>
 #include <mutex>
 
@@ -56,7 +58,8 @@ const FastLocal* FastRoutes::local(uint64_t addr, uint64_t length) const {
 }
 
 long FastRoutes::run(bool read, const void* remote, uint64_t region, const uint64_t* laddr, const uint64_t* roff,
-                     const uint64_t* length, size_t n, double deadline_at, std::string& segment) {
+                     const uint64_t* length, size_t n, double deadline_at, std::string& segment,
+                     uint64_t* digests) {
   if (n == 0 || n > max_spans_) return 0;
   std::shared_lock<std::shared_mutex> hold(mu_);
   const FastRoute* route = nullptr;
@@ -84,6 +87,10 @@ long FastRoutes::run(bool read, const void* remote, uint64_t region, const uint6
   if (!works[0].error.empty() || works[0].done != n) {
     segment = route->segment;
     return -1;
+  }
+  if (digests) {
+    static const HashOps* ops = hash_ops("auto");
+    for (size_t j = 0; j < n; ++j) digests[j] = ops->hash_spans(&laddr[j], &length[j], 1);
   }
   (read ? reads_ : writes_).fetch_add(1, std::memory_order_relaxed);
   entries_.fetch_add(n, std::memory_order_relaxed);

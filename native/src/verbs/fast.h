@@ -54,8 +54,9 @@ class FastRoutes {
   // done by deadline_at (CLOCK_MONOTONIC s). Returns n once every span completed; 0 where the table cannot take
   // the batch (nothing was posted); -1 when a work request failed (the queue pair is killed; `segment` names the
   // peer, whose routes the caller drops): the caller runs the batch again on its general path.
+  // `digests` (nullptr, or n entries): set to each span's xxh3_64 of its local bytes after the move.
   long run(bool read, const void* remote, uint64_t region, const uint64_t* laddr, const uint64_t* roff,
-           const uint64_t* length, size_t n, double deadline_at, std::string& segment);
+           const uint64_t* length, size_t n, double deadline_at, std::string& segment, uint64_t* digests);
   FastCounts counts() const;
 
  private:

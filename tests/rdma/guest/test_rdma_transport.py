@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from xxhash import xxh3_64_intdigest
 
 from helpers.auth import use_secret
 from helpers.cluster import store_cluster
@@ -155,7 +156,8 @@ def test_small_batches_take_the_fast_path_and_a_failed_one_ends_on_the_general_p
     the first good batch to a peer runs over the path that batch took in one native call (RdmaTransport.fast_spans,
     which teaches the route to the native table); from then on it is checked and posted by the native route table
     straight from the engine's entry (rdma_fast.py: no Python in between). Spans outside the remote region or
-    registered memory still get the general path's errors. A route whose work request fails (here an rkey the peer
+    registered memory still get the general path's errors; digests (the store's checksums) are hashed there too and
+    a fenced write is taken (rdma's fence is its deadline). A route whose work request fails (here an rkey the peer
     never issued: a remote access error) ends with its queue pair killed, the route dropped, the path marked, and
     the general path serving the batch with the right bytes; a route whose queue pair died is not taken."""
     eng = rdma_engine(rdma_devices="rxe0")
@@ -187,16 +189,22 @@ def test_small_batches_take_the_fast_path_and_a_failed_one_ends_on_the_general_p
         assert rdma_of(eng)["fast_batches"] == fast0 + 3 and eng.stats()["rdma"]["entries"] >= 16
         src = np.frombuffer(np.random.default_rng(8).bytes(4096), np.uint8).copy()
         sreg = eng.register(src)
-        assert eng.write_spans(desc, rid, [sreg.addr], [WRITE_AT + 4096], [4096]) == [None]
+        wd = np.zeros(1, np.uint64)  # fenced, with digests (a store put): the same native call
+        assert eng.write_spans(desc, rid, [sreg.addr], [WRITE_AT + 4096], [4096], digests=wd, fenced=True) == [None]
         assert rdma.fast.counts()["writes"] == 1 and peer.digest(WRITE_AT + 4096, 4096) == digest(src)
+        assert int(wd[0]) == xxh3_64_intdigest(src.tobytes())
         dst[:] = 0  # TransferRequest objects to one remote region: the same native call
         reqs = [TransferRequest(reg, 4096 * i, desc, rid, offs[i], 4096) for i in range(2)]
         assert eng.batch_read(reqs) == [None, None] and rdma.fast.counts()["reads"] == 3 and landed(2)
+        dg = np.zeros(2, np.uint64)  # the digests of the bytes read (a store get): the same native call
+        assert eng.read_spans(desc, rid, [reg.addr, reg.addr + 4096], offs[:2], [4096] * 2, digests=dg) == [None] * 2
+        assert dg.tolist() == [xxh3_64_intdigest(bytes(want[o : o + 4096])) for o in offs[:2]]
+        assert rdma.fast.counts()["reads"] == 4
         [beyond] = eng.read_spans(desc, rid, [reg.addr], [PEER_SIZE - 100], [4096])  # the general path names it
         spare = np.zeros(4096, np.uint8)  # never registered
         [unregistered] = eng.read_spans(desc, rid, [spare.ctypes.data], [0], [4096])
         assert type(beyond).__name__ == "OutOfRange" and type(unregistered).__name__ == "OutOfRange"
-        assert rdma.fast.counts()["reads"] == 3 and not spare.any()
+        assert rdma.fast.counts()["reads"] == 4 and not spare.any()
 
         base, rkeys = desc.region(rid).rdma  # a route whose rkey the peer never issued: remote access error
         qp, path = rdma._qps.idle()[0], rdma._fast[desc.segment_id]  # noqa: SLF001
@@ -204,9 +212,9 @@ def test_small_batches_take_the_fast_path_and_a_failed_one_ends_on_the_general_p
         failures = rdma_of(eng)["path_failures"]
         dst[:] = 0
         assert read() == [None] * 4 and landed()  # failed natively, served by the general path
-        assert qp.dead and rdma_of(eng)["path_failures"] == failures + 1 and rdma.fast.counts()["reads"] == 3
+        assert qp.dead and rdma_of(eng)["path_failures"] == failures + 1 and rdma.fast.counts()["reads"] == 4
         # the path is down until probed back (rdma_probe_ms), then the route is learnt again
-        wait_for(lambda: read() == [None] * 4 and rdma.fast.counts()["reads"] > 3, "native small reads again")
+        wait_for(lambda: read() == [None] * 4 and rdma.fast.counts()["reads"] > 4, "native small reads again")
         for q in rdma._qps.idle():  # noqa: SLF001 - the native route's queue pair killed behind its back
             q.kill()
         reads_before, dst[:] = rdma.fast.counts()["reads"], 0
@@ -256,6 +264,10 @@ def test_store_put_get_over_rdma_between_processes():
             assert client.batch_get(keys) == pages
             t = client.transfer_stats()
             assert t["rdma"]["bytes"] >= 2 * 8 * (256 << 10) and t["tcp"]["bytes"] == 0, t
+            small = np.random.default_rng(9).bytes(4096)  # small ops, checksummed: the native route table's
+            assert client.put("rdma/small", small) is None
+            assert [client.get("rdma/small") for _ in range(3)] == [small] * 3
+            assert client.transfer_stats()["rdma"]["native_batches"] >= 1
         finally:
             client.close()
         mooncake = MooncakeDistributedStore()  # Mooncake's setup(protocol="rdma") takes our RDMA transport
