@@ -13,13 +13,11 @@ Lifecycle, in call order (all from RdmaTransport):
                         queue pair is killed; the caller calls ``drop`` and runs the batch its general way).
   3. ``drop``           a peer's routes, when one of its paths failed; ``drop_local`` before an MR goes.
   4. ``clear``          before the queue pairs close.
-The table keys a route by the descriptor object's identity: this keeps that object (and the queue pair) alive
-until the route is gone, and at most ``MAX_ROUTES`` routes (beyond: all are dropped and learnt again).
+The table keys a route by the descriptor object's identity and holds that object and the queue pair's until the
+route and every batch on it are gone; at most ``MAX_ROUTES`` routes (beyond: all are dropped and learnt again).
 """
 
 from __future__ import annotations
-
-import threading
 
 from kvplugins.transfer import rdma_verbs as verbs
 from kvplugins.transfer.api import Region, SegmentDescriptor
@@ -31,18 +29,17 @@ MAX_ROUTES = 256
 
 
 class FastRoutes:
-    """The native route table and the Python objects its routes point at (module doc)."""
+    """The native route table (module doc)."""
 
     def __init__(self, cfg: TransferConfig):
-        self.native = verbs.fast_routes(cfg.rdma_max_wr, SMALL, cfg.rdma_signal_every, cfg.timeout_ms)
-        self._lock = threading.Lock()
-        self._held: dict[tuple[int, int], tuple[SegmentDescriptor, verbs.QueuePair, Path]] = {}
+        self.native = verbs.fast_routes(cfg.rdma_max_wr, SMALL, cfg.rdma_signal_every, cfg.timeout_ms, MAX_ROUTES)
 
     def add_local(self, region: Region, lkeys: list[int]) -> None:
         self.native.add_local(region.region_id, region.addr, region.length, region.readonly, lkeys)
 
     def drop_local(self, region_id: int) -> None:
-        """Waits for the fast batches in flight (their memory stays mapped until they completed)."""
+        """Waits for the fast batches in flight into or out of that region (its memory stays mapped until they
+        completed)."""
         self.native.drop_local(region_id)
 
     def put(
@@ -56,25 +53,16 @@ class FastRoutes:
         rkey: int,
     ) -> None:
         """Route small batches to region ``region_id`` of ``remote`` (at ``raddr``, ``rlength`` bytes) over ``qp``."""
-        key = (id(remote), region_id)
-        with self._lock:
-            if key not in self._held and len(self._held) >= MAX_ROUTES:
-                self.native.clear()
-                self._held.clear()
-            self.native.put_route(remote, region_id, remote.segment_id, qp.qp, path.local, raddr, rlength, rkey)
-            self._held[key] = (remote, qp, path)  # the replaced route's objects go only now
+        self.native.put_route(
+            remote, region_id, remote.segment_id, qp.qp, path.local, path.remote, raddr, rlength, rkey
+        )  # fmt: skip
 
     def drop(self, seg: str) -> set[Path]:
         """Forget peer ``seg``'s routes; the paths they took."""
-        with self._lock:
-            self.native.drop_routes(seg)
-            gone = [k for k, v in self._held.items() if v[0].segment_id == seg]
-            return {self._held.pop(k)[2] for k in gone}
+        return {Path(local, remote) for local, remote in self.native.drop_routes(seg)}
 
     def clear(self) -> None:
-        with self._lock:
-            self.native.clear()
-            self._held.clear()
+        self.native.clear()
 
     def counts(self) -> dict[str, int]:
         """Batches done here: reads, writes, entries (spans), bytes, wrs (work requests posted, failed ones too)."""

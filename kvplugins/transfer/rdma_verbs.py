@@ -222,7 +222,9 @@ def run_spans(
     return posted, [QpRun(*r) for r in out], lost
 
 
-def fast_routes(max_bytes: int, max_spans: int, signal_every: int, timeout_ms: float):
+def fast_routes(max_bytes: int, max_spans: int, signal_every: int, timeout_ms: float, max_routes: int = 256):
     """The native ``_verbs.FastRoutes`` table (rdma_fast.py; native/src/verbs/fast.h): batches of at most
-    ``max_spans`` spans and ``max_bytes`` bytes, ``timeout_ms`` when a call gives none."""
-    return _mod().FastRoutes(int(max_bytes), int(max_spans), max(1, int(signal_every)), float(timeout_ms))
+    ``max_spans`` spans and ``max_bytes`` bytes, ``timeout_ms`` when a call gives none, ``max_routes`` routes."""
+    return _mod().FastRoutes(
+        int(max_bytes), int(max_spans), max(1, int(signal_every)), float(timeout_ms), max(1, int(max_routes))
+    )

@@ -5,6 +5,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -171,25 +172,57 @@ struct FastDigests {
   }
 };
 
+// A route's owner: strong references to the caller's descriptor and queue pair objects. Released only with the
+// GIL held: every Routes / route pointer FastRoutes hands back is declared before the GilRelease that covers the
+// call, so it goes after the GIL is taken back (a daemon thread parked at exit never releases it).
+std::shared_ptr<void> owner_of(nb::handle remote, nb::handle qp) {
+  struct Refs {
+    PyObject *remote, *qp;
+  };
+  Py_INCREF(remote.ptr());
+  Py_INCREF(qp.ptr());
+  return std::shared_ptr<void>(new Refs{remote.ptr(), qp.ptr()}, [](void* p) {
+    auto* r = static_cast<Refs*>(p);
+    Py_DECREF(r->remote);
+    Py_DECREF(r->qp);
+    delete r;
+  });
+}
+
+// (local NIC, peer NIC) of each route taken out.
+std::vector<std::pair<size_t, size_t>> paths_of(const Routes& gone) {
+  std::vector<std::pair<size_t, size_t>> out;
+  for (const auto& r : gone) out.emplace_back(r->nic, r->rnic);
+  return out;
+}
+
 // FastRoutes with the engine's default timeout (read/write from TransferEngine's entry) for Python.
 struct PyFast {
   FastRoutes t;
   double timeout_ms;
-  PyFast(uint64_t max_bytes, size_t max_spans, size_t signal_every, double timeout)
-      : t(max_bytes, max_spans, signal_every), timeout_ms(timeout) {}
+  PyFast(uint64_t max_bytes, size_t max_spans, size_t signal_every, double timeout, size_t max_routes)
+      : t(max_bytes, max_spans, signal_every, max_routes), timeout_ms(timeout) {}
 
-  long run_at(bool read, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
+  // Every argument as the caller gave it (any object: what is not a batch this table takes returns 0, and the
+  // general path names what is wrong with it).
+  long run_at(bool read, nb::handle remote, nb::handle region_id, nb::handle la, nb::handle ro, nb::handle len,
               double deadline_at, nb::handle digests) {
+    if (!PyLong_CheckExact(region_id.ptr())) return 0;
+    const uint64_t region = PyLong_AsUnsignedLongLong(region_id.ptr());
+    if (region == uint64_t(-1) && PyErr_Occurred()) {
+      PyErr_Clear();
+      return 0;
+    }
     FastCol a, r, l;
     if (!a.take(la) || !r.take(ro) || !l.take(len) || a.n != l.n || r.n != l.n) return 0;
     FastDigests d;
     if (!d.take(digests, l.n)) return 0;
-    std::string seg;
+    std::shared_ptr<const FastRoute> keep;  // released after the GIL is back (owner_of)
     kvp::GilRelease rel;
-    return t.run(read, remote.ptr(), region, a.p, r.p, l.p, l.n, deadline_at, seg, d.p);
+    return t.run(read, remote.ptr(), region, a.p, r.p, l.p, l.n, deadline_at, d.p, keep);
   }
 
-  long run_in(bool read, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
+  long run_in(bool read, nb::handle remote, nb::handle region, nb::handle la, nb::handle ro, nb::handle len,
               nb::handle timeout, nb::handle digests) {
     double ms = timeout_ms;
     if (!timeout.is_none()) {
@@ -240,22 +273,23 @@ NB_MODULE(_verbs, m) {
         q.close();
       });
   nb::class_<PyFast>(m, "FastRoutes")
-      .def(nb::init<uint64_t, size_t, size_t, double>(), nb::arg("max_bytes"), nb::arg("max_spans"),
-           nb::arg("signal_every"), nb::arg("timeout_ms"))
+      .def(nb::init<uint64_t, size_t, size_t, double, size_t>(), nb::arg("max_bytes"), nb::arg("max_spans"),
+           nb::arg("signal_every"), nb::arg("timeout_ms"), nb::arg("max_routes"))
       .def("read",
-           [](PyFast& f, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
+           [](PyFast& f, nb::handle remote, nb::handle region, nb::handle la, nb::handle ro, nb::handle len,
               nb::handle timeout_ms,
               nb::handle digests) { return f.run_in(true, remote, region, la, ro, len, timeout_ms, digests); },
-           nb::arg("remote"), nb::arg("region"), nb::arg("laddr"), nb::arg("roff"), nb::arg("length"),
-           nb::arg("timeout_ms") = nb::none(), nb::arg("digests") = nb::none())
+           nb::arg("remote").none(), nb::arg("region").none(), nb::arg("laddr").none(), nb::arg("roff").none(),
+           nb::arg("length").none(), nb::arg("timeout_ms").none() = nb::none(), nb::arg("digests").none() = nb::none())
       .def("write",
-           [](PyFast& f, nb::handle remote, uint64_t region, nb::handle la, nb::handle ro, nb::handle len,
+           [](PyFast& f, nb::handle remote, nb::handle region, nb::handle la, nb::handle ro, nb::handle len,
               nb::handle timeout_ms,
               nb::handle digests) { return f.run_in(false, remote, region, la, ro, len, timeout_ms, digests); },
-           nb::arg("remote"), nb::arg("region"), nb::arg("laddr"), nb::arg("roff"), nb::arg("length"),
-           nb::arg("timeout_ms") = nb::none(), nb::arg("digests") = nb::none())
-      .def("run", &PyFast::run_at, nb::arg("read"), nb::arg("remote"), nb::arg("region"), nb::arg("laddr"),
-           nb::arg("roff"), nb::arg("length"), nb::arg("deadline_at"), nb::arg("digests") = nb::none())
+           nb::arg("remote").none(), nb::arg("region").none(), nb::arg("laddr").none(), nb::arg("roff").none(),
+           nb::arg("length").none(), nb::arg("timeout_ms").none() = nb::none(), nb::arg("digests").none() = nb::none())
+      .def("run", &PyFast::run_at, nb::arg("read"), nb::arg("remote").none(), nb::arg("region").none(),
+           nb::arg("laddr").none(), nb::arg("roff").none(), nb::arg("length").none(), nb::arg("deadline_at"),
+           nb::arg("digests").none() = nb::none())
       .def("add_local",
            [](PyFast& f, uint64_t id, uint64_t addr, uint64_t length, bool readonly, std::vector<uint32_t> lkeys) {
              kvp::GilRelease rel;
@@ -267,21 +301,30 @@ NB_MODULE(_verbs, m) {
              f.t.drop_local(id);
            })
       .def("put_route",
-           [](PyFast& f, nb::handle remote, uint64_t region, std::string segment, QueuePair* qp, size_t nic,
-              uint64_t raddr, uint64_t rlength, uint32_t rkey) {
+           [](PyFast& f, nb::handle remote, uint64_t region, std::string segment, nb::handle qp_obj, size_t nic,
+              size_t rnic, uint64_t raddr, uint64_t rlength, uint32_t rkey) {
+             QueuePair* qp = nb::cast<QueuePair*>(qp_obj);
              if (!qp) throw std::invalid_argument("put_route: the queue pair is None");
+             FastRoute r{remote.ptr(), region, std::move(segment), qp, nic, rnic, raddr, rlength, rkey,
+                         owner_of(remote, qp_obj)};
+             Routes gone;  // released after the GIL is back
              kvp::GilRelease rel;
-             f.t.put_route(FastRoute{remote.ptr(), region, std::move(segment), qp, nic, raddr, rlength, rkey});
+             gone = f.t.put_route(std::move(r));
            })
       .def("drop_routes",
            [](PyFast& f, std::string segment) {
-             kvp::GilRelease rel;
-             f.t.drop_routes(segment);
+             Routes gone;
+             {
+               kvp::GilRelease rel;
+               gone = f.t.drop_routes(segment);
+             }
+             return paths_of(gone);
            })
       .def("clear",
            [](PyFast& f) {
+             Routes gone;
              kvp::GilRelease rel;
-             f.t.clear();
+             gone = f.t.clear();
            })
       .def("counts", [](PyFast& f) {
         FastCounts c = f.t.counts();

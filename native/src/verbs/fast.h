@@ -8,12 +8,15 @@
 // Lifecycle, in call order: add_local per registered region; put_route after a good batch; run, from any thread;
 // drop_routes when a path fails; drop_local before an MR is deregistered; clear (the routes) before the queue
 // pairs close.
-// The mutators wait for the runs in flight (a shared lock each), so a queue pair, MR or mapping is never released
-// under a run. The caller keeps the objects a route points at (the remote descriptor, the queue pair) alive until
-// after drop_routes / clear / a replacing put_route returned.
+// A run holds the entries it uses (shared pointers taken under a brief shared lock), not the table, so a run on a
+// stalled peer delays no other batch or mutator. A route owns the caller's objects it points at (`owner`: the
+// remote descriptor and the queue pair's Python objects), released with the last holder: the calls that can drop
+// a route (put_route, drop_routes, clear, run) hand it back to the caller to release where that is safe (with the
+// GIL held: bind.cpp). drop_local waits for the runs holding that region (its memory stays mapped until then).
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <shared_mutex>
 #include <string>
 #include <vector>
@@ -29,14 +32,16 @@ struct FastLocal {
 };
 
 struct FastRoute {
-  const void* remote;  // the caller's descriptor object (identity only)
+  const void* remote;  // the caller's descriptor object (identity; kept alive by `owner`)
   uint64_t region;     // its region id
   std::string segment;
-  QueuePair* qp;
-  size_t nic;  // local NIC index: which lkey
+  QueuePair* qp;        // kept alive by `owner`
+  size_t nic, rnic;     // local NIC index (which lkey), the peer's NIC index
   uint64_t raddr, rlength;
   uint32_t rkey;
+  std::shared_ptr<void> owner;  // released by the caller's rule (see above)
 };
+using Routes = std::vector<std::shared_ptr<const FastRoute>>;
 
 struct FastCounts {
   uint64_t reads, writes, entries, bytes, wrs;
@@ -44,28 +49,31 @@ struct FastCounts {
 
 class FastRoutes {
  public:
-  FastRoutes(uint64_t max_bytes, size_t max_spans, size_t signal_every);
+  FastRoutes(uint64_t max_bytes, size_t max_spans, size_t signal_every, size_t max_routes);
   void add_local(FastLocal r);
   void drop_local(uint64_t id);
-  void put_route(FastRoute r);          // replaces the route of the same (remote, region)
-  void drop_routes(const std::string& segment);
-  void clear();  // every route (the locals stay)
+  // Each returns the routes it took out (the caller releases them).
+  Routes put_route(FastRoute r);  // replaces the route of the same (remote, region); past max_routes, all go
+  Routes drop_routes(const std::string& segment);
+  Routes clear();  // every route (the locals stay)
   // Moves span j (length[j] bytes between laddr[j] and offset roff[j] of the remote region) by READ or WRITE,
   // done by deadline_at (CLOCK_MONOTONIC s). Returns n once every span completed; 0 where the table cannot take
   // the batch (nothing was posted); -1 when a work request failed (the queue pair is killed; `segment` names the
   // peer, whose routes the caller drops): the caller runs the batch again on its general path.
-  // `digests` (nullptr, or n entries): set to each span's xxh3_64 of its local bytes after the move.
+  // `digests` (nullptr, or n entries): set to each span's xxh3_64 of its local bytes after the move. `keep`: the
+  // route used (the caller releases it).
   long run(bool read, const void* remote, uint64_t region, const uint64_t* laddr, const uint64_t* roff,
-           const uint64_t* length, size_t n, double deadline_at, std::string& segment, uint64_t* digests);
+           const uint64_t* length, size_t n, double deadline_at, uint64_t* digests,
+           std::shared_ptr<const FastRoute>& keep);
   FastCounts counts() const;
 
  private:
-  const FastLocal* local(uint64_t addr, uint64_t length) const;
+  const std::shared_ptr<const FastLocal>* local(uint64_t addr, uint64_t length) const;
   const uint64_t max_bytes_;
-  const size_t max_spans_, signal_every_;
-  mutable std::shared_mutex mu_;
-  std::vector<FastLocal> locals_;  // by address
-  std::vector<FastRoute> routes_;
+  const size_t max_spans_, signal_every_, max_routes_;
+  mutable std::shared_mutex mu_;                         // the two tables, never held during a transfer
+  std::vector<std::shared_ptr<const FastLocal>> locals_;  // by address
+  Routes routes_;
   std::atomic<uint64_t> reads_{0}, writes_{0}, entries_{0}, bytes_{0}, wrs_{0};
 };
 

@@ -10,6 +10,7 @@
 #pragma once
 #include <infiniband/verbs.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -81,7 +82,7 @@ class QueuePair {
   void connect(const Connect& c);
   void kill();   // to the error state: outstanding work is flushed, the NIC stops touching its memory
   void close();  // waits for a batch running on it (bounded by that batch's deadline)
-  bool dead() const { return dead_; }
+  bool dead() const { return dead_.load(std::memory_order_relaxed); }
   ibv_qp* qp() const { return qp_; }
   ibv_cq* cq() const { return cq_; }
   ibv_comp_channel* channel() const { return ctx_ ? ctx_->channel() : nullptr; }
@@ -91,7 +92,7 @@ class QueuePair {
   int depth_;
   ibv_cq* cq_ = nullptr;
   ibv_qp* qp_ = nullptr;
-  bool dead_ = false;
+  std::atomic<bool> dead_{false};  // read by FastRoutes::run without the busy_ lock
   std::mutex busy_;  // held by run() for the batch
   friend size_t run(bool, std::vector<Work>&, double, size_t);
   friend class FastRoutes;
