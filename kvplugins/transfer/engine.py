@@ -167,11 +167,14 @@ class TransferEngine:
         if fast is None or not 0 < len(reqs) <= SMALL:
             return None
         one = one_region(reqs)
-        if one is None:
-            return None
-        n = (fast.read if read else fast.write)(one[0], one[1], *one[2], timeout_ms)
+        return None if one is None else self._fast_spans(fast, read, one[0], one[1], *one[2], timeout_ms, None)
+
+    def _fast_spans(self, fast, read: bool, remote, region, addrs, roffs, lens, timeout_ms, digests) -> list | None:
+        """A small batch done by rdma's native route table ``fast`` (rdma_fast.py), or None where it did not take it
+        or a work request failed there (the path is marked: the caller runs the batch its general way)."""
+        n = (fast.read if read else fast.write)(remote, region, addrs, roffs, lens, timeout_ms, digests)
         if n < 0:
-            self._rdma.fast_failed(one[0].segment_id)
+            self._rdma.fast_failed(remote.segment_id)
         return [None] * n if n > 0 else None
 
     def write_spans(
@@ -200,14 +203,10 @@ class TransferEngine:
         OutOfRange for negative values, TransferFailed if closed.
         A small batch over rdma (the first transport) to a region its last small batch reached is checked,
         posted and hashed in one native call (rdma_fast.py); anything else goes through the router (routing.py)."""
-        fast = self._fast
-        if fast is not None:  # rdma's fence is its deadline: nothing is posted after it
-            n = fast.write(remote, remote_region, local_addrs, remote_offsets, lengths, timeout_ms, digests)
-            if n > 0:
-                return [None] * n
-            if n < 0:
-                self._rdma.fast_failed(remote.segment_id)
-        return self._router.run_spans(
+        fast = self._fast  # rdma's fence is its deadline: nothing is posted after it
+        done = fast and self._fast_spans(fast, False, remote, remote_region, local_addrs, remote_offsets, lengths,
+                                         timeout_ms, digests)  # fmt: skip
+        return done or self._router.run_spans(
             Op.WRITE,
             remote,
             remote_region,
@@ -232,13 +231,9 @@ class TransferEngine:
         """Array form of batch_read: span j copies remote bytes into local address ``local_addrs[j]``
         (writable registered memory). As write_spans otherwise (``digests`` hash the bytes read)."""
         fast = self._fast
-        if fast is not None:
-            n = fast.read(remote, remote_region, local_addrs, remote_offsets, lengths, timeout_ms, digests)
-            if n > 0:
-                return [None] * n
-            if n < 0:
-                self._rdma.fast_failed(remote.segment_id)
-        return self._router.run_spans(
+        done = fast and self._fast_spans(fast, True, remote, remote_region, local_addrs, remote_offsets, lengths,
+                                         timeout_ms, digests)  # fmt: skip
+        return done or self._router.run_spans(
             Op.READ, remote, remote_region, local_addrs, remote_offsets, lengths, self._timeout(timeout_ms), digests
         )
 

@@ -222,7 +222,8 @@ struct PyFast {
     return t.run(read, remote.ptr(), region, a.p, r.p, l.p, l.n, deadline_at, d.p, keep);
   }
 
-  long run_in(bool read, nb::handle remote, nb::handle region, nb::handle la, nb::handle ro, nb::handle len,
+  template <bool read>
+  long run_in(nb::handle remote, nb::handle region, nb::handle la, nb::handle ro, nb::handle len,
               nb::handle timeout, nb::handle digests) {
     double ms = timeout_ms;
     if (!timeout.is_none()) {
@@ -238,6 +239,11 @@ struct PyFast {
 };
 
 }  // namespace
+
+// FastRoutes.read / write: every argument any object (what the table cannot take returns 0).
+#define FAST_IN_ARGS                                                                                       \
+  nb::arg("remote").none(), nb::arg("region").none(), nb::arg("laddr").none(), nb::arg("roff").none(),     \
+      nb::arg("length").none(), nb::arg("timeout_ms").none() = nb::none(), nb::arg("digests").none() = nb::none()
 
 NB_MODULE(_verbs, m) {
   kvp::gil_init();
@@ -275,18 +281,8 @@ NB_MODULE(_verbs, m) {
   nb::class_<PyFast>(m, "FastRoutes")
       .def(nb::init<uint64_t, size_t, size_t, double, size_t>(), nb::arg("max_bytes"), nb::arg("max_spans"),
            nb::arg("signal_every"), nb::arg("timeout_ms"), nb::arg("max_routes"))
-      .def("read",
-           [](PyFast& f, nb::handle remote, nb::handle region, nb::handle la, nb::handle ro, nb::handle len,
-              nb::handle timeout_ms,
-              nb::handle digests) { return f.run_in(true, remote, region, la, ro, len, timeout_ms, digests); },
-           nb::arg("remote").none(), nb::arg("region").none(), nb::arg("laddr").none(), nb::arg("roff").none(),
-           nb::arg("length").none(), nb::arg("timeout_ms").none() = nb::none(), nb::arg("digests").none() = nb::none())
-      .def("write",
-           [](PyFast& f, nb::handle remote, nb::handle region, nb::handle la, nb::handle ro, nb::handle len,
-              nb::handle timeout_ms,
-              nb::handle digests) { return f.run_in(false, remote, region, la, ro, len, timeout_ms, digests); },
-           nb::arg("remote").none(), nb::arg("region").none(), nb::arg("laddr").none(), nb::arg("roff").none(),
-           nb::arg("length").none(), nb::arg("timeout_ms").none() = nb::none(), nb::arg("digests").none() = nb::none())
+      .def("read", &PyFast::run_in<true>, FAST_IN_ARGS)
+      .def("write", &PyFast::run_in<false>, FAST_IN_ARGS)
       .def("run", &PyFast::run_at, nb::arg("read"), nb::arg("remote").none(), nb::arg("region").none(),
            nb::arg("laddr").none(), nb::arg("roff").none(), nb::arg("length").none(), nb::arg("deadline_at"),
            nb::arg("digests").none() = nb::none())
