@@ -94,8 +94,8 @@ class Session:
         keys = [f"sb-{os.getpid()}-{self.target.label}-{case.name}{tag}-{r}-{j}" for j in range(case.batch)]
         self.gate.wait_for(case.batch_bytes)
         put = writer.call({"op": "put", "keys": keys, "size": case.size, "round": r})
-        leased_at = time.monotonic()
         get = reader.call({"op": "get", "keys": keys, "size": case.size})
+        leased_at = time.monotonic()  # every lease the get took (a re-read takes a new one) began before its reply
         if get["sums"] != put["sums"]:
             bad = [k for k, a, b in zip(keys, put["sums"], get["sums"]) if a != b]
             raise BytesMismatch(
