@@ -10,7 +10,8 @@ KVPluginsError
 │   ├── ProtocolError      malformed or unknown-version frame on the wire
 │   ├── OutOfRange         a request outside a registered region
 │   └── TransferFailed     the bytes did not move (peer gone, timeout, every transport failed)
-│       └── LeaseExpired   a store read ended after its read lease: its bytes may be stale, so they are not used
+│       ├── LeaseExpired   a store read ended after its read lease: its bytes may be stale, so they are not used
+│       └── SlotsBusy      no staging bounce slot freed in time (this process is busy; no peer failed)
 └── StoreError             the store (kvplugins/store)
     ├── KeyNotFound
     │   └── ChecksumMismatch   every replica read failed its checksum (a miss; never wrong bytes)
@@ -70,6 +71,11 @@ class LeaseExpired(TransferFailed):
     """A store read ended after the read lease its lookup granted (lease_ttl_ms): the object's space may have
     been handed to another object meanwhile, so the bytes are not used. The store client reads such entries
     again under a new lease (store_client.LEASE_ROUNDS rounds) before it returns this."""
+
+
+class SlotsBusy(TransferFailed):
+    """No staging bounce slot (transfer/staging.py) freed within its timeout: every slot is held by this
+    process's own transfers still running. Not sent; no peer failed (a miss or "not saved", not an outage)."""
 
 
 class StoreError(KVPluginsError):

@@ -3,8 +3,9 @@
 PageStore turns (block ids, block hashes) into store calls on whole pages, zero-copy: loads scatter each
 stored object straight into the engine's blocks (``batch_get_into``), saves gather straight from them
 (``batch_put_from``). It survives an unreachable store through its ResilientClient (connection.py, one per
-process, shared with ``share=``): the first failure is logged once, every call then answers "miss"/"not saved"
-without touching the network until ``retry_ms`` has passed, then it retries.
+process, shared with ``share=``): the first failure (a raised store error, or a batch whose transfers failed) is
+logged once, every call then answers "miss"/"not saved" without touching the network until ``retry_ms`` has
+passed, then it retries.
 Never raises a store error into the engine; a load that did not land reports its block ids as failed.
 Thread-safe: several engine threads (e.g. a load thread and a save thread) may share one PageStore.
 
@@ -17,7 +18,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 from kvplugins.errors import KVPluginsError, StoreError
-from kvplugins.layout.connection import ResilientClient
+from kvplugins.layout.connection import ResilientClient, failure
 from kvplugins.layout.keys import KeySpace
 from kvplugins.layout.spans import PageLayout, zero_spans
 from kvplugins.layout.staged import StagedPages
@@ -33,8 +34,6 @@ class PageStore:
     only looks up, e.g. a scheduler). required: the key spaces whose pages must all be stored for a hit (default:
     ``keyspace`` alone): a scheduler's are every TP rank's and every PP stage's (``require`` replaces them once
     the workers told theirs).
-    retry_on_load: a load reconnects at once even inside the back-off window (for engines whose loads follow
-    a lookup that just found the pages, so a failed load would cost a request or a recompute).
     staged: move the pages through host bounce slots (layout/staged.py) instead of straight from ``layout``'s
     memory: required for KV in device memory; the slots are what is registered with the client. Its ``mark()``
     (on the engine thread) gives the ``after`` of load/save.
@@ -49,12 +48,10 @@ class PageStore:
         layout: PageLayout | None = None,
         required: Sequence[KeySpace] = (),
         retry_ms: float = 5000,
-        retry_on_load: bool = False,
         staged: StagedPages | None = None,
         share: "PageStore | None" = None,
     ):
         self.keyspace, self.layout, self.staged = keyspace, layout, staged
-        self._retry_on_load = retry_on_load
         self._spaces = list(required) or [keyspace]
         # one client per process: a PageStore made with share= uses (and never closes) the other's
         self.conn = share.conn if share is not None else ResilientClient(client_factory, retry_ms, keyspace.namespace)
@@ -134,13 +131,18 @@ class PageStore:
             return [False] * n
         return [all(present[r * n + i] for r in range(len(self._spaces))) for i in range(n)]
 
-    def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> list[int]:
+    def load(
+        self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None, found_at: float | None = None
+    ) -> list[int]:
         """Scatter page ``hashes[i]`` into block ``block_ids[i]``; returns the block ids that did not load
         (store down, evicted, size mismatch, checksum mismatch). A failed block is left zeroed (read in place)
         or untouched (staged): never bytes that failed their checksum, since an engine may reuse a freed block
         partly filled, and masked garbage such as inf turns attention into NaN (vLLM zeroes reused blocks only
-        for Mamba or mixed precision). ``after``: staged only, the engine's mark (see StagedPages)."""
-        return load_pages([self], block_ids, hashes, after)
+        for Mamba or mixed precision). ``after``: staged only, the engine's mark (see StagedPages).
+        ``found_at`` (time.monotonic() s): a lookup found these pages by then; inside the back-off the load
+        reconnects at once unless the store failed after it (ResilientClient.get), so a failed load costs a
+        recompute only when the store is really down."""
+        return load_pages([self], block_ids, hashes, after, found_at)
 
     def save(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> int:
         """Store the pages not stored yet (one exists RPC, then one batch put); returns pages written.
@@ -170,7 +172,11 @@ class PageStore:
 
 # -- pages stored as one object per part (per KV head: layout/shards.py), one batch RPC for all parts ----------
 def load_pages(
-    parts: Sequence[PageStore], block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None
+    parts: Sequence[PageStore],
+    block_ids: Sequence[int],
+    hashes: Sequence[bytes],
+    after: Any = None,
+    found_at: float | None = None,
 ) -> list[int]:
     """PageStore.load for pages stored as one object per part (each part: its key space and its layout of the
     blocks; all parts share one client, ``share=``): one ``batch_get_into`` for every part's objects. A block
@@ -180,10 +186,10 @@ def load_pages(
         return []
     head = parts[0]
     if head.staged is not None and len(parts) > 1:
-        failed = {b for part in parts for b in load_pages([part], block_ids, hashes, after)}
+        failed = {b for part in parts for b in load_pages([part], block_ids, hashes, after, found_at)}
         return [b for b in block_ids if b in failed]
     spans = [sp for part in parts for sp in part._layout().spans_for(block_ids)] if head.staged is None else None
-    client = head.conn.get(now=head._retry_on_load)
+    client = head.conn.get(found_at)
     keys = [k for part in parts for k in part.keyspace.keys(hashes)]
     if client is None:  # the store is down: every block fails, and is zeroed like any failed block
         errors: list = [StoreError("the store is unavailable (backing off after a failure)")] * len(keys)
@@ -196,7 +202,7 @@ def load_pages(
             )
         except KVPluginsError as e:
             head._failed(e)
-            errors = [e] * len(keys)
+            errors, client = [e] * len(keys), None  # down now: logged once by _failed
         except BaseException:  # unexpected: what landed is unknown, so no block keeps it
             if spans is not None:
                 zero_spans([sp for block in spans for sp in block])
@@ -205,7 +211,10 @@ def load_pages(
         zero_spans([sp for block, err in zip(spans, errors) if err is not None for sp in block])
     n = len(block_ids)
     failed = [b for i, b in enumerate(block_ids) if any(errors[j * n + i] is not None for j in range(len(parts)))]
-    if failed and client is not None:  # a store that is down was logged once, by _failed
+    down = failure(errors) if client is not None else None
+    if down is not None:  # a node that stopped answering: back off rather than wait for it request by request
+        head._failed(down)
+    elif failed and client is not None:  # a store that is down was logged once, by _failed
         log.warning(
             "kvplugins: %d of %d pages failed to load: %s", len(failed), n, next(e for e in errors if e is not None)
         )
@@ -250,7 +259,10 @@ def save_pages(
         head._failed(e)
         return 0, [False] * n
     bad = [e for e in errors if e is not None]
-    if bad:
+    down = failure(bad)
+    if down is not None:  # as in load_pages: the next request does not wait for that node again
+        head._failed(down)
+    elif bad:
         log.warning("kvplugins: %d of %d page saves failed: %s", len(bad), len(todo), bad[0])
     for x, err in zip(todo, errors):
         present[x] = err is None

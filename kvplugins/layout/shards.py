@@ -63,10 +63,12 @@ class HeadShards:
     def connect(self) -> bool:
         return self.parts[0].connect()
 
-    def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> list[int]:
+    def load(
+        self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None, found_at: float | None = None
+    ) -> list[int]:
         """Every head's objects into the blocks in one batch RPC; returns the block ids any head failed
-        (pages.load_pages)."""
-        return load_pages(self.parts, block_ids, hashes, after)
+        (pages.load_pages; ``found_at`` as PageStore.load)."""
+        return load_pages(self.parts, block_ids, hashes, after, found_at)
 
     def save_held(self, block_ids: Sequence[int], hashes: Sequence[bytes], after: Any = None) -> tuple[int, list]:
         """Every head's missing objects in one batch RPC (pages.save_pages): (pages written, whether each page

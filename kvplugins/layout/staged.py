@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Sequence
 
-from kvplugins.errors import ConfigError, StoreError, TransferFailed
+from kvplugins.errors import ConfigError, SlotsBusy, StoreError
 from kvplugins.layout.spans import PageLayout, Plane
 from kvplugins.transfer.staging import StagingPool
 
@@ -182,7 +182,7 @@ class StagedPages:
                 with self.pool.slot(self._timeout_s) as slot:
                     start = slot.index * self.pool.slot_bytes
                     out += move(slot, self._host[start : start + self.pool.slot_bytes], ks, ids)
-            except TransferFailed as e:  # no slot came free: these pages are not moved (a miss)
+            except SlotsBusy as e:  # no slot came free: these pages are not moved (a miss)
                 out += [e] * len(ks)
         return out
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from kvplugins.errors import ConfigError, TransferFailed
+from kvplugins.errors import ConfigError, SlotsBusy
 
 if TYPE_CHECKING:
     from kvplugins.transfer.api import Region
@@ -85,12 +85,12 @@ class StagingPool:
     @contextlib.contextmanager
     def slot(self, timeout_s: float | None = None, nbytes: int = 0) -> Iterator[Slot]:
         """A free slot of at least ``nbytes`` for the ``with`` block (``timeout_s`` None: wait as long as it
-        takes). Raises TransferFailed when none frees up in ``timeout_s`` (every slot held by transfers still
+        takes). Raises SlotsBusy (a TransferFailed) when none frees up in ``timeout_s`` (every slot held by transfers still
         running: the caller treats its pages as not moved), ValueError when ``nbytes`` exceeds a fixed slot."""
         try:
             i = self._free.get(timeout=timeout_s)
         except queue.Empty:
-            raise TransferFailed(
+            raise SlotsBusy(
                 f"no staging slot free within {timeout_s:g} s ({len(self.slots)} slots of "
                 f"{self.slot_bytes} B all in use)"
             ) from None

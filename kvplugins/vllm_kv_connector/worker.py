@@ -78,6 +78,7 @@ class WorkerSide:
         self._pd_handshake = None  # the Producer's Offer, as vLLM carries it
         self._early: KVPluginsConnectorMetadata | None = None  # the step whose async work fence started
         self._idle = self._waiting = False  # metadata.idle / .waiting of this step
+        self._found_at = 0.0  # monotonic s this step's metadata arrived: its lookups had found their pages by then
         ev = getattr(vllm_config, "kv_events_config", None)
         self.events = EventLog(self.keyspace.block_size) if ev is not None and ev.enable_kv_cache_events else None
 
@@ -134,7 +135,6 @@ class WorkerSide:
             keyspace,
             layout,
             retry_ms=self.cfg.retry_ms,
-            retry_on_load=True,  # the scheduler found these pages just now
             staged=_staged(layout, self.cfg, shares),
             share=self.pages,
         )
@@ -154,7 +154,7 @@ class WorkerSide:
         if meta.loads.block_ids and self._chunk_of:
             self._load_layers(meta.loads, after)
         elif meta.loads.block_ids:
-            self.load_errors.update(self._load_batch(meta.loads, after))
+            self.load_errors.update(self._load_batch(meta.loads, after, self._found_at))
         if meta is not early:
             self._start_async(meta, after)
 
@@ -164,7 +164,7 @@ class WorkerSide:
             self._load_pool.submit(self._direct_ack, remote)
         direct = {r: b for r, b in meta.async_loads.items() if r in meta.remote}
         for req_id, pages in direct.items():
-            fut = self._load_pool.submit(self._direct_batch, pages, meta.remote[req_id])
+            fut = self._load_pool.submit(self._direct_batch, pages, meta.remote[req_id], self._found_at)
             self._loading[fut] = {req_id: frozenset(pages.block_ids)}
         batch, stored = PageBatch(), {}
         for req_id, pages in meta.async_loads.items():
@@ -173,13 +173,13 @@ class WorkerSide:
                 stored[req_id] = frozenset(pages.block_ids)
         self.stats.add(async_blocks=sum(len(b) for b in meta.async_loads.values()) * self._pages_unit)
         if stored:
-            self._loading[self._load_pool.submit(self._load_batch, batch, after)] = stored
+            self._loading[self._load_pool.submit(self._load_batch, batch, after, self._found_at)] = stored
 
     def _load_layers(self, batch: PageBatch, after) -> None:
         """Layer-wise synchronous load: each layer chunk's pages on the ``kvp-layer`` thread, in layer order;
         the forward waits per chunk (``wait_layer``), and ``drain_layers`` before anything reads the results."""
         for uid, part in batch.by_group().items():
-            self._layer_loads[uid] = self._layer_pool.submit(self._load_batch, part, after)
+            self._layer_loads[uid] = self._layer_pool.submit(self._load_batch, part, after, self._found_at)
 
     def wait_layer(self, layer_name: str) -> None:
         """vLLM's wait_for_layer_load: return once the chunk holding ``layer_name`` has loaded (or failed: its
@@ -199,8 +199,10 @@ class WorkerSide:
         staged = self.pages.staged if self.pages is not None else None
         return staged.mark() if staged is not None else None
 
-    def _load_batch(self, batch: PageBatch, after=None) -> list[int]:
-        """Load a batch; returns the block ids that did not land (every id when anything unexpected raised)."""
+    def _load_batch(self, batch: PageBatch, after=None, found_at: float | None = None) -> list[int]:
+        """Load a batch; returns the block ids that did not land (every id when anything unexpected raised).
+        ``found_at``: when its step's metadata arrived (PageStore.load: a store that failed before it is tried
+        again at once, one that failed since, e.g. in this step's fence, is not waited for again)."""
         if not batch.block_ids:
             return []
         if self.pages is None:
@@ -209,7 +211,7 @@ class WorkerSide:
         failed, nbytes = [], 0
         for group, part in batch.by_group().items():
             try:
-                bad = self.group_pages[group].load(part.block_ids, part.hashes, after)
+                bad = self.group_pages[group].load(part.block_ids, part.hashes, after, found_at)
             except Exception as e:  # noqa: BLE001 - a load must end in "loaded" or "failed", never in a lost thread
                 log.warning("kvplugins: load of %d pages failed: %r", len(part), e)
                 bad = list(part.block_ids)
@@ -227,7 +229,7 @@ class WorkerSide:
             self._reader = pd.consumer(self.layouts[self.groups[0].uid], self.cfg)
         return self._reader
 
-    def _direct_batch(self, batch: PageBatch, remote: RemoteLoad) -> list[int]:
+    def _direct_batch(self, batch: PageBatch, remote: RemoteLoad, found_at: float) -> list[int]:
         """P/D direct path: read the producer's blocks into ours, then ack; pages that did not arrive are tried
         in the store (a producer saves them as well); returns local ids that failed both."""
         t0 = time.perf_counter()
@@ -245,7 +247,7 @@ class WorkerSide:
                 reader.ack(offer, remote.slot, remote.token)
             direct = len(batch) - len(failed)
             if failed and self.pages is not None:  # the producer saved its pages too: try the store for the rest
-                failed = self._store_fallback(batch, failed)
+                failed = self._store_fallback(batch, failed, found_at)
         except Exception as e:  # noqa: BLE001 - a load must end in "loaded" or "failed", never in a lost thread
             log.warning("kvplugins: direct load of %d pages failed: %r", len(batch), e)
             failed = list(batch.block_ids)
@@ -259,13 +261,14 @@ class WorkerSide:
         self.stats.observe("load_seconds", time.perf_counter() - t0)
         return failed
 
-    def _store_fallback(self, batch: PageBatch, block_ids: list[int]) -> list[int]:
+    def _store_fallback(self, batch: PageBatch, block_ids: list[int], found_at: float) -> list[int]:
         """Load ``block_ids`` (of ``batch``) from the store (pages read past their lease are read again by the
         store client); returns the ids still missing."""
         if not block_ids:
             return block_ids
         idx = {b: i for i, b in enumerate(batch.block_ids)}
-        return self.group_pages[self.groups[0].uid].load(block_ids, [batch.hashes[idx[b]] for b in block_ids])
+        hashes = [batch.hashes[idx[b]] for b in block_ids]
+        return self.group_pages[self.groups[0].uid].load(block_ids, hashes, found_at=found_at)
 
     def _direct_ack(self, remote: RemoteLoad) -> None:
         """Ack the producer ranks this rank answers for: its own, and at another producer TP size every rank
@@ -294,6 +297,7 @@ class WorkerSide:
         when it has no synchronous load, while a P/D producer holds its blocks, its engine stepping, until
         decode acks: on a 2-CPU host decode's forward, slowed by that stepping, delayed the ack ~30 s
         (issue #30)."""
+        self._found_at = time.monotonic()  # before waiting for saves: a save failing now is a failure since
         for req_id in list(self._saving) if meta.fence_all else meta.fence:
             fut = self._saving.pop(req_id, None)
             if fut is not None:

@@ -62,6 +62,16 @@ def _p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
+def _slowest(run: dict, windows: list[Window], n: int = 5) -> list[str]:
+    """The ``n`` slowest requests: TTFT ms, start relative to the fault window it met (kind +s), for the log."""
+    out = []
+    for i in sorted(range(len(run["ttft_ms"])), key=lambda i: -run["ttft_ms"][i])[:n]:
+        t = run["started_s"][i]
+        met = [f"{w.kind}{t - w.start:+.1f}s" for w in windows if w.start - 5 < t < (w.end or w.start + 10)]
+        out.append(f"#{i} {run['ttft_ms'][i]:.0f} ms ({', '.join(met) or 'no fault'})")
+    return out
+
+
 def _overlapping(run: dict, w: Window) -> int:
     return sum(1 for t, dt in zip(run["started_s"], run["wall_s"]) if t < w.end and t + dt > w.start)
 
@@ -104,5 +114,6 @@ def test_engine_requests_complete_under_store_faults_within_the_load_timeout(tmp
     assert all(n > 0 for n in during.values()) and len(during) == 3, f"requests during each fault: {during}"
     bound = _p99(nc["ttft_ms"]) + RPC_MS + TRANSFER_MS
     print(f"TTFT p99: no connector {_p99(nc['ttft_ms']):.0f} ms, connector under faults {_p99(kv['ttft_ms']):.0f}"
-          f" ms (bound {bound:.0f} ms); max {max(kv['ttft_ms']):.0f} ms; requests during faults {during}")  # fmt: skip
+          f" ms (bound {bound:.0f} ms); max {max(kv['ttft_ms']):.0f} ms; requests during faults {during}; "
+          f"slowest: {_slowest(kv, nem.windows)}")  # fmt: skip
     assert _p99(kv["ttft_ms"]) <= bound

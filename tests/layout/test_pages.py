@@ -142,7 +142,11 @@ def test_load_while_the_store_is_down_zeroes_the_blocks_it_was_to_fill():
     assert p.stats["failed_pages"] == 2
 
 
-def test_retry_on_load_reconnects_inside_the_back_off(master):
+def test_a_load_found_after_the_failure_reconnects_inside_the_back_off(master):
+    """Inside the back-off a load reconnects at once when the store failed before the lookup that found its
+    pages (found_at), and does not when it failed since (the store is still failing: not waited for again)."""
+    import time
+
     calls = []
     real = client_factory(master)
 
@@ -159,12 +163,52 @@ def test_retry_on_load_reconnects_inside_the_back_off(master):
     writer.save([0], hashes(1, salt=5))
     writer.close()
     dst = kv()
-    p = PageStore(flaky, KS, PageLayout.from_tensors(dst), retry_ms=60000, retry_on_load=True)
+    p = PageStore(flaky, KS, PageLayout.from_tensors(dst), retry_ms=60000)
+    before = time.monotonic()
     assert not p.connect()
     assert p.stored_prefix(hashes(1, salt=5)) == 0  # lookups respect the back-off
-    assert p.load([3], hashes(1, salt=5)) == []  # a load retries at once
+    assert p.load([3], hashes(1, salt=5), found_at=before) == [3]  # found before the failure: not retried
+    assert len(calls) == 1 and not dst[0][3].any()
+    assert p.load([3], hashes(1, salt=5), found_at=time.monotonic()) == []  # found since: retried at once
     assert np.array_equal(dst[0][3], src[0][0]) and len(calls) == 2
     p.close()
+
+
+def test_a_node_that_stops_answering_costs_one_transfer_timeout_not_one_per_call():
+    """A store node frozen (SIGSTOP, real processes): the first load from it waits its transfer timeout and
+    fails; the PageStore then backs off, so the save and the load after it answer at once ("not saved" /
+    failed) instead of each waiting for the node again. Once it answers (SIGCONT) and the back-off has passed,
+    a load found after that lands the right bytes."""
+    import signal
+    import time
+
+    with store_cluster(nodes=1, segment_size="16MiB", node_flags={"transports": "tcp"}) as c:  # as across hosts
+        src = kv(11)
+        writer = PageStore(client_factory(c.master), KS, PageLayout.from_tensors(src))
+        h = hashes(2, salt=11)
+        assert writer.save([0, 1], h) == 2
+        writer.close()
+        dst = kv()
+        slow = client_factory(c.master, transfer_timeout_ms=1500, transports="tcp")
+        p = PageStore(slow, KS, PageLayout.from_tensors(dst), retry_ms=3000)
+        assert p.connect() and p.stored_prefix(h) == 2
+        c.nodes[0].popen.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert p.load([4, 5], h, found_at=t0) == [4, 5]
+            first = time.monotonic() - t0
+            t1 = time.monotonic()
+            assert p.save([6], hashes(1, salt=12)) == 0
+            assert p.load([4, 5], h, found_at=t0) == [4, 5]
+            after = time.monotonic() - t1
+        finally:
+            c.nodes[0].popen.send_signal(signal.SIGCONT)
+        assert first >= 1.4 and after < 0.5, (first, after)
+        assert p.stats["store_errors"] == 1 and not dst[0][4:6].any()
+        time.sleep(3.1)  # the back-off
+        assert p.load([4, 5], h, found_at=time.monotonic()) == []
+        assert np.array_equal(dst[0][4:6], src[0][0:2]) and np.array_equal(dst[1][4:6], src[1][0:2])
+        p.close()
 
 
 def test_lookup_only_store_refuses_load_clearly(master):

@@ -251,6 +251,27 @@ def test_master_without_etcd_fails_with_a_clear_error(tmp):
     assert "etcd http://127.0.0.1:1" in proc.log_tail()
 
 
+def test_a_leader_lookup_through_unanswering_etcd_members_costs_one_rpc_timeout():
+    """Three etcd members that accept connections and never answer (listening sockets nobody reads: an isolated
+    or frozen cluster): a client's leader lookup ends within its rpc_timeout_ms with MasterUnreachable, not
+    after one etcd timeout per member (3 s here)."""
+    import socket
+
+    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
+    try:
+        members = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in socks)
+        client = master_client(f"etcd://{members}", 1000)
+        t0 = time.monotonic()
+        with pytest.raises(MasterUnreachable, match="did not answer within 1000 ms"):
+            client.call("info")
+        took = time.monotonic() - t0
+        client.close()
+    finally:
+        for s in socks:
+            s.close()
+    assert 0.9 <= took < 1.6, took
+
+
 class _Lease:
     """An elector stand-in for in-process guards: leadership is set by the test (the etcd key is real)."""
 

@@ -36,7 +36,7 @@ class _EtcdFinder:
         self.key = (prefix or DEFAULT_PREFIX) + "/leader"
 
     def leader(self, deadline: float) -> dict | None:
-        return self.etcd.get_json(self.key)
+        return self.etcd.get_json(self.key, deadline)
 
     def none_found(self) -> str:
         return f"no leader is elected: etcd {self.etcd.url} has no {self.key} (masters down, or another prefix?)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
 from kvplugins.errors import ConfigError, StoreError
 
@@ -67,7 +68,7 @@ class Etcd:
         self._clients = [
             etcd3gw.client(host=host, port=port, timeout=timeout_s, api_path="/v3/") for host, port in endpoints
         ]
-        self._cur = 0
+        self._cur, self._timeout_s = 0, timeout_s
         exc = etcd3gw.exceptions
         self._down = (exc.ConnectionFailedError, exc.ConnectionTimeoutError, OSError)
         self._errors = (exc.Etcd3Exception, ValueError)
@@ -76,28 +77,40 @@ class Etcd:
     def client(self):
         return self._clients[self._cur]
 
-    def _do(self, what: str, fn, *args, **kwargs):
-        """``fn(client, *args, **kwargs)`` on the current member, then on the next ones while they are down."""
+    def _do(self, what: str, fn, *args, deadline: float | None = None, **kwargs):
+        """``fn(client, *args, **kwargs)`` on the current member, then on the next ones while they are down.
+        ``deadline`` (time.monotonic() s): every member's attempt together ends by then (each waits at most
+        ``timeout_s`` and what is left), so an unreachable cluster of N members costs the caller's timeout, not
+        N member timeouts."""
         last = None
         for _ in self._clients:
+            client, left = self.client, self._timeout_s
+            if deadline is not None:
+                left = min(left, deadline - time.monotonic())
+                if left <= 0.01:
+                    break
+            client.timeout = left  # etcd3gw's per-client request timeout (one Etcd per thread)
             try:
-                return fn(self.client, *args, **kwargs)
+                return fn(client, *args, **kwargs)
             except self._down as e:
                 last = e
                 self._cur = (self._cur + 1) % len(self._clients)
             except self._errors as e:
                 raise StoreError(f"etcd {self.url}: {what} failed: {e!r:.300}") from e
+        if last is None:
+            raise StoreError(f"etcd {self.url}: {what} not sent: its deadline had passed")
         raise StoreError(f"etcd {self.url}: {what} failed: {last!r:.300}; is etcd running?") from last
 
     def _post(self, client, path: str, body: dict) -> dict:
         return client.post(client.get_url(path), json=body)
 
-    def get(self, key: str) -> bytes | None:
-        values = self._do("get", lambda c: c.get(key.encode()))
+    def get(self, key: str, deadline: float | None = None) -> bytes | None:
+        """The value of ``key``, or None; ``deadline``: as ``_do``."""
+        values = self._do("get", lambda c: c.get(key.encode()), deadline=deadline)
         return values[0] if values else None
 
-    def get_json(self, key: str) -> dict | None:
-        raw = self.get(key)
+    def get_json(self, key: str, deadline: float | None = None) -> dict | None:
+        raw = self.get(key, deadline)
         return json.loads(raw) if raw else None
 
     def range_prefix(self, prefix: str, page: int = 50_000) -> list[tuple[str, bytes]]:
