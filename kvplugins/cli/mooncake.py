@@ -1,6 +1,7 @@
-"""``kvplugins mooncake``: run code written for Mooncake's store on a kvplugins store.
+"""``kvplugins mooncake``: run code written for Mooncake's store and Transfer Engine on kvplugins.
 
-kvplugins mooncake enable [--force]   install the mooncake.store shim (refuses over a real Mooncake unless --force)
+kvplugins mooncake enable [--force]   install the mooncake.store + mooncake.engine shim (refuses over a real
+                                      Mooncake unless --force)
 kvplugins mooncake disable            remove it
 kvplugins mooncake status             shim state
 """
@@ -11,11 +12,13 @@ from __future__ import annotations
 def add_parser(sub) -> None:
     from kvplugins.shims import add_commands
 
-    p = sub.add_parser("mooncake", help="make `import mooncake.store` use kvplugins' store: enable/disable/status")
+    p = sub.add_parser(
+        "mooncake", help="make `import mooncake.store` / `mooncake.engine` use kvplugins: enable/disable/status"
+    )
     add_commands(
         p.add_subparsers(dest="mooncake_command", metavar="MOONCAKE_COMMAND", required=True),
         "mooncake",
-        "`from mooncake.store import ...`",
+        "`from mooncake.store import ...` and `from mooncake.engine import ...`",
     )
 
 

@@ -11,7 +11,8 @@ SHIM = Shim(
     "mooncake",
     "mooncake",
     "mooncake-transfer-engine",
-    "`from mooncake.store import MooncakeDistributedStore` gives kvplugins' store client",
+    "`from mooncake.store import MooncakeDistributedStore` gives kvplugins' store client, "
+    "`from mooncake.engine import TransferEngine` its transfer core",
     (
         ("__init__.py", '"""mooncake, served by kvplugins (docs/store.md, Mooncake-compatible API)."""\n'),
         (
@@ -20,6 +21,13 @@ SHIM = Shim(
 """mooncake.store served by kvplugins.mooncake (docs/store.md, Mooncake-compatible API)."""
 from kvplugins.mooncake import *  # noqa: F401,F403 - the API, as kvplugins.mooncake.__all__ names it
 from kvplugins.mooncake import __all__  # noqa: F401
+''',
+        ),
+        (
+            "engine.py",
+            '''\
+"""mooncake.engine served by kvplugins.mooncake.te (docs/transfer.md, Mooncake Transfer Engine API)."""
+from kvplugins.mooncake.te import Read, TransferEngine, TransferNotify, TransferOpcode, Write  # noqa: F401
 ''',
         ),
     ),

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvplugins import native
-from kvplugins.errors import OutOfRange, TransferError, TransferFailed
+from kvplugins.errors import ConfigError, OutOfRange, TransferError, TransferFailed
 from kvplugins.transfer import cma, shmem
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor, TransferRequest
 from kvplugins.transfer.config import TransferConfig
@@ -28,7 +28,7 @@ from kvplugins.transfer.routing import Router, one_region
 from kvplugins.transfer.shm import ShmTransport
 from kvplugins.transfer.spans import SMALL, as_u64
 from kvplugins.transfer.tcp import TcpTransport
-from kvplugins.transfer.transport import Op, Transport
+from kvplugins.transfer.transport import Deadline, Op, Transport
 
 log = logging.getLogger("kvplugins.transfer")
 _ABSENT_LOGGED: set[str] = set()  # reasons "rdma transport absent" was logged for (at INFO once, then DEBUG)
@@ -258,6 +258,27 @@ class TransferEngine:
         engine has TCP, else None: the store client's one-call reads (native.get_many) go through it."""
         tcp = next((t for t in self._transports if isinstance(t, TcpTransport)), None)
         return None if tcp is None else tcp.peers
+
+    def serve_control(self, kind: str, handler) -> None:
+        """Answer control requests of ``kind`` from peers (``control`` below) with ``handler(body: dict, peer
+        address) -> reply dict`` (a flat map of scalars and lists: wire.py), run on a TCP server thread; a
+        KVPluginsError or ValueError it raises reaches the peer as its TransferFailed text. Peers are authenticated (the cluster secret) before any request.
+        Kinds this process does not serve answer "no <kind> control here". Raises ConfigError without TCP."""
+        self._tcp("serve_control").server.set_control(kind, handler)
+
+    def control(self, host: str, port: int, body: dict, timeout_ms: float | None = None) -> dict:
+        """Send control request ``body`` (a msgpack-able dict with "kind") to the TCP transport of the engine at
+        ``host``:``port`` (its descriptor's "tcp" endpoint) and return its handler's reply. One request on a
+        pooled authenticated connection. Raises TransferFailed (unreachable, refused, timeout after ``timeout_ms``
+        (default config.timeout_ms), or the handler's error), ConfigError without TCP here."""
+        deadline = Deadline(self._timeout(timeout_ms))
+        return self._tcp("control").control({"host": host, "port": int(port)}, body, deadline)
+
+    def _tcp(self, what: str) -> TcpTransport:
+        tcp = next((t for t in self._transports if isinstance(t, TcpTransport)), None)
+        if tcp is None:
+            raise ConfigError(f"{what} needs the tcp transport; add tcp to transports (now {self.config.transports!r})")
+        return tcp
 
     def route_natively(self, name: str, remote: SegmentDescriptor) -> bool:
         """Route each region of ``remote`` (the segment the master calls ``name``) whose first transport here is

@@ -14,7 +14,8 @@ Response header: {"v": 1, "op": 3, "id": same id, "st": [None | "error text", ..
                  a read response's payload is the bytes of the entries whose status is None, in order.
 Control request: {"v": 1, "op": 4, "id": u63, "c": {"kind": str, ...}} with an empty payload: connection set-up of
                  another transport over this authenticated connection (the RDMA transport's QP exchange); the
-                 response carries one status and "c": the handler's reply (a flat map of scalars and lists).
+                 response carries one status and "c": the handler's reply (a flat map of scalars and lists; its
+                 strings may be up to MAX_HEADER long, a request's up to 256).
 Refusal:         a response with id 0 (no request uses it) and one status, the reason, sent by a server over a
                  connection limit before it closes the connection (tcp_server.py, security/limits.py).
 Limits: header_len <= MAX_HEADER, header_len + payload_len <= max_frame (config), at most MAX_ENTRIES
@@ -131,6 +132,16 @@ _Control = Annotated[
     ],
     Meta(max_length=MAX_CONTROL_FIELDS),
 ]
+# a reply may also carry text up to the header's size (e.g. a peer's segment as JSON: kvplugins/mooncake/te_peers.py);
+# it comes from the server this process asked, over an authenticated connection, and is bounded by MAX_HEADER
+_ReplyScalar = Union[Annotated[str, Meta(max_length=MAX_HEADER)], int, float, bool, None]
+_Reply = Annotated[
+    dict[
+        Annotated[str, Meta(max_length=32)],
+        Union[_ReplyScalar, Annotated[list[_Scalar], Meta(max_length=MAX_CONTROL_LIST)]],
+    ],
+    Meta(max_length=MAX_CONTROL_FIELDS),
+]
 
 
 class _RequestHeader(msgspec.Struct, forbid_unknown_fields=True):
@@ -153,7 +164,7 @@ class _ResponseHeader(msgspec.Struct, forbid_unknown_fields=True):
     op: int
     id: int
     st: list[Union[Annotated[str, Meta(max_length=MAX_STATUS)], None]]
-    c: Union[_Control, None] = None
+    c: Union[_Reply, None] = None
 
 
 _REQUEST = msgspec.msgpack.Decoder(_RequestHeader)

@@ -239,22 +239,12 @@ def test_a_contradicting_shard_is_a_miss_not_the_wrong_bytes():
 def test_the_mooncake_shim_exports_these_types_under_mooncakes_names(tmp_path):
     """`kvplugins mooncake enable`: `from mooncake.store import ParallelAxis, TaskStatus, ...` gives ours, and every
     name the shim exports is one the real 0.3.13 module has."""
-    import os
-    import subprocess
-    import sys
+    from helpers.shims import shim_probe
     from kvplugins.mooncake import shim as mooncake_shim
 
     real = pytest.importorskip("mooncake.store")
-    mooncake_shim.enable(tmp_path, force=True)
     probe = "import mooncake.store as m; print(m.MooncakeDistributedStore.__module__, *m.__all__)"
-    out = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        env={**os.environ, "PYTHONPATH": str(tmp_path / mooncake_shim.SHIM.shim_dir)},
-    ).stdout.split()
+    out = shim_probe(mooncake_shim.SHIM, tmp_path, probe)
     assert out[0] == "kvplugins.mooncake.api"
     assert set(out[1:]) <= set(dir(real))
     assert {

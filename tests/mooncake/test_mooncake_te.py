@@ -1,0 +1,128 @@
+"""Mooncake's Transfer Engine API on kvplugins.transfer (kvplugins/mooncake/te.py, issue #36): one script
+(te_script.py: two processes, P2PHANDSHAKE over TCP on loopback, byte-checked reads and writes, sync, async,
+submit/check, notify, managed buffers) gives the same codes and bytes on ours and on the real Mooncake 0.3.13
+wheel; what ours refuses where Mooncake would read past a buffer, or crash, returns its code and moves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvplugins.mooncake import te
+
+SCRIPT = Path(__file__).with_name("te_script.py")
+EXPECTED = {  # the real wheel's answers (test_the_script_gives_the_same_answers_on_real_mooncake)
+    "init": 0, "register": 0, "read": 0, "read_bytes": True, "write": 0, "write_bytes": True, "batch_read": 0,
+    "batch_read_bytes": True, "batch_write": 0, "batch_write_bytes": True, "async_id": True, "async_status": 0,
+    "async_bytes": True, "async_opcode_status": 0, "submit_id": True, "check_status": 1, "submit_bytes": True,
+    "first_buffer": True, "notify": 0, "notifies": [["driver", "done-1"]], "sizes_differ": -1, "unknown_peer": -1,
+    "managed": True, "write_bytes_to_buffer": 0, "read_bytes_from_buffer": True, "free_managed": 0, "unregister": 0,
+}  # fmt: skip
+
+
+def _run(impl: str, *prefix: str) -> dict:
+    proc = subprocess.run([*prefix, sys.executable, str(SCRIPT), impl], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_script_runs_on_ours():
+    assert _run("ours") == EXPECTED
+
+
+def test_the_script_gives_the_same_answers_on_real_mooncake():
+    pytest.importorskip("mooncake.engine")
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("the real wheel binds 0.0.0.0: it runs in a private network namespace (root, unshare)")
+    assert _run("real", "unshare", "-n") == EXPECTED
+
+
+@pytest.fixture
+def pair():
+    """Two of our engines in this process, each with 64 KiB registered: (a, b, a's buffer, b's buffer, b's name)."""
+    a, b = te.TransferEngine(), te.TransferEngine()
+    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert b.initialize("127.0.0.1:0", "P2PHANDSHAKE", "tcp", "") == 0
+    abuf, bbuf = np.zeros(1 << 16, np.uint8), np.arange(1 << 16, dtype=np.uint64).astype(np.uint8)
+    assert (
+        a.register_memory(abuf.ctypes.data, abuf.nbytes) == 0 and b.register_memory(bbuf.ctypes.data, bbuf.nbytes) == 0
+    )
+    yield a, b, abuf, bbuf, f"127.0.0.1:{b.get_rpc_port()}"
+    a.close()
+    b.close()
+
+
+def test_what_ours_refuses_moves_nothing(pair):
+    """Spans past the peer's buffers (Mooncake's TCP transport reads whatever lies there) or in local memory not
+    registered, a malformed name, an unknown batch id: the call's failure code, and not a byte moved."""
+    a, b, abuf, bbuf, name = pair
+    base = bbuf.ctypes.data
+    assert a.transfer_sync_read(name, abuf.ctypes.data, base + bbuf.nbytes - 8, 16) == -1  # runs past its end
+    assert a.transfer_sync_write(name, abuf.ctypes.data, base - 4096, 16) == -1  # before it
+    stray = np.ones(64, np.uint8)
+    assert a.transfer_sync_read(name, stray.ctypes.data, base, 64) == -1  # our buffer is not registered
+    assert not abuf.any() and stray.all() and np.array_equal(bbuf, np.arange(1 << 16, dtype=np.uint64).astype(np.uint8))
+    for bad in ("nohost", "127.0.0.1:0", "127.0.0.1:x", 7):
+        assert a.transfer_sync_read(bad, abuf.ctypes.data, base, 16) == -1
+    assert a.batch_transfer_async_read(name, [abuf.ctypes.data], [base + (1 << 16)], [1]) == 0
+    assert a.transfer_submit_write(name, abuf.ctypes.data, base - 1, 1) == -1
+    assert a.transfer_check_status(12345) == -1 and a.get_batch_transfer_status([12345]) == -1
+    assert a.unregister_memory(abuf.ctypes.data + 1) == -1 and a.free_managed_buffer(abuf.ctypes.data, 16) == -1
+    with pytest.raises(ValueError, match="not inside registered memory"):
+        a.read_bytes_from_buffer(stray.ctypes.data, 8)
+    assert a.write_bytes_to_buffer(stray.ctypes.data, b"x" * 8, 8) == -1 and stray.all()
+
+
+def test_a_buffer_the_peer_registers_later_is_found_and_one_it_dropped_is_refused(pair):
+    """A segment is asked again when an address is not in the cached one. A buffer the peer dropped is refused
+    once the segment is asked again (send_probe); until then a one-sided same-host path (cma, as Mooncake's
+    shm/RDMA with a cached segment) may still reach it: the peer must not drop memory a transfer may target."""
+    a, b, abuf, bbuf, name = pair
+    assert a.transfer_sync_read(name, abuf.ctypes.data, bbuf.ctypes.data, 64) == 0  # the peer's segment is cached
+    later = np.full(4096, 9, np.uint8)
+    assert b.register_memory(later.ctypes.data, later.nbytes) == 0
+    assert a.transfer_sync_read(name, abuf.ctypes.data, later.ctypes.data, 4096) == 0  # asked again, found
+    assert (abuf[:4096] == 9).all()
+    assert b.unregister_memory(later.ctypes.data) == 0 and a.send_probe(name) == 0
+    abuf[:] = 0
+    assert a.transfer_sync_read(name, abuf.ctypes.data, later.ctypes.data, 4096) == -1  # the peer refuses it now
+    assert not abuf.any()
+
+
+def test_calls_before_initialize_and_other_metadata_modes_are_refused_by_code():
+    e = te.TransferEngine()
+    assert e.register_memory(4096, 16) == -1 and e.get_rpc_port() == -1
+    assert (
+        e.transfer_sync_read("127.0.0.1:1", 4096, 4096, 16) == -1
+        and e.batch_transfer_async_read("a:1", [], [], []) == 0
+    )
+    assert e.allocate_managed_buffer(4096) == 0 and e.get_notifies() == []
+    assert e.initialize("127.0.0.1", "http://127.0.0.1:8080/metadata", "tcp", "") == -1  # P2PHANDSHAKE only
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1  # once
+    assert e.get_rpc_port() > 0 and json.loads(e.get_local_topology())["transports"][-1] == "tcp"
+    e.close()
+
+
+def test_the_shim_serves_mooncake_engine_with_names_the_wheel_has(tmp_path):
+    from helpers.shims import shim_probe
+    from kvplugins.mooncake import shim as mooncake_shim
+
+    real = pytest.importorskip("mooncake.engine")
+    probe = (
+        "import mooncake.engine as m; "
+        "print(m.TransferEngine.__module__, int(m.Write), *sorted(n for n in dir(m) if n[0] != '_'))"
+    )
+    out = shim_probe(mooncake_shim.SHIM, tmp_path, probe)
+    assert out[0] == "kvplugins.mooncake.te" and out[1] == str(int(real.TransferOpcode.Write))
+    assert {"TransferEngine", "TransferOpcode", "TransferNotify", "Read", "Write"} <= set(out[2:]) <= set(dir(real))
+    ours = {n for n in dir(te.TransferEngine) if not n.startswith("_")} - {"close"}
+    assert ours <= set(dir(real.TransferEngine))
