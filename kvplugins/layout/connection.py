@@ -102,8 +102,9 @@ class ResilientClient:
 def failure(errors: list) -> Exception | None:
     """The first per-key error of a batch that says the store is failing (a transfer to a node that failed or
     timed out: a stopped or cut-off node), else None. A read past its lease (slow, not failing), no free
-    bounce slot (this process busy), a missing key, a checksum mismatch or a full store are not failures. The engine adapters back off on it as on a
-    raised store error: a node that stopped answering costs one transfer timeout, not one per request."""
+    bounce slot (this process busy), a missing key, a checksum mismatch or a full store are not failures. The
+    engine adapters back off on it as on a raised store error: a node that stopped answering costs one transfer
+    timeout, not one per request."""
     return next(
         (e for e in errors if isinstance(e, TransferFailed) and not isinstance(e, (LeaseExpired, SlotsBusy))), None
     )

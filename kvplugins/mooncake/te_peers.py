@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 
 from kvplugins.errors import ProtocolError, TransferFailed
+from kvplugins.store.client.rpc import parse_address
 from kvplugins.transfer import SegmentDescriptor, TransferEngine
 
 SEGMENT, NOTIFY = "mooncake.segment", "mooncake.notify"
@@ -45,14 +46,8 @@ class Peer:
 
 
 def parse_name(name: object) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) as (host, port). Raises ValueError naming the value."""
-    if not isinstance(name, str) or ":" not in name:
-        raise ValueError(f"segment name {name!r}: use the peer's host:port (P2PHANDSHAKE: its get_rpc_port())")
-    host, _, port = name.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"segment name {name!r}: use host:port with a port in 1..65535")
-    return host, int(port)
+    """``host:port`` (``[v6]:port`` too) as (host, port). Raises ConfigError naming the value."""
+    return parse_address(name, "segment name", "the peer's host and get_rpc_port(), 10.0.0.2:15000")  # type: ignore[arg-type]
 
 
 def peer_from_wire(reply: object) -> Peer:
@@ -90,7 +85,7 @@ class Segments:
             self._buffers.pop(addr, None)
 
     def open(self, name: str, fresh: bool = False) -> Peer:
-        """The peer segment ``name`` (cached; asked again when ``fresh``). Raises ValueError (a bad name),
+        """The peer segment ``name`` (cached; asked again when ``fresh``). Raises ConfigError (a bad name),
         TransferFailed (unreachable, refused, timeout) or ProtocolError (a malformed reply)."""
         with self._lock:
             peer = None if fresh else self._peers.get(name)

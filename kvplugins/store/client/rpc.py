@@ -28,12 +28,13 @@ IDLE_CHECK_S = 1.0  # a connection unused this long is checked for a close by th
 RECONNECT_IVL_MS = 100  # ZMQ_RECONNECT_IVL of a control-plane socket (libzmq's default); tests shorten it
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """'host:port' (optionally 'tcp://host:port') -> (host, port). Raises ConfigError."""
-    text = address.removeprefix("tcp://")
+def parse_address(address: str, what: str = "master address", example: str = "127.0.0.1:5555") -> tuple[str, int]:
+    """'host:port' (optionally 'tcp://host:port'; '[v6]:port') -> (host, port). Raises ConfigError naming
+    ``what`` it is and an ``example``."""
+    text = address.removeprefix("tcp://") if isinstance(address, str) else ""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 1 << 16:
-        raise ConfigError(f"master address {address!r} must be host:port with a port in 1-65535, e.g. 127.0.0.1:5555")
+        raise ConfigError(f"{what} {address!r} must be host:port with a port in 1-65535, e.g. {example}")
     return host.strip("[]"), int(port)
 
 
