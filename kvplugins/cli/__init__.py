@@ -26,6 +26,7 @@ COMMANDS = (
     "doctor",
     "replay",
     "credential",
+    "p2p",
 )  # module: name with "-" -> "_"
 
 

@@ -12,7 +12,7 @@ import os
 from kvplugins.config import add_arguments, env_name, from_args
 from kvplugins.security.secret import AuthConfig, load_secret
 
-AUTH_COMMANDS = ("master", "store", "up", "status", "events", "credential")
+AUTH_COMMANDS = ("master", "store", "up", "status", "events", "credential", "p2p")
 
 
 def add_flags(sub) -> None:

@@ -36,6 +36,9 @@ class Region:
         peers get the memory as a file descriptor from its owner (transfer/fdpass.py).
     exported: whether remote peers may read/write it through this engine's servers.
     readonly: the memory is read-only (e.g. ``bytes``): it can be a write source, never a destination.
+    peer_readonly: exported for peers to read only (their writes are refused, over every transport that serves
+        them: TCP, RDMA without remote write access); this process may still read into it (kvplugins.p2p's
+        replicas). A same-host peer of the same user can write any of this process's memory anyway (cma).
     """
 
     region_id: int
@@ -44,6 +47,12 @@ class Region:
     shm_path: str | None = None
     exported: bool = False
     readonly: bool = False
+    peer_readonly: bool = False
+
+    @property
+    def peers_write(self) -> bool:
+        """Whether peers may write into it (exported, and neither readonly nor peer_readonly)."""
+        return self.exported and not (self.readonly or self.peer_readonly)
 
 
 @dataclass(frozen=True)

@@ -77,15 +77,18 @@ class TransferEngine:
         return [started[n] for n in names if n in started]
 
     # -- memory -------------------------------------------------------------------------------------
-    def register(self, mem: Any, length: int | None = None, export: bool = False) -> Region:
+    def register(
+        self, mem: Any, length: int | None = None, export: bool = False, peer_readonly: bool = False
+    ) -> Region:
         """Register ``mem`` (C-contiguous numpy array, contiguous torch CPU tensor, memoryview/bytearray
         or other buffer, or an int address with ``length`` in bytes). The caller keeps int-addressed
         memory alive until unregister(). ``export=True`` lets peers read/write it (over TCP; shm needs
         alloc_shared memory). Read-only memory (bytes, a read-only array) gives Region.readonly: it may be
-        a write source but never a read destination nor written by peers.
+        a write source but never a read destination nor written by peers. ``peer_readonly``: peers may read an
+        exported region but never write it (Region.peer_readonly).
         Raises TypeError for unsupported memory, OutOfRange for a bad length."""
         addr, nbytes, owner, readonly = buffer_span(mem, length)
-        return self._added(self._regions.add(addr, nbytes, owner, None, export, readonly))
+        return self._added(self._regions.add(addr, nbytes, owner, None, export, readonly, peer_readonly))
 
     def alloc_shared(self, nbytes: int, export: bool = True, populate: bool = True) -> Region:
         """Allocate ``nbytes`` of zeroed memfd/POSIX-shm memory (config.shm_backend) and register it with

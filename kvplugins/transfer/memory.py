@@ -159,9 +159,10 @@ class RegionTable:
         shm_path: str | None = None,
         export: bool = False,
         readonly: bool = False,
+        peer_readonly: bool = False,
     ) -> Region:
         with self._lock:
-            region = Region(next(self._ids), addr, length, shm_path, bool(export), bool(readonly))
+            region = Region(next(self._ids), addr, length, shm_path, bool(export), bool(readonly), bool(peer_readonly))
             self._regions[region.region_id] = (region, owner)
             self._reindex()
             if region.exported:
@@ -199,8 +200,8 @@ class RegionTable:
             entry = self._regions.get(region_id)
         if entry is None or not entry[0].exported:
             raise OutOfRange(f"region {region_id} is not exported by this engine")
-        if write and entry[0].readonly:
-            raise OutOfRange(f"region {region_id} is read-only memory; peers may only read it")
+        if write and not entry[0].peers_write:
+            raise OutOfRange(f"region {region_id} is read-only to peers; they may only read it")
         return span_addr(entry[0], offset, length, "remote"), _pin(entry[1])
 
     def find(self, addr: int, length: int) -> Region:

@@ -38,7 +38,7 @@ class Server:
     def add_region(self, region: Region, pin: Any) -> None:
         """Serve exported ``region``; ``pin`` (an object keeping its memory mapped) is held until the region is
         removed and no frame uses it any more."""
-        self._srv.add_region(region.region_id, region.addr, region.length, region.readonly, pin)
+        self._srv.add_region(region.region_id, region.addr, region.length, not region.peers_write, pin)
 
     def remove_region(self, region: Region) -> None:
         """Stop serving ``region`` (frames already using it finish; new ones get an error status)."""

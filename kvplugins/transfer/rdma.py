@@ -135,10 +135,10 @@ class RdmaTransport(Transport):
 
     @staticmethod
     def _access(region: Region) -> int:
-        if region.readonly:
-            return verbs.ACCESS_REMOTE_READ if region.exported else 0
-        remote = verbs.ACCESS_REMOTE_READ | verbs.ACCESS_REMOTE_WRITE if region.exported else 0
-        return verbs.ACCESS_LOCAL_WRITE | remote
+        remote = verbs.ACCESS_REMOTE_READ if region.exported else 0
+        if region.peers_write:
+            remote |= verbs.ACCESS_REMOTE_WRITE
+        return remote if region.readonly else verbs.ACCESS_LOCAL_WRITE | remote
 
     def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
         ep = remote.transports.get("rdma")

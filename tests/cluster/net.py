@@ -112,13 +112,14 @@ class Net:
         self.down()
 
     # ---- link faults -------------------------------------------------------------------------------------
-    def shape(self, i: int, rate: str | None = None, loss: float | None = None) -> None:
-        """Host i's link: ``rate`` (e.g. "10mbit"; "" removes it) on both ends, ``loss`` percent of what host i
-        receives dropped at random (0 removes it)."""
+    def shape(self, i: int, rate: str | None = None, loss: float | None = None, queue_ms: int = 400) -> None:
+        """Host i's link: ``rate`` (e.g. "10mbit"; "" removes it) on both ends, with a drop-tail queue of
+        ``queue_ms`` at that rate (tbf latency; this kernel has no fair queueing qdisc), ``loss`` percent of what
+        host i receives dropped at random (0 removes it)."""
         if rate is not None:
             for ns, dev in ((self.ns(i), "eth0"), (self.switch, f"v{i}")):
                 if rate:
-                    tbf = ("tbf", "rate", rate, "burst", "256kbit", "latency", "400ms")
+                    tbf = ("tbf", "rate", rate, "burst", "256kbit", "latency", f"{queue_ms}ms")
                     _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", *tbf)
                 else:
                     _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
