@@ -1,4 +1,5 @@
-"""vLLM general plugin: registers ``KVPluginsConnector`` with KVConnectorFactory by name.
+"""vLLM general plugin: registers ``KVPluginsConnector`` with KVConnectorFactory by name, and the "kvplugins"
+weight transfer backend (kvplugins/vllm_weight_transfer).
 
 Installed as the ``vllm.general_plugins`` entry point ``kvplugins`` (pyproject.toml), which vLLM loads in every
 process (front-end, engine core, workers) before it builds a connector, so
@@ -23,3 +24,6 @@ def register() -> None:
         KVConnectorFactory.register_connector(NAME, MODULE, NAME)
     except ValueError:  # already registered: by an earlier call in this process
         pass
+    from kvplugins.vllm_weight_transfer import register as register_weight_transfer
+
+    register_weight_transfer()  # the "kvplugins" weight transfer backend (RL weight updates over kvplugins.p2p)

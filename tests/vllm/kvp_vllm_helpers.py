@@ -149,6 +149,7 @@ class Server:
         max_model_len: int = 4096,
         env: dict | None = None,
         tp: int = 1,
+        extra_args: tuple[str, ...] = (),
     ):
         import json
         import os
@@ -182,6 +183,7 @@ class Server:
             args += ["--kv-transfer-config", json.dumps(ktc)]
         if tp > 1:
             args += ["--tensor-parallel-size", str(tp)]
+        args += list(extra_args)
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             args,
