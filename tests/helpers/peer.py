@@ -3,7 +3,8 @@ seeded random bytes, sends its SegmentDescriptor back, and answers digest/read/f
 
     with Peer(transports="tcp", size=1 << 20, seed=7) as p:
         p.descriptor, p.region_id (alloc_shared, exported), p.plain_id (plain numpy, exported),
-        p.hidden_id (registered, not exported), p.digest(off, n), p.read(off, n), p.stats(), p.kill(), p.stop()
+        p.hidden_id (registered, not exported), p.guarded_id (plain numpy, exported read-only to peers: GUARDED
+        bytes seeded from ``seed + 1``), p.digest(off, n), p.read(off, n), p.stats(), p.kill(), p.stop()
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from kvplugins.transfer import SegmentDescriptor, TransferConfig, TransferEngine
 
 PLAIN_SIZE = 1 << 20
+GUARDED_SIZE = 1 << 16
 START_S = 180 if os.environ.get("KVPLUGINS_IN_GUEST") == "1" else 30  # the TCG guest is ~10-50x slower
 
 
@@ -39,8 +41,11 @@ def _main(conn, config_kwargs: dict, size: int, seed: int, dumpable: bool = True
     plain = np.zeros(PLAIN_SIZE, dtype=np.uint8)
     plain_r = eng.register(plain, export=True)
     hidden_r = eng.register(np.zeros(4096, dtype=np.uint8), export=False)
-    conn.send((eng.descriptor().to_wire(), shared.region_id, plain_r.region_id, hidden_r.region_id))
-    regions = {shared.region_id: shared, plain_r.region_id: plain_r}
+    guarded = seeded(GUARDED_SIZE, seed + 1).copy()
+    guarded_r = eng.register(guarded, export=True, peer_readonly=True)
+    ids = (shared.region_id, plain_r.region_id, hidden_r.region_id, guarded_r.region_id)
+    conn.send((eng.descriptor().to_wire(), *ids))
+    regions = {shared.region_id: shared, plain_r.region_id: plain_r, guarded_r.region_id: guarded_r}
     while True:
         cmd, *args = conn.recv()
         if cmd == "exit":
@@ -93,7 +98,7 @@ class Peer:
         if not self._conn.poll(START_S):
             self.kill()
             raise RuntimeError(f"peer process did not start within {START_S} s")
-        wire, self.region_id, self.plain_id, self.hidden_id = self._conn.recv()
+        wire, self.region_id, self.plain_id, self.hidden_id, self.guarded_id = self._conn.recv()
         self.descriptor = SegmentDescriptor.from_wire(wire)
         self.size, self.seed = size, seed
 

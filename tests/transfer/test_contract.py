@@ -4,8 +4,8 @@ misaligned offsets, batches, both directions, blocking and future forms, per-ent
 import numpy as np
 import pytest
 
-from helpers.peer import digest, seeded
-from kvplugins.errors import OutOfRange
+from helpers.peer import GUARDED_SIZE, digest, seeded
+from kvplugins.errors import OutOfRange, TransferError
 from kvplugins.transfer import TransferRequest
 
 SIZES = [1, 7, 4099, (1 << 20) + 3, 64 << 20]
@@ -74,6 +74,22 @@ def test_batch_of_many_entries(engine, peer, form):
     ]
     assert run(engine, "read", reads, form) == [None] * len(reads)
     assert np.array_equal(dst, src)
+
+
+def test_a_region_read_only_to_peers_is_read_never_written(engine, peer, transport):
+    if transport in ("shm", "cma"):
+        pytest.skip(
+            "shm serves only alloc_shared memory; a cma peer of the same user may write any of the owner's memory "
+            "(the kernel's rule, not ours): peer_readonly is enforced where a server moves the bytes (tcp, rdma)"
+        )
+    n = GUARDED_SIZE
+    dst = engine.register(np.zeros(n, dtype=np.uint8))
+    assert engine.batch_read([TransferRequest(dst, 0, peer.descriptor, peer.guarded_id, 0, n)]) == [None]
+    assert bytes(engine.memoryview(dst)) == seeded(n, peer.seed + 1).tobytes()
+    src = engine.register(np.full(n, 0xAB, dtype=np.uint8))
+    [err] = engine.batch_write([TransferRequest(src, 0, peer.descriptor, peer.guarded_id, 0, n)])
+    assert isinstance(err, TransferError), err
+    assert peer.digest(0, n, peer.guarded_id) == digest(seeded(n, peer.seed + 1))
 
 
 def test_out_of_range_entry_fails_alone(engine, peer):
