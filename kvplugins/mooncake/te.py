@@ -3,7 +3,10 @@
 Lifecycle, in call order (as Mooncake's):
   1. ``TransferEngine()``, then ``initialize(local_hostname, "P2PHANDSHAKE", protocol, device_name)``: starts one
      kvplugins TransferEngine whose TCP server is the handshake port (``get_rpc_port()``); peers name this
-     process ``host:port``. Transports: the transfer config's (default shm, cma, rdma, tcp; rdma dropped, with one
+     process ``host:port``. With an etcd metadata server (``"etcd://host:port"``, or ``"host:port"`` as Mooncake
+     reads it) the segment is named ``local_hostname`` (any string; its server binds that address when it is an
+     IP address, else the transfer config's host, KVPLUGINS_TRANSFER_HOST) and peers find the server in etcd
+     (te_names.py; the name is held while this process lives). Transports: the transfer config's (default shm, cma, rdma, tcp; rdma dropped, with one
      log line, where this host has none), less rdma for protocol "tcp"; ``device_name``: the RDMA devices.
   2. ``register_memory(address, bytes)`` / ``batch_register_memory``, or ``allocate_managed_buffer(bytes)``:
      memory peers may read and write (exported), and local buffers of transfers (every local buffer must be
@@ -16,7 +19,7 @@ Lifecycle, in call order (as Mooncake's):
   4. ``unregister_memory`` / ``free_managed_buffer``; the engine closes at exit (or ``close()``).
 
 Integer codes are Mooncake's, as in the store's compatibility layer (codes.py is that layer's one place for
-them). What differs (docs/transfer.md): only the P2PHANDSHAKE metadata mode (no etcd/HTTP metadata server), every
+them). What differs (docs/transfer.md): the P2PHANDSHAKE and etcd metadata modes only (no HTTP/Redis metadata server), every
 connection authenticated with the cluster secret, local buffers must be registered on TCP too, the TENT
 transport hints are accepted and ignored (the router picks the fastest transport both sides offer),
 ``get_engine``/``get_engine_ptr`` (a C++ engine object) and the CUDA-stream methods do not exist.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import ipaddress
 import itertools
 import json
 import logging
@@ -36,6 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from kvplugins.errors import KVPluginsError
+from kvplugins.mooncake.te_names import EtcdNames
 from kvplugins.mooncake.te_peers import Segments
 from kvplugins.transfer import TransferEngine as CoreEngine
 from kvplugins.transfer import TransferRequest
@@ -72,6 +77,7 @@ class TransferEngine:
         self._batches: dict[int, tuple[Future, float, str]] = {}  # batch id -> (statuses, deadline, peer)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._names: EtcdNames | None = None  # etcd metadata mode: this segment's name, peers' lookups
 
     # -- set-up ---------------------------------------------------------------------------------------------
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int:
@@ -83,10 +89,11 @@ class TransferEngine:
         if self._core is not None:
             log.error("initialize: this TransferEngine is initialized already")
             return -1
-        if metadata_server != P2PHANDSHAKE:
+        etcd = _etcd_url(metadata_server, metadata_type)
+        if metadata_server != P2PHANDSHAKE and etcd is None:
             log.error(
-                "initialize: metadata server %r: kvplugins serves the Transfer Engine API in P2PHANDSHAKE mode only "
-                "(peers named host:port, each asked for its segment); pass 'P2PHANDSHAKE'",
+                "initialize: metadata server %r: kvplugins serves P2PHANDSHAKE (peers named host:port) and etcd "
+                "(etcd://host:port, or host:port: peers named freely); an HTTP or Redis metadata server is not",
                 metadata_server,
             )
             return -1
@@ -94,15 +101,30 @@ class TransferEngine:
             log.error("initialize: protocol %r: use tcp or rdma (NVLink, EFA, HIP are not served)", protocol)
             return -1
         host = local_hostname.rpartition(":")[0] if local_hostname.count(":") == 1 else local_hostname
+        if etcd is not None and not _is_ip(host):  # a free name: bind the transfer config's host
+            host = ""
+        elif not host:
+            host = "127.0.0.1"
         try:
-            cfg = transfer_config(host=host or "127.0.0.1", rdma_devices=device_name or "")
+            cfg = transfer_config(host=host, rdma_devices=device_name or "")
             if protocol == "tcp":  # the configured transports (KVPLUGINS_TRANSFER_TRANSPORTS, [transfer]) less rdma
                 cfg = replace(cfg, transports=",".join(t for t in cfg.transports.split(",") if t.strip() != "rdma"))
             core = CoreEngine(cfg)
         except (KVPluginsError, OSError) as e:
             log.error("initialize(%r, %r): %s", local_hostname, protocol, e)
             return -1
-        self._segments = Segments(core, core.config.timeout_ms)
+        names = None
+        if etcd is not None:
+            try:
+                names = EtcdNames(etcd)
+                port = int(core.descriptor().transports["tcp"]["port"])  # type: ignore[arg-type]
+                names.publish(local_hostname, core.config.host, port)
+            except (KVPluginsError, OSError) as e:
+                log.error("initialize(%r, %r): %s", local_hostname, metadata_server, e)
+                core.close()
+                return -1
+        self._names = names
+        self._segments = Segments(core, core.config.timeout_ms, names.lookup if names is not None else None)
         self._core = core
         return 0
 
@@ -298,6 +320,9 @@ class TransferEngine:
     def close(self) -> None:
         """Stop the engine (Mooncake: the destructor). Idempotent."""
         core, self._core = self._core, None
+        names, self._names = self._names, None
+        if names is not None:
+            names.close()
         if core is not None:
             core.close()
 
@@ -356,6 +381,24 @@ class TransferEngine:
             batch_id = next(self._ids)
             self._batches[batch_id] = (fut, time.monotonic() + timeout_ms / 1000 + 1, name)
         return batch_id
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
+def _etcd_url(server: str, metadata_type: str) -> str | None:
+    """The etcd URL of Mooncake's etcd metadata mode (``etcd://host:port[,...]``, or ``host:port`` as Mooncake
+    reads a scheme-less server, or metadata_type "etcd"), or None for another mode."""
+    if server.startswith("etcd://"):
+        return server
+    if "://" in server or server == P2PHANDSHAKE or metadata_type not in ("", "etcd"):
+        return None
+    return "etcd://" + server if server else None
 
 
 def _timeout_ms(core, lengths) -> float:

@@ -67,8 +67,11 @@ class Segments:
     registered (``add``/``remove``), the notifies received (``take_notifies``) and the peers it opened
     (``open``/``forget``). Thread-safe."""
 
-    def __init__(self, engine: TransferEngine, timeout_ms: float):
+    def __init__(self, engine: TransferEngine, timeout_ms: float, resolve=None):
+        """``resolve(name) -> (host, port)``: where segment ``name``'s server is (default: the name is
+        ``host:port``, P2PHANDSHAKE; te_names.EtcdNames.lookup in etcd mode)."""
         self._engine, self._timeout_ms = engine, timeout_ms
+        self._resolve = resolve or parse_name
         self._lock = threading.Lock()
         self._buffers: dict[int, tuple[int, int]] = {}  # address -> (bytes, region id), in registration order
         self._peers: dict[str, Peer] = {}
@@ -90,7 +93,7 @@ class Segments:
         with self._lock:
             peer = None if fresh else self._peers.get(name)
         if peer is None:
-            host, port = parse_name(name)
+            host, port = self._resolve(name)
             peer = peer_from_wire(self._engine.control(host, port, {"kind": SEGMENT}, self._timeout_ms))
             with self._lock:
                 self._peers[name] = peer
@@ -102,7 +105,7 @@ class Segments:
 
     def notify(self, name: str, who: str, msg: str) -> None:
         """Queue (``who``, ``msg``) at peer ``name``. Raises as ``open``."""
-        host, port = parse_name(name)
+        host, port = self._resolve(name)
         self._engine.control(host, port, {"kind": NOTIFY, "name": who, "msg": msg}, self._timeout_ms)
 
     def take_notifies(self) -> list[tuple[str, str]]:

@@ -126,3 +126,29 @@ def test_the_shim_serves_mooncake_engine_with_names_the_wheel_has(tmp_path):
     assert {"TransferEngine", "TransferOpcode", "TransferNotify", "Read", "Write"} <= set(out[2:]) <= set(dir(real))
     ours = {n for n in dir(te.TransferEngine) if not n.startswith("_")} - {"close"}
     assert ours <= set(dir(real.TransferEngine))
+
+
+def test_etcd_metadata_mode_names_segments_freely_and_frees_a_name_on_close():
+    from helpers.etcd import etcd_server
+
+    with etcd_server() as etcd:
+        url = etcd.endpoint + "/te-names"
+        a, b, dup = te.TransferEngine(), te.TransferEngine(), te.TransferEngine()
+        try:
+            assert a.initialize("127.0.0.1", url, "tcp", "") == 0
+            assert (
+                b.initialize("decode-0", url.removeprefix("etcd://"), "tcp", "") == 0
+            )  # host:port = etcd, as Mooncake
+            assert dup.initialize("decode-0", url, "tcp", "") == -1  # a live process holds the name
+            abuf, bbuf = np.zeros(4096, np.uint8), np.full(4096, 7, np.uint8)
+            assert a.register_memory(abuf.ctypes.data, 4096) == 0 and b.register_memory(bbuf.ctypes.data, 4096) == 0
+            assert a.transfer_sync_read("decode-0", abuf.ctypes.data, bbuf.ctypes.data, 4096) == 0
+            assert (abuf == 7).all()
+            assert a.get_first_buffer_address("decode-0") == bbuf.ctypes.data
+            assert a.transfer_sync_read("nobody", abuf.ctypes.data, bbuf.ctypes.data, 4096) == -1
+            b.close()
+            assert dup.initialize("decode-0", url, "tcp", "") == 0  # the name is free again
+        finally:
+            for e in (a, b, dup):
+                e.close()
+        assert te.TransferEngine().initialize("x", "http://127.0.0.1:8080/metadata", "tcp", "") == -1
