@@ -3,16 +3,20 @@ once, each verified against its xxh3_64 before it counts, the peer's holdings re
 land (so later pullers read them from it, BitTorrent-like, while it still pulls).
 
 Choice of the next (chunk, holder): the holder read least now, by this pull and the others (their
-``reading_from`` lists: so reads spread over every holder's egress), a replica before the registering peer, and from the registering peer a chunk no other puller
-is reading (their ``pending`` bitmaps: the registering peer's egress is the scarce one, each chunk should leave it
-about once); then the rarest chunk (fewest holders and readers), ties at random. A chunk that only the
-registering peer holds and another puller is reading is taken only when this pull has nothing else in flight.
-While other pullers are listed (or before the catalog was read again after this pull announced itself), a pull
-reads one chunk at a time from the registering peer: N pullers each reading ``parallel`` chunks from it at once
-would share its egress N x parallel ways and land nothing to serve each other for S / egress seconds. A read that fails (a dead or unreachable
-peer, a timeout) or whose bytes do not match (a corrupt or lying peer) is read again from another holder; the
-peer is not asked again for ``P2PConfig.lease_ttl_s`` (a failure: by then a dead peer's holdings have left the
-catalog) or for the rest of the pull (a mismatch). No chunk is ever counted without its checksum matching.
+``reading_from`` lists: so reads spread over every holder's egress), a replica before the registering peer, and
+from the registering peer a chunk no other puller is reading (their ``pending`` bitmaps: the registering peer's
+egress is the scarce one, each chunk should leave it about once); then the rarest chunk (fewest holders and
+readers), ties at random. A chunk that only the registering peer holds and another puller is reading is taken
+only when this pull has nothing else in flight. While other pullers are listed (or before the catalog was read
+again after this pull announced itself), a pull reads one chunk at a time from the registering peer: N pullers
+each reading ``parallel`` chunks from it at once would share its egress N x parallel ways and land nothing to
+serve each other for S / egress seconds.
+
+A read that fails (a dead or unreachable peer, a timeout) or whose bytes do not match (a corrupt or lying peer)
+is read again from another holder; the peer is not asked again for ``P2PConfig.lease_ttl_s`` (a failure: by then
+a dead peer's holdings have left the catalog; a live but overloaded one is asked again) or for the rest of the
+pull (a mismatch). The pull fails when no chunk could be read, and none was in flight, for ``stall_timeout_ms``.
+No chunk is ever counted without its checksum matching.
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ class Pull:
         self.shunned: dict[str, float] = {}  # peer -> monotonic time it may be asked again
         self.mismatch: dict[int, set[str]] = {}  # chunk -> peers that served it wrong
         self.holders: list[tuple[Holder, SegmentDescriptor]] = []
-        self.progressed = time.monotonic()
+        self.crowd = False  # other pullers are listed
+        self.idle_since: float | None = None  # since when no chunk could be read and none was in flight
         self.error: Exception | None = None
         self.done_bytes = 0
         self.published: tuple[bytes, bytearray, list[str]] = (bytes(self.have), bytearray(len(self.have)), [])
@@ -98,7 +103,7 @@ class Pull:
         this peer holds: etcd round trips never hold up a chunk read). Returns once every chunk is verified
         and published."""
         t0 = time.monotonic()
-        self.holders = self._holders()
+        self.holders, self.crowd = self._holders()
         ticker = threading.Thread(target=self._tick, name="p2p-catalog", daemon=True)
         workers = [
             threading.Thread(target=self._work, name=f"p2p-pull-{i}", daemon=True) for i in range(self.cfg.parallel)
@@ -117,21 +122,23 @@ class Pull:
         return self.stats
 
     # -- the catalog ------------------------------------------------------------------------------
-    def _holders(self) -> list[tuple[Holder, SegmentDescriptor]]:
-        owner_only = self.cfg.sources == "owner"
-        return [(h, d) for h, d in self.catalog.holders(self.p) if h.peer != self.me and (h.gold or not owner_only)]
+    def _holders(self) -> tuple[list[tuple[Holder, SegmentDescriptor]], bool]:
+        """(the holders this pull may read from, whether other pullers are listed)."""
+        listed = [(h, d) for h, d in self.catalog.holders(self.p) if h.peer != self.me]
+        crowd = any(not h.gold for h, _ in listed)
+        return ([(h, d) for h, d in listed if h.gold] if self.cfg.sources == "owner" else listed), crowd
 
     def _tick(self) -> None:
         """Every refresh_ms until the pull ends: publish this peer's new chunks, read the holders again."""
         while not self.finished.wait(max(self.cfg.refresh_ms, 10) / 1000):
             try:
                 self._announce()
-                holders = self._holders()
+                holders, crowd = self._holders()
             except Exception as e:  # noqa: BLE001 - etcd away: keep pulling from the holders known
                 log.warning("p2p %r: catalog not read (%s); pulling from the holders known", self.p.name, e)
                 continue
             with self.cond:
-                self.holders, self.ticked = holders, True
+                self.holders, self.crowd, self.ticked = holders, crowd, True
                 self.cond.notify_all()
 
     def _announce(self) -> None:
@@ -151,7 +158,7 @@ class Pull:
     def _pick(self) -> tuple[int, Holder, SegmentDescriptor] | None:
         now = time.monotonic()
         live = [(h, d) for h, d in self.holders if self.shunned.get(h.peer, 0) <= now]
-        alone = self.ticked and all(h.gold for h, _ in self.holders)
+        alone = self.ticked and not self.crowd
         load: dict[str, int] = {}  # reads of each holder now: the other pullers' (as listed) and ours
         for h, _ in self.holders:
             for peer in h.reading_from:
@@ -201,8 +208,14 @@ class Pull:
                 c, h, _ = job
                 self.inflight[c] = h.peer
                 self.reading[h.peer] = self.reading.get(h.peer, 0) + 1
+                self.idle_since = None
                 return job
-            if not self.inflight and time.monotonic() - self.progressed > self.cfg.stall_timeout_ms / 1000:
+            now = time.monotonic()
+            if self.inflight:
+                self.idle_since = None
+            elif self.idle_since is None:
+                self.idle_since = now
+            elif now - self.idle_since > self.cfg.stall_timeout_ms / 1000:
                 self.error = self._stalled()
                 self.cond.notify_all()
                 return None
@@ -253,7 +266,6 @@ class Pull:
     def _landed(self, c: int, peer: str, length: int) -> None:
         self.missing.discard(c)
         self.have[c >> 3] |= 1 << (c & 7)
-        self.progressed = time.monotonic()
         self.done_bytes += length
         self.stats.bytes += length
         self.stats.chunks += 1
