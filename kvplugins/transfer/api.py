@@ -59,13 +59,17 @@ class Region:
 class RegionInfo:
     """A region as peers see it in a SegmentDescriptor. ``rdma``: where an RDMA transport registered it,
     (address, (rkey per NIC of the endpoint's "nics" list)), for one-sided READ/WRITE; else None. ``addr``: its
-    address in the owner process, for same-host cross-memory-attach copies (transfer/cma.py); else None."""
+    address in the owner process, for same-host cross-memory-attach copies (transfer/cma.py); else None.
+    ``readonly``: peers may only read it (the owner's Region.readonly or peer_readonly): a writer refuses up front
+    (routing.refused_write), so no RDMA queue pair meets a remote access error; the owner's TCP server and RDMA
+    memory registration refuse such writes anyway."""
 
     region_id: int
     length: int
     shm_path: str | None = None
     rdma: tuple[int, tuple[int, ...]] | None = None
     addr: int | None = None
+    readonly: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,29 +114,32 @@ class SegmentDescriptor:
 
 
 def _region_row(r: RegionInfo) -> list[object]:
-    """[id, length, shm_path], then [addr, [rkey, ...]] (or None) when RDMA or an address follows, then the
-    address when known: trailing empty items are left off."""
+    """[id, length, shm_path], then [addr, [rkey, ...]] (or None), then the address (or None), then 1 when
+    read-only to peers: trailing empty items are left off."""
     row: list[object] = [r.region_id, r.length, r.shm_path]
-    if r.rdma is not None or r.addr is not None:
-        row.append(None if r.rdma is None else [r.rdma[0], list(r.rdma[1])])
-    return row if r.addr is None else [*row, r.addr]
+    tail = [None if r.rdma is None else [r.rdma[0], list(r.rdma[1])], r.addr, 1 if r.readonly else None]
+    while tail and tail[-1] is None:
+        tail.pop()
+    return row + tail
 
 
 def _region_info(row: object) -> RegionInfo:
-    """A RegionInfo from a wire row [id, length, shm_path] with optional [addr, [rkey, ...]] (or None) and
-    address items (_region_row)."""
-    if not isinstance(row, (list, tuple)) or len(row) not in (3, 4, 5):
-        raise ValueError(f"a region row is a list of 3 to 5 items, got {row!r:.80}")
+    """A RegionInfo from a wire row [id, length, shm_path] with optional [addr, [rkey, ...]] (or None), address
+    (or None) and read-only items (_region_row)."""
+    if not isinstance(row, (list, tuple)) or len(row) not in (3, 4, 5, 6):
+        raise ValueError(f"a region row is a list of 3 to 6 items, got {row!r:.80}")
     rdma = None
     if len(row) >= 4 and row[3] is not None:
         raddr, rkeys = row[3]
         rdma = (int(raddr), tuple(int(k) for k in rkeys))
-    shm_path, addr = row[2], row[4] if len(row) == 5 else None
+    shm_path, addr = row[2], row[4] if len(row) >= 5 else None
     if shm_path is not None and not isinstance(shm_path, str):
         raise ValueError("a region's shm_path must be a string or None")
     if addr is not None and (type(addr) is not int or not 0 < addr < 1 << 64):
         raise ValueError(f"a region's address must be an integer in (0, 2**64), got {addr!r:.40}")
-    return RegionInfo(int(row[0]), int(row[1]), shm_path, rdma, addr)
+    if len(row) == 6 and row[5] not in (None, 1):
+        raise ValueError(f"a region's read-only mark must be 1 or None, got {row[5]!r:.40}")
+    return RegionInfo(int(row[0]), int(row[1]), shm_path, rdma, addr, len(row) == 6 and row[5] == 1)
 
 
 @dataclass(frozen=True)

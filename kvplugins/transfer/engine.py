@@ -24,7 +24,7 @@ from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor, Transf
 from kvplugins.transfer.config import TransferConfig
 from kvplugins.transfer.memory import RegionTable, buffer_span, view_of
 from kvplugins.transfer.rdma import RdmaTransport
-from kvplugins.transfer.routing import Router, one_region
+from kvplugins.transfer.routing import Router, one_region, refused_write
 from kvplugins.transfer.shm import ShmTransport
 from kvplugins.transfer.spans import SMALL, as_u64
 from kvplugins.transfer.tcp import TcpTransport
@@ -143,7 +143,7 @@ class TransferEngine:
         """This process's exported regions and transports (fastest first), to send to peers."""
         regions = []
         for r in self._regions.exported():
-            info = RegionInfo(r.region_id, r.length, r.shm_path)
+            info = RegionInfo(r.region_id, r.length, r.shm_path, readonly=not r.peers_write)
             for t in self._transports:
                 info = t.region_info(r, info)
             regions.append(info)
@@ -206,6 +206,9 @@ class TransferEngine:
         OutOfRange for negative values, TransferFailed if closed.
         A small batch over rdma (the first transport) to a region its last small batch reached is checked,
         posted and hashed in one native call (rdma_fast.py); anything else goes through the router (routing.py)."""
+        refused = refused_write(remote, remote_region)
+        if refused is not None:
+            return [refused] * len(lengths)
         fast = self._fast  # rdma's fence is its deadline: nothing is posted after it
         done = fast and self._fast_spans(fast, False, remote, remote_region, local_addrs, remote_offsets, lengths,
                                          timeout_ms, digests)  # fmt: skip

@@ -40,7 +40,8 @@ class Router:
 
     def run(self, op: Op, reqs: list[TransferRequest], timeout_ms: float) -> list[TransferError | None]:
         deadline = Deadline(timeout_ms)
-        if self._fast is not None and 0 < len(reqs) <= SMALL:
+        writes_refused = op is Op.WRITE and any(refused_write(r.remote, r.remote_region) for r in reqs[:SMALL])
+        if self._fast is not None and 0 < len(reqs) <= SMALL and not writes_refused:
             one = one_region(reqs)
             if one is not None and self._fast_spans(op, one[0], one[1], one[2], deadline):
                 return [None] * len(reqs)
@@ -53,6 +54,8 @@ class Router:
                 entry, cands = self._entry(req, pins, remotes)
                 if op is Op.READ and entry.local.readonly:
                     raise OutOfRange(f"local region {entry.local.region_id} is read-only; read into writable memory")
+                if op is Op.WRITE and entry.remote_region.readonly:
+                    raise refused_write(entry.remote, entry.remote_region.region_id) or OutOfRange("read-only")
                 if entry.length:
                     pending[i] = (entry, cands)
             except TransferError as e:
@@ -79,6 +82,9 @@ class Router:
         copy pass where the first candidate can (``hashes_in_copy``; spans then stay uncoalesced), else natively
         here over the caller's spans in local memory after the move (the source of a write, the destination of
         a read). ``fenced``: see Deadline."""
+        refused = refused_write(remote, region_id) if op is Op.WRITE else None
+        if refused is not None:
+            return [refused] * len(lens)
         deadline = Deadline(timeout_ms, fenced)
         lists = small_lists(addrs, roffs, lens)
         small = lists is not None
@@ -319,3 +325,15 @@ def one_region(reqs: list) -> tuple[SegmentDescriptor, int, list] | None:
         roffs.append(req.remote_offset)
         lens.append(n)
     return remote, region_id, [addrs, roffs, lens]
+
+
+def refused_write(remote: SegmentDescriptor, region_id: int) -> OutOfRange | None:
+    """The error of a write into region ``region_id`` of ``remote`` when its owner made it read-only to peers
+    (RegionInfo.readonly), else None (an unknown region is reported where the batch resolves it)."""
+    try:
+        info = remote.region(region_id)
+    except OutOfRange:
+        return None
+    if not info.readonly:
+        return None
+    return OutOfRange(f"region {region_id} of {remote.segment_id} is read-only to peers: read it, never write it")

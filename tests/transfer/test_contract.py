@@ -1,12 +1,14 @@
 """The transfer contract against a real peer process, for every transport: exact bytes for 1 B..64 MiB,
 misaligned offsets, batches, both directions, blocking and future forms, per-entry OutOfRange."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from helpers.peer import GUARDED_SIZE, digest, seeded
 from kvplugins.errors import OutOfRange, TransferError
-from kvplugins.transfer import TransferRequest
+from kvplugins.transfer import TransferConfig, TransferEngine, TransferRequest
 
 SIZES = [1, 7, 4099, (1 << 20) + 3, 64 << 20]
 
@@ -88,7 +90,17 @@ def test_a_region_read_only_to_peers_is_read_never_written(engine, peer, transpo
     assert bytes(engine.memoryview(dst)) == seeded(n, peer.seed + 1).tobytes()
     src = engine.register(np.full(n, 0xAB, dtype=np.uint8))
     [err] = engine.batch_write([TransferRequest(src, 0, peer.descriptor, peer.guarded_id, 0, n)])
-    assert isinstance(err, TransferError), err
+    assert isinstance(err, OutOfRange) and "read-only to peers" in str(err)  # refused before any transport
+    # A writer that ignores the mark: the peer's server (tcp) or memory registration (rdma) refuses the bytes.
+    # Its own engine: an RDMA remote access error sends the entry on to tcp, which the fixture's check forbids.
+    hostile = TransferEngine(TransferConfig(transports=engine.config.transports, timeout_ms=30000))
+    try:
+        lied = replace(peer.descriptor, regions=tuple(replace(r, readonly=False) for r in peer.descriptor.regions))
+        mine = hostile.register(np.full(n, 0xAB, dtype=np.uint8))
+        [err] = hostile.batch_write([TransferRequest(mine, 0, lied, peer.guarded_id, 0, n)])
+        assert isinstance(err, TransferError), err
+    finally:
+        hostile.close()
     assert peer.digest(0, n, peer.guarded_id) == digest(seeded(n, peer.seed + 1))
 
 

@@ -245,3 +245,23 @@ def test_read_only_memory_is_a_source_never_a_destination():
         assert a.batch_read([TransferRequest(dst, 0, d, exported_ro.region_id, 0, 10)]) == [None]
         assert bytes(a.memoryview(dst)) == bytes(range(10))
     assert data == bytes(range(256)) * 16
+
+
+def test_a_region_read_only_to_peers_says_so_in_the_descriptor_and_the_master_schema_keeps_it(eng):
+    import msgspec
+
+    from kvplugins.store.wire.schema import Descriptor
+
+    guarded = eng.register(bytearray(64), export=True, peer_readonly=True)
+    plain = eng.register(bytearray(64), export=True)
+    d = eng.descriptor()
+    assert d.region(guarded.region_id).readonly and not d.region(plain.region_id).readonly
+    wire = msgpack.unpackb(msgpack.packb(d.to_wire()))
+    assert SegmentDescriptor.from_wire(wire) == d
+    checked = msgspec.msgpack.decode(msgpack.packb(wire), type=Descriptor).wire()
+    assert SegmentDescriptor.from_wire(checked) == d
+    src = eng.register(bytearray(64))
+    [err] = eng.batch_write([TransferRequest(src, 0, d, guarded.region_id, 0, 64)])
+    assert isinstance(err, OutOfRange) and "read-only to peers" in str(err)
+    [err] = eng.write_spans(d, guarded.region_id, [src.addr], [0], [64])
+    assert isinstance(err, OutOfRange)

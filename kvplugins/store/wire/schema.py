@@ -118,7 +118,8 @@ class OwnerOpts(Struct, forbid_unknown_fields=True):
 
 class DescRegion(Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
     """One row of a descriptor's region table: [id, length, shm_path], then [addr, [rkey per RDMA NIC]] or None,
-    then the region's address in its owner (the cma transport's), trailing empty items left off."""
+    then the region's address in its owner (the cma transport's) or None, then 1 when it is read-only to peers,
+    trailing empty items left off."""
 
     region_id: RegionId
     length: Size
@@ -127,6 +128,7 @@ class DescRegion(Struct, array_like=True, forbid_unknown_fields=True, omit_defau
         tuple[U64, Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 32)]], Meta(max_length=MAX_NICS)]], None
     ] = None
     addr: Union[U64, None] = None
+    readonly: Union[Literal[1], None] = None
 
 
 class Descriptor(Struct, forbid_unknown_fields=True):
@@ -155,10 +157,16 @@ class Descriptor(Struct, forbid_unknown_fields=True):
         out = msgspec.to_builtins(self)
         if not isinstance(out, dict):
             raise TypeError(f"a Descriptor encodes to a map, not {type(out).__name__}")
-        out["regions"] = [
-            r[:3] if r[3] is None and r[4] is None else r[:4] if r[4] is None else r for r in out["regions"]
-        ]
+        out["regions"] = [_trimmed(r) for r in out["regions"]]
         return out
+
+
+def _trimmed(row: list[object]) -> list[object]:
+    """A region row without its trailing empty items (as _region_row writes it)."""
+    end = len(row)
+    while end > 3 and row[end - 1] is None:
+        end -= 1
+    return row[:end]
 
 
 class TierNode(Struct, array_like=True, forbid_unknown_fields=True):
