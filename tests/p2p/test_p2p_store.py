@@ -1,8 +1,11 @@
 """kvplugins.p2p against a real etcd, peers as real TransferEngines over TCP (several in this process; the
 dying-peer test uses real processes): objects pulled whole and verified, served on by every puller, peers
-routed around when they fail or lie, peers never able to write a holder's memory."""
+routed around when they fail or lie, peers never able to write a holder's memory. Over RDMA in the soft-RoCE
+guest with KVPLUGINS_TEST_P2P_TRANSPORTS=rdma,tcp (tests/rdma/test_guest.py)."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from kvplugins.transfer.config import TransferConfig
 from tests.helpers.etcd import etcd_server
 
 CHUNK = 256 << 10
+TRANSPORTS = os.environ.get("KVPLUGINS_TEST_P2P_TRANSPORTS", "tcp")  # the soft-RoCE guest: "rdma,tcp"
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +33,7 @@ def peers(etcd, request):
     prefix = "/t/" + request.node.name.replace("[", "_").replace("]", "_")
 
     def make(**kw) -> P2PStore:
-        cfg = P2PConfig(etcd=etcd.endpoint + prefix, chunk_bytes=CHUNK, transports="tcp", **kw)
+        cfg = P2PConfig(etcd=etcd.endpoint + prefix, chunk_bytes=CHUNK, transports=TRANSPORTS, **kw)
         made.append(P2PStore(cfg))
         return made[-1]
 
@@ -60,6 +64,9 @@ def test_a_pulled_object_is_whole_and_every_puller_serves_it_on(peers):
     assert set(st2.from_peers) == {gold.me, first.me}  # the replica served too
     [info] = second.list("ckpt/")
     assert (info.holders, info.complete, info.chunks, info.sizes) == (3, 3, 7, (5 * CHUNK + 123, 1000))
+    if "rdma" in TRANSPORTS:  # the guest: RDMA carried every chunk
+        stats = second.engine.stats()
+        assert "rdma" in stats and not stats["fallbacks"], stats
 
 
 def test_a_replica_that_serves_wrong_bytes_is_read_around_and_never_kept(peers):
@@ -93,7 +100,7 @@ def test_peers_may_read_a_holders_memory_but_never_write_it(peers):
     src = blobs(4, CHUNK)
     gold.register("ro", src)
     [(h, desc)] = gold.catalog.holders(gold.catalog.get("ro"))
-    other = TransferEngine(TransferConfig(transports="tcp"))
+    other = TransferEngine(TransferConfig(transports=TRANSPORTS))
     try:
         mine = other.register(np.full(64, 7, dtype=np.uint8))
         dst = other.register(np.zeros(64, dtype=np.uint8))

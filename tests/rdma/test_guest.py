@@ -1,6 +1,7 @@
 """Runs the RDMA suite on real verbs: boots the soft-RoCE QEMU guest (ci/rxe-guest.sh, two NICs: rxe0 on eth0,
 rxe1 on eth1) and runs there tests/rdma/guest (striping, failover, QP rebuild, auth, store over RDMA, doctor)
-and the transfer contract suite over rdma (tcp and shm run it on the host, tests/transfer). The guest's output
+and the transfer contract suite over rdma (tcp and shm run it on the host, tests/transfer), and the P2P store's
+tests with its pulls over rdma. The guest's output
 is printed, so a failure reads as the guest's pytest report. Skipped, saying why and the fix, where QEMU or Debian's kernel is not installed."""
 
 import os
@@ -13,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "ci" / "rxe-guest.sh"
-GUEST_TESTS = ["tests/rdma/guest", "tests/transfer/test_contract.py"]
+GUEST_TESTS = ["tests/rdma/guest", "tests/transfer/test_contract.py", "tests/p2p/test_p2p_store.py"]
 
 
 def _missing() -> str | None:
@@ -30,7 +31,11 @@ def test_rdma_suite_in_soft_roce_guest():
     why = _missing()
     if why:
         pytest.skip(f"no soft-RoCE guest: {why}; fix: bash ci/install.sh")
-    env = {**os.environ, "KVPLUGINS_TEST_TRANSPORTS": "rdma"}  # tcp and shm: the host runs their contract suite
+    env = {  # tcp and shm: the host runs their contract suite; the P2P store pulls over rdma (tcp to set QPs up)
+        **os.environ,
+        "KVPLUGINS_TEST_TRANSPORTS": "rdma",
+        "KVPLUGINS_TEST_P2P_TRANSPORTS": "rdma,tcp",
+    }
     cmd = [
         "bash",
         str(RUNNER),
