@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from kvplugins.config import component, parse_bytes
 from kvplugins.errors import ConfigError
 
-ROUTINGS = ("round_robin", "session", "prefix_aware")
+ROUTINGS = ("round_robin", "session", "prefix_aware", "conductor")
 
 
 @component("replay")
@@ -45,8 +45,9 @@ class ReplayConfig:
     routing: str = field(
         default="round_robin",
         metadata={
-            "help": "round_robin, session (sticky per session id, else per the first 4 blocks) or prefix_aware "
-            "(the instance with the longest local hit)"
+            "help": "round_robin, session (sticky per session id, else per the first 4 blocks), prefix_aware "
+            "(the instance with the longest local hit) or conductor (the lowest predicted TTFT: queue + prefill "
+            "of what no cache holds + pool loads; needs --prefill-tok-s; kvplugins/router/cost.py)"
         },
     )
     realtime: bool = field(
@@ -72,7 +73,21 @@ class ReplayConfig:
     prefill_tok_s: float = field(
         default=0.0,
         metadata={
-            "help": "prefill throughput (tokens/s) of one instance, for the GPU-time estimate; 0 = not estimated"
+            "help": "prefill throughput (tokens/s) of one instance: the GPU-time estimate and the TTFT model (a "
+            "simulated clock over the trace's arrivals, run --speed times faster); 0 = neither"
+        },
+    )
+    load_gbps: float = field(
+        default=10.0,
+        metadata={
+            "help": "the TTFT model's pool -> instance KV load rate (GB/s, full-scale bytes; 0 = loads are free)"
+        },
+    )
+    slo_ttft_ms: float = field(
+        default=0.0,
+        metadata={
+            "help": "TTFT SLO (ms) of the TTFT model: SLO attainment and goodput are reported against it, and "
+            "--routing conductor rejects early what it predicts would miss it; 0 = none"
         },
     )
     json: str = field(default="", metadata={"help": "also write the results as JSON to this file ('-' = stdout)"})
@@ -103,6 +118,12 @@ class ReplayConfig:
             raise ConfigError("--instances and --block-tokens must be >= 1, --scale and --limit >= 0")
         if self.speed <= 0 or self.prefill_tok_s < 0:
             raise ConfigError(f"--speed must be > 0 (got {self.speed}) and --prefill-tok-s >= 0")
+        if self.load_gbps < 0 or self.slo_ttft_ms < 0:
+            raise ConfigError(f"--load-gbps ({self.load_gbps}) and --slo-ttft-ms ({self.slo_ttft_ms}) must be >= 0")
+        if (self.routing == "conductor" or self.slo_ttft_ms) and not self.prefill_tok_s:
+            raise ConfigError("--routing conductor and --slo-ttft-ms need the TTFT model: give --prefill-tok-s")
+        if self.routing == "conductor" and self.realtime:
+            raise ConfigError("--routing conductor runs on the TTFT model's simulated clock: drop --realtime")
         self._check_synth()
         if self.no_pool and not self.local_capacity.strip("0 "):
             raise ConfigError("--no-pool needs --local-capacity > 0: without either there is no cache to replay")

@@ -51,6 +51,11 @@ def plans(cfg: ReplayConfig, block_bytes: int) -> list[Plan]:
         block_tokens=cfg.block_tokens,
         speed=speed,
         miss_on_store_error=cfg.miss_on_store_error,
+        prefill_tok_s=0.0 if cfg.realtime else cfg.prefill_tok_s,
+        load_bytes_s=cfg.load_gbps * 1e9,
+        block_bytes=block_bytes,
+        slo_ms=cfg.slo_ttft_ms,
+        clock=cfg.speed,
     )
     if not cfg.sweep:
         pool = 0 if cfg.no_pool else capacity_blocks(cfg.pool_capacity, block_bytes, "--pool-capacity")

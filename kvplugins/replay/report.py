@@ -43,10 +43,25 @@ def row(res, block_bytes: int, reference: float | None, prefill_tok_s: float) ->
         "puts_per_s": round(res.puts / res.seconds) if res.seconds else 0,
         "gets_per_s": round(res.gets / res.seconds) if res.seconds else 0,
     }
+    if p.prefill_tok_s:
+        out.update(_ttft(res))
     if p.speed:
         out["speed"], out["max_lag_ms"] = p.speed, round(res.max_lag_ms, 1)
         for op, ms in res.latency.items():
             out[f"{op}_ms"] = _percentiles(ms)
+    return out
+
+
+def _ttft(res) -> dict:
+    """The TTFT model's figures: TTFT percentiles (ms) of the served requests, rejections, and against the SLO:
+    attainment of the served ones, the share of all requests served within it, goodput (those per simulated s)."""
+    p, served = res.plan, len(res.ttft_ms)
+    out = {"ttft_ms": _percentiles(res.ttft_ms), "rejected": res.rejected, "clock": p.clock}
+    if p.slo_ms:
+        out["slo_ttft_ms"] = p.slo_ms
+        out["slo_attainment"] = round(res.slo_met / served, 4) if served else 0.0
+        out["within_slo"] = round(res.slo_met / (served + res.rejected), 4) if served + res.rejected else 0.0
+        out["goodput_rps"] = round(res.slo_met / res.span_s, 3) if res.span_s else 0.0
     return out
 
 
@@ -108,6 +123,17 @@ def table(rows: list[dict], width: int | None = None) -> str:
                     for op in ("exists", "get", "put")
                 )
                 + f"; dispatch at most {r['max_lag_ms']} ms late"
+            )
+        if "ttft_ms" in r:
+            slo = (
+                f"; SLO {r['slo_ttft_ms']:g} ms: {r['slo_attainment']:.1%} of served within it, "
+                f"{r['within_slo']:.1%} of all, goodput {r['goodput_rps']} req/s, {r['rejected']} rejected"
+                if "slo_ttft_ms" in r
+                else ""
+            )
+            tails.append(
+                f"{r['config']} ({r['routing']}): TTFT ms p50/p99 {r['ttft_ms'].get('p50', '-')}/"
+                f"{r['ttft_ms'].get('p99', '-')}{slo}"
             )
     out = io.StringIO()
     console = Console(

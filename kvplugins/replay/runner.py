@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvplugins.errors import StoreError, TransferError
 from kvplugins.replay.caches import LocalLRU, Router
+from kvplugins.replay.timing import Timing
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,9 @@ class Plan:
     """One configuration: ``label``; the pool's capacity in blocks (0 = no pool); each instance's local capacity
     in blocks (0 = none); ``instances``; ``routing``; tokens per block; realtime ``speed`` (0 = as fast as
     possible); ``miss_on_store_error``: a store error serves the request as a miss and is counted (what the
-    connectors do), instead of ending the replay."""
+    connectors do), instead of ending the replay. The TTFT model (timing.py; as fast as possible only), on when
+    ``prefill_tok_s`` > 0: prefill tokens/s and pool load bytes/s of an instance, full-scale ``block_bytes``,
+    the TTFT SLO (ms; 0 = none), and ``clock``: the trace's arrivals run this many times faster."""
 
     label: str
     pool_blocks: int
@@ -39,6 +42,11 @@ class Plan:
     block_tokens: int = 512
     speed: float = 0.0
     miss_on_store_error: bool = False
+    prefill_tok_s: float = 0.0
+    load_bytes_s: float = 0.0
+    block_bytes: int = 0
+    slo_ms: float = 0.0
+    clock: float = 1.0
 
 
 @dataclass
@@ -61,6 +69,10 @@ class Result:
     seconds: float = 0.0
     max_lag_ms: float = 0.0
     latency: dict = field(default_factory=lambda: {"exists": [], "get": [], "put": []})
+    ttft_ms: list = field(default_factory=list)  # the TTFT model's, per served request
+    rejected: int = 0  # requests the Conductor rejected early
+    slo_met: int = 0  # served requests within the TTFT SLO
+    span_s: float = 0.0  # simulated seconds from the first arrival to the last
 
     @property
     def hit_ratio(self) -> float:
@@ -72,7 +84,8 @@ class _Instance:
         self.local = LocalLRU(plan.local_blocks) if plan.local_blocks else None
         self.pool, self.miss_on_error = pool, plan.miss_on_store_error
 
-    def serve(self, req, res: Result, block_tokens: int, lock) -> None:
+    def serve(self, req, res: Result, block_tokens: int, lock) -> tuple[int, int]:
+        """Serves ``req``; (blocks from the local cache, blocks from the pool)."""
         blocks = req.blocks
         h1 = self.local.prefix(blocks) if self.local else 0
         h2 = 0
@@ -87,6 +100,7 @@ class _Instance:
             res.pool_hits += h2
             res.tokens += req.input_length
             res.tokens_saved += min((h1 + h2) * block_tokens, req.input_length)
+        return h1, h2
 
     def _pool(self, blocks, res: Result, lock) -> int:
         """Steps 3-4 for ``blocks``; returns the pool hits. A StoreError or TransferError propagates, or with
@@ -120,10 +134,16 @@ def replay(requests, plan: Plan, make_pool, progress=None) -> Result:
         if plan.speed:
             _realtime(requests, plan, insts, router, res, lock, progress)
         else:
+            timing = Timing(plan, insts) if plan.prefill_tok_s else None
             for req in requests:
-                insts[router.pick(req, [i.local for i in insts] if plan.local_blocks else None)].serve(
-                    req, res, plan.block_tokens, lock
-                )
+                if timing is not None and timing.conductor is not None:
+                    i = timing.choose(req, res)
+                else:
+                    i = router.pick(req, [i.local for i in insts] if plan.local_blocks else None)
+                if i is not None:
+                    local, pooled = insts[i].serve(req, res, plan.block_tokens, lock)
+                    if timing is not None:
+                        timing.served(i, req, local, pooled, res)
                 if progress:
                     progress(1)
     finally:
