@@ -30,6 +30,10 @@ CASES = {
     ("store", "--segment-size", "-1GiB"): "'-1GiB' is not a valid Bytes",
     ("up", "--segment-size", "-1GiB"): "'-1GiB' is not a valid Bytes",
     ("store", "--no-such-flag"): "unrecognized arguments: --no-such-flag",
+    ("router",): "--instances is empty",
+    ("router", "--instances", "localhost:8000"): "use http://HOST:PORT",
+    ("p2p", "list"): "--etcd etcd://host:port",
+    ("replay", "--synth", "--routing", "conductor"): "give --prefill-tok-s",
 }
 
 

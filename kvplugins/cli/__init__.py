@@ -27,6 +27,7 @@ COMMANDS = (
     "replay",
     "credential",
     "p2p",
+    "router",
 )  # module: name with "-" -> "_"
 
 

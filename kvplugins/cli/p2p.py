@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     from kvplugins.p2p.config import P2PConfig
 
     p = sub.add_parser("p2p", help="share a checkpoint directory peer to peer (publish, fetch, list)")
-    p.add_argument("action", choices=("publish", "fetch", "list"))
+    p.add_argument("action", nargs="?", choices=("publish", "fetch", "list"))
     p.add_argument("args", nargs="*", help="publish: DIR; fetch: NAME DIR; list: [PREFIX]")
     p.add_argument("--name", default="", help="publish: the object's name (default: the directory's name)")
     p.add_argument("--force", action="store_true", help="publish: replace an object of that name")
@@ -36,11 +36,14 @@ def run(args) -> int:
     from kvplugins.p2p.config import P2PConfig
     from kvplugins.p2p.store import P2PStore
 
+    cfg = from_args(P2PConfig, args)  # its errors first: they name the flag
+    if args.action is None:
+        raise ConfigError("kvplugins p2p needs an action: publish DIR, fetch NAME DIR or list [PREFIX]")
     want = {"publish": (1, 1), "fetch": (2, 2), "list": (0, 1)}[args.action]
     if not want[0] <= len(args.args) <= want[1]:
         usage = {"publish": "DIR --name NAME", "fetch": "NAME DIR", "list": "[PREFIX]"}[args.action]
         raise ConfigError(f"kvplugins p2p {args.action} takes {usage}, got {args.args!r}")
-    with P2PStore(from_args(P2PConfig, args)) as store:
+    with P2PStore(cfg) as store:
         return {"publish": _publish, "fetch": _fetch, "list": _list}[args.action](store, args)
 
 

@@ -1,0 +1,53 @@
+"""RouterConfig: the one config of ``kvplugins router`` (env ``KVPLUGINS_ROUTER_<FIELD>``)."""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass, field
+
+from kvplugins.config import component
+from kvplugins.errors import ConfigError
+
+
+@component("router")
+@dataclass(frozen=True)
+class RouterConfig:
+    """Options of the OpenAI-compatible router in front of vLLM or SGLang instances. Times in ms unless named."""
+
+    instances: str = field(default="", metadata={"help": "comma list of the instances' base URLs (http://host:port)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=0, metadata={"help": "port to listen on; 0 = a free port (printed)"})
+    port_file: str = field(default="", metadata={"help": "write the listening port here once serving"})
+    tokenizer: str = field(
+        default="", metadata={"help": "tokenizer (HF name or path) prompts are hashed with; '' = the instances' model"}
+    )
+    block_tokens: int = field(default=16, metadata={"help": "tokens per KV block, as the engines' --block-size"})
+    cache_blocks: int = field(
+        default=200000,
+        metadata={"help": "blocks the router remembers per instance as cached there (its own routing history, LRU)"},
+    )
+    prefill_tok_s: float = field(
+        default=4000.0, metadata={"help": "prefill tokens/s of one instance: the cost model's rate"}
+    )
+    slo_ttft_ms: float = field(
+        default=0.0,
+        metadata={"help": "TTFT SLO: a request no instance is predicted to serve within it gets 429 at once; 0 = off"},
+    )
+    timeout_s: float = field(default=600.0, metadata={"help": "limit of each upstream request (s)"})
+    health_ms: float = field(default=1000.0, metadata={"help": "how often each instance's /health is polled"})
+
+    def __post_init__(self) -> None:
+        urls = self.urls()
+        if not urls:
+            raise ConfigError("router --instances is empty: give the engines' base URLs, e.g. http://127.0.0.1:8100")
+        bad = [u for u in urls if urllib.parse.urlsplit(u).scheme != "http" or not urllib.parse.urlsplit(u).port]
+        if bad:
+            raise ConfigError(f"router --instances {bad}: use http://HOST:PORT")
+        if self.block_tokens < 1 or self.cache_blocks < 0 or not self.prefill_tok_s > 0 or self.slo_ttft_ms < 0:
+            raise ConfigError(
+                f"router: --block-tokens {self.block_tokens} >= 1, --cache-blocks {self.cache_blocks} >= 0, "
+                f"--prefill-tok-s {self.prefill_tok_s} > 0 and --slo-ttft-ms {self.slo_ttft_ms} >= 0"
+            )
+
+    def urls(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.instances.split(",") if u.strip()]

@@ -1,0 +1,198 @@
+"""``kvplugins router``'s HTTP front (aiohttp): OpenAI-compatible, over the Fleet's choice.
+
+``POST /v1/completions`` and ``/v1/chat/completions``: the prompt is tokenized (the engines' tokenizer) and hashed
+into blocks; the Conductor picks the instance with the lowest predicted TTFT (fleet.py); the request goes there
+unchanged and its answer comes back as the instance sent it (a stream chunk by chunk), with the instance named
+in an ``x-kvplugins-instance`` header. With a TTFT SLO, a request
+no instance is predicted to serve within it is answered 429 at once, with Retry-After. An instance that fails
+before answering is taken out (until its /health answers) and the request goes to the next best one; an answer
+already started is never retried (its tokens went to the client). ``GET /v1/models`` goes to a healthy instance;
+``/health`` answers 200 while one is healthy; ``/metrics`` is Prometheus text; ``/router/status`` the fleet as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from kvplugins.router.config import RouterConfig
+from kvplugins.router.fleet import Fleet, Instance, Ticket, block_ids
+
+log = logging.getLogger("kvplugins.router")
+GENERATE = ("/v1/completions", "/v1/chat/completions")
+INSTANCE_HEADER = "x-kvplugins-instance"  # on every routed answer: the instance that served it
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.routed = Counter("kvplugins_router_routed", "requests routed, per instance", ["instance"], registry=r)
+        self.rejected = Counter("kvplugins_router_rejected", "requests rejected early (429)", registry=r)
+        self.retried = Counter("kvplugins_router_retried", "requests sent on after an instance failed", registry=r)
+        self.ttft = Histogram("kvplugins_router_ttft_seconds", "measured TTFT of streamed requests", registry=r)
+        buckets = (-10, -2, -1, -0.5, -0.2, -0.1, 0, 0.1, 0.2, 0.5, 1, 2, 10)
+        self.error = Histogram(
+            "kvplugins_router_ttft_error_seconds", "measured - predicted TTFT, streamed requests", buckets=buckets,
+            registry=r,
+        )  # fmt: skip
+
+
+class Router:
+    """The app's state: the fleet, the tokenizer, one HTTP client session, the metrics."""
+
+    def __init__(self, cfg: RouterConfig, encode: Callable[[str], list[int]]):
+        """``encode(text)``: the engines' tokenizer (token ids, no special tokens)."""
+        self.cfg, self.encode, self.fleet, self.metrics = cfg, encode, Fleet(cfg), Metrics()
+        self.session: ClientSession | None = None
+
+    # -- the prompt -------------------------------------------------------------------------------
+    def tokens(self, body: dict[str, object]) -> list[int]:
+        """The prompt's tokens as the router hashes them (a chat's messages as "role: content" lines)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]
+        messages = body.get("messages")
+        if prompt is None and isinstance(messages, list):
+            prompt = "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages if isinstance(m, dict))
+        if isinstance(prompt, list):
+            prompt = "\n".join(str(p) for p in prompt)
+        return self.encode(str(prompt or ""))
+
+    # -- the generate path ----------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as e:
+            return _error(400, f"malformed JSON body: {e}", "invalid_request_error")
+        tokens = await asyncio.to_thread(self.tokens, body)
+        blocks = block_ids(tokens, self.cfg.block_tokens)
+        tried: set[str] = set()
+        while True:
+            decision, ticket = self.fleet.choose(len(tokens), blocks, tried)
+            if ticket is None:
+                if math.isinf(decision.predicted_s):
+                    return _error(
+                        503, f"no healthy instance to serve it (tried {sorted(tried) or 'none'})", "unavailable"
+                    )
+                self.metrics.rejected.inc()
+                wait = max(1, math.ceil(decision.predicted_s - self.cfg.slo_ttft_ms / 1000))
+                msg = (
+                    f"predicted TTFT {decision.predicted_s * 1000:.0f} ms on the best instance exceeds the SLO of "
+                    f"{self.cfg.slo_ttft_ms:.0f} ms; retry later"
+                )
+                return _error(429, msg, "rejected", {"Retry-After": str(wait)})
+            self.metrics.routed.labels(ticket.instance.url).inc()
+            try:
+                return await self._forward(request, raw, ticket)
+            except _NotAnswered as e:
+                tried.add(ticket.instance.url)
+                self.fleet.failed(ticket.instance, str(e))
+                self.metrics.retried.inc()
+                log.warning("instance %s failed before answering (%s); sending the request on", ticket.instance.url, e)
+
+    async def _forward(self, request: web.Request, raw: bytes, t: Ticket) -> web.StreamResponse:
+        assert self.session is not None
+        try:
+            upstream = await self.session.post(
+                t.instance.url + request.path, data=raw, headers={"Content-Type": "application/json"}
+            )
+        except (ClientError, asyncio.TimeoutError, OSError) as e:
+            self.fleet.done(t)
+            raise _NotAnswered(repr(e)) from e
+        out = web.StreamResponse(status=upstream.status, headers={INSTANCE_HEADER: t.instance.url})
+        out.content_type = upstream.content_type
+        try:
+            await out.prepare(request)
+            first = True
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    first = False
+                    self.fleet.first_token(t)
+                    measured = time.monotonic() - t.started
+                    self.metrics.ttft.observe(measured)
+                    self.metrics.error.observe(measured - t.predicted_s)
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+        finally:
+            upstream.release()
+            self.fleet.done(t)
+
+    # -- the rest ---------------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        assert self.session is not None
+        for inst in self.fleet.instances:
+            if not inst.healthy:
+                continue
+            try:
+                async with self.session.get(inst.url + "/v1/models") as resp:
+                    return web.Response(status=resp.status, body=await resp.read(), content_type=resp.content_type)
+            except (ClientError, asyncio.TimeoutError, OSError) as e:
+                self.fleet.failed(inst, repr(e))
+        return _error(503, "no healthy instance", "unavailable")
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = any(i.healthy for i in self.fleet.instances)
+        return web.json_response({"healthy": ok}, status=200 if ok else 503)
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response({"instances": self.fleet.status()})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
+
+    async def watch(self) -> None:
+        """Poll every instance's /health each health_ms; one that answers 200 is (back) in, else out."""
+        assert self.session is not None
+        while True:
+            for inst in self.fleet.instances:
+                await self._probe(inst)
+            await asyncio.sleep(self.cfg.health_ms / 1000)
+
+    async def _probe(self, inst: Instance) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.get(inst.url + "/health", timeout=ClientTimeout(total=2)) as resp:
+                self.fleet.health(inst, resp.status == 200, f"/health answered {resp.status}")
+        except (ClientError, asyncio.TimeoutError, OSError) as e:
+            self.fleet.health(inst, False, repr(e))
+
+
+class _NotAnswered(Exception):
+    """The instance failed before sending any answer: the request may go to another one."""
+
+
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def app(router: Router) -> web.Application:
+    a = web.Application(client_max_size=64 << 20)
+    for path in GENERATE:
+        a.router.add_post(path, router.generate)
+    a.router.add_get("/v1/models", router.models)
+    a.router.add_get("/health", router.health)
+    a.router.add_get("/metrics", router.prometheus)
+    a.router.add_get("/router/status", router.status)
+
+    async def lifecycle(_app: web.Application) -> AsyncIterator[None]:
+        router.session = ClientSession(timeout=ClientTimeout(total=router.cfg.timeout_s))
+        watcher = asyncio.create_task(router.watch())
+        yield
+        watcher.cancel()
+        await router.session.close()
+
+    a.cleanup_ctx.append(lifecycle)
+    return a
