@@ -61,7 +61,7 @@ def test_a_pulled_object_is_whole_and_every_puller_serves_it_on(peers):
     again = [np.zeros_like(b) for b in src]
     st2 = second.get_replica("ckpt/step1", again)
     assert all((a == b).all() for a, b in zip(src, again))
-    assert set(st2.from_peers) == {gold.me, first.me}  # the replica served too
+    assert st2.from_peers.get(first.me, 0) > 0  # the replica served too (read before the publisher)
     [info] = second.list("ckpt/")
     assert (info.holders, info.complete, info.chunks, info.sizes) == (3, 3, 7, (5 * CHUNK + 123, 1000))
     if "rdma" in TRANSPORTS:  # the guest: RDMA carried every chunk

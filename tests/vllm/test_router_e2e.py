@@ -56,12 +56,16 @@ class Router:
         self.log.close()
 
 
+MODEL: list[str] = []  # the served model's name (its path), set by the test
+
+
 def complete(url: str, text: str, **extra) -> tuple[int, dict, dict]:
-    body = {"model": "m", "prompt": text, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **extra}
+    body = {"model": MODEL[0], "prompt": text, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **extra}
     return post(url, body)
 
 
 def test_the_router_over_two_vllm_servers(model, tmp_path):
+    MODEL[:] = [model]
     a = Server(model, None, tmp_path / "a.log")
     b = Server(model, None, tmp_path / "b.log")
     routers = []
@@ -98,7 +102,7 @@ def test_the_router_over_two_vllm_servers(model, tmp_path):
         req = urllib.request.Request(
             r.url + "/v1/completions",
             json.dumps(
-                {"model": "m", "prompt": prompt(1, 400), "max_tokens": 8, "temperature": 0.0, "stream": True}
+                {"model": model, "prompt": prompt(1, 400), "max_tokens": 8, "temperature": 0.0, "stream": True}
             ).encode(),
             {"Content-Type": "application/json"},
         )
