@@ -33,6 +33,13 @@ class RouterConfig:
         default=0.0,
         metadata={"help": "TTFT SLO: a request no instance is predicted to serve within it gets 429 at once; 0 = off"},
     )
+    max_imbalance: int = field(
+        default=0,
+        metadata={
+            "help": "an instance with more than this many requests in flight above the least loaded one is not "
+            "chosen, whatever its cache holds; 0 = no bound (the cost model alone)"
+        },
+    )
     timeout_s: float = field(default=600.0, metadata={"help": "limit of each upstream request (s)"})
     health_ms: float = field(default=1000.0, metadata={"help": "how often each instance's /health is polled"})
 
@@ -43,10 +50,17 @@ class RouterConfig:
         bad = [u for u in urls if urllib.parse.urlsplit(u).scheme != "http" or not urllib.parse.urlsplit(u).port]
         if bad:
             raise ConfigError(f"router --instances {bad}: use http://HOST:PORT")
-        if self.block_tokens < 1 or self.cache_blocks < 0 or not self.prefill_tok_s > 0 or self.slo_ttft_ms < 0:
+        if (
+            self.block_tokens < 1
+            or self.cache_blocks < 0
+            or not self.prefill_tok_s > 0
+            or self.slo_ttft_ms < 0
+            or self.max_imbalance < 0
+        ):
             raise ConfigError(
                 f"router: --block-tokens {self.block_tokens} >= 1, --cache-blocks {self.cache_blocks} >= 0, "
-                f"--prefill-tok-s {self.prefill_tok_s} > 0 and --slo-ttft-ms {self.slo_ttft_ms} >= 0"
+                f"--prefill-tok-s {self.prefill_tok_s} > 0, --slo-ttft-ms {self.slo_ttft_ms} >= 0 and "
+                f"--max-imbalance {self.max_imbalance} >= 0"
             )
 
     def urls(self) -> list[str]:

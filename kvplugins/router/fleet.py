@@ -72,6 +72,9 @@ class Fleet:
             live.sort(key=lambda p: (p[1].inflight, p[1].routed))  # equal predictions: the least used first
             if not live:
                 return Decision(-1, float("inf")), None
+            if self.cfg.max_imbalance:  # no instance more than max_imbalance requests above the least loaded
+                least = live[0][1].inflight
+                live = [(i, inst) for i, inst in live if inst.inflight <= least + self.cfg.max_imbalance]
             cands = [
                 Candidate(i, inst.owed_tokens / self.cfg.prefill_tok_s, inst.cache.prefix(blocks), 0)
                 for i, inst in live

