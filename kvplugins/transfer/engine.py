@@ -206,10 +206,9 @@ class TransferEngine:
         OutOfRange for negative values, TransferFailed if closed.
         A small batch over rdma (the first transport) to a region its last small batch reached is checked,
         posted and hashed in one native call (rdma_fast.py); anything else goes through the router (routing.py)."""
-        refused = refused_write(remote, remote_region)
-        if refused is not None:
-            return [refused] * len(lengths)
         fast = self._fast  # rdma's fence is its deadline: nothing is posted after it
+        if fast and refused_write(remote, remote_region) is not None:
+            fast = None  # read-only to peers: the router refuses it (run_spans), nothing is posted
         done = fast and self._fast_spans(fast, False, remote, remote_region, local_addrs, remote_offsets, lengths,
                                          timeout_ms, digests)  # fmt: skip
         return done or self._router.run_spans(

@@ -40,10 +40,13 @@ class Router:
 
     def run(self, op: Op, reqs: list[TransferRequest], timeout_ms: float) -> list[TransferError | None]:
         deadline = Deadline(timeout_ms)
-        writes_refused = op is Op.WRITE and any(refused_write(r.remote, r.remote_region) for r in reqs[:SMALL])
-        if self._fast is not None and 0 < len(reqs) <= SMALL and not writes_refused:
-            one = one_region(reqs)
-            if one is not None and self._fast_spans(op, one[0], one[1], one[2], deadline):
+        if self._fast is not None and 0 < len(reqs) <= SMALL:
+            one = one_region(reqs)  # a write into a region read-only to peers: refused below, never posted
+            if (
+                one is not None
+                and not (op is Op.WRITE and refused_write(one[0], one[1]))
+                and self._fast_spans(op, one[0], one[1], one[2], deadline)
+            ):
                 return [None] * len(reqs)
         status: list[TransferError | None] = [None] * len(reqs)
         pending: dict[int, tuple[Entry, list[Transport]]] = {}
