@@ -1,5 +1,7 @@
 """``kvplugins router``: an OpenAI-compatible router in front of vLLM or SGLang instances that sends each request
-where its predicted TTFT is lowest (queue, the prefix the instance holds, prefill rate; kvplugins/router) and, with
+where its predicted TTFT is lowest (queue, the prefix the instance holds and the pool holds, prefill and pool load
+rates; what each holds from the router's history and, with --kv-events / --store-master, the KV events of the
+engines and the store; kvplugins/router) and, with
 ``--slo-ttft-ms``, answers 429 at once what no instance is predicted to serve within it. The listening port is
 printed (and written to ``--port-file``). docs/operations.md."""
 
@@ -25,8 +27,9 @@ def run(args) -> int:
     from kvplugins.router.config import RouterConfig
 
     cfg = from_args(RouterConfig, args)
-    tok = _tokenizer(cfg)
-    asyncio.run(_serve(cfg, lambda text: list(tok(text, add_special_tokens=False)["input_ids"])))
+    from kvplugins.router.prompt import EngineTokens
+
+    asyncio.run(_serve(cfg, EngineTokens(_tokenizer(cfg))))
     return 0
 
 
@@ -50,13 +53,13 @@ def _tokenizer(cfg):
     return AutoTokenizer.from_pretrained(name)
 
 
-async def _serve(cfg, encode) -> None:
+async def _serve(cfg, tokens) -> None:
     from aiohttp import web
 
     from kvplugins.router.front import Router, app
     from kvplugins.store.process import write_atomic
 
-    runner = web.AppRunner(app(Router(cfg, encode)), access_log=None)
+    runner = web.AppRunner(app(Router(cfg, tokens)), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()

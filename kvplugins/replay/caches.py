@@ -34,6 +34,18 @@ class LocalLRU:
         while len(od) > self.capacity:
             od.popitem(last=False)
 
+    def discard(self, blocks) -> None:
+        """``blocks`` are no longer held (an engine evicted them)."""
+        for b in blocks:
+            self._blocks.pop(b, None)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def held(self) -> int:
+        """Blocks held now."""
+        return len(self._blocks)
+
 
 class Router:
     """Picks the instance for each request: ``round_robin``; ``session`` (the request's session id, else its first

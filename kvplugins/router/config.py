@@ -40,6 +40,36 @@ class RouterConfig:
             "chosen, whatever its cache holds; 0 = no bound (the cost model alone)"
         },
     )
+    kv_events: str = field(
+        default="",
+        metadata={
+            "help": "comma list of the instances' KV event endpoints, in --instances order (tcp://HOST:PORT, where each "
+            "engine publishes: vLLM --kv-events-config endpoint tcp://*:PORT); '' = none: the router's routing "
+            "history alone says what each instance caches"
+        },
+    )
+    store_master: str = field(
+        default="",
+        metadata={
+            "help": "the kvplugins store master (HOST:PORT, started with --events-port) whose KV events say exactly "
+            "what the shared pool holds; '' = the pages the instances' connectors announce saving"
+        },
+    )
+    engine_hash: str = field(
+        default="",
+        metadata={
+            "help": "compute the engines' own block hashes, so the pool's pages are known without an engine having "
+            "announced them: 'vllm:ALGO' (ALGO = the engines' --prefix-caching-hash-algo, vLLM's default sha256; "
+            "vLLM must be importable beside the router); '' = learn them from the engines' KV events only"
+        },
+    )
+    load_gbps: float = field(
+        default=0.0,
+        metadata={"help": "pool -> instance load rate (GB/s) the cost model charges pool hits; 0 = pool hits are free"},
+    )
+    block_bytes: int = field(
+        default=0, metadata={"help": "KV bytes of one block over all layers and TP ranks (the pool load's size)"}
+    )
     timeout_s: float = field(default=600.0, metadata={"help": "limit of each upstream request (s)"})
     health_ms: float = field(default=1000.0, metadata={"help": "how often each instance's /health is polled"})
 
@@ -56,12 +86,29 @@ class RouterConfig:
             or not self.prefill_tok_s > 0
             or self.slo_ttft_ms < 0
             or self.max_imbalance < 0
+            or self.load_gbps < 0
+            or self.block_bytes < 0
         ):
             raise ConfigError(
                 f"router: --block-tokens {self.block_tokens} >= 1, --cache-blocks {self.cache_blocks} >= 0, "
                 f"--prefill-tok-s {self.prefill_tok_s} > 0, --slo-ttft-ms {self.slo_ttft_ms} >= 0 and "
-                f"--max-imbalance {self.max_imbalance} >= 0"
+                f"--max-imbalance {self.max_imbalance} >= 0, --load-gbps {self.load_gbps} >= 0 and "
+                f"--block-bytes {self.block_bytes} >= 0"
             )
+        feeds = self.event_endpoints()
+        if feeds and len(feeds) != len(urls):
+            raise ConfigError(
+                f"router --kv-events has {len(feeds)} endpoints for {len(urls)} --instances: give one per instance, "
+                "in the same order"
+            )
+        if self.engine_hash and not self.engine_hash.startswith("vllm:"):
+            raise ConfigError(f"router --engine-hash {self.engine_hash!r}: use vllm:ALGO (e.g. vllm:sha256) or ''")
+        bad = [e for e in feeds if urllib.parse.urlsplit(e).scheme != "tcp" or not urllib.parse.urlsplit(e).port]
+        if bad:
+            raise ConfigError(f"router --kv-events {bad}: use tcp://HOST:PORT (the engine's publisher)")
 
     def urls(self) -> list[str]:
         return [u.strip().rstrip("/") for u in self.instances.split(",") if u.strip()]
+
+    def event_endpoints(self) -> list[str]:
+        return [e.strip() for e in self.kv_events.split(",") if e.strip()]

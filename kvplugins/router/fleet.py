@@ -1,10 +1,13 @@
 """What ``kvplugins router`` knows of its instances and how it picks one (kvplugins/router/cost.py's Conductor).
 
 Per instance: healthy or not (its /health, and whether a request to it failed), requests in flight and the prefill
-tokens they still owe (the queue: those tokens / prefill_tok_s), and the blocks it holds, as the router's own
-routing history says (an LRU of chained block hashes, like SGLang's router's approximate tree: a prompt routed
-there left its blocks in that engine's prefix cache). A prompt is hashed as the engines hash theirs: tokens in
-blocks of ``block_tokens``, each block's id chained on the previous one, full blocks only.
+tokens they still owe (the queue: those tokens / prefill_tok_s), and the blocks its cache holds: an LRU of block
+ids that the router's own routing history fills (a prompt routed there left its blocks in that engine's prefix
+cache, like SGLang's router's approximate tree) and, where the instance's KV event stream is read (feeds.py), the
+engine's own events correct (BlockStored adds what it cached, also for requests that did not pass the router;
+BlockRemoved takes out what it evicted). Fleet-wide: the blocks the shared pool holds (blocks.py), which any
+instance can load at ``load_gbps`` instead of computing. A prompt's blocks are its tokens in blocks of
+``block_tokens``, each block's id chained on the previous one (blocks.chain), full blocks only.
 """
 
 from __future__ import annotations
@@ -13,19 +16,23 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import xxhash
-
 from kvplugins.replay.caches import LocalLRU
+from kvplugins.router.blocks import BlockNames, Pool, canonical, chain, key_hash
 from kvplugins.router.config import RouterConfig
 from kvplugins.router.cost import Candidate, Conductor, CostModel, Decision
+from kvplugins.store.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+# A BlockStored in these media: the page is in the shared pool, not the instance's own memory. vLLM: CPU is what our
+# connector announces (vLLM's own CPU offloading is not shared, but it announces through the same medium: see
+# docs/operations.md); SGLang: EXTERNAL (its L3 shared pool; its CPU_PINNED and DISK tiers are the instance's own).
+POOL_MEDIA = ("CPU", "STORAGE", "EXTERNAL")
 
 
 def block_ids(tokens: list[int], block_tokens: int) -> list[int]:
     """Chained ids of the full blocks of ``tokens`` (block i's id covers tokens [0, (i+1) * block_tokens))."""
     out, prev = [], 0
     for i in range(len(tokens) // block_tokens):
-        chunk = tokens[i * block_tokens : (i + 1) * block_tokens]
-        prev = xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in chunk))
+        prev = chain(prev, tokens[i * block_tokens : (i + 1) * block_tokens])
         out.append(prev)
     return out
 
@@ -40,6 +47,7 @@ class Instance:
     routed: int = 0
     down_since: float = 0.0
     why: str = ""
+    events: int = 0  # KV events applied from its stream
 
 
 @dataclass
@@ -49,6 +57,8 @@ class Ticket:
     instance: Instance
     owed: int
     predicted_s: float
+    local_blocks: int = 0
+    pool_blocks: int = 0
     started: float = field(default_factory=time.monotonic)
     first_seen: bool = False
 
@@ -59,15 +69,23 @@ class Fleet:
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.instances = [Instance(u, LocalLRU(cfg.cache_blocks)) for u in cfg.urls()]
-        model = CostModel(cfg.prefill_tok_s, 0.0, cfg.block_tokens, 0)
+        model = CostModel(cfg.prefill_tok_s, cfg.load_gbps * 1e9, cfg.block_tokens, cfg.block_bytes)
         self.conductor = Conductor(model, cfg.slo_ttft_ms / 1000)
+        self.names = BlockNames(cfg.cache_blocks * len(self.instances))
+        self.pool = Pool(cfg.cache_blocks * len(self.instances))
+        self.skipped = 0  # events of another block size than block_tokens (not understood)
         self._lock = threading.Lock()
 
-    def choose(self, prompt_tokens: int, blocks: list[int], exclude: set[str]) -> tuple[Decision, Ticket | None]:
+    def choose(
+        self, prompt_tokens: int, blocks: list[int], exclude: set[str], engine_hashes: list[int] | None = None
+    ) -> tuple[Decision, Ticket | None]:
         """The Conductor's decision over the healthy instances not in ``exclude`` and, unless it rejected, the
-        request's ticket (the instance's queue and cache updated). Decision.index -1 and no ticket: rejected, or
+        request's ticket (the instance's queue and cache updated). ``engine_hashes``: the blocks' hashes as the
+        engines compute them (blocks.EngineHasher), if known. Decision.index -1 and no ticket: rejected, or
         (predicted_s = inf) no instance to try."""
         with self._lock:
+            if engine_hashes:
+                self.names.teach(blocks, engine_hashes)
             live = [(i, inst) for i, inst in enumerate(self.instances) if inst.healthy and inst.url not in exclude]
             live.sort(key=lambda p: (p[1].inflight, p[1].routed))  # equal predictions: the least used first
             if not live:
@@ -75,20 +93,65 @@ class Fleet:
             if self.cfg.max_imbalance:  # no instance more than max_imbalance requests above the least loaded
                 least = live[0][1].inflight
                 live = [(i, inst) for i, inst in live if inst.inflight <= least + self.cfg.max_imbalance]
-            cands = [
-                Candidate(i, inst.owed_tokens / self.cfg.prefill_tok_s, inst.cache.prefix(blocks), 0)
-                for i, inst in live
-            ]
+            cands = []
+            for i, inst in live:
+                local = inst.cache.prefix(blocks)
+                pool = self.pool.prefix(self.names, blocks, local)
+                cands.append(Candidate(i, inst.owed_tokens / self.cfg.prefill_tok_s, local, pool))
             d = self.conductor.choose(prompt_tokens, cands)
             if d.rejected:
                 return d, None
+            c = next(c for c in cands if c.index == d.index)
             inst = self.instances[d.index]
-            cached = min(prompt_tokens, inst.cache.prefix(blocks) * self.cfg.block_tokens)
+            cached = min(prompt_tokens, (c.local_blocks + c.pool_blocks) * self.cfg.block_tokens)
             inst.cache.admit(blocks)
             inst.inflight += 1
             inst.routed += 1
             inst.owed_tokens += prompt_tokens - cached
-            return d, Ticket(inst, prompt_tokens - cached, d.predicted_s)
+            return d, Ticket(inst, prompt_tokens - cached, d.predicted_s, c.local_blocks, c.pool_blocks)
+
+    # -- KV events (feeds.py) -----------------------------------------------------------------------
+    def engine_events(self, index: int, events: list[KVEvent]) -> None:
+        """Apply a batch of instance ``index``'s KV event stream: its cache's blocks, and the pages its connector
+        saved to the pool (BlockStored with medium CPU/STORAGE)."""
+        with self._lock:
+            inst = self.instances[index]
+            inst.events += len(events)
+            for e in events:
+                if isinstance(e, BlockStored):
+                    if e.block_size != self.cfg.block_tokens:
+                        self.skipped += 1
+                        continue
+                    rids = self.names.learn(e.parent_block_hash, e.block_hashes, e.token_ids, e.block_size)
+                    if e.medium in POOL_MEDIA:
+                        for h in e.block_hashes:
+                            self.pool.seen(canonical(h))
+                    else:
+                        inst.cache.admit(rids)
+                elif isinstance(e, BlockRemoved):
+                    if e.medium not in POOL_MEDIA:
+                        inst.cache.discard([r for r in map(self.names.rid, e.block_hashes) if r is not None])
+                elif isinstance(e, AllBlocksCleared):
+                    inst.cache.clear()
+
+    def engine_restarted(self, index: int) -> None:
+        """Instance ``index``'s stream began again (its sequence went back): its cache starts empty."""
+        with self._lock:
+            self.instances[index].cache.clear()
+
+    def pool_events(self, events: list[KVEvent], fresh: bool = False) -> None:
+        """Apply a batch of the master's stream (object keys ``<namespace>/<hash hex>``); ``fresh``: the stream
+        began again (a new master), so what the pool held is forgotten first."""
+        with self._lock:
+            if fresh:
+                self.pool = Pool(self.pool.capacity)
+            self.pool.exact = True
+            for e in events:
+                if isinstance(e, (BlockStored, BlockRemoved)):
+                    for k in e.block_hashes:
+                        h = key_hash(k) if isinstance(k, bytes) else None
+                        if h is not None:
+                            (self.pool.add if isinstance(e, BlockStored) else self.pool.remove)(h)
 
     def first_token(self, t: Ticket) -> None:
         """The request's first bytes came back: its prefill no longer queues others."""
@@ -125,6 +188,18 @@ class Fleet:
                     "owed_tokens": i.owed_tokens,
                     "routed": i.routed,
                     "why": i.why,
+                    "cached_blocks": i.cache.held(),
+                    "events": i.events,
                 }  # fmt: skip
                 for i in self.instances
             ]
+
+    def pool_status(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "pool_blocks": len(self.pool),
+                "pool_exact": self.pool.exact,
+                "known_blocks": len(self.names),
+                "unchained_events": self.names.unchained,
+                "skipped_events": self.skipped,
+            }

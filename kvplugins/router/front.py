@@ -22,12 +22,15 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from kvplugins.router.blocks import EngineHasher
 from kvplugins.router.config import RouterConfig
+from kvplugins.router.feeds import Feeds
 from kvplugins.router.fleet import Fleet, Instance, Ticket, block_ids
 
 log = logging.getLogger("kvplugins.router")
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 INSTANCE_HEADER = "x-kvplugins-instance"  # on every routed answer: the instance that served it
+PREDICTION_HEADER = "x-kvplugins-prediction"  # and the prediction: "ttft_ms=N local_blocks=N pool_blocks=N"
 
 
 class Metrics:
@@ -46,27 +49,26 @@ class Metrics:
 
 
 class Router:
-    """The app's state: the fleet, the tokenizer, one HTTP client session, the metrics."""
+    """The app's state: the fleet, the prompt tokenizer, the KV event feeds, one HTTP client session, the
+    metrics."""
 
-    def __init__(self, cfg: RouterConfig, encode: Callable[[str], list[int]]):
-        """``encode(text)``: the engines' tokenizer (token ids, no special tokens)."""
-        self.cfg, self.encode, self.fleet, self.metrics = cfg, encode, Fleet(cfg), Metrics()
+    def __init__(self, cfg: RouterConfig, tokens: Callable[[dict[str, object]], list[int]]):
+        """``tokens(body)``: the prompt's token ids as the engines tokenize it (prompt.EngineTokens)."""
+        self.cfg, self.tokens, self.fleet, self.metrics = cfg, tokens, Fleet(cfg), Metrics()
+        self.feeds = Feeds(cfg, self.fleet)
+        self.hasher = EngineHasher(cfg.engine_hash.split(":", 1)[1]) if cfg.engine_hash else None
         self.session: ClientSession | None = None
 
-    # -- the prompt -------------------------------------------------------------------------------
-    def tokens(self, body: dict[str, object]) -> list[int]:
-        """The prompt's tokens as the router hashes them (a chat's messages as "role: content" lines)."""
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return [int(t) for t in prompt]
-        messages = body.get("messages")
-        if prompt is None and isinstance(messages, list):
-            prompt = "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages if isinstance(m, dict))
-        if isinstance(prompt, list):
-            prompt = "\n".join(str(p) for p in prompt)
-        return self.encode(str(prompt or ""))
-
     # -- the generate path ----------------------------------------------------------------------
+    def _blocks(self, body: dict[str, object]) -> tuple[list[int], list[int], list[int] | None]:
+        """The prompt's tokens, its block ids and (with --engine-hash, for a request with no extra keys) the
+        engines' hashes of its blocks."""
+        tokens = self.tokens(body)
+        blocks = block_ids(tokens, self.cfg.block_tokens)
+        plain = not any(k in body for k in ("cache_salt", "lora_request", "multi_modal_data"))
+        hashes = self.hasher.hashes(tokens, self.cfg.block_tokens) if self.hasher and plain else None
+        return tokens, blocks, hashes
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
@@ -75,11 +77,10 @@ class Router:
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
             return _error(400, f"malformed JSON body: {e}", "invalid_request_error")
-        tokens = await asyncio.to_thread(self.tokens, body)
-        blocks = block_ids(tokens, self.cfg.block_tokens)
+        tokens, blocks, hashes = await asyncio.to_thread(self._blocks, body)
         tried: set[str] = set()
         while True:
-            decision, ticket = self.fleet.choose(len(tokens), blocks, tried)
+            decision, ticket = self.fleet.choose(len(tokens), blocks, tried, hashes)
             if ticket is None:
                 if math.isinf(decision.predicted_s):
                     return _error(
@@ -110,7 +111,10 @@ class Router:
         except (ClientError, asyncio.TimeoutError, OSError) as e:
             self.fleet.done(t)
             raise _NotAnswered(repr(e)) from e
-        out = web.StreamResponse(status=upstream.status, headers={INSTANCE_HEADER: t.instance.url})
+        prediction = f"ttft_ms={t.predicted_s * 1000:.1f} local_blocks={t.local_blocks} pool_blocks={t.pool_blocks}"
+        out = web.StreamResponse(
+            status=upstream.status, headers={INSTANCE_HEADER: t.instance.url, PREDICTION_HEADER: prediction}
+        )
         out.content_type = upstream.content_type
         try:
             await out.prepare(request)
@@ -147,7 +151,9 @@ class Router:
         return web.json_response({"healthy": ok}, status=200 if ok else 503)
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response({"instances": self.fleet.status()})
+        return web.json_response(
+            {"instances": self.fleet.status(), "pool": self.fleet.pool_status(), "feeds": self.feeds.status()}
+        )
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
@@ -190,8 +196,11 @@ def app(router: Router) -> web.Application:
     async def lifecycle(_app: web.Application) -> AsyncIterator[None]:
         router.session = ClientSession(timeout=ClientTimeout(total=router.cfg.timeout_s))
         watcher = asyncio.create_task(router.watch())
+        if router.feeds.wanted():
+            router.feeds.start()
         yield
         watcher.cancel()
+        router.feeds.close()
         await router.session.close()
 
     a.cleanup_ctx.append(lifecycle)

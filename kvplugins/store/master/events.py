@@ -38,46 +38,12 @@ import msgspec
 import zmq
 
 from kvplugins.security.curve import server_socket
+from kvplugins.store.wire.kv_events import BlockRemoved, BlockStored, EventBatch
 
+__all__ = ["BlockRemoved", "BlockStored", "EventBatch", "EventPublisher", "NoEvents"]
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 CPU, STORAGE = "CPU", "STORAGE"
-
-
-class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """vLLM's BlockStored, field for field, plus ``reason``."""
-
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    reason: str = "stored"
-
-
-class BlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """vLLM's BlockRemoved, field for field, plus ``reason``."""
-
-    block_hashes: list[bytes]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    reason: str = "removed"
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved]
 
 
 class NoEvents:
