@@ -22,7 +22,6 @@ COMMANDS = (
     "demo",
     "kt",
     "mooncake",
-    "pd-proxy",
     "doctor",
     "replay",
     "credential",

@@ -1,5 +1,6 @@
 """``kvplugins status``: the pool as a table (rich) — one row per segment (host, size, used, objects, heartbeat
-age, disk tier), a totals row, then the master's counters; ``--json`` prints the raw ``status`` answer for scripts."""
+age, disk tier), a totals row, then the master's counters; ``--json`` prints the raw ``status`` answer for scripts.
+``--router URL``: the fleet a ``kvplugins router`` fronts instead (status_router.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("status", help="show the pool: segments, usage, objects, hits/misses, evictions")
     add_arguments(p, ClientConfig, skip=tuple(f.name for f in dataclasses.fields(ClientConfig) if f.name not in SHOWN))
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.add_argument("--router", default="", help="show the fleet a `kvplugins router` at this URL fronts instead")
     p.add_argument("--config", help="TOML/JSON config file ([client] table)")
 
 
@@ -47,6 +49,10 @@ def run(args) -> int:
     from kvplugins.store.config import ClientConfig
 
     cfg = from_args(ClientConfig, args)
+    if args.router:
+        from kvplugins.cli.status_router import run_router
+
+        return run_router(args.router, cfg.rpc_timeout_ms, args.json)
     master = embedded.resolve_master(cfg.master)
     if master.startswith("shards://"):
         from kvplugins.cli.status_shards import run_sharded

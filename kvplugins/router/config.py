@@ -9,12 +9,25 @@ from kvplugins.config import component
 from kvplugins.errors import ConfigError
 
 
+ROUTINGS = ("conductor", "round_robin", "prefix_aware")
+
+
 @component("router")
 @dataclass(frozen=True)
 class RouterConfig:
     """Options of the OpenAI-compatible router in front of vLLM or SGLang instances. Times in ms unless named."""
 
-    instances: str = field(default="", metadata={"help": "comma list of the instances' base URLs (http://host:port)"})
+    instances: str = field(
+        default="",
+        metadata={"help": "comma list of the instances' base URLs (http://host:port); P/D: the prefill instances"},
+    )
+    decode: str = field(
+        default="",
+        metadata={
+            "help": "P/D disaggregation: comma list of the decode (kv_consumer) instances' base URLs; --instances are "
+            "then the prefill (kv_producer) ones; '' = aggregated instances"
+        },
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=0, metadata={"help": "port to listen on; 0 = a free port (printed)"})
     port_file: str = field(default="", metadata={"help": "write the listening port here once serving"})
@@ -28,6 +41,13 @@ class RouterConfig:
     )
     prefill_tok_s: float = field(
         default=4000.0, metadata={"help": "prefill tokens/s of one instance: the cost model's rate"}
+    )
+    routing: str = field(
+        default="conductor",
+        metadata={
+            "help": "conductor (the lowest predicted TTFT), or a baseline to compare it with: round_robin (in turn over "
+            "the healthy instances), prefix_aware (the longest prefix the instance's cache holds; ties in turn)"
+        },
     )
     slo_ttft_ms: float = field(
         default=0.0,
@@ -77,9 +97,10 @@ class RouterConfig:
         urls = self.urls()
         if not urls:
             raise ConfigError("router --instances is empty: give the engines' base URLs, e.g. http://127.0.0.1:8100")
-        bad = [u for u in urls if urllib.parse.urlsplit(u).scheme != "http" or not urllib.parse.urlsplit(u).port]
-        if bad:
-            raise ConfigError(f"router --instances {bad}: use http://HOST:PORT")
+        for flag, listed in (("--instances", urls), ("--decode", self.decode_urls())):
+            bad = [u for u in listed if urllib.parse.urlsplit(u).scheme != "http" or not urllib.parse.urlsplit(u).port]
+            if bad:
+                raise ConfigError(f"router {flag} {bad}: use http://HOST:PORT")
         if (
             self.block_tokens < 1
             or self.cache_blocks < 0
@@ -101,6 +122,10 @@ class RouterConfig:
                 f"router --kv-events has {len(feeds)} endpoints for {len(urls)} --instances: give one per instance, "
                 "in the same order"
             )
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"router --routing {self.routing!r} is not one of {', '.join(ROUTINGS)}")
+        if self.slo_ttft_ms and self.routing != "conductor":
+            raise ConfigError("router --slo-ttft-ms (early rejection) needs --routing conductor")
         if self.engine_hash and not self.engine_hash.startswith("vllm:"):
             raise ConfigError(f"router --engine-hash {self.engine_hash!r}: use vllm:ALGO (e.g. vllm:sha256) or ''")
         bad = [e for e in feeds if urllib.parse.urlsplit(e).scheme != "tcp" or not urllib.parse.urlsplit(e).port]
@@ -109,6 +134,9 @@ class RouterConfig:
 
     def urls(self) -> list[str]:
         return [u.strip().rstrip("/") for u in self.instances.split(",") if u.strip()]
+
+    def decode_urls(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.decode.split(",") if u.strip()]
 
     def event_endpoints(self) -> list[str]:
         return [e.strip() for e in self.kv_events.split(",") if e.strip()]

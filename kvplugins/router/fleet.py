@@ -69,10 +69,12 @@ class Fleet:
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self.instances = [Instance(u, LocalLRU(cfg.cache_blocks)) for u in cfg.urls()]
+        self.decoders = [Instance(u, LocalLRU(0)) for u in cfg.decode_urls()]  # P/D: the decode instances
         model = CostModel(cfg.prefill_tok_s, cfg.load_gbps * 1e9, cfg.block_tokens, cfg.block_bytes)
         self.conductor = Conductor(model, cfg.slo_ttft_ms / 1000)
         self.names = BlockNames(cfg.cache_blocks * len(self.instances))
         self.pool = Pool(cfg.cache_blocks * len(self.instances))
+        self._turn = 0  # --routing round_robin / prefix_aware ties: whose turn it is
         self.skipped = 0  # events of another block size than block_tokens (not understood)
         self._lock = threading.Lock()
 
@@ -98,7 +100,7 @@ class Fleet:
                 local = inst.cache.prefix(blocks)
                 pool = self.pool.prefix(self.names, blocks, local)
                 cands.append(Candidate(i, inst.owed_tokens / self.cfg.prefill_tok_s, local, pool))
-            d = self.conductor.choose(prompt_tokens, cands)
+            d = self._decide(prompt_tokens, cands)
             if d.rejected:
                 return d, None
             c = next(c for c in cands if c.index == d.index)
@@ -109,6 +111,19 @@ class Fleet:
             inst.routed += 1
             inst.owed_tokens += prompt_tokens - cached
             return d, Ticket(inst, prompt_tokens - cached, d.predicted_s, c.local_blocks, c.pool_blocks)
+
+    def _decide(self, prompt_tokens: int, cands: list[Candidate]) -> Decision:
+        """The Conductor's decision, or a baseline's (--routing) with the Conductor's prediction for its pick."""
+        if self.cfg.routing == "conductor":
+            return self.conductor.choose(prompt_tokens, cands)
+        self._turn += 1
+        by_url = sorted(cands, key=lambda c: c.index)  # a fixed order to take turns over
+        pick = by_url[self._turn % len(by_url)]
+        if self.cfg.routing == "prefix_aware":
+            best = max(c.local_blocks for c in cands)
+            if best:
+                pick = next(c for c in by_url[self._turn % len(by_url) :] + by_url if c.local_blocks == best)
+        return Decision(pick.index, self.conductor.predict(prompt_tokens, pick))
 
     # -- KV events (feeds.py) -----------------------------------------------------------------------
     def engine_events(self, index: int, events: list[KVEvent]) -> None:
@@ -153,6 +168,22 @@ class Fleet:
                         if h is not None:
                             (self.pool.add if isinstance(e, BlockStored) else self.pool.remove)(h)
 
+    def decoder(self, exclude: set[str]) -> Instance | None:
+        """P/D: the healthy decode instance not in ``exclude`` with the fewest requests in flight (ties: the less
+        used), now counted in flight (``release`` when its answer ended); None if there is none."""
+        with self._lock:
+            live = [d for d in self.decoders if d.healthy and d.url not in exclude]
+            if not live:
+                return None
+            d = min(live, key=lambda d: (d.inflight, d.routed))
+            d.inflight += 1
+            d.routed += 1
+            return d
+
+    def release(self, d: Instance) -> None:
+        with self._lock:
+            d.inflight -= 1
+
     def first_token(self, t: Ticket) -> None:
         """The request's first bytes came back: its prefill no longer queues others."""
         with self._lock:
@@ -179,10 +210,14 @@ class Fleet:
                 inst.healthy, inst.down_since, inst.why = False, time.monotonic(), why
 
     def status(self) -> list[dict[str, object]]:
+        """Each instance (role "prefill" or "decode" in P/D, else "both") as JSON-ready fields."""
+        pd = bool(self.decoders)
+        roles = [("prefill" if pd else "both", i) for i in self.instances] + [("decode", d) for d in self.decoders]
         with self._lock:
             return [
                 {
                     "url": i.url,
+                    "role": role,
                     "healthy": i.healthy,
                     "inflight": i.inflight,
                     "owed_tokens": i.owed_tokens,
@@ -191,7 +226,7 @@ class Fleet:
                     "cached_blocks": i.cache.held(),
                     "events": i.events,
                 }  # fmt: skip
-                for i in self.instances
+                for role, i in roles
             ]
 
     def pool_status(self) -> dict[str, object]:

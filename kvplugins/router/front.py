@@ -3,10 +3,12 @@
 ``POST /v1/completions`` and ``/v1/chat/completions``: the prompt is tokenized (the engines' tokenizer) and hashed
 into blocks; the Conductor picks the instance with the lowest predicted TTFT (fleet.py); the request goes there
 unchanged and its answer comes back as the instance sent it (a stream chunk by chunk), with the instance named
-in an ``x-kvplugins-instance`` header. With a TTFT SLO, a request
+in an ``x-kvplugins-instance`` header. P/D (``--decode``): the chosen instance is the prefill one; it computes the
+prompt and one token (pd.py), and the request with its ``kv_transfer_params`` goes on to the decode instance with
+the fewest requests in flight (named in ``x-kvplugins-decode``), whose answer is relayed. With a TTFT SLO, a request
 no instance is predicted to serve within it is answered 429 at once, with Retry-After. An instance that fails
 before answering is taken out (until its /health answers) and the request goes to the next best one; an answer
-already started is never retried (its tokens went to the client). ``GET /v1/models`` goes to a healthy instance;
+already started is never retried (its tokens went to the client). ``GET /v1/models`` goes to a healthy instance (decode first);
 ``/health`` answers 200 while one is healthy; ``/metrics`` is Prometheus text; ``/router/status`` the fleet as JSON.
 """
 
@@ -26,11 +28,13 @@ from kvplugins.router.blocks import EngineHasher
 from kvplugins.router.config import RouterConfig
 from kvplugins.router.feeds import Feeds
 from kvplugins.router.fleet import Fleet, Instance, Ticket, block_ids
+from kvplugins.router.pd import prefill_body
 
 log = logging.getLogger("kvplugins.router")
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 INSTANCE_HEADER = "x-kvplugins-instance"  # on every routed answer: the instance that served it
 PREDICTION_HEADER = "x-kvplugins-prediction"  # and the prediction: "ttft_ms=N local_blocks=N pool_blocks=N"
+DECODE_HEADER = "x-kvplugins-decode"  # P/D: the decode instance (x-kvplugins-instance is the prefill one)
 
 
 class Metrics:
@@ -95,26 +99,68 @@ class Router:
                 return _error(429, msg, "rejected", {"Retry-After": str(wait)})
             self.metrics.routed.labels(ticket.instance.url).inc()
             try:
-                return await self._forward(request, raw, ticket)
+                if self.fleet.decoders:
+                    return await self._disaggregated(request, body, ticket)
+                return await self._relay(request, ticket.instance, raw, ticket, ticket)
             except _NotAnswered as e:
                 tried.add(ticket.instance.url)
                 self.fleet.failed(ticket.instance, str(e))
                 self.metrics.retried.inc()
                 log.warning("instance %s failed before answering (%s); sending the request on", ticket.instance.url, e)
 
-    async def _forward(self, request: web.Request, raw: bytes, t: Ticket) -> web.StreamResponse:
+    async def _disaggregated(self, request: web.Request, body: dict[str, object], t: Ticket) -> web.StreamResponse:
+        """P/D: the prefill on ``t.instance`` (pd.prefill_body), then the request with the prefill's
+        kv_transfer_params on the least busy decode instance; a decode instance that fails before answering is
+        taken out and the next one tried (the pages are in the store)."""
         assert self.session is not None
         try:
-            upstream = await self.session.post(
-                t.instance.url + request.path, data=raw, headers={"Content-Type": "application/json"}
-            )
+            async with self.session.post(
+                t.instance.url + request.path, json=prefill_body(body), headers=_headers(request)
+            ) as resp:
+                answer = await resp.read()
         except (ClientError, asyncio.TimeoutError, OSError) as e:
-            self.fleet.done(t)
+            raise _NotAnswered(repr(e)) from e
+        finally:
+            self.fleet.done(t)  # the prefill no longer queues others
+        if resp.status != 200:
+            msg = f"prefill instance {t.instance.url}: {answer[:500].decode(errors='replace')}"
+            return _error(resp.status, msg, "prefill_error")
+        try:
+            params = json.loads(answer).get("kv_transfer_params")
+        except (ValueError, AttributeError) as e:
+            return _error(502, f"prefill instance {t.instance.url} answered no JSON object: {e}", "prefill_error")
+        raw = json.dumps({**body, "kv_transfer_params": params} if params else body).encode()
+        tried: set[str] = set()
+        while (d := self.fleet.decoder(tried)) is not None:
+            try:
+                return await self._relay(request, d, raw, t, None)
+            except _NotAnswered as e:
+                tried.add(d.url)
+                self.fleet.failed(d, str(e))
+                self.metrics.retried.inc()
+                log.warning("decode instance %s failed before answering (%s); trying another", d.url, e)
+            finally:
+                self.fleet.release(d)
+        return _error(503, f"no healthy decode instance (tried {sorted(tried) or 'none'})", "unavailable")
+
+    async def _relay(
+        self, request: web.Request, inst: Instance, raw: bytes, t: Ticket, owed: Ticket | None
+    ) -> web.StreamResponse:
+        """Send ``raw`` to ``inst`` and stream its answer back as it comes. ``t``: the request's ticket (its
+        prediction, for the headers and the TTFT metrics); ``owed``: the ticket to close (first token, done) here,
+        None when the caller closes it. Raises _NotAnswered when ``inst`` fails before any answer."""
+        assert self.session is not None
+        try:
+            upstream = await self.session.post(inst.url + request.path, data=raw, headers=_headers(request))
+        except (ClientError, asyncio.TimeoutError, OSError) as e:
+            if owed is not None:
+                self.fleet.done(owed)
             raise _NotAnswered(repr(e)) from e
         prediction = f"ttft_ms={t.predicted_s * 1000:.1f} local_blocks={t.local_blocks} pool_blocks={t.pool_blocks}"
-        out = web.StreamResponse(
-            status=upstream.status, headers={INSTANCE_HEADER: t.instance.url, PREDICTION_HEADER: prediction}
-        )
+        headers = {INSTANCE_HEADER: t.instance.url, PREDICTION_HEADER: prediction}
+        if inst is not t.instance:
+            headers[DECODE_HEADER] = inst.url
+        out = web.StreamResponse(status=upstream.status, headers=headers)
         out.content_type = upstream.content_type
         try:
             await out.prepare(request)
@@ -122,7 +168,8 @@ class Router:
             async for chunk in upstream.content.iter_any():
                 if first:
                     first = False
-                    self.fleet.first_token(t)
+                    if owed is not None:
+                        self.fleet.first_token(owed)
                     measured = time.monotonic() - t.started
                     self.metrics.ttft.observe(measured)
                     self.metrics.error.observe(measured - t.predicted_s)
@@ -131,12 +178,13 @@ class Router:
             return out
         finally:
             upstream.release()
-            self.fleet.done(t)
+            if owed is not None:
+                self.fleet.done(owed)
 
     # -- the rest ---------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         assert self.session is not None
-        for inst in self.fleet.instances:
+        for inst in self.fleet.decoders + self.fleet.instances:
             if not inst.healthy:
                 continue
             try:
@@ -147,7 +195,9 @@ class Router:
         return _error(503, "no healthy instance", "unavailable")
 
     async def health(self, request: web.Request) -> web.Response:
-        ok = any(i.healthy for i in self.fleet.instances)
+        ok = any(i.healthy for i in self.fleet.instances) and (
+            not self.fleet.decoders or any(d.healthy for d in self.fleet.decoders)
+        )
         return web.json_response({"healthy": ok}, status=200 if ok else 503)
 
     async def status(self, request: web.Request) -> web.Response:
@@ -162,7 +212,7 @@ class Router:
         """Poll every instance's /health each health_ms; one that answers 200 is (back) in, else out."""
         assert self.session is not None
         while True:
-            for inst in self.fleet.instances:
+            for inst in self.fleet.instances + self.fleet.decoders:
                 await self._probe(inst)
             await asyncio.sleep(self.cfg.health_ms / 1000)
 
@@ -177,6 +227,14 @@ class Router:
 
 class _NotAnswered(Exception):
     """The instance failed before sending any answer: the request may go to another one."""
+
+
+def _headers(request: web.Request) -> dict[str, str]:
+    """What goes upstream with a request: JSON, and the client's Authorization (an engine's --api-key)."""
+    out = {"Content-Type": "application/json"}
+    if "Authorization" in request.headers:
+        out["Authorization"] = request.headers["Authorization"]
+    return out
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:

@@ -1,5 +1,5 @@
 """P/D across two hosts (issue #34): a vLLM-CPU prefill server (kv_producer) on host 6 and a decode server
-(kv_consumer) on host 7, `kvplugins pd-proxy` on host 7, the store on hosts 1-5 (three-member etcd, HA masters,
+(kv_consumer) on host 7, `kvplugins router --decode` on host 7, the store on hosts 1-5 (three-member etcd, HA masters,
 two nodes), 1 % loss on both engine hosts' links and 2 ms added to what the decode host receives (delay.py).
 For each handover path (through the store; direct: decode reads prefill's KV blocks through the transfer core,
 here over TCP between the hosts) the decode side's tokens equal a single instance's, decode loaded the prompt's
@@ -71,13 +71,13 @@ def test_pd_across_two_hosts_over_a_lossy_link_gives_the_single_instance_tokens(
             for s in servers:
                 s.wait_ready()
             port_file = tmp_path / "proxy.port"
-            proxy = subprocess.Popen(net.command(DECODE, [*KVP, "pd-proxy", "--prefill", prefill.url, "--decode",
+            proxy = subprocess.Popen(net.command(DECODE, [*KVP, "router", "--instances", prefill.url, "--decode",
                                      decode.url, "--host", net.ip(DECODE), "--port", str(PROXY_PORT),
                                      "--port-file", str(port_file)]), env=d.env, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
             deadline = time.monotonic() + 60
             while not port_file.exists():
-                assert proxy.poll() is None and time.monotonic() < deadline, "pd-proxy did not start"
+                assert proxy.poll() is None and time.monotonic() < deadline, "the router did not start"
                 time.sleep(0.2)
             url = f"http://{net.ip(DECODE)}:{PROXY_PORT}/v1/completions"
             net.shape(PREFILL, loss=1)

@@ -61,3 +61,69 @@ def test_a_failed_instance_is_skipped_until_healthy_and_the_slo_rejects():
     f.health(a, True)
     d, t = f.choose(100, [], set())  # 1 s of prefill > 0.5 s
     assert t is None and d.rejected and d.predicted_s == 1.0
+
+
+def test_pd_the_prefill_request_asks_one_token_and_keeps_the_clients_params():
+    from kvplugins.router.pd import prefill_body
+
+    body = {
+        "model": "m",
+        "prompt": "p",
+        "max_tokens": 64,
+        "stream": True,
+        "stream_options": {"x": 1},
+        "kv_transfer_params": {"kvplugins_mode": "direct"},
+    }
+    out = prefill_body(body)
+    assert out["max_tokens"] == 1 and out["stream"] is False and "stream_options" not in out
+    assert out["kv_transfer_params"] == {"kvplugins_mode": "direct", "do_remote_decode": True}
+    assert body["max_tokens"] == 64  # the client's request is left as it was (it goes to decode)
+
+
+def test_pd_decode_goes_to_the_least_busy_healthy_instance():
+    f = Fleet(RouterConfig(instances=URLS, decode="http://127.0.0.1:2001,http://127.0.0.1:2002", block_tokens=4,
+                           prefill_tok_s=100))  # fmt: skip
+    d1 = f.decoder(set())
+    d2 = f.decoder(set())
+    assert d1 is not None and d2 is not None and d1.url != d2.url  # the busy one is passed over
+    f.release(d1)
+    assert f.decoder(set()) is d1
+    f.failed(d2, "refused")
+    assert f.decoder(set()) is d1 and f.decoder({d1.url}) is None  # a failed one is out until its health returns
+    assert [i["role"] for i in f.status()] == ["prefill", "prefill", "decode", "decode"]
+
+
+def test_bad_instance_lists_raise_clearly():
+    import pytest
+
+    from kvplugins.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--instances is empty"):
+        RouterConfig(instances="", decode="http://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="--decode .* use http://HOST:PORT"):
+        RouterConfig(instances=URLS, decode="127.0.0.1:8100")
+    with pytest.raises(ConfigError, match="--kv-events has 1 endpoints for 2"):
+        RouterConfig(instances=URLS, kv_events="tcp://127.0.0.1:5557")
+
+
+def test_baseline_routings_take_turns_or_follow_the_longest_prefix():
+    import pytest
+
+    from kvplugins.errors import ConfigError
+
+    rr = fleet(routing="round_robin")
+    warm = list(range(40))
+    picks = []
+    for _ in range(4):
+        d, t = rr.choose(40, block_ids(warm, 4), set())
+        picks.append(d.index)
+        rr.done(t)
+    assert sorted(picks) == [0, 0, 1, 1] and picks[0] != picks[1]  # in turn, whatever the cache holds
+    pa = fleet(routing="prefix_aware")
+    d0, t0 = pa.choose(40, block_ids(warm, 4), set())
+    pa.done(t0)
+    assert all(pa.choose(40, block_ids(warm, 4), set())[0].index == d0.index for _ in range(3))  # stays with it
+    with pytest.raises(ConfigError, match="needs --routing conductor"):
+        fleet(routing="round_robin", slo_ttft_ms=100)
+    with pytest.raises(ConfigError, match="not one of"):
+        fleet(routing="random")

@@ -269,7 +269,7 @@ def test_non_loopback_bind_needs_the_secret(tmp_path):
 def test_default_binds_are_loopback():
     from dataclasses import fields
 
-    from kvplugins.cli.pd_proxy import PDProxyConfig
+    from kvplugins.router.config import RouterConfig
     from kvplugins.security import is_loopback
     from kvplugins.store.config import ClientConfig as Client, MasterConfig, StoreNodeConfig
     from kvplugins.transfer import TransferConfig
@@ -279,7 +279,7 @@ def test_default_binds_are_loopback():
     )
     vllm_config = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(vllm_config)
-    for cls in (MasterConfig, StoreNodeConfig, Client, TransferConfig, PDProxyConfig, vllm_config.VllmConnectorConfig):
+    for cls in (MasterConfig, StoreNodeConfig, Client, TransferConfig, RouterConfig, vllm_config.VllmConnectorConfig):
         hosts = {f.name: f.default for f in fields(cls) if f.name.endswith("host")}
         assert hosts, cls
         for name, default in hosts.items():

@@ -246,16 +246,40 @@ class Server:
         self._log.close()
 
 
+class RouterProcess:
+    """``kvplugins router`` with ``args`` as its own process, its log in ``tmp_path/<name>.log``; ``url`` once it
+    serves; ``stop`` sends SIGTERM and expects exit 0."""
+
+    def __init__(self, tmp_path, name: str, *args: str):
+        import subprocess
+        import sys
+        import time
+
+        port_file = tmp_path / f"{name}.port"
+        self.log = open(tmp_path / f"{name}.log", "w")
+        code = "import sys; from kvplugins.cli import main; sys.exit(main(sys.argv[1:]))"
+        argv = [sys.executable, "-c", code, "router", "--port-file", str(port_file), *args]
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()[
+                -3000:
+            ]
+            time.sleep(0.2)
+        self.url = f"http://127.0.0.1:{port_file.read_text()}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        assert self.proc.wait(30) == 0
+        self.log.close()
+
+
 @contextmanager
 def pd_pair(model: str, master: str, log_dir, prefill_tp: int = 1, decode_env: dict | None = None):
     """A prefill server (kv_producer, TP ``prefill_tp``) and a decode server (kv_consumer, TP 1, recompute on a
-    failed load) on ``master`` behind an in-process `kvplugins pd-proxy`: yields (prefill, decode, proxy URL).
+    failed load) on ``master`` behind `kvplugins router --decode`: yields (prefill, decode, router URL).
     Decode waits up to 30 s (pd_wait_ms) for the producer's saves or lease, so a test that expects a wait
     ending in a fallback sees the fallback, never a race."""
-    import threading
-
-    from kvplugins.cli.pd_proxy import PDProxyConfig, serve
-
     extra = {"store": {"master": master}, "pd_wait_ms": 30000}
     prefill = Server(
         model,
@@ -274,15 +298,14 @@ def pd_pair(model: str, master: str, log_dir, prefill_tp: int = 1, decode_env: d
         log_dir / "decode.log",
         env=decode_env,
     )
-    proxy = None
+    router = None
     try:
         prefill.wait_ready(timeout_s=240 + 120 * (prefill_tp - 1))
         decode.wait_ready()
-        proxy = serve(PDProxyConfig(prefill=prefill.url, decode=decode.url))
-        threading.Thread(target=proxy.serve_forever, daemon=True).start()
-        yield prefill, decode, f"http://127.0.0.1:{proxy.server_address[1]}"
+        router = RouterProcess(log_dir, "router", "--instances", prefill.url, "--decode", decode.url)
+        yield prefill, decode, router.url
     finally:
-        if proxy is not None:
-            proxy.shutdown()
+        if router is not None:
+            router.stop()
         prefill.stop()
         decode.stop()

@@ -1,5 +1,5 @@
 """P/D disaggregation with real vLLM OpenAI servers: a prefill instance (kv_producer) and a decode instance
-(kv_consumer) behind `kvplugins pd-proxy` (in-process). Each path gets its own prompt (so the decode side's
+(kv_consumer) behind `kvplugins router --decode`. Each path gets its own prompt (so the decode side's
 local prefix cache cannot serve it): through the store, and direct (decode reads the prefill side's KV blocks
 through the transfer core). The decode side's tokens must equal a single instance's (no connector), its
 GET /metrics must count the pages it loaded (vllm:kvplugins_* counters), and the prefill side's
@@ -37,7 +37,7 @@ def test_pd_tokens_equal_single_instance(pd, baseline, model, turn_prompts, mode
     acks at once), also within 2 s. Before the fix a direct handoff on this 2-CPU host waited ~30 s in about
     half the runs: decode started its read and ack only after its step's forward, which ran starved by the
     prefill engine stepping while it held the blocks (docs/vllm.md)."""
-    prefill, decode, proxy = pd
+    prefill, decode, router = pd
     pages = (baseline["prompt_tokens"][index] - 1) // BLOCK
     body = {
         "model": model,
@@ -52,7 +52,7 @@ def test_pd_tokens_equal_single_instance(pd, baseline, model, turn_prompts, mode
     for again in (False, True):
         before, held = decode.metrics(), prefill.buckets("pd_handoff_seconds")
         t0 = time.monotonic()
-        out = http_json(proxy + "/v1/completions", body)
+        out = http_json(router + "/v1/completions", body)
         took = time.monotonic() - t0
         assert out["choices"][0]["token_ids"] == baseline["tokens"][index]
         time.sleep(1.5)  # the last steps' stats reach /metrics

@@ -1,5 +1,5 @@
 """P/D between a prefill instance at TP 2 and a decode instance at TP 1 (issue #32), real vLLM OpenAI servers
-behind `kvplugins pd-proxy`. Pages are stored per KV head (layout/shards.py), so the decode side reads, at
+behind `kvplugins router --decode`. Pages are stored per KV head (layout/shards.py), so the decode side reads, at
 TP 1, the heads the prefill side's two TP ranks wrote; the direct path needs the same TP size on both sides,
 so a request that asks for it is handed over through the store instead (the producer's workers exported KV
 for 2 ranks, the consumer has 1). Decode's tokens must equal a single instance's, its /metrics must count
@@ -27,7 +27,7 @@ def pd_tp(model, cluster, tmp_path_factory):
 
 @pytest.mark.parametrize("mode,index", [("store", 0), ("direct", 1)])
 def test_tp2_prefill_hands_over_to_tp1_decode(pd_tp, baseline, model, turn_prompts, mode, index):
-    prefill, decode, proxy = pd_tp
+    prefill, decode, router = pd_tp
     pages = (baseline["prompt_tokens"][index] - 1) // BLOCK
     body = {
         "model": model,
@@ -39,7 +39,7 @@ def test_tp2_prefill_hands_over_to_tp1_decode(pd_tp, baseline, model, turn_promp
         "kv_transfer_params": {"kvplugins_mode": mode},
     }
     before, held = decode.metrics(), prefill.buckets("pd_handoff_seconds")
-    out = http_json(proxy + "/v1/completions", body)
+    out = http_json(router + "/v1/completions", body)
     assert out["choices"][0]["token_ids"] == baseline["tokens"][index]
 
     def delta(name):

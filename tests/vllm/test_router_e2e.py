@@ -8,16 +8,15 @@ long one whose pages the shared pool holds (the master's KV events say so) is ad
 from __future__ import annotations
 
 import json
+import os
 import re
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 from helpers.cluster import store_cluster
 from helpers.router_feeds import free_port, until
+from kvp_vllm_helpers import RouterProcess as Router
 from kvp_vllm_helpers import Server, http_json
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -38,27 +37,6 @@ def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict, dict]:
             return resp.status, dict(resp.headers), json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read())
-
-
-class Router:
-    def __init__(self, tmp_path, name: str, *args: str):
-        port_file = tmp_path / f"{name}.port"
-        self.log = open(tmp_path / f"{name}.log", "w")
-        code = "import sys; from kvplugins.cli import main; sys.exit(main(sys.argv[1:]))"
-        argv = [sys.executable, "-c", code, "router", "--port-file", str(port_file), *args]
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while not port_file.exists():
-            assert self.proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()[
-                -3000:
-            ]
-            time.sleep(0.2)
-        self.url = f"http://127.0.0.1:{port_file.read_text()}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        assert self.proc.wait(30) == 0
-        self.log.close()
 
 
 MODEL: list[str] = []  # the served model's name (its path), set by the test
@@ -151,6 +129,9 @@ def fleet_flow(tmp_path, routers, a_ev, b_ev, master: str) -> None:
     state = fleet(r)
     assert not state[served["p2"]]["healthy"] and state[served["p1"]]["healthy"]
     assert "kvplugins_router_retried_total 1.0" in http_json(r.url + "/metrics")
+    shown = status_cli("--router", r.url)  # the operator's view of the fleet
+    rows = {ln.split("│")[1].strip(): ln for ln in shown.splitlines() if ln.count("│") > 3 and "http" in ln}
+    assert "DOWN" in rows[served["p2"]] and " ok " in rows[served["p1"]] and "pool blocks" in shown
 
     live = served["p1"]
     live_ev = ea if live == a.url else eb
@@ -172,3 +153,14 @@ def fleet_flow(tmp_path, routers, a_ev, b_ev, master: str) -> None:
 
 def fleet(r: Router) -> dict[str, dict]:
     return {i["url"]: i for i in http_json(r.url + "/router/status")["instances"]}
+
+
+def status_cli(*args: str) -> str:
+    import subprocess
+    import sys
+
+    code = "import sys; from kvplugins.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", code, "status", *args], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout
