@@ -90,6 +90,14 @@ class RouterConfig:
     block_bytes: int = field(
         default=0, metadata={"help": "KV bytes of one block over all layers and TP ranks (the pool load's size)"}
     )
+    measure_rates: bool = field(
+        default=False,
+        metadata={
+            "help": "follow the fleet as measured (router/rates.py): every prediction scaled by measured / predicted "
+            "TTFT over the last requests, and the pool's load rate from the instances' /metrics (our connector's "
+            "load bytes and time, polled with --health-ms); --prefill-tok-s and --load-gbps are the starting values"
+        },
+    )
     timeout_s: float = field(default=600.0, metadata={"help": "limit of each upstream request (s)"})
     health_ms: float = field(default=1000.0, metadata={"help": "how often each instance's /health is polled"})
 

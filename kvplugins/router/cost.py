@@ -41,13 +41,14 @@ class CostModel:
 
 @dataclass(frozen=True)
 class Candidate:
-    """An instance as the Conductor sees it for one request: its queue (s until it could start) and how many of
-    the request's leading blocks its own cache and then the pool hold."""
+    """An instance as the Conductor sees it for one request: its queue (s until it could start), how many of the
+    request's leading blocks its own cache and then the pool hold, and what its predictions are scaled by."""
 
     index: int
     queue_s: float
     local_blocks: int
     pool_blocks: int
+    scale: float = 1.0  # the instance's measured / predicted TTFT, when the router corrects (router/rates.py)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Conductor:
         self.model, self.slo_s = model, slo_s
 
     def predict(self, prompt_tokens: int, c: Candidate) -> float:
-        return max(0.0, c.queue_s) + self.model.service_s(prompt_tokens, c.local_blocks, c.pool_blocks)
+        return c.scale * (max(0.0, c.queue_s) + self.model.service_s(prompt_tokens, c.local_blocks, c.pool_blocks))
 
     def choose(self, prompt_tokens: int, candidates: list[Candidate]) -> Decision:
         """The candidate with the lowest predicted TTFT (ties: the first), or a rejection when an SLO is set and

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from kvplugins.replay.caches import LocalLRU
 from kvplugins.router.blocks import BlockNames, Pool, canonical, chain, key_hash
 from kvplugins.router.config import RouterConfig
+from kvplugins.router.rates import Correction
 from kvplugins.router.cost import Candidate, Conductor, CostModel, Decision
 from kvplugins.store.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -48,6 +49,7 @@ class Instance:
     down_since: float = 0.0
     why: str = ""
     events: int = 0  # KV events applied from its stream
+    correction: Correction = field(default_factory=Correction)  # its measured / predicted TTFT
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Ticket:
     predicted_s: float
     local_blocks: int = 0
     pool_blocks: int = 0
+    scale: float = 1.0  # the correction in effect when it was predicted
     started: float = field(default_factory=time.monotonic)
     first_seen: bool = False
 
@@ -99,7 +102,8 @@ class Fleet:
             for i, inst in live:
                 local = inst.cache.prefix(blocks)
                 pool = self.pool.prefix(self.names, blocks, local)
-                cands.append(Candidate(i, inst.owed_tokens / self.cfg.prefill_tok_s, local, pool))
+                scale = inst.correction.scale if self.cfg.measure_rates else 1.0
+                cands.append(Candidate(i, inst.owed_tokens / self.cfg.prefill_tok_s, local, pool, scale))
             d = self._decide(prompt_tokens, cands)
             if d.rejected:
                 return d, None
@@ -110,7 +114,7 @@ class Fleet:
             inst.inflight += 1
             inst.routed += 1
             inst.owed_tokens += prompt_tokens - cached
-            return d, Ticket(inst, prompt_tokens - cached, d.predicted_s, c.local_blocks, c.pool_blocks)
+            return d, Ticket(inst, prompt_tokens - cached, d.predicted_s, c.local_blocks, c.pool_blocks, c.scale)
 
     def _decide(self, prompt_tokens: int, cands: list[Candidate]) -> Decision:
         """The Conductor's decision, or a baseline's (--routing) with the Conductor's prediction for its pick."""
@@ -148,6 +152,28 @@ class Fleet:
                         inst.cache.discard([r for r in map(self.names.rid, e.block_hashes) if r is not None])
                 elif isinstance(e, AllBlocksCleared):
                     inst.cache.clear()
+
+    def set_load_rate(self, load_bytes_s: float | None) -> None:
+        """The pool's load rate the instances measured (rates.Rates); None keeps the current one."""
+        if load_bytes_s:
+            with self._lock:
+                m = self.conductor.model
+                self.conductor.model = CostModel(m.prefill_tok_s, load_bytes_s, m.block_tokens, m.block_bytes)
+
+    def observe(self, t: Ticket, measured_s: float) -> None:
+        """``t``'s first token came ``measured_s`` after it was routed: it teaches its instance's correction
+        (rates.Correction), which scales that instance's predictions with measure_rates."""
+        with self._lock:
+            t.instance.correction.observe(t.predicted_s / t.scale, measured_s)
+
+    def rates(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "prefill_tok_s": self.conductor.model.prefill_tok_s,
+                "load_bytes_s": self.conductor.model.load_bytes_s,
+                "measured_over_predicted": {i.url: round(i.correction.scale, 3) for i in self.instances},
+                "corrected": self.cfg.measure_rates,
+            }
 
     def engine_restarted(self, index: int) -> None:
         """Instance ``index``'s stream began again (its sequence went back): its cache starts empty."""

@@ -29,6 +29,7 @@ from kvplugins.router.config import RouterConfig
 from kvplugins.router.feeds import Feeds
 from kvplugins.router.fleet import Fleet, Instance, Ticket, block_ids
 from kvplugins.router.pd import prefill_body
+from kvplugins.router.rates import Rates, scrape
 
 log = logging.getLogger("kvplugins.router")
 GENERATE = ("/v1/completions", "/v1/chat/completions")
@@ -60,6 +61,7 @@ class Router:
         """``tokens(body)``: the prompt's token ids as the engines tokenize it (prompt.EngineTokens)."""
         self.cfg, self.tokens, self.fleet, self.metrics = cfg, tokens, Fleet(cfg), Metrics()
         self.feeds = Feeds(cfg, self.fleet)
+        self.rates = Rates()
         self.hasher = EngineHasher(cfg.engine_hash.split(":", 1)[1]) if cfg.engine_hash else None
         self.session: ClientSession | None = None
 
@@ -101,7 +103,7 @@ class Router:
             try:
                 if self.fleet.decoders:
                     return await self._disaggregated(request, body, ticket)
-                return await self._relay(request, ticket.instance, raw, ticket, ticket)
+                return await self._relay(request, ticket.instance, raw, ticket, ticket, body.get("stream") is True)
             except _NotAnswered as e:
                 tried.add(ticket.instance.url)
                 self.fleet.failed(ticket.instance, str(e))
@@ -133,7 +135,7 @@ class Router:
         tried: set[str] = set()
         while (d := self.fleet.decoder(tried)) is not None:
             try:
-                return await self._relay(request, d, raw, t, None)
+                return await self._relay(request, d, raw, t, None, body.get("stream") is True)
             except _NotAnswered as e:
                 tried.add(d.url)
                 self.fleet.failed(d, str(e))
@@ -144,11 +146,12 @@ class Router:
         return _error(503, f"no healthy decode instance (tried {sorted(tried) or 'none'})", "unavailable")
 
     async def _relay(
-        self, request: web.Request, inst: Instance, raw: bytes, t: Ticket, owed: Ticket | None
+        self, request: web.Request, inst: Instance, raw: bytes, t: Ticket, owed: Ticket | None, streamed: bool
     ) -> web.StreamResponse:
         """Send ``raw`` to ``inst`` and stream its answer back as it comes. ``t``: the request's ticket (its
         prediction, for the headers and the TTFT metrics); ``owed``: the ticket to close (first token, done) here,
-        None when the caller closes it. Raises _NotAnswered when ``inst`` fails before any answer."""
+        None when the caller closes it; ``streamed``: the answer is a stream, so its first chunk is the first token
+        (measured TTFT). Raises _NotAnswered when ``inst`` fails before any answer."""
         assert self.session is not None
         try:
             upstream = await self.session.post(inst.url + request.path, data=raw, headers=_headers(request))
@@ -170,9 +173,11 @@ class Router:
                     first = False
                     if owed is not None:
                         self.fleet.first_token(owed)
-                    measured = time.monotonic() - t.started
-                    self.metrics.ttft.observe(measured)
-                    self.metrics.error.observe(measured - t.predicted_s)
+                    if streamed:
+                        measured = time.monotonic() - t.started
+                        self.fleet.observe(t, measured)
+                        self.metrics.ttft.observe(measured)
+                        self.metrics.error.observe(measured - t.predicted_s)
                 await out.write(chunk)
             await out.write_eof()
             return out
@@ -202,19 +207,40 @@ class Router:
 
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"instances": self.fleet.status(), "pool": self.fleet.pool_status(), "feeds": self.feeds.status()}
+            {
+                "instances": self.fleet.status(),
+                "pool": self.fleet.pool_status(),
+                "feeds": self.feeds.status(),
+                "rates": self.fleet.rates(),
+            }
         )
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
 
     async def watch(self) -> None:
-        """Poll every instance's /health each health_ms; one that answers 200 is (back) in, else out."""
+        """Poll every instance's /health each health_ms; one that answers 200 is (back) in, else out. With
+        measure_rates, the prefill instances' /metrics too (rates.py)."""
         assert self.session is not None
         while True:
             for inst in self.fleet.instances + self.fleet.decoders:
                 await self._probe(inst)
+            if self.cfg.measure_rates:
+                await self._measure()
             await asyncio.sleep(self.cfg.health_ms / 1000)
+
+    async def _measure(self) -> None:
+        assert self.session is not None
+        for inst in self.fleet.instances:
+            if not inst.healthy:
+                continue
+            try:
+                async with self.session.get(inst.url + "/metrics", timeout=ClientTimeout(total=2)) as resp:
+                    if resp.status == 200:
+                        self.rates.add(inst.url, scrape(await resp.text()))
+            except (ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+                continue  # its /health decides whether it is out
+        self.fleet.set_load_rate(self.rates.load_bytes_s())
 
     async def _probe(self, inst: Instance) -> None:
         assert self.session is not None

@@ -127,3 +127,56 @@ def test_baseline_routings_take_turns_or_follow_the_longest_prefix():
         fleet(routing="round_robin", slo_ttft_ms=100)
     with pytest.raises(ConfigError, match="not one of"):
         fleet(routing="random")
+
+
+def page(loaded: float, load_s: float) -> str:
+    """A /metrics page with our connector's series (labels as vLLM writes them) among vLLM's."""
+    lab = '{engine="0",model_name="m"}'
+    return "\n".join([
+        "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
+        f"vllm:prompt_tokens_total{lab} 123.0",
+        f"vllm:kvplugins_loaded_bytes_total{lab} {loaded}",
+        f"vllm:kvplugins_load_seconds_sum{lab} {load_s}",
+        f"vllm:kvplugins_load_seconds_count{lab} 3.0",
+    ])  # fmt: skip
+
+
+def test_the_measured_load_rate_counts_from_the_first_scrape_and_survives_a_restart():
+    from kvplugins.router.rates import Rates, scrape
+
+    r = Rates()
+    r.add("a", scrape(page(100 << 20, 10.0)))  # before the router: not counted
+    r.add("a", scrape(page(104 << 20, 11.0)))  # 4 MiB in 1 s: not enough seen yet
+    assert r.load_bytes_s() is None
+    r.add("b", scrape(page(0, 0)))
+    r.add("b", scrape(page(8 << 20, 1.0)))
+    assert r.load_bytes_s() == (12 << 20) / 2.0
+    r.add("a", scrape(page(1 << 20, 1.0)))  # a restarted: its counters began again; what it added stays
+    r.add("a", scrape(page(5 << 20, 2.0)))
+    assert r.load_bytes_s() == (16 << 20) / 3.0
+
+
+def test_measured_over_predicted_scales_an_instances_predictions_once_asked():
+    from kvplugins.router.fleet import Ticket
+
+    f = fleet(measure_rates=True)
+    d, t = f.choose(100, [], set())
+    assert d.predicted_s == 1.0 and t is not None  # 100 tokens at 100 tokens/s
+    f.done(t)
+    f.observe(t, 3.0)  # it took 3 s on its instance
+    slow = t.instance.url
+    assert f.rates()["measured_over_predicted"][slow] == 3.0
+    d2, t2 = f.choose(100, [], set())
+    assert f.instances[d2.index].url != slow and d2.predicted_s == 1.0  # the other one is now predicted faster
+    f.done(t2)
+    assert f.choose(100, [], {f.instances[d2.index].url})[0].predicted_s == 3.0  # the slow one, corrected
+    for _ in range(50):  # later requests take what was predicted: its correction decays towards 1
+        f.observe(Ticket(t.instance, 0, 1.0), 1.0)
+    assert 1.0 <= f.rates()["measured_over_predicted"][slow] < 1.02
+    off = fleet()
+    _, t3 = off.choose(100, [], set())
+    off.observe(t3, 3.0)
+    assert off.choose(100, [], set())[0].predicted_s == 1.0  # measured and shown, not applied
+    assert off.rates()["measured_over_predicted"][t3.instance.url] == 3.0 and not off.rates()["corrected"]
+    off.set_load_rate(2e9)
+    assert off.rates()["load_bytes_s"] == 2e9

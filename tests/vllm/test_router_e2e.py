@@ -149,6 +149,11 @@ def fleet_flow(tmp_path, routers, a_ev, b_ev, master: str) -> None:
     status, headers, body = complete(slo.url, long + " and more")
     assert status == 200 and prediction(headers)["pool_blocks"] >= 18 and prediction(headers)["ttft_ms"] < 300
     assert body["choices"][0]["text"] == complete(live, long + " and more")[2]["choices"][0]["text"]
+    # --measure-rates reads the pool's load rate from these series of a real engine's /metrics: they moved
+    from kvplugins.router.rates import scrape
+
+    seen = scrape(http_json(live + "/metrics"))
+    assert seen["loaded_bytes"] > 0 and seen["load_s"] > 0, seen  # it loaded `long`'s pages from the pool
 
 
 def fleet(r: Router) -> dict[str, dict]:
