@@ -12,7 +12,8 @@ contents (a salt per run), so no run hits another's pages; each of ``--rounds`` 
 the next one (a run's place in the sequence should not decide it: the engines' caches and the store fill up).
 
 Routings: round_robin, prefix_aware (the router's baselines), conductor, conductor with early rejection
-(``+slo``: ``--slo-ms``) and with its predictions following what it measures (``+measured``: --measure-rates). The router runs with --kv-events, --store-master and --engine-hash vllm:sha256; its prefill rate
+(``+slo``: ``--slo-ms``), with its predictions following what it measures (``+measured``: --measure-rates) and
+with a bound on the imbalance of requests in flight (``+bounded``: --max-imbalance). The router runs with --kv-events, --store-master and --engine-hash vllm:sha256; its prefill rate
 is measured first (a cold ``--calibrate``-token prompt on each engine), pool loads are charged ``--load-gbps``.
 Per run: TTFT p50/p99 of the served requests, SLO attainment (served within ``--slo-ms`` / all requests), goodput
 (requests within the SLO per second, first arrival to last answer), rejections, errors, the engines' local prefix
@@ -248,6 +249,7 @@ def main() -> int:
     ap.add_argument("--calibrate", type=int, default=1024)
     ap.add_argument("--routings", default=",".join(ROUTINGS))
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--max-imbalance", type=int, default=4, help="the bound of the +bounded routings")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -271,6 +273,7 @@ def main() -> int:
                 parts = routing.split("+")
                 extra = ["--slo-ttft-ms", str(args.slo_ms)] if "slo" in parts else []
                 extra += ["--measure-rates"] if "measured" in parts else []
+                extra += ["--max-imbalance", str(args.max_imbalance)] if "bounded" in parts else []
                 port_file = logs / f"router{salt}.port"
                 router = spawn(CLI + ["router", "--instances", ",".join(fleet.urls), "--kv-events",
                                       ",".join(fleet.events), "--store-master", fleet.master, "--engine-hash",
