@@ -149,16 +149,29 @@ class Fleet:
             p.wait()
 
 
-def workload(trace: Path, start: int, n: int, scale: int, salt: int) -> list[tuple[float, list[int]]]:
-    """(arrival s from the first, prompt token ids) of trace lines [start, start + n)."""
+def workload(trace: Path, start: int, n: int, scale: int, salt: int, words: list[str] | None) -> list[tuple]:
+    """(arrival s from the first, prompt) of trace lines [start, start + n): token ids, or with ``words`` text
+    (each block ``scale`` words of the tokenizer's vocabulary, whole blocks)."""
     rows = [json.loads(line) for line in trace.read_text().splitlines()[start : start + n]]
     t0 = rows[0]["timestamp"]
     out = []
     for r in rows:
         tokens = [t for h in r["hash_ids"] for t in block_tokens(h, scale, salt)]
         keep = max(1, min(len(tokens), round(r["input_length"] * scale / 512)))
-        out.append(((r["timestamp"] - t0) / 1000, tokens[:keep]))
+        prompt: list[int] | str = tokens[:keep]
+        if words is not None:
+            blocks = -(-keep // scale)
+            prompt = " ".join(words[t % len(words)] for t in tokens[: blocks * scale])
+        out.append(((r["timestamp"] - t0) / 1000, prompt))
     return out
+
+
+def vocabulary(model: Path) -> list[str]:
+    """The tokenizer's plain-word tokens (text prompts: SGLang's router takes text only)."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(model))
+    return sorted({w for w in tok.get_vocab() if w.isalpha() and w.islower()})
 
 
 def block_tokens(h: int, scale: int, salt: int) -> list[int]:
@@ -170,7 +183,7 @@ def block_tokens(h: int, scale: int, salt: int) -> list[int]:
 async def drive(url: str, model: str, reqs, speed: float, out_tokens: int) -> list[dict]:
     import aiohttp
 
-    async def one(session, at: float, tokens: list[int]) -> dict:
+    async def one(session, at: float, tokens: list[int] | str) -> dict:
         await asyncio.sleep(max(0.0, at - (time.monotonic() - begin)))
         sent = time.monotonic()
         body = {"model": model, "prompt": tokens, "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True,
@@ -235,6 +248,38 @@ def calibrate(fleet: Fleet, model: str, n: int) -> float:
     return median(rates)
 
 
+def our_router(fleet: Fleet, routing: str, args, rate: float, block_bytes: int, logs: Path, salt: int):
+    """``kvplugins router`` with ``routing`` (base policy + options): (process, URL)."""
+    parts = routing.split("+")
+    extra = ["--slo-ttft-ms", str(args.slo_ms)] if "slo" in parts else []
+    extra += ["--measure-rates"] if "measured" in parts else []
+    extra += ["--max-imbalance", str(args.max_imbalance)] if "bounded" in parts else []
+    port_file = logs / f"router{salt}.port"
+    router = spawn(CLI + ["router", "--instances", ",".join(fleet.urls), "--kv-events", ",".join(fleet.events),
+                          "--store-master", fleet.master, "--engine-hash", "vllm:sha256", "--routing", parts[0],
+                          "--block-tokens", str(BLOCK), "--prefill-tok-s", f"{rate:.0f}", "--load-gbps",
+                          str(args.load_gbps), "--block-bytes", str(block_bytes), "--port-file", str(port_file),
+                          *extra], logs / f"router{salt}.log")  # fmt: skip
+    return router, f"http://127.0.0.1:{wait_file(port_file, router, 'the router')}"
+
+
+def sglang_router(fleet: Fleet, policy: str, log: Path):
+    """SGLang's router (benchmarks/install_sglang_router.sh) with ``policy`` over the engines: (process, URL)."""
+    dest = ROOT / ".bench" / "sglang-router"
+    if not dest.exists():
+        raise SystemExit("SGLang's router is not installed: bash benchmarks/install_sglang_router.sh")
+    port = free_port()
+    router = spawn([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                    "--worker-urls", *fleet.urls, "--policy", policy], log, {"PYTHONPATH": str(dest)})  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while http(url + "/health", timeout=5)[0] != 200:
+        if router.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"SGLang's router did not start (see {log})")
+        time.sleep(0.5)
+    return router, url
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=str(ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"))
@@ -250,6 +295,7 @@ def main() -> int:
     ap.add_argument("--routings", default=",".join(ROUTINGS))
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--max-imbalance", type=int, default=4, help="the bound of the +bounded routings")
+    ap.add_argument("--text", action="store_true", help="text prompts (needed by SGLang's router) instead of token ids")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -266,22 +312,15 @@ def main() -> int:
         print(f"# {cpu_model()}; {args.instances} engines; prefill {rate:.0f} tokens/s each (calibrated)", flush=True)
         salt = 0
         names = args.routings.split(",")
+        words = vocabulary(model) if args.text else None
         for rnd, speed in [(r, float(v)) for r in range(args.rounds) for v in args.speeds.split(",")]:
             for routing in names[rnd % len(names) :] + names[: rnd % len(names)]:  # each round starts elsewhere
                 salt += 1
-                reqs = workload(Path(args.trace), args.start, args.requests, args.block_scale, salt)
-                parts = routing.split("+")
-                extra = ["--slo-ttft-ms", str(args.slo_ms)] if "slo" in parts else []
-                extra += ["--measure-rates"] if "measured" in parts else []
-                extra += ["--max-imbalance", str(args.max_imbalance)] if "bounded" in parts else []
-                port_file = logs / f"router{salt}.port"
-                router = spawn(CLI + ["router", "--instances", ",".join(fleet.urls), "--kv-events",
-                                      ",".join(fleet.events), "--store-master", fleet.master, "--engine-hash",
-                                      "vllm:sha256", "--routing", routing.split("+")[0], "--block-tokens", str(BLOCK),
-                                      "--prefill-tok-s", f"{rate:.0f}", "--load-gbps", str(args.load_gbps),
-                                      "--block-bytes", str(block_bytes), "--port-file", str(port_file), *extra],
-                               logs / f"router{salt}.log")  # fmt: skip
-                url = f"http://127.0.0.1:{wait_file(port_file, router, 'the router')}"
+                reqs = workload(Path(args.trace), args.start, args.requests, args.block_scale, salt, words)
+                if routing.startswith("sglang_"):
+                    router, url = sglang_router(fleet, routing.removeprefix("sglang_"), logs / f"router{salt}.log")
+                else:
+                    router, url = our_router(fleet, routing, args, rate, block_bytes, logs, salt)
                 time.sleep(1.0)  # the router's event subscriptions join
                 before = fleet.metrics()
                 recs = asyncio.run(drive(url, str(model), reqs, speed, args.out))
@@ -292,7 +331,7 @@ def main() -> int:
                     "routing": routing,
                     **summarize(recs, args.slo_ms / 1000, before, fleet.metrics()),
                 }
-                router.send_signal(signal.SIGTERM)
+                os.killpg(router.pid, signal.SIGTERM)
                 router.wait(30)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
