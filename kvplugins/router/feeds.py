@@ -154,9 +154,13 @@ class Feeds:
                 )
             keys = resolve()
             sub = _sub(ctx)
-            client_socket(sub, keys)
-            sub.connect(_reachable(info["events"], self.cfg.store_master))
-            self._replay(ctx, keys, _reachable(info["events_replay"], self.cfg.store_master))
+            try:
+                client_socket(sub, keys)
+                sub.connect(_reachable(info["events"], self.cfg.store_master))
+                self._replay(ctx, keys, _reachable(info["events_replay"], self.cfg.store_master))
+            except BaseException:
+                sub.close(0)  # an open socket would keep ctx.term(), and the router's exit, waiting
+                raise
             self._replayed = self._last.get(POOL, -1)
         except (KVPluginsError, OSError, zmq.ZMQError) as e:
             if self.master_error != str(e):
