@@ -37,7 +37,9 @@ class EngineSpec:
     without the connector.
     kv_cache_gib: VLLM_CPU_KVCACHE_SPACE (GiB). block_size: tokens per KV block (a multiple of 32 on CPU).
     load_failure: vLLM's kv_load_failure_policy for pages that fail to load ("recompute" or "fail").
-    tp, pp: tensor- and pipeline-parallel sizes (vLLM-CPU runs each rank as a worker process)."""
+    tp, pp: tensor- and pipeline-parallel sizes (vLLM-CPU runs each rank as a worker process).
+    attention_backend: vLLM's attention backend by name; vLLM-CPU 0.32 picks AMX_MLA for an MLA model on a host
+    with AMX, which takes bf16/fp16 weights only (a float32 run fails to load there): CPU_MLA runs everywhere."""
 
     model: str
     prompts: list[str]
@@ -57,6 +59,7 @@ class EngineSpec:
     max_num_batched_tokens: int = 0  # vLLM's per-step token budget; 0 = vLLM's default
     tp: int = 1
     pp: int = 1
+    attention_backend: str = ""  # vLLM's --attention-backend (e.g. CPU_MLA); "" = vLLM's choice
 
 
 def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = None, wrap=None) -> dict:
@@ -129,6 +132,8 @@ def _child(spec: EngineSpec) -> dict:
         kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
     if spec.kv_events:
         kwargs["kv_events_config"] = spec.kv_events
+    if spec.attention_backend:
+        kwargs["attention_backend"] = spec.attention_backend
     if spec.connector is not None:
         kwargs["kv_transfer_config"] = {
             **CONNECTOR,

@@ -106,9 +106,11 @@ def test_mla_is_stored_once_at_tp2_and_read_at_tp1(mla_model, turn_prompts, tmp_
     from kvplugins.cli.status import fetch
 
     with store_cluster(nodes=1, segment_size="256MiB") as c:
-        a, b, info = _pair(mla_model, turn_prompts, c.master, tmp_path / "ns.json", {"tp": 2}, {}, block=MLA_BLOCK)
+        # vLLM-CPU picks AMX_MLA on a host with AMX, which loads bf16/fp16 weights only: CPU_MLA on every CPU
+        mla = {"attention_backend": "CPU_MLA"}
+        a, b, info = _pair(mla_model, turn_prompts, c.master, tmp_path / "ns.json", {"tp": 2, **mla}, mla, MLA_BLOCK)
         st = fetch(c.master, 5000)
-        _corrupted_changes_tokens(mla_model, turn_prompts, c.master, b, info, {}, MLA_BLOCK, b["tokens"])
+        _corrupted_changes_tokens(mla_model, turn_prompts, c.master, b, info, mla, MLA_BLOCK, b["tokens"])
     pages_a = sum(n // MLA_BLOCK for n in a["prompt_tokens"])
     page_bytes = object_bytes(info)
     assert info["keyspace"]["tp_size"] == 1 and [len(r) for r in info["required"]] == [1], info  # no TP rank
