@@ -151,19 +151,20 @@ class Pool:
     def __contains__(self, h: int) -> bool:
         return h in self._count
 
-    def add(self, h: int, objects: int = 1) -> None:
-        self._count[h] = self._count.get(h, 0) + objects
-        self._count.move_to_end(h)
-        while len(self._count) > self.capacity:
-            self._count.popitem(last=False)
+    def add(self, h: int) -> None:
+        """One more store object names ``h`` (the master's stream)."""
+        self._put(h, self._count.get(h, 0) + 1)
 
     def seen(self, h: int) -> None:
         """A connector announced ``h`` saved (ignored once the master's stream is exact)."""
         if not self.exact:
-            self._count[h] = 1
-            self._count.move_to_end(h)
-            while len(self._count) > self.capacity:
-                self._count.popitem(last=False)
+            self._put(h, 1)
+
+    def _put(self, h: int, count: int) -> None:
+        self._count[h] = count
+        self._count.move_to_end(h)
+        while len(self._count) > self.capacity:
+            self._count.popitem(last=False)
 
     def remove(self, h: int) -> None:
         left = self._count.get(h, 0) - 1

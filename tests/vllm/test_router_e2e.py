@@ -15,9 +15,9 @@ import urllib.request
 
 import pytest
 from helpers.cluster import store_cluster
-from helpers.router_feeds import free_port, until
+from helpers.router_feeds import until
 from kvp_vllm_helpers import RouterProcess as Router
-from kvp_vllm_helpers import Server, http_json
+from kvp_vllm_helpers import Server, free_port, http_json
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
