@@ -91,6 +91,18 @@ def tcp_peers(per_peer: int, max_frame: int):
     return _mod().TcpPeers(int(per_peer), int(max_frame))
 
 
+def tcp_fast_routes(peers, max_spans: int, timeout_ms: float, max_routes: int):
+    """The TCP transport's native route table for small batches (native/src/tcp/fast.h) over ``peers``
+    (tcp_peers); kvplugins/transfer/tcp_fast.py wraps it."""
+    return _mod().TcpFastRoutes(peers, int(max_spans), float(timeout_ms), int(max_routes))
+
+
+def cma_fast_routes(max_spans: int, max_routes: int):
+    """The cma transport's native route table for small batches (native/src/cma/fast.h);
+    kvplugins/transfer/cma_fast.py wraps it."""
+    return _mod().CmaFastRoutes(int(max_spans), int(max_routes))
+
+
 def writable_spans(spans_per_key: list, starts, ends, writable, small: int) -> tuple | None:
     """A batch's spans (per key a list or tuple of (address, bytes) int pairs) as uint64 arrays (addresses, lengths,
     per-key start offsets; int lists for at most ``small`` spans), bytes per key (an int list) and the total bytes, when each span lies whole in the last-starting region

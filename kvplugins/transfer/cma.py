@@ -30,6 +30,7 @@ import numpy as np
 
 from kvplugins.errors import OutOfRange, TransferError, TransferFailed
 from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
+from kvplugins.transfer.cma_fast import FastRoutes
 from kvplugins.transfer.peers import PeerWatch, start_time
 from kvplugins.transfer.spans import SpanBatch
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
@@ -95,6 +96,7 @@ class CmaTransport(Transport):
         self._lock = threading.Lock()
         self._denied: dict[str, str] = {}  # segment -> why the kernel refused it
         self._peers = PeerWatch(self.name)
+        self.fast = FastRoutes()  # small batches in one native call (cma_fast.py)
 
     def endpoint(self) -> dict[str, Any]:
         return {"pid": self._pid, "start": self._start}
@@ -183,11 +185,33 @@ class CmaTransport(Transport):
             )
         return TransferFailed(f"cma peer {peer.segment_id} (pid {pid}): {why}")
 
+    def add_region(self, region: Region) -> None:
+        self.fast.add_local(region)
+
+    def remove_region(self, region: Region) -> None:
+        self.fast.drop_local(region.region_id)  # waits for its fast batches in flight
+
+    def first_choice(self, remote: SegmentDescriptor, info: RegionInfo) -> None:
+        """The next small batch to region ``info`` of ``remote`` runs in one native call (cma_fast.py), once this
+        transport watches the peer through a pidfd (none on kernels without pidfd_open: no route)."""
+        pidfd = self._peers.pidfd(remote.segment_id)
+        if pidfd >= 0:
+            self.fast.put(remote, info, remote.transports["cma"]["pid"], pidfd)
+
+    def fast_failed(self, seg: str) -> None:
+        """A native fast batch to peer ``seg`` failed (a short copy, an error, the peer exited): forget the peer's
+        routes; the caller runs the batch its general way, which names the error."""
+        self.fast.drop(seg)
+
     def stats(self) -> dict[str, Any]:
+        """ "denied_peers" where the kernel refused some; "native": the small batches done from the engine's entry
+        (cma_fast.py counts; the router adds them to this transport's)."""
         with self._lock:
-            return {"denied_peers": len(self._denied)} if self._denied else {}
+            out: dict[str, Any] = {"denied_peers": len(self._denied)} if self._denied else {}
+        return {**out, "native": self.fast.counts()}
 
     def close(self) -> None:
+        self.fast.clear()
         self._peers.close()
 
 

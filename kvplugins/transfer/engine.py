@@ -47,12 +47,20 @@ class TransferEngine:
         self._regions = RegionTable()
         self._transports = self._start_transports()
         self._router = Router(self._transports, self._regions)
-        first = self._transports[0] if self._transports else None
-        self._rdma = first if isinstance(first, RdmaTransport) else None  # small batches: one native call
-        self._fast = self._rdma.fast.native if self._rdma is not None else None
+        self._fast = self._fast_tables()  # small batches: one native call
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvp-transfer")
         self._closed = False
         _OPEN.add(self)
+
+    def _fast_tables(self) -> tuple:
+        """(transport, native route table) of the transports whose small batches run natively from this API's
+        entry: rdma's (rdma_fast.py) when it is the first transport, then cma's and tcp's (cma_fast.py,
+        tcp_fast.py) in the configured order. Each table holds only routes its transport learnt as the router's first
+        choice, so the order never changes a region's transport."""
+        first = self._transports[0] if self._transports else None
+        rdma = [(first, first.fast.native)] if isinstance(first, RdmaTransport) else []
+        rest = [(t, t.fast.native) for t in self._transports if isinstance(t, (cma.CmaTransport, TcpTransport))]
+        return tuple(rdma + rest)
 
     def _start_transports(self) -> list[Transport]:
         """The configured transports in preference order; cma only where the kernel has process_vm_readv, rdma
@@ -165,20 +173,24 @@ class TransferEngine:
         return self._fast_requests(True, reqs, timeout_ms) or self._router.run(Op.READ, reqs, self._timeout(timeout_ms))
 
     def _fast_requests(self, read: bool, reqs, timeout_ms) -> list[None] | None:
-        """A small batch of requests to one remote region done by rdma's native route table (write_spans), or None."""
-        fast = self._fast
-        if fast is None or not 0 < len(reqs) <= SMALL:
+        """A small batch of requests to one remote region done by a native route table (write_spans), or None."""
+        if not self._fast or not 0 < len(reqs) <= SMALL:
             return None
         one = one_region(reqs)
-        return None if one is None else self._fast_spans(fast, read, one[0], one[1], *one[2], timeout_ms, None)
+        return None if one is None else self._fast_spans(self._fast, read, one[0], one[1], *one[2], timeout_ms, None)
 
     def _fast_spans(self, fast, read: bool, remote, region, addrs, roffs, lens, timeout_ms, digests) -> list | None:
-        """A small batch done by rdma's native route table ``fast`` (rdma_fast.py), or None where it did not take it
-        or a work request failed there (the path is marked: the caller runs the batch its general way)."""
-        n = (fast.read if read else fast.write)(remote, region, addrs, roffs, lens, timeout_ms, digests)
-        if n < 0:
-            self._rdma.fast_failed(remote.segment_id)
-        return [None] * n if n > 0 else None
+        """A small batch done by the first native route table of ``fast`` ((transport, table) pairs: rdma_fast.py,
+        tcp_fast.py) that takes it, or None where none did or a batch failed there (the transport forgets that
+        peer's routes and marks the path: the caller runs the batch its general way)."""
+        for transport, table in fast:
+            n = (table.read if read else table.write)(remote, region, addrs, roffs, lens, timeout_ms, digests)
+            if n > 0:
+                return [None] * n
+            if n < 0:
+                transport.fast_failed(remote.segment_id)
+                return None
+        return None
 
     def write_spans(
         self,
@@ -204,11 +216,14 @@ class TransferEngine:
         and writes nothing more (hosts' clocks must agree: the check uses the peer's wall clock); other transports
         stop issuing then. Raises ValueError for arrays of different lengths, a bad ``digests`` or timeout,
         OutOfRange for negative values, TransferFailed if closed.
-        A small batch over rdma (the first transport) to a region its last small batch reached is checked,
-        posted and hashed in one native call (rdma_fast.py); anything else goes through the router (routing.py)."""
-        fast = self._fast  # rdma's fence is its deadline: nothing is posted after it
+        A small batch to a region a small batch reached before over rdma (the first transport), cma or tcp (the
+        router's first choice there) is checked, moved and hashed in one native call (rdma_fast.py, cma_fast.py,
+        tcp_fast.py; not tcp when ``fenced``); anything else goes through the router (routing.py)."""
+        fast = self._fast  # rdma's fence is its deadline: nothing is posted after it; tcp's needs the frame's
+        if fenced:
+            fast = tuple(f for f in fast if not isinstance(f[0], TcpTransport))
         if fast and refused_write(remote, remote_region) is not None:
-            fast = None  # read-only to peers: the router refuses it (run_spans), nothing is posted
+            fast = ()  # read-only to peers: the router refuses it (run_spans), nothing is posted
         done = fast and self._fast_spans(fast, False, remote, remote_region, local_addrs, remote_offsets, lengths,
                                          timeout_ms, digests)  # fmt: skip
         return done or self._router.run_spans(
@@ -339,7 +354,7 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
-        self._fast = None
+        self._fast = ()
         _OPEN.discard(self)
         self._pool.shutdown(wait=True, cancel_futures=True)
         for t in self._transports:

@@ -63,8 +63,10 @@ class Router:
                     pending[i] = (entry, cands)
             except TransferError as e:
                 status[i] = e
+        first = len(pending) <= SMALL  # a small batch's first round: transports learn their first choices
         while pending:
-            pending = self._round(op, pending, status, deadline)
+            pending = self._round(op, pending, status, deadline, first)
+            first = False
         self._count(op, status)
         return status
 
@@ -181,6 +183,8 @@ class Router:
                 out[todo[j]] = res[j]
                 if isinstance(res[j], TransferFailed) and k + 1 < len(cands):
                     retry.append(j)
+            if not failed and k == 0 and len(part) <= SMALL:
+                transport.first_choice(batch.remote, batch.info)
             if not retry:
                 break
             self._fallback(transport.name, cands[k + 1].name, res[retry[0]])
@@ -236,7 +240,9 @@ class Router:
             )
         return info, cands
 
-    def _round(self, op: Op, pending: dict, status: list, deadline: Deadline) -> dict:
+    def _round(self, op: Op, pending: dict, status: list, deadline: Deadline, first: bool) -> dict:
+        """One try of every pending entry on its next candidate; ``first``: a small batch's first round (each
+        region's entries that all went well tell their transport it was the first choice there)."""
         by_transport: dict[int, list[int]] = {}
         for i, (_, cands) in pending.items():
             by_transport.setdefault(id(cands[0]), []).append(i)
@@ -255,6 +261,8 @@ class Router:
                 else:
                     status[i] = err
             self._record(transport.name, *done)
+            if first and not done[2]:
+                _first_choices(transport, [pending[i][0] for i in idxs])
         return retry
 
     @staticmethod
@@ -308,6 +316,13 @@ class Router:
                 got = out.setdefault(group, {})
                 got[key] = got.get(key, 0) + n
         return out
+
+
+def _first_choices(transport: Transport, entries: list[Entry]) -> None:
+    """Tell ``transport`` it was the first choice for each remote region of ``entries`` (once per region)."""
+    regions = {(id(e.remote), e.remote_region.region_id): e for e in entries}
+    for e in regions.values():
+        transport.first_choice(e.remote, e.remote_region)
 
 
 def one_region(reqs: list) -> tuple[SegmentDescriptor, int, list] | None:

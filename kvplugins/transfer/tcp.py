@@ -25,10 +25,11 @@ from kvplugins import native, security
 from kvplugins.errors import AuthError, OutOfRange, ProtocolError, TransferError, TransferFailed
 from kvplugins.security import handshake
 from kvplugins.transfer import native_tcp, wire
-from kvplugins.transfer.api import RegionInfo, SegmentDescriptor
+from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor
 from kvplugins.transfer.config import MIN_FRAME, TransferConfig
 from kvplugins.transfer.memory import RegionTable
 from kvplugins.transfer.sockio import recv_exact, reusable, send_all
+from kvplugins.transfer.tcp_fast import FastRoutes
 from kvplugins.transfer.tcp_server import TcpServer
 from kvplugins.transfer.transport import Deadline, Entry, Op, Transport
 
@@ -47,6 +48,7 @@ class TcpTransport(Transport):
             config.host, config.tcp_port, regions, config.max_frame, config.server_limits(), secret=self._secret
         )
         self.peers = native.tcp_peers(config.tcp_connections, config.max_frame)  # idle connections, routes
+        self.fast = FastRoutes(self.peers, config.timeout_ms)  # small batches in one native call (tcp_fast.py)
         self._native = native_tcp.Client()
         self._peers_io = ThreadPoolExecutor(config.workers, thread_name_prefix="kvp-tcp-peer")
         self._ids = itertools.count(1)
@@ -98,20 +100,40 @@ class TcpTransport(Transport):
         regions = np.full(len(batch), batch.info.region_id, dtype=np.uint64)
         return self._batch(op, batch.remote.transports["tcp"], batch.addrs, regions, batch.roffs, batch.lens, deadline)
 
+    def add_region(self, region: Region) -> None:
+        self.fast.add_local(region)
+
+    def remove_region(self, region: Region) -> None:
+        self.fast.drop_local(region.region_id)  # waits for its fast batches in flight
+
+    def first_choice(self, remote: SegmentDescriptor, info: RegionInfo) -> None:
+        """The next small batch to region ``info`` of ``remote`` runs in one native call (tcp_fast.py)."""
+        ep = remote.transports["tcp"]
+        self.fast.put(remote, info, _peer_key((ep["host"], ep["port"])), self._limit(ep))
+
+    def fast_failed(self, seg: str) -> None:
+        """A native fast batch to peer ``seg`` failed (its connection was reset): forget the peer's routes; the
+        caller runs the batch its general way."""
+        self.fast.drop(seg)
+
     def stats(self) -> dict[str, Any]:
         """The server's counters (TcpServer.stats: connections open now, refused, accept failures, closed idle,
         closed slow), each prefixed "server_"; "native_entries"/"native_bytes": objects (and their bytes) a store
-        client's one-call get read over the pooled connections (native.get_many)."""
+        client's one-call get read over the pooled connections (native.get_many); "native": the small batches done
+        from the engine's entry (tcp_fast.py counts; the router adds them to this transport's)."""
         entries, nbytes = self.peers.counts()
         out = {f"server_{k}": v for k, v in self._server.stats().items()}
-        return {**out, "native_entries": entries, "native_bytes": nbytes}
+        return {**out, "native_entries": entries, "native_bytes": nbytes, "native": self.fast.counts()}
 
     def route(self, name: str, remote: SegmentDescriptor, region: RegionInfo) -> None:
         """Let a store client's native get (native.get_many) read region ``region`` of ``remote`` (the segment the
         master calls ``name``) over this transport's pooled connections, cut to the frame limit _batch uses."""
         ep = remote.transports["tcp"]
-        limit = wire.payload_limit(max(MIN_FRAME, min(self._cfg.max_frame, ep.get("max_frame", self._cfg.max_frame))))
-        self.peers.route(name, region.region_id, region.length, _peer_key((ep["host"], ep["port"])), limit)
+        self.peers.route(name, region.region_id, region.length, _peer_key((ep["host"], ep["port"])), self._limit(ep))
+
+    def _limit(self, ep: dict) -> int:
+        """Payload bytes per frame to the peer at tcp endpoint ``ep`` (its max_frame and ours, less the header)."""
+        return wire.payload_limit(max(MIN_FRAME, min(self._cfg.max_frame, ep.get("max_frame", self._cfg.max_frame))))
 
     @property
     def server(self) -> TcpServer:
@@ -122,7 +144,7 @@ class TcpTransport(Transport):
         """Spans to one peer; None when all succeeded, else one status per span. Spans of a pooled connection
         the server had closed are retried once on fresh connections."""
         peer = (ep["host"], ep["port"])
-        limit = wire.payload_limit(max(MIN_FRAME, min(self._cfg.max_frame, ep.get("max_frame", self._cfg.max_frame))))
+        limit = self._limit(ep)
         cols = [np.ascontiguousarray(a, dtype=np.uint64) for a in (addrs, regions, offs, lens)]
         status, retry = self._attempt(op, peer, cols, limit, deadline, fresh=False)
         if retry:
@@ -258,6 +280,7 @@ class TcpTransport(Transport):
 
     def close(self) -> None:
         self._server.close()
+        self.fast.clear()
         for fd in self.peers.clear():
             os.close(fd)
         self._peers_io.shutdown(wait=False)

@@ -108,6 +108,10 @@ class Transport(ABC):
     def remove_region(self, region: Region) -> None:
         """A local region is being unregistered; stop using its memory. Default: nothing to do."""
 
+    def first_choice(self, remote: SegmentDescriptor, info: RegionInfo) -> None:
+        """A small batch to region ``info`` of ``remote`` ran whole on this transport, the router's first choice for
+        that region (the TCP transport routes the next ones natively from the engine's entry). Default: nothing."""
+
     def stats(self) -> dict[str, Any]:
         """This transport's own counters, merged into TransferEngine.stats()[name]. Default: none."""
         return {}

@@ -19,6 +19,8 @@
 
 namespace nb = nanobind;
 using U64Vec = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+void bind_tcp_fast(nb::module_& m);  // tcp/fast_bind.cpp
+void bind_cma_fast(nb::module_& m);  // cma/fast_bind.cpp
 using U64Out = nb::ndarray<uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using U32Vec = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
@@ -308,4 +310,6 @@ NB_MODULE(_native, m) {
   m.def("hash_tiers", [] { return std::string(kvp::hash_tiers()); });
   m.def("copy", &copy, nb::arg("dst"), nb::arg("src"), nb::arg("len"));
   bind_store(m);
+  bind_tcp_fast(m);
+  bind_cma_fast(m);
 }

@@ -15,6 +15,7 @@
 #include <stdexcept>
 
 #include "fast.h"
+#include "kvp_fastargs.h"
 #include "verbs.h"
 
 namespace nb = nanobind;
@@ -96,99 +97,6 @@ std::tuple<size_t, std::vector<QpResult>, nb::bytes> py_run_spans(bool read, std
   return {posted, std::move(out), nb::bytes(failed.data(), n)};
 }
 
-// A fast-path column, copied: a list of at most kFastCols non-negative ints, or a 1-D C-contiguous array of 64-bit
-// integers (the buffer protocol: no DLPack capsule, which costs more than the read in the TCG guest); false for
-// anything else (the general path then takes the batch and names what is wrong with it).
-constexpr size_t kFastCols = 64;
-struct FastCol {
-  uint64_t own[kFastCols];
-  const uint64_t* p = own;
-  size_t n = 0;
-  bool take(nb::handle h) {
-    PyObject* o = h.ptr();
-    if (PyList_CheckExact(o)) {
-      n = size_t(PyList_GET_SIZE(o));
-      if (n > kFastCols) return false;
-      for (size_t i = 0; i < n; ++i) {
-        PyObject* v = PyList_GET_ITEM(o, Py_ssize_t(i));
-        if (!PyLong_CheckExact(v)) return false;
-        own[i] = PyLong_AsUnsignedLongLong(v);
-        if (own[i] == uint64_t(-1) && PyErr_Occurred()) {
-          PyErr_Clear();
-          return false;
-        }
-      }
-      return true;
-    }
-    return PyObject_CheckBuffer(o) && take_buffer(o);
-  }
-  bool take_buffer(PyObject* o) {
-    Py_buffer v;
-    if (PyObject_GetBuffer(o, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
-      PyErr_Clear();
-      return false;
-    }
-    const char* f = v.format ? v.format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') ++f;
-    const bool is_signed = (f[0] == 'q' || f[0] == 'l') && !f[1];
-    const bool ok = v.ndim == 1 && v.itemsize == 8 && (is_signed || ((f[0] == 'Q' || f[0] == 'L') && !f[1])) &&
-                    size_t(v.shape[0]) <= kFastCols;
-    if (ok) {
-      n = size_t(v.shape[0]);
-      std::memcpy(own, v.buf, n * 8);
-    }
-    PyBuffer_Release(&v);
-    if (ok && is_signed)
-      for (size_t i = 0; i < n; ++i)
-        if (int64_t(own[i]) < 0) return false;
-    return ok;
-  }
-};
-
-// The caller's digests array for a fast batch, held while the GIL is released: None, or a writable 1-D
-// C-contiguous uint64 array of exactly n entries (anything else: the batch is not taken, and the general path
-// raises ValueError naming it).
-struct FastDigests {
-  Py_buffer v{};
-  bool held = false;
-  uint64_t* p = nullptr;
-  bool take(nb::handle h, size_t n) {
-    if (h.is_none()) return true;
-    if (!PyObject_CheckBuffer(h.ptr()) ||
-        PyObject_GetBuffer(h.ptr(), &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
-      PyErr_Clear();
-      return false;
-    }
-    held = true;
-    const char* f = v.format ? v.format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') ++f;
-    if (v.ndim != 1 || v.itemsize != 8 || size_t(v.shape[0]) != n || (f[0] != 'Q' && f[0] != 'L') || f[1])
-      return false;
-    p = static_cast<uint64_t*>(v.buf);
-    return true;
-  }
-  ~FastDigests() {
-    if (held) PyBuffer_Release(&v);  // with the GIL held again: declared before the GilRelease in run_at
-  }
-};
-
-// A route's owner: strong references to the caller's descriptor and queue pair objects. Released only with the
-// GIL held: every Routes / route pointer FastRoutes hands back is declared before the GilRelease that covers the
-// call, so it goes after the GIL is taken back (a daemon thread parked at exit never releases it).
-std::shared_ptr<void> owner_of(nb::handle remote, nb::handle qp) {
-  struct Refs {
-    PyObject *remote, *qp;
-  };
-  Py_INCREF(remote.ptr());
-  Py_INCREF(qp.ptr());
-  return std::shared_ptr<void>(new Refs{remote.ptr(), qp.ptr()}, [](void* p) {
-    auto* r = static_cast<Refs*>(p);
-    Py_DECREF(r->remote);
-    Py_DECREF(r->qp);
-    delete r;
-  });
-}
-
 // (local NIC, peer NIC) of each route taken out.
 std::vector<std::pair<size_t, size_t>> paths_of(const Routes& gone) {
   std::vector<std::pair<size_t, size_t>> out;
@@ -207,33 +115,18 @@ struct PyFast {
   // general path names what is wrong with it).
   long run_at(bool read, nb::handle remote, nb::handle region_id, nb::handle la, nb::handle ro, nb::handle len,
               double deadline_at, nb::handle digests) {
-    if (!PyLong_CheckExact(region_id.ptr())) return 0;
-    const uint64_t region = PyLong_AsUnsignedLongLong(region_id.ptr());
-    if (region == uint64_t(-1) && PyErr_Occurred()) {
-      PyErr_Clear();
-      return 0;
-    }
-    FastCol a, r, l;
-    if (!a.take(la) || !r.take(ro) || !l.take(len) || a.n != l.n || r.n != l.n) return 0;
-    FastDigests d;
-    if (!d.take(digests, l.n)) return 0;
+    kvp::FastArgs x;
+    if (!x.take(region_id, la, ro, len, digests)) return 0;
     std::shared_ptr<const FastRoute> keep;  // released after the GIL is back (owner_of)
     kvp::GilRelease rel;
-    return t.run(read, remote.ptr(), region, a.p, r.p, l.p, l.n, deadline_at, d.p, keep);
+    return t.run(read, remote.ptr(), x.region, x.addr.p, x.roff.p, x.len.p, x.len.n, deadline_at, x.digests.p, keep);
   }
 
   template <bool read>
   long run_in(nb::handle remote, nb::handle region, nb::handle la, nb::handle ro, nb::handle len,
               nb::handle timeout, nb::handle digests) {
     double ms = timeout_ms;
-    if (!timeout.is_none()) {
-      if (!PyFloat_CheckExact(timeout.ptr()) && !PyLong_CheckExact(timeout.ptr())) return 0;
-      ms = PyFloat_AsDouble(timeout.ptr());
-      if (!(ms > 0 && ms < 1e12)) {  // NaN, <= 0, an error: the general path raises ValueError
-        PyErr_Clear();
-        return 0;
-      }
-    }
+    if (!kvp::fast_timeout(timeout, ms)) return 0;
     return run_at(read, remote, region, la, ro, len, monotonic_s() + ms / 1000, digests);
   }
 };
@@ -289,12 +182,12 @@ NB_MODULE(_verbs, m) {
       .def("add_local",
            [](PyFast& f, uint64_t id, uint64_t addr, uint64_t length, bool readonly, std::vector<uint32_t> lkeys) {
              kvp::GilRelease rel;
-             f.t.add_local(FastLocal{id, addr, length, readonly, std::move(lkeys)});
+             f.t.locals.add(kvp::Local{id, addr, length, readonly, std::move(lkeys)});
            })
       .def("drop_local",
            [](PyFast& f, uint64_t id) {
              kvp::GilRelease rel;
-             f.t.drop_local(id);
+             f.t.locals.drop(id);
            })
       .def("put_route",
            [](PyFast& f, nb::handle remote, uint64_t region, std::string segment, nb::handle qp_obj, size_t nic,
@@ -302,7 +195,7 @@ NB_MODULE(_verbs, m) {
              QueuePair* qp = nb::cast<QueuePair*>(qp_obj);
              if (!qp) throw std::invalid_argument("put_route: the queue pair is None");
              FastRoute r{remote.ptr(), region, std::move(segment), qp, nic, rnic, raddr, rlength, rkey,
-                         owner_of(remote, qp_obj)};
+                         kvp::owner_of({remote, qp_obj})};
              Routes gone;  // released after the GIL is back
              kvp::GilRelease rel;
              gone = f.t.put_route(std::move(r));

@@ -5,14 +5,14 @@
 // table cannot take (unknown region or route, too many spans or bytes, a busy or dead queue pair) comes back
 // untouched, and the Python path runs it and names any error.
 //
-// Lifecycle, in call order: add_local per registered region; put_route after a good batch; run, from any thread;
-// drop_routes when a path fails; drop_local before an MR is deregistered; clear (the routes) before the queue
+// Lifecycle, in call order: locals.add per registered region; put_route after a good batch; run, from any thread;
+// drop_routes when a path fails; locals.drop before an MR is deregistered; clear (the routes) before the queue
 // pairs close.
 // A run holds the entries it uses (shared pointers taken under a brief shared lock), not the table, so a run on a
 // stalled peer delays no other batch or mutator. A route owns the caller's objects it points at (`owner`: the
 // remote descriptor and the queue pair's Python objects), released with the last holder: the calls that can drop
 // a route (put_route, drop_routes, clear, run) hand it back to the caller to release where that is safe (with the
-// GIL held: bind.cpp). drop_local waits for the runs holding that region (its memory stays mapped until then).
+// GIL held: bind.cpp). locals.drop waits for the runs holding that region (its memory stays mapped until then).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -21,15 +21,10 @@
 #include <string>
 #include <vector>
 
+#include "kvp_fastpath.h"
 #include "verbs.h"
 
 namespace kvp::verbs {
-
-struct FastLocal {
-  uint64_t id, addr, length;
-  bool readonly;
-  std::vector<uint32_t> lkeys;  // per local NIC
-};
 
 struct FastRoute {
   const void* remote;  // the caller's descriptor object (identity; kept alive by `owner`)
@@ -41,7 +36,7 @@ struct FastRoute {
   uint32_t rkey;
   std::shared_ptr<void> owner;  // released by the caller's rule (see above)
 };
-using Routes = std::vector<std::shared_ptr<const FastRoute>>;
+using Routes = RouteTable<FastRoute>::List;
 
 struct FastCounts {
   uint64_t reads, writes, entries, bytes, wrs;
@@ -50,8 +45,7 @@ struct FastCounts {
 class FastRoutes {
  public:
   FastRoutes(uint64_t max_bytes, size_t max_spans, size_t signal_every, size_t max_routes);
-  void add_local(FastLocal r);
-  void drop_local(uint64_t id);
+  Locals locals;  // the registered regions, their keys an lkey per local NIC
   // Each returns the routes it took out (the caller releases them).
   Routes put_route(FastRoute r);  // replaces the route of the same (remote, region); past max_routes, all go
   Routes drop_routes(const std::string& segment);
@@ -68,13 +62,11 @@ class FastRoutes {
   FastCounts counts() const;
 
  private:
-  const std::shared_ptr<const FastLocal>* local(uint64_t addr, uint64_t length) const;
   const uint64_t max_bytes_;
-  const size_t max_spans_, signal_every_, max_routes_;
-  mutable std::shared_mutex mu_;                         // the two tables, never held during a transfer
-  std::vector<std::shared_ptr<const FastLocal>> locals_;  // by address
-  Routes routes_;
-  std::atomic<uint64_t> reads_{0}, writes_{0}, entries_{0}, bytes_{0}, wrs_{0};
+  const size_t max_spans_, signal_every_;
+  RouteTable<FastRoute> routes_;
+  Tally tally_;
+  std::atomic<uint64_t> wrs_{0};
 };
 
 }  // namespace kvp::verbs
