@@ -39,12 +39,15 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from kvplugins.errors import KVPluginsError
 from kvplugins.mooncake.te_names import EtcdNames
 from kvplugins.mooncake.te_peers import Segments
 from kvplugins.transfer import TransferEngine as CoreEngine
 from kvplugins.transfer import TransferRequest
 from kvplugins.transfer.config import transfer_config
+from kvplugins.transfer.spans import SMALL
 
 log = logging.getLogger("kvplugins.mooncake.te")
 P2PHANDSHAKE = "P2PHANDSHAKE"
@@ -239,15 +242,20 @@ class TransferEngine:
     def batch_transfer_sync(
         self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify=None, transport_hint=""
     ) -> int:
-        reqs = self._requests("batch_transfer_sync", target_hostname, buffers, peer_buffer_addresses, lengths)
-        if reqs is None:
-            return -1
-        core = self._core
-        run = core.batch_read if TransferOpcode(opcode) == Read else core.batch_write  # type: ignore[union-attr]
-        try:
-            statuses = run(reqs, _timeout_ms(core, lengths))
-        except KVPluginsError as e:  # closed meanwhile
-            statuses = [e]
+        if len(lengths) > SMALL:  # many buffers: the core's array form, per peer region
+            statuses = self._run_spans(target_hostname, buffers, peer_buffer_addresses, lengths, TransferOpcode(opcode))
+            if statuses is None:
+                return -1
+        else:
+            reqs = self._requests("batch_transfer_sync", target_hostname, buffers, peer_buffer_addresses, lengths)
+            if reqs is None:
+                return -1
+            core = self._core
+            run = core.batch_read if TransferOpcode(opcode) == Read else core.batch_write  # type: ignore[union-attr]
+            try:
+                statuses = run(reqs, _timeout_ms(core, lengths))
+            except KVPluginsError as e:  # closed meanwhile
+                statuses = [e]
         if not _ok("batch_transfer_sync", target_hostname, statuses):
             self._segments.forget(target_hostname)  # type: ignore[union-attr]
             return -1
@@ -367,6 +375,44 @@ class TransferEngine:
         except (KVPluginsError, ValueError, TypeError) as e:
             log.error("%s to %r: %s", what, name, e)
             return None
+
+    def _run_spans(self, name, buffers, peer_addrs, lengths, opcode: TransferOpcode) -> list | None:
+        """A sync batch as read_spans / write_spans per peer region: statuses, or None (logged, nothing moved) for
+        what _requests refuses."""
+        what = "batch_transfer_sync"
+        if self._ready(what) is None:
+            return None
+        try:
+            local, raddrs, lens = (np.asarray(c, dtype=np.uint64) for c in (buffers, peer_addrs, lengths))
+            if not (local.ndim == raddrs.ndim == lens.ndim == 1 and len(local) == len(raddrs) == len(lens)):
+                raise ValueError("buffers, peer_buffer_addresses and lengths have different sizes")
+            peer = self._segments.open(name)  # type: ignore[union-attr]
+            where = peer.locate_many(raddrs, lens)
+            if where is None:
+                peer = self._segments.open(name, fresh=True)  # type: ignore[union-attr]
+                where = peer.locate_many(raddrs, lens)
+            if where is None:
+                raise KVPluginsError("a peer buffer address is not inside a buffer it registered")
+            core = self._core
+            unregistered = np.flatnonzero(~core.spans_registered(local, lens))  # type: ignore[union-attr]
+            if len(unregistered):
+                j = int(unregistered[0])
+                raise KVPluginsError(f"local buffer {int(local[j]):#x} + {int(lens[j])} bytes is not registered")
+        except (KVPluginsError, ValueError, TypeError, OverflowError) as e:
+            log.error("%s to %r: %s", what, name, e)
+            return None
+        run = core.read_spans if opcode == Read else core.write_spans  # type: ignore[union-attr]
+        regions, offs = where
+        statuses: list = []
+        try:
+            for region in np.unique(regions).tolist():
+                pick = regions == region
+                statuses += run(
+                    peer.descriptor, int(region), local[pick], offs[pick], lens[pick], _timeout_ms(core, lengths)
+                )
+        except KVPluginsError as e:  # closed meanwhile
+            statuses.append(e)
+        return statuses
 
     def _submit(self, name: str, reqs: list[TransferRequest], opcode: TransferOpcode, lengths) -> int:
         core = self._core

@@ -20,6 +20,8 @@ import json
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvplugins.errors import ProtocolError, TransferFailed
 from kvplugins.store.client.rpc import parse_address
 from kvplugins.transfer import SegmentDescriptor, TransferEngine
@@ -35,6 +37,19 @@ class Peer:
     descriptor: SegmentDescriptor
     buffers: tuple[tuple[int, int, int], ...]
     first: int  # the address of the buffer it registered first, 0 when none
+
+    def locate_many(self, addrs: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(region ids, offsets) of each span [addrs[j], addrs[j] + lengths[j]) (uint64 arrays) inside one of the
+        peer's buffers, or None when one is not."""
+        bases = np.fromiter((b[0] for b in self.buffers), np.uint64, len(self.buffers))
+        i = np.searchsorted(bases, addrs, side="right").astype(np.int64) - 1
+        if not len(self.buffers) or (i < 0).any():
+            return None
+        sizes = np.fromiter((b[1] for b in self.buffers), np.uint64, len(self.buffers))
+        offs = addrs - bases[i]
+        if (offs + lengths > sizes[i]).any():
+            return None
+        return np.fromiter((b[2] for b in self.buffers), np.uint64, len(self.buffers))[i], offs
 
     def locate(self, addr: int, length: int) -> tuple[int, int] | None:
         """(region id, offset) of the peer's bytes [addr, addr + length), inside one of its buffers, or None."""

@@ -91,6 +91,20 @@ def _drive(eng, child) -> dict:
     local[40000:41000] = 0x33
     out["batch_write"] = e.batch_transfer_sync_write(name, [la + 40000], [raddr + 300000], [1000])
     out["batch_write_bytes"] = _ask(child, "dump 300000 1000") == (bytes([0x33]) * 1000).hex()
+    many = [80000 + 5000 * j for j in range(16)]  # more buffers than a small batch: the core's array form
+    out["batch16_read"] = e.batch_transfer_sync_read(name, [la + o for o in many], [raddr + 240000 + 2 * o for o in many],
+                                                     [1000 + j for j in range(16)])  # fmt: skip
+    out["batch16_read_bytes"] = all(
+        np.array_equal(local[o : o + 1000 + j], want[240000 + 2 * o : 240000 + 2 * o + 1000 + j])
+        for j, o in enumerate(many)
+    )
+    for j, o in enumerate(many):
+        local[o : o + 500] = j + 1
+    out["batch16_write"] = e.batch_transfer_sync_write(name, [la + o for o in many], [raddr + 800000 + 500 * j
+                                                       for j in range(16)], [500] * 16)  # fmt: skip
+    out["batch16_write_bytes"] = (
+        _ask(child, "dump 800000 8000") == b"".join(bytes([j + 1]) * 500 for j in range(16)).hex()
+    )
     bid = e.batch_transfer_async_read(name, [la + 50000], [raddr + 500000], [2048])
     out["async_id"] = bid != 0
     out["async_status"] = e.get_batch_transfer_status([bid])

@@ -20,7 +20,8 @@ from kvplugins.mooncake import te
 SCRIPT = Path(__file__).with_name("te_script.py")
 EXPECTED = {  # the real wheel's answers (test_the_script_gives_the_same_answers_on_real_mooncake)
     "init": 0, "register": 0, "read": 0, "read_bytes": True, "write": 0, "write_bytes": True, "batch_read": 0,
-    "batch_read_bytes": True, "batch_write": 0, "batch_write_bytes": True, "async_id": True, "async_status": 0,
+    "batch_read_bytes": True, "batch_write": 0, "batch_write_bytes": True, "batch16_read": 0,
+    "batch16_read_bytes": True, "batch16_write": 0, "batch16_write_bytes": True, "async_id": True, "async_status": 0,
     "async_bytes": True, "async_opcode_status": 0, "submit_id": True, "check_status": 1, "submit_bytes": True,
     "first_buffer": True, "notify": 0, "notifies": [["driver", "done-1"]], "sizes_differ": -1, "unknown_peer": -1,
     "managed": True, "write_bytes_to_buffer": 0, "read_bytes_from_buffer": True, "free_managed": 0, "unregister": 0,
@@ -68,6 +69,20 @@ def test_what_ours_refuses_moves_nothing(pair):
     assert a.transfer_sync_write(name, abuf.ctypes.data, base - 4096, 16) == -1  # before it
     stray = np.ones(64, np.uint8)
     assert a.transfer_sync_read(name, stray.ctypes.data, base, 64) == -1  # our buffer is not registered
+    la, many = abuf.ctypes.data, [1024 * j for j in range(12)]  # the many-buffer form (the core's array form)
+    assert (
+        a.batch_transfer_sync_read(name, [la + o for o in many], [base + o for o in many[:-1]] + [base - 64], [64] * 12)
+        == -1
+    )
+    assert (
+        a.batch_transfer_sync_write(name, [la + o for o in many], [base + o for o in many], [64] * 11 + [1 << 20]) == -1
+    )
+    assert (
+        a.batch_transfer_sync_read(
+            name, [la + o for o in many[:-1]] + [stray.ctypes.data], [base + o for o in many], [64] * 12
+        )
+        == -1
+    )
     assert not abuf.any() and stray.all() and np.array_equal(bbuf, np.arange(1 << 16, dtype=np.uint64).astype(np.uint8))
     for bad in ("nohost", "127.0.0.1:0", "127.0.0.1:x", 7):
         assert a.transfer_sync_read(bad, abuf.ctypes.data, base, 16) == -1
