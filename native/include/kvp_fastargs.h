@@ -1,7 +1,7 @@
-// The Python-facing arguments of the native fast paths' read / write (issue #35; verbs/bind.cpp and module.cpp):
-// columns and the digests array taken from whatever the caller passed, without numpy, and the owner that keeps a
-// route's Python objects alive. Anything a fast path cannot take makes it return 0 (the general path then runs
-// the batch and names what is wrong with it).
+// The Python-facing arguments of the native fast paths' read / write (issue #35; verbs/bind.cpp, tcp/fast_bind.cpp,
+// cma/fast_bind.cpp): columns and the digests array taken from whatever the caller passed, without numpy, and the
+// owner that keeps a route's Python objects alive. Anything a fast path cannot take makes it return 0 (the general
+// path then runs the batch and names what is wrong with it).
 #pragma once
 #include <Python.h>
 #include <nanobind/nanobind.h>
