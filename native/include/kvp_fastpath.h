@@ -90,9 +90,15 @@ class Locals {
   std::vector<LocalRef> locals_;  // by address
 };
 
+// A table's counters: batches read and written, their spans (entries) and bytes.
+struct Counts {
+  uint64_t reads, writes, entries, bytes;
+};
+
 // The batches a table completed: counts, and each span's xxh3_64 of its local bytes for the caller that asks.
 class Tally {
  public:
+  Counts counts() const { return {reads.load(), writes.load(), entries.load(), bytes.load()}; }
   // A batch of n spans (total bytes) done: digests[j] (when digests is not null) = xxh3_64 of span j. Returns n.
   long done(bool read, const uint64_t* laddr, const uint64_t* length, size_t n, uint64_t total, uint64_t* digests) {
     if (digests) {
@@ -105,6 +111,15 @@ class Tally {
     return long(n);
   }
   std::atomic<uint64_t> reads{0}, writes{0}, entries{0}, bytes{0};
+};
+
+// What a route of the TCP and cma tables starts with (RDMA's has its queue pair's own fields instead).
+struct RouteBase {
+  const void* remote;  // the caller's descriptor object (identity; kept alive by `owner`)
+  uint64_t region;     // its region id
+  std::string segment;
+  bool readonly;               // read-only to peers: no write takes this route
+  std::shared_ptr<void> owner;  // released by the caller's rule (RouteTable)
 };
 
 // Route: any struct with `const void* remote`, `uint64_t region` and `std::string segment`.

@@ -19,22 +19,13 @@
 
 namespace kvp::cma {
 
-struct FastRoute {
-  const void* remote;  // the caller's descriptor object (identity; kept alive by `owner`)
-  uint64_t region;     // its region id
-  std::string segment;
+struct FastRoute : RouteBase {
   int pid;
   std::shared_ptr<const int> pidfd;  // this route's own duplicate, closed with the last holder
   uint64_t raddr, rlength;           // the region in the peer's address space
-  bool readonly;                     // read-only to peers: no write takes this route
-  std::shared_ptr<void> owner;
 };
 using FastRoutePtr = RouteTable<FastRoute>::Ptr;
 using FastRouteList = RouteTable<FastRoute>::List;
-
-struct FastCounts {
-  uint64_t reads, writes, entries, bytes;
-};
 
 class FastRoutes {
  public:
@@ -50,9 +41,7 @@ class FastRoutes {
   // batch again on its general path, which names the error). `digests` and `keep` as tcp/fast.h.
   long run(bool read, const void* remote, uint64_t region, const uint64_t* laddr, const uint64_t* roff,
            const uint64_t* length, size_t n, uint64_t* digests, FastRoutePtr& keep);
-  FastCounts counts() const {
-    return {tally_.reads.load(), tally_.writes.load(), tally_.entries.load(), tally_.bytes.load()};
-  }
+  Counts counts() const { return tally_.counts(); }
 
  private:
   const size_t max_spans_;

@@ -58,15 +58,15 @@ void bind_cma_fast(nb::module_& m) {
               uint64_t raddr, uint64_t rlength, bool readonly) {
              auto fd = kvp::cma::own_pidfd(pidfd);
              if (!fd) throw std::invalid_argument("put_route: the pidfd cannot be duplicated");
-             FastRoute r{remote.ptr(), region, std::move(segment), pid, std::move(fd), raddr, rlength, readonly,
-                         kvp::owner_of({remote})};
+             FastRoute r{{remote.ptr(), region, std::move(segment), readonly, kvp::owner_of({remote})}, pid,
+                         std::move(fd), raddr, rlength};
              FastRouteList gone = f.put_route(std::move(r));  // released here, the GIL held
            })
       .def("drop_routes",
            [](FastRoutes& f, const std::string& segment) { FastRouteList gone = f.drop_routes(segment); })
       .def("clear", [](FastRoutes& f) { FastRouteList gone = f.clear(); })
       .def("counts", [](FastRoutes& f) {
-        kvp::cma::FastCounts c = f.counts();
+        kvp::Counts c = f.counts();
         return std::make_tuple(c.reads, c.writes, c.entries, c.bytes);
       });
 }

@@ -57,8 +57,4 @@ long FastRoutes::run(bool read, const void* remote, uint64_t region, const uint6
   return tally_.done(read, laddr, length, n, total, digests);
 }
 
-FastCounts FastRoutes::counts() const {
-  return {tally_.reads.load(), tally_.writes.load(), tally_.entries.load(), tally_.bytes.load()};
-}
-
 }  // namespace kvp::tcp

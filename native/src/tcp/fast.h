@@ -24,21 +24,12 @@
 
 namespace kvp::tcp {
 
-struct FastRoute {
-  const void* remote;  // the caller's descriptor object (identity; kept alive by `owner`)
-  uint64_t region;     // its region id
-  std::string segment;
-  std::string peer;    // the pooled connections' key (Peers), host:port
+struct FastRoute : RouteBase {
+  std::string peer;         // the pooled connections' key (Peers), host:port
   uint64_t rlength, limit;  // the region's length; payload bytes per frame
-  bool readonly;            // read-only to peers: no write takes this route
-  std::shared_ptr<void> owner;
 };
 using FastRoutePtr = RouteTable<FastRoute>::Ptr;
 using FastRouteList = RouteTable<FastRoute>::List;
-
-struct FastCounts {
-  uint64_t reads, writes, entries, bytes;
-};
 
 class FastRoutes {
  public:
@@ -56,7 +47,7 @@ class FastRoutes {
   // used (the caller releases it).
   long run(bool read, const void* remote, uint64_t region, const uint64_t* laddr, const uint64_t* roff,
            const uint64_t* length, size_t n, double deadline_at, uint64_t* digests, FastRoutePtr& keep);
-  FastCounts counts() const;
+  Counts counts() const { return tally_.counts(); }
 
  private:
   Peers& peers_;

@@ -72,15 +72,15 @@ void bind_tcp_fast(nb::module_& m) {
       .def("put_route",
            [](PyTcpFast& f, nb::handle remote, uint64_t region, std::string segment, std::string peer,
               uint64_t rlength, uint64_t limit, bool readonly) {
-             FastRoute r{remote.ptr(), region, std::move(segment), std::move(peer), rlength, limit, readonly,
-                         kvp::owner_of({remote})};
+             FastRoute r{{remote.ptr(), region, std::move(segment), readonly, kvp::owner_of({remote})},
+                         std::move(peer), rlength, limit};
              FastRouteList gone = f.t.put_route(std::move(r));  // released here, the GIL held
            })
       .def("drop_routes",
            [](PyTcpFast& f, const std::string& segment) { FastRouteList gone = f.t.drop_routes(segment); })
       .def("clear", [](PyTcpFast& f) { FastRouteList gone = f.t.clear(); })
       .def("counts", [](PyTcpFast& f) {
-        kvp::tcp::FastCounts c = f.t.counts();
+        kvp::Counts c = f.t.counts();
         return std::make_tuple(c.reads, c.writes, c.entries, c.bytes);
       });
 }
