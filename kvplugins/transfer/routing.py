@@ -2,7 +2,9 @@
 
 Each entry goes to the first transport (in config order, fastest first) that both ends offer and that
 reaches the remote region. Entries failing with TransferFailed are retried on their next candidate;
-each fallback is counted and logged once per (transport, reason). OutOfRange is final.
+each fallback is counted and logged once per (transport, reason). OutOfRange is final. A small batch that ran
+whole on a region's first candidate tells that transport (Transport.first_choice): TCP and cma then take the next
+small batches there natively from the engine's entry (tcp_fast.py, cma_fast.py).
 """
 
 from __future__ import annotations
