@@ -48,6 +48,7 @@ class TransferEngine:
         self._transports = self._start_transports()
         self._router = Router(self._transports, self._regions)
         self._fast = self._fast_tables()  # small batches: one native call
+        self._fast_fenced = tuple(f for f in self._fast if not isinstance(f[0], TcpTransport))  # tcp: the frame's fence
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvp-transfer")
         self._closed = False
         _OPEN.add(self)
@@ -219,9 +220,7 @@ class TransferEngine:
         A small batch to a region a small batch reached before over rdma (the first transport), cma or tcp (the
         router's first choice there) is checked, moved and hashed in one native call (rdma_fast.py, cma_fast.py,
         tcp_fast.py; not tcp when ``fenced``); anything else goes through the router (routing.py)."""
-        fast = self._fast  # rdma's fence is its deadline: nothing is posted after it; tcp's needs the frame's
-        if fenced:
-            fast = tuple(f for f in fast if not isinstance(f[0], TcpTransport))
+        fast = self._fast_fenced if fenced else self._fast  # rdma's fence is its deadline: nothing posted after it
         if fast and refused_write(remote, remote_region) is not None:
             fast = ()  # read-only to peers: the router refuses it (run_spans), nothing is posted
         done = fast and self._fast_spans(fast, False, remote, remote_region, local_addrs, remote_offsets, lengths,
@@ -354,7 +353,7 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
-        self._fast = ()
+        self._fast = self._fast_fenced = ()
         _OPEN.discard(self)
         self._pool.shutdown(wait=True, cancel_futures=True)
         for t in self._transports:
