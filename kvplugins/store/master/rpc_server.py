@@ -131,6 +131,8 @@ class RpcServer:
         self._error_logged: dict[str, float] = {}
         self.metrics = MasterMetrics(self, config)  # op latency timer; /metrics if metrics_port >= 0
         self._group = group_commit.for_server(self)  # HA master: replies wait for their etcd writes
+        self._grouped = isinstance(self._group, group_commit.GroupCommit)
+        self._one_max = protocol.HEADER.size + min(int(config.max_frame), RECV_CHUNK)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._router.getsockopt(zmq.FD), selectors.EVENT_READ, "zmq")
@@ -187,7 +189,8 @@ class RpcServer:
                     self._guarded("sweep", self._sweep)
                     self._guarded("metrics", self.metrics.publish)  # snapshot for the metrics thread
                     next_tick = time.monotonic() + tick_s
-                self._guarded("group_commit", self._group.sync)  # HA: persist this turn, then send its replies
+                if self._grouped:
+                    self._guarded("group_commit", self._group.sync)  # HA: persist this turn, then send its replies
                 if self._events is not None:
                     self._guarded("events", self._events.flush)  # this turn's KV events: one batch
         finally:
@@ -412,6 +415,8 @@ class RpcServer:
             return self._drop(conn, f"recv failed: {e}")
         if not data:
             return self._drop(conn, None)
+        if conn.guard is None and not conn.inbuf and not conn.outbuf and not conn.scan and self._one_frame(conn, data):
+            return
         if not conn.inbuf:
             conn.frame_since = time.monotonic()
         conn.inbuf += data
@@ -426,6 +431,42 @@ class RpcServer:
             self._serve_conn(conn)
         if self._partial > self.cfg.partial_frames_budget:
             self._shed()
+
+    def _one_frame(self, conn: _Conn, data: bytes) -> bool:
+        """The common case without the buffers: ``data`` is exactly one whole request frame on an idle, authenticated
+        connection. Served as _serve_frames would, its reply sent at once (what the socket does not take, and an HA
+        master's replies, go the buffered way: _queue_reply). False, nothing done, for anything else."""
+        hdr = protocol.HEADER.size
+        if len(data) <= hdr or protocol.HEADER.unpack_from(data)[0] != len(data) - hdr or len(data) > self._one_max:
+            return False
+        conn.last_request = time.monotonic()
+        try:
+            reply = self._answer(data[hdr:], conn.role, conn.identity)
+        except ProtocolError as e:
+            self._drop(conn, str(e))
+            return True
+        if type(reply) is tuple:
+            reply = self._start_scan(conn, reply)
+            conn.scan = reply is None
+            if reply is None:
+                return True
+        if self._grouped:
+            self._queue_reply(conn, reply)
+            self._group.hold(conn)
+            return True
+        out = protocol.HEADER.pack(len(reply)) + reply
+        try:
+            sent = conn.sock.send(out)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as e:
+            self._drop(conn, f"send failed: {e}")
+            return True
+        if sent < len(out):  # the rest waits for the socket (EVENT_WRITE), as a queued reply would
+            conn.progress = time.monotonic()
+            conn.outbuf += out[sent:]
+            self._flush(conn)
+        return True
 
     def _serve_conn(self, conn: _Conn) -> None:
         """Serve the complete frames in ``conn.inbuf`` and queue (or flush) their replies."""

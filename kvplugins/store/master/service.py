@@ -123,11 +123,10 @@ class MasterService:
         other work (no other client waits on it)."""
         if type(opts) is dict:
             entries, opts = self.schemas.convert(op, entries, opts)
-        run = functools.partial(self._run, caller=caller)
         if op in batches.SLICED and len(entries) > batches.SLICE_KEYS:
-            out = batches.Sliced(run, op, entries, opts)
+            out = batches.Sliced(functools.partial(self._run, caller=caller), op, entries, opts)
         else:
-            out = run(op, entries, opts, self.clock())
+            out = self._run(op, entries, opts, self.clock(), caller)
         if not defer and isinstance(out, batches.Deferred):
             return out.run(self.clock())
         return out
