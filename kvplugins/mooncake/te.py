@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvplugins.errors import KVPluginsError
+from kvplugins.errors import BufferNotRegistered, KVPluginsError
 from kvplugins.mooncake.te_names import EtcdNames
 from kvplugins.mooncake.te_peers import Segments
 from kvplugins.transfer import TransferEngine as CoreEngine
@@ -247,15 +247,9 @@ class TransferEngine:
             if statuses is None:
                 return -1
         else:
-            reqs = self._requests("batch_transfer_sync", target_hostname, buffers, peer_buffer_addresses, lengths)
-            if reqs is None:
+            statuses = self._run_few(target_hostname, buffers, peer_buffer_addresses, lengths, TransferOpcode(opcode))
+            if statuses is None:
                 return -1
-            core = self._core
-            run = core.batch_read if TransferOpcode(opcode) == Read else core.batch_write  # type: ignore[union-attr]
-            try:
-                statuses = run(reqs, _timeout_ms(core, lengths))
-            except KVPluginsError as e:  # closed meanwhile
-                statuses = [e]
         if not _ok("batch_transfer_sync", target_hostname, statuses):
             self._segments.forget(target_hostname)  # type: ignore[union-attr]
             return -1
@@ -375,6 +369,45 @@ class TransferEngine:
         except (KVPluginsError, ValueError, TypeError) as e:
             log.error("%s to %r: %s", what, name, e)
             return None
+
+    def _run_few(self, name, buffers, peer_addrs, lengths, opcode: TransferOpcode) -> list | None:
+        """A sync batch of at most SMALL buffers: statuses, or None (logged, nothing moved) for what _requests
+        refuses. Into one peer region it is read_spans / write_spans of int lists, which a route table runs in one
+        native call (no TransferRequest per buffer); otherwise batch_read / batch_write. Every local buffer is
+        checked registered first (region_for raises BufferNotRegistered), so a refused batch moves nothing."""
+        what, core = "batch_transfer_sync", self._ready("batch_transfer_sync")
+        if core is None:
+            return None
+        one = self._one_region(name, peer_addrs, lengths) if len(buffers) == len(peer_addrs) == len(lengths) else None
+        try:
+            if one is not None and all(core.region_for(int(b), int(n)) for b, n in zip(buffers, lengths)):
+                descriptor, region, offs = one
+                run = core.read_spans if opcode == Read else core.write_spans
+                return run(descriptor, region, [int(b) for b in buffers], offs, [int(n) for n in lengths],
+                           _timeout_ms(core, lengths))  # fmt: skip
+            reqs = self._requests(what, name, buffers, peer_addrs, lengths)
+            if reqs is None:
+                return None
+            return (core.batch_read if opcode == Read else core.batch_write)(reqs, _timeout_ms(core, lengths))
+        except (BufferNotRegistered, ValueError, TypeError, OverflowError) as e:  # refused before anything moved
+            log.error("%s to %r: %s", what, name, e)
+            return None
+        except KVPluginsError as e:  # closed meanwhile
+            return [e]
+
+    def _one_region(self, name, peer_addrs, lengths) -> tuple | None:
+        """(peer descriptor, region id, offsets) when every buffer of a few lies in one region the peer registered
+        (as known: an address outside them goes to _requests, which asks the peer again), else None."""
+        try:
+            if min(int(n) for n in lengths) <= 0:
+                return None
+            peer = self._segments.open(name)  # type: ignore[union-attr]
+            where = [peer.locate(int(a), int(n)) for a, n in zip(peer_addrs, lengths)]
+        except (KVPluginsError, ValueError, TypeError):
+            return None  # _requests logs it
+        if None in where or len({w[0] for w in where}) != 1:  # type: ignore[index]
+            return None
+        return peer.descriptor, where[0][0], [w[1] for w in where]  # type: ignore[index]
 
     def _run_spans(self, name, buffers, peer_addrs, lengths, opcode: TransferOpcode) -> list | None:
         """A sync batch as read_spans / write_spans per peer region: statuses, or None (logged, nothing moved) for
