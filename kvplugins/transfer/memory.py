@@ -192,18 +192,6 @@ class RegionTable:
             raise OutOfRange(f"local region {region.region_id} is not registered with this engine")
         return _pin(entry[1])
 
-    def resolve_exported(self, region_id: int, offset: int, length: int, write: bool) -> tuple[int, Any]:
-        """(address of [offset, offset+length) of exported region ``region_id``, pin) as pin().
-        Raises OutOfRange for an unknown or unexported region, a span outside it, or a ``write`` into
-        read-only memory."""
-        with self._lock:
-            entry = self._regions.get(region_id)
-        if entry is None or not entry[0].exported:
-            raise OutOfRange(f"region {region_id} is not exported by this engine")
-        if write and not entry[0].peers_write:
-            raise OutOfRange(f"region {region_id} is read-only to peers; they may only read it")
-        return span_addr(entry[0], offset, length, "remote"), _pin(entry[1])
-
     def find(self, addr: int, length: int) -> Region:
         """The registered region holding [addr, addr+length). Raises BufferNotRegistered."""
         region = self.index.find(addr, length)
