@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -37,13 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from storebench import clusters  # noqa: E402  (our store as store_bench.py starts it: master + one node)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+from machine import cpu_model
 
 
 def median_us(fn, iters: int) -> float:

@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
+from machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("round_robin", "session", "prefix_aware", "conductor")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> int:

@@ -13,18 +13,11 @@ master, one node, loopback shm) holds the pages; the KV is a torch tensor per la
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+from machine import cpu_model
 
 
 def main() -> int:

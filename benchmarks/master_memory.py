@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--stores {a.stores!r}: name kvp and/or mooncake")
     if "mooncake" in stores and not netns.inside():
         return netns.run_inside([str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])])
-    from moe_bench import cpu_model
+    from machine import cpu_model
 
     room = a.objects * SIZE * 2  # segment bytes: twice the data (allocation rounding, no eviction)
     # Mooncake's segment: its puts failed with -200 (no space) at 1.32 M objects in a 1.34 GB segment, so it

@@ -96,7 +96,7 @@ def main() -> int:
     if a.child:
         print(json.dumps(recover(a.child)))
         return 0
-    from moe_bench import cpu_model
+    from machine import cpu_model
 
     print(f"CPU: {cpu_model()}; 64-byte objects, {a.key_bytes}-byte keys, one replica\n")
     print("| objects | journaled puts/s | load from etcd s | restore s | recovery total s | peak RSS MiB |")

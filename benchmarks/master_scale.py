@@ -89,7 +89,7 @@ def main() -> int:
     if a.child:
         print(json.dumps(measure(a.child, a.batch, a.key_bytes)))
         return 0
-    from benchmarks.moe_bench import cpu_model
+    from benchmarks.machine import cpu_model
 
     print(f"CPU: {cpu_model()}; batches of {a.batch}; keys of {a.key_bytes} bytes; 64-byte objects\n")
     print(

@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--key-bytes", type=int, default=48)
     ap.add_argument("--failover", action="store_true", help="also time routing around a dead shard master")
     a = ap.parse_args(argv)
-    from moe_bench import cpu_model
+    from machine import cpu_model
 
     runs = list(zip([int(s) for s in a.shards.split(",")], [int(n) for n in a.objects.split(",")]))
     print(f"CPU: {cpu_model()}; {SIZE}-byte objects, {a.key_bytes}-byte keys, batches of {BATCH}, over RPC\n")

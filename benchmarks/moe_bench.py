@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.moe import backends  # noqa: E402
+from machine import cpu_model
 
 CONFIGS = {  # name: (E, H, I, top-k)
     "bench": (64, 2048, 768, 8),
@@ -180,18 +181,6 @@ def run_isolated(name, label, fmt, args) -> dict:
 def _gflops(g: float) -> str:
     """Whole GFLOP/s, with decimals under 10 (a tiny shape on a loaded machine must not print 0)."""
     return f"{g:.0f}" if g >= 10 else f"{g:.3f}"
-
-
-def cpu_model() -> str:
-    """The CPU model name (and family/model numbers) from /proc/cpuinfo, for the table's header."""
-    info = {}
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            info.setdefault(k.strip(), v.strip())
-            if not line.strip():
-                break
-    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
 
 
 def median_row(by_round):

@@ -21,7 +21,6 @@ import argparse
 import filecmp
 import json
 import os
-import platform
 import re
 import secrets
 import shutil
@@ -31,17 +30,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ETCD_PORT = 2379
 KVP = [sys.executable, "-c", "import sys; from kvplugins.cli import main; sys.exit(main(sys.argv[1:]))"]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def make_checkpoint(root: Path, size: int, files: int = 2) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvplugins.transfer import SegmentDescriptor, TransferConfig, TransferEngine, TransferRequest
 from kvplugins.transfer.nics import discover
+from machine import cpu_model
 
 MIB = 1 << 20
 PEER_BYTES = 64 * MIB
@@ -136,12 +137,6 @@ class Ours:
         self.eng.close()
         self._conn.send("exit")
         self._proc.join(30)
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    m = re.search(r"Model name:\s*(.+)", out)
-    return m.group(1).strip() if m else platform.processor()
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.moe_bench import cpu_model  # noqa: E402
+from benchmarks.machine import cpu_model  # noqa: E402
 
 from kvplugins.replay.config import ReplayConfig  # noqa: E402
 from kvplugins.replay.plan import execute  # noqa: E402

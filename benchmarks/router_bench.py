@@ -33,36 +33,22 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from statistics import median
+from machine import cpu_model, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 CLI = [sys.executable, "-c", "import sys; from kvplugins.cli import main; sys.exit(main(sys.argv[1:]))"]
 BLOCK = 32  # the engines' block size (tokens)
 ROUTINGS = ("round_robin", "prefix_aware", "conductor", "conductor+slo", "conductor+slo+measured")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -31,6 +30,7 @@ from kvplugins.layout import KeySpace, PageLayout, PageStore
 from kvplugins.layout.staged import SLOTS, StagedPages
 from kvplugins.store import ClientConfig, StoreClient
 from kvplugins.store.embedded import CLI, read_discovery
+from machine import cpu_model
 
 
 def start_store(segment: str, tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -147,13 +147,6 @@ def pcie(args) -> dict:
         "d2h_GBps": round(nbytes / statistics.median(d2h) / 1e9, 2),
         "h2d_GBps": round(nbytes / statistics.median(h2d) / 1e9, 2),
     }
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def main() -> None:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+from machine import cpu_model
 
 CASES = ((4096, 1, 400), (4096, 128, 100), (1 << 20, 32, 30))  # (object bytes, batch, iterations)
 PEER_BYTES = 64 << 20
@@ -90,13 +90,6 @@ class Side:
 
 def _size(n: int) -> str:
     return f"{n >> 20}MiB" if n >= 1 << 20 else f"{n >> 10}KiB"
-
-
-def cpu_model() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Iterator
 
 from storebench import netns
-from storebench.procs import Worker, WorkerFailed, free_port, stop, wait_port
+from machine import free_port
+from storebench.procs import Worker, WorkerFailed, stop, wait_port
 
 HOST = "127.0.0.1"
 # Our transports per mode: ClientConfig.transports / StoreNodeConfig.transports (-> TransferConfig).

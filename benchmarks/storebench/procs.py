@@ -85,13 +85,6 @@ def stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
             proc.wait()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free on ``host`` a moment ago (for servers that cannot bind port 0 and report it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def wait_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
     """Wait until ``host:port`` accepts TCP connections; raises WorkerFailed on timeout or if ``proc`` exits."""
     deadline = time.monotonic() + timeout_s
