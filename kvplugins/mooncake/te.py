@@ -380,7 +380,9 @@ class TransferEngine:
             return None
         one = self._one_region(name, peer_addrs, lengths) if len(buffers) == len(peer_addrs) == len(lengths) else None
         try:
-            if one is not None and all(core.region_for(int(b), int(n)) for b, n in zip(buffers, lengths)):
+            if one is not None:
+                for b, n in zip(buffers, lengths):
+                    core.region_for(int(b), int(n))  # raises BufferNotRegistered: nothing moves
                 descriptor, region, offs = one
                 run = core.read_spans if opcode == Read else core.write_spans
                 return run(descriptor, region, [int(b) for b in buffers], offs, [int(n) for n in lengths],

@@ -415,8 +415,9 @@ class RpcServer:
             return self._drop(conn, f"recv failed: {e}")
         if not data:
             return self._drop(conn, None)
-        if conn.guard is None and not conn.inbuf and not conn.outbuf and not conn.scan and self._one_frame(conn, data):
-            return
+        if not (conn.inbuf or conn.outbuf or conn.scan or self._grouped) and conn.guard is None:
+            if self._one_frame(conn, data):
+                return
         if not conn.inbuf:
             conn.frame_since = time.monotonic()
         conn.inbuf += data
@@ -434,25 +435,18 @@ class RpcServer:
 
     def _one_frame(self, conn: _Conn, data: bytes) -> bool:
         """The common case without the buffers: ``data`` is exactly one whole request frame on an idle, authenticated
-        connection. Served as _serve_frames would, its reply sent at once (what the socket does not take, and an HA
-        master's replies, go the buffered way: _queue_reply). False, nothing done, for anything else."""
+        connection of a plain master (an HA master's replies wait for group commit). Served as _serve_frames serves
+        a frame, its reply sent at once; what the socket does not take waits in ``outbuf`` as a queued reply would.
+        False, nothing done, for anything else."""
         hdr = protocol.HEADER.size
         if len(data) <= hdr or protocol.HEADER.unpack_from(data)[0] != len(data) - hdr or len(data) > self._one_max:
             return False
-        conn.last_request = time.monotonic()
         try:
-            reply = self._answer(data[hdr:], conn.role, conn.identity)
+            reply = self._reply_to(conn, data[hdr:], time.monotonic())
         except ProtocolError as e:
             self._drop(conn, str(e))
             return True
-        if type(reply) is tuple:
-            reply = self._start_scan(conn, reply)
-            conn.scan = reply is None
-            if reply is None:
-                return True
-        if self._grouped:
-            self._queue_reply(conn, reply)
-            self._group.hold(conn)
+        if reply is None:
             return True
         out = protocol.HEADER.pack(len(reply)) + reply
         try:
@@ -462,11 +456,21 @@ class RpcServer:
         except OSError as e:
             self._drop(conn, f"send failed: {e}")
             return True
-        if sent < len(out):  # the rest waits for the socket (EVENT_WRITE), as a queued reply would
+        if sent < len(out):
             conn.progress = time.monotonic()
             conn.outbuf += out[sent:]
-            self._flush(conn)
+            self._flush(conn)  # registers EVENT_WRITE for the rest
         return True
+
+    def _reply_to(self, conn: _Conn, body: bytes, now: float) -> bytes | None:
+        """The reply to request ``body`` on ``conn``, or None while it runs as a deferred op (its reply is queued
+        when done). Raises ProtocolError for a frame that is no request."""
+        conn.last_request = now
+        reply = self._answer(body, conn.role, conn.identity)
+        if type(reply) is tuple:
+            reply = self._start_scan(conn, reply)
+            conn.scan = reply is None
+        return reply
 
     def _serve_conn(self, conn: _Conn) -> None:
         """Serve the complete frames in ``conn.inbuf`` and queue (or flush) their replies."""
@@ -514,11 +518,7 @@ class RpcServer:
                 return
             body = bytes(conn.inbuf[hdr : hdr + n])
             del conn.inbuf[: hdr + n]
-            conn.last_request = now
-            reply = self._answer(body, conn.role, conn.identity)
-            if type(reply) is tuple:
-                reply = self._start_scan(conn, reply)
-                conn.scan = reply is None
+            reply = self._reply_to(conn, body, now)
             if reply is not None:
                 self._queue_reply(conn, reply)
 
