@@ -218,20 +218,48 @@ def _raise_failed(status: int, why) -> None:
         raise (TimeoutError if status == 4 else ConnectionError)(why)
 
 
-def shard_exists(fds: list[int], rids: list[int], keys: list[str], points, point_shard, timeout_ms: float):
-    """A sharded store's ``exists`` in one native call, GIL released (native/src/store/shards.h): each key hashed
-    onto the ring (``points``: ascending uint64 positions; ``point_shard``: uint32 index of each point's shard),
-    request ``rids[s]`` sent on shard s's connected socket ``fds[s]`` with that shard's keys, every reply read in
-    one poll loop. Returns (per key a uint8: 1 stored, 0 not, 2 its shard did not answer here; per shard: True
-    (answered), None (none of the keys is on it), the reply body (bytes) for the caller to parse (a refusal), or
-    the ConnectionError / TimeoutError of its connection, which is then not usable). Raises NativeError for a
-    malformed ring, TypeError for a key that is not a str."""
+def ring_owners(keys: list[str], points, point_shard, shards: int) -> np.ndarray:
+    """Each key's shard on a ring (store/cluster/ring.py: xxh3_64 of its UTF-8 bytes, the first point at or after
+    it, wrapping), as a uint32 array of len(keys). ``points``: ascending uint64 positions; ``point_shard``: uint32
+    index (< ``shards``) of each point's shard. Raises NativeError for a malformed ring, TypeError for a key that
+    is not a str (or not UTF-8 encodable)."""
     try:
-        flags, per_shard = _mod().shard_exists(
-            fds, rids, keys, np.ascontiguousarray(points), np.ascontiguousarray(point_shard), float(timeout_ms)
-        )
+        owner = _mod().ring_owners(keys, np.ascontiguousarray(points), np.ascontiguousarray(point_shard), shards)
     except ValueError as e:
         raise NativeError(str(e)) from e
+    return np.frombuffer(owner, dtype=np.uint32)
+
+
+def shard_exists(fds: list[int], rids: list[int], keys: list[str], owner, timeout_ms: float):
+    """A sharded store's ``exists`` in one native call, GIL released (native/src/store/shards.h): request ``rids[s]``
+    sent on shard s's connected socket ``fds[s]`` with the keys ``owner`` (uint32 per key, ring_owners) gives it,
+    every reply read in one poll loop (a shard that owns no key is not used: its fd may be -1). Returns (per key a
+    uint8: 1 stored, 0 not, 2 its shard did not answer here; per shard: True (answered), None (none of the keys is
+    on it), the reply body (bytes) for the caller to parse (a refusal), or the ConnectionError / TimeoutError of
+    its connection, which is then not usable). Raises NativeError for an owner out of range, TypeError for a key
+    that is not a str."""
+    try:
+        flags, per_shard = _mod().shard_exists(fds, rids, keys, np.ascontiguousarray(owner), float(timeout_ms))
+    except ValueError as e:
+        raise NativeError(str(e)) from e
+    return np.frombuffer(flags, dtype=np.uint8), _shard_answers(per_shard)
+
+
+def shard_call(fds: list[int], rids: list[int], op: str, keys: list[str], owner, timeout_ms: float) -> list:
+    """Batch op ``op`` of a sharded store (``op`` [keys] {}) in one native fan-out, GIL released
+    (native/src/store/shards.h), sent as shard_exists sends. Returns per shard: None (none of the keys is on it),
+    the reply body (bytes: its payload answers that shard's keys in the caller's order), or the ConnectionError /
+    TimeoutError of its connection, which is then not usable. Raises as shard_exists."""
+    try:
+        per_shard = _mod().shard_call(fds, rids, op, keys, np.ascontiguousarray(owner), float(timeout_ms))
+    except ValueError as e:
+        raise NativeError(str(e)) from e
+    return _shard_answers(per_shard)
+
+
+def _shard_answers(per_shard: list) -> list:
+    """Per shard of a native fan-out: True (0: merged natively), the reply body (2), the exception of a failed
+    exchange (3, 4) or None (5: not sent)."""
     out: list = []
     for status, value in per_shard:
         try:
@@ -239,5 +267,5 @@ def shard_exists(fds: list[int], rids: list[int], keys: list[str], points, point
         except OSError as e:
             out.append(e)
         else:
-            out.append({0: True, 2: value}.get(status))
-    return np.frombuffer(flags, dtype=np.uint8), out
+            out.append(True if status == 0 else value if status == 2 else None)
+    return out

@@ -160,30 +160,66 @@ static std::optional<std::vector<uint64_t>> write_tcp(kvp::tcp::Peers& peers, co
   return digests;   // empty: kWriteFailed
 }
 
-// (key flags as bytes: 1 stored, 0 not, 2 unanswered; per shard (status, value): (0|5, None), (2, reply body), (3|4, why)).
-static nb::tuple shard_exists(const std::vector<int>& fds, const std::vector<uint64_t>& rids,
-                              const std::vector<std::string>& keys, U64Vec points, U32Vec point_shard,
-                              double timeout_ms, const std::string& isa) {
+// Each key's shard on the ring (points ascending, point_shard[i] < shards) as uint32 bytes.
+static nb::bytes ring_owners(const std::vector<std::string>& keys, U64Vec points, U32Vec point_shard, uint32_t shards,
+                             const std::string& isa) {
   const size_t np = points.shape(0);
-  if (fds.size() != rids.size()) throw std::invalid_argument("shard_exists: fds and rids differ in length");
-  if (np == 0 || point_shard.shape(0) != np) throw std::invalid_argument("shard_exists: the ring is empty or its arrays differ in length");
+  if (np == 0 || point_shard.shape(0) != np) throw std::invalid_argument("ring_owners: the ring is empty or its arrays differ in length");
   for (size_t i = 0; i < np; ++i)
-    if (point_shard.data()[i] >= fds.size()) throw std::invalid_argument("shard_exists: a ring point names no given shard");
+    if (point_shard.data()[i] >= shards) throw std::invalid_argument("ring_owners: a ring point names no given shard");
   const kvp::HashOps* ops = tier(isa);
-  std::string out(keys.size(), '\2');
-  std::vector<kvp::store::ShardAnswer> answers;
+  std::vector<uint32_t> owner(keys.size());
   {
     kvp::GilRelease release;
-    answers = kvp::store::shard_exists(fds, rids, keys, points.data(), point_shard.data(), np, timeout_ms, ops,
-                                       reinterpret_cast<uint8_t*>(out.data()));
+    kvp::store::ring_owners(keys, kvp::store::Ring{points.data(), point_shard.data(), np}, ops, owner.data());
   }
+  return nb::bytes(owner.data(), owner.size() * sizeof(uint32_t));
+}
+
+// The owner array of a fan-out, checked against the shards and keys.
+static const uint32_t* owner_of(const char* fn, const std::vector<int>& fds, const std::vector<uint64_t>& rids,
+                                size_t nkeys, const U32Vec& owner) {
+  if (fds.size() != rids.size()) throw std::invalid_argument(std::string(fn) + ": fds and rids differ in length");
+  if (owner.shape(0) != nkeys) throw std::invalid_argument(std::string(fn) + ": owner and keys differ in length");
+  for (size_t k = 0; k < nkeys; ++k)
+    if (owner.data()[k] >= fds.size()) throw std::invalid_argument(std::string(fn) + ": an owner names no given shard");
+  return owner.data();
+}
+
+// Per shard (status, value): (0|5, None), (2, reply body), (3|4, why).
+static nb::list shard_answers(const std::vector<kvp::store::ShardAnswer>& answers) {
   nb::list per_shard;
   for (const auto& a : answers) {
     if (a.status == kvp::store::kAsPython) per_shard.append(nb::make_tuple(a.status, nb::bytes(a.text.data(), a.text.size())));
     else if (a.status == kvp::store::kIoError || a.status == kvp::store::kTimeout) per_shard.append(nb::make_tuple(a.status, a.text));
     else per_shard.append(nb::make_tuple(a.status, nb::none()));
   }
-  return nb::make_tuple(nb::bytes(out.data(), out.size()), per_shard);
+  return per_shard;
+}
+
+// (key flags as bytes: 1 stored, 0 not, 2 unanswered; per shard as shard_answers).
+static nb::tuple shard_exists(const std::vector<int>& fds, const std::vector<uint64_t>& rids,
+                              const std::vector<std::string>& keys, U32Vec owner, double timeout_ms) {
+  const uint32_t* own = owner_of("shard_exists", fds, rids, keys.size(), owner);
+  std::string out(keys.size(), '\2');
+  std::vector<kvp::store::ShardAnswer> answers;
+  {
+    kvp::GilRelease release;
+    answers = kvp::store::shard_exists(fds, rids, keys, own, timeout_ms, reinterpret_cast<uint8_t*>(out.data()));
+  }
+  return nb::make_tuple(nb::bytes(out.data(), out.size()), shard_answers(answers));
+}
+
+// Per shard as shard_answers.
+static nb::list shard_call(const std::vector<int>& fds, const std::vector<uint64_t>& rids, const std::string& op,
+                           const std::vector<std::string>& keys, U32Vec owner, double timeout_ms) {
+  const uint32_t* own = owner_of("shard_call", fds, rids, keys.size(), owner);
+  std::vector<kvp::store::ShardAnswer> answers;
+  {
+    kvp::GilRelease release;
+    answers = kvp::store::shard_call(fds, rids, op, keys, own, timeout_ms);
+  }
+  return shard_answers(answers);
 }
 
 using BoolVec = nb::ndarray<const bool, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -296,8 +332,12 @@ static void bind_store(nb::module_& m) {
         nb::arg("isa") = "auto");
   m.def("writable_spans", &writable_spans, nb::arg("spans_per_key"), nb::arg("starts"), nb::arg("ends"),
         nb::arg("writable"), nb::arg("small"));
-  m.def("shard_exists", &shard_exists, nb::arg("fds"), nb::arg("rids"), nb::arg("keys"), nb::arg("points"),
-        nb::arg("point_shard"), nb::arg("timeout_ms"), nb::arg("isa") = "auto");
+  m.def("ring_owners", &ring_owners, nb::arg("keys"), nb::arg("points"), nb::arg("point_shard"), nb::arg("shards"),
+        nb::arg("isa") = "auto");
+  m.def("shard_exists", &shard_exists, nb::arg("fds"), nb::arg("rids"), nb::arg("keys"), nb::arg("owner"),
+        nb::arg("timeout_ms"));
+  m.def("shard_call", &shard_call, nb::arg("fds"), nb::arg("rids"), nb::arg("op"), nb::arg("keys"), nb::arg("owner"),
+        nb::arg("timeout_ms"));
 }
 
 NB_MODULE(_native, m) {

@@ -335,35 +335,48 @@ def test_a_master_that_cannot_read_the_membership_refuses_puts_until_it_can():
             rpc.close()
 
 
-def test_exists_is_one_native_fan_out_and_a_dead_shard_costs_only_its_keys(etcd, monkeypatch):
-    """exists over plain shard masters runs as one native call per batch (native.shard_exists, counted through a
-    wrapper: the real call runs); a frozen shard master (SIGSTOP) costs its keys (False after the RPC timeout,
-    not a hang), the others answer right, and a SIGKILLed one the same at once."""
+@pytest.mark.parametrize("op", ["exists", "get"])
+def test_a_read_is_one_native_fan_out_and_a_dead_shard_costs_only_its_keys(etcd, monkeypatch, op):
+    """exists and get over plain shard masters run as one native call per batch (native.shard_exists /
+    shard_call, counted through a wrapper: the real call runs), each key's answer (and a get's bytes) right; a
+    frozen shard master (SIGSTOP) costs its keys (misses after the RPC timeout, not a hang), the others answer
+    right, and a SIGKILLed one the same at once."""
     from kvplugins import native
     from kvplugins.store.client import router
 
     calls = []
-    real = native.shard_exists
-    monkeypatch.setattr(router.native, "shard_exists", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    name = "shard_exists" if op == "exists" else "shard_call"
+    real = getattr(native, name)
+    monkeypatch.setattr(router.native, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     with sharded_store(etcd, shards=("a", "b", "c"), nodes=1, prefix="/kvp-fan") as s:
         s.wait_segments(4)
         st = s.wait_for(lambda st: not st.moving(), "the last join's move to end")  # moves route in Python
         keys = [f"fan/{i}" for i in range(300)]
         stored = keys[::2]
         with StoreClient(ClientConfig(master=s.address, rpc_timeout_ms=1500)) as c:
+
+            def found() -> list[bool]:
+                if op == "exists":
+                    return c.batch_exists(keys)
+                got = c.batch_get(keys)
+                assert all(v == value(k, 64) for k, v in zip(keys, got) if isinstance(v, bytes))
+                return [isinstance(v, bytes) for v in got]
+
             assert c.batch_put(stored, [value(k, 64) for k in stored]) == [None] * len(stored)
             calls.clear()
-            assert c.batch_exists(keys) == [k in set(stored) for k in keys]
-            assert c.batch_exists_prefix(keys) == 1 and len(calls) == 2
+            assert found() == [k in set(stored) for k in keys] and len(calls) == 1
+            if op == "exists":
+                assert c.batch_exists_prefix(keys) == 1 and len(calls) == 2
             b = s.masters["b"][0]
             b.popen.send_signal(signal.SIGSTOP)
             try:
                 t0 = time.monotonic()
-                got = c.batch_exists(keys)
+                got = found()
                 assert time.monotonic() - t0 < 5
             finally:
                 b.popen.send_signal(signal.SIGCONT)
             want = [k in set(stored) and st.ring.owner(k) != "b" for k in keys]
             assert got == want and any(st.ring.owner(k) == "b" for k in stored)
             b.kill()
-            assert c.batch_exists(keys) == want and len(calls) == 4
+            n = len(calls)
+            assert found() == want and len(calls) == n + 1

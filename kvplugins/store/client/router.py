@@ -8,9 +8,10 @@ pair it follows across fail-overs). While a move is on (ClusterState.moving):
 - reads (get, exists, get_size) that miss on the new owner ask the previous owner (dual lookup);
 - removes go to both owners;
 - a put first asks the previous owner whether the key is stored (then it is a no-op, as on one master).
-``exists`` (and ``exists_prefix``) while no move is on and every shard is a single master runs as ONE native call
-(native.shard_exists: hashing, one request per shard on its connection, the replies read in one poll loop and
-merged, GIL released); the rest below is the same for it. A shard that does not answer costs only its own keys: reads of them are misses, writes fail with UNAVAILABLE
+The reads ``exists`` (and ``exists_prefix``), ``get`` and ``get_size`` without options, while no move is on and every
+shard is a single master, run as ONE native call (native.shard_exists / shard_call: hashing, one request per shard
+on its connection, the replies read in one poll loop, GIL released; exists merged natively, the others' replies
+decoded here and merged by each key's shard); the rest below is the same for them. A shard that does not answer costs only its own keys: reads of them are misses, writes fail with UNAVAILABLE
 (MasterUnreachable when no shard answered at all). WRONG_SHARD answers make it re-read the membership and resend
 those entries, after a pause that doubles from RESEND_FIRST_S up to POLL_S, until the op's timeout: the stale
 view may be the master's (it reads the membership every 0.5 s too). (Before, during a move the resends were
@@ -22,9 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import reprlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 from kvplugins import native
 from kvplugins.errors import MasterUnreachable, ProtocolError, StoreError
@@ -50,6 +54,7 @@ KEYED = frozenset(
     }
 )
 READS = frozenset({"get", "exists", "get_size"})
+NATIVE_READS = READS  # one native fan-out while no move is on (module doc)
 REMOVES = frozenset({"remove", "remove_checked"})
 PUTS = frozenset({"put_start", "put"})
 STR_KEYED = frozenset({"get", "exists", "put_commit", "put_abort", "remove", "get_size", "remove_checked"})
@@ -148,8 +153,8 @@ class ShardedRpc:
 
     # ---- routing ---------------------------------------------------------------------------------------
     def _keyed(self, op: str, entries: list, opts: dict, timeout_ms) -> list:
-        if op == "exists" and entries:
-            found = self._exists_native(entries, self.state, timeout_ms)
+        if op in NATIVE_READS and entries and not opts:
+            found = self._read_native(op, entries, self.state, timeout_ms)
             if found is not None:
                 return found
         out: list = [None] * len(entries)
@@ -201,43 +206,57 @@ class ShardedRpc:
                 self._second(op, entries, opts, timeout_ms, st.previous, moved, out, keep_hits=False)
         return [i for i in todo if _code(out[i]) == WRONG_SHARD] if op in PUTS else []
 
-    def _exists_native(self, keys: list, st: ClusterState, timeout_ms) -> list[bool] | None:
-        """``exists`` of ``keys`` in one native fan-out over every shard (module doc); None where it does not
-        apply (a move is on, a shard is an HA pair, a key is not a str): the caller routes in Python then."""
+    def _read_native(self, op: str, keys: list, st: ClusterState, timeout_ms) -> list | None:
+        """``op`` (NATIVE_READS) of ``keys`` in one native fan-out over the shards that own them (module doc); None
+        where it does not apply (a move is on, a shard is an HA pair, a key is not a str): the caller routes in
+        Python then."""
         if st.moving():
             return None
+        try:
+            owner = native.ring_owners(keys, st.ring.points, st.ring.point_shard, len(st.ring.members))
+        except TypeError:
+            return None
         sids = st.ring.members
-        clients = [self._client(sid, st.members[sid]) for sid in sids]
-        if any(type(c) is not RawRpcClient for c in clients):
+        used = set(np.unique(owner).tolist())  # a shard that owns none of the keys is not dialled
+        clients = {s: self._client(sid, st.members[sid]) for s, sid in enumerate(sids) if s in used}
+        if any(type(c) is not RawRpcClient for c in clients.values()):
             return None
         timeout = self.timeout_ms if timeout_ms is None else timeout_ms
         errors: dict[str, StoreError] = {}
+        payloads: dict[str, list] = {}
         with contextlib.ExitStack() as stack:
-            held = []
-            for sid, c in zip(sids, clients):  # in ring order: concurrent fan-outs take the locks in one order
+            held: list = [None] * len(sids)
+            for s, c in clients.items():  # in ring order: concurrent fan-outs take the locks in one order
                 try:
-                    held.append(stack.enter_context(c.held("exists", timeout)))
+                    held[s] = stack.enter_context(c.held(op, timeout))
                 except StoreError as e:
-                    held.append(None)
-                    errors[sid] = e
-            try:
-                flags, answers = native.shard_exists(
-                    [h.fd if h else -1 for h in held],
-                    [h.rid if h else 0 for h in held],
-                    keys,
-                    st.ring.points,
-                    st.ring.point_shard,
-                    timeout,
-                )
-            except TypeError:
-                return None
-            for sid, h, answer in zip(sids, held, answers):
-                if h is not None and answer is not True and answer is not None:
+                    errors[sids[s]] = e
+            fds, rids = [h.fd if h else -1 for h in held], [h.rid if h else 0 for h in held]
+            if op == "exists":
+                flags, answers = native.shard_exists(fds, rids, keys, owner, timeout)
+            else:
+                answers = native.shard_call(fds, rids, op, keys, owner, timeout)
+            for s, (sid, h, answer) in enumerate(zip(sids, held, answers)):
+                if h is None or answer is None or answer is True:
+                    continue
+                if op == "exists" or isinstance(answer, Exception):
                     errors[sid] = _refused(h, answer)
-        asked = [sid for sid, a in zip(sids, answers) if a is not None]
-        if asked and len(asked) == len(st.members) and all(sid in errors for sid in asked):
-            raise errors[asked[0]]
-        return (flags == 1).tolist()
+                    continue
+                try:
+                    payloads[sid] = _payload(h, answer, int(np.count_nonzero(owner == s)))
+                except StoreError as e:
+                    errors[sid] = e
+        if len(used) == len(st.members) and len(errors) == len(used):
+            raise next(iter(errors.values()))
+        if op == "exists":
+            return (flags == 1).tolist()
+        out: list = [None] * len(keys)
+        for s in used:
+            sid = sids[s]
+            idx = np.flatnonzero(owner == s).tolist()
+            for i, answer in zip(idx, payloads[sid] if sid in payloads else [_down(op, sid, errors[sid])] * len(idx)):
+                out[i] = answer
+        return out
 
     def _stored_before(self, entries, todo, cur, prev, st, timeout_ms, out):
         """Puts of moved keys already stored on their previous owner answer EXISTS (the no-op of one master);
@@ -353,8 +372,8 @@ class ShardedRpc:
 
 
 def _refused(held, answer) -> StoreError:
-    """The StoreError of a shard's exchange that did not answer ``exists``: its connection failed (``answer`` an
-    exception), or its reply (bytes) was a refusal or malformed."""
+    """The StoreError of a shard's exchange that did not answer: its connection failed (``answer`` an exception),
+    or its reply (bytes) to ``exists`` was a refusal or malformed."""
     if isinstance(answer, Exception):
         return held.failed(answer)
     try:
@@ -362,6 +381,15 @@ def _refused(held, answer) -> StoreError:
     except StoreError as e:
         return e
     return held.failed(ProtocolError("a malformed exists answer"))
+
+
+def _payload(held, body: bytes, n: int) -> list:
+    """The per-key answers of a shard's reply ``body`` to a native fan-out for ``n`` keys. Raises StoreError (a
+    refusal) or MasterUnreachable (a malformed reply: the connection is closed)."""
+    payload = held.payload(body)
+    if type(payload) is not list or len(payload) != n:
+        raise held.failed(ProtocolError(f"{held.op} answered {reprlib.repr(payload)} for {n} keys"))
+    return payload
 
 
 def _key(entry) -> str:

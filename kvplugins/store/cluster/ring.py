@@ -15,6 +15,8 @@ import operator
 import numpy as np
 import xxhash
 
+from kvplugins import native
+
 VNODES = 256  # points per shard: 3 shards, 100 k keys -> the largest share within ~1.1x of 1/3
 _UTF8 = operator.methodcaller("encode", "utf-8", "surrogatepass")
 
@@ -50,13 +52,22 @@ class Ring:
         return self._owner[j % len(self._owner)]
 
     def owners(self, keys) -> list[str | None]:
-        """owner() of each key (one numpy search for the batch)."""
+        """owner() of each key (one native pass for the batch: indices)."""
         if not self._owner:
             return [None] * len(keys)
-        pts = np.fromiter(map(xxhash.xxh3_64_intdigest, map(_UTF8, keys)), dtype=np.uint64, count=len(keys))
-        idx = np.searchsorted(self.points, pts, side="left") % len(self._owner)
-        owner = self._owner
-        return [owner[j] for j in idx.tolist()]
+        members = self.members
+        return [members[j] for j in self.indices(keys).tolist()]
+
+    def indices(self, keys) -> np.ndarray:
+        """The index in ``members`` of each key's owner (uint32 array; the ring must not be empty): hashed and
+        searched natively (native.ring_owners), or here for a key the native call refuses (not a str, or a str
+        with lone surrogates, which hash as their "surrogatepass" UTF-8 bytes)."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        try:
+            return native.ring_owners(keys, self.points, self.point_shard, len(self.members))
+        except TypeError:
+            pts = np.fromiter(map(xxhash.xxh3_64_intdigest, map(_UTF8, keys)), dtype=np.uint64, count=len(keys))
+            return self.point_shard[np.searchsorted(self.points, pts, side="left") % len(self.points)]
 
     def split(self, keys) -> dict[str | None, list[int]]:
         """Shard id -> indices of ``keys`` it owns, in order."""

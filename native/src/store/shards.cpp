@@ -6,26 +6,26 @@
 #include "one_op.h"
 
 namespace kvp::store {
+namespace {
 
-std::vector<ShardAnswer> shard_exists(const std::vector<int>& fds, const std::vector<uint64_t>& rids,
-                                      const std::vector<std::string>& keys, const uint64_t* points,
-                                      const uint32_t* point_shard, size_t npoints, double timeout_ms,
-                                      const HashOps* ops, uint8_t* out) {
-  const size_t shards = fds.size();
+// Per shard, the indices of the keys it owns (caller's order).
+std::vector<std::vector<uint32_t>> split(size_t nkeys, size_t shards, const uint32_t* owner) {
   std::vector<std::vector<uint32_t>> mine(shards);
-  for (size_t k = 0; k < keys.size(); ++k) {
-    const uint64_t addr = reinterpret_cast<uint64_t>(keys[k].data()), len = keys[k].size();
-    const uint64_t h = ops->hash_spans(&addr, &len, 1);
-    size_t i = size_t(std::lower_bound(points, points + npoints, h) - points);
-    mine[point_shard[i == npoints ? 0 : i]].push_back(uint32_t(k));
-    out[k] = 2;
-  }
-  std::vector<ShardAnswer> answers(shards, ShardAnswer{kNotSent, {}});
+  for (size_t k = 0; k < nkeys; ++k) mine[owner[k]].push_back(uint32_t(k));
+  return mine;
+}
+
+// `op` with each shard's keys sent on its connection and every reply read; answers[s] holds the reply body
+// (kAsPython), what failed (kIoError / kTimeout), or kNotSent.
+std::vector<ShardAnswer> fan(const std::vector<int>& fds, const std::vector<uint64_t>& rids, const char* op,
+                             const std::vector<std::string>& keys, const std::vector<std::vector<uint32_t>>& mine,
+                             double timeout_ms) {
+  std::vector<ShardAnswer> answers(fds.size(), ShardAnswer{kNotSent, {}});
   std::vector<Conn> conns;
   std::vector<size_t> shard_of;
-  for (size_t s = 0; s < shards; ++s) {
+  for (size_t s = 0; s < fds.size(); ++s) {
     if (mine[s].empty()) continue;
-    conns.push_back(Conn{fds[s], request(rids[s], "exists", [&](tcp::MpWriter& w) {
+    conns.push_back(Conn{fds[s], request(rids[s], op, [&](tcp::MpWriter& w) {
                            w.array(uint32_t(mine[s].size()));
                            for (uint32_t k : mine[s]) w.str(keys[k]);
                            w.map(0);
@@ -34,26 +34,59 @@ std::vector<ShardAnswer> shard_exists(const std::vector<int>& fds, const std::ve
   }
   exchange(conns, deadline_in(timeout_ms));
   for (size_t c = 0; c < conns.size(); ++c) {
-    const size_t s = shard_of[c];
-    ShardAnswer& a = answers[s];
+    ShardAnswer& a = answers[shard_of[c]];
+    a.status = conns[c].status == kReplied ? kAsPython : conns[c].status;
     a.text = std::move(conns[c].body);
-    if (conns[c].status != kReplied) { a.status = conns[c].status; continue; }
-    a.status = kAsPython;
-    tcp::MpReader r(reinterpret_cast<const uint8_t*>(a.text.data()), a.text.size());
-    uint32_t n;
-    if (!accepted(r, rids[s]) || !r.array(n, "payload") || n != mine[s].size()) continue;
-    std::vector<uint8_t> got(n);
-    bool b = false, ok = true;
-    for (uint32_t j = 0; j < n && ok; ++j) {
-      ok = r.boolean(b, "exists");
-      got[j] = b ? 1 : 0;
-    }
-    if (!ok || !r.done()) continue;
-    for (uint32_t j = 0; j < n; ++j) out[mine[s][j]] = got[j];
-    a.status = kDone;
-    a.text.clear();
   }
   return answers;
+}
+
+// The exists flags of shard s's reply into `out`; false (out untouched) for a refusal or a malformed reply.
+bool merge_flags(const std::string& body, uint64_t rid, const std::vector<uint32_t>& mine, uint8_t* out) {
+  tcp::MpReader r(reinterpret_cast<const uint8_t*>(body.data()), body.size());
+  uint32_t n;
+  if (!accepted(r, rid) || !r.array(n, "payload") || n != mine.size()) return false;
+  std::vector<uint8_t> got(n);
+  bool b = false;
+  for (uint32_t j = 0; j < n; ++j) {
+    if (!r.boolean(b, "exists")) return false;
+    got[j] = b ? 1 : 0;
+  }
+  if (!r.done()) return false;
+  for (uint32_t j = 0; j < n; ++j) out[mine[j]] = got[j];
+  return true;
+}
+
+}  // namespace
+
+void ring_owners(const std::vector<std::string>& keys, const Ring& ring, const HashOps* ops, uint32_t* owner) {
+  for (size_t k = 0; k < keys.size(); ++k) {
+    const uint64_t addr = reinterpret_cast<uint64_t>(keys[k].data()), len = keys[k].size();
+    const uint64_t h = ops->hash_spans(&addr, &len, 1);
+    const size_t i = size_t(std::lower_bound(ring.points, ring.points + ring.npoints, h) - ring.points);
+    owner[k] = ring.point_shard[i == ring.npoints ? 0 : i];
+  }
+}
+
+std::vector<ShardAnswer> shard_exists(const std::vector<int>& fds, const std::vector<uint64_t>& rids,
+                                      const std::vector<std::string>& keys, const uint32_t* owner, double timeout_ms,
+                                      uint8_t* out) {
+  const auto mine = split(keys.size(), fds.size(), owner);
+  std::fill(out, out + keys.size(), uint8_t(2));
+  auto answers = fan(fds, rids, "exists", keys, mine, timeout_ms);
+  for (size_t s = 0; s < answers.size(); ++s) {
+    if (answers[s].status == kAsPython && merge_flags(answers[s].text, rids[s], mine[s], out)) {
+      answers[s].status = kDone;
+      answers[s].text.clear();
+    }
+  }
+  return answers;
+}
+
+std::vector<ShardAnswer> shard_call(const std::vector<int>& fds, const std::vector<uint64_t>& rids,
+                                    const std::string& op, const std::vector<std::string>& keys,
+                                    const uint32_t* owner, double timeout_ms) {
+  return fan(fds, rids, op.c_str(), keys, split(keys.size(), fds.size(), owner), timeout_ms);
 }
 
 }  // namespace kvp::store
