@@ -46,6 +46,9 @@ from machine import cpu_model, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+from kvplugins.demo.engine import private_tmp, remove_private_tmp, stop_group  # noqa: E402
+
 CLI = [sys.executable, "-c", "import sys; from kvplugins.cli import main; sys.exit(main(sys.argv[1:]))"]
 BLOCK = 32  # the engines' block size (tokens)
 ROUTINGS = ("round_robin", "prefix_aware", "conductor", "conductor+slo", "conductor+slo+measured")
@@ -85,6 +88,7 @@ class Fleet:
 
     def __init__(self, model: Path, n: int, logs: Path):
         self.procs: list[subprocess.Popen] = []
+        self.tmps: list[str] = []  # each engine's private_tmp
         port_file = logs / "master.port"
         self.procs.append(spawn(CLI + ["master", "--port", "0", "--port-file", str(port_file), "--events-port", "0"],
                                 logs / "master.log"))  # fmt: skip
@@ -104,8 +108,9 @@ class Fleet:
                     "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--block-size", str(BLOCK),
                     "--max-model-len", "4096", "--enforce-eager", "--max-num-seqs", "8", "--seed", "0",
                     "--kv-transfer-config", json.dumps(ktc), "--kv-events-config", json.dumps(kve)]  # fmt: skip
+            self.tmps.append(tempfile.mkdtemp(prefix="kvp-vllm-"))
             env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": str(cpus[i % len(cpus)]),
-                   "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **private_tmp(self.tmps[-1])}  # fmt: skip
             self.procs.append(spawn(args, logs / f"engine{i}.log", env))
             self.urls.append(f"http://127.0.0.1:{port}")
             self.events.append(f"tcp://127.0.0.1:{ev}")
@@ -128,11 +133,9 @@ class Fleet:
 
     def close(self) -> None:
         for p in reversed(self.procs):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
+            stop_group(p)
+        for t in self.tmps:
+            remove_private_tmp(t)
 
 
 def workload(trace: Path, start: int, n: int, scale: int, salt: int, words: list[str] | None) -> list[tuple]:

