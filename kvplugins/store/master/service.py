@@ -18,7 +18,14 @@ from kvplugins.store.config import MasterConfig
 from kvplugins.store.master import admin_ops, admission, batches, liveness
 from kvplugins.store.master import placement
 from kvplugins.store.master.events import NoEvents
-from kvplugins.store.master.eviction import expire_soft_pins, hard_pinned_bytes, over_high, victims, young_bytes
+from kvplugins.store.master.eviction import (
+    expire_soft_pins,
+    hard_pinned_bytes,
+    next_evictable,
+    over_high,
+    victims,
+    young_bytes,
+)
 from kvplugins.store.master.journal import Journal
 from kvplugins.store.master.metadata import Object, ObjectTable
 from kvplugins.store.master.quotas import Quotas, refuse
@@ -67,6 +74,8 @@ COUNTERS = (
 
 
 SHARD_ROUTED = ("put_start", "put")
+EVICT_PER_CALL = 128  # watermark evictions per op or sweep, beyond twice the op's own new objects (evict_watermarks)
+RESCAN_MAX_S = 1.0  # a sweep that found nothing evictable scans again by then at the latest (a hard pin lifted)
 
 
 class MasterService:
@@ -105,6 +114,9 @@ class MasterService:
         self.caller = ""  # identity of the request being run (master/quotas.py; "" = the cluster)
         self.schemas = Schemas.of(config)
         self.zombies = Zombies()  # space of removed objects, freed when their leases / put deadlines end
+        # segments on their way from the high watermark to the low one -> the master-clock time the next
+        # eviction scan of it is worth running (evict_watermarks)
+        self._draining: dict[str, float] = {}
         self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
         self._ops.update(self.tiering.ops())
         self._ops.update(admin_ops.ops(self))  # get_size, remove_by_regex, remove_all (compat)
@@ -178,7 +190,7 @@ class MasterService:
         # a generator: the base Journal never walks it, so a master without HA pays nothing per key
         self.journal.pending(self.table.get(key) for (key, _), (code, _) in zip(entries, out) if code == OK)
         self.quotas.took(self.caller, entries, out)
-        self.evict_watermarks(now)
+        self.evict_watermarks(now, len(entries))
         return out
 
     def _put_contiguous(self, entries, now: float, order: list[Segment], pin: tuple[int, float]) -> list:
@@ -734,24 +746,43 @@ class MasterService:
         """Free the removed objects whose lease (or put deadline) has run out; whether any were."""
         return self.zombies.free_due(now)
 
-    def evict_watermarks(self, now: float) -> None:
-        """Evict LRU objects of every segment above the high watermark down to the low one, after freeing the
+    def evict_watermarks(self, now: float, added: int = 0) -> None:
+        """Evict LRU objects of a segment above the high watermark until it is at the low one, after freeing the
         removed objects whose lease has ended. Space that removed objects still hold (zombies) is not counted:
-        it returns by itself, and evicting live objects for it took the newest puts under churn (issue #18)."""
+        it returns by itself, and evicting live objects for it took the newest puts under churn (issue #18).
+        At most EVICT_PER_CALL objects plus twice ``added`` (the objects the calling op stored) per call: a
+        segment's descent to the low watermark goes on over the next ops and sweeps (``_draining``), so no op
+        waits for a tenth of a segment's objects to be dropped (1,600 drops of 4 KiB objects, 25 ms, in a
+        64 MiB segment; seconds in a 100 GiB one)."""
         self.free_due_zombies(now)
-        cutoff = self.grace_cutoff(now)
+        cutoff, budget = self.grace_cutoff(now), EVICT_PER_CALL + 2 * added
+        if len(self._draining) > len(self.segments):  # segments removed while draining
+            names = {s.name for s in self.segments}
+            self._draining = {k: v for k, v in self._draining.items() if k in names}
         for seg in self.segments:
             live = seg.used - self.zombies.held(seg.name)  # zombie space returns by itself: not a reason
-            if not over_high(live, seg.size, self.cfg.high_watermark):
+            if seg.name not in self._draining:
+                if not over_high(live, seg.size, self.cfg.high_watermark):
+                    continue
+                self._draining[seg.name] = now
+            if self._draining[seg.name] > now:  # nothing evictable before then (below)
                 continue
             excess, chosen = live - self.cfg.low_watermark * seg.size, []
             for obj in victims(self.table, now, cutoff, seg.name):  # choose first, drop after the lazy scan
-                if excess <= 0:
+                if excess <= 0 or len(chosen) == budget:
                     break
                 chosen.append(obj)
                 excess -= seg.allocator.rounded(obj.size)
+            if excess <= 0:
+                del self._draining[seg.name]
+            elif not chosen:  # every object young, leased or hard-pinned: the scan visited them all for nothing
+                soonest = next_evictable(self.table, now, now - cutoff, seg.name)
+                self._draining[seg.name] = min(soonest, now + RESCAN_MAX_S)
             for obj in chosen:
                 self.evict(obj, now, urgent=False)
+            budget -= len(chosen)
+            if budget <= 0:
+                return
 
     # ---- introspection -------------------------------------------------------------------------------
     def op_info(self, entries, opts, now):

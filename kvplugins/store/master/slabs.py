@@ -124,7 +124,7 @@ class Slabs:
         svc.counters["commits"] += len(done)
         svc.journal.committed(done)
         svc.events.stored(done)
-        svc.evict_watermarks(now)
+        svc.evict_watermarks(now, len(done))
         return out
 
     def _put_each(self, entries, sums, now: float, expires: float, out: list) -> list:
