@@ -4,7 +4,8 @@ within the engine's own without it plus the connector's configured load timeout 
 transfer_timeout_ms): a down store is a miss or a recompute, never a hang.
 
 6 hosts: etcd, an HA master pair, 2 store nodes, and host 6 the engine's (no store process). The engine without the
-connector runs the prompts first (its TTFTs are the baseline); one connector engine fills the store; then a fresh
+connector runs the prompts first (its TTFTs are the baseline); one connector engine fills the store with each
+shared document's pages (the first DOCS prompts: one per document); then a fresh
 connector engine runs them again while faults cycle, from its first request on: SIGSTOP of the leader master,
 SIGSTOP of a node, host 6 isolated, each 4 s (2x the heartbeat timeout) with 1 s between. docs/reliability.md has the figures.
 """
@@ -21,7 +22,7 @@ from helpers.installed import require
 
 from kvplugins.demo.engine import EngineSpec
 from tests.cluster.deploy import Deployment
-from tests.cluster.engines import prompts, run_engine
+from tests.cluster.engines import DOCS, prompts, run_engine
 from tests.cluster.nemesis import Nemesis, Window
 from tests.cluster.net import Net
 
@@ -94,7 +95,8 @@ def test_engine_requests_complete_under_store_faults_within_the_load_timeout(tmp
             store = {"master": d.master, "host": net.ip(ENGINE_HOST), "rpc_timeout_ms": RPC_MS,
                      "transfer_timeout_ms": TRANSFER_MS}  # fmt: skip
             conn = EngineSpec(**{**spec.__dict__, "connector": {"store": store, "retry_ms": 2000}})
-            run_engine(net, ENGINE_HOST, conn, d.env, tmp_path, "fill", 900)
+            fill = EngineSpec(**{**conn.__dict__, "prompts": spec.prompts[:DOCS]})  # each document's pages once
+            run_engine(net, ENGINE_HOST, fill, d.env, tmp_path, "fill", 900)
             nem, done = Nemesis(d, seed=34, duration_s=FAULT_S, gap_s=GAP_S, stop_s=FAULT_S), threading.Event()
             faults = threading.Thread(target=_faults, args=(nem, done), daemon=True)
             faults.start()
