@@ -233,3 +233,30 @@ def test_a_segment_of_young_objects_is_not_rescanned_by_every_op():
     m.tick()
     assert len(scans) > first and m.handle("status", [], {})["evictions"] >= 1
     assert m.handle("exists", ["k0"], {}) == [False]
+
+
+def test_a_full_pool_of_young_objects_answers_store_full_without_a_scan_per_put():
+    """Every object within the grace: the first put that needs space scans once and answers STORE_FULL; the
+    next puts answer the same reason without scanning again until the first object leaves the grace (a full
+    scan per failing put stalled the master); then a put evicts it and lands."""
+    clock = Clock()
+    cfg = MasterConfig(lease_ttl_ms=1000, put_timeout_ms=2000, eviction_grace_ms=1000, high_watermark=1.0,
+                       low_watermark=1.0, alloc_align=64)  # fmt: skip
+    m = MasterService(cfg, clock=clock)
+    reg(m, size=64 * 10)
+    for i in range(10):
+        assert put(m, f"k{i}") == OK
+        clock.t += 0.001
+    scans = []
+    real = m.table.iter_lru
+    m.table.iter_lru = lambda: (scans.append(clock.t), real())[1]
+    [(code, why)] = m.handle("put_start", [["x0", 64]], {})
+    assert code == STORE_FULL and "within the eviction grace" in why and scans
+    first = len(scans)
+    for i in range(1, 20):
+        [(code, again)] = m.handle("put_start", [[f"x{i}", 64]], {})
+        assert code == STORE_FULL and again == why
+    assert len(scans) == first
+    clock.t = 1000.0 + 1.0 + 0.0005  # k0 leaves the grace
+    assert put(m, "late") == OK and len(scans) > first
+    assert m.handle("exists", ["k0", "late"], {}) == [False, True]

@@ -31,15 +31,15 @@ def victims(table: ObjectTable, now: float, born_before: float, segment: str | N
                 yield obj
 
 
-def next_evictable(table: ObjectTable, now: float, grace_s: float, segment: str) -> float:
-    """The earliest master-clock time at which an object with a replica on ``segment`` that is not evictable at
-    ``now`` becomes so by time alone (its grace and its lease both over); ``now + grace_s`` if none will (a put
-    committed from now on is within the grace until then). Scans every object of the LRU lists once: for a
-    watermark sweep that found nothing to evict, so it need not scan again before then."""
+def next_evictable(table: ObjectTable, now: float, grace_s: float, segment: str | None = None) -> float:
+    """The earliest master-clock time at which an object (with a replica on ``segment`` if given) that is not
+    evictable at ``now`` becomes so by time alone (its grace and its lease both over); ``now + grace_s`` if none
+    will (a put committed from now on is within the grace until then). Scans every object of the LRU lists once:
+    for an eviction scan that found nothing, so it need not scan again before then."""
     soonest = now + grace_s
     for lru in (table.iter_lru, table.iter_pinned):
         for obj in lru():
-            if obj.complete and obj.pin != HARD and any(s == segment for s, _ in obj.replicas):
+            if obj.complete and obj.pin != HARD and (segment is None or any(s == segment for s, _ in obj.replicas)):
                 soonest = min(soonest, max(obj.born + grace_s, obj.lease_until))
     return soonest
 

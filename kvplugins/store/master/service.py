@@ -75,7 +75,8 @@ COUNTERS = (
 
 SHARD_ROUTED = ("put_start", "put")
 EVICT_PER_CALL = 128  # watermark evictions per op or sweep, beyond twice the op's own new objects (evict_watermarks)
-RESCAN_MAX_S = 1.0  # a sweep that found nothing evictable scans again by then at the latest (a hard pin lifted)
+RESCAN_MAX_S = 0.1  # a scan that found nothing evictable runs again by then at the latest (objects a returning
+# segment or the disk tier restores with their old commit time are evictable at once)
 
 
 class MasterService:
@@ -122,7 +123,8 @@ class MasterService:
         self._ops.update(admin_ops.ops(self))  # get_size, remove_by_regex, remove_all (compat)
         self.slabs = Slabs(self)
         self._ops.update(self.slabs.ops())  # reserve, put: one round trip per put
-        self._full: tuple | None = None  # (now, hard-pinned count, their bytes, young bytes): _full_reason
+        self._full: tuple | None = None  # (valid until, hard-pinned count, their bytes, young bytes): _full_reason
+        self._evictable_at = 0.0  # before this master-clock time no object is evictable (place)
 
     def handle(self, op: str, entries, opts, defer: bool = False, caller: str = ""):
         """Run one batch op; returns its payload. ``entries``/``opts``: as ``self.schemas`` decoded them (the RPC
@@ -145,7 +147,6 @@ class MasterService:
 
     def _run(self, op: str, entries, opts, now: float, caller: str = ""):
         self.caller = caller
-        self._full = None  # what a StoreFull answer found, valid within this op only (place)
         if self.shard is not None and op in SHARD_ROUTED:  # only this shard's keys are put here
             return self.shard.route(op, entries, opts, lambda e, o: self._ops[op](e, o, now))
         return self._ops[op](entries, opts, now)
@@ -261,11 +262,15 @@ class MasterService:
                 return placed
             if self.free_due_zombies(now):  # space whose lease ended since the last sweep (tick_ms)
                 continue
-            # a batch's later keys do not scan again once one found nothing to evict at this op's time: nothing
-            # becomes evictable within an op (its new objects are pending), and the scan visits every object
-            # when all are young (a full store under a steady write load): per key, it stalled the master
-            full = self._full is not None and self._full[0] == now
-            victim = None if full else next(victims(self.table, now, self.grace_cutoff(now)), None)
+            # once a scan found nothing to evict, no key (of this op or a later one) scans again before the first
+            # object leaves its grace or lease (at most RESCAN_MAX_S): the scan visits every object when all are
+            # young (a full store under a steady write load), and per key it stalled the master
+            victim = None
+            if now >= self._evictable_at:
+                victim = next(victims(self.table, now, self.grace_cutoff(now)), None)
+                if victim is None:
+                    soonest = next_evictable(self.table, now, now - self.grace_cutoff(now))
+                    self._evictable_at = min(soonest, now + RESCAN_MAX_S)
             if victim is None:
                 return self._full_reason(size, now)
             self.evict(victim, now, urgent=True)
@@ -289,8 +294,9 @@ class MasterService:
     def _full_reason(self, size: int, now: float) -> str:
         """Why nothing can be evicted for a put of ``size`` bytes: a StoreFull message naming what holds the
         space and when the zombies' part of it returns."""
-        if self._full is None or self._full[0] != now:  # counted once per op (place)
-            self._full = (now, *hard_pinned_bytes(self.table), young_bytes(self.table, self.grace_cutoff(now)))
+        if self._full is None or now >= self._full[0]:  # counted once until the next scan may find a victim
+            young = young_bytes(self.table, self.grace_cutoff(now))
+            self._full = (max(now + 1e-6, self._evictable_at), *hard_pinned_bytes(self.table), young)
         _, n, held, young = self._full
         due = self.zombies.next_due()
         back = f", the first back in {max(0, (due - now) * 1000):.0f} ms" if due is not None else ""
@@ -710,7 +716,6 @@ class MasterService:
             self.evict_watermarks,
             self._shard_tick,
         ):
-            self._full = None  # as _run: what a StoreFull found holds within one step at most
             try:
                 step(now)
             except Exception as e:  # noqa: BLE001 - re-raised below, once the other steps ran
