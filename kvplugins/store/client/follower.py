@@ -91,6 +91,15 @@ class LeaderClient:
         with self._lock:
             self._drop()
 
+    def held(self, op: str, timeout_ms: float | None = None) -> "LeaderHeld":
+        """The leader's connection for one native exchange of ``op`` (RawRpcClient.held), as a context manager;
+        raw plane only. Entering finds the leader (raises MasterUnreachable when none answers in time); a failed
+        exchange or a "not leader" answer drops it, and the caller goes on through ``call``, which retries on
+        the next leader (store_client.py)."""
+        if self.plane != "raw":
+            raise MasterUnreachable(self.address, 0, f"{op}: native exchanges need the raw plane")
+        return LeaderHeld(self, op, self.timeout_ms if timeout_ms is None else timeout_ms)
+
     def _retry(self, op: str, timeout_ms: float, fn):
         deadline = time.monotonic() + timeout_ms / 1000
         last: Exception | None = StoreError(self._finder.none_found())
@@ -174,6 +183,60 @@ class LeaderClient:
         if self._inner is not None:
             self._inner.close()
             self._inner = None
+
+
+class LeaderHeld:
+    """LeaderClient.held: the current leader's RawRpcClient.held, with LeaderClient's lock held around it; ``fd``,
+    ``rid``, ``ms``, ``payload`` and ``failed`` as Held's, except that a failure or a "not leader" refusal also
+    forgets the leader (on exit: its connection's lock is held until then), raised as MasterUnreachable."""
+
+    def __init__(self, client: LeaderClient, op: str, timeout_ms: float):
+        self.client, self.op, self.timeout_ms = client, op, timeout_ms
+        self._held = None
+        self._forget = False
+
+    def __enter__(self) -> "LeaderHeld":
+        c = self.client
+        c._lock.acquire()
+        try:
+            deadline = time.monotonic() + self.timeout_ms / 1000
+            inner = c._connect(deadline)
+            if inner is None:
+                raise MasterUnreachable(c.address, self.timeout_ms, f"{self.op}: {c._finder.none_found()}")
+            self._held = inner.held(self.op, max(1.0, (deadline - time.monotonic()) * 1000)).__enter__()
+        except StoreError as e:  # no leader now, or the one found refused the probe
+            c._drop()
+            c._lock.release()
+            raise e if isinstance(e, MasterUnreachable) else MasterUnreachable(c.address, self.timeout_ms, str(e))
+        except BaseException:
+            c._lock.release()
+            raise
+        self.fd, self.rid, self.ms = self._held.fd, self._held.rid, self._held.ms
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._held.__exit__(*exc)
+            if self._forget:
+                self.client._drop()
+        finally:
+            self.client._lock.release()
+
+    def payload(self, body: bytes):
+        try:
+            return self._held.payload(body)
+        except MasterUnreachable:
+            self._forget = True
+            raise
+        except StoreError as e:
+            if NOT_LEADER not in str(e):
+                raise
+            self._forget = True
+            raise MasterUnreachable(self.client.address, self.timeout_ms, f"{self.op}: {e}") from e
+
+    def failed(self, err: Exception) -> MasterUnreachable:
+        self._forget = True
+        return self._held.failed(err)
 
 
 def leader_info(address: str, timeout_ms: float = 2000) -> dict | None:

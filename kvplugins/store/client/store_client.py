@@ -48,6 +48,7 @@ from kvplugins.security import roles
 from kvplugins.store import embedded
 from kvplugins.store.client import batches, checksum, promote
 from kvplugins.store.client.connect import master_client
+from kvplugins.store.client.follower import LeaderClient
 from kvplugins.store.client.rpc import RawRpcClient
 from kvplugins.store.client.slab import SlabSpace
 from kvplugins.store.client.stats import ClientStats
@@ -102,7 +103,9 @@ class StoreClient:
         self._descs: dict = {}
         # one-call ops (native.get_many/put_many) over a single master's connection: the bytes through the shm
         # transport's mappings (shm the engine's first choice) or the TCP transport's pooled connections
-        one_call = type(self._rpc) is RawRpcClient
+        # (an HA master too: LeaderClient.held; a failed exchange there goes on through the retrying Python path)
+        self._ha = type(self._rpc) is LeaderClient and self._rpc.plane == "raw"
+        one_call = type(self._rpc) is RawRpcClient or self._ha
         self._shm_maps = self._engine.shm_maps() if one_call else None
         self._tcp_peers = self._engine.tcp_peers() if one_call else None
         self._tcp_routed: set[str] = set()  # segments (the master's names) with a region routed in _tcp_peers
@@ -166,27 +169,34 @@ class StoreClient:
         """Scatter object ``key`` into ``spans``. Raises KeyNotFound, SizeMismatch (sum of lengths != size)."""
         if self._one_call_maps is not None and type(key) is str:
             cols = self._one_key_spans(spans)
-            if cols is not None:
-                _raise_first(self._read_native([key], [spans], cols))
+            done = self._read_native([key], [spans], cols) if cols is not None else None
+            if done is not None:
+                _raise_first(done)
                 return
         _raise_first(self.batch_get_into([key], [spans]))
 
     def _read_native(self, keys: list[str], spans_per_key: list, spans: tuple) -> list[StoreError | None] | None:
         """batch_get_into in one native call (native.get_many); ``spans``: the batch's (addresses, lengths, key
         starts, bytes per key) in writable registered memory (engine.writable_spans). The keys it leaves go on from
-        its reply (_read). None where it does not apply (nothing was sent)."""
+        its reply (_read). None where it does not apply (nothing was sent, or an HA master's leader did not
+        answer: the Python path retries on the next one)."""
         t0, lease_t0 = time.perf_counter(), time.monotonic()
         maps, peers, verify = self._one_call_maps, self._tcp_peers, self.cfg.verify_checksums
-        with self._rpc.held("get") as h:
-            try:
-                codes, body, tcp = native.get_many(
-                    h.fd, h.rid, keys, *spans[:3], h.ms, maps, verify, peers, self.cfg.transfer_timeout_ms
-                )
-            except (OSError, TimeoutError) as e:
-                raise h.failed(e) from e
-            except TypeError:  # a key that is not a str
+        try:
+            with self._rpc.held("get") as h:
+                try:
+                    codes, body, tcp = native.get_many(
+                        h.fd, h.rid, keys, *spans[:3], h.ms, maps, verify, peers, self.cfg.transfer_timeout_ms
+                    )
+                except (OSError, TimeoutError) as e:
+                    raise h.failed(e) from e
+                except TypeError:  # a key that is not a str
+                    return None
+                cols = h.payload(body) if body is not None else None
+        except MasterUnreachable:
+            if self._ha:
                 return None
-            cols = h.payload(body) if body is not None else None
+            raise
         ran = codes if tcp is None else tcp.run(codes)  # TCP reads, the master's connection free again
         out: list[StoreError | None] = [None if c != 1 else KeyNotFound(k) for k, c in zip(keys, ran)]
         if body is not None:  # some key is for Python (code 2): it goes on from the reply
@@ -626,7 +636,9 @@ class StoreClient:
         """The slab write and ``put`` of ``keys`` (their spans' addresses, lengths and per-key starts: ``cols``)
         in one native call (native.put_many) when the slab's region is mapped here, or a native write over TCP
         (native.write_tcp, fenced as _run_groups fences) and then that call: (monotonic time before it, the put's
-        answers, None when every one is OK or EXISTS). None when nothing was written or sent."""
+        answers, None when every one is OK or EXISTS). None when nothing was written or sent, or when an HA
+        master's leader did not answer (the caller puts again through the general path: puts are idempotent by
+        key)."""
         sent = time.monotonic()
         write_ms = (slab.expires - self.cfg.rpc_timeout_ms / 1000 - sent) * 1000  # as _transfer's deadline
         written = None
@@ -656,8 +668,10 @@ class StoreClient:
                     return None
                 body = got[1]  # None: every answer OK or EXISTS
                 return sent, h.payload(body) if body is not None else None
-        except StoreError:
+        except StoreError as e:
             self._slabs.forget()
+            if self._ha and isinstance(e, MasterUnreachable):
+                return None  # the leader changed: put again through the general path (idempotent by key)
             raise
 
     def _finish_puts(self, keys, writes, failed: dict, out, sums: dict) -> None:
