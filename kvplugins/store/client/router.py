@@ -8,15 +8,17 @@ pair it follows across fail-overs). While a move is on (ClusterState.moving):
 - reads (get, exists, get_size) that miss on the new owner ask the previous owner (dual lookup);
 - removes go to both owners;
 - a put first asks the previous owner whether the key is stored (then it is a no-op, as on one master).
-The reads ``exists`` (and ``exists_prefix``), ``get`` and ``get_size`` without options, while no move is on and every
-shard is a single master, run as ONE native call (native.shard_exists / shard_call: hashing, one request per shard
-on its connection, the replies read in one poll loop, GIL released; exists merged natively, the others' replies
-decoded here and merged by each key's shard); the rest below is the same for them. A shard that does not answer costs only its own keys: reads of them are misses, writes fail with UNAVAILABLE
-(MasterUnreachable when no shard answered at all). WRONG_SHARD answers make it re-read the membership and resend
-those entries, after a pause that doubles from RESEND_FIRST_S up to POLL_S, until the op's timeout: the stale
-view may be the master's (it reads the membership every 0.5 s too). (Before, during a move the resends were
-never sent, the entries still holding their first answer, and 54 of ~14,000 puts failed while a shard joined
-and left.) A watcher thread re-reads the membership every POLL_S.
+The reads ``exists`` (and ``exists_prefix``), ``get`` and ``get_size`` without options, while no move is on (each
+shard a single master or an HA pair: its leader's connection; an HA shard whose leader does not answer sends the
+whole batch the Python way, which retries on the next leader), run as ONE native call (native.shard_exists /
+shard_call: hashing, one request per shard on its connection, the replies read in one poll loop, GIL released;
+exists merged natively, the others' replies decoded here and merged by each key's shard); the rest below is the same
+for them. A shard that does not answer costs only its own keys: reads of them are misses, writes fail with
+UNAVAILABLE (MasterUnreachable when no shard answered at all). WRONG_SHARD answers make it re-read the membership
+and resend those entries, after a pause that doubles from RESEND_FIRST_S up to POLL_S, until the op's timeout: the
+stale view may be the master's (it reads the membership every 0.5 s too). (Before, during a move the resends were
+never sent, the entries still holding their first answer, and 54 of ~14,000 puts failed while a shard joined and
+left.) A watcher thread re-reads the membership every POLL_S.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 
 from kvplugins import native
 from kvplugins.errors import MasterUnreachable, ProtocolError, StoreError
+from kvplugins.store.client.follower import LeaderClient
 from kvplugins.store.client.rpc import RawRpcClient
 from kvplugins.store.wire.protocol import EXISTS, NOT_FOUND, OK, UNAVAILABLE, WRONG_SHARD
 from kvplugins.store.cluster.membership import ClusterState, Membership
@@ -208,8 +211,8 @@ class ShardedRpc:
 
     def _read_native(self, op: str, keys: list, st: ClusterState, timeout_ms) -> list | None:
         """``op`` (NATIVE_READS) of ``keys`` in one native fan-out over the shards that own them (module doc); None
-        where it does not apply (a move is on, a shard is an HA pair, a key is not a str): the caller routes in
-        Python then."""
+        where it does not apply (a move is on, a shard's client is not on the raw plane, a key is not a str, an HA
+        shard's leader did not answer): the caller routes in Python then."""
         if st.moving():
             return None
         try:
@@ -219,7 +222,7 @@ class ShardedRpc:
         sids = st.ring.members
         used = set(np.unique(owner).tolist())  # a shard that owns none of the keys is not dialled
         clients = {s: self._client(sid, st.members[sid]) for s, sid in enumerate(sids) if s in used}
-        if any(type(c) is not RawRpcClient for c in clients.values()):
+        if not all(_native_ok(c) for c in clients.values()):
             return None
         timeout = self.timeout_ms if timeout_ms is None else timeout_ms
         errors: dict[str, StoreError] = {}
@@ -246,6 +249,8 @@ class ShardedRpc:
                     payloads[sid] = _payload(h, answer, int(np.count_nonzero(owner == s)))
                 except StoreError as e:
                     errors[sid] = e
+        if any(type(clients[s]) is LeaderClient and sid in errors for s, sid in enumerate(sids) if s in used):
+            return None  # an HA shard's leader did not answer: the Python path retries on the next one
         if len(used) == len(st.members) and len(errors) == len(used):
             raise next(iter(errors.values()))
         if op == "exists":
@@ -381,6 +386,12 @@ def _refused(held, answer) -> StoreError:
     except StoreError as e:
         return e
     return held.failed(ProtocolError("a malformed exists answer"))
+
+
+def _native_ok(client) -> bool:
+    """Whether a shard's client takes part in a native fan-out: a single master, or an HA pair on the raw plane
+    (its leader's connection, LeaderClient.held)."""
+    return type(client) is RawRpcClient or (type(client) is LeaderClient and client.plane == "raw")
 
 
 def _payload(held, body: bytes, n: int) -> list:
