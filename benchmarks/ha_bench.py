@@ -5,8 +5,9 @@ Starts a real etcd (Debian etcd-server; `bash ci/install.sh`), one `kvplugins ma
 `kvplugins store` as processes, then runs ``--clients`` StoreClients in threads of this process, each putting
 ``--puts`` objects of ``--size`` bytes one at a time. It reports puts/s, the p50/p99 put latency, and the
 etcd write requests per put: etcd's ``etcd_server_proposals_committed_total``, which group commit brings
-below 1 when several clients commit in the same loop turn of the master. The same run against a plain master
-(no etcd) is the baseline. Every object is read back and compared.
+below 1 when several clients commit in the same loop turn of the master. Then one client reads every object
+back with ``get_into`` one at a time (p50/p99: gets never touch etcd) and compares it. The same run against a
+plain master (no etcd) is the baseline.
 
   .venv/bin/python benchmarks/ha_bench.py --clients 8 --puts 50
 """
@@ -152,6 +153,7 @@ def run(address: str, url: str, args, size: int) -> dict:
         t.join()
     elapsed, writes = time.perf_counter() - t0, _proposals(url) - before
     wrong = [k for k, v in zip(data, clients[0].batch_get(list(data))) if v != data[k]]
+    gets = _get_into(clients[0], data, size, wrong)
     for c in clients:
         c.close()
     lat.sort()
@@ -160,8 +162,28 @@ def run(address: str, url: str, args, size: int) -> dict:
         "put_p50_us": round(statistics.median(lat) * 1e6),
         "put_p99_us": round(lat[int(len(lat) * 0.99) - 1] * 1e6),
         "etcd_writes_per_put": round(writes / len(data), 2) if url else None,
+        "get_into_p50_us": round(statistics.median(gets) * 1e6),
+        "get_into_p99_us": round(gets[int(len(gets) * 0.99) - 1] * 1e6),
         "wrong_or_lost": len(wrong),
     }
+
+
+def _get_into(client: StoreClient, data: dict, size: int, wrong: list) -> list[float]:
+    """Seconds per ``get_into`` of every key, one at a time into a registered buffer (gets never touch etcd: this
+    is the master's read path, native on a plain master and on an HA leader alike), sorted; a key read back
+    different goes to ``wrong``."""
+    import numpy as np
+
+    buf = np.zeros(size, dtype=np.uint8)
+    client.register_buffer(buf)
+    out = []
+    for key, value in data.items():
+        t = time.perf_counter()
+        client.get_into(key, [(buf.ctypes.data, size)])
+        out.append(time.perf_counter() - t)
+        if buf.tobytes() != value:
+            wrong.append(key)
+    return sorted(out)
 
 
 def main(argv=None) -> int:
