@@ -213,7 +213,7 @@ class ShardedRpc:
         """``op`` (NATIVE_READS) of ``keys`` in one native fan-out over the shards that own them (module doc); None
         where it does not apply (a move is on, a shard's client is not on the raw plane, a key is not a str, an HA
         shard's leader did not answer): the caller routes in Python then."""
-        if st.moving():
+        if st.moving() or not st.ring.members:  # no shard: the Python path answers (misses, UNAVAILABLE)
             return None
         try:
             owner = native.ring_owners(keys, st.ring.points, st.ring.point_shard, len(st.ring.members))
