@@ -220,7 +220,8 @@ class ShardedRpc:
         except TypeError:
             return None
         sids = st.ring.members
-        used = set(np.unique(owner).tolist())  # a shard that owns none of the keys is not dialled
+        mine = {s: np.flatnonzero(owner == s).tolist() for s in np.unique(owner).tolist()}  # each shard's keys
+        used = mine.keys()  # a shard that owns none of the keys is not dialled
         clients = {s: self._client(sid, st.members[sid]) for s, sid in enumerate(sids) if s in used}
         if not all(_native_ok(c) for c in clients.values()):
             return None
@@ -246,7 +247,7 @@ class ShardedRpc:
                     errors[sid] = _refused(h, answer)
                     continue
                 try:
-                    payloads[sid] = _payload(h, answer, int(np.count_nonzero(owner == s)))
+                    payloads[sid] = _payload(h, answer, len(mine[s]))
                 except StoreError as e:
                     errors[sid] = e
         if any(type(clients[s]) is LeaderClient and sid in errors for s, sid in enumerate(sids) if s in used):
@@ -256,9 +257,8 @@ class ShardedRpc:
         if op == "exists":
             return (flags == 1).tolist()
         out: list = [None] * len(keys)
-        for s in used:
+        for s, idx in mine.items():
             sid = sids[s]
-            idx = np.flatnonzero(owner == s).tolist()
             for i, answer in zip(idx, payloads[sid] if sid in payloads else [_down(op, sid, errors[sid])] * len(idx)):
                 out[i] = answer
         return out
