@@ -38,17 +38,26 @@ def _read_stalled(watcher, proc, read):
     hits = watcher._rpc.call("status")["hits"]
     proc.send_signal(signal.SIGSTOP)
     out: list = []
-    reader = threading.Thread(target=lambda: out.append(read()))
+    ended: list[float] = []
+    reader = threading.Thread(target=lambda: (out.append(read()), ended.append(time.monotonic())))
+    started = time.monotonic()
     reader.start()
     try:
         deadline = time.monotonic() + 30
         while watcher._rpc.call("status")["hits"] == hits and time.monotonic() < deadline:
             time.sleep(0.01)
+        looked_up = time.monotonic()
         time.sleep(1.5 * LEASE_MS / 1000)
     finally:
+        resumed = time.monotonic()
         proc.send_signal(signal.SIGCONT)
         reader.join(60)
     assert out, "the read did not return within 60 s of the node's resume"
+    # the premise of every caller: the read waited for the stopped node (a read that did not is no test of leases)
+    assert ended[0] >= resumed, (
+        f"the read returned {1000 * (ended[0] - started):.0f} ms after it began, before the node resumed "
+        f"(lookup seen after {1000 * (looked_up - started):.0f} ms, resumed after {1000 * (resumed - started):.0f} ms)"
+    )
     return out[0]
 
 
@@ -60,7 +69,7 @@ def test_a_read_stalled_past_its_lease_is_read_again_under_a_new_one(n):
         with StoreClient(cfg) as client, StoreClient(cfg) as watcher:
             keys, datas = _fill(client, n, 2048)
             segments = {v[1][0][0] for _, v in client._rpc.call("get", keys)}
-            assert len(segments) == 2, segments  # the batch reads from both nodes
+            assert segments == {c.nodes[0].address, c.nodes[1].address}, segments  # it reads from both nodes
             got = _read_stalled(watcher, c.nodes[1].popen, lambda: client.batch_get(keys))
             assert got == datas  # the late entries were read again; none failed, none stale
             st = client.stats()
