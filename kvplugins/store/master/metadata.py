@@ -28,6 +28,9 @@ __all__ = ["Object", "ObjectTable"]
 UNPINNED, PINNED, PARKED = _meta.UNPINNED, _meta.PINNED, _meta.PARKED
 
 
+FRONT_GET, FRONT_EXISTS = 1, 2  # ObjectTable.serve's ops (native/src/meta/serve.h FrontOp)
+
+
 class ObjectTable:
     def __init__(self):
         self._t = _meta.Table()
@@ -133,6 +136,12 @@ class ObjectTable:
         index (-1 = miss), offset, [(j, Object)] with more replicas, per key checksum or None, [(j, Object)]
         complete but disk-only)."""
         return self._t.get_cols(keys, now, lease_until)
+
+    def serve(self, body: bytes, now: float, ops: int, max_keys: int, max_key_bytes: int, ttl_ms: int):
+        """A get or exists request body (wire/protocol.py) answered natively (native/src/meta/serve.h): (reply
+        body, op (FRONT_GET or FRONT_EXISTS), keys, hits), or None, nothing changed, for the Python path.
+        ``ops``: the FRONT_* bits the caller's role may run."""
+        return self._t.serve(body, now, ops, max_keys, max_key_bytes, ttl_ms)
 
     def on_segment(self, name: str, limit: int = 0) -> list[Object]:
         """Objects with a replica on segment ``name``, at most ``limit`` (0: all); a native scan of the table

@@ -49,7 +49,7 @@ from kvplugins import security
 from kvplugins.errors import ProtocolError
 from kvplugins.security.curve import CurveServer, caller_of
 from kvplugins.security.limits import AcceptBackoff, ConnGate
-from kvplugins.security.roles import FORBIDDEN
+from kvplugins.security.roles import FORBIDDEN, refusal
 from kvplugins.security.secret import proved_identity
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.admin_ops import Scan
@@ -57,6 +57,7 @@ from kvplugins.store.master.admission import Prober
 from kvplugins.store.master.batches import Deferred
 from kvplugins.store.master.events import EventPublisher
 from kvplugins.store.master.ha import group_commit
+from kvplugins.store.master.metadata import FRONT_EXISTS, FRONT_GET
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.metrics import MasterMetrics
 from kvplugins.store.wire import protocol
@@ -92,6 +93,7 @@ class _Conn:
         self.frame_since = 0.0  # when the partial frame in inbuf began (slowloris)
         self.progress = now  # when its unsent replies last moved (a peer that does not read)
         self.scan = False  # an admin scan of this connection runs: its later frames wait
+        self.front = 0  # the metadata.FRONT_* ops its role may run natively (service.serve_native), once authenticated
 
 
 class RpcServer:
@@ -466,6 +468,12 @@ class RpcServer:
         """The reply to request ``body`` on ``conn``, or None while it runs as a deferred op (its reply is queued
         when done). Raises ProtocolError for a frame that is no request."""
         conn.last_request = now
+        if conn.front:
+            t0 = time.perf_counter()
+            served = self.service.serve_native(body, conn.front)
+            if served is not None:
+                self.metrics.timer.record(served[1], time.perf_counter() - t0)
+                return served[0]
         reply = self._answer(body, conn.role, conn.identity)
         if type(reply) is tuple:
             reply = self._start_scan(conn, reply)
@@ -506,6 +514,7 @@ class RpcServer:
                 self._refuse(conn.sock, conn.peer, refusal)
                 return False
             conn.role, conn.identity, conn.guard = conn.guard.role, conn.guard.identity, None
+            conn.front = _front_ops(conn.role)
         return outcome is True
 
     def _serve_frames(self, conn: _Conn) -> None:
@@ -621,6 +630,11 @@ class RpcServer:
         except (KeyError, ValueError):
             pass
         conn.sock.close()
+
+
+def _front_ops(role: str) -> int:
+    """The metadata.FRONT_* bits of the ops ``role`` may run (the others' requests go the Python way, refused)."""
+    return (FRONT_GET if refusal("get", role) is None else 0) | (FRONT_EXISTS if refusal("exists", role) is None else 0)
 
 
 def _zmq_bind(host: str, port: int) -> str:

@@ -27,7 +27,7 @@ from kvplugins.store.master.eviction import (
     young_bytes,
 )
 from kvplugins.store.master.journal import Journal
-from kvplugins.store.master.metadata import Object, ObjectTable
+from kvplugins.store.master.metadata import FRONT_GET, Object, ObjectTable
 from kvplugins.store.master.quotas import Quotas, refuse
 from kvplugins.store.master.repair import Repairs
 from kvplugins.store.master.segments import Segment, SegmentOwned, SegmentRegistry, TooMany, owner_digest
@@ -150,6 +150,28 @@ class MasterService:
         if self.shard is not None and op in SHARD_ROUTED:  # only this shard's keys are put here
             return self.shard.route(op, entries, opts, lambda e, o: self._ops[op](e, o, now))
         return self._ops[op](entries, opts, now)
+
+    def serve_native(self, body: bytes, ops: int) -> tuple[bytes, str] | None:
+        """A get or exists request body answered in one native pass (metadata.ObjectTable.serve: the answers of
+        op_get / op_exists, counted the same), as (reply body, op); None where the Python path must answer it:
+        another op or option, a key that is not ASCII, a batch to slice, an object with several replicas or only
+        on disk, or any segment suspect (liveness.py). ``ops``: the metadata.FRONT_* bits the caller may run."""
+        if self.segments.suspect:
+            return None
+        cfg = self.cfg
+        served = self.table.serve(
+            body, self.clock(), ops, min(cfg.max_batch, batches.SLICE_KEYS), cfg.max_key_bytes, cfg.lease_ttl_ms
+        )
+        if served is None:
+            return None
+        reply, op, keys, hits = served
+        if op == FRONT_GET:
+            self.counters["hits"] += hits
+            self.counters["misses"] += keys - hits
+            return reply, "get"
+        self.counters["lookup_keys"] += keys
+        self.counters["lookup_hits"] += hits
+        return reply, "exists"
 
     def step(self, op: batches.Deferred) -> bool:
         """Advance a deferred op by one slice; True once ``op.result`` is its payload."""

@@ -13,6 +13,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "serve.h"
 #include "table.h"
 
 namespace nb = nanobind;
@@ -257,6 +258,14 @@ NB_MODULE(_meta, m) {
              for (nb::handle k : keys) { const uint32_t i = pt.t.find(utf8(k)); if (i == NONE || !pt.t.rec(i).complete) break; ++n; }
              return n; })
       .def("get_cols", &get_cols)
+      .def("serve", [](PyTable& pt, nb::bytes body, double now, uint32_t ops, uint64_t max_keys,
+                       uint64_t max_key_bytes, uint64_t ttl_ms) -> nb::object {
+             auto s = serve(pt.t, pt.names, pt.regions, std::string_view(body.c_str(), body.size()), now,
+                            Limits{ops, max_keys, max_key_bytes, ttl_ms});
+             if (!s) return nb::none();
+             return nb::make_tuple(nb::bytes(s->reply.data(), s->reply.size()), uint32_t(s->op), s->keys, s->hits); },
+           nb::arg("body"), nb::arg("now"), nb::arg("ops"), nb::arg("max_keys"), nb::arg("max_key_bytes"),
+           nb::arg("ttl_ms"))
       .def("insert_new", &insert_new, nb::arg("keys"), nb::arg("sizes"), nb::arg("seg"), nb::arg("offs"),
            nb::arg("now"), nb::arg("sums").none())
       .def("on_segment", [](PyTable& pt, const std::string& name, size_t limit) {

@@ -1,5 +1,6 @@
-// Minimal msgpack reader/writer for the transfer wire's headers (kvplugins/transfer/wire.py): maps with str keys,
-// non-negative ints, arrays, nil and str. Anything else is an error naming the field; never reads past `end`.
+// Minimal msgpack reader/writer for the transfer wire's headers (kvplugins/transfer/wire.py) and the master's
+// native front (native/src/meta/serve.cpp): maps with str keys, ints, bools, arrays, nil and str. Anything
+// else is an error naming the field; never reads past `end`.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -150,6 +151,16 @@ class MpWriter {
   void map(uint32_t n) { head(0x80, 0xde, 0xdf, n, 16); }
   void array(uint32_t n) { head(0x90, 0xdc, 0xdd, n, 16); }
   void nil() { o_.push_back(char(0xc0)); }
+  void boolean(bool b) { o_.push_back(char(b ? 0xc3 : 0xc2)); }
+  void sint(int64_t v) {   // the shortest encoding, as msgpack encoders write it
+    if (v >= 0) return uint(uint64_t(v));
+    if (v >= -32) { o_.push_back(char(int8_t(v))); return; }
+    if (v >= INT8_MIN) { o_.push_back(char(0xd0)); be(uint64_t(v), 1); return; }
+    if (v >= INT16_MIN) { o_.push_back(char(0xd1)); be(uint64_t(v), 2); return; }
+    if (v >= INT32_MIN) { o_.push_back(char(0xd2)); be(uint64_t(v), 4); return; }
+    o_.push_back(char(0xd3));
+    be(uint64_t(v), 8);
+  }
   void str(std::string_view s) {
     size_t n = s.size();
     if (n < 32) o_.push_back(char(0xa0 | n));

@@ -44,6 +44,10 @@ class LeaderGuard:
         """MasterService.handle on the leader. Raises ValueError('not leader; the leader is ...') elsewhere."""
         return self._journaled(lambda: self.inner.handle(op, entries, opts, defer, caller))
 
+    def serve_native(self, body: bytes, ops: int):
+        """MasterService.serve_native on the leader; None elsewhere (the Python path answers "not leader")."""
+        return self.inner.serve_native(body, ops) if self._check() else None
+
     def step(self, scan) -> bool:
         """MasterService.step on the leader (a deferred op: admin scan or sliced batch), journaled like an op."""
         return self._journaled(lambda: self.inner.step(scan))
