@@ -99,10 +99,35 @@ static std::pair<const uint64_t*, size_t> col(const Cols& c) {
   else return {c.data(), c.size()};
 }
 
+// A batch's keys as UTF-8 views into its str objects, no copies; `hold` keeps each str alive (and its views valid)
+// while the GIL is released. Raises TypeError for a key that is not a str or has no UTF-8 form (a lone surrogate).
+struct KeyViews {
+  nb::tuple hold;
+  std::vector<std::string_view> views;
+};
+
+static KeyViews key_views(nb::handle keys) {
+  KeyViews kv{nb::steal<nb::tuple>(PySequence_Tuple(keys.ptr())), {}};
+  if (!kv.hold.is_valid()) throw nb::python_error();
+  kv.views.reserve(kv.hold.size());
+  for (nb::handle k : kv.hold) {
+    Py_ssize_t n;
+    const char* p = PyUnicode_Check(k.ptr()) ? PyUnicode_AsUTF8AndSize(k.ptr(), &n) : nullptr;
+    if (p == nullptr) {
+      PyErr_Clear();
+      throw nb::type_error("every key must be a str with a UTF-8 form");
+    }
+    kv.views.emplace_back(p, size_t(n));
+  }
+  return kv;
+}
+
 template <class Cols>
-static nb::tuple get_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const Cols& addrs,
+static nb::tuple get_many(int fd, uint64_t rid, nb::handle key_objs, const Cols& addrs,
                           const Cols& lens, const Cols& starts, double timeout_ms, ShmMaps& maps, bool verify,
                           kvp::tcp::Peers* peers, double transfer_timeout_ms, const std::string& isa) {
+  const KeyViews held = key_views(key_objs);
+  const std::vector<std::string_view>& keys = held.views;
   auto [a, na] = col(addrs);
   auto [l, nl] = col(lens);
   auto [s, ns] = col(starts);
@@ -117,10 +142,12 @@ static nb::tuple get_many(int fd, uint64_t rid, const std::vector<std::string>& 
 }
 
 template <class Cols>
-static nb::tuple put_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const Cols& addrs,
+static nb::tuple put_many(int fd, uint64_t rid, nb::handle key_objs, const Cols& addrs,
                           const Cols& lens, const Cols& starts, const std::string& segment, uint32_t region,
                           const Cols& offsets, uint64_t slab, double write_ms, double timeout_ms, ShmMaps& maps,
                           const std::optional<std::vector<uint64_t>>& written, const std::string& isa) {
+  const KeyViews held = key_views(key_objs);
+  const std::vector<std::string_view>& keys = held.views;
   auto [a, na] = col(addrs);
   auto [l, nl] = col(lens);
   auto [s, ns] = col(starts);
@@ -161,8 +188,10 @@ static std::optional<std::vector<uint64_t>> write_tcp(kvp::tcp::Peers& peers, co
 }
 
 // Each key's shard on the ring (points ascending, point_shard[i] < shards) as uint32 bytes.
-static nb::bytes ring_owners(const std::vector<std::string>& keys, U64Vec points, U32Vec point_shard, uint32_t shards,
+static nb::bytes ring_owners(nb::handle key_objs, U64Vec points, U32Vec point_shard, uint32_t shards,
                              const std::string& isa) {
+  const KeyViews held = key_views(key_objs);
+  const std::vector<std::string_view>& keys = held.views;
   const size_t np = points.shape(0);
   if (np == 0 || point_shard.shape(0) != np) throw std::invalid_argument("ring_owners: the ring is empty or its arrays differ in length");
   for (size_t i = 0; i < np; ++i)
@@ -199,7 +228,9 @@ static nb::list shard_answers(const std::vector<kvp::store::ShardAnswer>& answer
 
 // (key flags as bytes: 1 stored, 0 not, 2 unanswered; per shard as shard_answers).
 static nb::tuple shard_exists(const std::vector<int>& fds, const std::vector<uint64_t>& rids,
-                              const std::vector<std::string>& keys, U32Vec owner, double timeout_ms) {
+                              nb::handle key_objs, U32Vec owner, double timeout_ms) {
+  const KeyViews held = key_views(key_objs);
+  const std::vector<std::string_view>& keys = held.views;
   const uint32_t* own = owner_of("shard_exists", fds, rids, keys.size(), owner);
   std::string out(keys.size(), '\2');
   std::vector<kvp::store::ShardAnswer> answers;
@@ -212,7 +243,9 @@ static nb::tuple shard_exists(const std::vector<int>& fds, const std::vector<uin
 
 // Per shard as shard_answers.
 static nb::list shard_call(const std::vector<int>& fds, const std::vector<uint64_t>& rids, const std::string& op,
-                           const std::vector<std::string>& keys, U32Vec owner, double timeout_ms) {
+                           nb::handle key_objs, U32Vec owner, double timeout_ms) {
+  const KeyViews held = key_views(key_objs);
+  const std::vector<std::string_view>& keys = held.views;
   const uint32_t* own = owner_of("shard_call", fds, rids, keys.size(), owner);
   std::vector<kvp::store::ShardAnswer> answers;
   {

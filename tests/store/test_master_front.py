@@ -8,7 +8,7 @@ import pytest
 
 from kvplugins.store.config import MasterConfig
 from kvplugins.store.master.metadata import FRONT_EXISTS, FRONT_GET
-from kvplugins.store.master.service import MasterService
+from kvplugins.store.master.service import FRONT_MAX_KEYS, MasterService
 from kvplugins.store.wire.protocol import OK
 
 BOTH = FRONT_GET | FRONT_EXISTS
@@ -102,7 +102,7 @@ def test_the_native_answer_is_the_python_one_with_the_same_counts_and_leases(svc
         msgspec.msgpack.encode([1, 7, "get", ["a"]]),  # not a 5-array
         _body("get", ["a"]) + b"\x00",  # bytes past the request
         _body("get", ["a"])[:-1],  # truncated
-        _body("get", [f"k{i}" for i in range(513)]),  # a batch the Python path slices
+        _body("get", [f"k{i}" for i in range(FRONT_MAX_KEYS + 1)]),  # a batch the Python path slices
     ],
 )
 def test_what_the_front_does_not_take_it_leaves_untouched(svc, body):

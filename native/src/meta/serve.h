@@ -2,7 +2,7 @@
 // object table in one C++ pass, with no Python decode, dispatch or encode. kvplugins/store/master/rpc_server.py
 // offers it each whole request frame of an authenticated raw connection first; everything it does not take
 // (another op, a key that is not plain ASCII, an unknown option, an object with more than one replica or only a
-// disk copy, a batch to slice) is left untouched for the Python path, which answers it (and every error) as
+// disk copy, a batch over the key limit) is left untouched for the Python path, which answers it (and every error) as
 // before. The answers are those of master/service.py op_get (both forms) and op_exists, byte for byte in meaning.
 #pragma once
 #include <cstdint>
@@ -19,7 +19,7 @@ enum FrontOp : uint32_t { kGet = 1, kExists = 2 };   // also the bits of Limits:
 
 struct Limits {
   uint32_t ops;          // the FrontOps the connection's role may run (others go to Python, which refuses them)
-  uint64_t max_keys;     // entries per request taken here: min(max_batch, batches.SLICE_KEYS)
+  uint64_t max_keys;     // entries per request taken here: min(max_batch, service.py FRONT_MAX_KEYS)
   uint64_t max_key_bytes;
   uint64_t ttl_ms;       // a get's lease (MasterConfig.lease_ttl_ms)
 };

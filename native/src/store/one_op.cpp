@@ -281,7 +281,7 @@ void TcpReads::read_group(const Group& g, std::string& codes) {
   }
 }
 
-BatchResult get_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const KeySpans& spans,
+BatchResult get_many(int fd, uint64_t rid, const std::vector<std::string_view>& keys, const KeySpans& spans,
                      double timeout_ms, ShmMaps& maps, bool verify, const HashOps* ops, tcp::Peers* peers,
                      double transfer_timeout_ms) {
   const auto t0 = Clock::now();
@@ -343,7 +343,7 @@ WriteStatus write_tcp(tcp::Peers& peers, const KeySpans& s, const std::string& s
   return kWritten;
 }
 
-BatchResult put_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const KeySpans& spans,
+BatchResult put_many(int fd, uint64_t rid, const std::vector<std::string_view>& keys, const KeySpans& spans,
                      const std::string& segment, uint32_t region, const uint64_t* offsets, uint64_t slab,
                      double write_ms, double timeout_ms, ShmMaps& maps, const HashOps* ops,
                      const uint64_t* written) {

@@ -110,7 +110,7 @@ struct BatchResult {
 // within `transfer_timeout_ms`, the caller runs them once it has freed the connection `fd`). Each plain miss is
 // kMiss, anything else kAsPython (another replica count, the disk tier, a region neither mapped nor routed, a dead
 // owner, a size or checksum mismatch, a read ending past its lease). Never throws.
-BatchResult get_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const KeySpans& spans,
+BatchResult get_many(int fd, uint64_t rid, const std::vector<std::string_view>& keys, const KeySpans& spans,
                      double timeout_ms, ShmMaps& maps, bool verify, const HashOps* ops, tcp::Peers* peers,
                      double transfer_timeout_ms);
 
@@ -120,7 +120,7 @@ BatchResult get_many(int fd, uint64_t rid, const std::vector<std::string>& keys,
 // gone, or `write_ms`, the time left to write into the slab, is not positive).
 // `written` (may be null): the keys' bytes are already in the slab (write_tcp) with these xxh3 digests; only the
 // `put` is sent.
-BatchResult put_many(int fd, uint64_t rid, const std::vector<std::string>& keys, const KeySpans& spans,
+BatchResult put_many(int fd, uint64_t rid, const std::vector<std::string_view>& keys, const KeySpans& spans,
                      const std::string& segment, uint32_t region, const uint64_t* offsets, uint64_t slab,
                      double write_ms, double timeout_ms, ShmMaps& maps, const HashOps* ops,
                      const uint64_t* written);

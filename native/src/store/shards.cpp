@@ -18,7 +18,7 @@ std::vector<std::vector<uint32_t>> split(size_t nkeys, size_t shards, const uint
 // `op` with each shard's keys sent on its connection and every reply read; answers[s] holds the reply body
 // (kAsPython), what failed (kIoError / kTimeout), or kNotSent.
 std::vector<ShardAnswer> fan(const std::vector<int>& fds, const std::vector<uint64_t>& rids, const char* op,
-                             const std::vector<std::string>& keys, const std::vector<std::vector<uint32_t>>& mine,
+                             const std::vector<std::string_view>& keys, const std::vector<std::vector<uint32_t>>& mine,
                              double timeout_ms) {
   std::vector<ShardAnswer> answers(fds.size(), ShardAnswer{kNotSent, {}});
   std::vector<Conn> conns;
@@ -59,7 +59,7 @@ bool merge_flags(const std::string& body, uint64_t rid, const std::vector<uint32
 
 }  // namespace
 
-void ring_owners(const std::vector<std::string>& keys, const Ring& ring, const HashOps* ops, uint32_t* owner) {
+void ring_owners(const std::vector<std::string_view>& keys, const Ring& ring, const HashOps* ops, uint32_t* owner) {
   for (size_t k = 0; k < keys.size(); ++k) {
     const uint64_t addr = reinterpret_cast<uint64_t>(keys[k].data()), len = keys[k].size();
     const uint64_t h = ops->hash_spans(&addr, &len, 1);
@@ -69,7 +69,7 @@ void ring_owners(const std::vector<std::string>& keys, const Ring& ring, const H
 }
 
 std::vector<ShardAnswer> shard_exists(const std::vector<int>& fds, const std::vector<uint64_t>& rids,
-                                      const std::vector<std::string>& keys, const uint32_t* owner, double timeout_ms,
+                                      const std::vector<std::string_view>& keys, const uint32_t* owner, double timeout_ms,
                                       uint8_t* out) {
   const auto mine = split(keys.size(), fds.size(), owner);
   std::fill(out, out + keys.size(), uint8_t(2));
@@ -84,7 +84,7 @@ std::vector<ShardAnswer> shard_exists(const std::vector<int>& fds, const std::ve
 }
 
 std::vector<ShardAnswer> shard_call(const std::vector<int>& fds, const std::vector<uint64_t>& rids,
-                                    const std::string& op, const std::vector<std::string>& keys,
+                                    const std::string& op, const std::vector<std::string_view>& keys,
                                     const uint32_t* owner, double timeout_ms) {
   return fan(fds, rids, op.c_str(), keys, split(keys.size(), fds.size(), owner), timeout_ms);
 }

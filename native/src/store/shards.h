@@ -8,6 +8,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvp_hash.h"
@@ -28,18 +29,18 @@ struct Ring {
 };
 
 // owner[k] = the shard of keys[k] on `ring`.
-void ring_owners(const std::vector<std::string>& keys, const Ring& ring, const HashOps* ops, uint32_t* owner);
+void ring_owners(const std::vector<std::string_view>& keys, const Ring& ring, const HashOps* ops, uint32_t* owner);
 
 // fds[s], rids[s]: shard s's connection and request id (only shards that own a key are used); owner[k] < fds.size():
 // key k's shard (ring_owners). out[k] = 1 / 0 when shard answered key k is / is not stored, 2 where it did not.
 std::vector<ShardAnswer> shard_exists(const std::vector<int>& fds, const std::vector<uint64_t>& rids,
-                                      const std::vector<std::string>& keys, const uint32_t* owner, double timeout_ms,
+                                      const std::vector<std::string_view>& keys, const uint32_t* owner, double timeout_ms,
                                       uint8_t* out);
 
 // `op` [keys on the shard] {} sent to each shard that owns a key. Each sent shard's answer is kAsPython (its reply
 // body, keys in the caller's order) or kIoError / kTimeout.
 std::vector<ShardAnswer> shard_call(const std::vector<int>& fds, const std::vector<uint64_t>& rids,
-                                    const std::string& op, const std::vector<std::string>& keys,
+                                    const std::string& op, const std::vector<std::string_view>& keys,
                                     const uint32_t* owner, double timeout_ms);
 
 }  // namespace kvp::store
