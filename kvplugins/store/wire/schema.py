@@ -351,7 +351,12 @@ class Schemas:
         if op not in _KEY_AT or not isinstance(entries, list) or not entries:
             return
         at, quarter = _KEY_AT[op], self.max_key_bytes // 4
-        keys = entries if at is None else [e[at] for e in entries]
+        keys = entries if at is None else list(map(operator.itemgetter(at), entries))
+        try:
+            if max(map(len, keys)) <= quarter:  # at most 4 UTF-8 bytes a character: no key is too long (C speed)
+                return
+        except TypeError:  # an entry without a length there: checked one by one below
+            pass
         for j, k in enumerate(keys):
             if isinstance(k, str) and len(k) > quarter and len(k.encode()) > self.max_key_bytes:
                 raise RefusedRequest(

@@ -6,6 +6,7 @@
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -140,12 +141,13 @@ nb::object insert_new(PyTable& pt, nb::list keys, const std::vector<uint64_t>& s
   if (sizes.size() != n || offs.size() != n || (!sums.is_none() && nb::len(sums) != n))
     throw std::invalid_argument("insert_new: keys, sizes, offsets and checksums differ in length");
   std::vector<std::string_view> ks(n);
-  std::unordered_set<std::string_view> seen;
-  seen.reserve(n);
   for (size_t k = 0; k < n; ++k) {
     ks[k] = utf8(keys[k]);
-    if (pt.t.find(ks[k]) != NONE || !seen.insert(ks[k]).second) return nb::none();
+    if (pt.t.find(ks[k]) != NONE) return nb::none();
   }
+  std::vector<std::string_view> sorted(ks);   // a repeated key: adjacent once sorted (no node per key, as a set has)
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) return nb::none();
   std::vector<std::optional<uint64_t>> digests(n);
   if (!sums.is_none())
     for (size_t k = 0; k < n; ++k) {
@@ -153,16 +155,15 @@ nb::object insert_new(PyTable& pt, nb::list keys, const std::vector<uint64_t>& s
       if (!d.is_none()) digests[k] = nb::cast<uint64_t>(d);
     }
   const uint32_t sid = pt.seg_id(seg);
+  nb::object owner = nb::find(&pt);
   nb::list out;
   for (size_t k = 0; k < n; ++k) {
-    const uint32_t i = pt.t.insert(ks[k]);
+    const uint32_t i = pt.t.insert_placed(ks[k], sid, offs[k]);
     Rec& r = pt.t.rec(i);
     r.size = sizes[k], r.t = now, r.last_access = now, r.pin = 0;
     r.has_sum = digests[k].has_value(), r.checksum = digests[k].value_or(0);
-    pt.t.set_complete(i, true);
-    pt.t.set_replicas(i, {Replica{sid, offs[k]}});
     pt.t.link(i, UNPINNED);
-    out.append(view(pt, i));
+    out.append(nb::cast(Obj{owner, &pt, i, r.gen}));
   }
   return out;
 }

@@ -52,6 +52,21 @@ void Table::grow() {
 }
 
 uint32_t Table::insert(std::string_view key) {
+  const uint32_t i = add(key);
+  if (i != NONE) pending_.insert(i);
+  return i;
+}
+
+uint32_t Table::insert_placed(std::string_view key, uint32_t seg, uint64_t off) {
+  const uint32_t i = add(key);
+  if (i == NONE) return NONE;
+  Rec& r = recs_[i];
+  r.complete = 1, r.seg = seg, r.off = off;
+  count_seg(seg, 1);
+  return i;
+}
+
+uint32_t Table::add(std::string_view key) {
   if ((live_ + 1) * 4 > slots_.size() * 3) grow();
   const uint32_t h = hash32(key);
   size_t s;
@@ -75,7 +90,6 @@ uint32_t Table::insert(std::string_view key) {
   slots_[s] = Slot{i + 1, h};
   ++live_;
   key_bytes_ += key.size();
-  pending_.insert(i);
   return i;
 }
 

@@ -31,6 +31,8 @@ class Table {
 
   uint32_t find(std::string_view key) const;            // record index or NONE
   uint32_t insert(std::string_view key);                // new record (pending, no replica, unlisted); NONE if present
+  uint32_t insert_placed(std::string_view key, uint32_t seg, uint64_t off);   // new record, complete, its one
+                                                         // replica at (seg, off), unlisted; NONE if present
   void erase(uint32_t i);
   void link(uint32_t i, List l);                         // append to list l (most recently used); unlinks first
   void unlink(uint32_t i);
@@ -55,6 +57,7 @@ class Table {
 
  private:
   struct Slot { uint32_t idx1, hash; };                  // idx1 = record index + 1 (0 = empty)
+  uint32_t add(std::string_view key);                    // new record (not pending, no replica, unlisted); NONE if present
   uint32_t probe(std::string_view key, uint32_t h, size_t* slot) const;
   void grow();
   void count_seg(uint32_t seg, int64_t d);
