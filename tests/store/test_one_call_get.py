@@ -16,6 +16,7 @@ from kvplugins.errors import (
     KeyNotFound,
     MasterUnreachable,
     SizeMismatch,
+    StoreError,
     TransferFailed,
 )
 from kvplugins.store import ClientConfig, StoreClient
@@ -144,3 +145,19 @@ def test_a_batch_is_one_native_call_and_its_odd_keys_end_as_on_the_python_path(p
         assert np.array_equal(dst[4 * SIZE : 4 * SIZE + 100], src[3 * SIZE : 3 * SIZE + 100])
         assert np.array_equal(dst[3 * SIZE : 4 * SIZE - 100], src[3 * SIZE + 100 : 4 * SIZE])
         assert np.array_equal(dst[:SIZE], src[4 * SIZE : 5 * SIZE])
+
+
+def test_exists_is_one_native_exchange_with_the_python_answers(pool, monkeypatch):
+    with StoreClient(ClientConfig(master=pool.master, transports="shm,tcp")) as c:
+        _, _, keys = stored(c, "one/exists", 3, SIZE, 5)
+        asked = [keys[0], "one/exists/absent", keys[2], keys[1]]
+        python = list(c._rpc.call("exists", asked))
+        calls: list[str] = []
+        real = c._rpc.call
+        monkeypatch.setattr(c._rpc, "call", lambda op, *a, **kw: (calls.append(op), real(op, *a, **kw))[1])
+        assert c.batch_exists(asked) == python == [True, False, True, True]
+        assert c.exists(keys[0]) and not c.exists("one/exists/absent")
+        assert calls == []  # no Python RPC: each was one native exchange
+        with pytest.raises(StoreError, match="max_key_bytes"):  # the master's refusal, raised as the RPC raises it
+            c.batch_exists(["k" * (1 << 16)])
+        assert calls == [] and c.batch_exists(asked) == python  # the connection is still in step

@@ -105,7 +105,7 @@ class StoreClient:
         # transport's mappings (shm the engine's first choice) or the TCP transport's pooled connections
         # (an HA master too: LeaderClient.held; a failed exchange there goes on through the retrying Python path)
         self._ha = type(self._rpc) is LeaderClient and self._rpc.plane == "raw"
-        one_call = type(self._rpc) is RawRpcClient or self._ha
+        one_call = self._one_call = type(self._rpc) is RawRpcClient or self._ha
         self._shm_maps = self._engine.shm_maps() if one_call else None
         self._tcp_peers = self._engine.tcp_peers() if one_call else None
         self._tcp_routed: set[str] = set()  # segments (the master's names) with a region routed in _tcp_peers
@@ -306,8 +306,31 @@ class StoreClient:
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: list[str]) -> list[bool]:
-        """Whether each key is stored complete; one RPC."""
-        return list(self._rpc.call("exists", list(keys)))
+        """Whether each key is stored complete; one RPC (with one master or an HA pair, sent and answered in one
+        native exchange: native.shard_exists over this client's connection)."""
+        keys = list(keys)
+        found = self._exists_native(keys) if self._one_call and keys else None
+        return found if found is not None else list(self._rpc.call("exists", keys))
+
+    def _exists_native(self, keys: list[str]) -> list[bool] | None:
+        """batch_exists in one native exchange; None where the Python path answers (a key that is not a str, an
+        answer it could not merge, an HA leader that did not answer). Raises as RawRpcClient.call raises."""
+        try:
+            with self._rpc.held("exists") as h:
+                try:
+                    flags, [answer] = native.shard_exists([h.fd], [h.rid], keys, np.zeros(len(keys), np.uint32), h.ms)
+                except TypeError:
+                    return None
+                if isinstance(answer, Exception):
+                    raise h.failed(answer)
+                if answer is not True:
+                    h.payload(answer)  # raises the master's refusal
+                    return None
+        except MasterUnreachable:
+            if self._ha:
+                return None
+            raise
+        return (flags == 1).tolist()
 
     def batch_exists_prefix(self, keys: list[str]) -> int:
         """How many consecutive keys from the start are stored; one RPC."""
