@@ -99,6 +99,8 @@ class MasterService:
         shard=None,
     ):
         self.cfg, self.clock, self.zmq_endpoint = config, clock, zmq_endpoint
+        # serve_native's limits: keys per request, key bytes, a get's lease (ms)
+        self._front_limits = (min(config.max_batch, FRONT_MAX_KEYS), config.max_key_bytes, config.lease_ttl_ms)
         self.shard = shard  # shard/master.py ShardMember of a sharded store's master, else None
         self.journal = journal or Journal()
         self.tiering = tiering or Tiering()
@@ -155,14 +157,12 @@ class MasterService:
     def serve_native(self, body: bytes, ops: int) -> tuple[bytes, str] | None:
         """A get or exists request body answered in one native pass (metadata.ObjectTable.serve: the answers of
         op_get / op_exists, counted the same), as (reply body, op); None where the Python path must answer it:
-        another op or option, a key that is not ASCII, a batch over FRONT_MAX_KEYS, an object with several replicas or only
-        on disk, or any segment suspect (liveness.py). ``ops``: the metadata.FRONT_* bits the caller may run."""
+        another op or option, a key that is not ASCII, a batch over FRONT_MAX_KEYS, an object with several
+        replicas or only on disk, or any segment suspect (liveness.py). ``ops``: the metadata.FRONT_* bits the
+        caller may run."""
         if self.segments.suspect:
             return None
-        cfg = self.cfg
-        served = self.table.serve(
-            body, self.clock(), ops, min(cfg.max_batch, FRONT_MAX_KEYS), cfg.max_key_bytes, cfg.lease_ttl_ms
-        )
+        served = self.table.serve(body, self.clock(), ops, *self._front_limits)
         if served is None:
             return None
         reply, op, keys, hits = served
