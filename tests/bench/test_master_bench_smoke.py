@@ -73,3 +73,19 @@ def test_auth_cost_measures_every_part_against_real_ops(tmp_path):
     assert [
         ln.split("|")[1].strip() for ln in proc.stdout.splitlines() if ln.startswith("| one") or ln.startswith("| 32")
     ] == ["one 4 KiB put", "one 4 KiB get", "32 x 1 MiB put", "32 x 1 MiB get"]
+
+
+def test_master_ops_bench_compares_the_native_front_with_the_python_path():
+    """benchmarks/master_ops_bench.py --vs-python at a few iterations: each op's row is printed for both columns
+    (the benchmark itself checks that its gets find every key it put)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "master_ops_bench.py"), "--vs-python", "--rounds", "1"]
+        + ["--iters", "5", "--batch", "16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[2:] if line.strip()}
+    assert set(rows) >= {"put_start", "put_commit", "get", "exists", "remove"}, proc.stdout
+    assert all(len(v) == 3 and float(v[0]) > 0 and float(v[1]) > 0 for v in rows.values()), proc.stdout
