@@ -2,7 +2,8 @@
 the transfer server's header decode per entry (``wire_req_N``: N entries):
 ``python benchmarks/master_ops_bench.py [--batch 128] [--rounds 5] [--vs-tree DIR]``.
 
-One request body per op (put_start, put_commit with checksums, get in the column form, exists, remove) goes
+One request body per op (a slab put (one RPC, into a slab reserved untimed), put_start, put_commit with
+checksums, get in the column form, exists, remove) goes
 through ``RpcServer._reply_to``, the function the master runs per received frame, as on a connection
 authenticated with the client role: get and exists are answered by the native front (native/src/meta/serve.cpp)
 there. ``--vs-python`` runs this tree with the front and without it (every op the Python way, as before the
@@ -66,7 +67,13 @@ def measure(batch: int, iters: int, events: bool = False, front: bool = True) ->
     best: dict[str, float] = {}
     for it in range(iters):
         keys = [f"bench/{it}/{i:08d}" for i in range(batch)]
+        slab = f"bench/{it}/slab/"
+        [(code, (sid, _, _, off, *_))] = msgpack.unpackb(  # untimed: the client's slab for its one-RPC puts
+            server._reply_to(conn, msgpack.packb([1, next(rid), "reserve", [batch * 4096], {}]), 0.0)
+        )[3]
+        assert code == 0, f"reserve refused: {sid}"
         steps = [
+            ("put", [[f"{slab}{i}", 4096, sid, off + i * 4096] for i in range(batch)], {"xxh3": list(range(batch))}),
             ("put_start", [[k, 4096] for k in keys], {}),
             ("put_commit", keys, {"xxh3": [(i * 0x9E3779B97F4A7C15) % (1 << 64) for i in range(batch)]}),
             ("get", keys, {"cols": 1}),
@@ -83,6 +90,7 @@ def measure(batch: int, iters: int, events: bool = False, front: bool = True) ->
             if it == 0 and op == "get":  # the ops did what they are timed for: every key stored and found
                 sizes = msgpack.unpackb(reply)[3][1]
                 assert sizes == [4096] * batch, f"get answered {sizes[:4]}...: the puts did not store the keys"
+        server._reply_to(conn, msgpack.packb([1, next(rid), "remove", [f"{slab}{i}" for i in range(batch)], {}]), 0.0)
         server.service.tick()
     server.close()
     return best | wire_decode()

@@ -87,5 +87,5 @@ def test_master_ops_bench_compares_the_native_front_with_the_python_path():
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[2:] if line.strip()}
-    assert set(rows) >= {"put_start", "put_commit", "get", "exists", "remove"}, proc.stdout
+    assert set(rows) >= {"put", "put_start", "put_commit", "get", "exists", "remove"}, proc.stdout
     assert all(len(v) == 3 and float(v[0]) > 0 and float(v[1]) > 0 for v in rows.values()), proc.stdout
