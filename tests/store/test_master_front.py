@@ -126,3 +126,15 @@ def test_objects_it_cannot_describe_and_suspect_segments_go_to_python(svc):
     svc.segments.suspect.add("s0:1")
     assert svc.serve_native(_body("get", ["a"]), BOTH) is None
     assert svc.serve_native(_body("exists", ["a"]), BOTH) is None
+
+
+@pytest.mark.parametrize("op,opts", [("get", {"cols": 1}), ("get", {}), ("exists", {})])
+def test_a_big_batch_of_hits_and_misses_answers_as_the_python_path(op, opts):
+    """Past the lookups' prefetch distance (Table::find_many), keys present and absent interleaved."""
+    svc = _service()
+    for i in range(0, 600, 2):
+        _put(svc, f"big/{i}", 64 + i, checksum=i)
+    keys = [f"big/{i}" for i in range(600)] + ["big/0"]
+    served = svc.serve_native(_body(op, keys, opts), BOTH)
+    assert served is not None
+    assert msgspec.msgpack.decode(served[0]) == _python(svc, op, keys, opts)

@@ -107,8 +107,12 @@ nb::tuple get_cols(PyTable& pt, nb::list keys, double now, double lease) {
   nb::list sizes, seg_idx, offs, sums, names, regions, more, disk;
   std::unordered_map<uint32_t, long> index;
   long hits = 0;
+  std::vector<std::string_view> ks(n);
+  for (size_t j = 0; j < n; ++j) ks[j] = utf8(keys[j]);
+  std::vector<uint32_t> found(n);
+  pt.t.find_many(ks.data(), n, found.data());
   for (size_t j = 0; j < n; ++j) {
-    const uint32_t i = pt.t.find(utf8(keys[j]));
+    const uint32_t i = found[j];
     Rec* r = i == NONE ? nullptr : &pt.t.rec(i);
     if (!r || !r->complete || r->seg == NONE) {
       if (r && r->complete) disk.append(nb::make_tuple(j, view(pt, i)));
@@ -251,8 +255,12 @@ NB_MODULE(_meta, m) {
              nb::list out; for (uint32_t i : pt.t.pending()) out.append(view(pt, i)); return out; })
       .def("pending_count", [](const PyTable& pt) { return pt.t.pending().size(); })
       .def("exists", [](const PyTable& pt, nb::list keys) {
+             std::vector<std::string_view> ks;
+             for (nb::handle k : keys) ks.push_back(utf8(k));
+             std::vector<uint32_t> found(ks.size());
+             pt.t.find_many(ks.data(), ks.size(), found.data());
              nb::list out;
-             for (nb::handle k : keys) { const uint32_t i = pt.t.find(utf8(k)); out.append(i != NONE && pt.t.rec(i).complete); }
+             for (uint32_t i : found) out.append(i != NONE && pt.t.rec(i).complete);
              return out; })
       .def("exists_prefix", [](const PyTable& pt, nb::list keys) {
              size_t n = 0;

@@ -68,22 +68,25 @@ void head(tcp::MpWriter& w, uint64_t rid) {
   w.boolean(true);
 }
 
-// A key a get answers from memory: complete, one replica, in DRAM. A miss is NONE; nullopt: Python's to answer.
-std::optional<uint32_t> readable(const Table& t, std::string_view key) {
-  const uint32_t i = t.find(key);
-  if (i == NONE || !t.rec(i).complete) return NONE;
-  if (t.rec(i).seg == NONE || t.more_replicas(i)) return std::nullopt;
-  return i;
+// Each key's record as a get answers it from memory: complete, one replica, in DRAM (NONE: a miss). False where
+// a key is Python's to answer (several replicas, or only on disk).
+bool readable(const Table& t, const Request& q, std::vector<uint32_t>& found) {
+  found.resize(q.keys.size());
+  t.find_many(q.keys.data(), q.keys.size(), found.data());
+  for (uint32_t& i : found) {
+    if (i == NONE || !t.rec(i).complete) {
+      i = NONE;
+      continue;
+    }
+    if (t.rec(i).seg == NONE || t.more_replicas(i)) return false;
+  }
+  return true;
 }
 
 std::optional<Served> get(Table& t, const std::vector<std::string>& names, const std::vector<int64_t>& regions,
                           const Request& q, double now, const Limits& lim) {
-  std::vector<uint32_t> found(q.keys.size());
-  for (size_t j = 0; j < q.keys.size(); ++j) {
-    auto i = readable(t, q.keys[j]);
-    if (!i) return std::nullopt;
-    found[j] = *i;
-  }
+  std::vector<uint32_t> found;
+  if (!readable(t, q, found)) return std::nullopt;
   Served s{{}, kGet, q.keys.size(), 0};
   const double lease = now + double(lim.ttl_ms) / 1000;
   std::vector<uint32_t> segs;                   // the reply's segment names, in first use
@@ -148,8 +151,9 @@ Served exists(const Table& t, const Request& q) {
   tcp::MpWriter w(s.reply);
   head(w, q.rid);
   w.array(uint32_t(q.keys.size()));
-  for (auto k : q.keys) {
-    const uint32_t i = t.find(k);
+  std::vector<uint32_t> found(q.keys.size());
+  t.find_many(q.keys.data(), q.keys.size(), found.data());
+  for (uint32_t i : found) {
     const bool ok = i != NONE && t.rec(i).complete;
     s.hits += ok;
     w.boolean(ok);

@@ -39,6 +39,37 @@ uint32_t Table::find(std::string_view key) const {
   return probe(key, hash32(key), &s);
 }
 
+void Table::find_many(const std::string_view* keys, size_t n, uint32_t* out) const {
+  constexpr size_t kSlot = 12, kRec = 8, kKey = 4;   // how far ahead each line is fetched (keys)
+  const size_t mask = slots_.size() - 1;
+  std::vector<uint32_t> h(n), cand(n, NONE);
+  for (size_t k = 0; k < n; ++k) h[k] = hash32(keys[k]);
+  auto first_match = [&](size_t k) {   // the first slot holding key k's hash: its record, or NONE
+    for (size_t s = h[k] & mask;; s = (s + 1) & mask) {
+      const Slot& e = slots_[s];
+      if (!e.idx1) return NONE;
+      if (e.hash == h[k]) return e.idx1 - 1;
+    }
+  };
+  for (size_t k = 0; k < n + kSlot; ++k) {
+    if (k < n) __builtin_prefetch(&slots_[h[k] & mask]);
+    if (k >= kSlot - kRec && k - (kSlot - kRec) < n) {   // its slot fetched: fetch the record it names
+      const size_t j = k - (kSlot - kRec);
+      cand[j] = first_match(j);
+      if (cand[j] != NONE) __builtin_prefetch(&recs_[cand[j]]);
+    }
+    if (k >= kSlot - kKey && k - (kSlot - kKey) < n) {   // its record fetched: fetch the key bytes
+      const size_t j = k - (kSlot - kKey);
+      if (cand[j] != NONE) __builtin_prefetch(recs_[cand[j]].key);
+    }
+    if (k >= kSlot) {
+      const size_t j = k - kSlot;
+      size_t s;
+      out[j] = probe(keys[j], h[j], &s);
+    }
+  }
+}
+
 void Table::grow() {
   std::vector<Slot> old(slots_.size() * 2, Slot{0, 0});
   old.swap(slots_);
