@@ -92,7 +92,13 @@ std::optional<Served> get(Table& t, const std::vector<std::string>& names, const
   std::vector<uint32_t> segs;                   // the reply's segment names, in first use
   std::unordered_map<uint32_t, uint32_t> index;  // segment id -> its place in segs
   std::vector<int64_t> at(found.size(), -1);
+  constexpr size_t kAhead = 4;   // moving a record to the LRU tail writes its neighbours: fetched this far ahead
   for (size_t j = 0; j < found.size(); ++j) {
+    if (j + kAhead < found.size() && found[j + kAhead] != NONE) {
+      const Rec& next = t.rec(found[j + kAhead]);
+      if (next.prev != NONE) __builtin_prefetch(&t.rec(next.prev), 1);
+      if (next.next != NONE) __builtin_prefetch(&t.rec(next.next), 1);
+    }
     if (found[j] == NONE) continue;
     Rec& r = t.rec(found[j]);
     if (r.lease_until < lease) r.lease_until = lease;
