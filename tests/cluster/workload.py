@@ -18,6 +18,7 @@ import argparse
 import itertools
 import json
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Protocol
@@ -27,6 +28,7 @@ from tests.cluster.history import Recorder, digest_of, page_key, value_of
 SIZES = (64 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20)  # page sizes of the shared chains
 CHAINS = 32  # chains in the shared pool (about 70 MiB in all: stored once, read by every client)
 MAX_PAGES = 6
+START_WAIT_S = 60.0  # how long a client waits at start for the store to answer (_connect)
 FRESH = 0.02  # the share of steps that write a chain of this client's own (2-4 pages of 64-128 KiB)
 
 
@@ -52,7 +54,7 @@ class KvpStore:
         from kvplugins.store.placement import PutConfig
 
         cfg = ClientConfig(master=master, host=host_ip, rpc_timeout_ms=1000, transfer_timeout_ms=3000)
-        self._c, self._put = StoreClient(cfg), PutConfig(replicas=replicas)
+        self._c, self._put = _connect(StoreClient, cfg), PutConfig(replicas=replicas)
 
     def exists_prefix(self, keys: list[str]) -> int:
         return self._c.batch_exists_prefix(keys)
@@ -70,6 +72,23 @@ class KvpStore:
 
     def close(self) -> None:
         self._c.close()
+
+
+def _connect(client_cls, cfg, wait_s: float = START_WAIT_S):
+    """A StoreClient once the store answers, as an engine host waits for its store at start (the first ``info``
+    within rpc_timeout_ms can miss a leader that is still recovering, or one under a fault, on a loaded host:
+    a workload client that exited then counted as a crash). Raises the last MasterUnreachable after ``wait_s``."""
+    from kvplugins.errors import MasterUnreachable
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client_cls(cfg)
+        except MasterUnreachable as e:
+            if time.monotonic() > deadline:
+                raise
+            print(f"store not answering yet, retrying: {e}", file=sys.stderr, flush=True)
+            time.sleep(0.5)
 
 
 def open_store(args: argparse.Namespace) -> Store:
