@@ -59,7 +59,21 @@ struct Obj {
   }
 };
 
-Obj view(PyTable& pt, uint32_t i) { return Obj{nb::find(&pt), &pt, i, pt.t.rec(i).gen}; }
+Obj view(PyTable& pt, uint32_t i, nb::object owner) { return Obj{std::move(owner), &pt, i, pt.t.rec(i).gen}; }
+Obj view(PyTable& pt, uint32_t i) { return view(pt, i, nb::find(&pt)); }
+
+// A batch's keys as UTF-8 views (the list holds the str objects), and each one's record (NONE: absent), looked up
+// with prefetching (Table::find_many).
+std::vector<std::string_view> views_of(nb::handle keys) {
+  std::vector<std::string_view> ks;
+  for (nb::handle k : keys) ks.push_back(utf8(k));
+  return ks;
+}
+std::vector<uint32_t> find_all(const PyTable& pt, const std::vector<std::string_view>& ks) {
+  std::vector<uint32_t> found(ks.size());
+  pt.t.find_many(ks.data(), ks.size(), found.data());
+  return found;
+}
 
 nb::object maybe(PyTable& pt, uint32_t i) { return i == NONE ? nb::none() : nb::cast(view(pt, i)); }
 
@@ -107,10 +121,7 @@ nb::tuple get_cols(PyTable& pt, nb::list keys, double now, double lease) {
   nb::list sizes, seg_idx, offs, sums, names, regions, more, disk;
   std::unordered_map<uint32_t, long> index;
   long hits = 0;
-  std::vector<std::string_view> ks(n);
-  for (size_t j = 0; j < n; ++j) ks[j] = utf8(keys[j]);
-  std::vector<uint32_t> found(n);
-  pt.t.find_many(ks.data(), n, found.data());
+  const std::vector<uint32_t> found = find_all(pt, views_of(keys));
   for (size_t j = 0; j < n; ++j) {
     const uint32_t i = found[j];
     Rec* r = i == NONE ? nullptr : &pt.t.rec(i);
@@ -144,11 +155,9 @@ nb::object insert_new(PyTable& pt, nb::list keys, const std::vector<uint64_t>& s
   const size_t n = nb::len(keys);
   if (sizes.size() != n || offs.size() != n || (!sums.is_none() && nb::len(sums) != n))
     throw std::invalid_argument("insert_new: keys, sizes, offsets and checksums differ in length");
-  std::vector<std::string_view> ks(n);
-  for (size_t k = 0; k < n; ++k) {
-    ks[k] = utf8(keys[k]);
-    if (pt.t.find(ks[k]) != NONE) return nb::none();
-  }
+  const std::vector<std::string_view> ks = views_of(keys);
+  for (uint32_t i : find_all(pt, ks))
+    if (i != NONE) return nb::none();
   std::vector<std::string_view> sorted(ks);   // a repeated key: adjacent once sorted (no node per key, as a set has)
   std::sort(sorted.begin(), sorted.end());
   if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) return nb::none();
@@ -167,7 +176,7 @@ nb::object insert_new(PyTable& pt, nb::list keys, const std::vector<uint64_t>& s
     r.size = sizes[k], r.t = now, r.last_access = now, r.pin = 0;
     r.has_sum = digests[k].has_value(), r.checksum = digests[k].value_or(0);
     pt.t.link(i, UNPINNED);
-    out.append(nb::cast(Obj{owner, &pt, i, r.gen}));
+    out.append(nb::cast(view(pt, i, owner)));
   }
   return out;
 }
@@ -255,12 +264,8 @@ NB_MODULE(_meta, m) {
              nb::list out; for (uint32_t i : pt.t.pending()) out.append(view(pt, i)); return out; })
       .def("pending_count", [](const PyTable& pt) { return pt.t.pending().size(); })
       .def("exists", [](const PyTable& pt, nb::list keys) {
-             std::vector<std::string_view> ks;
-             for (nb::handle k : keys) ks.push_back(utf8(k));
-             std::vector<uint32_t> found(ks.size());
-             pt.t.find_many(ks.data(), ks.size(), found.data());
              nb::list out;
-             for (uint32_t i : found) out.append(i != NONE && pt.t.rec(i).complete);
+             for (uint32_t i : find_all(pt, views_of(keys))) out.append(i != NONE && pt.t.rec(i).complete);
              return out; })
       .def("exists_prefix", [](const PyTable& pt, nb::list keys) {
              size_t n = 0;
