@@ -47,7 +47,10 @@ CPU, STORAGE = "CPU", "STORAGE"
 
 
 class NoEvents:
-    """The recorder the service calls (every hook a no-op): events off."""
+    """The recorder the service calls (every hook a no-op): events off. ``keeps``: whether the hooks do
+    anything (False here: a batch op may skip building the objects it would pass them)."""
+
+    keeps = False
 
     def stored(self, objs: list, reason: str = "stored") -> None:
         """``objs`` (metadata.Object) became readable: committed, or found on a node's disk."""
@@ -73,6 +76,8 @@ class EventPublisher(NoEvents):
     CurveServer (its ZAP handler admits subscribers); ``secret``: the cluster secret (the sockets' CURVE keys);
     ``endpoint`` and ``replay_endpoint``: zmq bind addresses (e.g. ``tcp://127.0.0.1:0``; the bound ones are in
     ``endpoints``)."""
+
+    keeps = True
 
     def __init__(self, ctx, secret, endpoint: str, replay_endpoint: str, topic: str = "kvplugins", buffer: int = 10000):
         self._zmq = zmq

@@ -15,7 +15,10 @@ from __future__ import annotations
 class Journal:
     """No persistence. Subclasses override every hook. ``wanted(obj)``: the replica count ``obj`` is short to
     while re-replication owes it copies (MasterService sets it to Repairs.wanted), else 0: a journal that keeps
-    it lets a new HA leader take the copies over."""
+    it lets a new HA leader take the copies over. ``keeps``: whether the hooks do anything (False here: a
+    batch op may skip building the objects it would pass them)."""
+
+    keeps = False
 
     def __init__(self) -> None:
         self.wanted = _none_wanted

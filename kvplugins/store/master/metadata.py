@@ -28,7 +28,7 @@ __all__ = ["Object", "ObjectTable"]
 UNPINNED, PINNED, PARKED = _meta.UNPINNED, _meta.PINNED, _meta.PARKED
 
 
-FRONT_GET, FRONT_EXISTS = 1, 2  # ObjectTable.serve's ops (native/src/meta/serve.h FrontOp)
+FRONT_GET, FRONT_EXISTS, FRONT_PUT = _meta.FRONT_GET, _meta.FRONT_EXISTS, _meta.FRONT_PUT  # serve's ops (serve.h)
 
 
 class ObjectTable:
@@ -139,9 +139,18 @@ class ObjectTable:
 
     def serve(self, body: bytes, now: float, ops: int, max_keys: int, max_key_bytes: int, ttl_ms: int):
         """A get or exists request body (wire/protocol.py) answered natively (native/src/meta/serve.h): (reply
-        body, op (FRONT_GET or FRONT_EXISTS), keys, hits), or None, nothing changed, for the Python path.
-        ``ops``: the FRONT_* bits the caller's role may run."""
+        body, op (FRONT_GET or FRONT_EXISTS), keys, hits), or None, nothing changed, for the Python path. A
+        slab put in its fast form (every entry in one slab, ASCII keys, opts {} or xxh3) comes back parsed but
+        not applied: (the parsed put for commit_put, FRONT_PUT, keys, slab id). ``ops``: the FRONT_* bits the
+        caller's role may run."""
         return self._t.serve(body, now, ops, max_keys, max_key_bytes, ttl_ms)
+
+    def commit_put(self, put, segment: str, align: int, front: int, end: int, now: float, objects: bool):
+        """Apply a put ``serve`` parsed into the slab whose unused part is [front, end) of ``segment`` (allocations
+        rounded up to ``align`` bytes, a power of two), as insert_new: (reply body, offsets, allocation sizes, the
+        new Objects if ``objects`` else None) when its entries lie back to back from ``front`` inside the slab and
+        no key is present or repeats; None, nothing changed, otherwise. Raises ValueError for another ``align``."""
+        return self._t.commit_put(put, segment, align, front, end, now, objects)
 
     def on_segment(self, name: str, limit: int = 0) -> list[Object]:
         """Objects with a replica on segment ``name``, at most ``limit`` (0: all); a native scan of the table

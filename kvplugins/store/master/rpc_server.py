@@ -57,7 +57,7 @@ from kvplugins.store.master.admission import Prober
 from kvplugins.store.master.batches import Deferred
 from kvplugins.store.master.events import EventPublisher
 from kvplugins.store.master.ha import group_commit
-from kvplugins.store.master.metadata import FRONT_EXISTS, FRONT_GET
+from kvplugins.store.master.metadata import FRONT_EXISTS, FRONT_GET, FRONT_PUT
 from kvplugins.store.master.service import MasterService
 from kvplugins.store.metrics import MasterMetrics
 from kvplugins.store.wire import protocol
@@ -634,7 +634,8 @@ class RpcServer:
 
 def _front_ops(role: str) -> int:
     """The metadata.FRONT_* bits of the ops ``role`` may run (the others' requests go the Python way, refused)."""
-    return (FRONT_GET if refusal("get", role) is None else 0) | (FRONT_EXISTS if refusal("exists", role) is None else 0)
+    ops = {"get": FRONT_GET, "exists": FRONT_EXISTS, "put": FRONT_PUT}
+    return sum(bit for op, bit in ops.items() if refusal(op, role) is None)
 
 
 def _zmq_bind(host: str, port: int) -> str:

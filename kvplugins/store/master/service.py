@@ -27,7 +27,7 @@ from kvplugins.store.master.eviction import (
     young_bytes,
 )
 from kvplugins.store.master.journal import Journal
-from kvplugins.store.master.metadata import FRONT_GET, Object, ObjectTable
+from kvplugins.store.master.metadata import FRONT_GET, FRONT_PUT, Object, ObjectTable
 from kvplugins.store.master.quotas import Quotas, refuse
 from kvplugins.store.master.repair import Repairs
 from kvplugins.store.master.segments import Segment, SegmentOwned, SegmentRegistry, TooMany, owner_digest
@@ -155,14 +155,18 @@ class MasterService:
         return self._ops[op](entries, opts, now)
 
     def serve_native(self, body: bytes, ops: int) -> tuple[bytes, str] | None:
-        """A get or exists request body answered in one native pass (metadata.ObjectTable.serve: the answers of
-        op_get / op_exists, counted the same), as (reply body, op); None where the Python path must answer it:
-        another op or option, a key that is not ASCII, a batch over FRONT_MAX_KEYS, an object with several
-        replicas or only on disk, or any segment suspect (liveness.py). ``ops``: the metadata.FRONT_* bits the
-        caller may run."""
+        """A get, exists or slab put request body answered in one native pass (metadata.ObjectTable.serve: the
+        answers of op_get / op_exists, counted the same; a put as slabs.py op_put applies it), as (reply body,
+        op); None where the Python path must answer it: another op or option, a key that is not ASCII, a batch
+        over FRONT_MAX_KEYS, an object with several replicas or only on disk, any segment suspect (liveness.py),
+        a put on a shard's master (shard.py routes it) or one that is not every entry back to back in one live
+        slab, new keys. ``ops``: the metadata.FRONT_* bits the caller may run."""
         if self.segments.suspect:
             return None
-        served = self.table.serve(body, self.clock(), ops, *self._front_limits)
+        if self.shard is not None:
+            ops &= ~FRONT_PUT
+        now = self.clock()
+        served = self.table.serve(body, now, ops, *self._front_limits)
         if served is None:
             return None
         reply, op, keys, hits = served
@@ -170,6 +174,9 @@ class MasterService:
             self.counters["hits"] += hits
             self.counters["misses"] += keys - hits
             return reply, "get"
+        if op == FRONT_PUT:
+            reply = self.slabs.serve_put(reply, hits, keys, now)
+            return None if reply is None else (reply, "put")
         self.counters["lookup_keys"] += keys
         self.counters["lookup_hits"] += hits
         return reply, "exists"

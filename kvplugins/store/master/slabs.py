@@ -122,10 +122,39 @@ class Slabs:
             done = self._put_each(entries, sums, now, expires, out)
         svc.counters["puts"] += len(done)
         svc.counters["commits"] += len(done)
-        svc.journal.committed(done)
-        svc.events.stored(done)
+        self._recorded(done)
         svc.evict_watermarks(now, len(done))
         return out
+
+    def serve_put(self, put, sid: int, n: int, now: float) -> bytes | None:
+        """The native front's put (service.py serve_native): ``put``, parsed by ObjectTable.serve, of ``n`` keys
+        into slab ``sid``, applied as op_put applies its common batch (_put_run) with the same counters, journal,
+        events and watermark evictions. Returns the reply body, or None with nothing changed (the slab is unknown,
+        expired or leaving; an entry is not back to back from its front or overruns it; a key is stored or
+        repeats): the Python path then answers the request key by key."""
+        slab = self._slabs.get(sid)
+        if slab is None or slab.expires <= now or not self._usable(slab):
+            return None
+        svc, seg = self.svc, slab.seg
+        keep = svc.journal.keeps or svc.events.keeps
+        got = svc.table.commit_put(put, seg.name, seg.allocator.align, slab.front, slab.end, now, keep)
+        if got is None:
+            return None
+        reply, offsets, rounded, done = got
+        slab.expires = now + svc.cfg.put_timeout_ms / 1000
+        seg.allocator.split_run(offsets, rounded)
+        slab.front = offsets[-1] + rounded[-1]
+        svc.counters["puts"] += n
+        svc.counters["commits"] += n
+        if keep:
+            self._recorded(done)
+        svc.evict_watermarks(now, n)
+        return reply
+
+    def _recorded(self, done: list) -> None:
+        """``done``: objects a put made complete, told to the journal and the events."""
+        self.svc.journal.committed(done)
+        self.svc.events.stored(done)
 
     def _put_each(self, entries, sums, now: float, expires: float, out: list) -> list:
         """op_put key by key: appends each entry's answer to ``out``; returns the new objects."""

@@ -75,6 +75,13 @@ std::vector<uint32_t> find_all(const PyTable& pt, const std::vector<std::string_
   return found;
 }
 
+nb::list views(PyTable& pt, const std::vector<uint32_t>& recs) {
+  nb::object owner = nb::find(&pt);
+  nb::list out;
+  for (uint32_t i : recs) out.append(nb::cast(view(pt, i, owner)));
+  return out;
+}
+
 nb::object maybe(PyTable& pt, uint32_t i) { return i == NONE ? nb::none() : nb::cast(view(pt, i)); }
 
 nb::list replicas_of(const Obj& o) {
@@ -156,35 +163,45 @@ nb::object insert_new(PyTable& pt, nb::list keys, const std::vector<uint64_t>& s
   if (sizes.size() != n || offs.size() != n || (!sums.is_none() && nb::len(sums) != n))
     throw std::invalid_argument("insert_new: keys, sizes, offsets and checksums differ in length");
   const std::vector<std::string_view> ks = views_of(keys);
-  for (uint32_t i : find_all(pt, ks))
-    if (i != NONE) return nb::none();
-  std::vector<std::string_view> sorted(ks);   // a repeated key: adjacent once sorted (no node per key, as a set has)
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) return nb::none();
-  std::vector<std::optional<uint64_t>> digests(n);
+  std::vector<uint64_t> digests(n, 0);
+  std::vector<uint8_t> has(n, 0);
   if (!sums.is_none())
     for (size_t k = 0; k < n; ++k) {
       nb::handle d = sums[k];
-      if (!d.is_none()) digests[k] = nb::cast<uint64_t>(d);
+      if (!d.is_none()) digests[k] = nb::cast<uint64_t>(d), has[k] = 1;
     }
-  const uint32_t sid = pt.seg_id(seg);
-  nb::object owner = nb::find(&pt);
-  nb::list out;
-  for (size_t k = 0; k < n; ++k) {
-    const uint32_t i = pt.t.insert_placed(ks[k], sid, offs[k]);
-    Rec& r = pt.t.rec(i);
-    r.size = sizes[k], r.t = now, r.last_access = now, r.pin = 0;
-    r.has_sum = digests[k].has_value(), r.checksum = digests[k].value_or(0);
-    pt.t.link(i, UNPINNED);
-    out.append(nb::cast(view(pt, i, owner)));
-  }
-  return out;
+  std::vector<uint32_t> recs(n);
+  if (!pt.t.insert_committed(ks.data(), n, pt.seg_id(seg), sizes.data(), offs.data(), now, digests.data(),
+                             has.data(), recs.data()))
+    return nb::none();
+  return views(pt, recs);
+}
+
+// The native front's parsed slab put (serve.h PutRequest), holding the request body its keys point into.
+struct PutFront {
+  nb::bytes body;
+  PutRequest q;
+};
+
+// commit_put of `f` into a slab (slabs.py Slabs.serve_put): None, nothing changed, or (reply body, offsets,
+// allocation sizes, the new objects' views if `objects` else None).
+nb::object commit(PyTable& pt, const PutFront& f, const std::string& seg, uint64_t align, uint64_t front,
+                  uint64_t end, double now, bool objects) {
+  std::string reply;
+  std::vector<uint64_t> rounded;
+  std::vector<uint32_t> recs;
+  if (align == 0 || (align & (align - 1)))
+    throw std::invalid_argument("commit_put: align must be a power of two, got " + std::to_string(align));
+  if (!commit_put(pt.t, f.q, pt.seg_id(seg), align, front, end, now, reply, rounded, recs)) return nb::none();
+  return nb::make_tuple(nb::bytes(reply.data(), reply.size()), nb::cast(f.q.offs), nb::cast(rounded),
+                        objects ? nb::object(views(pt, recs)) : nb::none());
 }
 
 }  // namespace
 
 NB_MODULE(_meta, m) {
   m.doc() = "kvplugins master object table (native/src/meta); see kvplugins/store/master/metadata.py";
+  m.attr("FRONT_GET") = int(kGet), m.attr("FRONT_EXISTS") = int(kExists), m.attr("FRONT_PUT") = int(kPut);
   m.attr("UNPINNED") = int(UNPINNED), m.attr("PINNED") = int(PINNED), m.attr("PARKED") = int(PARKED);
 
   nb::class_<Obj>(m, "Object")
@@ -222,6 +239,8 @@ NB_MODULE(_meta, m) {
              if (!o.pt->t.live(o.i, o.gen)) return std::string("<Object (removed)>");
              Rec& r = o.r(); return "<Object " + std::string(r.key, r.keylen) + " size=" + std::to_string(r.size) +
                                     (r.complete ? " complete>" : " pending>"); });
+
+  nb::class_<PutFront>(m, "PutFront");
 
   nb::class_<ListIter>(m, "ListIter")
       .def("__iter__", [](nb::handle self) { return nb::borrow(self); })
@@ -277,9 +296,15 @@ NB_MODULE(_meta, m) {
              auto s = serve(pt.t, pt.names, pt.regions, std::string_view(body.c_str(), body.size()), now,
                             Limits{ops, max_keys, max_key_bytes, ttl_ms});
              if (!s) return nb::none();
+             if (s->put) {
+               const uint64_t slab = s->put->slab;
+               return nb::make_tuple(PutFront{body, std::move(*s->put)}, uint32_t(s->op), s->keys, slab);
+             }
              return nb::make_tuple(nb::bytes(s->reply.data(), s->reply.size()), uint32_t(s->op), s->keys, s->hits); },
            nb::arg("body"), nb::arg("now"), nb::arg("ops"), nb::arg("max_keys"), nb::arg("max_key_bytes"),
            nb::arg("ttl_ms"))
+      .def("commit_put", &commit, nb::arg("put"), nb::arg("seg"), nb::arg("align"), nb::arg("front"),
+           nb::arg("end"), nb::arg("now"), nb::arg("objects"))
       .def("insert_new", &insert_new, nb::arg("keys"), nb::arg("sizes"), nb::arg("seg"), nb::arg("offs"),
            nb::arg("now"), nb::arg("sums").none())
       .def("on_segment", [](PyTable& pt, const std::string& name, size_t limit) {

@@ -1,5 +1,6 @@
 #include "serve.h"
 
+#include <algorithm>
 #include <unordered_map>
 
 #include "../tcp/mp.h"
@@ -10,12 +11,14 @@ namespace {
 constexpr uint64_t kVersion = 1;        // store/wire/protocol.py VERSION
 constexpr uint64_t kMaxRid = (1ull << 63) - 1;
 constexpr uint64_t kOk = 0, kNotFound = 1;   // protocol.OK, protocol.NOT_FOUND
+constexpr uint64_t kMaxSize = 1ull << 48;     // wire/schema.py MAX_SIZE: sizes in (0, it], offsets below it
 
 struct Request {
   uint64_t rid;
   FrontOp op;
   bool cols = false;
   std::vector<std::string_view> keys;
+  std::optional<PutRequest> put;
 };
 
 bool ascii_key(std::string_view k, uint64_t max_bytes) {
@@ -43,6 +46,43 @@ bool options(tcp::MpReader& r, Request& q) {
   return true;
 }
 
+// A put's {} or {"xxh3": nil or n uint-or-nil}: the only options schema.CommitOpts has.
+bool put_sums(tcp::MpReader& r, PutRequest& p) {
+  uint32_t n, m;
+  std::string_view name;
+  const size_t keys = p.keys.size();
+  p.sums.assign(keys, 0), p.has_sum.assign(keys, 0);
+  if (!r.map(n, "opts") || n > 1) return false;
+  if (n == 0) return true;
+  if (!r.str(name, "opts") || name != "xxh3") return false;
+  if (r.is_nil()) return true;
+  if (!r.array(m, "xxh3") || m != keys) return false;
+  for (size_t k = 0; k < keys; ++k) {
+    if (r.is_nil()) continue;
+    if (!r.uint(p.sums[k], "xxh3")) return false;
+    p.has_sum[k] = 1;
+  }
+  return true;
+}
+
+// n entries [key, size, slab, offset], all of one slab, then the options.
+std::optional<Request> parse_put(tcp::MpReader& r, uint32_t n, Request& q, const Limits& lim) {
+  PutRequest& p = q.put.emplace();
+  p.rid = q.rid;
+  p.keys.resize(n), p.sizes.resize(n), p.offs.resize(n);
+  for (uint32_t k = 0; k < n; ++k) {
+    uint32_t four;
+    uint64_t slab;
+    if (!r.array(four, "entry") || four != 4 || !r.str(p.keys[k], "key") || !ascii_key(p.keys[k], lim.max_key_bytes) ||
+        !r.uint(p.sizes[k], "size") || p.sizes[k] == 0 || p.sizes[k] > kMaxSize || !r.uint(slab, "slab") ||
+        (k > 0 && slab != p.slab) || !r.uint(p.offs[k], "offset") || p.offs[k] >= kMaxSize)
+      return std::nullopt;
+    p.slab = slab;
+  }
+  if (!put_sums(r, p) || !r.done()) return std::nullopt;
+  return std::move(q);
+}
+
 std::optional<Request> parse(std::string_view body, const Limits& lim) {
   tcp::MpReader r(reinterpret_cast<const uint8_t*>(body.data()), body.size());
   Request q;
@@ -52,8 +92,9 @@ std::optional<Request> parse(std::string_view body, const Limits& lim) {
   if (!r.array(n, "request") || n != 5 || !r.uint(version, "version") || version != kVersion ||
       !r.uint(q.rid, "rid") || q.rid > kMaxRid || !r.str(op, "op"))
     return std::nullopt;
-  q.op = op == "get" ? kGet : op == "exists" ? kExists : FrontOp(0);
+  q.op = op == "get" ? kGet : op == "exists" ? kExists : op == "put" ? kPut : FrontOp(0);
   if (!(q.op & lim.ops) || !r.array(n, "entries") || n == 0 || n > lim.max_keys) return std::nullopt;
+  if (q.op == kPut) return parse_put(r, n, q, lim);
   q.keys.resize(n);
   for (auto& k : q.keys)
     if (!r.str(k, "key") || !ascii_key(k, lim.max_key_bytes)) return std::nullopt;
@@ -174,7 +215,33 @@ std::optional<Served> serve(Table& t, const std::vector<std::string>& names, con
   auto q = parse(body, lim);
   if (!q) return std::nullopt;
   if (q->op == kExists) return exists(t, *q);
+  if (q->op == kPut) return Served{{}, kPut, q->put->keys.size(), 0, std::move(q->put)};
   return get(t, names, regions, *q, now, lim);
+}
+
+bool commit_put(Table& t, const PutRequest& q, uint32_t seg, uint64_t align, uint64_t front, uint64_t end,
+                double now, std::string& reply, std::vector<uint64_t>& rounded, std::vector<uint32_t>& recs) {
+  const size_t n = q.keys.size();
+  rounded.resize(n);
+  uint64_t at = front;
+  for (size_t k = 0; k < n; ++k) {   // back to back from the slab's front, inside it (sizes <= 2**48: no overflow)
+    rounded[k] = (q.sizes[k] + align - 1) & ~(align - 1);
+    if (q.offs[k] != at || rounded[k] > end - std::min(at, end)) return false;
+    at += rounded[k];
+  }
+  recs.resize(n);
+  if (!t.insert_committed(q.keys.data(), n, seg, q.sizes.data(), q.offs.data(), now, q.sums.data(),
+                          q.has_sum.data(), recs.data()))
+    return false;
+  tcp::MpWriter w(reply);
+  head(w, q.rid);
+  w.array(uint32_t(n));   // per key [OK, nil]
+  for (size_t k = 0; k < n; ++k) {
+    w.array(2);
+    w.uint(kOk);
+    w.nil();
+  }
+  return true;
 }
 
 }  // namespace kvp::meta

@@ -4,6 +4,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -95,6 +96,25 @@ uint32_t Table::insert_placed(std::string_view key, uint32_t seg, uint64_t off) 
   r.complete = 1, r.seg = seg, r.off = off;
   count_seg(seg, 1);
   return i;
+}
+
+bool Table::insert_committed(const std::string_view* keys, size_t n, uint32_t seg, const uint64_t* sizes,
+                             const uint64_t* offs, double now, const uint64_t* sums, const uint8_t* has_sum,
+                             uint32_t* out) {
+  find_many(keys, n, out);
+  for (size_t k = 0; k < n; ++k)
+    if (out[k] != NONE) return false;
+  std::vector<std::string_view> sorted(keys, keys + n);   // a repeated key: adjacent once sorted
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) return false;
+  for (size_t k = 0; k < n; ++k) {
+    const uint32_t i = out[k] = insert_placed(keys[k], seg, offs[k]);
+    Rec& r = recs_[i];
+    r.size = sizes[k], r.t = now, r.last_access = now, r.pin = 0;
+    r.has_sum = has_sum && has_sum[k], r.checksum = r.has_sum ? sums[k] : 0;
+    link(i, UNPINNED);
+  }
+  return true;
 }
 
 uint32_t Table::add(std::string_view key) {

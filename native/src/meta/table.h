@@ -36,6 +36,12 @@ class Table {
   uint32_t insert(std::string_view key);                // new record (pending, no replica, unlisted); NONE if present
   uint32_t insert_placed(std::string_view key, uint32_t seg, uint64_t off);   // new record, complete, its one
                                                          // replica at (seg, off), unlisted; NONE if present
+  // A batch of new complete objects (a slab put): when no keys[k] is in the table and none repeats, each becomes
+  // an object of sizes[k] bytes at offs[k] of segment `seg`, born and last used `now`, checksum sums[k] where
+  // has_sum[k] (has_sum null: none), most recently used; out[k] its record. False, nothing changed, otherwise.
+  bool insert_committed(const std::string_view* keys, size_t n, uint32_t seg, const uint64_t* sizes,
+                        const uint64_t* offs, double now, const uint64_t* sums, const uint8_t* has_sum,
+                        uint32_t* out);
   void erase(uint32_t i);
   void link(uint32_t i, List l);                         // append to list l (most recently used); unlinks first
   void unlink(uint32_t i);

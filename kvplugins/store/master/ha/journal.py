@@ -41,6 +41,8 @@ class EtcdJournal(Journal):
     """Persist committed placement under ``prefix`` of ``etcd`` (ha.etcd.Etcd). ``fence``: the leader value
     writes are conditional on (set by the leader guard); ``on_fenced(why)``: called when that no longer holds."""
 
+    keeps = True
+
     def __init__(self, etcd, prefix: str):
         super().__init__()
         self.etcd, self.prefix = etcd, prefix.rstrip("/")

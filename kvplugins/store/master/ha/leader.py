@@ -17,6 +17,7 @@ import time
 from kvplugins.errors import StoreError
 from kvplugins.store.wire.protocol import NOT_LEADER
 from kvplugins.store.master.ha import recovery
+from kvplugins.store.master.metadata import FRONT_PUT
 from kvplugins.store.master.service import MasterService
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,9 @@ class LeaderGuard:
         return self._journaled(lambda: self.inner.handle(op, entries, opts, defer, caller))
 
     def serve_native(self, body: bytes, ops: int):
-        """MasterService.serve_native on the leader; None elsewhere (the Python path answers "not leader")."""
-        return self.inner.serve_native(body, ops) if self._check() else None
+        """MasterService.serve_native of reads on the leader; None elsewhere (the Python path answers "not
+        leader") and for puts, which the Python path journals."""
+        return self.inner.serve_native(body, ops & ~FRONT_PUT) if self._check() else None
 
     def step(self, scan) -> bool:
         """MasterService.step on the leader (a deferred op: admin scan or sliced batch), journaled like an op."""
