@@ -2,12 +2,15 @@
 bookkeeping with a fake clock, then real processes: a put is one RPC and visible to another client at once, a
 slab on a killed node falls back to put_start, concurrent puts share the slab safely."""
 
+import itertools
 import threading
 
+import numpy as np
 import pytest
 
 from helpers.cluster import store_cluster
 from kvplugins.store import ClientConfig, StoreClient
+from kvplugins.store.client.slab import slab_offsets
 from kvplugins.store.master.disk_state import Frozen
 from kvplugins.store.wire.protocol import EXISTS, EXPIRED, INVALID, OK, STORE_FULL
 from test_master_logic import service, wire
@@ -187,3 +190,13 @@ def test_concurrent_puts_share_the_slab_and_read_back_exact():
         assert errors == []
         keys = [f"t{t}/{i}/{j}" for t in range(4) for i in range(40) for j in range(4)]
         assert client.batch_get(keys) == [k.encode() * 50 for k in keys]
+
+
+@pytest.mark.parametrize(
+    "sizes,align", [([4096] * 128, 64), ([1, 64, 65, 4096, 3, 1 << 20], 64), ([100] * 5, 4096), ([7, 7, 8], 1)]
+)
+def test_a_batch_is_laid_out_back_to_back_each_object_rounded_up(sizes, align):
+    front = 3 * align
+    offsets, end = slab_offsets(sizes, front, align)
+    want = list(itertools.accumulate([-(-n // align) * align for n in sizes], initial=front))
+    assert offsets.dtype == np.uint64 and offsets.tolist() == want[:-1] and end == want[-1]

@@ -10,12 +10,12 @@ caller try-acquires; a concurrent put takes put_start + put_commit instead).
 
 from __future__ import annotations
 
-import itertools
-
 import logging
 import threading
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.store.wire import protocol
@@ -48,21 +48,27 @@ class SlabSpace:
         self._retry_at = 0.0
         self._disabled = False
 
-    def place(self, sizes: list[int]) -> tuple[Slab, list[int]] | None:
-        """Offsets for objects of ``sizes`` bytes, consecutive in one slab, or None (then use put_start: no
-        slab to be had, or the batch does not fit in one). Call with ``lock`` held. Raises MasterUnreachable."""
+    def place(self, sizes: list[int]) -> tuple[Slab, np.ndarray] | None:
+        """Offsets (a uint64 array) for objects of ``sizes`` bytes (at least one), consecutive in one slab, or
+        None (then use put_start: no slab to be had, or the batch does not fit in one). Call with ``lock`` held.
+        Raises MasterUnreachable."""
         now = time.monotonic()
         slab = self._slab
-        if slab is None or slab.expires - now < self.margin_s or slab.end - slab.front < self._need(sizes, slab):
-            if self._disabled or now < self._retry_at or sum(sizes) > self.slab_bytes:
-                return None
-            slab = self._reserve(now)
-            if slab is None or slab.end - slab.front < self._need(sizes, slab):
-                return None
-        align = slab.align
-        ends = list(itertools.accumulate([-(-n // align) * align for n in sizes], initial=slab.front))
-        slab.front = ends.pop()
-        return slab, ends
+        if slab is not None and slab.expires - now >= self.margin_s:
+            offsets, end = slab_offsets(sizes, slab.front, slab.align)
+            if end <= slab.end:
+                slab.front = end
+                return slab, offsets
+        if self._disabled or now < self._retry_at or sum(sizes) > self.slab_bytes:
+            return None
+        slab = self._reserve(now)
+        if slab is None:
+            return None
+        offsets, end = slab_offsets(sizes, slab.front, slab.align)
+        if end > slab.end:
+            return None
+        slab.front = end
+        return slab, offsets
 
     def renewed(self, slab: Slab, sent_at: float) -> None:
         """A ``put`` into ``slab`` sent at monotonic ``sent_at`` was answered: its lease runs from then."""
@@ -84,11 +90,6 @@ class SlabSpace:
             except StoreError as e:
                 log.debug("releasing slab %d: %s", slab.id, e)
 
-    @staticmethod
-    def _need(sizes: list[int], slab: Slab) -> int:
-        align = slab.align
-        return sum([-(-n // align) * align for n in sizes])
-
     def _reserve(self, now: float) -> Slab | None:
         self.forget()
         release, self._stale = self._stale, []
@@ -108,3 +109,15 @@ class SlabSpace:
         sid, segment, region_id, offset, length, ttl_ms, align = value
         self._slab = Slab(sid, segment, region_id, offset, offset + length, align, ttl_ms / 1000, now + ttl_ms / 1000)
         return self._slab
+
+
+def slab_offsets(sizes: list[int], front: int, align: int) -> tuple[np.ndarray, int]:
+    """Objects of ``sizes`` bytes back to back from ``front``, each rounded up to ``align`` (a power of two): their
+    offsets (a uint64 array) and the end of the last."""
+    n, first = len(sizes), sizes[0]
+    if sizes.count(first) == n:  # one size (KV pages): no arithmetic per object
+        step = -(-first // align) * align
+        return np.arange(front, front + n * step, step, dtype=np.uint64), front + n * step
+    rounded = -(-np.asarray(sizes, dtype=np.int64) // align) * align  # sizes <= 2**48 (schema.MAX_SIZE)
+    ends = np.cumsum(rounded) + front
+    return (ends - rounded).astype(np.uint64), int(ends[-1])
