@@ -5,8 +5,8 @@ the transfer server's header decode per entry (``wire_req_N``: N entries):
 One request body per op (a slab put (one RPC, into a slab reserved untimed), put_start, put_commit with
 checksums, get in the column form, exists, remove) goes
 through ``RpcServer._reply_to``, the function the master runs per received frame, as on a connection
-authenticated with the client role: get and exists are answered by the native front (native/src/meta/serve.cpp)
-there. ``--vs-python`` runs this tree with the front and without it (every op the Python way, as before the
+authenticated with the client role: get, exists and the slab put are answered by the native front
+(native/src/meta/serve.cpp) there. ``--vs-python`` runs this tree with the front and without it (every op the Python way, as before the
 front), the same way (new/old < 1: what the front saves). ``--vs-tree DIR`` runs the same
 measurement on another checkout (e.g. a ``git worktree`` of the commit before a change) in alternating
 subprocesses, so both trees see the same machine state; it prints per-op medians (ns per key) and the ratio
@@ -45,14 +45,14 @@ def measure(batch: int, iters: int, events: bool = False, front: bool = True) ->
     import msgpack
 
     from kvplugins.store.config import MasterConfig
-    from kvplugins.store.master.metadata import FRONT_EXISTS, FRONT_GET
+    from kvplugins.store.master.metadata import FRONT_EXISTS, FRONT_GET, FRONT_PUT
     from kvplugins.store.master.rpc_server import RpcServer
 
     size = 1 << 30
     cfg = MasterConfig(metrics_port=-1, events_port=0 if events else -1, admission_probe_ms=0)  # nothing to probe
     server = RpcServer(cfg)
     publish = server.service.events.flush
-    conn = _Conn("client", FRONT_GET | FRONT_EXISTS if front else 0)
+    conn = _Conn("client", FRONT_GET | FRONT_EXISTS | FRONT_PUT if front else 0)
     wire = {
         "v": 1,
         "segment_id": "bench",
