@@ -10,6 +10,7 @@ caller try-acquires; a concurrent put takes put_start + put_commit instead).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ import numpy as np
 
 from kvplugins.errors import MasterUnreachable, StoreError
 from kvplugins.store.wire import protocol
+from kvplugins.transfer.spans import SMALL
 
 log = logging.getLogger(__name__)
 RETRY_S = 1.0  # after a refused reserve (store full), put_start for this long before asking again
@@ -48,8 +50,8 @@ class SlabSpace:
         self._retry_at = 0.0
         self._disabled = False
 
-    def place(self, sizes: list[int]) -> tuple[Slab, np.ndarray] | None:
-        """Offsets (a uint64 array) for objects of ``sizes`` bytes (at least one), consecutive in one slab, or
+    def place(self, sizes: list[int]) -> tuple[Slab, list[int] | np.ndarray] | None:
+        """Offsets (slab_offsets) for objects of ``sizes`` bytes (at least one), consecutive in one slab, or
         None (then use put_start: no slab to be had, or the batch does not fit in one). Call with ``lock`` held.
         Raises MasterUnreachable."""
         now = time.monotonic()
@@ -111,10 +113,14 @@ class SlabSpace:
         return self._slab
 
 
-def slab_offsets(sizes: list[int], front: int, align: int) -> tuple[np.ndarray, int]:
+def slab_offsets(sizes: list[int], front: int, align: int) -> tuple[list[int] | np.ndarray, int]:
     """Objects of ``sizes`` bytes back to back from ``front``, each rounded up to ``align`` (a power of two): their
-    offsets (a uint64 array) and the end of the last."""
+    offsets and the end of the last. The offsets are an int list for at most transfer.spans.SMALL objects (the
+    native calls' list form, as the engine gives such a batch's spans), else a uint64 array."""
     n, first = len(sizes), sizes[0]
+    if n <= SMALL:
+        ends = list(itertools.accumulate([-(-k // align) * align for k in sizes], initial=front))
+        return ends[:-1], ends[-1]
     if sizes.count(first) == n:  # one size (KV pages): no arithmetic per object
         step = -(-first // align) * align
         return np.arange(front, front + n * step, step, dtype=np.uint64), front + n * step

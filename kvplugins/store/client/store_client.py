@@ -615,7 +615,7 @@ class StoreClient:
             one = self._put_native([keys[i] for i in todo], _todo_columns(flat, todo), slab, offsets)
         if one is not None:
             return self._slab_answered(keys, slab, *one, todo, {}, out)
-        writes = {i: [Location(slab.segment, slab.region_id, off)] for i, off in zip(todo, offsets.tolist())}
+        writes = {i: [Location(slab.segment, slab.region_id, off)] for i, off in zip(todo, list(map(int, offsets)))}
         sums = checksum.span_sums(flat)
         failed = self._transfer("write", flat, writes, sums, slab.expires - self.cfg.rpc_timeout_ms / 1000)
         if failed:
@@ -661,7 +661,7 @@ class StoreClient:
         (native.write_tcp, fenced as _run_groups fences) and then that call: (monotonic time before it, the put's
         answers, None when every one is OK or EXISTS). None when nothing was written or sent, or when an HA
         master's leader did not answer (the caller puts again through the general path: puts are idempotent by
-        key). ``offsets``: each key's place in the slab (a uint64 array: SlabSpace.place)."""
+        key). ``offsets``: each key's place in the slab (an int list or uint64 array: SlabSpace.place)."""
         sent = time.monotonic()
         write_ms = (slab.expires - self.cfg.rpc_timeout_ms / 1000 - sent) * 1000  # as _transfer's deadline
         written = None
