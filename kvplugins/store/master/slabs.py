@@ -120,10 +120,7 @@ class Slabs:
             out = [[OK, None] for _ in done]
         else:
             done = self._put_each(entries, sums, now, expires, out)
-        svc.counters["puts"] += len(done)
-        svc.counters["commits"] += len(done)
-        self._recorded(done)
-        svc.evict_watermarks(now, len(done))
+        self._finish(len(done), done, now)
         return out
 
     def serve_put(self, put, sid: int, n: int, now: float) -> bytes | None:
@@ -132,8 +129,8 @@ class Slabs:
         events and watermark evictions. Returns the reply body, or None with nothing changed (the slab is unknown,
         expired or leaving; an entry is not back to back from its front or overruns it; a key is stored or
         repeats): the Python path then answers the request key by key."""
-        slab = self._slabs.get(sid)
-        if slab is None or slab.expires <= now or not self._usable(slab):
+        slab = self._open(sid, now)
+        if slab is None:
             return None
         svc, seg = self.svc, slab.seg
         keep = svc.journal.keeps or svc.events.keeps
@@ -141,20 +138,20 @@ class Slabs:
         if got is None:
             return None
         reply, offsets, rounded, done = got
-        slab.expires = now + svc.cfg.put_timeout_ms / 1000
-        seg.allocator.split_run(offsets, rounded)
-        slab.front = offsets[-1] + rounded[-1]
-        svc.counters["puts"] += n
-        svc.counters["commits"] += n
-        if keep:
-            self._recorded(done)
-        svc.evict_watermarks(now, n)
+        self._advance(slab, offsets, rounded, now + svc.cfg.put_timeout_ms / 1000)
+        self._finish(n, done, now)
         return reply
 
-    def _recorded(self, done: list) -> None:
-        """``done``: objects a put made complete, told to the journal and the events."""
-        self.svc.journal.committed(done)
-        self.svc.events.stored(done)
+    def _finish(self, n: int, done: list | None, now: float) -> None:
+        """A put made ``n`` objects complete (``done``: them, or None where neither the journal nor the events
+        keep them): counted, journaled, published, then the watermark evictions they may call for."""
+        svc = self.svc
+        svc.counters["puts"] += n
+        svc.counters["commits"] += n
+        if done is not None:
+            svc.journal.committed(done)
+            svc.events.stored(done)
+        svc.evict_watermarks(now, n)
 
     def _put_each(self, entries, sums, now: float, expires: float, out: list) -> list:
         """op_put key by key: appends each entry's answer to ``out``; returns the new objects."""
@@ -200,8 +197,8 @@ class Slabs:
         sid = entries[0][2] if entries else None
         if sid is None or any(e[2] != sid for e in entries):
             return None
-        slab = self._slabs.get(sid)
-        if slab is None or slab.expires <= now or not self._usable(slab):
+        slab = self._open(sid, now)
+        if slab is None:
             return None
         seg = slab.seg
         align, front = seg.allocator.align, slab.front
@@ -212,18 +209,27 @@ class Slabs:
             return None
         objs = self.svc.table.insert_new([e[0] for e in entries], sizes, seg.name, offsets, now, sums)
         if objs is not None:
-            slab.expires = expires
-            seg.allocator.split_run(offsets, rounded)
-            slab.front = offsets[-1] + rounded[-1]
+            self._advance(slab, offsets, rounded, expires)
         return objs
 
-    def _live(self, sid: int, now: float, expires: float) -> Slab | None:
-        """Slab ``sid`` if it can take puts (renewed until ``expires``), else None."""
+    def _open(self, sid: int, now: float) -> Slab | None:
+        """Slab ``sid`` if it can take puts (known, not expired, its segment registered and not leaving)."""
         slab = self._slabs.get(sid)
-        if slab is None or slab.expires <= now or not self._usable(slab):
-            return None
-        slab.expires = expires
+        return slab if slab is not None and slab.expires > now and self._usable(slab) else None
+
+    def _live(self, sid: int, now: float, expires: float) -> Slab | None:
+        """_open, the slab renewed until ``expires``."""
+        slab = self._open(sid, now)
+        if slab is not None:
+            slab.expires = expires
         return slab
+
+    def _advance(self, slab: Slab, offsets: list[int], rounded: list[int], expires: float) -> None:
+        """Objects took ``rounded`` bytes at ``offsets``, back to back from ``slab``'s front: each is cut into an
+        allocation of its own, the front moves past them, the slab is renewed until ``expires``."""
+        slab.expires = expires
+        slab.seg.allocator.split_run(offsets, rounded)
+        slab.front = offsets[-1] + rounded[-1]
 
     def _carve(self, slab: Slab, off: int, end: int) -> None:
         """Make [off, end) an allocation of its own, cut from the front of ``slab``'s remainder."""
