@@ -125,6 +125,14 @@ def test_native_decoder_names_the_field():
     bad = msgpack.packb({"v": 1, "op": 2, "id": 1, "e": [[1, -1, 8]]})
     with pytest.raises(ProtocolError, match=r"\$\.e\[0\]\[1\]"):
         native_tcp.decode_request(bad, 0, MAX_FRAME)
+    # entries are read without their names and a failing one read again with them: the right one is named
+    for e, where in (
+        ([[1, 0, 8], [2, 0, 8], [3, 8]], r"length 3 - at `\$\.e\[2\]`"),
+        ([[1, 0, 8], [2, 0, 8], [1 << 32, 0, 8]], r"out of range - at `\$\.e\[2\]\[0\]`"),
+        ([[1, 0, 8], [2, 0, "x"]], r"`\$\.e\[1\]\[2\]`"),
+    ):
+        with pytest.raises(ProtocolError, match=where):
+            native_tcp.decode_request(msgpack.packb({"v": 1, "op": 2, "id": 1, "e": e}), 0, MAX_FRAME)
     with pytest.raises(ProtocolError, match="unknown wire version 7"):
         native_tcp.decode_request(msgpack.packb({"v": 7, "op": 2, "id": 1, "e": [[1, 0, 8]]}), 0, MAX_FRAME)
 

@@ -147,14 +147,15 @@ class Run {
     return true;
   }
 
-  bool recv_more(C& c, size_t need) {
+  // Receives at most `cap` more bytes of the frame (wire.h head_read) once the buffer can hold `need`.
+  bool recv_more(C& c, size_t need, size_t cap) {
     if (c.b0 + need > c.buf.size()) {
       std::memmove(c.buf.data(), c.buf.data() + c.b0, c.b1 - c.b0);
       c.b1 -= c.b0;
       c.b0 = 0;
       if (need > c.buf.size()) c.buf.resize(need);
     }
-    ssize_t got = ::recv(c.fd, c.buf.data() + c.b1, c.buf.size() - c.b1, 0);
+    ssize_t got = ::recv(c.fd, c.buf.data() + c.b1, std::min(cap, c.buf.size() - c.b1), 0);
     if (got > 0) { c.b1 += size_t(got); c.got_bytes = true; return true; }
     if (got == 0) return closed(c, need - (c.b1 - c.b0));
     if (errno == EAGAIN || errno == EWOULDBLOCK) { c.wait = POLLIN; return false; }
@@ -164,7 +165,7 @@ class Run {
 
   bool head(C& c) {
     size_t have = c.b1 - c.b0;
-    if (have < kPrefix) return recv_more(c, kPrefix);
+    if (have < kPrefix) return recv_more(c, kPrefix, head_read(have, false, 0, 0, ~size_t(0)));
     uint32_t hlen;
     uint64_t plen;
     std::string err;
@@ -177,7 +178,7 @@ class Run {
       }
       return broken(c, "failed: ProtocolError: " + err, false);
     }
-    if (have < kPrefix + hlen) return recv_more(c, kPrefix + hlen);
+    if (have < kPrefix + hlen) return recv_more(c, kPrefix + hlen, head_read(have, true, hlen, plen, ~size_t(0)));
     const size_t f = c.frames[c.k];
     const size_t s = p_.starts[f], e = p_.starts[f + 1];
     std::vector<bool> ok;

@@ -225,7 +225,8 @@ Step Worker::head(Conn& c) {
     c.b1 = have;
     if (need > c.buf.size()) c.buf.resize(need);
   }
-  ssize_t got = ::recv(c.fd, c.buf.data() + c.b1, c.buf.size() - c.b1, 0);
+  const size_t room = c.buf.size() - c.b1;
+  ssize_t got = ::recv(c.fd, c.buf.data() + c.b1, head_read(have, have >= kPrefix, hlen, plen, room), 0);
   if (got > 0) {
     if (c.frame_start == 0) c.frame_start = now_s();
     c.b1 += size_t(got);

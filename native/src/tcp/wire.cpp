@@ -41,6 +41,22 @@ bool fields(MpReader& r, const char* const* names, int count, uint32_t& seen, F&
   return true;
 }
 
+// Entry i, [region, offset, length]. `named`: the error names its place (`$.e[i][j]`); those strings are built
+// only then: entries_of reads every entry without them and reads a failing one again with them.
+bool entry_of(MpReader& r, WireEntry& e, uint32_t i, bool named) {
+  const std::string at = named ? "`$.e[" + std::to_string(i) + "]`" : std::string();
+  uint32_t three;
+  if (!r.array(three, at.c_str())) return false;
+  if (three != 3) return r.fail("Expected `array` of length 3 - at " + at);
+  uint64_t* v[3] = {&e.region, &e.offset, &e.length};
+  for (int j = 0; j < 3; ++j) {
+    const std::string f = named ? "`$.e[" + std::to_string(i) + "][" + std::to_string(j) + "]`" : std::string();
+    if (!r.uint(*v[j], f.c_str())) return false;
+    if (*v[j] > (j == 0 ? 0xffffffffull : kU63)) return r.fail("Expected `int` out of range - at " + f);
+  }
+  return true;
+}
+
 bool entries_of(MpReader& r, std::vector<WireEntry>& out) {
   uint32_t n;
   if (!r.array(n, "`$.e`")) return false;
@@ -48,16 +64,10 @@ bool entries_of(MpReader& r, std::vector<WireEntry>& out) {
     return r.fail("Expected `array` of length >= 1 and <= " + std::to_string(kMaxEntries) + " - at `$.e`");
   out.resize(n);
   for (uint32_t i = 0; i < n; ++i) {
-    uint32_t three;
-    const std::string at = "`$.e[" + std::to_string(i) + "]`";
-    if (!r.array(three, at.c_str())) return false;
-    if (three != 3) return r.fail("Expected `array` of length 3 - at " + at);
-    uint64_t* v[3] = {&out[i].region, &out[i].offset, &out[i].length};
-    for (int j = 0; j < 3; ++j) {
-      const std::string f = "`$.e[" + std::to_string(i) + "][" + std::to_string(j) + "]`";
-      if (!r.uint(*v[j], f.c_str())) return false;
-      if (*v[j] > (j == 0 ? 0xffffffffull : kU63)) return r.fail("Expected `int` out of range - at " + f);
-    }
+    const MpReader before = r;
+    if (entry_of(r, out[i], i, false)) continue;
+    r = before;                     // again, for the error that names the entry
+    return entry_of(r, out[i], i, true);
   }
   return true;
 }
