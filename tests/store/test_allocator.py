@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 
 from kvplugins.store.master.allocator import Allocator
@@ -78,6 +79,23 @@ def test_alloc_many_is_consecutive_and_frees_per_object():
     for off in (0, 192, hole, 320, 384):
         a.free(off)
     assert a.free_blocks() == 1 and a.used_bytes == 0  # every piece freed on its own, merged
+
+
+@pytest.mark.parametrize("kind", [list, lambda x: np.array(x, dtype=np.uint64)], ids=["list", "uint64-array"])
+def test_split_run_cuts_back_to_back_pieces_and_keeps_the_rest(kind):
+    a = Allocator(1 << 16, align=64)
+    slab = a.alloc(4096)  # a slab: one allocation, cut as objects land in it
+    assert a.split_run(slab, kind([64, 128])) == 192
+    assert [a.size_at(off) for off in (0, 64, 192)] == [64, 128, 3904]  # the rest is one allocation
+    with pytest.raises(ValueError, match=r"split_run to 8384: past the allocation \[192, 4096\)"):
+        a.split_run(192, kind([8192]))
+    assert a.size_at(192) == 3904  # nothing cut
+    with pytest.raises(KeyError):
+        a.split_run(100, kind([64]))  # no allocation starts there
+    assert a.split_run(192, kind([3904])) == 4096 and a.size_at(192) == 3904  # exactly the rest: no remainder
+    for off in (0, 64, 192):
+        a.free(off)
+    assert a.free_blocks() == 1 and a.used_bytes == 0
 
 
 def test_claim_takes_exactly_the_free_bytes_of_a_range():

@@ -64,7 +64,8 @@ def _state(svc, keys) -> dict:
     slabs = {s.id: (s.front, s.end, s.expires) for s in svc.slabs._slabs.values()}
     alloc = (seg.allocator.used_bytes, seg.allocator.free_blocks(), seg.allocator.largest_free())
     lru = [o.key for o in svc.table.lru()]
-    return {"objs": objs, "lru": lru, "counters": dict(svc.counters), "slabs": slabs, "alloc": alloc}
+    table = (len(svc.table), svc.table.count_on("s0:1"))
+    return {"objs": objs, "lru": lru, "counters": dict(svc.counters), "slabs": slabs, "alloc": alloc, "table": table}
 
 
 SIZES = [4096, 100, 1, 64, 65, 8192, 3000]
@@ -109,6 +110,8 @@ def _refused_bodies(svc, sid: int, front: int) -> dict:
         "two slabs": _body([ok[0], [ok[1][0], 64, sid + 1, ok[1][3]]]),
         "a stored key": _body(_entries(sid, front, [64], prefix="stored")),
         "a repeated key": _body([ok[0], [ok[0][0], 64, sid, ok[1][3]]]),
+        "a stored key after new ones": _body([*ok, ["stored0", 64, sid, ok[1][3] + ALIGN]]),
+        "a key repeated later": _body([*ok, [ok[0][0], 64, sid, ok[1][3] + ALIGN]]),
         "sums of another length": _body(ok, {"xxh3": [1]}),
         "an unknown option": _body(ok, {"xxh4": None}),
         "a negative sum": _body(ok, {"xxh3": [1, -1]}),

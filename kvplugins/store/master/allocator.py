@@ -97,17 +97,16 @@ class Allocator:
             raise ValueError(f"split at {at}: not an aligned point strictly inside [{offset}, {offset + size})")
         self._used[offset], self._used[at] = at - offset, offset + size - at
 
-    def split_run(self, offsets: list[int], sizes: list[int]) -> None:
-        """Cut the allocation at ``offsets[0]`` into back-to-back allocations of ``sizes`` (aligned) at ``offsets``,
-        and what is left of it after them one more: split() once per piece, in one pass. Raises KeyError /
-        ValueError as split() (the pieces must be back to back from the allocation's start and inside it)."""
-        size = self._used[offsets[0]]
-        last = offsets[-1] + sizes[-1]
-        if last > offsets[0] + size:
-            raise ValueError(f"split_run to {last}: past the allocation [{offsets[0]}, {offsets[0] + size})")
-        self._used.set_run(offsets, sizes)
-        if last < offsets[0] + size:
-            self._used[last] = offsets[0] + size - last
+    def split_run(self, front: int, sizes) -> int:
+        """Cut the allocation at ``front`` into back-to-back allocations of ``sizes`` (aligned; a list or a uint64
+        array) from its start, and what is left of it after them one more: split() once per piece, in one native
+        pass. Returns where the pieces end. Raises KeyError (no allocation at ``front``) or ValueError (they pass
+        its end; nothing cut)."""
+        size = self._used[front]
+        last = self._used.set_run(front, sizes, front + size)
+        if last < front + size:
+            self._used[last] = front + size - last
+        return last
 
     def size_at(self, offset: int) -> int:
         """Rounded bytes of the allocation at ``offset``. Raises KeyError if not allocated."""

@@ -147,9 +147,10 @@ class ObjectTable:
 
     def commit_put(self, put, segment: str, align: int, front: int, end: int, now: float, objects: bool):
         """Apply a put ``serve`` parsed into the slab whose unused part is [front, end) of ``segment`` (allocations
-        rounded up to ``align`` bytes, a power of two), as insert_new: (reply body, offsets, allocation sizes, the
-        new Objects if ``objects`` else None) when its entries lie back to back from ``front`` inside the slab and
-        no key is present or repeats; None, nothing changed, otherwise. Raises ValueError for another ``align``."""
+        rounded up to ``align`` bytes, a power of two), as insert_new: (reply body, allocation sizes as a uint64
+        array (the objects lie back to back from ``front``), the new Objects if ``objects`` else None) when its
+        entries lie back to back from ``front`` inside the slab and no key is present or repeats; None, nothing
+        changed, otherwise. Raises ValueError for another ``align``."""
         return self._t.commit_put(put, segment, align, front, end, now, objects)
 
     def on_segment(self, name: str, limit: int = 0) -> list[Object]:

@@ -137,8 +137,8 @@ class Slabs:
         got = svc.table.commit_put(put, seg.name, seg.allocator.align, slab.front, slab.end, now, keep)
         if got is None:
             return None
-        reply, offsets, rounded, done = got
-        self._advance(slab, offsets, rounded, now + svc.cfg.put_timeout_ms / 1000)
+        reply, rounded, done = got
+        self._advance(slab, rounded, now + svc.cfg.put_timeout_ms / 1000)
         self._finish(n, done, now)
         return reply
 
@@ -209,7 +209,7 @@ class Slabs:
             return None
         objs = self.svc.table.insert_new([e[0] for e in entries], sizes, seg.name, offsets, now, sums)
         if objs is not None:
-            self._advance(slab, offsets, rounded, expires)
+            self._advance(slab, rounded, expires)
         return objs
 
     def _open(self, sid: int, now: float) -> Slab | None:
@@ -224,12 +224,11 @@ class Slabs:
             slab.expires = expires
         return slab
 
-    def _advance(self, slab: Slab, offsets: list[int], rounded: list[int], expires: float) -> None:
-        """Objects took ``rounded`` bytes at ``offsets``, back to back from ``slab``'s front: each is cut into an
-        allocation of its own, the front moves past them, the slab is renewed until ``expires``."""
+    def _advance(self, slab: Slab, rounded, expires: float) -> None:
+        """Objects took ``rounded`` bytes each (a list or uint64 array), back to back from ``slab``'s front: each is
+        cut into an allocation of its own, the front moves past them, the slab is renewed until ``expires``."""
         slab.expires = expires
-        slab.seg.allocator.split_run(offsets, rounded)
-        slab.front = offsets[-1] + rounded[-1]
+        slab.front = slab.seg.allocator.split_run(slab.front, rounded)
 
     def _carve(self, slab: Slab, off: int, end: int) -> None:
         """Make [off, end) an allocation of its own, cut from the front of ``slab``'s remainder."""

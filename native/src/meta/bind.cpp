@@ -1,6 +1,7 @@
 // Raw nanobind module kvplugins._meta: the master's object table (table.h) and the allocator's size map.
 // Python never uses it directly: kvplugins/store/master/metadata.py (ObjectTable, Object) and allocator.py wrap it.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
@@ -183,19 +184,36 @@ struct PutFront {
   PutRequest q;
 };
 
-// commit_put of `f` into a slab (slabs.py Slabs.serve_put): None, nothing changed, or (reply body, offsets,
-// allocation sizes, the new objects' views if `objects` else None).
+// commit_put of `f` into a slab (slabs.py Slabs.serve_put): None, nothing changed, or (reply body, allocation
+// sizes (a uint64 array; the objects lie back to back from `front`), the new objects' views if `objects` else None).
 nb::object commit(PyTable& pt, const PutFront& f, const std::string& seg, uint64_t align, uint64_t front,
                   uint64_t end, double now, bool objects) {
   std::string reply;
-  std::vector<uint64_t> rounded;
+  auto* rounded = new std::vector<uint64_t>();
+  nb::capsule owner(rounded, [](void* p) noexcept { delete static_cast<std::vector<uint64_t>*>(p); });
   std::vector<uint32_t> recs;
   if (align == 0 || (align & (align - 1)))
     throw std::invalid_argument("commit_put: align must be a power of two, got " + std::to_string(align));
-  if (!commit_put(pt.t, f.q, pt.seg_id(seg), align, front, end, now, reply, rounded, recs)) return nb::none();
-  return nb::make_tuple(nb::bytes(reply.data(), reply.size()), nb::cast(f.q.offs), nb::cast(rounded),
+  if (!commit_put(pt.t, f.q, pt.seg_id(seg), align, front, end, now, reply, *rounded, recs)) return nb::none();
+  nb::ndarray<nb::numpy, uint64_t, nb::ndim<1>> sizes(rounded->data(), {rounded->size()}, owner);
+  return nb::make_tuple(nb::bytes(reply.data(), reply.size()), sizes,
                         objects ? nb::object(views(pt, recs)) : nb::none());
 }
+
+// SizeMap.set_run: allocations of sizes[k] bytes back to back from `front`; returns where they end. Raises
+// ValueError, nothing set, when they would pass `limit`.
+template <class Sizes>
+uint64_t set_run(SizeMap& s, uint64_t front, const Sizes& sizes, size_t n, uint64_t limit) {
+  uint64_t end = front;
+  for (size_t k = 0; k < n; ++k) end += sizes[k];
+  if (end > limit)
+    throw std::invalid_argument("split_run to " + std::to_string(end) + ": past the allocation [" +
+                                std::to_string(front) + ", " + std::to_string(limit) + ")");
+  for (size_t k = 0, at = front; k < n; at += sizes[k++]) s.set(at, sizes[k]);
+  return end;
+}
+
+using U64 = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 }  // namespace
 
@@ -327,9 +345,12 @@ NB_MODULE(_meta, m) {
       .def("__getitem__", [](const SizeMap& s, uint64_t off) {
              uint64_t v; if (!s.get(off, &v)) throw nb::key_error(std::to_string(off).c_str()); return v; })
       .def("__setitem__", &SizeMap::set)
-      .def("set_run", [](SizeMap& s, const std::vector<uint64_t>& offs, const std::vector<uint64_t>& sizes) {
-             if (offs.size() != sizes.size()) throw std::invalid_argument("set_run: offsets and sizes differ in length");
-             for (size_t k = 0; k < offs.size(); ++k) s.set(offs[k], sizes[k]); })
+      .def("set_run", [](SizeMap& s, uint64_t front, U64 sizes, uint64_t limit) {
+             return set_run(s, front, sizes.data(), sizes.shape(0), limit); },
+           nb::arg("front"), nb::arg("sizes"), nb::arg("limit"))
+      .def("set_run", [](SizeMap& s, uint64_t front, const std::vector<uint64_t>& sizes, uint64_t limit) {
+             return set_run(s, front, sizes, sizes.size(), limit); },
+           nb::arg("front"), nb::arg("sizes"), nb::arg("limit"))
       .def("pop", [](SizeMap& s, uint64_t off) {
              uint64_t v; if (!s.pop(off, &v)) throw nb::key_error(std::to_string(off).c_str()); return v; })
       .def("nbytes", &SizeMap::bytes);

@@ -101,25 +101,40 @@ uint32_t Table::insert_placed(std::string_view key, uint32_t seg, uint64_t off) 
 bool Table::insert_committed(const std::string_view* keys, size_t n, uint32_t seg, const uint64_t* sizes,
                              const uint64_t* offs, double now, const uint64_t* sums, const uint8_t* has_sum,
                              uint32_t* out) {
-  find_many(keys, n, out);
-  for (size_t k = 0; k < n; ++k)
-    if (out[k] != NONE) return false;
-  std::vector<std::string_view> sorted(keys, keys + n);   // a repeated key: adjacent once sorted
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) return false;
+  // Each key hashed once and inserted, its slot fetched kAhead keys early (the index grown for the whole batch
+  // first, so slots stay put); a key already stored, or repeated in the batch, is found by its own insert, and
+  // the keys inserted before it are erased again: nothing changed.
+  constexpr size_t kAhead = 8;
+  std::vector<uint32_t> h(n);
+  for (size_t k = 0; k < n; ++k) h[k] = hash32(keys[k]);
+  while ((live_ + n) * 4 > slots_.size() * 3) grow();
+  const size_t mask = slots_.size() - 1;
+  for (size_t k = 0; k < std::min(n, kAhead); ++k) __builtin_prefetch(&slots_[h[k] & mask]);
   for (size_t k = 0; k < n; ++k) {
-    const uint32_t i = out[k] = insert_placed(keys[k], seg, offs[k]);
-    Rec& r = recs_[i];
+    if (k + kAhead < n) __builtin_prefetch(&slots_[h[k + kAhead] & mask]);
+    out[k] = add(keys[k], h[k]);
+    if (out[k] == NONE) {
+      while (k) erase(out[--k]);
+      return false;
+    }
+  }
+  for (size_t k = 0; k < n; ++k) {
+    Rec& r = recs_[out[k]];
+    r.complete = 1, r.seg = seg, r.off = offs[k];
     r.size = sizes[k], r.t = now, r.last_access = now, r.pin = 0;
     r.has_sum = has_sum && has_sum[k], r.checksum = r.has_sum ? sums[k] : 0;
-    link(i, UNPINNED);
+    link(out[k], UNPINNED);
   }
+  if (n) count_seg(seg, int64_t(n));
   return true;
 }
 
 uint32_t Table::add(std::string_view key) {
   if ((live_ + 1) * 4 > slots_.size() * 3) grow();
-  const uint32_t h = hash32(key);
+  return add(key, hash32(key));
+}
+
+uint32_t Table::add(std::string_view key, uint32_t h) {
   size_t s;
   if (probe(key, h, &s) != NONE) return NONE;
   if (recs_.size() >= NONE - 1 && free_.empty()) throw std::length_error("object table is full (2**32 records)");

@@ -67,6 +67,7 @@ class Table {
  private:
   struct Slot { uint32_t idx1, hash; };                  // idx1 = record index + 1 (0 = empty)
   uint32_t add(std::string_view key);                    // new record (not pending, no replica, unlisted); NONE if present
+  uint32_t add(std::string_view key, uint32_t h);        // add of a key hashed `h`, the index already grown for it
   uint32_t probe(std::string_view key, uint32_t h, size_t* slot) const;
   void grow();
   void count_seg(uint32_t seg, int64_t d);
