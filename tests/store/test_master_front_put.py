@@ -24,9 +24,9 @@ class Clock:
         return self.t
 
 
-def _service() -> MasterService:
+def _service(**config) -> MasterService:
     clock = Clock()
-    cfg = MasterConfig(lease_ttl_ms=1000, eviction_grace_ms=0, alloc_align=ALIGN, put_timeout_ms=5000)
+    cfg = MasterConfig(lease_ttl_ms=1000, eviction_grace_ms=0, alloc_align=ALIGN, put_timeout_ms=5000, **config)
     svc = MasterService(cfg, clock=clock)
     svc.clock_ = clock
     wire = {"v": 1, "segment_id": "s0", "host_id": "h", "transports": {}, "regions": [[1, SEG, None]]}
@@ -146,3 +146,19 @@ def test_an_expired_slab_a_role_without_put_and_a_shard_go_to_python():
     assert svc.serve_native(body, ALL) is None
     [(code, _)] = svc.handle("put", _entries(sid, front, [64]), {})
     assert code != OK and code != EXISTS  # the Python path refuses it (EXPIRED): the client puts with put_start
+
+
+def test_a_front_put_on_a_segment_over_the_high_watermark_evicts_down_to_the_low_one():
+    """The front's put looks only at its own segment (and any already draining) for watermark evictions: a
+    segment the slab's reservation took over the high watermark descends to the low one on the next put."""
+    svc = _service(high_watermark=0.5, low_watermark=0.4)
+    old = [f"old{i}" for i in range(8)]
+    svc.handle("put_start", [[k, 8 << 20] for k in old], {})
+    svc.handle("put_commit", old, {})  # 64 MiB of 128: at the high watermark, not over it
+    seg = svc.segments.get("s0:1")
+    sid, front = _reserve(svc)  # 1 MiB more: over it
+    assert svc.counters["evictions"] == 0
+    assert svc.serve_native(_body(_entries(sid, front, [4096])), ALL) is not None
+    assert svc.counters["evictions"] == 2  # the two least recently used: 65 -> 49 MiB, under 0.4 x 128
+    assert svc.table.get("old0") is None and svc.table.get("old1") is None
+    assert svc.table.get("k0").complete and seg.used <= 0.4 * SEG

@@ -781,23 +781,29 @@ class MasterService:
         """Free the removed objects whose lease (or put deadline) has run out; whether any were."""
         return self.zombies.free_due(now)
 
-    def evict_watermarks(self, now: float, added: int = 0) -> None:
+    def evict_watermarks(self, now: float, added: int = 0, touched: Segment | None = None) -> None:
         """Evict LRU objects of a segment above the high watermark until it is at the low one, after freeing the
         removed objects whose lease has ended. Space that removed objects still hold (zombies) is not counted:
         it returns by itself, and evicting live objects for it took the newest puts under churn (issue #18).
         At most EVICT_PER_CALL objects plus twice ``added`` (the objects the calling op stored) per call: a
         segment's descent to the low watermark goes on over the next ops and sweeps (``_draining``), so no op
         waits for a tenth of a segment's objects to be dropped (1,600 drops of 4 KiB objects, 25 ms, in a
-        64 MiB segment; seconds in a 100 GiB one)."""
+        64 MiB segment; seconds in a 100 GiB one). ``touched``: the one segment the calling op stored into
+        (a slab put), the only one it can have taken over the high watermark: the segments already draining
+        and it are looked at, not every segment (the sweep, ``tick``, looks at all)."""
         self.free_due_zombies(now)
+        high = self.cfg.high_watermark
+        if touched is not None and not self._draining and not over_high(touched.used, touched.size, high):
+            return  # its live bytes are at most its used bytes
         cutoff, budget = self.grace_cutoff(now), EVICT_PER_CALL + 2 * added
         if len(self._draining) > len(self.segments):  # segments removed while draining
             names = {s.name for s in self.segments}
             self._draining = {k: v for k, v in self._draining.items() if k in names}
-        for seg in self.segments:
+        segments = self.segments if touched is None else self._watched(touched)
+        for seg in segments:
             live = seg.used - self.zombies.held(seg.name)  # zombie space returns by itself: not a reason
             if seg.name not in self._draining:
-                if not over_high(live, seg.size, self.cfg.high_watermark):
+                if not over_high(live, seg.size, high):
                     continue
                 self._draining[seg.name] = now
             if self._draining[seg.name] > now:  # nothing evictable before then (below)
@@ -818,6 +824,11 @@ class MasterService:
             budget -= len(chosen)
             if budget <= 0:
                 return
+
+    def _watched(self, touched: Segment) -> list[Segment]:
+        """``touched`` and the segments draining to their low watermark (evict_watermarks)."""
+        draining = (self.segments.get(name) for name in self._draining if name != touched.name)
+        return [touched, *(seg for seg in draining if seg is not None)]
 
     # ---- introspection -------------------------------------------------------------------------------
     def op_info(self, entries, opts, now):

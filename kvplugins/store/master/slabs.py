@@ -139,19 +139,20 @@ class Slabs:
             return None
         reply, rounded, done = got
         self._advance(slab, rounded, now + svc.cfg.put_timeout_ms / 1000)
-        self._finish(n, done, now)
+        self._finish(n, done, now, seg)
         return reply
 
-    def _finish(self, n: int, done: list | None, now: float) -> None:
+    def _finish(self, n: int, done: list | None, now: float, touched: Segment | None = None) -> None:
         """A put made ``n`` objects complete (``done``: them, or None where neither the journal nor the events
-        keep them): counted, journaled, published, then the watermark evictions they may call for."""
+        keep them): counted, journaled, published, then the watermark evictions they may call for (``touched``:
+        the one segment they are on, when the put took one slab: service.evict_watermarks)."""
         svc = self.svc
         svc.counters["puts"] += n
         svc.counters["commits"] += n
         if done is not None:
             svc.journal.committed(done)
             svc.events.stored(done)
-        svc.evict_watermarks(now, n)
+        svc.evict_watermarks(now, n, touched)
 
     def _put_each(self, entries, sums, now: float, expires: float, out: list) -> list:
         """op_put key by key: appends each entry's answer to ``out``; returns the new objects."""
