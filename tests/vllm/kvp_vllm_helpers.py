@@ -219,11 +219,12 @@ class Server:
             except OSError:
                 time.sleep(0.2)
 
-    def metrics(self) -> dict[str, float]:
-        """``vllm:kvplugins_*`` samples of /metrics (name without labels -> value, summed over label sets)."""
+    def metrics(self, prefix: str = "vllm:kvplugins_") -> dict[str, float]:
+        """Samples of /metrics whose name starts with ``prefix`` (name without labels -> value, summed over label
+        sets)."""
         out: dict[str, float] = {}
         for ln in http_json(self.url + "/metrics").splitlines():
-            if ln.startswith("vllm:kvplugins_"):
+            if ln.startswith(prefix):
                 name = ln.split("{")[0].split()[0]
                 out[name] = out.get(name, 0.0) + float(ln.split()[-1])
         return out

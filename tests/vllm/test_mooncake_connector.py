@@ -19,7 +19,7 @@ import pytest
 from helpers.installed import require
 from helpers.cluster import store_cluster
 
-from kvp_vllm_helpers import Server, free_port, http_json
+from kvp_vllm_helpers import BLOCK, Server, free_port, http_json
 
 from kvplugins.demo.engine import EngineSpec, run_fresh
 from kvplugins.mooncake import shim as mooncake_shim
@@ -115,8 +115,8 @@ def test_vllm_mooncake_connector_pd_on_our_transfer_engine(model, turn_prompts, 
         prefill.wait_ready()
         decode.wait_ready()
         engines = http_json(f"http://127.0.0.1:{boot}/query")
-        body = {"model": model, "prompt": turn_prompts[1][0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-        body["return_token_ids"] = True
+        body = {"model": model, "prompt": turn_prompts[1][0], "max_tokens": 16, "temperature": 0}
+        body |= {"ignore_eos": True, "return_token_ids": True}
         xfer = f"xfer-{uuid.uuid4()}"
         _completion(prefill, {**body, "max_tokens": 1}, {"do_remote_decode": True, "transfer_id": xfer})
         out = _completion(
@@ -129,16 +129,10 @@ def test_vllm_mooncake_connector_pd_on_our_transfer_engine(model, turn_prompts, 
                 "transfer_id": xfer,
             },
         )
-        hits = _metric(decode, "vllm:external_prefix_cache_hits_total")
+        hits = decode.metrics("vllm:external_prefix_cache_hits")["vllm:external_prefix_cache_hits_total"]
     finally:
         prefill.stop()
         decode.stop()
     print(f"decode: {hits:g} external hit tokens of {out['usage']['prompt_tokens']}")
     assert out["choices"][0]["token_ids"] == baseline["tokens"][0]
-    assert hits >= (out["usage"]["prompt_tokens"] - 1) // 32 * 32 - 32  # every full page but the last came by TE
-
-
-def _metric(server: Server, name: str) -> float:
-    """The sum of ``name``'s samples on the server's /metrics."""
-    lines = http_json(server.url + "/metrics").splitlines()
-    return sum(float(ln.split()[-1]) for ln in lines if ln.split("{")[0].split(" ")[0] == name)
+    assert hits >= (out["usage"]["prompt_tokens"] - 1) // BLOCK * BLOCK - BLOCK  # every full page but the last
