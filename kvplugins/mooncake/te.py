@@ -8,9 +8,10 @@ Lifecycle, in call order (as Mooncake's):
      IP address, else the transfer config's host, KVPLUGINS_TRANSFER_HOST) and peers find the server in etcd
      (te_names.py; the name is held while this process lives). Transports: the transfer config's (default shm, cma, rdma, tcp; rdma dropped, with one
      log line, where this host has none), less rdma for protocol "tcp"; ``device_name``: the RDMA devices.
-  2. ``register_memory(address, bytes)`` / ``batch_register_memory``, or ``allocate_managed_buffer(bytes)``:
-     memory peers may read and write (exported), and local buffers of transfers (every local buffer must be
-     registered, on every transport).
+  2. ``register_memory(address, bytes, location)`` / ``batch_register_memory``, or
+     ``allocate_managed_buffer(bytes)``: memory peers may read and write (exported), and local buffers of
+     transfers (every local buffer must be registered, on every transport). Device memory (``location``
+     "cuda:N", or "*" for a CUDA pointer) is staged through host memory (te_device.py): peers reach it over TCP.
   3. Transfers to a peer segment ``host:port``, at addresses in the peer's registered buffers: ``transfer_sync_*``,
      ``batch_transfer_sync_*`` (0 done, -1 failed), ``batch_transfer_async_*`` (a batch id, 0 when not submitted)
      then ``get_batch_transfer_status([ids])`` (0 / -1), ``transfer_submit_write`` (id or -1) then
@@ -41,11 +42,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvplugins.errors import BufferNotRegistered, KVPluginsError
+from kvplugins.errors import BufferNotRegistered, KVPluginsError, TransferFailed
+from kvplugins.mooncake.te_device import DeviceBuffers
 from kvplugins.mooncake.te_names import EtcdNames
 from kvplugins.mooncake.te_peers import Segments
 from kvplugins.transfer import TransferEngine as CoreEngine
-from kvplugins.transfer import TransferRequest
+from kvplugins.transfer import TransferRequest, device
 from kvplugins.transfer.config import transfer_config
 from kvplugins.transfer.spans import SMALL
 
@@ -81,6 +83,7 @@ class TransferEngine:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._names: EtcdNames | None = None  # etcd metadata mode: this segment's name, peers' lookups
+        self._device: DeviceBuffers | None = None  # device buffers registered here, staged through host memory
 
     # -- set-up ---------------------------------------------------------------------------------------------
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str) -> int:
@@ -128,6 +131,7 @@ class TransferEngine:
                 return -1
         self._names = names
         self._segments = Segments(core, core.config.timeout_ms, names.lookup if names is not None else None)
+        self._device = DeviceBuffers(core)
         self._core = core
         return 0
 
@@ -147,14 +151,19 @@ class TransferEngine:
 
     # -- memory -----------------------------------------------------------------------------------------------
     def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
+        """Export ``capacity`` bytes at ``buffer_addr``: host memory, or device memory where ``location`` is
+        "cuda:N" or "*" finds a CUDA pointer (kvplugins/transfer/device.py: staged through host memory)."""
         core = self._ready("register_memory")
         if core is None:
             return -1
         try:
-            region = core.register(int(buffer_addr), int(capacity), export=True)
+            dev = device.for_location(location, int(buffer_addr), core.config.device_emulation)
+            region = core.register(int(buffer_addr), int(capacity), export=True, device=dev)
         except (KVPluginsError, TypeError, ValueError) as e:
-            log.error("register_memory(%#x, %d): %s", buffer_addr, capacity, e)
+            log.error("register_memory(%#x, %d, %r): %s", buffer_addr, capacity, location, e)
             return -1
+        if dev is not None:
+            self._device.add(region)  # type: ignore[union-attr]
         self._segments.add(region.addr, region.length, region.region_id)  # type: ignore[union-attr]
         return 0
 
@@ -162,6 +171,11 @@ class TransferEngine:
         core = self._ready("unregister_memory")
         if core is None:
             return -1
+        dev = self._device.remove(int(buffer_addr))  # type: ignore[union-attr]
+        if dev is not None:
+            core.unregister(dev)
+            self._segments.remove(dev.addr)  # type: ignore[union-attr]
+            return 0
         try:
             region = core.region_for(int(buffer_addr), 1)
             if region.addr != buffer_addr:
@@ -242,6 +256,9 @@ class TransferEngine:
     def batch_transfer_sync(
         self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify=None, transport_hint=""
     ) -> int:
+        staged = self._staged(target_hostname, buffers, peer_buffer_addresses, lengths, TransferOpcode(opcode))
+        if staged is not None:  # device buffers: moved in host pieces; the notify follows the whole batch
+            return staged if staged != 0 or notify is None else self._notify(target_hostname, notify)
         if len(lengths) > SMALL:  # many buffers: the core's array form, per peer region
             statuses = self._run_spans(target_hostname, buffers, peer_buffer_addresses, lengths, TransferOpcode(opcode))
             if statuses is None:
@@ -253,13 +270,31 @@ class TransferEngine:
         if not _ok("batch_transfer_sync", target_hostname, statuses):
             self._segments.forget(target_hostname)  # type: ignore[union-attr]
             return -1
-        if notify is not None:
-            try:
-                self._segments.notify(target_hostname, notify.name, notify.msg)  # type: ignore[union-attr]
-            except (KVPluginsError, ValueError) as e:
-                log.error("notify of %s failed: %s", target_hostname, e)
-                return -1
+        return 0 if notify is None else self._notify(target_hostname, notify)
+
+    def _notify(self, target_hostname: str, notify: TransferNotify) -> int:
+        try:
+            self._segments.notify(target_hostname, notify.name, notify.msg)  # type: ignore[union-attr]
+        except (KVPluginsError, ValueError) as e:
+            log.error("notify of %s failed: %s", target_hostname, e)
+            return -1
         return 0
+
+    def _staged(self, name, buffers, peer_addrs, lengths, opcode: TransferOpcode) -> int | None:
+        """None when no local buffer is device memory (nothing done); else the batch moved through host memory
+        (te_device.py): 0, or -1 (logged)."""
+        dev = self._device
+        try:
+            regions = dev.which(buffers, lengths) if dev is not None and len(buffers) == len(lengths) else None
+            if regions is None:
+                return None
+            return dev.run(  # type: ignore[union-attr]
+                opcode == Write, buffers, peer_addrs, lengths, regions,
+                lambda b, p, n: self.batch_transfer_sync(name, b, p, n, opcode),
+            )  # fmt: skip
+        except (KVPluginsError, ValueError, TypeError) as e:
+            log.error("transfer to %r with device buffers: %s", name, e)
+            return -1
 
     def batch_transfer_async_read(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         return self.batch_transfer_async(target_hostname, buffers, peer_buffer_addresses, lengths, Read)
@@ -270,13 +305,30 @@ class TransferEngine:
     def batch_transfer_async(
         self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint=""
     ) -> int:
-        """A batch id (> 0) for get_batch_transfer_status, 0 when nothing was submitted."""
+        """A batch id (> 0) for get_batch_transfer_status, 0 when nothing was submitted. A batch with device
+        buffers is moved before this returns (staged), its id then answering at once."""
+        op = TransferOpcode(opcode)
+        staged = self._staged(target_hostname, buffers, peer_buffer_addresses, lengths, op)
+        if staged is not None:
+            return self._finished(target_hostname, staged)
         reqs = self._requests("batch_transfer_async", target_hostname, buffers, peer_buffer_addresses, lengths)
-        return 0 if reqs is None else max(0, self._submit(target_hostname, reqs, TransferOpcode(opcode), lengths))
+        return 0 if reqs is None else max(0, self._submit(target_hostname, reqs, op, lengths))
 
     def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length, transport_hint="") -> int:
+        staged = self._staged(target_hostname, [buffer], [peer_buffer_address], [length], Write)
+        if staged is not None:
+            return self._finished(target_hostname, staged)
         reqs = self._requests("transfer_submit_write", target_hostname, [buffer], [peer_buffer_address], [length])
         return -1 if reqs is None else self._submit(target_hostname, reqs, Write, [length])
+
+    def _finished(self, name: str, rc: int) -> int:
+        """The id of a batch already moved (``rc`` 0) or failed."""
+        fut: Future = Future()
+        fut.set_result([None] if rc == 0 else [TransferFailed("the staged batch failed (logged above)")])
+        with self._lock:
+            batch_id = next(self._ids)
+            self._batches[batch_id] = (fut, time.monotonic(), name)
+        return batch_id
 
     def get_batch_transfer_status(self, batch_ids: list[int]) -> int:
         """Wait for every batch of ``batch_ids``: 0 when all moved every byte, else -1 (each id is used up)."""
@@ -319,10 +371,23 @@ class TransferEngine:
     def warmup_efa_segment(self, segment_name: str) -> int:
         return 0  # no EFA transport here (Mooncake answers 0 without one too)
 
+    def stats(self) -> dict:
+        """kvplugins' addition (not Mooncake's): the transfer core's counters (per transport entries and bytes;
+        ``tcp.server_staged_bytes``: bytes of this engine's device buffers peers read or wrote) and
+        ``device_staged_bytes`` (bytes this engine's own transfers copied between its device buffers and host
+        memory). {} before initialize."""
+        core, dev = self._core, self._device
+        if core is None or dev is None:
+            return {}
+        return {**core.stats(), "device_staged_bytes": dev.staged_bytes}
+
     def close(self) -> None:
         """Stop the engine (Mooncake: the destructor). Idempotent."""
         core, self._core = self._core, None
         names, self._names = self._names, None
+        dev, self._device = self._device, None
+        if dev is not None:
+            dev.close()
         if names is not None:
             names.close()
         if core is not None:

@@ -29,6 +29,19 @@ Endpoint = dict[str, EndpointValue]
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """Memory host code cannot touch directly: device ``index`` of ``kind`` ("cuda", or "emulated": host memory
+    treated as device memory, for tests without a GPU). ``set_device_fn`` and ``memcpy_fn`` are the addresses of
+    C functions with cudaSetDevice's and cudaMemcpy's signatures (``int(int)``; ``int(void* dst, const void* src,
+    size_t bytes, int kind)``, kind 1 host to device, 2 device to host; 0 is success): transfer/device.py."""
+
+    kind: str
+    index: int
+    set_device_fn: int
+    memcpy_fn: int
+
+
+@dataclass(frozen=True)
 class Region:
     """A registered local memory region: ``length`` bytes at address ``addr``.
 
@@ -39,6 +52,8 @@ class Region:
     peer_readonly: exported for peers to read only (their writes are refused, over every transport that serves
         them: TCP, RDMA without remote write access); this process may still read into it (kvplugins.p2p's
         replicas). A same-host peer of the same user can write any of this process's memory anyway (cma).
+    device: set for device memory (a GPU's, transfer/device.py): peers reach it over TCP only, the owner's TCP
+        server staging each frame through host memory with the device's copy function; no shm, cma or RDMA MR.
     """
 
     region_id: int
@@ -48,6 +63,7 @@ class Region:
     exported: bool = False
     readonly: bool = False
     peer_readonly: bool = False
+    device: DeviceMemory | None = None
 
     @property
     def peers_write(self) -> bool:

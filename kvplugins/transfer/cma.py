@@ -102,7 +102,7 @@ class CmaTransport(Transport):
         return {"pid": self._pid, "start": self._start}
 
     def region_info(self, region: Region, info: RegionInfo) -> RegionInfo:
-        return replace(info, addr=region.addr)
+        return info if region.device is not None else replace(info, addr=region.addr)
 
     def reaches(self, remote: SegmentDescriptor, region: RegionInfo) -> bool:
         ep = remote.transports.get("cma")
@@ -186,7 +186,8 @@ class CmaTransport(Transport):
         return TransferFailed(f"cma peer {peer.segment_id} (pid {pid}): {why}")
 
     def add_region(self, region: Region) -> None:
-        self.fast.add_local(region)
+        if region.device is None:
+            self.fast.add_local(region)
 
     def remove_region(self, region: Region) -> None:
         self.fast.drop_local(region.region_id)  # waits for its fast batches in flight

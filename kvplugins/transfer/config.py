@@ -64,6 +64,14 @@ class TransferConfig:
         },
     )
 
+    device_emulation: bool = field(
+        default=False,
+        metadata={
+            "help": "memory registered as CUDA device memory (Mooncake TE register_memory location 'cuda:N') is "
+            "host memory copied the way device memory is (staged through host buffers): tests without a GPU"
+        },
+    )
+
     rdma_devices: str = field(
         default="", metadata={"help": "RDMA devices to use, comma list (e.g. mlx5_0,mlx5_1); empty = every usable one"}
     )

@@ -20,7 +20,7 @@ import numpy as np
 from kvplugins import native
 from kvplugins.errors import ConfigError, OutOfRange, TransferError, TransferFailed
 from kvplugins.transfer import cma, shmem
-from kvplugins.transfer.api import Region, RegionInfo, SegmentDescriptor, TransferRequest
+from kvplugins.transfer.api import DeviceMemory, Region, RegionInfo, SegmentDescriptor, TransferRequest
 from kvplugins.transfer.config import TransferConfig
 from kvplugins.transfer.memory import RegionTable, buffer_span, view_of
 from kvplugins.transfer.rdma import RdmaTransport
@@ -87,7 +87,12 @@ class TransferEngine:
 
     # -- memory -------------------------------------------------------------------------------------
     def register(
-        self, mem: Any, length: int | None = None, export: bool = False, peer_readonly: bool = False
+        self,
+        mem: Any,
+        length: int | None = None,
+        export: bool = False,
+        peer_readonly: bool = False,
+        device: DeviceMemory | None = None,
     ) -> Region:
         """Register ``mem`` (C-contiguous numpy array, contiguous torch CPU tensor, memoryview/bytearray
         or other buffer, or an int address with ``length`` in bytes). The caller keeps int-addressed
@@ -95,9 +100,13 @@ class TransferEngine:
         alloc_shared memory). Read-only memory (bytes, a read-only array) gives Region.readonly: it may be
         a write source but never a read destination nor written by peers. ``peer_readonly``: peers may read an
         exported region but never write it (Region.peer_readonly).
+        ``device``: ``mem`` is an int address of device memory (transfer/device.py; Region.device): peers reach it
+        over TCP, staged by its copy functions; this engine's own batches take host memory only (stage first).
         Raises TypeError for unsupported memory, OutOfRange for a bad length."""
+        if device is not None and not isinstance(mem, int):
+            raise TypeError(f"register({type(mem).__name__}, device=...): device memory is passed as an int address")
         addr, nbytes, owner, readonly = buffer_span(mem, length)
-        return self._added(self._regions.add(addr, nbytes, owner, None, export, readonly, peer_readonly))
+        return self._added(self._regions.add(addr, nbytes, owner, None, export, readonly, peer_readonly, device))
 
     def alloc_shared(self, nbytes: int, export: bool = True, populate: bool = True) -> Region:
         """Allocate ``nbytes`` of zeroed memfd/POSIX-shm memory (config.shm_backend) and register it with

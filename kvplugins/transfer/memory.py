@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvplugins.errors import BufferNotRegistered, OutOfRange
-from kvplugins.transfer.api import Region
+from kvplugins.transfer.api import DeviceMemory, Region
 from kvplugins.transfer.shmem import Mapping
 
 
@@ -148,8 +148,8 @@ class RegionTable:
 
         return unwatch
 
-    def _reindex(self) -> None:
-        self.index = _Index([r for r, _ in self._regions.values()])
+    def _reindex(self) -> None:  # device memory is not indexed: no local span may lie in it (stage it first)
+        self.index = _Index([r for r, _ in self._regions.values() if r.device is None])
 
     def add(
         self,
@@ -160,9 +160,12 @@ class RegionTable:
         export: bool = False,
         readonly: bool = False,
         peer_readonly: bool = False,
+        device: DeviceMemory | None = None,
     ) -> Region:
         with self._lock:
-            region = Region(next(self._ids), addr, length, shm_path, bool(export), bool(readonly), bool(peer_readonly))
+            region = Region(
+                next(self._ids), addr, length, shm_path, bool(export), bool(readonly), bool(peer_readonly), device
+            )
             self._regions[region.region_id] = (region, owner)
             self._reindex()
             if region.exported:

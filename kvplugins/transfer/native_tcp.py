@@ -38,7 +38,9 @@ class Server:
     def add_region(self, region: Region, pin: Any) -> None:
         """Serve exported ``region``; ``pin`` (an object keeping its memory mapped) is held until the region is
         removed and no frame uses it any more."""
-        self._srv.add_region(region.region_id, region.addr, region.length, not region.peers_write, pin)
+        dev = region.device
+        fns = (dev.index, dev.set_device_fn, dev.memcpy_fn) if dev is not None else (0, 0, 0)
+        self._srv.add_region(region.region_id, region.addr, region.length, not region.peers_write, pin, *fns)
 
     def remove_region(self, region: Region) -> None:
         """Stop serving ``region`` (frames already using it finish; new ones get an error status)."""
@@ -63,6 +65,10 @@ class Server:
     def stats(self) -> tuple[int, int]:
         """(connections closed idle, closed slow) by the workers."""
         return self._srv.stats()
+
+    def staged_bytes(self) -> int:
+        """Bytes copied between device regions and host memory serving peers (Region.device)."""
+        return self._srv.staged_bytes()
 
 
 class Client:

@@ -22,7 +22,7 @@ Lifecycle (within a TransferEngine, kvplugins/transfer/api.py):
                                  every ``rdma_probe_ms`` (the queue pairs and their set-up: rdma_qps.py).
   4. ``remove_region``, ``close``.
 A batch mutates only its entries' destination bytes. ``endpoint``, ``reaches`` and ``stats`` are always safe.
-Device memory (a CUDA tensor) cannot be registered yet: TransferEngine.register refuses it (memory.py).
+Device memory (Region.device, transfer/device.py) is not registered as an MR (no dmabuf MR yet): TCP serves it.
 """
 
 from __future__ import annotations
@@ -95,7 +95,10 @@ class RdmaTransport(Transport):
 
     def add_region(self, region: Region) -> None:
         """Register ``region`` as an MR on every NIC. Where one NIC refuses it (e.g. ENOMEM over RLIMIT_MEMLOCK),
-        the region is not RDMA-registered at all (the others are undone): TCP serves it, with a warning."""
+        the region is not RDMA-registered at all (the others are undone): TCP serves it, with a warning. Device
+        memory is not registered (no dmabuf MR yet): TCP serves it, staged."""
+        if region.device is not None:
+            return
         access, mrs = self._access(region), []
         for nic in self._nics:
             try:

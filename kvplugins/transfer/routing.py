@@ -213,6 +213,11 @@ class Router:
             raise OutOfRange(
                 f"offsets and length must be integers, got {req.local_offset!r}, {req.remote_offset!r}, {req.length!r}"
             ) from None
+        if req.local.device is not None:
+            raise OutOfRange(
+                f"local region {req.local.region_id} is {req.local.device.kind} device memory: a batch moves host "
+                "memory; copy it through a registered host buffer (kvplugins.mooncake.te stages it)"
+            )
         key = req.local.region_id
         pin = pins[key] if key in pins else pins.setdefault(key, self._regions.pin(req.local))
         addr = span_addr(req.local, local_off, length, "local")

@@ -101,7 +101,8 @@ class TcpTransport(Transport):
         return self._batch(op, batch.remote.transports["tcp"], batch.addrs, regions, batch.roffs, batch.lens, deadline)
 
     def add_region(self, region: Region) -> None:
-        self.fast.add_local(region)
+        if region.device is None:  # device memory is never a local span (the server stages it for peers)
+            self.fast.add_local(region)
 
     def remove_region(self, region: Region) -> None:
         self.fast.drop_local(region.region_id)  # waits for its fast batches in flight

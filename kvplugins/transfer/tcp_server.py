@@ -90,7 +90,8 @@ class TcpServer:
         self._controls[kind] = handler
 
     def stats(self) -> dict[str, int]:
-        """Connections open now; refused (over a cap); accept() failures survived; closed idle; closed slow."""
+        """Connections open now; refused (over a cap); accept() failures survived; closed idle; closed slow; bytes
+        staged between device regions and host memory for peers."""
         with self._lock:
             return {
                 "connections": self._gate.total,
@@ -98,6 +99,7 @@ class TcpServer:
                 "accept_failures": self._backoff.failures,
                 "closed_idle": self._closed_idle,
                 "closed_slow": self._closed_slow,
+                "staged_bytes": self._native.staged_bytes(),
             }
 
     def _accept_loop(self) -> None:

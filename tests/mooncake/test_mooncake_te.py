@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvplugins.mooncake import te
+from kvplugins.mooncake import te, te_device
 
 SCRIPT = Path(__file__).with_name("te_script.py")
 EXPECTED = {  # the real wheel's answers (test_the_script_gives_the_same_answers_on_real_mooncake)
@@ -139,7 +139,7 @@ def test_the_shim_serves_mooncake_engine_with_names_the_wheel_has(tmp_path):
     out = shim_probe(mooncake_shim.SHIM, tmp_path, probe)
     assert out[0] == "kvplugins.mooncake.te" and out[1] == str(int(real.TransferOpcode.Write))
     assert {"TransferEngine", "TransferOpcode", "TransferNotify", "Read", "Write"} <= set(out[2:]) <= set(dir(real))
-    ours = {n for n in dir(te.TransferEngine) if not n.startswith("_")} - {"close"}
+    ours = {n for n in dir(te.TransferEngine) if not n.startswith("_")} - {"close", "stats"}  # our two additions
     assert ours <= set(dir(real.TransferEngine))
 
 
@@ -167,3 +167,75 @@ def test_etcd_metadata_mode_names_segments_freely_and_frees_a_name_on_close():
             for e in (a, b, dup):
                 e.close()
         assert te.TransferEngine().initialize("x", "http://127.0.0.1:8080/metadata", "tcp", "") == -1
+
+
+@pytest.fixture
+def device_pair(monkeypatch):
+    """As ``pair``, with b's buffer registered as CUDA device memory ("cuda:0"), emulated (transfer config
+    device_emulation: host memory copied only through the device copy functions, as a GPU's would be; this
+    machine has no GPU, tests/gpu/ runs the same with CUDA memory)."""
+    monkeypatch.setenv("KVPLUGINS_TRANSFER_DEVICE_EMULATION", "1")
+    a, b = te.TransferEngine(), te.TransferEngine()
+    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    abuf, bdev = np.zeros(1 << 16, np.uint8), np.arange(1 << 16, dtype=np.uint64).astype(np.uint8)
+    assert a.register_memory(abuf.ctypes.data, abuf.nbytes, "cpu:0") == 0
+    assert b.register_memory(bdev.ctypes.data, bdev.nbytes, "cuda:0") == 0
+    yield a, b, abuf, bdev
+    a.close()
+    b.close()
+
+
+def test_a_peers_device_buffer_is_served_over_tcp_staged_by_its_server(device_pair):
+    a, b, abuf, bdev = device_pair
+    name = f"127.0.0.1:{b.get_rpc_port()}"
+    want = bdev[100:4196].copy()
+    assert a.transfer_sync_read(name, abuf.ctypes.data, bdev.ctypes.data + 100, 4096) == 0
+    assert np.array_equal(abuf[:4096], want)
+    abuf[:8192] = 7
+    spans = [(0, 3000), (5000, 2000)]  # two buffers into the device buffer, one batch
+    rc = a.batch_transfer_sync_write(
+        name,
+        [abuf.ctypes.data + o for o, _ in spans],
+        [bdev.ctypes.data + 9000 + o for o, _ in spans],
+        [n for _, n in spans],
+    )
+    assert rc == 0 and (bdev[9000:12000] == 7).all() and (bdev[14000:16000] == 7).all()
+    assert bdev[12000] == np.uint8(12000 % 256)  # nothing between the spans
+    stats = a.stats()
+    assert stats["cma"]["entries"] == 0 and stats["shm"]["entries"] == 0  # same host, yet only TCP reaches it
+    assert stats["tcp"]["entries"] >= 3
+    assert b.stats()["tcp"]["server_staged_bytes"] == 4096 + 5000  # every byte through the device copies
+
+
+def test_own_device_buffers_are_staged_through_host_memory_in_chunks(device_pair, monkeypatch):
+    a, b, abuf, bdev = device_pair
+    monkeypatch.setattr(te_device, "CHUNK", 10000)  # a 24,000-byte batch moves in three staged pieces
+    a_name = f"127.0.0.1:{a.get_rpc_port()}"
+    abuf[:] = np.arange(abuf.size, dtype=np.uint64).astype(np.uint8) ^ 0x5A
+    want = abuf[:24000].copy()
+    assert b.transfer_sync_read(a_name, bdev.ctypes.data, abuf.ctypes.data, 24000) == 0
+    assert np.array_equal(bdev[:24000], want)
+    bdev[30000:31000] = 3
+    assert b.batch_transfer_sync_write(a_name, [bdev.ctypes.data + 30000], [abuf.ctypes.data + 40000], [1000]) == 0
+    assert (abuf[40000:41000] == 3).all()
+    bid = b.batch_transfer_async_write(a_name, [bdev.ctypes.data + 30000], [abuf.ctypes.data + 50000], [1000])
+    assert bid > 0 and b.get_batch_transfer_status([bid]) == 0 and (abuf[50000:51000] == 3).all()
+    assert b.stats()["device_staged_bytes"] == 26000
+    # a span running past the device buffer's end is refused before anything moves
+    abuf[:] = 0
+    assert b.transfer_sync_write(a_name, bdev.ctypes.data + bdev.size - 10, abuf.ctypes.data, 20) == -1
+    assert not abuf.any()
+
+
+def test_a_cuda_location_without_a_cuda_runtime_is_refused_by_code(monkeypatch):
+    monkeypatch.delenv("KVPLUGINS_TRANSFER_DEVICE_EMULATION", raising=False)
+    e = te.TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = np.zeros(4096, np.uint8)
+    try:
+        assert e.register_memory(buf.ctypes.data, buf.nbytes, "cuda:0") == -1  # no libcudart loaded here
+        assert e.register_memory(buf.ctypes.data, buf.nbytes, "tpu:0") == -1
+        assert e.register_memory(buf.ctypes.data, buf.nbytes) == 0  # "*": a host pointer is host memory
+    finally:
+        e.close()

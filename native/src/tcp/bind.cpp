@@ -7,6 +7,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 
@@ -44,9 +45,11 @@ class PyServer {
     drain();
     srv_.reset();
   }
-  void add_region(uint32_t id, uint64_t addr, uint64_t length, bool readonly, nb::object pin) {
-    srv_->add_region(id, addr, length, readonly, pin.inc_ref().ptr());
+  void add_region(uint32_t id, uint64_t addr, uint64_t length, bool readonly, nb::object pin, int device_index,
+                  uintptr_t set_device_fn, uintptr_t memcpy_fn) {
+    srv_->add_region(id, addr, length, readonly, pin.inc_ref().ptr(), DeviceCopy{device_index, set_device_fn, memcpy_fn});
   }
+  uint64_t staged_bytes() { return srv_->staged_bytes(); }
   void remove_region(uint32_t id) { srv_->remove_region(id); drain(); }
   uint64_t adopt(int fd) { return srv_->adopt(fd); }
   std::vector<std::tuple<uint64_t, int, std::string>> wait_events(double timeout_s) {
@@ -107,6 +110,11 @@ py_decode_request(nb::bytes header, uint64_t plen, uint64_t max_frame) {
   return {"data", op, id, std::move(out), land_by};
 }
 
+// "Emulated" device memory (tests without a GPU): host memory copied by these, with cudaSetDevice's and
+// cudaMemcpy's signatures.
+int emulated_set_device(int) { return 0; }
+int emulated_memcpy(void* dst, const void* src, size_t n, int) { std::memcpy(dst, src, n); return 0; }
+
 std::vector<double> py_loopback(uint64_t nbytes, int rounds) {
   kvp::GilRelease r;
   return loopback_baseline(nbytes, rounds);
@@ -121,7 +129,9 @@ NB_MODULE(_tcp, m) {
       .def(nb::init<uint64_t, double, double, int, nb::object>(), nb::arg("max_frame"), nb::arg("frame_timeout_s"),
            nb::arg("idle_timeout_s"), nb::arg("threads"), nb::arg("control"))
       .def("add_region", &PyServer::add_region, nb::arg("id"), nb::arg("addr"), nb::arg("length"),
-           nb::arg("readonly"), nb::arg("pin").none())   // pin None: memory registered by address
+           nb::arg("readonly"), nb::arg("pin").none(),   // pin None: memory registered by address
+           nb::arg("device_index") = 0, nb::arg("set_device_fn") = 0, nb::arg("memcpy_fn") = 0)
+      .def("staged_bytes", &PyServer::staged_bytes)
       .def("remove_region", &PyServer::remove_region)
       .def("adopt", &PyServer::adopt)
       .def("wait_events", &PyServer::wait_events)
@@ -130,4 +140,7 @@ NB_MODULE(_tcp, m) {
   nb::class_<PyClient>(m, "Client").def(nb::init<>()).def("transfer", &PyClient::transfer);
   m.def("decode_request", &py_decode_request);
   m.def("loopback_baseline", &py_loopback);
+  m.def("emulated_device_fns", [] {
+    return std::make_tuple(reinterpret_cast<uintptr_t>(&emulated_set_device), reinterpret_cast<uintptr_t>(&emulated_memcpy));
+  });
 }

@@ -39,6 +39,9 @@ std::string late_text(uint64_t land_by, uint64_t now) {
          " by this host's clock); none of this frame counts as written: the space may be another object's by now";
 }
 
+constexpr uint64_t kNotStaged = ~uint64_t(0);
+constexpr int kHostToDevice = 1, kDeviceToHost = 2;
+
 enum class Phase { kHead, kPayload, kSend };
 enum class Step { kMore, kWaitIn, kWaitOut, kClose };
 
@@ -60,6 +63,8 @@ struct Conn {
   IovCursor iov;
   std::string out;
   std::vector<uint8_t> scratch;
+  std::vector<uint8_t> stage;               // a frame's bytes of device regions, staged through host memory
+  std::vector<uint64_t> stage_at;           // per entry: its offset in stage, kNotStaged for host memory
   std::vector<bool> ok;
   std::vector<std::string> errs;
   EventKind kind = EventKind::kClosed;
@@ -103,6 +108,10 @@ class Worker {
   void late(Conn& c, uint64_t now);
   Step send(Conn& c);
   void start_data(Conn& c, const uint8_t* h, uint32_t hlen);
+  uint64_t stage_plan(Conn& c);
+  uint64_t stage_reads(Conn& c);
+  void unstage_writes(Conn& c);
+  void* span_at(Conn& c, size_t i);
   void respond(Conn& c, uint64_t payload);
   void scan(double now);
   void finish(Conn& c) { close_conn(c.fd); }
@@ -269,11 +278,12 @@ void Worker::start_data(Conn& c, const uint8_t*, uint32_t) {
     }
     scratch += e.length;
   }
+  stage_plan(c);
   if (c.op == kWrite) {           // a rejected entry's bytes land in scratch (bounded by max_frame)
     c.scratch.resize(std::min<uint64_t>(scratch, 1 << 20));
     for (size_t i = 0; i < n; ++i) {
       const WireEntry& e = c.entries[i];
-      if (c.ok[i]) { c.iov.add(reinterpret_cast<void*>(c.pins[i]->addr + e.offset), e.length); continue; }
+      if (c.ok[i]) { c.iov.add(span_at(c, i), e.length); continue; }
       for (uint64_t left = e.length; left;) {        // reuse one bounded scratch buffer for discarded bytes
         uint64_t k = std::min<uint64_t>(left, c.scratch.size());
         c.iov.add(c.scratch.data(), k);
@@ -286,9 +296,61 @@ void Worker::start_data(Conn& c, const uint8_t*, uint32_t) {
     c.phase = Phase::kPayload;
     return;
   }
+  served -= stage_reads(c);
   respond(c, served);
   for (size_t i = 0; i < n; ++i)
-    if (c.ok[i]) c.iov.add(reinterpret_cast<void*>(c.pins[i]->addr + c.entries[i].offset), c.entries[i].length);
+    if (c.ok[i]) c.iov.add(span_at(c, i), c.entries[i].length);
+}
+
+// Where each accepted entry in device memory sits in c.stage (sized to their sum: at most max_frame, as the
+// frame's payload or its read reply is).
+uint64_t Worker::stage_plan(Conn& c) {
+  const size_t n = c.entries.size();
+  c.stage_at.assign(n, kNotStaged);
+  uint64_t at = 0;
+  for (size_t i = 0; i < n; ++i)
+    if (c.ok[i] && c.pins[i]->device.on()) { c.stage_at[i] = at; at += c.entries[i].length; }
+  if (at > c.stage.size()) c.stage.resize(at);
+  return at;
+}
+
+void* Worker::span_at(Conn& c, size_t i) {
+  if (c.stage_at[i] != kNotStaged) return c.stage.data() + c.stage_at[i];
+  return reinterpret_cast<void*>(c.pins[i]->addr + c.entries[i].offset);
+}
+
+// A read's device entries copied to the host stage before the reply; one that fails answers its error and
+// sends no bytes. Returns the bytes no longer served.
+uint64_t Worker::stage_reads(Conn& c) {
+  uint64_t dropped = 0;
+  for (size_t i = 0; i < c.entries.size(); ++i) {
+    if (c.stage_at[i] == kNotStaged) continue;
+    const WireEntry& e = c.entries[i];
+    const Region& r = *c.pins[i];
+    std::string err = r.device.copy(c.stage.data() + c.stage_at[i], reinterpret_cast<void*>(r.addr + e.offset),
+                                     e.length, kDeviceToHost);
+    if (err.empty()) { s_.staged_bytes_ += e.length; continue; }
+    c.ok[i] = false;
+    c.errs[i] = "region " + std::to_string(e.region) + " (device memory): " + err;
+    c.stage_at[i] = kNotStaged;
+    dropped += e.length;
+  }
+  return dropped;
+}
+
+// A write's device entries copied from the host stage once the whole payload is in (entries a late frame
+// rejected are not copied).
+void Worker::unstage_writes(Conn& c) {
+  for (size_t i = 0; i < c.entries.size(); ++i) {
+    if (c.stage_at[i] == kNotStaged || !c.ok[i]) continue;
+    const WireEntry& e = c.entries[i];
+    const Region& r = *c.pins[i];
+    std::string err = r.device.copy(reinterpret_cast<void*>(r.addr + e.offset), c.stage.data() + c.stage_at[i],
+                                    e.length, kHostToDevice);
+    if (err.empty()) { s_.staged_bytes_ += e.length; continue; }
+    c.ok[i] = false;
+    c.errs[i] = "region " + std::to_string(e.region) + " (device memory): " + err;
+  }
 }
 
 void Worker::respond(Conn& c, uint64_t payload) {
@@ -322,6 +384,7 @@ Step Worker::payload(Conn& c) {
     return fail(c, EventKind::kError, "peer closed the connection with " + std::to_string(c.iov.left()) +
                                           " payload bytes still expected");
   if (e) return fail(c, EventKind::kError, std::strerror(e));
+  unstage_writes(c);
   respond(c, 0);
   return Step::kMore;
 }
@@ -374,8 +437,20 @@ Server::Server(const ServerConfig& c, ControlFn ctl) : cfg(c), control(std::move
 
 Server::~Server() { close(); }
 
-void Server::add_region(uint32_t id, uint64_t addr, uint64_t length, bool readonly, void* pin) {
-  auto r = std::shared_ptr<Region>(new Region{addr, length, readonly, pin, grave_});
+std::string DeviceCopy::copy(void* dst, const void* src, uint64_t n, int kind) const {
+  using SetDevice = int (*)(int);
+  using Memcpy = int (*)(void*, const void*, size_t, int);
+  int rc = set_device_fn ? reinterpret_cast<SetDevice>(set_device_fn)(index) : 0;
+  if (rc != 0) return "setting device " + std::to_string(index) + " failed (error " + std::to_string(rc) + ")";
+  rc = reinterpret_cast<Memcpy>(memcpy_fn)(dst, src, size_t(n), kind);
+  if (rc != 0)
+    return std::string(kind == kHostToDevice ? "host to device" : "device to host") + " copy of " +
+           std::to_string(n) + " bytes failed (error " + std::to_string(rc) + ")";
+  return "";
+}
+
+void Server::add_region(uint32_t id, uint64_t addr, uint64_t length, bool readonly, void* pin, DeviceCopy device) {
+  auto r = std::shared_ptr<Region>(new Region{addr, length, readonly, pin, grave_, device});
   std::unique_lock<std::shared_mutex> g(regions_m_);
   regions_[id] = std::move(r);
 }

@@ -25,11 +25,23 @@ struct Graveyard {
   void bury(void* p) { if (p) { std::lock_guard<std::mutex> g(m); pins.push_back(p); } }
 };
 
+// Device memory (a GPU's) the workers cannot touch: each frame is staged through the connection's host buffer
+// with these C functions (cudaSetDevice's and cudaMemcpy's signatures; kvplugins/transfer/device.py).
+// memcpy_fn 0: host memory, served straight from and into the socket.
+struct DeviceCopy {
+  int index = 0;
+  uintptr_t set_device_fn = 0, memcpy_fn = 0;
+  bool on() const { return memcpy_fn != 0; }
+  // kind 1 host to device, 2 device to host; "" or why it failed
+  std::string copy(void* dst, const void* src, uint64_t n, int kind) const;
+};
+
 struct Region {
   uint64_t addr, length;
   bool readonly;
   void* pin;
   std::shared_ptr<Graveyard> grave;
+  DeviceCopy device;
   ~Region() { grave->bury(pin); }
 };
 
@@ -48,7 +60,7 @@ class Server {
  public:
   Server(const ServerConfig& cfg, ControlFn control);
   ~Server();
-  void add_region(uint32_t id, uint64_t addr, uint64_t length, bool readonly, void* pin);
+  void add_region(uint32_t id, uint64_t addr, uint64_t length, bool readonly, void* pin, DeviceCopy device = {});
   void remove_region(uint32_t id);
   uint64_t adopt(int fd);                                   // takes ownership of fd
   std::vector<Event> wait_events(double timeout_s);         // blocks (call with the GIL released)
@@ -56,13 +68,14 @@ class Server {
   void close();                                             // joins the workers (call with the GIL released)
   uint64_t closed_idle() const { return closed_idle_; }
   uint64_t closed_slow() const { return closed_slow_; }
+  uint64_t staged_bytes() const { return staged_bytes_; }
 
   // used by workers
   std::shared_ptr<Region> region(uint32_t id);
   void emit(Event e);
   const ServerConfig cfg;
   const ControlFn control;
-  std::atomic<uint64_t> closed_idle_{0}, closed_slow_{0};
+  std::atomic<uint64_t> closed_idle_{0}, closed_slow_{0}, staged_bytes_{0};
 
  private:
   std::shared_ptr<Graveyard> grave_ = std::make_shared<Graveyard>();
