@@ -163,6 +163,12 @@ class TransferEngine:
             log.error("register_memory(%#x, %d, %r): %s", buffer_addr, capacity, location, e)
             return -1
         if dev is not None:
+            if not self._device.any():  # type: ignore[union-attr]
+                log.warning(  # once per engine: what an operator of a GPU host should know about speed
+                    "register_memory: %s device memory is staged through host memory and reached over TCP (no "
+                    "GPUDirect RDMA in this build): transfers run at host copy speed",
+                    dev.kind,
+                )
             self._device.add(region)  # type: ignore[union-attr]
         self._segments.add(region.addr, region.length, region.region_id)  # type: ignore[union-attr]
         return 0

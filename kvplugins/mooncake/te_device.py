@@ -39,6 +39,10 @@ class DeviceBuffers:
         self._pool: StagingPool | None = None
         self.staged_bytes = 0  # copied between device and host memory by this process's own transfers
 
+    def any(self) -> bool:
+        """Whether a device buffer is registered."""
+        return bool(self._starts)
+
     def add(self, region: Region) -> None:
         with self._lock:
             i = bisect.bisect(self._starts, region.addr)

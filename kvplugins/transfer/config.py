@@ -67,8 +67,8 @@ class TransferConfig:
     device_emulation: bool = field(
         default=False,
         metadata={
-            "help": "memory registered as CUDA device memory (Mooncake TE register_memory location 'cuda:N') is "
-            "host memory copied the way device memory is (staged through host buffers): tests without a GPU"
+            "help": "Mooncake TE register_memory with location 'cuda:N' or '*' registers host memory as emulated "
+            "device memory, copied the way a GPU's is (staged through host buffers): tests without a GPU"
         },
     )
 

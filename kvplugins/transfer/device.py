@@ -78,9 +78,11 @@ def device_of(addr: int) -> int | None:
 
 def for_location(location: str, addr: int, emulate: bool) -> DeviceMemory | None:
     """The device memory Mooncake's ``location`` names for ``addr`` ("cuda:N"; "*" or "" detects it; "cpu:N"
-    is host memory), or None for host memory. ``emulate``: "cuda:N" is emulated (config device_emulation).
-    Raises ConfigError for another location or a CUDA location without a CUDA runtime."""
+    is host memory), or None for host memory. ``emulate`` (config device_emulation): "cuda:N" and "*" are
+    emulated device memory. Raises ConfigError for another location or a CUDA location without a CUDA runtime."""
     loc = (location or "*").strip()
+    if loc == "*" and emulate:
+        return emulated(0)
     if loc == "*":
         index = device_of(addr)
         return None if index is None else cuda(index)

@@ -94,6 +94,7 @@ def test_vllm_mooncake_connector_pd_on_our_transfer_engine(model, turn_prompts, 
     prefill with ``do_remote_decode`` (max_tokens 1: its KV is held for decode), then to decode with
     ``do_remote_prefill`` and the bootstrap address. vLLM's failure policy for this connector is "fail", so a
     load that did not happen fails the request; decode must also count the prompt's pages as external hits.
+    Both KV caches are (emulated) device memory, so every byte goes the staged path a GPU host's would.
     The two requests go one after the other, not at once as the proxy sends them: with both engines on 2 vCPUs
     the decode engine's wait loop slows the prefill forward by minutes (measured)."""
     mooncake_shim.enable(tmp_path / "site", force=True)
@@ -108,6 +109,9 @@ def test_vllm_mooncake_connector_pd_on_our_transfer_engine(model, turn_prompts, 
         # its OMP cores, where they wait behind the worker's spin loop: decode's bootstrap query then timed out
         # (3 x 30 s) on this 2-vCPU host. Unpinned, the scheduler runs them.
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        # Both engines' KV caches registered as (emulated) device memory, as on a GPU host: prefill's own writes
+        # staged through host memory, decode's server staging what lands (kvplugins/mooncake/te_device.py).
+        "KVPLUGINS_TRANSFER_DEVICE_EMULATION": "1",
     }
     prefill = _mooncake_server(model, "kv_producer", tmp_path, env)
     decode = _mooncake_server(model, "kv_consumer", tmp_path, env)
@@ -134,5 +138,7 @@ def test_vllm_mooncake_connector_pd_on_our_transfer_engine(model, turn_prompts, 
         prefill.stop()
         decode.stop()
     print(f"decode: {hits:g} external hit tokens of {out['usage']['prompt_tokens']}")
+    for role in ("kv_producer", "kv_consumer"):
+        assert "emulated device memory is staged" in (tmp_path / f"{role}.log").read_text(), role
     assert out["choices"][0]["token_ids"] == baseline["tokens"][0]
     assert hits >= (out["usage"]["prompt_tokens"] - 1) // BLOCK * BLOCK - BLOCK  # every full page but the last
