@@ -6,13 +6,11 @@ another order and decode's bytes equal them."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.te_workers import ask, run, served
 
 pytest.importorskip("sglang.srt.disaggregation", reason="sglang not installed: bash ci/install-sglang.sh")
 
@@ -25,22 +23,7 @@ def test_prefill_writes_pages_into_decode_through_sglangs_mooncake_engine_on_our
     mooncake_shim.SHIM.enable(tmp_path, force=True)
     site_dir = str(tmp_path)  # its .pth puts the shim ahead of the real wheel
     env = {**os.environ, "MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp"}
-    decode = subprocess.Popen(
-        [sys.executable, str(WORKER), "decode", site_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env=env,
-    )  # fmt: skip
-    try:
-        session, addr = json.loads(decode.stdout.readline())  # type: ignore[union-attr]
-        pre = subprocess.run(
-            [sys.executable, str(WORKER), "prefill", site_dir, session, str(addr)],
-            capture_output=True, text=True, timeout=120, env=env,
-        )  # fmt: skip
-        assert pre.returncode == 0, pre.stderr[-3000:]
-        rc, digest, probe = json.loads(pre.stdout.strip().splitlines()[-1])
+    with served(WORKER, "decode", site_dir, env=env) as ((session, addr), decode):
+        (rc, digest, probe), _ = run(WORKER, "prefill", site_dir, session, str(addr), env=env)
         assert rc == 0 and probe == 0
-        decode.stdin.write(f"check {digest}\n")  # type: ignore[union-attr]
-        decode.stdin.flush()  # type: ignore[union-attr]
-        assert json.loads(decode.stdout.readline()) is True  # type: ignore[union-attr]
-    finally:
-        decode.stdin.close()  # type: ignore[union-attr]
-        decode.wait(timeout=30)
+        assert ask(decode, f"check {digest}") is True

@@ -9,13 +9,10 @@ memory, the path a GPU instance's weights take (staged through host memory on bo
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.te_workers import env_for, run, served
 
 pytest.importorskip("sglang.srt.model_loader", reason="sglang not installed: bash ci/install-sglang.sh")
 
@@ -27,24 +24,8 @@ WORKER = Path(__file__).with_name("remote_instance_worker.py")
 @pytest.mark.parametrize("memory", ["host", "device"])
 def test_a_new_instance_reads_its_weights_from_a_seed_through_sglangs_loader_on_ours(tmp_path, memory):
     mooncake_shim.SHIM.enable(tmp_path, force=True)
-    env = {**os.environ, "KVPLUGINS_TRANSFER_DEVICE_EMULATION": "1" if memory == "device" else "0"}
-    seed = subprocess.Popen(
-        [sys.executable, str(WORKER), "seed", str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    try:
-        line = seed.stdout.readline()  # type: ignore[union-attr]
-        assert line, seed.stderr.read()[-3000:]  # type: ignore[union-attr]
-        url, want = json.loads(line)
-        got = subprocess.run(
-            [sys.executable, str(WORKER), "client", str(tmp_path), url],
-            capture_output=True, text=True, timeout=180, env=env,
-        )  # fmt: skip
-        assert got.returncode == 0, got.stderr[-3000:]
-        ok, digest = json.loads(got.stdout.strip().splitlines()[-1])
+    env = env_for(memory)
+    with served(WORKER, "seed", str(tmp_path), env=env) as ((url, want), _):
+        (ok, digest), err = run(WORKER, "client", str(tmp_path), url, env=env)
         assert ok is True and digest == want  # every weight, byte for byte
-        staged = "device memory is staged" in got.stderr
-        assert staged == (memory == "device")
-    finally:
-        seed.stdin.close()  # type: ignore[union-attr]
-        seed.wait(timeout=30)
+        assert ("device memory is staged" in err) == (memory == "device")
