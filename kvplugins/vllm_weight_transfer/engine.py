@@ -19,10 +19,6 @@ Every worker pulls the whole model (as with the IPC backend); ``model.load_weigh
 
 from __future__ import annotations
 
-import itertools
-import logging
-import secrets
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -38,13 +34,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from kvplugins.config import load
-from kvplugins.errors import ProtocolError
 from kvplugins.p2p import P2PConfig, P2PStore
+from kvplugins.p2p.weights import Receiver, Rounds
 from kvplugins.vllm_weight_transfer.plugin import BACKEND
-
-log = logging.getLogger(__name__)
-
-MAX_PARAMS = 1 << 20
 
 
 @dataclass
@@ -78,24 +70,6 @@ def _store(etcd: str) -> P2PStore:
     return P2PStore(load(P2PConfig, {"etcd": etcd}))
 
 
-def _layout(params: list[list[Any]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """``params`` checked (names, torch dtypes, non-negative shapes: a trainer's word, never trusted)."""
-    if not isinstance(params, list) or not 0 < len(params) <= MAX_PARAMS:
-        raise ProtocolError(f"weight update: params must be a list of 1..{MAX_PARAMS} [name, dtype, shape]")
-    out = []
-    for row in params:
-        try:
-            name, dtype_name, shape = row
-            dtype = getattr(torch, str(dtype_name))
-            dims = tuple(int(d) for d in shape)
-        except (TypeError, ValueError, AttributeError) as e:
-            raise ProtocolError(f"weight update: malformed param {row!r:.120}: {e}") from e
-        if not isinstance(name, str) or not isinstance(dtype, torch.dtype) or any(d < 0 for d in dims):
-            raise ProtocolError(f"weight update: param {row!r:.120} needs a name, a torch dtype and a shape >= 0")
-        out.append((name, dtype, dims))
-    return out
-
-
 class KVPluginsWeightTransferEngine(
     WeightTransferEngine[KVPluginsWeightTransferInitInfo, KVPluginsWeightTransferUpdateInfo]
 ):
@@ -107,13 +81,12 @@ class KVPluginsWeightTransferEngine(
 
     def __init__(self, config, vllm_config, device, model) -> None:  # noqa: ANN001 - vLLM's signature
         super().__init__(config, vllm_config, device, model)
-        self.store: P2PStore | None = None
-        self.serving: str | None = None  # the object this worker pulled last (served until the next round)
+        self.receiver: Receiver | None = None
 
     def init_transfer_engine(self, init_info: KVPluginsWeightTransferInitInfo) -> None:
-        if self.store is not None:
-            self.store.close()
-        self.store = _store(init_info.etcd)
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = Receiver(_store(init_info.etcd))
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -134,30 +107,20 @@ class KVPluginsWeightTransferEngine(
     def receive_weights(self, update_info: KVPluginsWeightTransferUpdateInfo) -> None:
         """Pull ``update_info.name`` into host tensors and load them. Raises RuntimeError before init,
         ProtocolError for malformed params, and as P2PStore.get_replica (nothing is loaded then)."""
-        if self.store is None:
+        if self.receiver is None:
             raise RuntimeError(
                 "weight update before init_weight_transfer_engine: initialize the kvplugins backend first"
             )
-        layout = _layout(update_info.params)
-        tensors = [torch.empty(shape, dtype=dtype) for _, dtype, shape in layout]
-        buffers = [t.view(-1).view(torch.uint8) for t in tensors if t.numel()]
-        stats = self.store.get_replica(update_info.name, buffers)
-        log.info(
-            "weight update %s: %.1f MiB in %.2f s from %d peers", update_info.name, stats.bytes / 2**20,
-            stats.seconds, len(stats.from_peers),
-        )  # fmt: skip
-        if self.serving is not None:
-            self.store.delete_replica(self.serving)
-        self.serving = update_info.name
+        named = self.receiver.pull(update_info.name, update_info.params)
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         with disable_mtp_completeness_check():
-            self.model.load_weights([(name, t) for (name, _, _), t in zip(layout, tensors)])
+            self.model.load_weights(named)
 
     def shutdown(self) -> None:
-        if self.store is not None:
-            self.store.close()
-            self.store, self.serving = None, None
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
 
 
 class KVPluginsTrainerWeightTransferEngine(TrainerWeightTransferEngine[KVPluginsTrainerInitInfo]):
@@ -171,9 +134,7 @@ class KVPluginsTrainerWeightTransferEngine(TrainerWeightTransferEngine[KVPlugins
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = info
         self.store = _store(info.etcd) if is_sender else None
-        self.rounds = itertools.count(1)
-        self.tag = secrets.token_hex(4)
-        self.published: str | None = None
+        self.rounds = Rounds(self.store, info.prefix, info.chunk_bytes) if self.store is not None else None
 
     @classmethod
     def trainer_init(
@@ -191,32 +152,15 @@ class KVPluginsTrainerWeightTransferEngine(TrainerWeightTransferEngine[KVPlugins
     def send_weights(self) -> None:
         """One round (every trainer rank iterates the source; rank 0 publishes and drives the workers)."""
         assert self.source is not None
-        named = list(_host_tensors(self.source))
-        if self.store is None:
+        if self.rounds is None:
+            list(self.source)  # every trainer rank iterates the source (a sharded source gathers)
             return
-        name = f"{self.info.prefix}/{self.tag}/r{next(self.rounds)}"
-        params = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in named]
-        buffers = [t.view(-1).view(torch.uint8) for _, t in named if t.numel()]
-        self.store.register(name, buffers, self.info.chunk_bytes)
-        try:
+        with self.rounds.round(self.source) as (name, params):
             self.client.start_weight_update()
             self.client.update_weights({"name": name, "params": params})
             self.client.finish_weight_update()
-        except BaseException:
-            self.store.unregister(name)
-            raise
-        if self.published is not None:
-            self.store.unregister(self.published)
-        self.published = name
 
     def shutdown(self) -> None:
         if self.store is not None:
             self.store.close()
             self.store = None
-
-
-def _host_tensors(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """The source's tensors, contiguous in host memory (device tensors copied once; host ones as they are)."""
-    for name, t in source:
-        t = t.detach()
-        yield name, (t if t.device.type == "cpu" else t.to("cpu")).contiguous()
