@@ -6,7 +6,8 @@ Lifecycle, in call order (as Mooncake's):
      process ``host:port``. With an etcd metadata server (``"etcd://host:port"``, or ``"host:port"`` as Mooncake
      reads it) the segment is named ``local_hostname`` (any string; its server binds that address when it is an
      IP address, else the transfer config's host, KVPLUGINS_TRANSFER_HOST) and peers find the server in etcd
-     (te_names.py; the name is held while this process lives). Transports: the transfer config's (default shm, cma, rdma, tcp; rdma dropped, with one
+     (te_names.py; the name is held while this process lives); with an HTTP metadata server
+     (``"http://host:port/metadata"``) likewise, under Mooncake's own key. Transports: the transfer config's (default shm, cma, rdma, tcp; rdma dropped, with one
      log line, where this host has none), less rdma for protocol "tcp"; ``device_name``: the RDMA devices.
   2. ``register_memory(address, bytes, location)`` / ``batch_register_memory``, or
      ``allocate_managed_buffer(bytes)``: memory peers may read and write (exported), and local buffers of
@@ -20,7 +21,7 @@ Lifecycle, in call order (as Mooncake's):
   4. ``unregister_memory`` / ``free_managed_buffer``; the engine closes at exit (or ``close()``).
 
 Integer codes are Mooncake's, as in the store's compatibility layer (codes.py is that layer's one place for
-them). What differs (docs/transfer.md): the P2PHANDSHAKE and etcd metadata modes only (no HTTP/Redis metadata server), every
+them). What differs (docs/transfer.md): the P2PHANDSHAKE, etcd and HTTP metadata modes only (no Redis), every
 connection authenticated with the cluster secret, local buffers must be registered on TCP too, the TENT
 transport hints are accepted and ignored (the router picks the fastest transport both sides offer),
 ``get_engine``/``get_engine_ptr`` (a C++ engine object) and the CUDA-stream methods do not exist.
@@ -42,9 +43,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvplugins.errors import BufferNotRegistered, KVPluginsError, TransferFailed
+from kvplugins.errors import BufferNotRegistered, ConfigError, KVPluginsError, TransferFailed
 from kvplugins.mooncake.te_device import DeviceBuffers
-from kvplugins.mooncake.te_names import EtcdNames
+from kvplugins.mooncake.te_names import EtcdNames, HttpNames
 from kvplugins.mooncake.te_peers import Segments
 from kvplugins.transfer import TransferEngine as CoreEngine
 from kvplugins.transfer import TransferRequest, device
@@ -82,7 +83,7 @@ class TransferEngine:
         self._batches: dict[int, tuple[Future, float, str]] = {}  # batch id -> (statuses, deadline, peer)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._names: EtcdNames | None = None  # etcd metadata mode: this segment's name, peers' lookups
+        self._names: EtcdNames | HttpNames | None = None  # etcd / HTTP metadata: this segment's name, lookups
         self._device: DeviceBuffers | None = None  # device buffers registered here, staged through host memory
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -95,19 +96,16 @@ class TransferEngine:
         if self._core is not None:
             log.error("initialize: this TransferEngine is initialized already")
             return -1
-        etcd = _etcd_url(metadata_server, metadata_type)
-        if metadata_server != P2PHANDSHAKE and etcd is None:
-            log.error(
-                "initialize: metadata server %r: kvplugins serves P2PHANDSHAKE (peers named host:port) and etcd "
-                "(etcd://host:port, or host:port: peers named freely); an HTTP or Redis metadata server is not",
-                metadata_server,
-            )
+        try:
+            names = _names(metadata_server, metadata_type)
+        except KVPluginsError as e:
+            log.error("initialize: %s", e)
             return -1
         if protocol not in ("tcp", "rdma"):
             log.error("initialize: protocol %r: use tcp or rdma (NVLink, EFA, HIP are not served)", protocol)
             return -1
         host = local_hostname.rpartition(":")[0] if local_hostname.count(":") == 1 else local_hostname
-        if etcd is not None and not _is_ip(host):  # a free name: bind the transfer config's host
+        if names is not None and not _is_ip(host):  # a free name: bind the transfer config's host
             host = ""
         elif not host:
             host = "127.0.0.1"
@@ -119,10 +117,8 @@ class TransferEngine:
         except (KVPluginsError, OSError) as e:
             log.error("initialize(%r, %r): %s", local_hostname, protocol, e)
             return -1
-        names = None
-        if etcd is not None:
+        if names is not None:
             try:
-                names = EtcdNames(etcd)
                 port = int(core.descriptor().transports["tcp"]["port"])  # type: ignore[arg-type]
                 names.publish(local_hostname, core.config.host, port)
             except (KVPluginsError, OSError) as e:
@@ -543,14 +539,20 @@ def _is_ip(host: str) -> bool:
         return False
 
 
-def _etcd_url(server: str, metadata_type: str) -> str | None:
-    """The etcd URL of Mooncake's etcd metadata mode (``etcd://host:port[,...]``, or ``host:port`` as Mooncake
-    reads a scheme-less server, or metadata_type "etcd"), or None for another mode."""
-    if server.startswith("etcd://"):
-        return server
-    if "://" in server or server == P2PHANDSHAKE or metadata_type not in ("", "etcd"):
+def _names(server: str, metadata_type: str) -> EtcdNames | HttpNames | None:
+    """Where segment names live: None for P2PHANDSHAKE (peers named host:port); etcd for ``etcd://host:port[,...]``,
+    a scheme-less ``host:port`` (as Mooncake reads it) or metadata_type "etcd"; an HTTP metadata server for
+    ``http(s)://host:port/metadata`` or metadata_type "http". Raises ConfigError for another (Redis)."""
+    if server == P2PHANDSHAKE:
         return None
-    return "etcd://" + server if server else None
+    if server.startswith(("http://", "https://")) or metadata_type == "http":
+        return HttpNames(server if "://" in server else "http://" + server)
+    if metadata_type in ("", "etcd") and server and ("://" not in server or server.startswith("etcd://")):
+        return EtcdNames(server if "://" in server else "etcd://" + server)
+    raise ConfigError(
+        f"metadata server {server!r} (type {metadata_type!r}): kvplugins serves P2PHANDSHAKE (peers named "
+        "host:port), etcd (etcd://host:port) and an HTTP metadata server (http://host:port/metadata); Redis is not"
+    )
 
 
 def _timeout_ms(core, lengths) -> float:

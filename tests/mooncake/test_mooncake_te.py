@@ -10,10 +10,14 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from helpers.router_feeds import free_port, until
 
 from kvplugins.mooncake import te, te_device
 
@@ -119,7 +123,7 @@ def test_calls_before_initialize_and_other_metadata_modes_are_refused_by_code():
         and e.batch_transfer_async_read("a:1", [], [], []) == 0
     )
     assert e.allocate_managed_buffer(4096) == 0 and e.get_notifies() == []
-    assert e.initialize("127.0.0.1", "http://127.0.0.1:8080/metadata", "tcp", "") == -1  # P2PHANDSHAKE only
+    assert e.initialize("127.0.0.1", "redis://127.0.0.1:6379", "tcp", "") == -1  # not served
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1  # once
@@ -166,7 +170,60 @@ def test_etcd_metadata_mode_names_segments_freely_and_frees_a_name_on_close():
         finally:
             for e in (a, b, dup):
                 e.close()
-        assert te.TransferEngine().initialize("x", "http://127.0.0.1:8080/metadata", "tcp", "") == -1
+        assert te.TransferEngine().initialize("x", "redis://127.0.0.1:6379", "tcp", "") == -1
+
+
+def test_http_metadata_mode_on_mooncakes_own_http_metadata_server():
+    """Segment names kept in the real wheel's ``mooncake_http_metadata_server`` under the key and JSON Mooncake
+    writes; a live name refused, a dead process's entry replaced, a closed engine's deleted."""
+    pytest.importorskip("mooncake.http_metadata_server")
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1", "--port", str(port),
+         "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/metadata"
+
+    def entry(name: str) -> dict | None:
+        try:
+            with urllib.request.urlopen(f"{url}?key=mooncake%2Frpc_meta%2F{name}", timeout=5) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            assert e.code == 404
+            return None
+
+    a, b, dup, late = te.TransferEngine(), te.TransferEngine(), te.TransferEngine(), te.TransferEngine()
+    try:
+        until(lambda: _answers(url), "the metadata server to listen")
+        assert a.initialize("127.0.0.1", url, "tcp", "") == 0 and b.initialize("decode-0", url, "tcp", "") == 0
+        assert entry("decode-0") == {"ip_or_host_name": "127.0.0.1", "rpc_port": b.get_rpc_port()}
+        assert dup.initialize("decode-0", url, "tcp", "") == -1  # a live process holds the name
+        abuf, bbuf = np.zeros(4096, np.uint8), np.full(4096, 5, np.uint8)
+        assert a.register_memory(abuf.ctypes.data, 4096) == 0 and b.register_memory(bbuf.ctypes.data, 4096) == 0
+        assert a.transfer_sync_read("decode-0", abuf.ctypes.data, bbuf.ctypes.data, 4096) == 0 and (abuf == 5).all()
+        assert a.transfer_sync_read("nobody", abuf.ctypes.data, bbuf.ctypes.data, 4096) == -1
+        dead = json.dumps({"ip_or_host_name": "127.0.0.1", "rpc_port": free_port()}).encode()  # nothing listens
+        put = urllib.request.Request(f"{url}?key=mooncake%2Frpc_meta%2Fprefill-0", data=dead, method="PUT")
+        urllib.request.urlopen(put, timeout=5).read()
+        assert late.initialize("prefill-0", url, "tcp", "") == 0  # a dead process's entry is replaced
+        assert entry("prefill-0")["rpc_port"] == late.get_rpc_port()
+        b.close()
+        assert entry("decode-0") is None  # given up on close
+    finally:
+        for e in (a, b, dup, late):
+            e.close()
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{url}?key=probe", timeout=2).read()
+    except urllib.error.HTTPError:
+        return True  # 404: it answers
+    except OSError:
+        return False
+    return True
 
 
 @pytest.fixture
