@@ -75,13 +75,13 @@ if not torch.accelerator.is_available():
 """
 
 
-def _mooncake_server(model, role: str, tmp_path, env: dict) -> Server:
+def _mooncake_server(model, role: str, tmp_path, env: dict, tp: int = 1) -> Server:
     ktc = {
         "kv_connector": "MooncakeConnector",
         "kv_role": role,
         "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
     }
-    return Server(model, ktc, tmp_path / f"{role}.log", env=env)
+    return Server(model, ktc, tmp_path / f"{role}.log", env=env, tp=tp)
 
 
 def _completion(server: Server, body: dict, params: dict) -> dict:
@@ -89,7 +89,9 @@ def _completion(server: Server, body: dict, params: dict) -> dict:
 
 
 def test_vllm_mooncake_connector_pd_on_our_transfer_engine(model, turn_prompts, baseline, tmp_path):
-    """Prefill (kv_producer) and decode (kv_consumer) servers with vLLM's own MooncakeConnector, protocol tcp. As
+    """Prefill (kv_producer, TP 2) and decode (kv_consumer, TP 1) servers with vLLM's own MooncakeConnector,
+    protocol tcp: each prefill TP rank's engine writes its KV heads into decode's pages (vLLM's heterogeneous-TP
+    plan: sub-block spans from two processes into one peer's memory; the TP 1 -> TP 1 plan is one of its cases). As
     vLLM's example proxy does: the prefill server's bootstrap ``/query`` names its engine; the prompt goes to
     prefill with ``do_remote_decode`` (max_tokens 1: its KV is held for decode), then to decode with
     ``do_remote_prefill`` and the bootstrap address. vLLM's failure policy for this connector is "fail", so a
@@ -113,10 +115,10 @@ def test_vllm_mooncake_connector_pd_on_our_transfer_engine(model, turn_prompts, 
         # staged through host memory, decode's server staging what lands (kvplugins/mooncake/te_device.py).
         "KVPLUGINS_TRANSFER_DEVICE_EMULATION": "1",
     }
-    prefill = _mooncake_server(model, "kv_producer", tmp_path, env)
+    prefill = _mooncake_server(model, "kv_producer", tmp_path, env, tp=2)
     decode = _mooncake_server(model, "kv_consumer", tmp_path, env)
     try:
-        prefill.wait_ready()
+        prefill.wait_ready(timeout_s=480)
         decode.wait_ready()
         engines = http_json(f"http://127.0.0.1:{boot}/query")
         body = {"model": model, "prompt": turn_prompts[1][0], "max_tokens": 16, "temperature": 0}
