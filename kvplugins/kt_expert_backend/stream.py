@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from kvplugins.errors import ConfigError, NativeError
 from kvplugins.kt_expert_backend import deferral, native
+from kvplugins.transfer import device
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_CUDART = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
 
 
 class HostOrder:
@@ -65,15 +65,13 @@ class CudaOrder:
 
 
 def _cudart():
-    for name in _CUDART:
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise ConfigError(
-        "CPU experts for a CUDA caller need the CUDA runtime (libcudart) that torch loads; install "
-        "a CUDA build of torch, or run the model on the CPU"
-    )
+    lib = device.cuda_runtime(load=True)
+    if lib is None:
+        raise ConfigError(
+            "CPU experts for a CUDA caller need the CUDA runtime (libcudart) that torch loads; install "
+            "a CUDA build of torch, or run the model on the CPU"
+        )
+    return lib
 
 
 @dataclass

@@ -31,11 +31,13 @@ class _PointerAttributes(ctypes.Structure):  # cudaPointerAttributes (CUDA >= 11
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("dev", ctypes.c_void_p), ("host", ctypes.c_void_p)]
 
 
-def cuda_runtime() -> ctypes.CDLL | None:
-    """The CUDA runtime library this process has loaded already, or None (never loads one)."""
+def cuda_runtime(load: bool = False) -> ctypes.CDLL | None:
+    """The CUDA runtime library (libcudart, as torch's CUDA build loads it) this process has loaded already, or
+    None; ``load``: load it where it is not loaded yet (None where it cannot be found)."""
+    mode = ctypes.DEFAULT_MODE if load else os.RTLD_NOLOAD | os.RTLD_LAZY
     for name in _CUDART:
         try:
-            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            return ctypes.CDLL(name, mode=mode)
         except OSError:
             continue
     return None

@@ -14,8 +14,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
-def env_for(memory: str) -> dict:
-    """The workers' environment: ``memory`` "device" registers their tensors as emulated device memory."""
+def shimmed_env(site_dir: Path, memory: str) -> dict:
+    """The workers' environment, after ``kvplugins mooncake enable`` into ``site_dir`` (the workers add it as a
+    site dir, so their ``mooncake.engine`` is ours): ``memory`` "device" registers their tensors as emulated
+    device memory."""
+    from kvplugins.mooncake import shim as mooncake_shim
+
+    mooncake_shim.SHIM.enable(site_dir, force=True)
     return {**os.environ, "KVPLUGINS_TRANSFER_DEVICE_EMULATION": "1" if memory == "device" else "0"}
 
 

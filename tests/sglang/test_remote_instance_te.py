@@ -12,19 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.te_workers import env_for, run, served
+from helpers.te_workers import run, served, shimmed_env
 
 pytest.importorskip("sglang.srt.model_loader", reason="sglang not installed: bash ci/install-sglang.sh")
-
-from kvplugins.mooncake import shim as mooncake_shim  # noqa: E402
 
 WORKER = Path(__file__).with_name("remote_instance_worker.py")
 
 
 @pytest.mark.parametrize("memory", ["host", "device"])
 def test_a_new_instance_reads_its_weights_from_a_seed_through_sglangs_loader_on_ours(tmp_path, memory):
-    mooncake_shim.SHIM.enable(tmp_path, force=True)
-    env = env_for(memory)
+    env = shimmed_env(tmp_path, memory)
     with served(WORKER, "seed", str(tmp_path), env=env) as ((url, want), _):
         (ok, digest), err = run(WORKER, "client", str(tmp_path), url, env=env)
         assert ok is True and digest == want  # every weight, byte for byte

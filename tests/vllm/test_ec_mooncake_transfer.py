@@ -11,19 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.te_workers import ask, env_for, run, served
+from helpers.te_workers import ask, run, served, shimmed_env
 
 pytest.importorskip("vllm.distributed.ec_transfer.ec_connector.mooncake.transfer", reason="vllm not installed")
-
-from kvplugins.mooncake import shim as mooncake_shim  # noqa: E402
 
 WORKER = Path(__file__).with_name("ec_mooncake_worker.py")
 
 
 @pytest.mark.parametrize("memory", ["host", "device"])
 def test_encoder_outputs_pushed_through_vllms_ec_mooncake_transfer_on_ours(tmp_path, memory):
-    mooncake_shim.SHIM.enable(tmp_path, force=True)
-    env = env_for(memory)
+    env = shimmed_env(tmp_path, memory)
     with served(WORKER, "consumer", str(tmp_path), env=env) as ((session, addr), consumer):
         (released, digest), err = run(WORKER, "producer", str(tmp_path), session, str(addr), env=env)
         assert released == [True, True]
